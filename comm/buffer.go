@@ -1,0 +1,220 @@
+package comm
+
+import (
+	"fmt"
+	"reflect"
+	"unsafe"
+
+	"gorgonia.org/tensor"
+)
+
+// Buffer is a typed span of memory that a collective reads or writes. Host
+// memory is a *HostBuffer; a device backend supplies its own implementation,
+// so callers hand either to the same functions.
+type Buffer interface {
+	// DType is the element type.
+	DType() DType
+	// Len is the length in elements.
+	Len() int
+	// Slice returns elements [lo, hi) as a Buffer over the same memory.
+	// It panics if the bounds are out of range, like a Go slice expression.
+	Slice(lo, hi int) Buffer
+	// Device names where the memory lives: "host", or "cuda:N".
+	Device() string
+}
+
+// Element is the set of Go element types that map onto a DType.
+type Element interface {
+	~float32 | ~float64 | ~int32 | ~int64 | ~uint8 | BFloat16Bits | Float16Bits
+}
+
+// HostBuffer is a Buffer in ordinary Go memory.
+type HostBuffer struct {
+	dtype DType
+	bytes []byte
+}
+
+// Host wraps a Go slice as a HostBuffer without copying. The slice must not be
+// resized while a collective uses it.
+func Host[T Element](s []T) *HostBuffer {
+	var zero T
+	dt := dtypeOf(any(zero))
+	if len(s) == 0 {
+		return &HostBuffer{dtype: dt, bytes: []byte{}}
+	}
+	n := len(s) * int(unsafe.Sizeof(zero))
+	return &HostBuffer{dtype: dt, bytes: unsafe.Slice((*byte)(unsafe.Pointer(&s[0])), n)}
+}
+
+func dtypeOf(v any) DType {
+	switch v.(type) {
+	case BFloat16Bits:
+		return BFloat16
+	case Float16Bits:
+		return Float16
+	}
+	switch reflect.TypeOf(v).Kind() {
+	case reflect.Float32:
+		return Float32
+	case reflect.Float64:
+		return Float64
+	case reflect.Int32:
+		return Int32
+	case reflect.Int64:
+		return Int64
+	}
+	return Uint8
+}
+
+// NewHostBuffer allocates a zeroed HostBuffer of n elements of type dt.
+func NewHostBuffer(dt DType, n int) (*HostBuffer, error) {
+	if !dt.Valid() {
+		return nil, fmt.Errorf("comm: invalid dtype %v", dt)
+	}
+	if n < 0 {
+		return nil, fmt.Errorf("comm: negative buffer length %d", n)
+	}
+	return HostBytes(dt, alignedBytes(n*dt.Size()))
+}
+
+// alignedBytes allocates n bytes aligned for any element type.
+func alignedBytes(n int) []byte {
+	if n == 0 {
+		return []byte{}
+	}
+	words := make([]uint64, (n+7)/8)
+	return unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), n)
+}
+
+// HostBytes wraps raw bytes as a HostBuffer of type dt. The length must be a
+// multiple of the element size and the memory aligned to it.
+func HostBytes(dt DType, b []byte) (*HostBuffer, error) {
+	if !dt.Valid() {
+		return nil, fmt.Errorf("comm: invalid dtype %v", dt)
+	}
+	if len(b)%dt.Size() != 0 {
+		return nil, fmt.Errorf("comm: %d bytes is not a whole number of %v elements", len(b), dt)
+	}
+	if len(b) > 0 && uintptr(unsafe.Pointer(&b[0]))%uintptr(dt.Size()) != 0 {
+		return nil, fmt.Errorf("comm: memory is not aligned for %v", dt)
+	}
+	return &HostBuffer{dtype: dt, bytes: b}, nil
+}
+
+// FromDense wraps the backing array of a gorgonia tensor without copying.
+func FromDense(t *tensor.Dense) (*HostBuffer, error) {
+	if t == nil {
+		return nil, fmt.Errorf("comm: nil tensor")
+	}
+	switch data := t.Data().(type) {
+	case []float32:
+		return Host(data), nil
+	case []float64:
+		return Host(data), nil
+	case []int32:
+		return Host(data), nil
+	case []int64:
+		return Host(data), nil
+	case []uint8:
+		return Host(data), nil
+	case float32, float64, int32, int64, uint8:
+		return nil, fmt.Errorf("comm: tensor is a scalar; reshape it to a vector")
+	}
+	return nil, fmt.Errorf("comm: tensor dtype %v has no comm dtype", t.Dtype())
+}
+
+// DType implements Buffer.
+func (b *HostBuffer) DType() DType { return b.dtype }
+
+// Len implements Buffer.
+func (b *HostBuffer) Len() int { return len(b.bytes) / b.dtype.Size() }
+
+// Device implements Buffer; it is always "host".
+func (b *HostBuffer) Device() string { return "host" }
+
+// Slice implements Buffer.
+func (b *HostBuffer) Slice(lo, hi int) Buffer { return b.SliceHost(lo, hi) }
+
+// SliceHost is Slice with a concrete result type.
+func (b *HostBuffer) SliceHost(lo, hi int) *HostBuffer {
+	s := b.dtype.Size()
+	return &HostBuffer{dtype: b.dtype, bytes: b.bytes[lo*s : hi*s : hi*s]}
+}
+
+// Bytes returns the raw memory. Backends read and write through it.
+func (b *HostBuffer) Bytes() []byte { return b.bytes }
+
+// Float32s views the buffer as []float32; it panics if the dtype differs.
+func (b *HostBuffer) Float32s() []float32 { return view[float32](b, Float32) }
+
+// Float64s views the buffer as []float64; it panics if the dtype differs.
+func (b *HostBuffer) Float64s() []float64 { return view[float64](b, Float64) }
+
+// Int32s views the buffer as []int32; it panics if the dtype differs.
+func (b *HostBuffer) Int32s() []int32 { return view[int32](b, Int32) }
+
+// Int64s views the buffer as []int64; it panics if the dtype differs.
+func (b *HostBuffer) Int64s() []int64 { return view[int64](b, Int64) }
+
+// Uint8s views the buffer as []uint8; it panics if the dtype differs.
+func (b *HostBuffer) Uint8s() []uint8 { return view[uint8](b, Uint8) }
+
+// BFloat16s views the buffer as bfloat16 bit patterns.
+func (b *HostBuffer) BFloat16s() []BFloat16Bits { return view[BFloat16Bits](b, BFloat16) }
+
+// Float16s views the buffer as binary16 bit patterns.
+func (b *HostBuffer) Float16s() []Float16Bits { return view[Float16Bits](b, Float16) }
+
+func view[T any](b *HostBuffer, want DType) []T {
+	if b.dtype != want {
+		panic(fmt.Sprintf("comm: %v buffer viewed as %v", b.dtype, want))
+	}
+	if len(b.bytes) == 0 {
+		return []T{}
+	}
+	return unsafe.Slice((*T)(unsafe.Pointer(&b.bytes[0])), b.Len())
+}
+
+// Overlap describes how two host buffers share memory.
+type Overlap int
+
+// The ways two buffers can share memory.
+const (
+	Disjoint Overlap = iota // no common byte
+	Same                    // identical start and length
+	Partial                 // anything else
+)
+
+// HostOverlap reports how a and b share memory; empty buffers never overlap.
+func HostOverlap(a, b *HostBuffer) Overlap {
+	if len(a.bytes) == 0 || len(b.bytes) == 0 {
+		return Disjoint
+	}
+	a0 := uintptr(unsafe.Pointer(&a.bytes[0]))
+	b0 := uintptr(unsafe.Pointer(&b.bytes[0]))
+	a1, b1 := a0+uintptr(len(a.bytes)), b0+uintptr(len(b.bytes))
+	switch {
+	case a1 <= b0 || b1 <= a0:
+		return Disjoint
+	case a0 == b0 && a1 == b1:
+		return Same
+	}
+	return Partial
+}
+
+// ByteOffset returns the offset in bytes of inner's start within outer, and
+// whether inner lies wholly inside outer.
+func ByteOffset(outer, inner *HostBuffer) (int, bool) {
+	if len(inner.bytes) == 0 {
+		return 0, false
+	}
+	if len(outer.bytes) == 0 {
+		return 0, false
+	}
+	o0 := uintptr(unsafe.Pointer(&outer.bytes[0]))
+	i0 := uintptr(unsafe.Pointer(&inner.bytes[0]))
+	if i0 < o0 || i0+uintptr(len(inner.bytes)) > o0+uintptr(len(outer.bytes)) {
+		return 0, false
+	}
+	return int(i0 - o0), true
+}

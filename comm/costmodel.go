@@ -1,0 +1,126 @@
+package comm
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// CostModel is an α-β(-γ) model of moving and reducing data between ranks,
+// measured on the machine it runs on. Backends use it to choose algorithms;
+// planners use Estimate to price a collective.
+type CostModel struct {
+	// Alpha is the latency of one synchronisation between two ranks, in
+	// seconds.
+	Alpha float64 `json:"alpha_s"`
+	// Beta is the time to copy one byte on one rank, in seconds per byte.
+	Beta float64 `json:"beta_s_per_byte"`
+	// Gamma is the time to fold one byte of a source into a reduction, in
+	// seconds per byte (float32 sum; other types scale from it).
+	Gamma float64 `json:"gamma_s_per_byte"`
+	// Bandwidth is the machine's aggregate memory-copy bandwidth with every
+	// core busy, in bytes per second: the ceiling of all ranks together.
+	Bandwidth float64 `json:"bandwidth_Bps"`
+	// Cores is the number of ranks that can run at once (GOMAXPROCS when
+	// measured).
+	Cores int `json:"cores"`
+	// Machine identifies where it was measured; a cached model for another
+	// machine is ignored.
+	Machine string `json:"machine"`
+	// Measured is when it was measured.
+	Measured time.Time `json:"measured"`
+}
+
+// Valid reports whether every parameter is positive and finite.
+func (m *CostModel) Valid() bool {
+	ok := func(x float64) bool { return x > 0 && !math.IsInf(x, 0) && !math.IsNaN(x) }
+	return m != nil && ok(m.Alpha) && ok(m.Beta) && ok(m.Gamma) && ok(m.Bandwidth) && m.Cores > 0
+}
+
+// Estimate prices op over p ranks for a per-rank payload of bytes (the
+// "size" of nccl-tests), with the best classic algorithm: ring for large
+// payloads, recursive doubling or a tree for small ones.
+func (m *CostModel) Estimate(op Op, p int, bytes int64) time.Duration {
+	if p <= 1 || bytes < 0 {
+		return 0
+	}
+	n := float64(bytes)
+	fp := float64(p)
+	lg := math.Ceil(math.Log2(fp))
+	var t float64
+	switch op {
+	case OpAllReduce:
+		ring := 2*(fp-1)*m.Alpha + 2*(fp-1)/fp*n*m.Beta + (fp-1)/fp*n*m.Gamma
+		rd := lg*m.Alpha + lg*n*(m.Beta+m.Gamma)
+		t = math.Min(ring, rd)
+	case OpReduceScatter:
+		t = (fp-1)*m.Alpha + (fp-1)/fp*n*(m.Beta+m.Gamma)
+	case OpAllGather, OpAllToAll, OpAllToAllV:
+		t = (fp-1)*m.Alpha + (fp-1)/fp*n*m.Beta
+	case OpBroadcast, OpScatter, OpGather:
+		t = lg*m.Alpha + n*m.Beta
+	case OpReduce:
+		t = lg*m.Alpha + n*(m.Beta+m.Gamma)
+	case OpSend, OpRecv:
+		t = m.Alpha + n*m.Beta
+	case OpBarrier, OpSplit:
+		t = 2 * lg * m.Alpha
+	}
+	return time.Duration(t * 1e9)
+}
+
+// CostModelFile is where LoadCostModel and SaveCostModel keep the model:
+// $LOOM_COSTMODEL if set, else loom/costmodel.json in the user cache folder.
+func CostModelFile() (string, error) {
+	if p := os.Getenv("LOOM_COSTMODEL"); p != "" {
+		return p, nil
+	}
+	dir, err := os.UserCacheDir()
+	if err != nil {
+		return "", fmt.Errorf("comm: no cache folder for the cost model: %w", err)
+	}
+	return filepath.Join(dir, "loom", "costmodel.json"), nil
+}
+
+// LoadCostModel reads a cached model measured on machine; it returns an
+// error if there is none, it is unreadable, or it belongs to another machine.
+func LoadCostModel(machine string) (*CostModel, error) {
+	path, err := CostModelFile()
+	if err != nil {
+		return nil, err
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var m CostModel
+	if err := json.Unmarshal(data, &m); err != nil {
+		return nil, fmt.Errorf("comm: cost model %s: %w", path, err)
+	}
+	if m.Machine != machine || !m.Valid() {
+		return nil, fmt.Errorf("comm: cost model %s was measured on %q, not %q", path, m.Machine, machine)
+	}
+	return &m, nil
+}
+
+// SaveCostModel writes m to CostModelFile atomically.
+func SaveCostModel(m *CostModel) error {
+	path, err := CostModelFile()
+	if err != nil {
+		return err
+	}
+	data, err := json.MarshalIndent(m, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return fmt.Errorf("comm: saving cost model: %w", err)
+	}
+	if err := writeAtomic(path, data); err != nil {
+		return fmt.Errorf("comm: saving cost model: %w", err)
+	}
+	return nil
+}

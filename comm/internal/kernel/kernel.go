@@ -1,0 +1,209 @@
+// Package kernel holds the element-wise loops that backends run on host
+// memory: reductions of several sources into one destination, for every
+// comm.DType and comm.ReduceOp, and the final division of Avg.
+package kernel
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/b7ea7098/loom/comm"
+)
+
+// block is the number of elements processed per pass, so that a partial
+// result stays in L1 while every source is folded into it.
+const block = 2048
+
+type number interface {
+	~float32 | ~float64 | ~int32 | ~int64 | ~uint8
+}
+
+// Reduce sets dst[i] = srcs[0][i] op srcs[1][i] op ... for every element, in
+// source order. Avg reduces as Sum; the caller divides once at the end with
+// Scale. 16-bit floats are widened to float32, reduced, and rounded once.
+// dst may alias srcs[0] exactly. Every slice holds len(dst) bytes.
+func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
+	if len(srcs) == 0 {
+		return fmt.Errorf("kernel: reduce with no sources")
+	}
+	for _, s := range srcs {
+		if len(s) != len(dst) {
+			return fmt.Errorf("kernel: reduce source has %d bytes, destination %d", len(s), len(dst))
+		}
+	}
+	if len(dst) == 0 {
+		return nil
+	}
+	if len(srcs) == 1 {
+		if !sameStart(dst, srcs[0]) {
+			copy(dst, srcs[0])
+		}
+		return nil
+	}
+	switch dt {
+	case comm.Float32:
+		reduceNum(op, as[float32](dst), casts[float32](srcs))
+	case comm.Float64:
+		reduceNum(op, as[float64](dst), casts[float64](srcs))
+	case comm.Int32:
+		reduceNum(op, as[int32](dst), casts[int32](srcs))
+	case comm.Int64:
+		reduceNum(op, as[int64](dst), casts[int64](srcs))
+	case comm.Uint8:
+		reduceNum(op, dst, srcs)
+	case comm.BFloat16:
+		reduceHalf(op, as[uint16](dst), casts[uint16](srcs), bf16ToF32, f32ToBF16)
+	case comm.Float16:
+		reduceHalf(op, as[uint16](dst), casts[uint16](srcs), f16ToF32, f32ToF16)
+	default:
+		return fmt.Errorf("kernel: unsupported dtype %v", dt)
+	}
+	return nil
+}
+
+// Scale divides every element by n: the last step of Avg.
+func Scale(dt comm.DType, buf []byte, n int) {
+	if len(buf) == 0 || n == 1 {
+		return
+	}
+	switch dt {
+	case comm.Float32:
+		x := as[float32](buf)
+		for i := range x {
+			x[i] /= float32(n)
+		}
+	case comm.Float64:
+		x := as[float64](buf)
+		for i := range x {
+			x[i] /= float64(n)
+		}
+	case comm.Int32:
+		x := as[int32](buf)
+		for i := range x {
+			x[i] /= int32(n)
+		}
+	case comm.Int64:
+		x := as[int64](buf)
+		for i := range x {
+			x[i] /= int64(n)
+		}
+	case comm.Uint8:
+		for i := range buf {
+			buf[i] /= uint8(n)
+		}
+	case comm.BFloat16:
+		x := as[uint16](buf)
+		for i := range x {
+			x[i] = f32ToBF16(bf16ToF32(x[i]) / float32(n))
+		}
+	case comm.Float16:
+		x := as[uint16](buf)
+		for i := range x {
+			x[i] = f32ToF16(f16ToF32(x[i]) / float32(n))
+		}
+	}
+}
+
+func sameStart(a, b []byte) bool {
+	return len(a) > 0 && len(b) > 0 && unsafe.SliceData(a) == unsafe.SliceData(b)
+}
+
+func as[T any](b []byte) []T {
+	var z T
+	return unsafe.Slice((*T)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/int(unsafe.Sizeof(z)))
+}
+
+func casts[T any](bs [][]byte) [][]T {
+	out := make([][]T, len(bs))
+	for i, b := range bs {
+		out[i] = as[T](b)
+	}
+	return out
+}
+
+func reduceNum[T number](op comm.ReduceOp, dst []T, srcs [][]T) {
+	for lo := 0; lo < len(dst); lo += block {
+		hi := min(lo+block, len(dst))
+		d := dst[lo:hi]
+		combine(op, d, srcs[0][lo:hi], srcs[1][lo:hi])
+		for _, s := range srcs[2:] {
+			combine(op, d, d, s[lo:hi])
+		}
+	}
+}
+
+// combine sets d = a op b element-wise.
+func combine[T number](op comm.ReduceOp, d, a, b []T) {
+	n := len(d)
+	a, b = a[:n], b[:n]
+	switch op {
+	case comm.Sum, comm.Avg:
+		i := 0
+		for ; i+4 <= n; i += 4 {
+			d0, a0, b0 := d[i:i+4:i+4], a[i:i+4:i+4], b[i:i+4:i+4]
+			d0[0], d0[1], d0[2], d0[3] = a0[0]+b0[0], a0[1]+b0[1], a0[2]+b0[2], a0[3]+b0[3]
+		}
+		for ; i < n; i++ {
+			d[i] = a[i] + b[i]
+		}
+	case comm.Prod:
+		for i := range d {
+			d[i] = a[i] * b[i]
+		}
+	case comm.Min:
+		for i := range d {
+			d[i] = minNaN(a[i], b[i])
+		}
+	case comm.Max:
+		for i := range d {
+			d[i] = maxNaN(a[i], b[i])
+		}
+	}
+}
+
+// minNaN and maxNaN propagate NaN, as NCCL and PyTorch do.
+func minNaN[T number](x, y T) T {
+	if x != x {
+		return x
+	}
+	if y != y || y < x {
+		return y
+	}
+	return x
+}
+
+func maxNaN[T number](x, y T) T {
+	if x != x {
+		return x
+	}
+	if y != y || y > x {
+		return y
+	}
+	return x
+}
+
+func reduceHalf(op comm.ReduceOp, dst []uint16, srcs [][]uint16, widen func(uint16) float32, narrow func(float32) uint16) {
+	var acc, tmp [block]float32
+	for lo := 0; lo < len(dst); lo += block {
+		hi := min(lo+block, len(dst))
+		a, t := acc[:hi-lo], tmp[:hi-lo]
+		for i, v := range srcs[0][lo:hi] {
+			a[i] = widen(v)
+		}
+		for _, s := range srcs[1:] {
+			for i, v := range s[lo:hi] {
+				t[i] = widen(v)
+			}
+			combine(op, a, a, t)
+		}
+		d := dst[lo:hi]
+		for i, v := range a {
+			d[i] = narrow(v)
+		}
+	}
+}
+
+func bf16ToF32(h uint16) float32 { return comm.BFloat16Bits(h).Float32() }
+func f32ToBF16(f float32) uint16 { return uint16(comm.ToBFloat16(f)) }
+func f16ToF32(h uint16) float32  { return comm.Float16Bits(h).Float32() }
+func f32ToF16(f float32) uint16  { return uint16(comm.ToFloat16(f)) }
