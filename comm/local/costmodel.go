@@ -1,0 +1,242 @@
+package local
+
+import (
+	"bufio"
+	"fmt"
+	"math"
+	"os"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/internal/kernel"
+)
+
+// MachineModel returns this machine's cost model: the cached one if it was
+// measured here (comm.LoadCostModel), else a fresh measurement, which is
+// then cached. It is computed once per process; it describes the hardware,
+// not program state.
+func MachineModel() *comm.CostModel { return machineModel() }
+
+var machineModel = sync.OnceValue(func() *comm.CostModel {
+	id := machineID()
+	if m, err := comm.LoadCostModel(id); err == nil {
+		return m
+	}
+	m := Calibrate()
+	m.Machine = id
+	_ = comm.SaveCostModel(m) // a read-only cache only costs a re-measurement
+	return m
+})
+
+// machineID names the hardware a model was measured on.
+func machineID() string {
+	cpu := "unknown-cpu"
+	if f, err := os.Open("/proc/cpuinfo"); err == nil {
+		s := bufio.NewScanner(f)
+		for s.Scan() {
+			if k, v, ok := strings.Cut(s.Text(), ":"); ok && strings.TrimSpace(k) == "model name" {
+				cpu = strings.TrimSpace(v)
+				break
+			}
+		}
+		f.Close()
+	}
+	return fmt.Sprintf("%s/%s/%s/procs=%d", runtime.GOOS, runtime.GOARCH, cpu, runtime.GOMAXPROCS(0))
+}
+
+// Calibrate measures α (a handoff between two spinning goroutines), β (one
+// core's copy time per byte), γ (one core's float32 reduction time per
+// source byte) and the aggregate copy bandwidth of all cores. It takes
+// about half a second.
+func Calibrate() *comm.CostModel {
+	cores := runtime.GOMAXPROCS(0)
+	m := &comm.CostModel{Cores: cores, Measured: time.Now().UTC()}
+	m.Alpha = median(5, measureHandoff)
+	const size = 32 << 20
+	a, b := make([]byte, size), make([]byte, size)
+	copy(a, b) // fault the pages in
+	m.Beta = median(5, func() float64 {
+		t := time.Now()
+		copy(a, b)
+		return time.Since(t).Seconds() / size
+	})
+	f := make([]byte, size)
+	m.Gamma = median(5, func() float64 {
+		t := time.Now()
+		_ = kernel.Reduce(comm.Float32, comm.Sum, f, a, b)
+		return time.Since(t).Seconds() / (2 * size)
+	})
+	m.Bandwidth = median(5, func() float64 {
+		var wg sync.WaitGroup
+		part := size / cores
+		t := time.Now()
+		for i := 0; i < cores; i++ {
+			wg.Add(1)
+			go func(i int) {
+				defer wg.Done()
+				copy(a[i*part:(i+1)*part], b[i*part:(i+1)*part])
+			}(i)
+		}
+		wg.Wait()
+		return float64(part*cores) / time.Since(t).Seconds()
+	})
+	return m
+}
+
+func median(k int, f func() float64) float64 {
+	xs := make([]float64, k)
+	for i := range xs {
+		xs[i] = f()
+	}
+	slices.Sort(xs)
+	return xs[k/2]
+}
+
+// measureHandoff is half the round trip of a flag bounced between two
+// goroutines, in seconds; with one core it includes the scheduler.
+func measureHandoff() float64 {
+	const rounds = 2000
+	var flag atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		for i := int64(1); i <= rounds; i++ {
+			for flag.Load() != 2*i-1 {
+				runtime.Gosched()
+			}
+			flag.Store(2 * i)
+		}
+		close(done)
+	}()
+	t := time.Now()
+	for i := int64(1); i <= rounds; i++ {
+		flag.Store(2*i - 1)
+		for flag.Load() != 2*i {
+			runtime.Gosched()
+		}
+	}
+	el := time.Since(t)
+	<-done
+	return el.Seconds() / (2 * rounds)
+}
+
+// choiceKey caches the automatic choice of one call shape.
+type choiceKey struct {
+	op      comm.Op
+	n       int
+	root    int
+	dtype   comm.DType
+	avg     bool
+	inPlace string
+}
+
+// choose picks the algorithm with the lowest simulated cost. Every member
+// computes the same answer: the inputs and the model are shared.
+func (g *group) choose(pl plan, inPlace []byte, dt comm.DType) comm.Algorithm {
+	key := choiceKey{op: pl.op, n: pl.n, root: pl.root, dtype: dt, avg: pl.avg, inPlace: string(inPlace)}
+	g.schedMu.Lock()
+	a, ok := g.choices[key]
+	g.schedMu.Unlock()
+	if ok {
+		return a
+	}
+	best, bestCost := comm.Direct, math.Inf(1)
+	for _, cand := range Algorithms(pl.op) {
+		pl.algo = cand
+		s, err := g.compiled(pl, inPlace)
+		if err != nil {
+			continue
+		}
+		if c := s.cost(g.w.model, dt); c < bestCost {
+			best, bestCost = cand, c
+		}
+	}
+	g.schedMu.Lock()
+	if len(g.choices) >= maxCachedSchedules {
+		clear(g.choices)
+	}
+	g.choices[key] = best
+	g.schedMu.Unlock()
+	return best
+}
+
+// gammaScale is the reduction cost of a dtype relative to float32 per byte:
+// 16-bit floats are widened and narrowed around every operation.
+func gammaScale(dt comm.DType) float64 {
+	switch dt {
+	case comm.BFloat16, comm.Float16:
+		return 4
+	case comm.Uint8:
+		return 2
+	}
+	return 1
+}
+
+// cost simulates the schedule under model m and returns its time in
+// seconds: the longest chain of steps and handoffs, but no less than the
+// total work spread over the cores or the total memory traffic at the
+// machine's aggregate bandwidth.
+func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
+	p := len(s.steps)
+	es := float64(dt.Size())
+	gamma := m.Gamma * gammaScale(dt)
+	end := make([][]float64, p)
+	next := make([]int, p)
+	clock := make([]float64, p)
+	for r := range clock {
+		clock[r] = m.Alpha // arrival
+	}
+	var work, traffic float64
+	for progress := true; progress; {
+		progress = false
+		for r := 0; r < p; r++ {
+			for next[r] < len(s.steps[r]) {
+				st := &s.steps[r][next[r]]
+				start := clock[r]
+				ready := true
+				for _, d := range st.deps {
+					if d.mark == 0 {
+						continue
+					}
+					if next[d.rank] < d.mark {
+						ready = false
+						break
+					}
+					start = math.Max(start, end[d.rank][d.mark-1]+m.Alpha)
+				}
+				if !ready {
+					break
+				}
+				bytes := float64(st.dst.n) * es
+				var dur float64
+				switch st.kind {
+				case stepCopy:
+					dur = bytes * m.Beta
+					traffic += bytes
+				case stepReduce:
+					dur = float64(len(st.srcs)) * bytes * gamma
+					traffic += float64(len(st.srcs)+1) / 2 * bytes
+				case stepScale:
+					dur = bytes * gamma
+					traffic += bytes
+				}
+				work += dur
+				clock[r] = start + dur
+				end[r] = append(end[r], clock[r])
+				next[r]++
+				progress = true
+			}
+		}
+	}
+	span := 0.0
+	for _, c := range clock {
+		span = math.Max(span, c)
+	}
+	span += m.Alpha // departure
+	cores := float64(min(p, m.Cores))
+	return math.Max(span, math.Max(work/cores, traffic/m.Bandwidth))
+}

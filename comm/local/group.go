@@ -1,0 +1,219 @@
+package local
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/b7ea7098/loom/comm"
+)
+
+// Progress marks. A rank's progress word is seq<<markBits | mark: mark 0
+// means "arrived at collective seq, descriptor posted", mark k means "steps
+// before k are done", and departMark means "finished reading every peer".
+// The word only grows, so "peer reached (seq, k)" is one comparison.
+const (
+	markBits   = 20
+	departMark = 1<<markBits - 1
+	maxSteps   = departMark - 1
+)
+
+func progressWord(seq uint64, mark int) uint64 { return seq<<markBits | uint64(mark) }
+
+// world is the failure domain of one Run or NewWorld: every communicator
+// split from it fails when it is aborted.
+type world struct {
+	opts  comm.Options
+	model *comm.CostModel
+	cores int
+
+	failure atomic.Pointer[comm.AbortError]
+	failed  chan struct{}
+	once    sync.Once
+}
+
+func (w *world) abort(e *comm.AbortError) {
+	w.once.Do(func() {
+		w.failure.Store(e)
+		close(w.failed)
+	})
+}
+
+// group is the state that the members of one communicator share.
+type group struct {
+	w     *world
+	name  string
+	size  int
+	slots []slot
+
+	failure atomic.Pointer[comm.AbortError]
+	failed  chan struct{}
+	once    sync.Once
+
+	schedMu   sync.Mutex
+	schedules map[schedKey]*schedule
+	choices   map[choiceKey]comm.Algorithm
+
+	splitMu sync.Mutex
+	splits  map[splitKey]*splitResult
+
+	p2p []pairQueue // size*size, indexed src*size+dst
+}
+
+// slot is one member's published state, padded so that members spinning on
+// different slots do not share cache lines.
+type slot struct {
+	progress atomic.Uint64
+	parked   atomic.Bool
+	wake     chan struct{}
+	desc     descriptor
+	_        [64]byte
+}
+
+func newGroup(w *world, name string, size int) *group {
+	g := &group{
+		w: w, name: name, size: size,
+		slots:     make([]slot, size),
+		failed:    make(chan struct{}),
+		schedules: map[schedKey]*schedule{},
+		choices:   map[choiceKey]comm.Algorithm{},
+		splits:    map[splitKey]*splitResult{},
+		p2p:       make([]pairQueue, size*size),
+	}
+	for i := range g.slots {
+		g.slots[i].wake = make(chan struct{}, 1)
+	}
+	return g
+}
+
+func (g *group) abort(e *comm.AbortError) {
+	g.once.Do(func() {
+		g.failure.Store(e)
+		close(g.failed)
+	})
+}
+
+// err returns the abort that ends this group, its own or its world's.
+func (g *group) err() *comm.AbortError {
+	if e := g.failure.Load(); e != nil {
+		return e
+	}
+	return g.w.failure.Load()
+}
+
+// publish sets member r's progress and wakes parked members. Parking is
+// Dekker-style: a waiter sets parked then re-reads progress, a publisher
+// stores progress then reads parked, so one of them always sees the other.
+func (g *group) publish(r int, word uint64) {
+	g.slots[r].progress.Store(word)
+	for i := range g.slots {
+		if i != r && g.slots[i].parked.Load() {
+			select {
+			case g.slots[i].wake <- struct{}{}:
+			default:
+			}
+		}
+	}
+}
+
+// waiter carries the context, deadline and identity of one blocking call.
+type waiter struct {
+	g        *group
+	rank     int
+	ctx      context.Context
+	deadline time.Time
+	spin     int // iterations of busy polling before yielding
+}
+
+// errWait describes why a wait ended early; the caller wraps it.
+type errWait struct {
+	peer  int
+	cause error
+}
+
+func (e *errWait) Error() string { return e.cause.Error() }
+func (e *errWait) Unwrap() error { return e.cause }
+
+// until blocks until member peer's progress reaches word, the group fails,
+// the context ends or the deadline passes.
+func (wt *waiter) until(peer int, word uint64) error {
+	s := &wt.g.slots[peer]
+	if s.progress.Load() >= word {
+		return nil
+	}
+	// Busy-poll first: with no more ranks than cores the peer is running
+	// and a handoff costs well under a microsecond.
+	for i := 0; i < wt.spin; i++ {
+		if s.progress.Load() >= word {
+			return nil
+		}
+		if i&1023 == 1023 {
+			if err := wt.check(peer); err != nil {
+				return err
+			}
+		}
+	}
+	for i := 0; i < 8; i++ {
+		runtime.Gosched()
+		if s.progress.Load() >= word {
+			return nil
+		}
+	}
+	return wt.park(peer, func() bool { return s.progress.Load() >= word })
+}
+
+// park sleeps on this member's wake channel until ready() holds.
+func (wt *waiter) park(peer int, ready func() bool) error {
+	me := &wt.g.slots[wt.rank]
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for {
+		me.parked.Store(true)
+		if ready() {
+			me.parked.Store(false)
+			return nil
+		}
+		if err := wt.check(peer); err != nil {
+			me.parked.Store(false)
+			return err
+		}
+		if timer == nil {
+			timer = time.NewTimer(time.Until(wt.deadline))
+		}
+		select {
+		case <-me.wake:
+		case <-wt.g.failed:
+		case <-wt.g.w.failed:
+		case <-wt.ctx.Done():
+		case <-timer.C:
+		}
+		me.parked.Store(false)
+		if ready() {
+			return nil
+		}
+	}
+}
+
+// check returns the reason to stop waiting, if there is one.
+func (wt *waiter) check(peer int) error {
+	if e := wt.g.err(); e != nil {
+		return &errWait{peer: -1, cause: e}
+	}
+	if err := wt.ctx.Err(); err != nil {
+		return &errWait{peer: peer, cause: fmt.Errorf("%w (context: %w)", errCancelled, err)}
+	}
+	if !time.Now().Before(wt.deadline) {
+		return &errWait{peer: peer, cause: fmt.Errorf("%w waiting for rank %d", comm.ErrTimeout, peer)}
+	}
+	return nil
+}
+
+var errCancelled = errors.New("cancelled")

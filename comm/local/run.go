@@ -1,0 +1,131 @@
+// Package local is loom's in-process backend: p ranks are goroutines of one
+// process and data moves through shared memory, each element copied once,
+// straight from the buffer where a peer holds it. It is the default backend
+// of every example and test, and the reference the other backends are
+// checked against.
+//
+// Collectives are compiled into per-rank schedules (see schedule.go) by
+// the classic algorithms: ring, recursive doubling, Rabenseifner's halving
+// and doubling, binary and double binary trees, a two-level hierarchical
+// form, and direct reads. The algorithm is chosen per call from a cost
+// model measured on the machine, or forced per call or with LOOM_ALGO.
+package local
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"runtime/debug"
+	"sync"
+
+	"github.com/b7ea7098/loom/comm"
+)
+
+// Option configures NewWorld and Run.
+type Option func(*config)
+
+type config struct {
+	opts    comm.Options
+	optsSet bool
+}
+
+// WithOptions sets the communicator options. Without it, comm.OptionsFromEnv
+// supplies them.
+func WithOptions(o comm.Options) Option {
+	return func(c *config) { c.opts, c.optsSet = o, true }
+}
+
+// World is p in-process ranks sharing one failure domain.
+type World struct {
+	w     *world
+	comms []*Comm
+}
+
+// NewWorld creates the world communicator of p ranks. Each rank's handle is
+// Comm(rank); drive each from its own goroutine.
+func NewWorld(p int, opts ...Option) (*World, error) {
+	if p < 1 {
+		return nil, fmt.Errorf("local: world size %d, want at least 1", p)
+	}
+	var cfg config
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if !cfg.optsSet {
+		o, err := comm.OptionsFromEnv()
+		if err != nil {
+			return nil, fmt.Errorf("local: %w", err)
+		}
+		cfg.opts = o
+	}
+	o := cfg.opts.WithDefaults()
+	model := o.CostModel
+	if model == nil {
+		model = MachineModel()
+	}
+	if !model.Valid() {
+		return nil, fmt.Errorf("local: invalid cost model %+v", *model)
+	}
+	w := &world{opts: o, model: model, cores: runtime.GOMAXPROCS(0), failed: make(chan struct{})}
+	g := newGroup(w, "world", p)
+	wd := &World{w: w, comms: make([]*Comm, p)}
+	for r := range wd.comms {
+		wd.comms[r] = newComm(g, r)
+	}
+	return wd, nil
+}
+
+// Size is the number of ranks.
+func (wd *World) Size() int { return len(wd.comms) }
+
+// Comm returns rank's handle on the world communicator.
+func (wd *World) Comm(rank int) *Comm { return wd.comms[rank] }
+
+// Abort fails every pending and later call on every communicator of the
+// world, naming rank as the one that aborted.
+func (wd *World) Abort(rank int, cause error) {
+	wd.w.abort(&comm.AbortError{Rank: rank, Cause: cause})
+}
+
+// RankFunc is the body one rank runs.
+type RankFunc func(ctx context.Context, c comm.Communicator) error
+
+// Run runs fn on p ranks, each in its own goroutine with its handle on a
+// fresh world communicator, and returns the ranks' errors joined (each
+// prefixed with its rank). When a rank returns an error or panics, the world
+// is aborted and the shared context cancelled, so every other rank's
+// pending and later calls fail at once with an error naming it.
+func Run(ctx context.Context, p int, fn RankFunc, opts ...Option) error {
+	wd, err := NewWorld(p, opts...)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errs := make([]error, p)
+	var wg sync.WaitGroup
+	for r := 0; r < p; r++ {
+		wg.Add(1)
+		go func(r int) {
+			defer wg.Done()
+			err := runRank(ctx, wd.Comm(r), fn)
+			if err != nil {
+				errs[r] = fmt.Errorf("rank %d: %w", r, err)
+				wd.Abort(r, err)
+				cancel()
+			}
+		}(r)
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func runRank(ctx context.Context, c *Comm, fn RankFunc) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("panic: %v\n%s", v, debug.Stack())
+		}
+	}()
+	return fn(ctx, c)
+}

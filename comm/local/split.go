@@ -1,0 +1,112 @@
+package local
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/b7ea7098/loom/comm"
+)
+
+type splitKey struct {
+	seq   uint64
+	color int
+}
+
+// splitResult is the group made for one color, handed to its members.
+type splitResult struct {
+	g       *group
+	members []int // parent ranks in new-rank order
+	pending int   // members yet to pick it up
+}
+
+// Split implements comm.Communicator. It is a collective on c: members post
+// (color, key), every member computes the same partition, and the first
+// member of each part to get there creates the shared group.
+func (c *Comm) Split(ctx context.Context, color, key int) (comm.Communicator, error) {
+	c.mu.Lock()
+	busy := c.busy
+	c.mu.Unlock()
+	if busy {
+		return nil, c.errorf(comm.OpSplit, c.seq+1, -1, "%w: Split while async work is pending; wait for it first", comm.ErrInvalid)
+	}
+	c.seq++
+	seq := c.seq
+	call := comm.Call{Op: comm.OpSplit}
+	id := c.rec.Begin(seq, &call, comm.Auto)
+	wt := &waiter{g: c.g, rank: c.rank, ctx: ctx, deadline: time.Now().Add(c.g.w.opts.Timeout), spin: c.spin}
+	nc, err := c.split(wt, seq, color, key)
+	if err != nil {
+		c.rec.Update(id, comm.Failed, err)
+		return nil, err
+	}
+	c.rec.Update(id, comm.Completed, nil)
+	if nc == nil {
+		return nil, nil // a nil *Comm must not become a non-nil interface
+	}
+	return nc, nil
+}
+
+func (c *Comm) split(wt *waiter, seq uint64, color, key int) (*Comm, error) {
+	if e := c.g.err(); e != nil {
+		return nil, c.wrap(comm.OpSplit, seq, -1, e)
+	}
+	d := &c.g.slots[c.rank].desc
+	*d = descriptor{fp: comm.FingerprintOf(seq, &comm.Call{Op: comm.OpSplit}), scratch: d.scratch[:0], color: color, key: key}
+	if c.g.w.opts.ConsistencyCheck {
+		d.fp.Site = callerSite()
+	}
+	c.g.publish(c.rank, progressWord(seq, 0))
+	if err := c.arrive(wt, seq, comm.OpSplit); err != nil {
+		return nil, err
+	}
+	if err := c.agree(seq, &comm.Call{Op: comm.OpSplit}); err != nil {
+		if derr := c.depart(wt, seq, comm.OpSplit); derr != nil {
+			return nil, derr
+		}
+		return nil, err
+	}
+	var nc *Comm
+	if color >= 0 {
+		nc = c.join(seq, color)
+	}
+	if err := c.depart(wt, seq, comm.OpSplit); err != nil {
+		return nil, err
+	}
+	return nc, nil
+}
+
+// join finds or creates the group for color and returns this rank's handle.
+func (c *Comm) join(seq uint64, color int) *Comm {
+	k := splitKey{seq, color}
+	c.g.splitMu.Lock()
+	defer c.g.splitMu.Unlock()
+	res, ok := c.g.splits[k]
+	if !ok {
+		var ranks []int
+		keys := make([]int, c.g.size)
+		for q := range c.g.slots {
+			keys[q] = c.g.slots[q].desc.key
+			if c.g.slots[q].desc.color == color {
+				ranks = append(ranks, q)
+			}
+		}
+		members := sortedMembers(ranks, keys)
+		res = &splitResult{
+			g:       newGroup(c.g.w, fmt.Sprintf("%s/split%d.c%d", c.g.name, seq, color), len(members)),
+			members: members,
+			pending: len(members),
+		}
+		c.g.splits[k] = res
+	}
+	res.pending--
+	if res.pending == 0 {
+		delete(c.g.splits, k)
+	}
+	for i, q := range res.members {
+		if q == c.rank {
+			return newComm(res.g, i)
+		}
+	}
+	panic("local: split member not found") // unreachable: this rank posted color
+}
