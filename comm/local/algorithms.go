@@ -64,11 +64,6 @@ func generate(pl plan) (*schedule, error) {
 			b.setAlias(r, bufRecv, bufSend, r*pl.n)
 		}
 	}
-	if pl.op == comm.OpBroadcast {
-		for r := 0; r < pl.p; r++ {
-			b.setAlias(r, bufSend, bufRecv, 0)
-		}
-	}
 	all := identity(pl.p)
 	switch pl.op {
 	case comm.OpAllReduce:
@@ -120,6 +115,8 @@ func generate(pl plan) (*schedule, error) {
 			return nil, unsupported(pl)
 		}
 	case comm.OpBroadcast:
+		// Only the root's send is read; out of place it is copied first.
+		b.copyTo(ref{pl.root, bufRecv, 0, pl.n}, ref{pl.root, bufSend, 0, pl.n})
 		order := rotate(pl.p, pl.root)
 		switch pl.algo {
 		case comm.Direct:

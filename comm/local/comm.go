@@ -40,6 +40,8 @@ type Comm struct {
 	p2pSeq  atomic.Uint64
 	scratch []byte
 	srcs    [][]byte
+	wt      waiter
+	plans   map[shapeKey]*schedule // this rank's lock-free front of the group cache
 
 	mu    sync.Mutex // guards queue and busy
 	queue []*task
@@ -51,11 +53,12 @@ var _ comm.Communicator = (*Comm)(nil)
 func newComm(g *group, rank int) *Comm {
 	spin := 0
 	if g.size <= g.w.cores {
-		spin = 1 << 15 // about 20-50 µs of polling before yielding
+		spin = 1 << 16 // tens of microseconds of polling before parking
 	}
 	return &Comm{
 		g: g, rank: rank, spin: spin,
-		rec: comm.NewRecorder(g.name, rank, g.w.opts.RecorderSize),
+		rec:   comm.NewRecorder(g.name, rank, g.w.opts.RecorderSize),
+		plans: map[shapeKey]*schedule{},
 	}
 }
 
@@ -231,7 +234,8 @@ func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64) 
 		return err
 	}
 	c.rec.Update(id, comm.Started, nil)
-	wt := &waiter{g: c.g, rank: c.rank, ctx: ctx, deadline: time.Now().Add(c.g.w.opts.Timeout), spin: c.spin}
+	wt := &c.wt
+	*wt = waiter{g: c.g, rank: c.rank, ctx: ctx, deadline: time.Now().Add(c.g.w.opts.Timeout), spin: c.spin, timer: wt.timer}
 	err := c.collective(wt, seq, call)
 	if err != nil {
 		c.rec.Update(id, comm.Failed, err)
@@ -478,6 +482,18 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call) error {
 // if the call left it to the backend.
 func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, error) {
 	p := c.g.size
+	key := shapeKey{op: call.Op, algo: call.Algorithm, n: call.Count(), root: call.Root, dtype: me.dtype, reduce: call.Reduce}
+	cacheable := p <= 64
+	if cacheable {
+		for q := 0; q < p; q++ {
+			if c.g.slots[q].desc.inPlace {
+				key.inPlace |= 1 << q
+			}
+		}
+		if s, ok := c.plans[key]; ok {
+			return s, nil
+		}
+	}
 	inPlace := make([]byte, p)
 	for q := range inPlace {
 		if c.g.slots[q].desc.inPlace {
@@ -498,7 +514,24 @@ func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, error) {
 	if pl.algo == comm.Auto {
 		pl.algo = c.g.choose(pl, inPlace, me.dtype)
 	}
-	return c.g.compiled(pl, inPlace)
+	s, err := c.g.compiled(pl, inPlace)
+	if err == nil && cacheable {
+		if len(c.plans) >= maxCachedSchedules {
+			clear(c.plans)
+		}
+		c.plans[key] = s
+	}
+	return s, err
+}
+
+// shapeKey identifies a call's shape for this rank's schedule cache.
+type shapeKey struct {
+	op      comm.Op
+	algo    comm.Algorithm
+	n, root int
+	dtype   comm.DType
+	reduce  comm.ReduceOp
+	inPlace uint64 // bit q: rank q called in place
 }
 
 // pieceBytes is the pipeline granularity of tree and chain algorithms:

@@ -126,7 +126,8 @@ type waiter struct {
 	rank     int
 	ctx      context.Context
 	deadline time.Time
-	spin     int // iterations of busy polling before yielding
+	spin     int         // iterations of busy polling before parking
+	timer    *time.Timer // reused across parks (Go 1.23 timers need no draining)
 }
 
 // errWait describes why a wait ended early; the caller wraps it.
@@ -146,21 +147,21 @@ func (wt *waiter) until(peer int, word uint64) error {
 		return nil
 	}
 	// Busy-poll first: with no more ranks than cores the peer is running
-	// and a handoff costs well under a microsecond.
+	// and a handoff costs well under a microsecond. If it does not come
+	// soon, park rather than yield: both ranks may have landed on one P
+	// (after a GC, say) while the other P sleeps, and only a channel wake-up
+	// makes the scheduler hand a goroutine to the idle P.
 	for i := 0; i < wt.spin; i++ {
 		if s.progress.Load() >= word {
 			return nil
 		}
-		if i&1023 == 1023 {
-			if err := wt.check(peer); err != nil {
-				return err
-			}
-		}
 	}
-	for i := 0; i < 8; i++ {
-		runtime.Gosched()
-		if s.progress.Load() >= word {
-			return nil
+	if wt.spin == 0 { // more ranks than cores: let the others run first
+		for i := 0; i < 4; i++ {
+			runtime.Gosched()
+			if s.progress.Load() >= word {
+				return nil
+			}
 		}
 	}
 	return wt.park(peer, func() bool { return s.progress.Load() >= word })
@@ -169,10 +170,10 @@ func (wt *waiter) until(peer int, word uint64) error {
 // park sleeps on this member's wake channel until ready() holds.
 func (wt *waiter) park(peer int, ready func() bool) error {
 	me := &wt.g.slots[wt.rank]
-	var timer *time.Timer
+	armed := false
 	defer func() {
-		if timer != nil {
-			timer.Stop()
+		if armed {
+			wt.timer.Stop()
 		}
 	}()
 	for {
@@ -185,15 +186,20 @@ func (wt *waiter) park(peer int, ready func() bool) error {
 			me.parked.Store(false)
 			return err
 		}
-		if timer == nil {
-			timer = time.NewTimer(time.Until(wt.deadline))
+		if !armed {
+			if wt.timer == nil {
+				wt.timer = time.NewTimer(time.Until(wt.deadline))
+			} else {
+				wt.timer.Reset(time.Until(wt.deadline))
+			}
+			armed = true
 		}
 		select {
 		case <-me.wake:
 		case <-wt.g.failed:
 		case <-wt.g.w.failed:
 		case <-wt.ctx.Done():
-		case <-timer.C:
+		case <-wt.timer.C:
 		}
 		me.parked.Store(false)
 		if ready() {

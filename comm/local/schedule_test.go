@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/internal/kernel"
 )
 
 // interpret runs a schedule serially in a random order that honours only
@@ -63,13 +64,15 @@ func interpret(t *testing.T, s *schedule, rng *rand.Rand, send, recv [][]float64
 		case stepCopy:
 			copy(dst, buf(st.srcs[0]))
 		case stepReduce:
-			acc := make([]float64, len(dst))
-			for _, src := range st.srcs {
-				for i, v := range buf(src) {
-					acc[i] += v
-				}
+			// The real kernel, so that a destination aliasing any source
+			// is exercised as the executor meets it.
+			srcs := make([][]byte, len(st.srcs))
+			for i, src := range st.srcs {
+				srcs[i] = comm.Host(buf(src)).Bytes()
 			}
-			copy(dst, acc)
+			if err := kernel.Reduce(comm.Float64, comm.Sum, comm.Host(dst).Bytes(), srcs...); err != nil {
+				t.Fatal(err)
+			}
 		case stepScale:
 			for i := range dst {
 				dst[i] /= float64(p)
@@ -89,7 +92,9 @@ func TestSchedulesComputeTheirCollective(t *testing.T) {
 					for _, inPlace := range []bool{false, true} {
 						for _, root := range []int{0, p - 1} {
 							name := fmt.Sprintf("%v/%v/p=%d/n=%d/inplace=%v/root=%d", op, algo, p, n, inPlace, root)
-							checkSchedule(t, name, rng, plan{op: op, algo: algo, p: p, n: n, root: root, piece: 3}, inPlace)
+							for _, allInPlace := range []bool{false, true} {
+								checkSchedule(t, name, rng, plan{op: op, algo: algo, p: p, n: n, root: root, piece: 3}, inPlace, allInPlace)
+							}
 						}
 					}
 				}
@@ -98,11 +103,11 @@ func TestSchedulesComputeTheirCollective(t *testing.T) {
 	}
 }
 
-func checkSchedule(t *testing.T, name string, rng *rand.Rand, pl plan, inPlace bool) {
+func checkSchedule(t *testing.T, name string, rng *rand.Rand, pl plan, inPlace, allInPlace bool) {
 	p, n := pl.p, pl.n
 	pl.inPlace = make([]bool, p)
 	for r := range pl.inPlace {
-		pl.inPlace[r] = inPlace && (r%2 == 0) // mix in-place and not
+		pl.inPlace[r] = inPlace && (r%2 == 0 || allInPlace) // a mix, or every rank
 	}
 	s, err := generate(pl)
 	if err != nil {
@@ -137,14 +142,6 @@ func checkSchedule(t *testing.T, name string, rng *rand.Rand, pl plan, inPlace b
 			case comm.OpReduceScatter:
 				recv[r] = send[r][r*n : (r+1)*n]
 			}
-		}
-	}
-	if pl.op == comm.OpBroadcast {
-		for r := 0; r < p; r++ {
-			if r == pl.root {
-				copy(recv[r], send[r])
-			}
-			send[r] = recv[r]
 		}
 	}
 	in := make([][]float64, p)

@@ -34,6 +34,14 @@ func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
 	if len(dst) == 0 {
 		return nil
 	}
+	// The passes below write dst before reading later sources, so a source
+	// that is dst must come first. Every op is commutative.
+	for k := 1; k < len(srcs); k++ {
+		if sameStart(dst, srcs[k]) {
+			srcs[0], srcs[k] = srcs[k], srcs[0]
+			break
+		}
+	}
 	if len(srcs) == 1 {
 		if !sameStart(dst, srcs[0]) {
 			copy(dst, srcs[0])
@@ -42,19 +50,19 @@ func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
 	}
 	switch dt {
 	case comm.Float32:
-		reduceNum(op, as[float32](dst), casts[float32](srcs))
+		reduceNum[float32](op, dst, srcs)
 	case comm.Float64:
-		reduceNum(op, as[float64](dst), casts[float64](srcs))
+		reduceNum[float64](op, dst, srcs)
 	case comm.Int32:
-		reduceNum(op, as[int32](dst), casts[int32](srcs))
+		reduceNum[int32](op, dst, srcs)
 	case comm.Int64:
-		reduceNum(op, as[int64](dst), casts[int64](srcs))
+		reduceNum[int64](op, dst, srcs)
 	case comm.Uint8:
-		reduceNum(op, dst, srcs)
+		reduceNum[uint8](op, dst, srcs)
 	case comm.BFloat16:
-		reduceHalf(op, as[uint16](dst), casts[uint16](srcs), bf16ToF32, f32ToBF16)
+		reduceHalf(op, dst, srcs, bf16ToF32, f32ToBF16)
 	case comm.Float16:
-		reduceHalf(op, as[uint16](dst), casts[uint16](srcs), f16ToF32, f32ToF16)
+		reduceHalf(op, dst, srcs, f16ToF32, f32ToF16)
 	default:
 		return fmt.Errorf("kernel: unsupported dtype %v", dt)
 	}
@@ -113,21 +121,16 @@ func as[T any](b []byte) []T {
 	return unsafe.Slice((*T)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/int(unsafe.Sizeof(z)))
 }
 
-func casts[T any](bs [][]byte) [][]T {
-	out := make([][]T, len(bs))
-	for i, b := range bs {
-		out[i] = as[T](b)
-	}
-	return out
-}
-
-func reduceNum[T number](op comm.ReduceOp, dst []T, srcs [][]T) {
+// reduceNum folds the sources block by block, so the partial result stays
+// in L1 while every source passes through it.
+func reduceNum[T number](op comm.ReduceOp, dstBytes []byte, srcs [][]byte) {
+	dst := as[T](dstBytes)
 	for lo := 0; lo < len(dst); lo += block {
 		hi := min(lo+block, len(dst))
 		d := dst[lo:hi]
-		combine(op, d, srcs[0][lo:hi], srcs[1][lo:hi])
+		combine(op, d, as[T](srcs[0])[lo:hi], as[T](srcs[1])[lo:hi])
 		for _, s := range srcs[2:] {
-			combine(op, d, d, s[lo:hi])
+			combine(op, d, d, as[T](s)[lo:hi])
 		}
 	}
 }
@@ -182,16 +185,17 @@ func maxNaN[T number](x, y T) T {
 	return x
 }
 
-func reduceHalf(op comm.ReduceOp, dst []uint16, srcs [][]uint16, widen func(uint16) float32, narrow func(float32) uint16) {
+func reduceHalf(op comm.ReduceOp, dstBytes []byte, srcs [][]byte, widen func(uint16) float32, narrow func(float32) uint16) {
+	dst := as[uint16](dstBytes)
 	var acc, tmp [block]float32
 	for lo := 0; lo < len(dst); lo += block {
 		hi := min(lo+block, len(dst))
 		a, t := acc[:hi-lo], tmp[:hi-lo]
-		for i, v := range srcs[0][lo:hi] {
+		for i, v := range as[uint16](srcs[0])[lo:hi] {
 			a[i] = widen(v)
 		}
 		for _, s := range srcs[1:] {
-			for i, v := range s[lo:hi] {
+			for i, v := range as[uint16](s)[lo:hi] {
 				t[i] = widen(v)
 			}
 			combine(op, a, a, t)
