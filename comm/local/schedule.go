@@ -190,7 +190,7 @@ func sortDeps(d []dep) {
 	}
 }
 
-func (b *builder) copyTo(dst, src ref)            { b.emit(stepCopy, dst, src) }
+func (b *builder) copyTo(dst, src ref)           { b.emit(stepCopy, dst, src) }
 func (b *builder) reduceTo(dst ref, srcs ...ref) { b.emit(stepReduce, dst, srcs...) }
 
 func (b *builder) build() (*schedule, error) {
@@ -251,7 +251,7 @@ type schedKey struct {
 	algo    comm.Algorithm
 	n       int
 	root    int
-	piece   int    // pipeline piece in elements
+	piece   int // pipeline piece in elements
 	avg     bool
 	inPlace string // one byte per rank
 }
