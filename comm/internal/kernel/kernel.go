@@ -48,11 +48,20 @@ func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
 		}
 		return nil
 	}
+	sum := op == comm.Sum || op == comm.Avg
 	switch dt {
 	case comm.Float32:
-		reduceNum[float32](op, dst, srcs)
+		if sum {
+			reduceWith(dst, srcs, addF32)
+		} else {
+			reduceNum[float32](op, dst, srcs)
+		}
 	case comm.Float64:
-		reduceNum[float64](op, dst, srcs)
+		if sum {
+			reduceWith(dst, srcs, addF64)
+		} else {
+			reduceNum[float64](op, dst, srcs)
+		}
 	case comm.Int32:
 		reduceNum[int32](op, dst, srcs)
 	case comm.Int64:
@@ -131,6 +140,19 @@ func reduceNum[T number](op comm.ReduceOp, dstBytes []byte, srcs [][]byte) {
 		combine(op, d, as[T](srcs[0])[lo:hi], as[T](srcs[1])[lo:hi])
 		for _, s := range srcs[2:] {
 			combine(op, d, d, as[T](s)[lo:hi])
+		}
+	}
+}
+
+// reduceWith is reduceNum with a specialised d = a + b.
+func reduceWith[T number](dstBytes []byte, srcs [][]byte, add func(d, a, b []T)) {
+	dst := as[T](dstBytes)
+	for lo := 0; lo < len(dst); lo += block {
+		hi := min(lo+block, len(dst))
+		d := dst[lo:hi]
+		add(d, as[T](srcs[0])[lo:hi], as[T](srcs[1])[lo:hi])
+		for _, s := range srcs[2:] {
+			add(d, d, as[T](s)[lo:hi])
 		}
 	}
 }
