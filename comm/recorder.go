@@ -132,6 +132,16 @@ func (r *Recorder) Update(id uint64, s State, err error) {
 	}
 }
 
+// SetAlgorithm records the algorithm a backend chose for entry id.
+func (r *Recorder) SetAlgorithm(id uint64, a Algorithm) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if id+uint64(len(r.entries)) < r.total || id >= r.total {
+		return
+	}
+	r.entries[id%uint64(len(r.entries))].Algorithm = a.String()
+}
+
 // Entries returns a copy of the retained entries, oldest first.
 func (r *Recorder) Entries() []Entry {
 	r.mu.Lock()

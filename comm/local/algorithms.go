@@ -152,7 +152,12 @@ func generate(pl plan) (*schedule, error) {
 	default:
 		return nil, unsupported(pl)
 	}
-	return b.build()
+	s, err := b.build()
+	if err != nil {
+		return nil, err
+	}
+	s.algo = pl.algo
+	return s, nil
 }
 
 func unsupported(pl plan) error {

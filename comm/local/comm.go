@@ -236,7 +236,7 @@ func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64) 
 	c.rec.Update(id, comm.Started, nil)
 	wt := &c.wt
 	*wt = waiter{g: c.g, rank: c.rank, ctx: ctx, deadline: time.Now().Add(c.g.w.opts.Timeout), spin: c.spin, timer: wt.timer}
-	err := c.collective(wt, seq, call)
+	err := c.collective(wt, seq, call, id)
 	if err != nil {
 		c.rec.Update(id, comm.Failed, err)
 		return err
@@ -245,7 +245,7 @@ func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64) 
 	return nil
 }
 
-func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call) error {
+func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 	d := &c.g.slots[c.rank].desc
 	c.post(d, seq, call)
 	c.g.publish(c.rank, progressWord(seq, 0))
@@ -258,7 +258,7 @@ func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call) error {
 		}
 		return err
 	}
-	if err := c.move(wt, seq, call); err != nil {
+	if err := c.move(wt, seq, call, id); err != nil {
 		return err
 	}
 	return c.depart(wt, seq, call.Op)
@@ -425,7 +425,7 @@ func (c *Comm) agree(seq uint64, call *comm.Call) error {
 }
 
 // move performs the data movement of a validated, agreed call.
-func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call) error {
+func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 	slots := c.g.slots
 	me := &slots[c.rank].desc
 	es := me.dtype.Size()
@@ -468,6 +468,9 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call) error {
 	s, err := c.schedule(call, me)
 	if err != nil {
 		return c.wrap(call.Op, seq, -1, err)
+	}
+	if call.Algorithm == comm.Auto {
+		c.rec.SetAlgorithm(id, s.algo)
 	}
 	if need := s.scratch[c.rank] * es; need > 0 {
 		if cap(c.scratch) < need {

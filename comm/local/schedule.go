@@ -65,6 +65,7 @@ type step struct {
 
 // schedule is the compiled form of one collective for every rank.
 type schedule struct {
+	algo    comm.Algorithm
 	steps   [][]step
 	scratch []int // scratch elements each rank needs
 }
