@@ -35,7 +35,7 @@ type Comm struct {
 	rank int
 	seq  uint64 // collectives issued so far
 	rec  *comm.Recorder
-	spin int
+	spin time.Duration
 
 	p2pSeq  atomic.Uint64
 	scratch []byte
@@ -51,9 +51,9 @@ type Comm struct {
 var _ comm.Communicator = (*Comm)(nil)
 
 func newComm(g *group, rank int) *Comm {
-	spin := 0
+	var spin time.Duration
 	if g.size <= g.w.cores {
-		spin = 1 << 16 // tens of microseconds of polling before parking
+		spin = spinFor
 	}
 	return &Comm{
 		g: g, rank: rank, spin: spin,
@@ -61,6 +61,10 @@ func newComm(g *group, rank int) *Comm {
 		plans: map[shapeKey]*schedule{},
 	}
 }
+
+// spinFor is how long a rank polls a peer's progress before it starts
+// yielding. A handoff between running ranks takes well under a microsecond.
+const spinFor = 2 * time.Microsecond
 
 // Rank implements comm.Communicator.
 func (c *Comm) Rank() int { return c.rank }

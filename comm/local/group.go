@@ -120,13 +120,17 @@ func (g *group) publish(r int, word uint64) {
 	}
 }
 
+// yieldFor bounds the yielding phase of a wait; longer waits park, so an
+// idle rank gives its core back.
+const yieldFor = time.Millisecond
+
 // waiter carries the context, deadline and identity of one blocking call.
 type waiter struct {
 	g        *group
 	rank     int
 	ctx      context.Context
 	deadline time.Time
-	spin     int         // iterations of busy polling before parking
+	spin     time.Duration // busy polling before parking; 0 when ranks outnumber cores
 	timer    *time.Timer // reused across parks (Go 1.23 timers need no draining)
 }
 
@@ -146,21 +150,33 @@ func (wt *waiter) until(peer int, word uint64) error {
 	if s.progress.Load() >= word {
 		return nil
 	}
-	// Busy-poll first: with no more ranks than cores the peer is running
-	// and a handoff costs well under a microsecond. If it does not come
-	// soon, park rather than yield: both ranks may have landed on one P
-	// (after a GC, say) while the other P sleeps, and only a channel wake-up
-	// makes the scheduler hand a goroutine to the idle P.
-	for i := 0; i < wt.spin; i++ {
+	// Poll briefly: with no more ranks than cores the peer is running and a
+	// handoff costs well under a microsecond. Then poll while yielding: the
+	// peer may share this P (after a GC or a sleep both ranks can land on
+	// one P while the other sleeps, and waking a sleeping P can take tens of
+	// microseconds), and a yield runs it at once. Park only for long waits.
+	start := time.Now()
+	if wt.spin > 0 {
+		for i := 1; ; i++ {
+			if s.progress.Load() >= word {
+				return nil
+			}
+			if i&63 == 0 && time.Since(start) > wt.spin {
+				break
+			}
+		}
+	}
+	for i := 1; ; i++ {
+		runtime.Gosched()
 		if s.progress.Load() >= word {
 			return nil
 		}
-	}
-	if wt.spin == 0 { // more ranks than cores: let the others run first
-		for i := 0; i < 4; i++ {
-			runtime.Gosched()
-			if s.progress.Load() >= word {
-				return nil
+		if i&63 == 0 {
+			if err := wt.check(peer); err != nil {
+				return err
+			}
+			if time.Since(start) > yieldFor {
+				break
 			}
 		}
 	}

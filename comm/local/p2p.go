@@ -3,7 +3,6 @@ package local
 import (
 	"context"
 	"fmt"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -143,9 +142,12 @@ func (o *p2pOp) Done() <-chan struct{} { return o.done }
 // Wait implements comm.Work. A cancelled ctx or the timeout aborts the
 // communicator.
 func (o *p2pOp) Wait(ctx context.Context) error {
-	for i := 0; i < o.c.spin && o.state.Load() == 0; i++ {
-		if i&1023 == 1023 {
-			runtime.Gosched()
+	if o.c.spin > 0 {
+		start := time.Now()
+		for i := 1; o.state.Load() == 0; i++ {
+			if i&255 == 0 && time.Since(start) > o.c.spin {
+				break
+			}
 		}
 	}
 	if o.state.Load() == 1 {

@@ -52,13 +52,13 @@ func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
 	switch dt {
 	case comm.Float32:
 		if sum {
-			reduceWith(dst, srcs, addF32)
+			reduceWith(dst, srcs, addF32, addF32Stream)
 		} else {
 			reduceNum[float32](op, dst, srcs)
 		}
 	case comm.Float64:
 		if sum {
-			reduceWith(dst, srcs, addF64)
+			reduceWith(dst, srcs, addF64, addF64Stream)
 		} else {
 			reduceNum[float64](op, dst, srcs)
 		}
@@ -144,16 +144,32 @@ func reduceNum[T number](op comm.ReduceOp, dstBytes []byte, srcs [][]byte) {
 	}
 }
 
-// reduceWith is reduceNum with a specialised d = a + b.
-func reduceWith[T number](dstBytes []byte, srcs [][]byte, add func(d, a, b []T)) {
+// streamBytes is the result size from which the last pass of a sum
+// bypasses the cache: beyond the L2 of current cores the result would be
+// evicted before anyone reads it, and streaming stores skip the
+// read-for-ownership of every destination line.
+const streamBytes = 1 << 20
+
+// reduceWith is reduceNum with a specialised d = a + b, and a streaming
+// form for the last pass over large results.
+func reduceWith[T number](dstBytes []byte, srcs [][]byte, add, addStream func(d, a, b []T)) {
 	dst := as[T](dstBytes)
+	last := add
+	if len(dstBytes) >= streamBytes {
+		last = addStream
+	}
+	if len(srcs) == 2 {
+		last(dst, as[T](srcs[0]), as[T](srcs[1]))
+		return
+	}
 	for lo := 0; lo < len(dst); lo += block {
 		hi := min(lo+block, len(dst))
 		d := dst[lo:hi]
 		add(d, as[T](srcs[0])[lo:hi], as[T](srcs[1])[lo:hi])
-		for _, s := range srcs[2:] {
+		for _, s := range srcs[2 : len(srcs)-1] {
 			add(d, d, as[T](s)[lo:hi])
 		}
+		last(d, d, as[T](srcs[len(srcs)-1])[lo:hi])
 	}
 }
 
