@@ -31,11 +31,12 @@ type descriptor struct {
 // Comm is one rank's handle on an in-process communicator. It implements
 // comm.Communicator.
 type Comm struct {
-	g    *group
-	rank int
-	seq  uint64 // collectives issued so far
-	rec  *comm.Recorder
-	spin time.Duration
+	g     *group
+	rank  int
+	seq   uint64 // collectives issued so far
+	rec   *comm.Recorder
+	spin  time.Duration // wait phases, see spinFor
+	yield time.Duration
 
 	p2pSeq  atomic.Uint64
 	scratch []byte
@@ -51,20 +52,16 @@ type Comm struct {
 var _ comm.Communicator = (*Comm)(nil)
 
 func newComm(g *group, rank int) *Comm {
-	var spin time.Duration
+	spin, yield := time.Duration(0), yieldOversubscribed
 	if g.size <= g.w.cores {
-		spin = spinFor
+		spin, yield = spinFor, yieldFor
 	}
 	return &Comm{
-		g: g, rank: rank, spin: spin,
+		g: g, rank: rank, spin: spin, yield: yield,
 		rec:   comm.NewRecorder(g.name, rank, g.w.opts.RecorderSize),
 		plans: map[shapeKey]*schedule{},
 	}
 }
-
-// spinFor is how long a rank polls a peer's progress before it starts
-// yielding. A handoff between running ranks takes well under a microsecond.
-const spinFor = 2 * time.Microsecond
 
 // Rank implements comm.Communicator.
 func (c *Comm) Rank() int { return c.rank }
@@ -238,9 +235,7 @@ func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64) 
 		return err
 	}
 	c.rec.Update(id, comm.Started, nil)
-	wt := &c.wt
-	*wt = waiter{g: c.g, rank: c.rank, ctx: ctx, deadline: time.Now().Add(c.g.w.opts.Timeout), spin: c.spin, timer: wt.timer}
-	err := c.collective(wt, seq, call, id)
+	err := c.collective(c.waiter(ctx), seq, call, id)
 	if err != nil {
 		c.rec.Update(id, comm.Failed, err)
 		return err
@@ -266,6 +261,15 @@ func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64) er
 		return err
 	}
 	return c.depart(wt, seq, call.Op)
+}
+
+// waiter prepares this rank's waiter for one blocking call.
+func (c *Comm) waiter(ctx context.Context) *waiter {
+	c.wt = waiter{
+		g: c.g, rank: c.rank, ctx: ctx, deadline: time.Now().Add(c.g.w.opts.Timeout),
+		spin: c.spin, yield: c.yield, timer: c.wt.timer,
+	}
+	return &c.wt
 }
 
 // post fills this rank's descriptor. Validation failures are posted, not

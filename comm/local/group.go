@@ -120,9 +120,16 @@ func (g *group) publish(r int, word uint64) {
 	}
 }
 
-// yieldFor bounds the yielding phase of a wait; longer waits park, so an
-// idle rank gives its core back.
-const yieldFor = time.Millisecond
+// Wait phases. A handoff between running ranks takes well under a
+// microsecond, so a rank polls for spinFor; then it yields, for yieldFor
+// when every rank has a core (a peer sharing this P runs at once) or
+// yieldOversubscribed when ranks outnumber cores (others need the core);
+// longer waits park, so an idle rank gives its core back.
+const (
+	spinFor             = 2 * time.Microsecond
+	yieldFor            = time.Millisecond
+	yieldOversubscribed = 50 * time.Microsecond
+)
 
 // waiter carries the context, deadline and identity of one blocking call.
 type waiter struct {
@@ -130,8 +137,9 @@ type waiter struct {
 	rank     int
 	ctx      context.Context
 	deadline time.Time
-	spin     time.Duration // busy polling before parking; 0 when ranks outnumber cores
-	timer    *time.Timer // reused across parks (Go 1.23 timers need no draining)
+	spin     time.Duration // polling before yielding; 0 when ranks outnumber cores
+	yield    time.Duration // yielding before parking
+	timer    *time.Timer   // reused across parks (Go 1.23 timers need no draining)
 }
 
 // errWait describes why a wait ended early; the caller wraps it.
@@ -175,7 +183,7 @@ func (wt *waiter) until(peer int, word uint64) error {
 			if err := wt.check(peer); err != nil {
 				return err
 			}
-			if time.Since(start) > yieldFor {
+			if time.Since(start) > wt.yield {
 				break
 			}
 		}

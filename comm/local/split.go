@@ -3,7 +3,6 @@ package local
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/b7ea7098/loom/comm"
 )
@@ -34,8 +33,7 @@ func (c *Comm) Split(ctx context.Context, color, key int) (comm.Communicator, er
 	seq := c.seq
 	call := comm.Call{Op: comm.OpSplit}
 	id := c.rec.Begin(seq, &call, comm.Auto)
-	wt := &waiter{g: c.g, rank: c.rank, ctx: ctx, deadline: time.Now().Add(c.g.w.opts.Timeout), spin: c.spin}
-	nc, err := c.split(wt, seq, color, key)
+	nc, err := c.split(c.waiter(ctx), seq, color, key)
 	if err != nil {
 		c.rec.Update(id, comm.Failed, err)
 		return nil, err
