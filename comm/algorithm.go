@@ -96,11 +96,11 @@ func ParseAlgorithmOverrides(s string) (AlgorithmOverrides, error) {
 			out[0] = a
 			continue
 		}
-		op, err := ParseOp(opName)
+		op, err := ParseOp(strings.TrimSpace(opName))
 		if err != nil {
 			return nil, err
 		}
-		a, err := ParseAlgorithm(algoName)
+		a, err := ParseAlgorithm(strings.TrimSpace(algoName))
 		if err != nil {
 			return nil, err
 		}

@@ -106,6 +106,11 @@ func FromDense(t *tensor.Dense) (*HostBuffer, error) {
 	if t == nil {
 		return nil, fmt.Errorf("comm: nil tensor")
 	}
+	if t.RequiresIterator() {
+		// A strided view, a lazily transposed or a masked tensor: its backing
+		// array is not its elements in order, so it cannot be wrapped.
+		return nil, fmt.Errorf("comm: tensor is a non-contiguous view, transposed or masked; copy it into a contiguous tensor first")
+	}
 	switch data := t.Data().(type) {
 	case []float32:
 		return Host(data), nil

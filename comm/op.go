@@ -231,10 +231,10 @@ func (c *Call) validateCounts(size int, bad func(string, ...any) error) error {
 			if n < 0 {
 				return bad("%s count for rank %d is negative (%d)", name, j, n)
 			}
+			if n > have-sum { // compare before adding: a sum could overflow
+				return bad("%s counts exceed the buffer of %d elements at rank %d", name, have, j)
+			}
 			sum += n
-		}
-		if sum > have {
-			return bad("%s counts total %d elements but the buffer holds %d", name, sum, have)
 		}
 		return nil
 	}

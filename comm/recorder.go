@@ -39,6 +39,18 @@ func (s State) String() string {
 // MarshalText implements encoding.TextMarshaler.
 func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
+// UnmarshalText implements encoding.TextUnmarshaler, so that a Dump read back
+// from JSON decodes.
+func (s *State) UnmarshalText(b []byte) error {
+	for _, v := range []State{Issued, Started, Completed, Failed} {
+		if string(b) == v.String() {
+			*s = v
+			return nil
+		}
+	}
+	return fmt.Errorf("comm: unknown state %q", b)
+}
+
 // Entry is one operation in a flight recorder.
 type Entry struct {
 	Seq       uint64    `json:"seq"`

@@ -1,0 +1,255 @@
+package comm_test
+
+import (
+	"maps"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/b7ea7098/loom/comm"
+)
+
+func TestReduceOpNames(t *testing.T) {
+	want := []string{"sum", "avg", "prod", "min", "max"}
+	if len(comm.ReduceOps) != len(want) {
+		t.Fatalf("ReduceOps = %v", comm.ReduceOps)
+	}
+	for i, r := range comm.ReduceOps {
+		if !r.Valid() {
+			t.Errorf("%v not Valid", r)
+		}
+		if r.String() != want[i] {
+			t.Errorf("ReduceOps[%d].String() = %q, want %q", i, r.String(), want[i])
+		}
+		for _, s := range []string{want[i], strings.ToUpper(want[i])} {
+			if got, err := comm.ParseReduceOp(s); err != nil || got != r {
+				t.Errorf("ParseReduceOp(%q) = %v, %v; want %v", s, got, err, r)
+			}
+		}
+	}
+	for _, r := range []comm.ReduceOp{0, 6, 200} {
+		if r.Valid() {
+			t.Errorf("ReduceOp(%d) Valid", r)
+		}
+		if !strings.HasPrefix(r.String(), "reduceop(") {
+			t.Errorf("ReduceOp(%d).String() = %q", r, r.String())
+		}
+	}
+	for _, s := range []string{"", "add", "mean", "sum "} {
+		_, err := comm.ParseReduceOp(s)
+		if err == nil || !strings.Contains(err.Error(), "unknown reduce op") || !strings.Contains(err.Error(), `"`+s+`"`) {
+			t.Errorf("ParseReduceOp(%q) error = %v", s, err)
+		}
+	}
+}
+
+func TestAlgorithmNames(t *testing.T) {
+	names := map[comm.Algorithm]string{
+		comm.Auto: "auto", comm.Direct: "direct", comm.Ring: "ring",
+		comm.RecursiveDoubling: "recursive_doubling", comm.HalvingDoubling: "halving_doubling",
+		comm.Tree: "tree", comm.DoubleTree: "double_tree", comm.Hierarchical: "hierarchical",
+	}
+	if len(comm.Algorithms) != len(names)-1 {
+		t.Errorf("Algorithms = %v, want every algorithm but auto", comm.Algorithms)
+	}
+	for _, a := range comm.Algorithms {
+		if a == comm.Auto {
+			t.Error("Algorithms contains auto")
+		}
+	}
+	for a, name := range names {
+		if !a.Valid() || a.String() != name {
+			t.Errorf("Algorithm(%d): Valid=%v String=%q, want %q", a, a.Valid(), a.String(), name)
+		}
+		if got, err := comm.ParseAlgorithm(name); err != nil || got != a {
+			t.Errorf("ParseAlgorithm(%q) = %v, %v", name, got, err)
+		}
+	}
+	aliases := []struct {
+		in   string
+		want comm.Algorithm
+	}{
+		{"rd", comm.RecursiveDoubling},
+		{"Recursive-Doubling", comm.RecursiveDoubling},
+		{"rabenseifner", comm.HalvingDoubling},
+		{"hd", comm.HalvingDoubling},
+		{"halving-doubling", comm.HalvingDoubling},
+		{"dbtree", comm.DoubleTree},
+		{"double-tree", comm.DoubleTree},
+		{"hier", comm.Hierarchical},
+		{"RING", comm.Ring},
+	}
+	for _, tc := range aliases {
+		if got, err := comm.ParseAlgorithm(tc.in); err != nil || got != tc.want {
+			t.Errorf("ParseAlgorithm(%q) = %v, %v; want %v", tc.in, got, err, tc.want)
+		}
+	}
+	for _, a := range []comm.Algorithm{8, 255} {
+		if a.Valid() || a.String() != "algorithm("+strconv.Itoa(int(a))+")" {
+			t.Errorf("Algorithm(%d): Valid=%v String=%q", a, a.Valid(), a.String())
+		}
+	}
+	for _, s := range []string{"", "bogus", "ring2", "algorithm(1)"} {
+		_, err := comm.ParseAlgorithm(s)
+		if err == nil {
+			t.Errorf("ParseAlgorithm(%q) succeeded", s)
+			continue
+		}
+		msg := err.Error()
+		if !strings.Contains(msg, "unknown algorithm") || !strings.Contains(msg, `"`+strings.ToLower(s)+`"`) ||
+			!strings.Contains(msg, "recursive_doubling") {
+			t.Errorf("ParseAlgorithm(%q) error %q", s, msg)
+		}
+	}
+}
+
+var allOps = []struct {
+	op                          comm.Op
+	name                        string
+	collective, rooted, reduces bool
+}{
+	{comm.OpAllReduce, "allreduce", true, false, true},
+	{comm.OpBroadcast, "broadcast", true, true, false},
+	{comm.OpReduce, "reduce", true, true, true},
+	{comm.OpAllGather, "allgather", true, false, false},
+	{comm.OpReduceScatter, "reducescatter", true, false, true},
+	{comm.OpGather, "gather", true, true, false},
+	{comm.OpScatter, "scatter", true, true, false},
+	{comm.OpAllToAll, "alltoall", true, false, false},
+	{comm.OpAllToAllV, "alltoallv", true, false, false},
+	{comm.OpSend, "send", false, false, false},
+	{comm.OpRecv, "recv", false, false, false},
+	{comm.OpBarrier, "barrier", true, false, false},
+	{comm.OpSplit, "split", true, false, false},
+}
+
+func TestOpNames(t *testing.T) {
+	for _, tc := range allOps {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.op.String() != tc.name {
+				t.Errorf("String = %q", tc.op.String())
+			}
+			for _, s := range []string{tc.name, strings.ToUpper(tc.name)} {
+				if got, err := comm.ParseOp(s); err != nil || got != tc.op {
+					t.Errorf("ParseOp(%q) = %v, %v", s, got, err)
+				}
+			}
+			if tc.op.Collective() != tc.collective || tc.op.Rooted() != tc.rooted || tc.op.Reduces() != tc.reduces {
+				t.Errorf("Collective=%v Rooted=%v Reduces=%v, want %v %v %v",
+					tc.op.Collective(), tc.op.Rooted(), tc.op.Reduces(), tc.collective, tc.rooted, tc.reduces)
+			}
+		})
+	}
+	if s := comm.Op(0).String(); s != "op(0)" {
+		t.Errorf("Op(0).String() = %q", s)
+	}
+	if s := comm.Op(99).String(); s != "op(99)" {
+		t.Errorf("Op(99).String() = %q", s)
+	}
+	for _, s := range []string{"", "allreduc", "all_reduce", "op(1)"} {
+		_, err := comm.ParseOp(s)
+		if err == nil || !strings.Contains(err.Error(), `unknown op "`+s+`"`) {
+			t.Errorf("ParseOp(%q) error = %v", s, err)
+		}
+	}
+}
+
+func TestParseAlgorithmOverrides(t *testing.T) {
+	type O = comm.AlgorithmOverrides
+	tests := []struct {
+		in      string
+		want    O
+		wantErr string
+	}{
+		{in: "", want: O{}},
+		{in: "   ", want: O{}},
+		{in: "ring", want: O{0: comm.Ring}},
+		{in: " Tree ", want: O{0: comm.Tree}},
+		{in: "allreduce=ring", want: O{comm.OpAllReduce: comm.Ring}},
+		{in: "allreduce=ring,allgather=direct", want: O{comm.OpAllReduce: comm.Ring, comm.OpAllGather: comm.Direct}},
+		{in: "ring, reducescatter=rd", want: O{0: comm.Ring, comm.OpReduceScatter: comm.RecursiveDoubling}},
+		{in: "allreduce = tree , broadcast=dbtree", want: O{comm.OpAllReduce: comm.Tree, comm.OpBroadcast: comm.DoubleTree}},
+		{in: "allreduce=ring,allreduce=tree", want: O{comm.OpAllReduce: comm.Tree}},
+		{in: "bogus", wantErr: `unknown algorithm "bogus"`},
+		{in: "allreduce=bogus", wantErr: `unknown algorithm "bogus"`},
+		{in: "ring,allreduce=", wantErr: `unknown algorithm ""`},
+		{in: "nosuchop=ring", wantErr: `unknown op "nosuchop"`},
+		{in: "=ring", wantErr: `unknown op ""`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.in, func(t *testing.T) {
+			got, err := comm.ParseAlgorithmOverrides(tc.in)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
+				}
+				if got != nil {
+					t.Errorf("got %v with the error", got)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got == nil || !maps.Equal(got, tc.want) {
+				t.Errorf("got %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestAlgorithmOverridesFor(t *testing.T) {
+	o := comm.AlgorithmOverrides{0: comm.Ring, comm.OpAllGather: comm.Direct, comm.OpBroadcast: comm.Auto}
+	tests := []struct {
+		o    comm.AlgorithmOverrides
+		op   comm.Op
+		want comm.Algorithm
+	}{
+		{o, comm.OpAllGather, comm.Direct},
+		{o, comm.OpAllReduce, comm.Ring}, // falls back to the default
+		{o, comm.OpBroadcast, comm.Auto}, // listed as auto: no fallback
+		{comm.AlgorithmOverrides{comm.OpAllGather: comm.Tree}, comm.OpAllReduce, comm.Auto},
+		{nil, comm.OpAllReduce, comm.Auto},
+	}
+	for _, tc := range tests {
+		if got := tc.o.For(tc.op); got != tc.want {
+			t.Errorf("%v.For(%v) = %v, want %v", tc.o, tc.op, got, tc.want)
+		}
+	}
+}
+
+func TestAlgorithmOverridesFromEnv(t *testing.T) {
+	tests := []struct {
+		env     string
+		op      comm.Op
+		want    comm.Algorithm
+		wantErr string
+	}{
+		{env: "", op: comm.OpAllReduce, want: comm.Auto},
+		{env: "hier", op: comm.OpAllReduce, want: comm.Hierarchical},
+		{env: "allgather=ring", op: comm.OpAllGather, want: comm.Ring},
+		{env: "allgather=ring", op: comm.OpAllReduce, want: comm.Auto},
+		{env: "allgather=nope", wantErr: `LOOM_ALGO: comm: unknown algorithm "nope"`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.env, func(t *testing.T) {
+			t.Setenv(comm.AlgorithmEnv, tc.env)
+			o, err := comm.AlgorithmOverridesFromEnv()
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := o.For(tc.op); got != tc.want {
+				t.Errorf("For(%v) = %v, want %v", tc.op, got, tc.want)
+			}
+		})
+	}
+	if comm.AlgorithmEnv != "LOOM_ALGO" {
+		t.Errorf("AlgorithmEnv = %q", comm.AlgorithmEnv)
+	}
+}
