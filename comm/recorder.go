@@ -158,6 +158,10 @@ func (r *Recorder) SetAlgorithm(id uint64, a Algorithm) {
 func (r *Recorder) Entries() []Entry {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return r.entriesLocked()
+}
+
+func (r *Recorder) entriesLocked() []Entry {
 	n := r.total
 	if n > uint64(len(r.entries)) {
 		n = uint64(len(r.entries))
@@ -179,11 +183,9 @@ type Dump struct {
 
 // Snapshot returns the recorder's contents as a Dump.
 func (r *Recorder) Snapshot() Dump {
-	es := r.Entries()
 	r.mu.Lock()
-	total := r.total
-	r.mu.Unlock()
-	return Dump{Communicator: r.name, Rank: r.rank, Total: total, Entries: es}
+	defer r.mu.Unlock()
+	return Dump{Communicator: r.name, Rank: r.rank, Total: r.total, Entries: r.entriesLocked()}
 }
 
 // WriteText writes the retained entries as an aligned table, oldest first,
@@ -234,9 +236,12 @@ func (r *Recorder) WriteFiles(dir, prefix string) ([]string, error) {
 		return nil, fmt.Errorf("flight recorder dump: %w", err)
 	}
 	var paths []string
-	for ext, data := range map[string][]byte{".json": js, ".txt": txt} {
-		p := filepath.Join(dir, prefix+ext)
-		if err := writeAtomic(p, data); err != nil {
+	for _, f := range []struct {
+		ext  string
+		data []byte
+	}{{".txt", txt}, {".json", js}} {
+		p := filepath.Join(dir, prefix+f.ext)
+		if err := writeAtomic(p, f.data); err != nil {
 			return paths, fmt.Errorf("flight recorder dump: %w", err)
 		}
 		paths = append(paths, p)
@@ -254,6 +259,11 @@ func writeAtomic(path string, data []byte) error {
 		return err
 	}
 	if _, err := f.Write(data); err != nil {
+		f.Close()
+		os.Remove(f.Name())
+		return err
+	}
+	if err := f.Chmod(0o644); err != nil { // CreateTemp makes files private
 		f.Close()
 		os.Remove(f.Name())
 		return err

@@ -416,6 +416,7 @@ func (c *Comm) agree(seq uint64, call *comm.Call) error {
 		fps := make([]comm.Fingerprint, len(slots))
 		for q := range slots {
 			fps[q] = slots[q].desc.fp
+			fps[q].SendCounts = slices.Clone(fps[q].SendCounts) // the caller's slice
 		}
 		return c.wrap(call.Op, seq, -1, &comm.MismatchError{Calls: fps})
 	}
