@@ -56,6 +56,7 @@ type config struct {
 	copySize int // bytes of the ceiling measurement
 	opNames  string
 	algoFlag string
+	compare  int // rounds of the comparison mode; 0 for the usual tables
 }
 
 // parseFlags parses args (without the program name).
@@ -80,6 +81,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&cfg.inplace, "inplace", false, "also measure in place (allreduce, allgather, reducescatter, broadcast)")
 	fs.BoolVar(&cfg.check, "check", true, "run one extra iteration per size and count wrong elements")
 	fs.StringVar(&cfg.csvPath, "csv", "", "also write results as CSV to this file")
+	fs.IntVar(&cfg.compare, "compare", 0, "instead of tables, compare auto with every forced algorithm: this many rounds per size, algorithms interleaved, medians over all rounds")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long, and bound each call by it (0: no overall limit, calls bounded by LOOM_TIMEOUT or 10m)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: loombench [flags]\n\nBenchmarks loom's collectives in the manner of nccl-tests.\n\n")
@@ -131,6 +133,8 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("-warmup %d: must not be negative", cfg.warmup)
 	case cfg.timeout < 0:
 		return nil, fmt.Errorf("-timeout %v: must not be negative", cfg.timeout)
+	case cfg.compare < 0:
+		return nil, fmt.Errorf("-compare %d: must not be negative", cfg.compare)
 	}
 	cfg.copySize = 256 << 20
 	return cfg, nil
@@ -174,6 +178,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, cfg.timeout)
 		defer cancel()
+	}
+
+	if cfg.compare > 0 {
+		return compareAll(ctx, cfg, be, opts, stdout)
 	}
 
 	var errCount int
