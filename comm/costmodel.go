@@ -16,11 +16,23 @@ type CostModel struct {
 	// Alpha is the latency of one synchronisation between two ranks, in
 	// seconds.
 	Alpha float64 `json:"alpha_s"`
-	// Beta is the time to copy one byte on one rank, in seconds per byte.
+	// Beta is the time to copy one byte on one rank when the data comes
+	// from and goes to memory, in seconds per byte.
 	Beta float64 `json:"beta_s_per_byte"`
-	// Gamma is the time to fold one byte of a source into a reduction, in
-	// seconds per byte (float32 sum; other types scale from it).
+	// Gamma is the time to fold one byte of a source into a reduction from
+	// memory, with ordinary stores, in seconds per byte (float32 sum; other
+	// types scale from it).
 	Gamma float64 `json:"gamma_s_per_byte"`
+	// GammaStream is Gamma with stores that bypass the cache, which large
+	// results use.
+	GammaStream float64 `json:"gamma_stream_s_per_byte"`
+	// BetaCache and GammaCache are Beta and Gamma when the whole working set
+	// fits in the last-level cache.
+	BetaCache  float64 `json:"beta_cache_s_per_byte"`
+	GammaCache float64 `json:"gamma_cache_s_per_byte"`
+	// CacheBytes is the last-level cache size: working sets larger than
+	// this run at memory speed.
+	CacheBytes int64 `json:"cache_bytes"`
 	// Bandwidth is the machine's aggregate memory-copy bandwidth with every
 	// core busy, in bytes per second: the ceiling of all ranks together.
 	Bandwidth float64 `json:"bandwidth_Bps"`
@@ -37,7 +49,8 @@ type CostModel struct {
 // Valid reports whether every parameter is positive and finite.
 func (m *CostModel) Valid() bool {
 	ok := func(x float64) bool { return x > 0 && !math.IsInf(x, 0) && !math.IsNaN(x) }
-	return m != nil && ok(m.Alpha) && ok(m.Beta) && ok(m.Gamma) && ok(m.Bandwidth) && m.Cores > 0
+	return m != nil && ok(m.Alpha) && ok(m.Beta) && ok(m.Gamma) && ok(m.GammaStream) &&
+		ok(m.BetaCache) && ok(m.GammaCache) && ok(m.Bandwidth) && m.CacheBytes > 0 && m.Cores > 0
 }
 
 // Estimate prices op over p ranks for a per-rank payload of bytes (the

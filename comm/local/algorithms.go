@@ -45,6 +45,7 @@ type plan struct {
 	root    int
 	piece   int // pipeline piece, elements
 	avg     bool
+	stream  bool // the working set exceeds the cache
 	inPlace []bool
 }
 
@@ -156,7 +157,7 @@ func generate(pl plan) (*schedule, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.algo = pl.algo
+	s.algo, s.stream = pl.algo, pl.stream
 	return s, nil
 }
 

@@ -518,8 +518,10 @@ func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, error) {
 	}
 	pl := plan{
 		op: call.Op, algo: call.Algorithm, p: p, n: n, root: call.Root,
-		piece: pieceElems(me.dtype), avg: call.Op.Reduces() && call.Reduce == comm.Avg,
+		avg:    call.Op.Reduces() && call.Reduce == comm.Avg,
+		stream: c.footprint() > c.g.w.model.CacheBytes,
 	}
+	pl.piece = pieceElems(me.dtype, pl.stream)
 	if !call.Op.Rooted() {
 		pl.root = 0
 	}
@@ -546,15 +548,35 @@ type shapeKey struct {
 	inPlace uint64 // bit q: rank q called in place
 }
 
-// pieceBytes is the pipeline granularity of tree and chain algorithms:
-// large enough to amortise a handoff, small enough to fill the pipeline.
-const pieceBytes = 256 << 10
+// footprint is the bytes every member's buffers of the current call span:
+// beyond the last-level cache the call runs at memory speed.
+func (c *Comm) footprint() int64 {
+	var n int64
+	for q := range c.g.slots {
+		d := &c.g.slots[q].desc
+		n += int64(len(d.send) + len(d.recv))
+	}
+	return n
+}
 
-func pieceElems(dt comm.DType) int { return max(1, pieceBytes/dt.Size()) }
+// The pipeline granularity of tree and chain algorithms: large enough to
+// amortise a handoff, small enough to fill the pipeline; from memory,
+// large enough for the streaming stores of kernel.ReduceStream.
+const (
+	pieceBytes       = 256 << 10
+	pieceBytesStream = kernel.StreamBytes
+)
+
+func pieceElems(dt comm.DType, stream bool) int {
+	if stream {
+		return max(1, pieceBytesStream/dt.Size())
+	}
+	return max(1, pieceBytes/dt.Size())
+}
 
 // compiled returns the cached schedule for pl, generating it on first use.
 func (g *group) compiled(pl plan, inPlace []byte) (*schedule, error) {
-	key := schedKey{op: pl.op, algo: pl.algo, n: pl.n, root: pl.root, piece: pl.piece, avg: pl.avg, inPlace: string(inPlace)}
+	key := schedKey{op: pl.op, algo: pl.algo, n: pl.n, root: pl.root, piece: pl.piece, avg: pl.avg, stream: pl.stream, inPlace: string(inPlace)}
 	g.schedMu.Lock()
 	defer g.schedMu.Unlock()
 	if s, ok := g.schedules[key]; ok {
@@ -599,7 +621,11 @@ func (c *Comm) execute(wt *waiter, seq uint64, call *comm.Call, s *schedule, dt 
 			for _, r := range st.srcs {
 				srcs = append(srcs, c.bytesOf(r, es))
 			}
-			if err := kernel.Reduce(dt, call.Reduce, dst, srcs...); err != nil {
+			reduce := kernel.Reduce
+			if s.stream {
+				reduce = kernel.ReduceStream
+			}
+			if err := reduce(dt, call.Reduce, dst, srcs...); err != nil {
 				return c.wrap(call.Op, seq, -1, err)
 			}
 			clear(srcs)

@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -49,31 +50,34 @@ func machineID() string {
 	return fmt.Sprintf("%s/%s/%s/procs=%d", runtime.GOOS, runtime.GOARCH, cpu, runtime.GOMAXPROCS(0))
 }
 
-// Calibrate measures α (a handoff between two spinning goroutines), β (one
-// core's copy time per byte), γ (one core's float32 reduction time per
-// source byte) and the aggregate copy bandwidth of all cores. It takes
-// about half a second.
+// Calibrate measures α (a handoff between two spinning goroutines); β and
+// γ (one core's copy time per byte and float32 reduction time per source
+// byte) from memory, with and without streaming stores, and within the
+// cache; the aggregate copy bandwidth of all cores; and reads the size of
+// the last-level cache. It takes about a second.
 func Calibrate() *comm.CostModel {
 	cores := runtime.GOMAXPROCS(0)
-	m := &comm.CostModel{Cores: cores, Measured: time.Now().UTC()}
+	m := &comm.CostModel{Cores: cores, CacheBytes: lastLevelCache(), Measured: time.Now().UTC()}
 	m.Alpha = median(5, measureHandoff)
-	const size = 32 << 20
-	a, b := make([]byte, size), make([]byte, size)
-	copy(a, b) // fault the pages in
-	m.Beta = median(5, func() float64 {
-		t := time.Now()
-		copy(a, b)
-		return time.Since(t).Seconds() / size
-	})
-	f := make([]byte, size)
-	m.Gamma = median(5, func() float64 {
-		t := time.Now()
-		_ = kernel.Reduce(comm.Float32, comm.Sum, f, a, b)
-		return time.Since(t).Seconds() / (2 * size)
-	})
+
+	// From memory: three 32 MiB buffers exceed any last-level cache here.
+	const big = 32 << 20
+	a, b, f := make([]byte, big), make([]byte, big), make([]byte, big)
+	for i := range b {
+		a[i], b[i] = byte(i), byte(i>>8) // real pages, not the shared zero page
+	}
+	m.Beta = median(5, func() float64 { return timeCopy(a, b, 1) })
+	m.Gamma = median(5, func() float64 { return timeReduce(kernel.Reduce, f, a, b, 1) })
+	m.GammaStream = median(5, func() float64 { return timeReduce(kernel.ReduceStream, f, a, b, 1) })
+
+	// Within the cache: small buffers, reused.
+	const small = 128 << 10
+	m.BetaCache = median(5, func() float64 { return timeCopy(a[:small], b[:small], 64) })
+	m.GammaCache = median(5, func() float64 { return timeReduce(kernel.Reduce, f[:small], a[:small], b[:small], 64) })
+
 	m.Bandwidth = median(5, func() float64 {
 		var wg sync.WaitGroup
-		part := size / cores
+		part := big / cores
 		t := time.Now()
 		for i := 0; i < cores; i++ {
 			wg.Add(1)
@@ -86,6 +90,52 @@ func Calibrate() *comm.CostModel {
 		return float64(part*cores) / time.Since(t).Seconds()
 	})
 	return m
+}
+
+// timeCopy returns seconds per byte of copying src to dst reps times.
+func timeCopy(dst, src []byte, reps int) float64 {
+	t := time.Now()
+	for range reps {
+		copy(dst, src)
+	}
+	return time.Since(t).Seconds() / float64(reps*len(dst))
+}
+
+// timeReduce returns seconds per source byte of a two-source float32 sum.
+func timeReduce(reduce func(comm.DType, comm.ReduceOp, []byte, ...[]byte) error, dst, a, b []byte, reps int) float64 {
+	t := time.Now()
+	for range reps {
+		_ = reduce(comm.Float32, comm.Sum, dst, a, b)
+	}
+	return time.Since(t).Seconds() / float64(2*reps*len(dst))
+}
+
+// lastLevelCache reads the size of the largest CPU cache from sysfs, or
+// assumes 32 MiB where it cannot.
+func lastLevelCache() int64 {
+	const fallback = 32 << 20
+	best := int64(0)
+	for i := 0; i < 8; i++ {
+		data, err := os.ReadFile(fmt.Sprintf("/sys/devices/system/cpu/cpu0/cache/index%d/size", i))
+		if err != nil {
+			break
+		}
+		s := strings.TrimSpace(string(data))
+		mult := int64(1)
+		switch {
+		case strings.HasSuffix(s, "K"):
+			mult, s = 1<<10, strings.TrimSuffix(s, "K")
+		case strings.HasSuffix(s, "M"):
+			mult, s = 1<<20, strings.TrimSuffix(s, "M")
+		}
+		if v, err := strconv.ParseInt(s, 10, 64); err == nil && v*mult > best {
+			best = v * mult
+		}
+	}
+	if best == 0 {
+		return fallback
+	}
+	return best
 }
 
 func median(k int, f func() float64) float64 {
@@ -131,13 +181,14 @@ type choiceKey struct {
 	root    int
 	dtype   comm.DType
 	avg     bool
+	stream  bool
 	inPlace string
 }
 
 // choose picks the algorithm with the lowest simulated cost. Every member
 // computes the same answer: the inputs and the model are shared.
 func (g *group) choose(pl plan, inPlace []byte, dt comm.DType) comm.Algorithm {
-	key := choiceKey{op: pl.op, n: pl.n, root: pl.root, dtype: dt, avg: pl.avg, inPlace: string(inPlace)}
+	key := choiceKey{op: pl.op, n: pl.n, root: pl.root, dtype: dt, avg: pl.avg, stream: pl.stream, inPlace: string(inPlace)}
 	g.schedMu.Lock()
 	a, ok := g.choices[key]
 	g.schedMu.Unlock()
@@ -178,12 +229,17 @@ func gammaScale(dt comm.DType) float64 {
 
 // cost simulates the schedule under model m and returns its time in
 // seconds: the longest chain of steps and handoffs, but no less than the
-// total work spread over the cores or the total memory traffic at the
-// machine's aggregate bandwidth.
+// total work spread over the cores, nor, when the working set exceeds the
+// cache, the total memory traffic at the machine's aggregate bandwidth.
 func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 	p := len(s.steps)
 	es := float64(dt.Size())
-	gamma := m.Gamma * gammaScale(dt)
+	beta, gamma, gammaStream := m.BetaCache, m.GammaCache, m.GammaCache
+	if s.stream {
+		beta, gamma, gammaStream = m.Beta, m.Gamma, m.GammaStream
+	}
+	gamma *= gammaScale(dt)
+	gammaStream *= gammaScale(dt)
 	end := make([][]float64, p)
 	next := make([]int, p)
 	clock := make([]float64, p)
@@ -215,10 +271,14 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 				var dur float64
 				switch st.kind {
 				case stepCopy:
-					dur = bytes * m.Beta
+					dur = bytes * beta
 					traffic += bytes
 				case stepReduce:
-					dur = float64(len(st.srcs)) * bytes * gamma
+					g := gamma
+					if s.stream && bytes >= kernel.StreamBytes && (dt == comm.Float32 || dt == comm.Float64) {
+						g = gammaStream
+					}
+					dur = float64(len(st.srcs)) * bytes * g
 					traffic += float64(len(st.srcs)+1) / 2 * bytes
 				case stepScale:
 					dur = bytes * gamma
@@ -238,5 +298,9 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 	}
 	span += m.Alpha // departure
 	cores := float64(min(p, m.Cores))
-	return math.Max(span, math.Max(work/cores, traffic/m.Bandwidth))
+	t := math.Max(span, work/cores)
+	if s.stream { // from memory, all ranks share the memory bandwidth
+		t = math.Max(t, traffic/m.Bandwidth)
+	}
+	return t
 }

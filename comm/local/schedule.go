@@ -66,6 +66,7 @@ type step struct {
 // schedule is the compiled form of one collective for every rank.
 type schedule struct {
 	algo    comm.Algorithm
+	stream  bool // the working set exceeds the cache: stream large results
 	steps   [][]step
 	scratch []int // scratch elements each rank needs
 }
@@ -254,5 +255,6 @@ type schedKey struct {
 	root    int
 	piece   int // pipeline piece in elements
 	avg     bool
+	stream  bool
 	inPlace string // one byte per rank
 }

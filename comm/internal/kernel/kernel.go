@@ -18,11 +18,23 @@ type number interface {
 	~float32 | ~float64 | ~int32 | ~int64 | ~uint8
 }
 
-// Reduce sets dst[i] = srcs[0][i] op srcs[1][i] op ... for every element, in
-// source order. Avg reduces as Sum; the caller divides once at the end with
-// Scale. 16-bit floats are widened to float32, reduced, and rounded once.
-// dst may alias srcs[0] exactly. Every slice holds len(dst) bytes.
+// Reduce sets dst[i] = srcs[0][i] op srcs[1][i] op ... for every element.
+// Avg reduces as Sum; the caller divides once at the end with Scale. 16-bit
+// floats are widened to float32, reduced, and rounded once. dst may alias
+// any source exactly. Every slice holds len(dst) bytes. The result is left
+// in the cache, for a reader that comes soon.
 func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
+	return reduce(dt, op, false, dst, srcs)
+}
+
+// ReduceStream is Reduce for results that will not stay in the cache
+// anyway: float sums of at least StreamBytes store with instructions that
+// bypass the cache, saving the read-for-ownership of every line.
+func ReduceStream(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
+	return reduce(dt, op, true, dst, srcs)
+}
+
+func reduce(dt comm.DType, op comm.ReduceOp, stream bool, dst []byte, srcs [][]byte) error {
 	if len(srcs) == 0 {
 		return fmt.Errorf("kernel: reduce with no sources")
 	}
@@ -52,13 +64,13 @@ func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
 	switch dt {
 	case comm.Float32:
 		if sum {
-			reduceWith(dst, srcs, addF32, addF32Stream)
+			reduceWith(dst, srcs, stream, addF32, addF32Stream)
 		} else {
 			reduceNum[float32](op, dst, srcs)
 		}
 	case comm.Float64:
 		if sum {
-			reduceWith(dst, srcs, addF64, addF64Stream)
+			reduceWith(dst, srcs, stream, addF64, addF64Stream)
 		} else {
 			reduceNum[float64](op, dst, srcs)
 		}
@@ -144,18 +156,16 @@ func reduceNum[T number](op comm.ReduceOp, dstBytes []byte, srcs [][]byte) {
 	}
 }
 
-// streamBytes is the result size from which the last pass of a sum
-// bypasses the cache: beyond the L2 of current cores the result would be
-// evicted before anyone reads it, and streaming stores skip the
-// read-for-ownership of every destination line.
-const streamBytes = 1 << 20
+// StreamBytes is the result size from which ReduceStream bypasses the
+// cache: smaller results are written cheaply enough through it.
+const StreamBytes = 1 << 20
 
 // reduceWith is reduceNum with a specialised d = a + b, and a streaming
 // form for the last pass over large results.
-func reduceWith[T number](dstBytes []byte, srcs [][]byte, add, addStream func(d, a, b []T)) {
+func reduceWith[T number](dstBytes []byte, srcs [][]byte, stream bool, add, addStream func(d, a, b []T)) {
 	dst := as[T](dstBytes)
 	last := add
-	if len(dstBytes) >= streamBytes {
+	if stream && len(dstBytes) >= StreamBytes {
 		last = addStream
 	}
 	if len(srcs) == 2 {

@@ -17,8 +17,15 @@ func TestReduceMatchesReference(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 11))
 	for _, dt := range comm.DTypes {
 		for _, op := range comm.ReduceOps {
-			for _, n := range []int{0, 1, 7, 8, 33, 2*block + 5} {
+			sizes := []int{0, 1, 7, 8, 33, 2*block + 5}
+			if (dt == comm.Float32 || dt == comm.Float64) && op == comm.Sum {
+				sizes = append(sizes, StreamBytes/dt.Size()+13) // the streaming path
+			}
+			for _, n := range sizes {
 				for k := 1; k <= 5; k++ {
+					if n > 2*block+5 && k > 3 {
+						break
+					}
 					for alias := -1; alias < k; alias++ {
 						name := fmt.Sprintf("%v/%v/n=%d/k=%d/alias=%d", dt, op, n, k, alias)
 						srcs := make([][]float64, k)
@@ -34,7 +41,11 @@ func TestReduceMatchesReference(t *testing.T) {
 						if alias >= 0 {
 							dst = raw[alias]
 						}
-						if err := Reduce(dt, op, dst, raw...); err != nil {
+						reduce := Reduce
+						if alias%2 == 0 {
+							reduce = ReduceStream
+						}
+						if err := reduce(dt, op, dst, raw...); err != nil {
 							t.Fatalf("%s: %v", name, err)
 						}
 						got := decode(dt, dst)
@@ -162,6 +173,6 @@ func BenchmarkReduceFloat32Sum(b *testing.B) {
 	bytes := func(s []float32) []byte { return unsafe.Slice((*byte)(unsafe.Pointer(&s[0])), 4*len(s)) }
 	b.SetBytes(4 * n)
 	for i := 0; i < b.N; i++ {
-		_ = Reduce(comm.Float32, comm.Sum, bytes(z), bytes(x), bytes(y))
+		_ = ReduceStream(comm.Float32, comm.Sum, bytes(z), bytes(x), bytes(y))
 	}
 }
