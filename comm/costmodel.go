@@ -16,6 +16,9 @@ type CostModel struct {
 	// Alpha is the latency of one synchronisation between two ranks, in
 	// seconds.
 	Alpha float64 `json:"alpha_s"`
+	// Switch is the latency of a synchronisation when the two ranks share
+	// a core (more ranks than cores), in seconds: a scheduler handoff.
+	Switch float64 `json:"switch_s"`
 	// Beta is the time to copy one byte on one rank when the data comes
 	// from and goes to memory, in seconds per byte.
 	Beta float64 `json:"beta_s_per_byte"`
@@ -49,7 +52,7 @@ type CostModel struct {
 // Valid reports whether every parameter is positive and finite.
 func (m *CostModel) Valid() bool {
 	ok := func(x float64) bool { return x > 0 && !math.IsInf(x, 0) && !math.IsNaN(x) }
-	return m != nil && ok(m.Alpha) && ok(m.Beta) && ok(m.Gamma) && ok(m.GammaStream) &&
+	return m != nil && ok(m.Alpha) && ok(m.Switch) && ok(m.Beta) && ok(m.Gamma) && ok(m.GammaStream) &&
 		ok(m.BetaCache) && ok(m.GammaCache) && ok(m.Bandwidth) && m.CacheBytes > 0 && m.Cores > 0
 }
 

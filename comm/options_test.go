@@ -103,7 +103,7 @@ func TestOptionsWithDefaults(t *testing.T) {
 }
 
 func validModel() comm.CostModel {
-	return comm.CostModel{Alpha: 2e-6, Beta: 1e-10, Gamma: 5e-11, GammaStream: 4e-11, BetaCache: 5e-11,
+	return comm.CostModel{Alpha: 2e-6, Switch: 5e-7, Beta: 1e-10, Gamma: 5e-11, GammaStream: 4e-11, BetaCache: 5e-11,
 		GammaCache: 3e-11, CacheBytes: 32 << 20, Bandwidth: 4e10, Cores: 8,
 		Machine: "box-1", Measured: time.Date(2025, 3, 4, 5, 6, 7, 8, time.UTC)}
 }
@@ -124,6 +124,7 @@ func TestCostModelValid(t *testing.T) {
 		{"gamma zero", func(m *comm.CostModel) { m.Gamma = 0 }, false},
 		{"gamma -inf", func(m *comm.CostModel) { m.Gamma = -inf }, false},
 		{"gamma stream zero", func(m *comm.CostModel) { m.GammaStream = 0 }, false},
+		{"switch zero", func(m *comm.CostModel) { m.Switch = 0 }, false},
 		{"beta cache nan", func(m *comm.CostModel) { m.BetaCache = nan }, false},
 		{"gamma cache negative", func(m *comm.CostModel) { m.GammaCache = -1 }, false},
 		{"no cache size", func(m *comm.CostModel) { m.CacheBytes = 0 }, false},

@@ -59,6 +59,7 @@ func Calibrate() *comm.CostModel {
 	cores := runtime.GOMAXPROCS(0)
 	m := &comm.CostModel{Cores: cores, CacheBytes: lastLevelCache(), Measured: time.Now().UTC()}
 	m.Alpha = median(5, measureHandoff)
+	m.Switch = median(5, measureSwitch)
 
 	// From memory: three 32 MiB buffers exceed any last-level cache here.
 	const big = 32 << 20
@@ -174,6 +175,16 @@ func measureHandoff() float64 {
 	return el.Seconds() / (2 * rounds)
 }
 
+// measureSwitch is half the round trip of a flag bounced between two
+// goroutines that share one P and yield to each other, in seconds: the
+// handoff cost when ranks outnumber cores. It runs with GOMAXPROCS 1 for a
+// millisecond or so, once per machine (the model is cached).
+func measureSwitch() float64 {
+	prev := runtime.GOMAXPROCS(1)
+	defer runtime.GOMAXPROCS(prev)
+	return measureHandoff()
+}
+
 // choiceKey caches the automatic choice of one call shape.
 type choiceKey struct {
 	op      comm.Op
@@ -240,11 +251,17 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 	}
 	gamma *= gammaScale(dt)
 	gammaStream *= gammaScale(dt)
+	// A handoff costs alpha while every rank has a core; with more ranks
+	// than cores it is a scheduler switch, which also occupies a core.
+	handoff, switches := m.Alpha, 0.0
+	if p > m.Cores {
+		handoff = m.Switch
+	}
 	end := make([][]float64, p)
 	next := make([]int, p)
 	clock := make([]float64, p)
 	for r := range clock {
-		clock[r] = m.Alpha // arrival
+		clock[r] = handoff // arrival
 	}
 	var work, traffic float64
 	for progress := true; progress; {
@@ -262,7 +279,8 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 						ready = false
 						break
 					}
-					start = math.Max(start, end[d.rank][d.mark-1]+m.Alpha)
+					start = math.Max(start, end[d.rank][d.mark-1]+handoff)
+					switches++
 				}
 				if !ready {
 					break
@@ -296,8 +314,11 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 	for _, c := range clock {
 		span = math.Max(span, c)
 	}
-	span += m.Alpha // departure
+	span += handoff // departure
 	cores := float64(min(p, m.Cores))
+	if p > m.Cores {
+		work += (switches + 2*float64(p)) * m.Switch // every wait, arrival and departure
+	}
 	t := math.Max(span, work/cores)
 	if s.stream { // from memory, all ranks share the memory bandwidth
 		t = math.Max(t, traffic/m.Bandwidth)
