@@ -3,6 +3,7 @@ package local
 import (
 	"context"
 	"fmt"
+	"slices"
 
 	"github.com/b7ea7098/loom/comm"
 )
@@ -68,6 +69,7 @@ func (c *Comm) split(wt *waiter, seq uint64, color, key int) (*Comm, error) {
 	if color >= 0 {
 		nc = c.join(seq, color)
 	}
+	// join always finds this rank: it posted color, so it is a member.
 	if err := c.depart(wt, seq, comm.OpSplit); err != nil {
 		return nil, err
 	}
@@ -101,10 +103,18 @@ func (c *Comm) join(seq uint64, color int) *Comm {
 	if res.pending == 0 {
 		delete(c.g.splits, k)
 	}
-	for i, q := range res.members {
-		if q == c.rank {
-			return newComm(res.g, i)
+	i := slices.Index(res.members, c.rank)
+	return newComm(res.g, i)
+}
+
+// sortedMembers lists the ranks of a split part ordered by (key, rank).
+func sortedMembers(ranks, keys []int) []int {
+	out := slices.Clone(ranks)
+	slices.SortStableFunc(out, func(a, b int) int {
+		if keys[a] != keys[b] {
+			return keys[a] - keys[b]
 		}
-	}
-	panic("local: split member not found") // unreachable: this rank posted color
+		return a - b
+	})
+	return out
 }
