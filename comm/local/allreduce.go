@@ -144,6 +144,17 @@ func (g regionGen) scratchOr(v int, buf bufID, s span) ref {
 // holding the reduced chunk v of chunks(n, pow).
 func (g regionGen) halving(pow int) []span {
 	cs := chunks(g.n, pow)
+	recursiveHalving(g.b, pow, cs, func(v int, s span) ref { return g.at(v, bufRecv, s) })
+	return cs
+}
+
+// recursiveHalving emits Rabenseifner's reduce-scatter rounds over pow
+// members (a power of two) whose working vectors at(v, ·) are split into
+// the chunks cs: each round halves the range of chunks a member reduces,
+// and member v ends holding the reduced chunk v. A member writes only the
+// half it keeps, which its partner does not read, so the rounds work in
+// place.
+func recursiveHalving(b *builder, pow int, cs []span, at func(v int, s span) ref) {
 	lo := make([]int, pow) // chunk range [lo, hi) each member still reduces
 	hi := make([]int, pow)
 	for v := range lo {
@@ -151,14 +162,13 @@ func (g regionGen) halving(pow int) []span {
 	}
 	for mask := pow >> 1; mask > 0; mask >>= 1 {
 		for v := 0; v < pow; v++ {
-			x := v ^ mask
 			mid := (lo[v] + hi[v]) / 2
 			klo, khi := lo[v], mid
 			if v&mask != 0 {
 				klo, khi = mid, hi[v]
 			}
 			s := span{cs[klo].lo, cs[khi-1].lo + cs[khi-1].n - cs[klo].lo}
-			g.b.reduceTo(g.at(v, bufRecv, s), g.at(v, bufRecv, s), g.at(x, bufRecv, s))
+			b.reduceTo(at(v, s), at(v, s), at(v^mask, s))
 		}
 		for v := 0; v < pow; v++ {
 			mid := (lo[v] + hi[v]) / 2
@@ -169,7 +179,6 @@ func (g regionGen) halving(pow int) []span {
 			}
 		}
 	}
-	return cs
 }
 
 // doubling runs the recursive-doubling all-gather matching halving.

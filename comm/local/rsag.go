@@ -63,31 +63,7 @@ func reduceScatterHalving(b *builder, p, n int) {
 		}
 	}
 	cs := chunks(total, pow)
-	lo := make([]int, pow)
-	hi := make([]int, pow)
-	for v := range hi {
-		hi[v] = pow
-	}
-	for mask := pow >> 1; mask > 0; mask >>= 1 {
-		for v := 0; v < pow; v++ {
-			x := v ^ mask
-			mid := (lo[v] + hi[v]) / 2
-			klo, khi := lo[v], mid
-			if v&mask != 0 {
-				klo, khi = mid, hi[v]
-			}
-			s := span{cs[klo].lo, cs[khi-1].lo + cs[khi-1].n - cs[klo].lo}
-			b.reduceTo(ref{v, bufScratch, s.lo, s.n}, ref{v, bufScratch, s.lo, s.n}, ref{x, bufScratch, s.lo, s.n})
-		}
-		for v := 0; v < pow; v++ {
-			mid := (lo[v] + hi[v]) / 2
-			if v&mask != 0 {
-				lo[v] = mid
-			} else {
-				hi[v] = mid
-			}
-		}
-	}
+	recursiveHalving(b, pow, cs, func(v int, s span) ref { return ref{v, bufScratch, s.lo, s.n} })
 	// Member v owns elements cs[v]; block r may straddle owners.
 	for r := 0; r < p; r++ {
 		for v := 0; v < pow; v++ {
