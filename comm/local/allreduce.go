@@ -30,22 +30,20 @@ func (g regionGen) initRecv() {
 	}
 }
 
+// allReduceDirect: member v reduces chunk v straight from every member's
+// input and writes the result into every member's output, so each input
+// byte is read once and each output byte written once, by one rank.
 func (g regionGen) allReduceDirect() {
 	k := len(g.ranks)
 	cs := chunks(g.n, k)
 	for v := range g.ranks {
 		srcs := make([]ref, k)
+		dsts := make([]ref, k)
 		for q := range srcs {
 			srcs[q] = g.at(q, g.in, cs[v])
+			dsts[q] = g.at(q, bufRecv, cs[v])
 		}
-		g.b.reduceTo(g.at(v, bufRecv, cs[v]), srcs...)
-	}
-	for v := range g.ranks {
-		for q := range g.ranks {
-			if q != v {
-				g.b.copyTo(g.at(v, bufRecv, cs[q]), g.at(q, bufRecv, cs[q]))
-			}
-		}
+		g.b.reduceToAll(g.ranks[v], dsts, srcs...)
 	}
 }
 

@@ -289,26 +289,28 @@ func (c *Comm) execute(wt *waiter, seq uint64, call *comm.Call, s *schedule, dt 
 				return c.waitFailed(call.Op, seq, err)
 			}
 		}
-		dst := c.bytesOf(st.dst, es)
 		switch st.kind {
 		case stepCopy:
-			copy(dst, c.bytesOf(st.srcs[0], es))
+			src := c.bytesOf(st.srcs[0], es)
+			for _, d := range st.dsts {
+				copy(c.bytesOf(d, es), src)
+			}
 		case stepReduce:
-			srcs := c.srcs[:0]
+			dsts, srcs := c.dsts[:0], c.srcs[:0]
+			for _, r := range st.dsts {
+				dsts = append(dsts, c.bytesOf(r, es))
+			}
 			for _, r := range st.srcs {
 				srcs = append(srcs, c.bytesOf(r, es))
 			}
-			reduce := kernel.Reduce
-			if s.stream {
-				reduce = kernel.ReduceStream
-			}
-			if err := reduce(dt, call.Reduce, dst, srcs...); err != nil {
+			if err := kernel.ReduceInto(dt, call.Reduce, s.stream, dsts, srcs); err != nil {
 				return c.wrap(call.Op, seq, -1, err)
 			}
+			clear(dsts)
 			clear(srcs)
-			c.srcs = srcs
+			c.dsts, c.srcs = dsts, srcs
 		case stepScale:
-			kernel.Scale(dt, dst, c.g.size)
+			kernel.Scale(dt, c.bytesOf(st.dsts[0], es), c.g.size)
 		}
 		if st.signal {
 			c.g.publish(c.rank, progressWord(seq, i+1))

@@ -38,7 +38,8 @@ type Comm struct {
 
 	p2pSeq  atomic.Uint64
 	scratch []byte
-	srcs    [][]byte
+	srcs    [][]byte // reused by execute
+	dsts    [][]byte
 	wt      waiter
 	plans   map[shapeKey]*schedule // this rank's lock-free front of the group cache
 

@@ -285,19 +285,21 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 				if !ready {
 					break
 				}
-				bytes := float64(st.dst.n) * es
+				bytes := float64(st.dsts[0].n) * es
+				outs := float64(len(st.dsts))
 				var dur float64
 				switch st.kind {
 				case stepCopy:
-					dur = bytes * beta
-					traffic += bytes
+					dur = outs * bytes * beta
+					traffic += outs * bytes
 				case stepReduce:
 					g := gamma
 					if s.stream && bytes >= kernel.StreamBytes && (dt == comm.Float32 || dt == comm.Float64) {
 						g = gammaStream
 					}
-					dur = float64(len(st.srcs)) * bytes * g
-					traffic += float64(len(st.srcs)+1) / 2 * bytes
+					// Extra destinations are copies of a block still in L1.
+					dur = float64(len(st.srcs))*bytes*g + (outs-1)*bytes*beta
+					traffic += (float64(len(st.srcs)) + outs) / 2 * bytes
 				case stepScale:
 					dur = bytes * gamma
 					traffic += bytes

@@ -57,7 +57,7 @@ type dep struct {
 
 type step struct {
 	kind   stepKind
-	dst    ref
+	dsts   []ref // every destination receives the same result
 	srcs   []ref
 	deps   []dep
 	signal bool // a peer waits on this step: publish progress after it
@@ -71,11 +71,12 @@ type schedule struct {
 	scratch []int // scratch elements each rank needs
 }
 
-// access records who touched a region, for hazard analysis.
+// access records who touched a region of some rank's buffer, for hazard
+// analysis.
 type access struct {
 	buf     bufID
 	lo, hi  int
-	rank    int // the rank whose step it was
+	rank    int // the rank whose step it was (not the buffer's owner)
 	stepIdx int
 }
 
@@ -90,7 +91,7 @@ type alias struct {
 type builder struct {
 	p       int
 	steps   [][]step
-	writes  [][]access // by owner
+	writes  [][]access // by owner of the buffer written
 	reads   [][]access // by owner of the buffer read
 	aliases [][3]alias
 	scratch []int
@@ -126,53 +127,68 @@ func overlaps(a access, buf bufID, lo, hi int) bool {
 	return a.buf == buf && a.lo < hi && lo < a.hi
 }
 
-// emit appends a step to dst.rank's list. Empty regions emit nothing.
+// emit appends a step to dst.rank's list: the owner writes its own buffer.
 func (b *builder) emit(kind stepKind, dst ref, srcs ...ref) {
-	if dst.n == 0 {
+	b.emitBy(dst.rank, kind, []ref{dst}, srcs)
+}
+
+// emitBy appends a step to actor's list that reads srcs and writes the same
+// result to every region of dsts, its own buffers or peers'. Empty regions
+// emit nothing. Waits are derived from every earlier access to the regions
+// touched, by any rank other than actor:
+//
+//   - reading a region waits for the steps that last wrote it;
+//   - writing a region waits for the steps that read or wrote it before;
+//   - touching a peer's buffer at all waits for the peer's arrival, which
+//     posts the buffer.
+func (b *builder) emitBy(actor int, kind stepKind, dsts, srcs []ref) {
+	if len(dsts) == 0 || dsts[0].n == 0 {
 		return
 	}
-	r := dst.rank
-	dst = b.canon(dst)
-	if kind == stepCopy && len(srcs) == 1 {
-		s := b.canon(srcs[0])
-		if s == dst {
-			return // copying a region onto itself
-		}
+	cd := make([]ref, len(dsts))
+	for i, d := range dsts {
+		cd[i] = b.canon(d)
 	}
-	idx := len(b.steps[r])
+	cs := make([]ref, len(srcs))
+	for i, s := range srcs {
+		cs[i] = b.canon(s)
+	}
+	if kind == stepCopy && len(cd) == 1 && len(cs) == 1 && cs[0] == cd[0] {
+		return // copying a region onto itself
+	}
+	idx := len(b.steps[actor])
 	need := make(map[int]int) // rank -> mark
 	want := func(q, mark int) {
-		if q == r {
+		if q == actor {
 			return
 		}
 		if m, ok := need[q]; !ok || mark > m {
 			need[q] = mark
 		}
 	}
-	cs := make([]ref, len(srcs))
-	for i, s := range srcs {
-		s = b.canon(s)
-		cs[i] = s
-		if s.rank == r {
-			continue
-		}
-		// Read after write: the last step of s.rank that wrote this region.
-		mark := 0
-		for _, w := range b.writes[s.rank] {
-			if overlaps(w, s.buf, s.off, s.off+s.n) && w.stepIdx+1 > mark {
-				mark = w.stepIdx + 1
+	after := func(list []access, x ref) {
+		for _, a := range list {
+			if a.rank != actor && overlaps(a, x.buf, x.off, x.off+x.n) {
+				want(a.rank, a.stepIdx+1)
 			}
 		}
-		want(s.rank, mark)
-		b.reads[s.rank] = append(b.reads[s.rank], access{buf: s.buf, lo: s.off, hi: s.off + s.n, rank: r, stepIdx: idx})
 	}
-	// Write after read: peers that read the old contents of this region.
-	for _, rd := range b.reads[r] {
-		if rd.rank != r && overlaps(rd, dst.buf, dst.off, dst.off+dst.n) {
-			want(rd.rank, rd.stepIdx+1)
-		}
+	for _, s := range cs {
+		want(s.rank, 0)
+		after(b.writes[s.rank], s) // read after write
 	}
-	st := step{kind: kind, dst: dst, srcs: cs}
+	for _, d := range cd {
+		want(d.rank, 0)
+		after(b.reads[d.rank], d)  // write after read
+		after(b.writes[d.rank], d) // write after write
+	}
+	for _, s := range cs {
+		b.reads[s.rank] = append(b.reads[s.rank], access{buf: s.buf, lo: s.off, hi: s.off + s.n, rank: actor, stepIdx: idx})
+	}
+	for _, d := range cd {
+		b.writes[d.rank] = append(b.writes[d.rank], access{buf: d.buf, lo: d.off, hi: d.off + d.n, rank: actor, stepIdx: idx})
+	}
+	st := step{kind: kind, dsts: cd, srcs: cs}
 	for q, mark := range need {
 		st.deps = append(st.deps, dep{rank: q, mark: mark})
 		if mark > 0 {
@@ -180,8 +196,7 @@ func (b *builder) emit(kind stepKind, dst ref, srcs ...ref) {
 		}
 	}
 	sortDeps(st.deps)
-	b.steps[r] = append(b.steps[r], st)
-	b.writes[r] = append(b.writes[r], access{buf: dst.buf, lo: dst.off, hi: dst.off + dst.n, rank: r, stepIdx: idx})
+	b.steps[actor] = append(b.steps[actor], st)
 }
 
 func sortDeps(d []dep) {
@@ -194,6 +209,11 @@ func sortDeps(d []dep) {
 
 func (b *builder) copyTo(dst, src ref)           { b.emit(stepCopy, dst, src) }
 func (b *builder) reduceTo(dst ref, srcs ...ref) { b.emit(stepReduce, dst, srcs...) }
+
+// reduceToAll has actor reduce srcs once and write the result to every dst.
+func (b *builder) reduceToAll(actor int, dsts []ref, srcs ...ref) {
+	b.emitBy(actor, stepReduce, dsts, srcs)
+}
 
 func (b *builder) build() (*schedule, error) {
 	for r, s := range b.steps {
@@ -211,7 +231,7 @@ func (s *schedule) String() string {
 		fmt.Fprintf(&sb, "rank %d (scratch %d):\n", r, s.scratch[r])
 		for i, st := range steps {
 			kind := [...]string{"copy", "reduce", "scale"}[st.kind]
-			fmt.Fprintf(&sb, "  %d %s %v <- %v wait %v signal=%v\n", i, kind, st.dst, st.srcs, st.deps, st.signal)
+			fmt.Fprintf(&sb, "  %d %s %v <- %v wait %v signal=%v\n", i, kind, st.dsts, st.srcs, st.deps, st.signal)
 		}
 	}
 	return sb.String()

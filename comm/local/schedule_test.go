@@ -59,18 +59,24 @@ func interpret(t *testing.T, s *schedule, rng *rand.Rand, send, recv [][]float64
 		}
 		r := ready[rng.IntN(len(ready))]
 		st := s.steps[r][done[r]]
-		dst := buf(st.dst)
+		dst := buf(st.dsts[0])
 		switch st.kind {
 		case stepCopy:
-			copy(dst, buf(st.srcs[0]))
+			for _, d := range st.dsts {
+				copy(buf(d), buf(st.srcs[0]))
+			}
 		case stepReduce:
-			// The real kernel, so that a destination aliasing any source
-			// is exercised as the executor meets it.
+			// The real kernel, so that destinations aliasing sources are
+			// exercised as the executor meets them.
 			srcs := make([][]byte, len(st.srcs))
 			for i, src := range st.srcs {
 				srcs[i] = comm.Host(buf(src)).Bytes()
 			}
-			if err := kernel.Reduce(comm.Float64, comm.Sum, comm.Host(dst).Bytes(), srcs...); err != nil {
+			dsts := make([][]byte, len(st.dsts))
+			for i, d := range st.dsts {
+				dsts[i] = comm.Host(buf(d)).Bytes()
+			}
+			if err := kernel.ReduceInto(comm.Float64, comm.Sum, false, dsts, srcs); err != nil {
 				t.Fatal(err)
 			}
 		case stepScale:

@@ -18,7 +18,23 @@ func addF32AVX2NT(dst, a, b *float32, n int)
 //go:noescape
 func addF64AVX2NT(dst, a, b *float64, n int)
 
+//go:noescape
+func copyAVX2NT(dst, src *byte, n int)
+
 var hasAVX2 = cpu.X86.HasAVX2
+
+// copyStream copies src to dst with stores that bypass the cache.
+func copyStream(dst, src []byte) {
+	if !hasAVX2 || len(dst) < 256 {
+		copy(dst, src)
+		return
+	}
+	head := int((32 - uintptr(unsafe.Pointer(unsafe.SliceData(dst)))%32) % 32)
+	copy(dst[:head], src[:head])
+	mid := (len(dst) - head) &^ 127
+	copyAVX2NT(&dst[head], &src[head], mid)
+	copy(dst[head+mid:], src[head+mid:])
+}
 
 // addF32 sets d = a + b, with AVX2 where the CPU has it.
 func addF32(d, a, b []float32) {

@@ -5,6 +5,7 @@ package kernel
 
 import (
 	"fmt"
+	"sync"
 	"unsafe"
 
 	"github.com/b7ea7098/loom/comm"
@@ -31,9 +32,58 @@ func Reduce(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
 // anyway: float sums of at least StreamBytes store with instructions that
 // bypass the cache, saving the read-for-ownership of every line.
 func ReduceStream(dt comm.DType, op comm.ReduceOp, dst []byte, srcs ...[]byte) error {
-	return reduce(dt, op, true, dst, srcs)
+	return reduce(dt, op, len(dst) >= StreamBytes, dst, srcs)
 }
 
+// ReduceInto reduces srcs once and writes the result to every destination
+// (all of the same length), block by block through a small buffer, so each
+// source is read once and destinations may alias sources. With stream,
+// destinations of at least StreamBytes are written bypassing the cache.
+func ReduceInto(dt comm.DType, op comm.ReduceOp, stream bool, dsts, srcs [][]byte) error {
+	if len(dsts) == 0 {
+		return nil
+	}
+	stream = stream && len(dsts[0]) >= StreamBytes
+	if len(dsts) == 1 {
+		return reduce(dt, op, stream, dsts[0], srcs)
+	}
+	for _, d := range dsts {
+		if len(d) != len(dsts[0]) {
+			return fmt.Errorf("kernel: reduce destinations of %d and %d bytes", len(d), len(dsts[0]))
+		}
+	}
+	tmp := blockPool.Get().(*[blockBytes]byte)
+	defer blockPool.Put(tmp)
+	view := make([][]byte, len(srcs))
+	n := len(dsts[0])
+	step := blockBytes / dt.Size() * dt.Size()
+	for lo := 0; lo < n; lo += step {
+		hi := min(lo+step, n)
+		for i, s := range srcs {
+			view[i] = s[lo:hi]
+		}
+		t := tmp[:hi-lo]
+		if err := reduce(dt, op, false, t, view); err != nil {
+			return err
+		}
+		for _, d := range dsts {
+			if stream {
+				copyStream(d[lo:hi], t)
+			} else {
+				copy(d[lo:hi], t)
+			}
+		}
+	}
+	return nil
+}
+
+// blockBytes is ReduceInto's staging block: it stays in L1 between the
+// reduction and the copies out.
+const blockBytes = 16 << 10
+
+var blockPool = sync.Pool{New: func() any { return new([blockBytes]byte) }}
+
+// reduce is Reduce, with streaming stores for float sums when stream is set.
 func reduce(dt comm.DType, op comm.ReduceOp, stream bool, dst []byte, srcs [][]byte) error {
 	if len(srcs) == 0 {
 		return fmt.Errorf("kernel: reduce with no sources")
@@ -165,7 +215,7 @@ const StreamBytes = 1 << 20
 func reduceWith[T number](dstBytes []byte, srcs [][]byte, stream bool, add, addStream func(d, a, b []T)) {
 	dst := as[T](dstBytes)
 	last := add
-	if stream && len(dstBytes) >= StreamBytes {
+	if stream {
 		last = addStream
 	}
 	if len(srcs) == 2 {

@@ -176,3 +176,34 @@ func BenchmarkReduceFloat32Sum(b *testing.B) {
 		_ = ReduceStream(comm.Float32, comm.Sum, bytes(z), bytes(x), bytes(y))
 	}
 }
+
+// ReduceInto writes one result to several destinations, which may alias
+// the sources, streaming or not.
+func TestReduceIntoSeveralDestinations(t *testing.T) {
+	for _, dt := range []comm.DType{comm.Float32, comm.Float64, comm.Int32, comm.BFloat16} {
+		for _, n := range []int{0, 5, blockBytes/dt.Size() + 3, StreamBytes/dt.Size() + 77} {
+			for _, stream := range []bool{false, true} {
+				a, b := make([]float64, n), make([]float64, n)
+				for i := range a {
+					a[i], b[i] = float64(i%50), float64(3-i%7)
+				}
+				ra, rb := encode(dt, a), encode(dt, b)
+				other := make([]byte, len(ra))
+				// Destinations: both sources (in place) and a third buffer.
+				if err := ReduceInto(dt, comm.Sum, stream, [][]byte{ra, other, rb}, [][]byte{ra, rb}); err != nil {
+					t.Fatal(err)
+				}
+				for name, got := range map[string][]float64{"a": decode(dt, ra), "b": decode(dt, rb), "other": decode(dt, other)} {
+					for i := range got {
+						if want := a[i] + b[i]; got[i] != want {
+							t.Fatalf("%v n=%d stream=%v %s[%d] = %v, want %v", dt, n, stream, name, i, got[i], want)
+						}
+					}
+				}
+			}
+		}
+	}
+	if err := ReduceInto(comm.Float32, comm.Sum, false, [][]byte{make([]byte, 8), make([]byte, 4)}, [][]byte{make([]byte, 8)}); err == nil {
+		t.Error("destinations of different lengths accepted")
+	}
+}
