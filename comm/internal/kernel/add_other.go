@@ -8,4 +8,4 @@ func addF32(d, a, b []float32)       { combine(comm.Sum, d, a, b) }
 func addF64(d, a, b []float64)       { combine(comm.Sum, d, a, b) }
 func addF32Stream(d, a, b []float32) { combine(comm.Sum, d, a, b) }
 func addF64Stream(d, a, b []float64) { combine(comm.Sum, d, a, b) }
-func copyStream(dst, src []byte)      { copy(dst, src) }
+func copyStream(dst, src []byte)     { copy(dst, src) }
