@@ -1,0 +1,37 @@
+package placement
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors; test for them with errors.Is.
+var (
+	// ErrInvalid: the arguments were rejected before any data moved (a bad
+	// shape or placement, a tensor on another mesh, a plan applied to the
+	// wrong tensor).
+	ErrInvalid = errors.New("invalid argument")
+	// ErrMismatch: ranks disagree about something they must agree on (the
+	// global shape, dtype or placements of a tensor built from local
+	// pieces). Every rank returns it, before any tensor data moves.
+	ErrMismatch = errors.New("ranks disagree")
+	// ErrUnsupported: the request is well formed but not implemented
+	// (Routed placements, whose handle arrives with the MoE package; the
+	// backward of Partial(max|min)).
+	ErrUnsupported = errors.New("unsupported")
+)
+
+// invalidf returns an error for operation op that wraps ErrInvalid.
+func invalidf(op, format string, args ...any) error {
+	return fmt.Errorf("placement: %s: %w: %s", op, ErrInvalid, fmt.Sprintf(format, args...))
+}
+
+// unsupportedf returns an error for operation op that wraps ErrUnsupported.
+func unsupportedf(op, format string, args ...any) error {
+	return fmt.Errorf("placement: %s: %w: %s", op, ErrUnsupported, fmt.Sprintf(format, args...))
+}
+
+// mismatchf returns an error for operation op that wraps ErrMismatch.
+func mismatchf(op, format string, args ...any) error {
+	return fmt.Errorf("placement: %s: %w: %s", op, ErrMismatch, fmt.Sprintf(format, args...))
+}

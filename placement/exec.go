@@ -1,0 +1,266 @@
+package placement
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/mesh"
+)
+
+// elem is the set of element types a DTensor can hold.
+type elem interface{ float32 | float64 }
+
+// block is one rank's local data: a row-major array of shape.
+type block[T elem] struct {
+	shape []int
+	data  []T
+}
+
+// strides returns row-major strides of shape.
+func strides(shape []int) []int {
+	s := make([]int, len(shape))
+	n := 1
+	for i := len(shape) - 1; i >= 0; i-- {
+		s[i] = n
+		n *= shape[i]
+	}
+	return s
+}
+
+// copyBox copies the box of the given size at soff in src (shape sshape)
+// to doff in dst (shape dshape).
+func copyBox[T any](dst []T, dshape, doff []int, src []T, sshape, soff []int, size []int) {
+	nd := len(size)
+	if nd == 0 {
+		dst[0] = src[0]
+		return
+	}
+	for _, v := range size {
+		if v == 0 {
+			return
+		}
+	}
+	ds, ss := strides(dshape), strides(sshape)
+	row := size[nd-1]
+	idx := make([]int, nd-1)
+	for {
+		di, si := doff[nd-1], soff[nd-1]
+		for k := 0; k < nd-1; k++ {
+			di += (doff[k] + idx[k]) * ds[k]
+			si += (soff[k] + idx[k]) * ss[k]
+		}
+		copy(dst[di:di+row], src[si:si+row])
+		k := nd - 2
+		for ; k >= 0; k-- {
+			idx[k]++
+			if idx[k] < size[k] {
+				break
+			}
+			idx[k] = 0
+		}
+		if k < 0 {
+			return
+		}
+	}
+}
+
+// with returns a copy of s with s[d] = v.
+func with(s []int, d, v int) []int {
+	c := slices.Clone(s)
+	c[d] = v
+	return c
+}
+
+// at returns a zero offset of length n with position d set to v.
+func at(n, d, v int) []int {
+	o := make([]int, n)
+	o[d] = v
+	return o
+}
+
+// execute runs steps on this rank. Steps up to the cross-mesh step (if
+// any) run on src, the rest on dst.
+func execute[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x block[T]) (block[T], error) {
+	m := src
+	shape := pl.src.shape
+	orig := x.data
+	for i := range pl.steps {
+		st := &pl.steps[i]
+		var err error
+		if st.Kind == StepDirect {
+			x, err = crossExec(ctx, pl, src, dst, x)
+			m = dst
+		} else {
+			x, err = stepExec(ctx, st, shape, m, x)
+		}
+		if err != nil {
+			return x, fmt.Errorf("placement: step %d (%s): %w", i+1, st, err)
+		}
+	}
+	if len(x.data) > 0 && len(orig) > 0 && &x.data[0] == &orig[0] {
+		x.data = slices.Clone(x.data)
+	}
+	return x, nil
+}
+
+// stepExec runs one per-axis step.
+func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, x block[T]) (block[T], error) {
+	coord := m.Coord()
+	pre := st.pre
+	a := st.Axis
+	k := pre.mshape[a]
+	me := coord[a]
+	ls := x.shape
+	nd := len(ls)
+	var c comm.Communicator
+	if st.Collective != 0 {
+		var err error
+		if c, err = m.Comm(ctx, st.AxisName); err != nil {
+			return x, err
+		}
+	}
+	switch st.Kind {
+	case StepAllGather:
+		d := st.Dim
+		par := parentLen(shape, pre, d, coord)
+		maxp := (par + k - 1) / k
+		rest := int(restOf(ls, d))
+		blk := maxp * rest
+		send := x.data
+		if len(send) != blk {
+			send = make([]T, blk)
+			copy(send, x.data)
+		}
+		recv := make([]T, k*blk)
+		if err := comm.AllGather(ctx, c, comm.Host(send), comm.Host(recv)); err != nil {
+			return x, err
+		}
+		out := block[T]{shape: with(ls, d, par)}
+		if blk == 0 || (d == firstNonUnit(out.shape) && par == k*maxp) {
+			out.data = recv[:prod(out.shape)]
+			return out, nil
+		}
+		out.data = make([]T, prod(out.shape))
+		for r := range k {
+			off, sz := chunk(par, k, r)
+			ps := with(ls, d, sz)
+			copyBox(out.data, out.shape, at(nd, d, off), recv[r*blk:], ps, make([]int, nd), ps)
+		}
+		return out, nil
+
+	case StepReduceScatter:
+		d := st.Dim
+		par := ls[d]
+		maxp := (par + k - 1) / k
+		rest := int(restOf(ls, d))
+		blk := maxp * rest
+		send := make([]T, k*blk)
+		for r := range k {
+			off, sz := chunk(par, k, r)
+			ps := with(ls, d, sz)
+			copyBox(send[r*blk:], ps, make([]int, nd), x.data, ls, at(nd, d, off), ps)
+		}
+		recv := make([]T, blk)
+		if err := comm.ReduceScatter(ctx, c, comm.Host(send), comm.Host(recv), st.Reduce); err != nil {
+			return x, err
+		}
+		_, sz := chunk(par, k, me)
+		out := block[T]{shape: with(ls, d, sz)}
+		out.data = recv[:prod(out.shape)]
+		return out, nil
+
+	case StepAllReduce:
+		out := block[T]{shape: ls, data: slices.Clone(x.data)}
+		b := comm.Host(out.data)
+		if err := comm.AllReduce(ctx, c, b, b, st.Reduce); err != nil {
+			return x, err
+		}
+		return out, nil
+
+	case StepAllToAll:
+		i, j := st.Dim, st.ToDim
+		parI := parentLen(shape, pre, i, coord)
+		parJ := ls[j]
+		sendCounts := make([]int, k)
+		recvCounts := make([]int, k)
+		_, myJ := chunk(parJ, k, me)
+		for r := range k {
+			_, szJ := chunk(parJ, k, r)
+			sendCounts[r] = prod(with(ls, j, szJ))
+			_, szI := chunk(parI, k, r)
+			recvCounts[r] = prod(with(with(ls, i, szI), j, myJ))
+		}
+		send := make([]T, len(x.data))
+		pos := 0
+		for r := range k {
+			offJ, szJ := chunk(parJ, k, r)
+			bs := with(ls, j, szJ)
+			copyBox(send[pos:], bs, make([]int, nd), x.data, ls, at(nd, j, offJ), bs)
+			pos += sendCounts[r]
+		}
+		recv := make([]T, sum(recvCounts))
+		var err error
+		if parI%k == 0 && parJ%k == 0 {
+			err = comm.AllToAll(ctx, c, comm.Host(send), comm.Host(recv))
+		} else {
+			err = comm.AllToAllV(ctx, c, comm.Host(send), comm.Host(recv), sendCounts, recvCounts)
+		}
+		if err != nil {
+			return x, err
+		}
+		out := block[T]{shape: with(with(ls, i, parI), j, myJ)}
+		out.data = make([]T, prod(out.shape))
+		pos = 0
+		for r := range k {
+			offI, szI := chunk(parI, k, r)
+			bs := with(with(ls, i, szI), j, myJ)
+			copyBox(out.data, out.shape, at(nd, i, offI), recv[pos:], bs, make([]int, nd), bs)
+			pos += recvCounts[r]
+		}
+		return out, nil
+
+	case StepChunk:
+		d := st.Dim
+		off, sz := chunk(ls[d], k, me)
+		out := block[T]{shape: with(ls, d, sz)}
+		out.data = make([]T, prod(out.shape))
+		copyBox(out.data, out.shape, make([]int, nd), x.data, ls, at(nd, d, off), out.shape)
+		return out, nil
+
+	case StepToPartial:
+		if st.To.op == comm.Sum && me != 0 {
+			return block[T]{shape: ls, data: make([]T, len(x.data))}, nil
+		}
+		return x, nil
+
+	case StepShardToPartial:
+		d := st.Dim
+		par := parentLen(shape, pre, d, coord)
+		off, _ := chunk(par, k, me)
+		out := block[T]{shape: with(ls, d, par)}
+		out.data = make([]T, prod(out.shape))
+		copyBox(out.data, out.shape, at(nd, d, off), x.data, ls, make([]int, nd), ls)
+		return out, nil
+	}
+	return x, fmt.Errorf("unknown step kind %v", st.Kind)
+}
+
+// firstNonUnit returns the first dim whose size is not 1, or 0.
+func firstNonUnit(shape []int) int {
+	for i, v := range shape {
+		if v != 1 {
+			return i
+		}
+	}
+	return 0
+}
+
+func sum(v []int) int {
+	n := 0
+	for _, x := range v {
+		n += x
+	}
+	return n
+}

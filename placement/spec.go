@@ -1,0 +1,373 @@
+package placement
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/mesh"
+)
+
+// Spec describes one global tensor laid out over a mesh: the mesh, the
+// global shape, the element type, one placement per mesh axis and, for
+// every tensor dim sharded by several axes, the order of those axes (outer
+// to inner). A Spec is immutable and belongs to the rank whose mesh it
+// holds.
+type Spec struct {
+	m *mesh.Mesh
+	l *layout
+}
+
+// layout is the rank-independent part of a Spec: everything planning needs.
+// It is immutable once built.
+type layout struct {
+	names  []string
+	mshape []int
+	ranks  []int // world rank at every mesh position
+	shape  []int
+	dtype  comm.DType
+	places []Placement
+	order  [][]int // per tensor dim: the mesh axes sharding it, outer to inner
+	key    string
+}
+
+// SpecOption configures NewSpec.
+type SpecOption func(*specConfig)
+
+type specConfig struct {
+	orders map[int][]string
+	err    error
+}
+
+// WithOrder sets the order, outer to inner, of the mesh axes that shard
+// tensor dim: the first axis splits the whole dim, the next splits each of
+// those pieces, and so on. The axes must be exactly the axes whose placement
+// is Shard(dim). Without it the order is mesh-axis order. FSDP over TP on a
+// ("dp","tp") mesh with both axes on Shard(0) is WithOrder(0, "tp", "dp"):
+// TP shards first and FSDP shards each TP shard (PyTorch's _StridedShard).
+func WithOrder(dim int, axes ...string) SpecOption {
+	return func(c *specConfig) {
+		if c.orders == nil {
+			c.orders = map[int][]string{}
+		}
+		if _, dup := c.orders[dim]; dup && c.err == nil {
+			c.err = fmt.Errorf("WithOrder given twice for dim %d", dim)
+		}
+		c.orders[dim] = slices.Clone(axes)
+	}
+}
+
+// NewSpec builds a spec for a tensor of the given global shape and dtype
+// (Float32 or Float64) on m, with one placement per mesh axis. Every global
+// dim must be positive (gorgonia tensors cannot be empty); local shards may
+// still be empty. Errors wrap ErrInvalid.
+func NewSpec(m *mesh.Mesh, shape []int, dtype comm.DType, placements []Placement, opts ...SpecOption) (*Spec, error) {
+	const op = "NewSpec"
+	if m == nil {
+		return nil, invalidf(op, "nil mesh")
+	}
+	var cfg specConfig
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if cfg.err != nil {
+		return nil, invalidf(op, "%v", cfg.err)
+	}
+	l := &layout{
+		names:  m.Names(),
+		mshape: m.Shape(),
+		ranks:  m.WorldRanks(),
+		shape:  slices.Clone(shape),
+		dtype:  dtype,
+		places: slices.Clone(placements),
+	}
+	orders := make(map[int][]int, len(cfg.orders))
+	for d, names := range cfg.orders {
+		axes := make([]int, len(names))
+		for i, n := range names {
+			a := slices.Index(l.names, n)
+			if a < 0 {
+				return nil, invalidf(op, "WithOrder(%d): unknown mesh axis %q (mesh axes: %s)", d, n, strings.Join(l.names, ", "))
+			}
+			axes[i] = a
+		}
+		orders[d] = axes
+	}
+	if err := l.init(orders); err != nil {
+		return nil, invalidf(op, "%v", err)
+	}
+	return &Spec{m: m, l: l}, nil
+}
+
+// init validates the layout, fills in the shard order and computes the key.
+// orders holds explicit orders by tensor dim (mesh axis indices).
+func (l *layout) init(orders map[int][]int) error {
+	if l.dtype != comm.Float32 && l.dtype != comm.Float64 {
+		return fmt.Errorf("dtype %v: want float32 or float64", l.dtype)
+	}
+	for i, n := range l.shape {
+		if n <= 0 {
+			return fmt.Errorf("global shape %v: dim %d is %d; global dims must be positive", l.shape, i, n)
+		}
+	}
+	if len(l.places) != len(l.mshape) {
+		return fmt.Errorf("%d placements %v for a mesh with %d axes %v", len(l.places), l.places, len(l.mshape), l.names)
+	}
+	var partialOps []comm.ReduceOp
+	for a, p := range l.places {
+		if err := p.validate(len(l.shape)); err != nil {
+			return fmt.Errorf("placement %d (mesh axis %q): %v", a, l.names[a], err)
+		}
+		if p.IsPartial() && !slices.Contains(partialOps, p.op) {
+			partialOps = append(partialOps, p.op)
+		}
+	}
+	if len(partialOps) > 1 {
+		for _, op := range partialOps {
+			if !linear(op) {
+				return fmt.Errorf("placements %v mix Partial(%v) with other reduce ops; the order of reduction would change the value", l.places, op)
+			}
+		}
+	}
+	l.order = make([][]int, len(l.shape))
+	for d := range l.shape {
+		var def []int
+		for a, p := range l.places {
+			if p.IsShard() && p.dim == d {
+				def = append(def, a)
+			}
+		}
+		if o, ok := orders[d]; ok {
+			if d < 0 || d >= len(l.shape) {
+				return fmt.Errorf("WithOrder(%d): dim out of range for a %d-d tensor", d, len(l.shape))
+			}
+			s := slices.Clone(o)
+			slices.Sort(s)
+			if !slices.Equal(s, def) {
+				return fmt.Errorf("WithOrder(%d) names axes %v, but the axes on Shard(%d) are %v", d, l.axisNames(o), d, l.axisNames(def))
+			}
+			def = slices.Clone(o)
+		}
+		l.order[d] = def
+	}
+	for d := range orders {
+		if d < 0 || d >= len(l.shape) {
+			return fmt.Errorf("WithOrder(%d): dim out of range for a %d-d tensor", d, len(l.shape))
+		}
+	}
+	l.key = l.computeKey()
+	return nil
+}
+
+func (l *layout) axisNames(axes []int) []string {
+	out := make([]string, len(axes))
+	for i, a := range axes {
+		out[i] = l.names[a]
+	}
+	return out
+}
+
+// meshKey identifies the mesh layout (names, shape, world ranks).
+func (l *layout) meshKey() string {
+	var b strings.Builder
+	for i, n := range l.names {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, "%s=%d", n, l.mshape[i])
+	}
+	b.WriteString("@")
+	if isIota(l.ranks) {
+		fmt.Fprintf(&b, "0..%d", len(l.ranks)-1)
+	} else {
+		for i, r := range l.ranks {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.WriteString(strconv.Itoa(r))
+		}
+	}
+	return b.String()
+}
+
+func (l *layout) computeKey() string {
+	var b strings.Builder
+	b.WriteString(l.meshKey())
+	fmt.Fprintf(&b, "|%v|%v|%v|", l.shape, l.dtype, l.places)
+	for _, o := range l.order {
+		fmt.Fprintf(&b, "%v", o)
+	}
+	return b.String()
+}
+
+func isIota(r []int) bool {
+	for i, v := range r {
+		if v != i {
+			return false
+		}
+	}
+	return true
+}
+
+// sameMesh reports whether two layouts are on the same mesh layout.
+func (l *layout) sameMesh(o *layout) bool {
+	return slices.Equal(l.names, o.names) && slices.Equal(l.mshape, o.mshape) && slices.Equal(l.ranks, o.ranks)
+}
+
+// withPlacements returns a copy with other placements and default order.
+func (l *layout) withPlacements(places []Placement, orders map[int][]int) (*layout, error) {
+	n := &layout{names: l.names, mshape: l.mshape, ranks: l.ranks, shape: l.shape, dtype: l.dtype, places: slices.Clone(places)}
+	if err := n.init(orders); err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+// hasRouted reports whether any placement is Routed.
+func (l *layout) hasRouted() bool {
+	return slices.ContainsFunc(l.places, Placement.IsRouted)
+}
+
+// String describes the layout: "[6 4] float32 on (dp=2, tp=4): [S(0) S(0)] order 0:[tp dp]".
+func (l *layout) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%v %v on (", l.shape, l.dtype)
+	for i, n := range l.names {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s=%d", n, l.mshape[i])
+	}
+	fmt.Fprintf(&b, "): %v", l.places)
+	if s := l.orderString(); s != "" {
+		b.WriteString(" order " + s)
+	}
+	return b.String()
+}
+
+// orderString lists non-default shard orders ("0:[tp dp]"), or "".
+func (l *layout) orderString() string {
+	var parts []string
+	for d, o := range l.order {
+		if len(o) > 1 && !slices.IsSorted(o) {
+			parts = append(parts, fmt.Sprintf("%d:%v", d, l.axisNames(o)))
+		}
+	}
+	return strings.Join(parts, " ")
+}
+
+// Mesh returns the mesh the tensor lives on.
+func (s *Spec) Mesh() *mesh.Mesh { return s.m }
+
+// Shape returns the global shape.
+func (s *Spec) Shape() []int { return slices.Clone(s.l.shape) }
+
+// DType returns the element type.
+func (s *Spec) DType() comm.DType { return s.l.dtype }
+
+// Placements returns one placement per mesh axis.
+func (s *Spec) Placements() []Placement { return slices.Clone(s.l.places) }
+
+// Order returns the mesh axes (by name) that shard tensor dim, outer to
+// inner; it is empty for an unsharded dim.
+func (s *Spec) Order(dim int) []string {
+	if dim < 0 || dim >= len(s.l.order) {
+		return nil
+	}
+	return s.l.axisNames(s.l.order[dim])
+}
+
+// String describes the spec, e.g.
+// "[6 4] float32 on (dp=2, tp=4): [S(0) S(0)] order 0:[tp dp]".
+func (s *Spec) String() string { return s.l.String() }
+
+// Equal reports whether two specs describe the same layout on the same mesh
+// layout (axis names, sizes and world ranks).
+func (s *Spec) Equal(o *Spec) bool {
+	return s != nil && o != nil && s.l.key == o.l.key
+}
+
+// With returns a spec on the same mesh with the same shape and dtype and new
+// placements (and shard orders given by opts).
+func (s *Spec) With(placements []Placement, opts ...SpecOption) (*Spec, error) {
+	return NewSpec(s.m, s.l.shape, s.l.dtype, placements, opts...)
+}
+
+// OnMesh returns a spec with the same shape and dtype on another mesh with
+// the given placements (for redistribution between meshes).
+func (s *Spec) OnMesh(m *mesh.Mesh, placements []Placement, opts ...SpecOption) (*Spec, error) {
+	return NewSpec(m, s.l.shape, s.l.dtype, placements, opts...)
+}
+
+// Box returns the offset and size in every tensor dim of the block that the
+// mesh rank meshRank (a position in the mesh view, not a world rank) holds.
+// Partial axes do not affect it; sizes may be 0 (empty shard). Routed
+// placements have no box.
+func (s *Spec) Box(meshRank int) (offset, size []int, err error) {
+	if s.l.hasRouted() {
+		return nil, nil, unsupportedf("Box", "Routed placements have no static layout (the moe package assigns rows)")
+	}
+	coord, err := s.m.CoordOf(meshRank)
+	if err != nil {
+		return nil, nil, invalidf("Box", "%v", err)
+	}
+	off, sz := boxOf(s.l.shape, s.l.mshape, s.l.order, coord)
+	return off, sz, nil
+}
+
+// LocalShape returns the shape of this rank's local block.
+func (s *Spec) LocalShape() []int {
+	_, sz := boxOf(s.l.shape, s.l.mshape, s.l.order, s.m.Coord())
+	return sz
+}
+
+// chunk returns the offset and size of piece c of n split over k with the
+// torch.chunk rule: chunk = ceil(n/k); trailing pieces may be short or empty
+// (an empty piece has offset n).
+func chunk(n, k, c int) (off, size int) {
+	if k <= 1 {
+		return 0, n
+	}
+	ch := (n + k - 1) / k
+	off = min(c*ch, n)
+	size = min(ch, n-off)
+	return off, size
+}
+
+// boxOf applies the nested chunk rule: for every tensor dim, each mesh axis
+// in order (outer to inner) splits the piece the previous axes left.
+func boxOf(shape, mshape []int, order [][]int, coord []int) (off, size []int) {
+	off = make([]int, len(shape))
+	size = make([]int, len(shape))
+	for d, n := range shape {
+		o := 0
+		for _, a := range order[d] {
+			co, cs := chunk(n, mshape[a], coord[a])
+			o += co
+			n = cs
+		}
+		off[d], size[d] = o, n
+	}
+	return off, size
+}
+
+// prod is the product of dims (1 for none).
+func prod(dims []int) int {
+	n := 1
+	for _, d := range dims {
+		n *= d
+	}
+	return n
+}
+
+// unravel returns the coordinate of row-major position p over shape.
+func unravel(p int, shape []int) []int {
+	c := make([]int, len(shape))
+	for i := len(shape) - 1; i >= 0; i-- {
+		c[i] = p % shape[i]
+		p /= shape[i]
+	}
+	return c
+}
