@@ -52,9 +52,11 @@ func ReduceInto(dt comm.DType, op comm.ReduceOp, stream bool, dsts, srcs [][]byt
 			return fmt.Errorf("kernel: reduce destinations of %d and %d bytes", len(d), len(dsts[0]))
 		}
 	}
-	tmp := blockPool.Get().(*[blockBytes]byte)
-	defer blockPool.Put(tmp)
-	view := make([][]byte, len(srcs))
+	st := stagingPool.Get().(*staging)
+	defer stagingPool.Put(st)
+	tmp := &st.block
+	view := append(st.view[:0], srcs...)
+	defer func() { clear(view); st.view = view[:0] }()
 	n := len(dsts[0])
 	step := blockBytes / dt.Size() * dt.Size()
 	for lo := 0; lo < n; lo += step {
@@ -81,7 +83,13 @@ func ReduceInto(dt comm.DType, op comm.ReduceOp, stream bool, dsts, srcs [][]byt
 // reduction and the copies out.
 const blockBytes = 16 << 10
 
-var blockPool = sync.Pool{New: func() any { return new([blockBytes]byte) }}
+// staging is ReduceInto's reusable block and source views.
+type staging struct {
+	block [blockBytes]byte
+	view  [][]byte
+}
+
+var stagingPool = sync.Pool{New: func() any { return new(staging) }}
 
 // reduce is Reduce, with streaming stores for float sums when stream is set.
 func reduce(dt comm.DType, op comm.ReduceOp, stream bool, dst []byte, srcs [][]byte) error {
