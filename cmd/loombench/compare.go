@@ -11,60 +11,122 @@ import (
 	"github.com/b7ea7098/loom/comm"
 )
 
-// compareAll is the -compare mode: for each op and size it measures auto
-// and every algorithm the backend can force, interleaved in rounds so that
-// a noisy machine affects them alike, and prints each median with the
-// ratio of auto to the best forced algorithm. It returns the exit code.
+// variant is one (operation, algorithm) pair the comparison mode measures.
+type variant struct {
+	op   benchOp
+	algo comm.Algorithm
+}
+
+func (v variant) String() string {
+	if v.algo == comm.Auto {
+		return v.op.String()
+	}
+	return v.algo.String()
+}
+
+// compareAll is the -compare mode. With one op it measures auto and every
+// algorithm the backend can force, and reports auto against the best
+// forced one; with several ops it measures each op (auto) and reports bus
+// bandwidth relative to the first. Variants are interleaved in rounds at
+// every size so that a noisy machine affects them alike. It returns the
+// exit code.
 func compareAll(ctx context.Context, cfg *config, be backend, opts comm.Options, out io.Writer) int {
-	code := 0
-	for _, op := range cfg.ops {
+	var groups [][]variant
+	if len(cfg.ops) > 1 {
+		var g []variant
+		for _, op := range cfg.ops {
+			g = append(g, variant{op, comm.Auto})
+		}
+		groups = append(groups, g)
+	} else {
+		op := cfg.ops[0]
 		algos, err := resolveAlgorithms([]string{"all"}, op, be)
 		if err != nil || op.op == comm.OpSend {
-			fmt.Fprintf(out, "# %v: nothing to compare\n", op)
-			continue
+			fmt.Fprintf(out, "# %v: no algorithms to compare\n", op)
+			return 1
 		}
-		fmt.Fprintf(out, "#\n# op=%v ranks=%d rounds=%d iters=%d: median time per call (us); auto chose; auto/best\n", op, cfg.ranks, cfg.compare, cfg.iters)
+		var g []variant
+		for _, a := range algos {
+			g = append(g, variant{op, a})
+		}
+		groups = append(groups, g)
+	}
+	code := 0
+	for _, vs := range groups {
+		byOps := vs[0].op != vs[len(vs)-1].op
+		what := "median time per call (us); auto chose; auto/best"
+		if byOps {
+			what = "median busbw (GB/s); ratio to the first op"
+		}
+		fmt.Fprintf(out, "#\n# ranks=%d rounds=%d iters=%d: %s\n", cfg.ranks, cfg.compare, cfg.iters, what)
 		var head strings.Builder
 		fmt.Fprintf(&head, "# %12s", "size")
-		for _, a := range algos {
-			fmt.Fprintf(&head, " %10.10s", a)
+		for _, v := range vs {
+			fmt.Fprintf(&head, " %10.10s", v)
 		}
-		fmt.Fprintf(&head, "  %-18s %s\n", "chose", "auto/best")
+		if byOps {
+			head.WriteString("  ratios\n")
+		} else {
+			fmt.Fprintf(&head, "  %-18s %s\n", "chose", "auto/best")
+		}
 		fmt.Fprint(out, head.String())
-		worst := 0.0
+		worst := 1.0
 		for _, size := range cfg.sizes {
-			sh := shapeOf(op, size, cfg.dtype.Size(), cfg.ranks)
-			times, chose, err := compareSize(ctx, cfg, be, opts, op, sh, algos)
+			shapes := make([]shape, len(vs))
+			for i, v := range vs {
+				shapes[i] = shapeOf(v.op, size, cfg.dtype.Size(), cfg.ranks)
+			}
+			times, chose, err := compareSize(ctx, cfg, be, opts, vs, shapes)
 			if err != nil {
-				fmt.Fprintf(out, "# error: %v size %d B: %v\n", op, sh.bytes, err)
+				fmt.Fprintf(out, "# error: size %d B: %v\n", size, err)
 				code = 1
 				continue
 			}
+			fmt.Fprintf(out, "  %12d", shapes[0].bytes)
+			if byOps {
+				bws := make([]float64, len(vs))
+				for i, v := range vs {
+					_, bws[i] = bandwidths(v.op, cfg.ranks, shapes[i].bytes, times[i].Seconds())
+					fmt.Fprintf(out, " %10.2f", bws[i])
+				}
+				fmt.Fprint(out, " ")
+				for i := 1; i < len(vs); i++ {
+					r := bws[i] / bws[0]
+					worst = min(worst, r)
+					fmt.Fprintf(out, " %.2f", r)
+				}
+				fmt.Fprintln(out)
+				continue
+			}
 			best := time.Duration(1<<63 - 1)
-			for i, a := range algos {
-				if a != comm.Auto {
+			for i, v := range vs {
+				if v.algo != comm.Auto {
 					best = min(best, times[i])
 				}
 			}
 			ratio := float64(times[0]) / float64(best)
 			worst = max(worst, ratio)
-			fmt.Fprintf(out, "  %12d", sh.bytes)
 			for _, t := range times {
 				fmt.Fprintf(out, " %10s", formatTime(t))
 			}
 			fmt.Fprintf(out, "  %-18s %.2f\n", chose, ratio)
 		}
-		fmt.Fprintf(out, "# worst auto/best: %.2f\n", worst)
+		if byOps {
+			fmt.Fprintf(out, "# lowest ratio: %.2f\n", worst)
+		} else {
+			fmt.Fprintf(out, "# worst auto/best: %.2f\n", worst)
+		}
 	}
 	return code
 }
 
 // compareSize measures one size: rounds of (warmup, timed iterations) for
-// each algorithm in turn. It returns the median per algorithm over all
-// rounds (an iteration's time is the slowest rank's) and what auto chose.
-func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options, op benchOp, sh shape, algos []comm.Algorithm) ([]time.Duration, string, error) {
+// each variant in turn. It returns the median per variant over all rounds
+// (an iteration's time is the slowest rank's) and what auto chose for the
+// first variant.
+func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options, vs []variant, shapes []shape) ([]time.Duration, string, error) {
 	n := cfg.compare * cfg.iters
-	durs := make([][][]time.Duration, len(algos)) // [algo][rank][iteration]
+	durs := make([][][]time.Duration, len(vs)) // [variant][rank][iteration]
 	for i := range durs {
 		durs[i] = make([][]time.Duration, cfg.ranks)
 		for r := range durs[i] {
@@ -74,37 +136,40 @@ func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options
 	var chose string
 	err := be.run(ctx, cfg.ranks, opts, func(ctx context.Context, c comm.Communicator) error {
 		r := c.Rank()
-		sendLen, bufLen := bufferLens(op, sh, r)
-		send, err := comm.NewHostBuffer(cfg.dtype, sendLen)
-		if err != nil {
-			return err
+		ls := make([]layout, len(vs))
+		for i, v := range vs {
+			sendLen, bufLen := bufferLens(v.op, shapes[i], r)
+			send, err := comm.NewHostBuffer(cfg.dtype, sendLen)
+			if err != nil {
+				return err
+			}
+			buf, err := comm.NewHostBuffer(cfg.dtype, bufLen)
+			if err != nil {
+				return err
+			}
+			ls[i] = layoutFor(v.op, shapes[i], outOfPlace, r, c.Size(), cfg.root, send, buf)
+			ls[i].call.Algorithm = v.algo
+			if v.op.op.Reduces() {
+				ls[i].call.Reduce = cfg.redop
+			}
+			ls[i].prepare(cfg.redop == comm.Prod, false)
 		}
-		buf, err := comm.NewHostBuffer(cfg.dtype, bufLen)
-		if err != nil {
-			return err
-		}
-		l := layoutFor(op, sh, outOfPlace, r, c.Size(), cfg.root, send, buf)
-		if op.op.Reduces() {
-			l.call.Reduce = cfg.redop
-		}
-		l.prepare(cfg.redop == comm.Prod, false)
 		for round := 0; round < cfg.compare; round++ {
-			for i, a := range algos {
-				l.call.Algorithm = a
+			for i, v := range vs {
 				for range cfg.warmup {
-					if err := l.issue(ctx, c); err != nil {
-						return fmt.Errorf("%v: %w", a, err)
+					if err := ls[i].issue(ctx, c); err != nil {
+						return fmt.Errorf("%v: %w", v, err)
 					}
 				}
 				for it := 0; it < cfg.iters; it++ {
 					t0 := time.Now()
-					if err := l.issue(ctx, c); err != nil {
-						return fmt.Errorf("%v: %w", a, err)
+					if err := ls[i].issue(ctx, c); err != nil {
+						return fmt.Errorf("%v: %w", v, err)
 					}
 					durs[i][r][round*cfg.iters+it] = time.Since(t0)
 				}
-				if a == comm.Auto && r == 0 {
-					chose = lastAlgorithm(c.Recorder(), op.op)
+				if i == 0 && v.algo == comm.Auto && r == 0 {
+					chose = lastAlgorithm(c.Recorder(), v.op.op)
 				}
 			}
 		}
@@ -113,8 +178,8 @@ func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options
 	if err != nil {
 		return nil, "", err
 	}
-	out := make([]time.Duration, len(algos))
-	for i := range algos {
+	out := make([]time.Duration, len(vs))
+	for i := range vs {
 		out[i] = median(slices.Clone(iterationTimes(durs[i])))
 	}
 	return out, chose, nil
