@@ -62,9 +62,10 @@
 // reduce-scatter -> all-gather, all-to-all(i->j) -> all-to-all(j->i),
 // chunk -> all-gather, R->P(sum) -> identity, S->P(sum) -> chunk. Inner
 // computes the cross-rank pairing <x, y> under which the backward plan is
-// the adjoint. Partial(max|min) is not linear: its gradient would go to the
-// rank whose value won, which needs the forward values, so Backward returns
-// ErrUnsupported for it.
+// the adjoint. Partial(max|min) is not linear: its gradient goes to the
+// rank whose value won (ties to the lowest rank), which needs the forward
+// values, so Backward returns ErrUnsupported for it and ExtremumGrad, given
+// the forward source and result, computes it (laid out as Partial(sum)).
 //
 // # SPMD
 //

@@ -15,7 +15,7 @@ func cotangent(op string, l *layout) (*layout, error) {
 	for a, p := range places {
 		if p.IsPartial() {
 			if !linear(p.op) {
-				return nil, unsupportedf(op, "%v on mesh axis %q is not linear: its gradient goes to the rank whose value won (ties to the lowest rank), which needs the forward values; the duality table does not produce it, so backward of a plan touching Partial(max|min) is not supported", p, l.names[a])
+				return nil, unsupportedf(op, "%v on mesh axis %q is not linear: its gradient goes to the rank whose value won (ties to the lowest rank), which needs the forward values: use Planner.ExtremumGrad", p, l.names[a])
 			}
 			places[a] = Replicate()
 		}

@@ -191,7 +191,8 @@ func (s Step) String() string {
 
 // Planner plans redistributions and caches the plans by (source spec,
 // destination spec). It is safe for concurrent use, and since plans hold no
-// rank-specific data, one Planner may serve every rank of a process.
+// rank-specific data, one Planner may serve every rank of a process. The
+// zero Planner is ready to use, with no cost model and no consistency check.
 type Planner struct {
 	model *comm.CostModel
 	check bool
@@ -255,6 +256,9 @@ func (p *Planner) planLayouts(src, dst *layout) (*Plan, error) {
 		if old, ok := p.cache[key]; ok {
 			pl = old
 		} else {
+			if p.cache == nil { // the zero Planner is ready to use
+				p.cache = map[string]*Plan{}
+			}
 			p.cache[key] = pl
 		}
 		p.mu.Unlock()
