@@ -1,0 +1,312 @@
+package kernels
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+)
+
+// EnvVar names the environment variable that forces the GEMM backend:
+// "openblas", "blis", "go" (pure Go), or a path to a CBLAS shared library.
+// Empty or unset means automatic selection. [WithLibrary] takes precedence.
+const EnvVar = "LOOM_BLAS"
+
+// Backend identifies the implementation behind a [BLAS].
+type Backend int
+
+const (
+	// BackendGo is the pure-Go GEMM.
+	BackendGo Backend = iota
+	// BackendOpenBLAS is OpenBLAS loaded at run time.
+	BackendOpenBLAS
+	// BackendBLIS is BLIS loaded at run time.
+	BackendBLIS
+	// BackendCBLAS is another library exporting the CBLAS interface.
+	BackendCBLAS
+)
+
+// String returns the backend's short name: "pure-go", "openblas", "blis" or "cblas".
+func (k Backend) String() string {
+	switch k {
+	case BackendGo:
+		return "pure-go"
+	case BackendOpenBLAS:
+		return "openblas"
+	case BackendBLIS:
+		return "blis"
+	case BackendCBLAS:
+		return "cblas"
+	}
+	return fmt.Sprintf("Backend(%d)", int(k))
+}
+
+// Option configures [Load].
+type Option func(*config)
+
+type config struct {
+	lib     string
+	libSet  bool
+	threads int
+}
+
+// WithLibrary forces the backend, overriding the [EnvVar] environment
+// variable. spec is "openblas", "blis", "go", a path to a shared library, or
+// "" for automatic selection.
+func WithLibrary(spec string) Option {
+	return func(c *config) { c.lib, c.libSet = spec, true }
+}
+
+// WithThreads sets the number of threads GEMM may use. For OpenBLAS and BLIS
+// this changes the library's process-wide setting; for the pure-Go GEMM it
+// bounds the goroutines of each call. n <= 0 keeps the defaults.
+func WithThreads(n int) Option {
+	return func(c *config) { c.threads = n }
+}
+
+// BLAS computes GEMM on the backend chosen by [Load]. A *BLAS is safe for
+// concurrent use. Its methods never panic on bad arguments; they return an
+// error instead.
+type BLAS struct {
+	backend Backend
+	path    string
+	conf    string
+	tried   []string
+	lib     *cblasLib // nil for BackendGo
+	gog     *goGEMM
+}
+
+// Load selects and loads a GEMM backend as described in the package
+// documentation. Each call opens the library anew (dlopen reference-counts
+// it, so this is cheap); use [Default] to share one instance.
+//
+// In automatic mode Load does not fail: without a usable library it returns
+// the pure-Go backend. When a library is forced (by [WithLibrary] or
+// [EnvVar]) and cannot be loaded, Load returns an error.
+func Load(opts ...Option) (*BLAS, error) {
+	var cfg config
+	for _, o := range opts {
+		o(&cfg)
+	}
+	spec := cfg.lib
+	if !cfg.libSet {
+		spec = os.Getenv(EnvVar)
+	}
+	spec = strings.TrimSpace(spec)
+	threads := cfg.threads
+	if threads <= 0 {
+		threads = runtime.GOMAXPROCS(0)
+	}
+	b := &BLAS{backend: BackendGo, gog: newGoGEMM(threads)}
+
+	var cands []string
+	forced := true
+	switch strings.ToLower(spec) {
+	case "go", "pure-go", "purego", "none":
+		return b, nil
+	case "", "auto":
+		forced = false
+		cands = autoCandidates()
+	case "openblas":
+		cands = openblasCandidates()
+	case "blis":
+		cands = blisCandidates()
+	default:
+		cands = []string{spec}
+	}
+	for _, name := range cands {
+		lib, err := openCBLAS(name)
+		if err != nil {
+			b.tried = append(b.tried, fmt.Sprintf("%s: %v", name, err))
+			continue
+		}
+		b.lib = lib
+		b.backend = lib.backend
+		b.path = lib.path
+		b.conf = lib.config()
+		if cfg.threads > 0 {
+			lib.setThreads(cfg.threads)
+		}
+		return b, nil
+	}
+	if forced {
+		return nil, fmt.Errorf("kernels: %s=%q: no CBLAS library could be loaded: %s", EnvVar, spec, strings.Join(b.tried, "; "))
+	}
+	return b, nil
+}
+
+// Default returns a process-wide [BLAS] loaded by Load() with no options on
+// first use; later calls return the same value and error. The memoisation
+// is the only package-level state and is immutable after the first call.
+func Default() (*BLAS, error) { return loadDefault() }
+
+var loadDefault = sync.OnceValues(func() (*BLAS, error) { return Load() })
+
+// Backend reports which implementation this BLAS runs on.
+func (b *BLAS) Backend() Backend {
+	if b == nil {
+		return BackendGo
+	}
+	return b.backend
+}
+
+// Name describes the backend for logs: the backend name followed by the file
+// the library was loaded from, e.g. "openblas (/usr/lib/.../libopenblas.so.0)",
+// or "pure-go".
+func (b *BLAS) Name() string {
+	if b == nil || b.backend == BackendGo {
+		return "pure-go"
+	}
+	return fmt.Sprintf("%s (%s)", b.backend, b.path)
+}
+
+// Path is the file the library was loaded from (resolved through symlinks
+// where the platform allows), or "" for the pure-Go backend.
+func (b *BLAS) Path() string {
+	if b == nil {
+		return ""
+	}
+	return b.path
+}
+
+// Config is the library's own version or build string (openblas_get_config,
+// bli_info_get_version_str), or "" when it has none. For the pure-Go backend
+// it describes the kernel.
+func (b *BLAS) Config() string {
+	if b == nil || b.backend == BackendGo {
+		return fmt.Sprintf("pure-go %dx%d micro-kernel, %d goroutines", mr, nr, b.goThreads())
+	}
+	return b.conf
+}
+
+// Threads reports the thread count GEMM uses: the library's current
+// setting where it can be queried, else the pure-Go goroutine bound.
+func (b *BLAS) Threads() int {
+	if b != nil && b.lib != nil {
+		if n := b.lib.threads(); n > 0 {
+			return n
+		}
+	}
+	return b.goThreads()
+}
+
+func (b *BLAS) goThreads() int {
+	if b == nil || b.gog == nil {
+		return 1
+	}
+	return b.gog.threads
+}
+
+// Tried lists the candidate libraries that were rejected before the chosen
+// backend, each as "name: reason", in the order they were tried.
+func (b *BLAS) Tried() []string {
+	if b == nil {
+		return nil
+	}
+	return append([]string(nil), b.tried...)
+}
+
+// Sgemm computes C = alpha*op(A)*op(B) + beta*C in float32, where op(X) is X
+// or its transpose, op(A) is m×k, op(B) is k×n and C is m×n, all row-major
+// with leading dimensions (row strides) lda, ldb and ldc: the contract of
+// cblas_sgemm(CblasRowMajor, ...). When beta is 0, C is overwritten and its
+// previous contents (even NaN) are ignored. Bad dimensions, leading
+// dimensions or too-short slices return an error and leave C untouched.
+func (b *BLAS) Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, bm []float32, ldb int, beta float32, c []float32, ldc int) error {
+	if b == nil {
+		return errors.New("kernels: Sgemm on nil *BLAS")
+	}
+	if err := checkGemm(transA, transB, m, n, k, len(a), lda, len(bm), ldb, len(c), ldc); err != nil {
+		return fmt.Errorf("kernels: Sgemm: %w", err)
+	}
+	if m == 0 || n == 0 {
+		return nil
+	}
+	if b.lib != nil && fitsInt32(m, n, k, lda, ldb, ldc) {
+		b.lib.sgemm(transA, transB, m, n, k, alpha, a, lda, bm, ldb, beta, c, ldc)
+		return nil
+	}
+	gemmGo(b.gog, &b.gog.pool32, b.gog.blk32, transA, transB, m, n, k, alpha, a, lda, bm, ldb, beta, c, ldc)
+	return nil
+}
+
+// Dgemm is [BLAS.Sgemm] in float64 (cblas_dgemm).
+func (b *BLAS) Dgemm(transA, transB bool, m, n, k int, alpha float64, a []float64, lda int, bm []float64, ldb int, beta float64, c []float64, ldc int) error {
+	if b == nil {
+		return errors.New("kernels: Dgemm on nil *BLAS")
+	}
+	if err := checkGemm(transA, transB, m, n, k, len(a), lda, len(bm), ldb, len(c), ldc); err != nil {
+		return fmt.Errorf("kernels: Dgemm: %w", err)
+	}
+	if m == 0 || n == 0 {
+		return nil
+	}
+	if b.lib != nil && fitsInt32(m, n, k, lda, ldb, ldc) {
+		b.lib.dgemm(transA, transB, m, n, k, alpha, a, lda, bm, ldb, beta, c, ldc)
+		return nil
+	}
+	gemmGo(b.gog, &b.gog.pool64, b.gog.blk64, transA, transB, m, n, k, alpha, a, lda, bm, ldb, beta, c, ldc)
+	return nil
+}
+
+// fitsInt32 reports whether all arguments fit CBLAS's 32-bit int (LP64
+// builds such as Debian's libopenblas0 and libblis4). Larger problems run on
+// the pure-Go GEMM instead of being truncated.
+func fitsInt32(v ...int) bool {
+	for _, x := range v {
+		if x > math.MaxInt32 {
+			return false
+		}
+	}
+	return true
+}
+
+// checkGemm validates row-major GEMM arguments like cblas_?gemm does, plus the
+// slice lengths that C cannot check.
+func checkGemm(transA, transB bool, m, n, k, la, lda, lb, ldb, lc, ldc int) error {
+	if m < 0 || n < 0 || k < 0 {
+		return fmt.Errorf("negative dimension m=%d n=%d k=%d", m, n, k)
+	}
+	aRows, aCols := m, k
+	if transA {
+		aRows, aCols = k, m
+	}
+	bRows, bCols := k, n
+	if transB {
+		bRows, bCols = n, k
+	}
+	if lda < max(1, aCols) {
+		return fmt.Errorf("lda=%d < max(1, %d)", lda, aCols)
+	}
+	if ldb < max(1, bCols) {
+		return fmt.Errorf("ldb=%d < max(1, %d)", ldb, bCols)
+	}
+	if ldc < max(1, n) {
+		return fmt.Errorf("ldc=%d < max(1, %d)", ldc, n)
+	}
+	if need, ok := needLen(aRows, aCols, lda); !ok || la < need {
+		return fmt.Errorf("len(a)=%d < %d needed for %dx%d with lda=%d", la, need, aRows, aCols, lda)
+	}
+	if need, ok := needLen(bRows, bCols, ldb); !ok || lb < need {
+		return fmt.Errorf("len(b)=%d < %d needed for %dx%d with ldb=%d", lb, need, bRows, bCols, ldb)
+	}
+	if need, ok := needLen(m, n, ldc); !ok || lc < need {
+		return fmt.Errorf("len(c)=%d < %d needed for %dx%d with ldc=%d", lc, need, m, n, ldc)
+	}
+	return nil
+}
+
+// needLen is (rows-1)*ld + cols, the shortest slice holding a rows×cols
+// matrix with row stride ld, or 0 for an empty matrix; ok is false on overflow.
+func needLen(rows, cols, ld int) (int, bool) {
+	if rows == 0 || cols == 0 {
+		return 0, true
+	}
+	if rows-1 > (math.MaxInt-cols)/ld {
+		return math.MaxInt, false
+	}
+	return (rows-1)*ld + cols, true
+}
