@@ -18,7 +18,7 @@ type cblasLib struct {
 }
 
 func openCBLAS(string) (*cblasLib, error) {
-	return nil, errors.New("loading BLAS at run time is not implemented on " + runtime.GOOS + "/" + runtime.GOARCH)
+	return nil, errors.New("purego cannot load a BLAS on " + runtime.GOOS + "/" + runtime.GOARCH + "; the pure-Go GEMM serves")
 }
 
 func (l *cblasLib) config() string { return "" }

@@ -219,7 +219,7 @@ func TestGEMMBLIS(t *testing.T) { checkGEMM(t, libBackend(t, "blis")) }
 func TestGEMMDefault(t *testing.T) {
 	b, err := Default()
 	if err != nil {
-		t.Skipf("%s forces a library that does not load: %v", EnvVar, err)
+		t.Skipf("%s forces a BLAS library that does not load: %v", EnvVar, err)
 	}
 	t.Logf("Default: %s (%s); tried: %q", b.Name(), b.Config(), b.Tried())
 	b2, _ := Default()

@@ -15,9 +15,10 @@ var (
 	// global shape, dtype or placements of a tensor built from local
 	// pieces). Every rank returns it, before any tensor data moves.
 	ErrMismatch = errors.New("ranks disagree")
-	// ErrUnsupported: the request is well formed but not implemented
-	// (Routed placements, whose handle arrives with the MoE package; the
-	// backward of Partial(max|min)).
+	// ErrUnsupported: the request is well formed but outside what this
+	// package does (redistributing Routed placements, which the moe
+	// package's dispatch and combine move; the plan-only backward of
+	// Partial(max|min), which ExtremumGrad computes from forward values).
 	ErrUnsupported = errors.New("unsupported")
 )
 

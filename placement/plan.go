@@ -286,7 +286,7 @@ func makePlan(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 		return nil, invalidf(op, "dtypes differ: source %v, destination %v", src.dtype, dst.dtype)
 	}
 	if src.hasRouted() || dst.hasRouted() {
-		return nil, unsupportedf(op, "Routed placements (%v -> %v) arrive with the MoE issue; redistribute to or from Routed is not implemented", src.places, dst.places)
+		return nil, unsupportedf(op, "Routed placements (%v -> %v) are moved by the MoE dispatch and combine of the moe package, not by Redistribute", src.places, dst.places)
 	}
 	pl := &Plan{src: src, dst: dst, cross: -1}
 	if !src.sameMesh(dst) {

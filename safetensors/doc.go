@@ -1,0 +1,52 @@
+// Package safetensors reads and writes the Hugging Face safetensors format,
+// the file format loom uses for checkpoints and reference fixtures.
+//
+// # Format
+//
+// A file is an 8-byte little-endian unsigned header length N, then N bytes of
+// UTF-8 JSON (the header), then the data section. The header is one JSON
+// object that maps each tensor name to
+//
+//	{"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}
+//
+// where the offsets are relative to the start of the data section, plus an
+// optional "__metadata__" object of string values. Tensor data is row-major
+// and little-endian. The header may be padded with trailing spaces; writers
+// pad it so that the data section starts at a multiple of 8.
+//
+// [Read] and [Open] enforce the format's validation rules and report each
+// violation with an [*Error] that wraps [ErrFormat]: a header longer than
+// [MaxHeaderSize] or than the file, a header that is not valid UTF-8 or not a
+// single JSON object, duplicate tensor names or metadata keys, unknown
+// dtypes, malformed shapes or offsets, a byte range that does not match shape
+// × dtype size, and tensors that overlap, leave gaps, run past the end of the
+// file or do not cover the data section exactly.
+//
+// # Checksums
+//
+// loom writes checksums into every file (DESIGN.md §7). The "__metadata__"
+// entry [ChecksumKey] ("loom.sha256") holds a JSON object, encoded as a
+// string, that maps every tensor name to the lowercase hex SHA-256 of that
+// tensor's data bytes, for example
+//
+//	"loom.sha256": "{\"bias\":\"9f86…\",\"weight\":\"2c26…\"}"
+//
+// Other tools see an ordinary metadata string and can ignore it. When a file
+// carries the key, [Read] checks that it names exactly the file's tensors,
+// [File.Tensor] verifies each tensor it reads, and [File.Verify] checks all of
+// them; a mismatch is an [*Error] that wraps [ErrChecksum] and names the
+// tensor. Files without the key, such as those written by PyTorch, are read
+// normally and are simply not verified.
+//
+// # Atomic writes
+//
+// [WriteFile] writes to a temporary file in the target's folder, syncs it to
+// disk and renames it over the target, so a reader sees either the old file
+// or the complete new one, never a partial write, and a failed write leaves
+// no temporary file behind.
+//
+// # Dense tensors
+//
+// [FromDense] and [ToDense] convert between a [Tensor] and the
+// *tensor.Dense (gorgonia.org/tensor) that loom uses for local tensors.
+package safetensors
