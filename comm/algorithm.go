@@ -71,8 +71,9 @@ func ParseAlgorithm(s string) (Algorithm, error) {
 
 // AlgorithmEnv is the environment variable that forces an algorithm for
 // every call that does not force one itself, as NCCL_ALGO does. Its value is
-// one algorithm name, or a comma list of op=algorithm pairs
-// ("allreduce=ring,allgather=direct").
+// one algorithm name, which applies to every op it can serve (the others
+// stay automatic), or a comma list of op=algorithm pairs
+// ("allreduce=ring,allgather=direct"), which are strict.
 const AlgorithmEnv = "LOOM_ALGO"
 
 // AlgorithmOverrides maps ops to forced algorithms; the zero Op key applies
@@ -118,10 +119,15 @@ func AlgorithmOverridesFromEnv() (AlgorithmOverrides, error) {
 	return o, nil
 }
 
-// For returns the algorithm forced for op, or Auto.
-func (o AlgorithmOverrides) For(op Op) Algorithm {
+// For returns the algorithm forced for op, or Auto. An op=algorithm entry
+// is returned as is; the default entry only if applies reports that the
+// backend can run it for op.
+func (o AlgorithmOverrides) For(op Op, applies func(Op, Algorithm) bool) Algorithm {
 	if a, ok := o[op]; ok {
 		return a
 	}
-	return o[0]
+	if a := o[0]; a != Auto && (applies == nil || applies(op, a)) {
+		return a
+	}
+	return Auto
 }

@@ -129,10 +129,22 @@ func FromDense(t *tensor.Dense) (*HostBuffer, error) {
 }
 
 // DType implements Buffer.
-func (b *HostBuffer) DType() DType { return b.dtype }
+func (b *HostBuffer) DType() DType {
+	if b == nil {
+		return 0
+	}
+	return b.dtype
+}
 
 // Len implements Buffer.
-func (b *HostBuffer) Len() int { return len(b.bytes) / b.dtype.Size() }
+// A nil *HostBuffer has length 0, so that a typed nil passed as a Buffer is
+// reported by validation instead of crashing it.
+func (b *HostBuffer) Len() int {
+	if b == nil || !b.dtype.Valid() {
+		return 0
+	}
+	return len(b.bytes) / b.dtype.Size()
+}
 
 // Device implements Buffer; it is always "host".
 func (b *HostBuffer) Device() string { return "host" }
@@ -147,7 +159,12 @@ func (b *HostBuffer) SliceHost(lo, hi int) *HostBuffer {
 }
 
 // Bytes returns the raw memory. Backends read and write through it.
-func (b *HostBuffer) Bytes() []byte { return b.bytes }
+func (b *HostBuffer) Bytes() []byte {
+	if b == nil {
+		return nil
+	}
+	return b.bytes
+}
 
 // Float32s views the buffer as []float32; it panics if the dtype differs.
 func (b *HostBuffer) Float32s() []float32 { return view[float32](b, Float32) }
@@ -178,6 +195,15 @@ func view[T any](b *HostBuffer, want DType) []T {
 		return []T{}
 	}
 	return unsafe.Slice((*T)(unsafe.Pointer(&b.bytes[0])), b.Len())
+}
+
+// IsNil reports whether b is nil or a nil pointer of a Buffer type.
+func IsNil(b Buffer) bool {
+	if b == nil {
+		return true
+	}
+	v := reflect.ValueOf(b)
+	return v.Kind() == reflect.Pointer && v.IsNil()
 }
 
 // Overlap describes how two host buffers share memory.

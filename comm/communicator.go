@@ -71,7 +71,7 @@ func BroadcastAsync(ctx context.Context, c Communicator, buf Buffer, root int) (
 }
 
 // Reduce reduces send across ranks with op into recv on root; recv is
-// ignored (and may be nil) elsewhere.
+// ignored (and may be nil) elsewhere: it is neither checked nor written.
 func Reduce(ctx context.Context, c Communicator, send, recv Buffer, op ReduceOp, root int) error {
 	return c.Do(ctx, Call{Op: OpReduce, Send: send, Recv: recv, Reduce: op, Root: root})
 }

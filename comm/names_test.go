@@ -212,7 +212,7 @@ func TestAlgorithmOverridesFor(t *testing.T) {
 		{nil, comm.OpAllReduce, comm.Auto},
 	}
 	for _, tc := range tests {
-		if got := tc.o.For(tc.op); got != tc.want {
+		if got := tc.o.For(tc.op, nil); got != tc.want {
 			t.Errorf("%v.For(%v) = %v, want %v", tc.o, tc.op, got, tc.want)
 		}
 	}
@@ -244,12 +244,31 @@ func TestAlgorithmOverridesFromEnv(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := o.For(tc.op); got != tc.want {
+			if got := o.For(tc.op, nil); got != tc.want {
 				t.Errorf("For(%v) = %v, want %v", tc.op, got, tc.want)
 			}
 		})
 	}
 	if comm.AlgorithmEnv != "LOOM_ALGO" {
 		t.Errorf("AlgorithmEnv = %q", comm.AlgorithmEnv)
+	}
+}
+
+// A single default algorithm applies only where the backend can run it;
+// op=algorithm entries are strict.
+func TestAlgorithmOverridesDefaultAppliesWhereItCan(t *testing.T) {
+	o := comm.AlgorithmOverrides{0: comm.Ring, comm.OpBarrier: comm.Tree}
+	onlyAllReduce := func(op comm.Op, a comm.Algorithm) bool { return op == comm.OpAllReduce }
+	for _, tc := range []struct {
+		op   comm.Op
+		want comm.Algorithm
+	}{
+		{comm.OpAllReduce, comm.Ring},
+		{comm.OpAllGather, comm.Auto},
+		{comm.OpBarrier, comm.Tree},
+	} {
+		if got := o.For(tc.op, onlyAllReduce); got != tc.want {
+			t.Errorf("For(%v) = %v, want %v", tc.op, got, tc.want)
+		}
 	}
 }

@@ -89,6 +89,28 @@ type Call struct {
 	Algorithm Algorithm
 }
 
+// ForRank returns the call as rank issues it: a nil-pointer buffer becomes
+// nil, and buffers the op ignores on this rank are dropped (recv of Reduce
+// and Gather, send of Scatter, away from the root), so they are neither
+// validated nor used. Backends call it before Validate.
+func (c Call) ForRank(rank int) Call {
+	if IsNil(c.Send) {
+		c.Send = nil
+	}
+	if IsNil(c.Recv) {
+		c.Recv = nil
+	}
+	if rank != c.Root {
+		switch c.Op {
+		case OpReduce, OpGather:
+			c.Recv = nil
+		case OpScatter:
+			c.Send = nil
+		}
+	}
+	return c
+}
+
 // Count is the per-rank element count that fingerprints and benchmarks
 // report: the length of the Send buffer, or of Recv where the op has no
 // meaningful Send on this rank.

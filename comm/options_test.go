@@ -65,7 +65,7 @@ func TestOptionsFromEnv(t *testing.T) {
 			if o.Algorithms == nil {
 				t.Fatal("Algorithms is nil")
 			}
-			if got := o.Algorithms.For(comm.OpAllReduce); got != tc.wantAlgo {
+			if got := o.Algorithms.For(comm.OpAllReduce, nil); got != tc.wantAlgo {
 				t.Errorf("allreduce algorithm %v, want %v", got, tc.wantAlgo)
 			}
 			if o.RecorderSize != 0 || o.CostModel != nil {
@@ -97,7 +97,7 @@ func TestOptionsWithDefaults(t *testing.T) {
 		Algorithms: comm.AlgorithmOverrides{0: comm.Ring}, CostModel: m}
 	got := set.WithDefaults()
 	if got.Timeout != 5*time.Second || got.RecorderSize != 7 || !got.ConsistencyCheck || got.DumpDir != "x" ||
-		got.Algorithms.For(comm.OpAllReduce) != comm.Ring || got.CostModel != m {
+		got.Algorithms.For(comm.OpAllReduce, nil) != comm.Ring || got.CostModel != m {
 		t.Errorf("set fields overridden: %+v", got)
 	}
 }

@@ -71,6 +71,9 @@ func New(world comm.Communicator, shape []int, names []string) (*Mesh, error) {
 		if s <= 0 {
 			return nil, invalidf(op, "axis %q has size %d; sizes must be positive", names[i], s)
 		}
+		if s > world.Size()/n { // also keeps the product from overflowing
+			return nil, invalidf(op, "shape %v covers more ranks than the world's %d", shape, world.Size())
+		}
 		n *= s
 	}
 	if n != world.Size() {

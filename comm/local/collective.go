@@ -79,6 +79,25 @@ func (c *Comm) post(d *descriptor, seq uint64, call *comm.Call) {
 	}
 	d.sendCounts, d.recvCounts = call.SendCounts, call.RecvCounts
 	d.inPlace = isInPlace(call, c.rank)
+	if halfAvg(call, d.dtype) {
+		// Avg of 16-bit floats divides each input by p first, as NCCL does,
+		// so that a sum larger than the type's range does not overflow. The
+		// scaled copy is private memory, so the call is no longer in place.
+		need := len(d.send)
+		if cap(c.prescaled) < need {
+			c.prescaled = make([]byte, need)
+		}
+		scaled := c.prescaled[:need]
+		copy(scaled, d.send)
+		kernel.Scale(d.dtype, scaled, c.g.size)
+		d.send, d.inPlace = scaled, false
+	}
+}
+
+// halfAvg reports whether call averages 16-bit floats, which are divided
+// before the sum rather than after it.
+func halfAvg(call *comm.Call, dt comm.DType) bool {
+	return call.Op.Reduces() && call.Reduce == comm.Avg && (dt == comm.BFloat16 || dt == comm.Float16)
 }
 
 func hostOf(b comm.Buffer) *comm.HostBuffer {

@@ -36,12 +36,13 @@ type Comm struct {
 	spin  time.Duration // wait phases, see spinFor
 	yield time.Duration
 
-	p2pSeq  atomic.Uint64
-	scratch []byte
-	srcs    [][]byte // reused by execute
-	dsts    [][]byte
-	wt      waiter
-	plans   map[shapeKey]*schedule // this rank's lock-free front of the group cache
+	p2pSeq    atomic.Uint64
+	scratch   []byte
+	srcs      [][]byte // reused by execute
+	dsts      [][]byte
+	prescaled []byte // 16-bit Avg inputs divided by the group size
+	wt        waiter
+	plans     map[shapeKey]*schedule // this rank's lock-free front of the group cache
 
 	mu    sync.Mutex // guards queue and busy
 	queue []*task
@@ -96,6 +97,7 @@ func (c *Comm) Abort(cause error) {
 
 // Do implements comm.Communicator.
 func (c *Comm) Do(ctx context.Context, call comm.Call) error {
+	call = call.ForRank(c.rank)
 	if call.Op == comm.OpSend || call.Op == comm.OpRecv {
 		w, err := c.postP2P(ctx, call)
 		if err != nil {
@@ -122,8 +124,13 @@ func (c *Comm) Do(ctx context.Context, call comm.Call) error {
 
 // Start implements comm.Communicator.
 func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
+	call = call.ForRank(c.rank)
 	if call.Op == comm.OpSend || call.Op == comm.OpRecv {
-		return c.postP2P(ctx, call)
+		o, err := c.postP2P(ctx, call)
+		if err != nil {
+			return nil, err // not a Work holding a nil *p2pOp
+		}
+		return o, nil
 	}
 	if call.Op == comm.OpSplit {
 		return nil, c.errorf(call.Op, c.seq, -1, "%w: use Split", comm.ErrInvalid)
@@ -141,7 +148,7 @@ func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
 
 func (c *Comm) fillAlgorithm(call *comm.Call) {
 	if call.Algorithm == comm.Auto {
-		call.Algorithm = c.g.w.opts.Algorithms.For(call.Op)
+		call.Algorithm = c.g.w.opts.Algorithms.For(call.Op, supports)
 	}
 }
 
@@ -221,8 +228,60 @@ func (c *Comm) drain() {
 		c.queue[0] = nil
 		c.queue = c.queue[1:]
 		c.mu.Unlock()
-		t.err = c.run(t.ctx, t.seq, &t.call, t.id)
+		t.err = c.runSafely(t.ctx, t.seq, &t.call, t.id)
+		// Leave the stream idle before the waiter learns the task is done,
+		// so that a call made right after Wait (Split, say) finds it idle.
+		c.mu.Lock()
+		last := len(c.queue) == 0
+		if last {
+			c.busy = false
+		}
+		c.mu.Unlock()
 		close(t.done)
+		if last {
+			return
+		}
+	}
+}
+
+// runSafely is run for the background stream, where a panic would end the
+// process: it becomes the task's error and aborts the communicator.
+func (c *Comm) runSafely(ctx context.Context, seq uint64, call *comm.Call, id uint64) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			e := c.errorf(call.Op, seq, -1, "panic: %v", v)
+			c.g.abort(&comm.AbortError{Rank: c.rank, Cause: e})
+			c.rec.Update(id, comm.Failed, e)
+			err = e
+		}
+	}()
+	return c.run(ctx, seq, call, id)
+}
+
+// quiesce waits until no async work is queued or running and claims the
+// stream for an inline call, which leaveInline releases.
+func (c *Comm) quiesce(ctx context.Context) error {
+	for {
+		c.mu.Lock()
+		if !c.busy {
+			c.busy = true
+			c.mu.Unlock()
+			return nil
+		}
+		var last *task
+		if n := len(c.queue); n > 0 {
+			last = c.queue[n-1]
+		}
+		c.mu.Unlock()
+		if last == nil { // the task running now is the last: poll briefly
+			time.Sleep(10 * time.Microsecond)
+			continue
+		}
+		select {
+		case <-last.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 }
 

@@ -34,6 +34,30 @@ type world struct {
 	failure atomic.Pointer[comm.AbortError]
 	failed  chan struct{}
 	once    sync.Once
+
+	// left[r] is set when world rank r has finished its work for good;
+	// leftCh is closed (and replaced) each time a rank leaves, to wake
+	// parked waiters.
+	left   []atomic.Bool
+	leftMu sync.Mutex
+	leftCh chan struct{}
+}
+
+// leave records that world rank r will issue no more calls: peers waiting
+// for it fail at once instead of timing out.
+func (w *world) leave(r int) {
+	w.left[r].Store(true)
+	w.leftMu.Lock()
+	close(w.leftCh)
+	w.leftCh = make(chan struct{})
+	w.leftMu.Unlock()
+}
+
+// leaving returns a channel closed when the next rank leaves.
+func (w *world) leaving() <-chan struct{} {
+	w.leftMu.Lock()
+	defer w.leftMu.Unlock()
+	return w.leftCh
 }
 
 func (w *world) abort(e *comm.AbortError) {
@@ -45,10 +69,11 @@ func (w *world) abort(e *comm.AbortError) {
 
 // group is the state that the members of one communicator share.
 type group struct {
-	w     *world
-	name  string
-	size  int
-	slots []slot
+	w          *world
+	name       string
+	size       int
+	worldRanks []int // world rank of each member
+	slots      []slot
 
 	failure atomic.Pointer[comm.AbortError]
 	failed  chan struct{}
@@ -74,9 +99,10 @@ type slot struct {
 	_        [64]byte
 }
 
-func newGroup(w *world, name string, size int) *group {
+func newGroup(w *world, name string, worldRanks []int) *group {
+	size := len(worldRanks)
 	g := &group{
-		w: w, name: name, size: size,
+		w: w, name: name, size: size, worldRanks: worldRanks,
 		slots:     make([]slot, size),
 		failed:    make(chan struct{}),
 		schedules: map[schedKey]*schedule{},
@@ -174,13 +200,14 @@ func (wt *waiter) until(peer int, word uint64) error {
 			}
 		}
 	}
+	ready := func() bool { return s.progress.Load() >= word }
 	for i := 1; ; i++ {
 		runtime.Gosched()
-		if s.progress.Load() >= word {
+		if ready() {
 			return nil
 		}
 		if i&63 == 0 {
-			if err := wt.check(peer); err != nil {
+			if err := wt.check(peer, ready); err != nil {
 				return err
 			}
 			if time.Since(start) > wt.yield {
@@ -188,7 +215,7 @@ func (wt *waiter) until(peer int, word uint64) error {
 			}
 		}
 	}
-	return wt.park(peer, func() bool { return s.progress.Load() >= word })
+	return wt.park(peer, ready)
 }
 
 // park sleeps on this member's wake channel until ready() holds.
@@ -201,12 +228,13 @@ func (wt *waiter) park(peer int, ready func() bool) error {
 		}
 	}()
 	for {
+		left := wt.g.w.leaving()
 		me.parked.Store(true)
 		if ready() {
 			me.parked.Store(false)
 			return nil
 		}
-		if err := wt.check(peer); err != nil {
+		if err := wt.check(peer, ready); err != nil {
 			me.parked.Store(false)
 			return err
 		}
@@ -224,6 +252,7 @@ func (wt *waiter) park(peer int, ready func() bool) error {
 		case <-wt.g.w.failed:
 		case <-wt.ctx.Done():
 		case <-wt.timer.C:
+		case <-left:
 		}
 		me.parked.Store(false)
 		if ready() {
@@ -232,8 +261,9 @@ func (wt *waiter) park(peer int, ready func() bool) error {
 	}
 }
 
-// check returns the reason to stop waiting, if there is one.
-func (wt *waiter) check(peer int) error {
+// check returns the reason to stop waiting for peer, if there is one;
+// ready re-reads the condition, for a peer that left just after meeting it.
+func (wt *waiter) check(peer int, ready func() bool) error {
 	if e := wt.g.err(); e != nil {
 		return &errWait{peer: -1, cause: e}
 	}
@@ -243,7 +273,14 @@ func (wt *waiter) check(peer int) error {
 	if !time.Now().Before(wt.deadline) {
 		return &errWait{peer: peer, cause: fmt.Errorf("%w waiting for rank %d", comm.ErrTimeout, peer)}
 	}
+	if wt.g.w.left[wt.g.worldRanks[peer]].Load() && !ready() {
+		return &errWait{peer: peer, cause: fmt.Errorf("%w: rank %d finished without joining this call", ErrRankLeft, peer)}
+	}
 	return nil
 }
+
+// ErrRankLeft: a call waits for a rank that has finished its work for good
+// (its Run function returned, or World.Leave was called for it).
+var ErrRankLeft = errors.New("rank left")
 
 var errCancelled = errors.New("cancelled")

@@ -33,6 +33,7 @@ type p2pOp struct {
 	deadline time.Time
 
 	state atomic.Uint32 // 0 pending, 1 done
+	once  sync.Once
 	done  chan struct{}
 	err   error
 }
@@ -110,6 +111,13 @@ func findTag(ops []*p2pOp, tag int) int {
 // deliver copies a matched message and completes both sides.
 func deliver(send, recv *p2pOp) {
 	var err error
+	defer func() { // never leave a side pending, whatever happens
+		if v := recover(); v != nil {
+			err = fmt.Errorf("panic while delivering: %v", v)
+			send.complete(err)
+			recv.complete(err)
+		}
+	}()
 	switch {
 	case send.buf.DType() != recv.buf.DType():
 		err = fmt.Errorf("%w: send of %v from rank %d matched a receive of %v on rank %d (tag %d)",
@@ -125,6 +133,10 @@ func deliver(send, recv *p2pOp) {
 }
 
 func (o *p2pOp) complete(err error) {
+	o.once.Do(func() { o.finish(err) })
+}
+
+func (o *p2pOp) finish(err error) {
 	if err != nil {
 		e := o.c.wrap(o.op, o.seq, o.peer, err)
 		o.err = e
@@ -157,17 +169,25 @@ func (o *p2pOp) Wait(ctx context.Context) error {
 	defer timer.Stop()
 	g := o.c.g
 	var cause error
-	select {
-	case <-o.done:
-		return o.err
-	case <-g.failed:
-		cause = g.err()
-	case <-g.w.failed:
-		cause = g.err()
-	case <-ctx.Done():
-		cause = fmt.Errorf("%w (context: %w)", errCancelled, ctx.Err())
-	case <-timer.C:
-		cause = fmt.Errorf("%w waiting for rank %d (tag %d)%s", comm.ErrTimeout, o.peer, o.tag, o.c.dump(o.seq))
+	for cause == nil {
+		left := g.w.leaving()
+		if g.w.left[g.worldRanks[o.peer]].Load() && o.state.Load() == 0 {
+			cause = fmt.Errorf("%w: rank %d finished without matching this %v (tag %d)", ErrRankLeft, o.peer, o.op, o.tag)
+			break
+		}
+		select {
+		case <-o.done:
+			return o.err
+		case <-g.failed:
+			cause = g.err()
+		case <-g.w.failed:
+			cause = g.err()
+		case <-ctx.Done():
+			cause = fmt.Errorf("%w (context: %w)", errCancelled, ctx.Err())
+		case <-timer.C:
+			cause = fmt.Errorf("%w waiting for rank %d (tag %d)%s", comm.ErrTimeout, o.peer, o.tag, o.c.dump(o.seq))
+		case <-left:
+		}
 	}
 	select {
 	case <-o.done: // completed meanwhile

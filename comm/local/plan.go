@@ -33,7 +33,7 @@ func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, error) {
 	}
 	pl := plan{
 		op: call.Op, algo: call.Algorithm, p: p, n: n, root: call.Root,
-		avg:    call.Op.Reduces() && call.Reduce == comm.Avg,
+		avg:    call.Op.Reduces() && call.Reduce == comm.Avg && !halfAvg(call, me.dtype),
 		stream: c.footprint() > c.g.w.model.CacheBytes/2, // the cache is shared with everything else
 	}
 	pl.piece = pieceElems(me.dtype, pl.stream)

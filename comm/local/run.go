@@ -18,6 +18,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 
 	"github.com/b7ea7098/loom/comm"
 )
@@ -67,8 +68,15 @@ func NewWorld(p int, opts ...Option) (*World, error) {
 	if !model.Valid() {
 		return nil, fmt.Errorf("local: invalid cost model %+v", *model)
 	}
-	w := &world{opts: o, model: model, cores: runtime.GOMAXPROCS(0), failed: make(chan struct{})}
-	g := newGroup(w, "world", p)
+	w := &world{
+		opts: o, model: model, cores: runtime.GOMAXPROCS(0), failed: make(chan struct{}),
+		left: make([]atomic.Bool, p), leftCh: make(chan struct{}),
+	}
+	ranks := make([]int, p)
+	for i := range ranks {
+		ranks[i] = i
+	}
+	g := newGroup(w, "world", ranks)
 	wd := &World{w: w, comms: make([]*Comm, p)}
 	for r := range wd.comms {
 		wd.comms[r] = newComm(g, r)
@@ -81,6 +89,11 @@ func (wd *World) Size() int { return len(wd.comms) }
 
 // Comm returns rank's handle on the world communicator.
 func (wd *World) Comm(rank int) *Comm { return wd.comms[rank] }
+
+// Leave records that rank has finished for good: calls of other ranks
+// that wait for it then fail at once with ErrRankLeft instead of timing
+// out. Run calls it when a rank's function returns.
+func (wd *World) Leave(rank int) { wd.w.leave(rank) }
 
 // Abort fails every pending and later call on every communicator of the
 // world, naming rank as the one that aborted.
@@ -95,7 +108,9 @@ type RankFunc func(ctx context.Context, c comm.Communicator) error
 // fresh world communicator, and returns the ranks' errors joined (each
 // prefixed with its rank). When a rank returns an error or panics, the world
 // is aborted and the shared context cancelled, so every other rank's
-// pending and later calls fail at once with an error naming it.
+// pending and later calls fail at once with an error naming it; when a rank
+// returns early without error, calls that wait for it fail with
+// ErrRankLeft.
 func Run(ctx context.Context, p int, fn RankFunc, opts ...Option) error {
 	wd, err := NewWorld(p, opts...)
 	if err != nil {
@@ -110,6 +125,7 @@ func Run(ctx context.Context, p int, fn RankFunc, opts ...Option) error {
 		go func(r int) {
 			defer wg.Done()
 			err := runRank(ctx, wd.Comm(r), fn)
+			wd.Leave(r)
 			if err != nil {
 				errs[r] = fmt.Errorf("rank %d: %w", r, err)
 				wd.Abort(r, err)

@@ -1,6 +1,7 @@
 package local
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -24,12 +25,11 @@ type splitResult struct {
 // (color, key), every member computes the same partition, and the first
 // member of each part to get there creates the shared group.
 func (c *Comm) Split(ctx context.Context, color, key int) (comm.Communicator, error) {
-	c.mu.Lock()
-	busy := c.busy
-	c.mu.Unlock()
-	if busy {
-		return nil, c.errorf(comm.OpSplit, c.seq+1, -1, "%w: Split while async work is pending; wait for it first", comm.ErrInvalid)
+	// Split is ordered after every async collective issued before it.
+	if err := c.quiesce(ctx); err != nil {
+		return nil, c.errorf(comm.OpSplit, c.seq+1, -1, "%w while waiting for earlier async work (context: %w)", errCancelled, err)
 	}
+	defer c.leaveInline()
 	c.seq++
 	seq := c.seq
 	call := comm.Call{Op: comm.OpSplit}
@@ -92,8 +92,12 @@ func (c *Comm) join(seq uint64, color int) *Comm {
 			}
 		}
 		members := sortedMembers(ranks, keys)
+		worldRanks := make([]int, len(members))
+		for i, q := range members {
+			worldRanks[i] = c.g.worldRanks[q]
+		}
 		res = &splitResult{
-			g:       newGroup(c.g.w, fmt.Sprintf("%s/split%d.c%d", c.g.name, seq, color), len(members)),
+			g:       newGroup(c.g.w, fmt.Sprintf("%s/split%d.c%d", c.g.name, seq, color), worldRanks),
 			members: members,
 			pending: len(members),
 		}
@@ -111,10 +115,7 @@ func (c *Comm) join(seq uint64, color int) *Comm {
 func sortedMembers(ranks, keys []int) []int {
 	out := slices.Clone(ranks)
 	slices.SortStableFunc(out, func(a, b int) int {
-		if keys[a] != keys[b] {
-			return keys[a] - keys[b]
-		}
-		return a - b
+		return cmp.Or(cmp.Compare(keys[a], keys[b]), cmp.Compare(a, b))
 	})
 	return out
 }

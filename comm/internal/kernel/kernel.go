@@ -176,7 +176,7 @@ func Scale(dt comm.DType, buf []byte, n int) {
 		}
 	case comm.Uint8:
 		for i := range buf {
-			buf[i] /= uint8(n)
+			buf[i] = uint8(int(buf[i]) / n) // n may exceed 255
 		}
 	case comm.BFloat16:
 		x := as[uint16](buf)

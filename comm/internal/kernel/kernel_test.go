@@ -207,3 +207,17 @@ func TestReduceIntoSeveralDestinations(t *testing.T) {
 		t.Error("destinations of different lengths accepted")
 	}
 }
+
+// Scale divides uint8 by group sizes beyond 255 without wrapping the divisor.
+func TestScaleUint8LargeGroups(t *testing.T) {
+	b := []byte{255, 10}
+	Scale(comm.Uint8, b, 256)
+	if b[0] != 0 || b[1] != 0 {
+		t.Fatalf("255/256, 10/256 = %v", b)
+	}
+	b = []byte{200}
+	Scale(comm.Uint8, b, 2)
+	if b[0] != 100 {
+		t.Fatalf("200/2 = %v", b[0])
+	}
+}
