@@ -1,0 +1,321 @@
+package rendezvous
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+)
+
+// ServerOptions tunes a Server. The zero value (or nil) gives the defaults.
+type ServerOptions struct {
+	// MaxFrame is the largest frame body accepted (default DefaultMaxFrame).
+	MaxFrame int
+	// MaxPending bounds the blocking requests (get, wait) in flight on one
+	// connection (default 4096); more are answered with an error.
+	MaxPending int
+	// WriteTimeout bounds writing one response; a client that does not
+	// read for this long is disconnected (default 30 s).
+	WriteTimeout time.Duration
+}
+
+func (o *ServerOptions) withDefaults() ServerOptions {
+	var v ServerOptions
+	if o != nil {
+		v = *o
+	}
+	if v.MaxFrame <= 0 {
+		v.MaxFrame = DefaultMaxFrame
+	}
+	if v.MaxPending <= 0 {
+		v.MaxPending = 4096
+	}
+	if v.WriteTimeout <= 0 {
+		v.WriteTimeout = 30 * time.Second
+	}
+	return v
+}
+
+// Server is a rendezvous store serving clients over TCP. It serves every
+// connection concurrently until Close is called or the context given to
+// Listen or Serve is done. A Server's methods are safe for concurrent use.
+type Server struct {
+	ln     net.Listener
+	opts   ServerOptions
+	ctx    context.Context
+	cancel context.CancelFunc
+	stop   func() bool // stops the parent-context watcher; guarded by mu
+
+	mu sync.Mutex // guards st and stop
+	st *store
+
+	wg        sync.WaitGroup
+	closeOnce sync.Once
+	done      chan struct{}
+}
+
+// Listen listens on the TCP address addr ("127.0.0.1:0" picks a free port)
+// and serves in the background until Close is called or ctx is done.
+func Listen(ctx context.Context, addr string, opts *ServerOptions) (*Server, error) {
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("rendezvous: listen on %s: %w", addr, err)
+	}
+	return Serve(ctx, ln, opts), nil
+}
+
+// Serve serves on ln in the background until Close is called or ctx is
+// done. The Server owns ln and closes it.
+func Serve(ctx context.Context, ln net.Listener, opts *ServerOptions) *Server {
+	s := &Server{
+		ln:   ln,
+		opts: opts.withDefaults(),
+		st:   newStore(),
+		done: make(chan struct{}),
+	}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.wg.Add(1)
+	go s.acceptLoop()
+	// Registered last: if ctx is already done, Close runs at once, and it
+	// must find the accept loop counted.
+	s.mu.Lock()
+	s.stop = context.AfterFunc(ctx, func() { s.Close() })
+	s.mu.Unlock()
+	return s
+}
+
+// Addr returns the address the server listens on, as "host:port".
+func (s *Server) Addr() string { return s.ln.Addr().String() }
+
+// Done returns a channel closed once the server has stopped and every
+// connection goroutine has ended.
+func (s *Server) Done() <-chan struct{} { return s.done }
+
+// Close stops the server: it closes the listener and every connection, so
+// clients' pending calls fail promptly with ErrConnLost, and waits for the
+// server's goroutines to end. Close is idempotent and always returns nil.
+func (s *Server) Close() error {
+	s.closeOnce.Do(func() {
+		s.mu.Lock()
+		stop := s.stop
+		s.mu.Unlock()
+		if stop != nil {
+			stop()
+		}
+		s.cancel()
+		s.ln.Close()
+		s.wg.Wait()
+		close(s.done)
+	})
+	<-s.done
+	return nil
+}
+
+func (s *Server) lock()   { s.mu.Lock() }
+func (s *Server) unlock() { s.mu.Unlock() }
+
+func (s *Server) acceptLoop() {
+	defer s.wg.Done()
+	backoff := 5 * time.Millisecond
+	for {
+		c, err := s.ln.Accept()
+		if err != nil {
+			if s.ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Transient failure (for example out of file descriptors):
+			// back off, bounded, and try again until closed.
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+			case <-s.ctx.Done():
+				t.Stop()
+				return
+			}
+			backoff = min(2*backoff, time.Second)
+			continue
+		}
+		backoff = 5 * time.Millisecond
+		s.wg.Add(1)
+		go s.serveConn(c)
+	}
+}
+
+// sconn is the server side of one connection.
+type sconn struct {
+	s   *Server
+	c   net.Conn
+	wmu sync.Mutex
+
+	mu      sync.Mutex // guards pending
+	pending map[uint64]context.CancelFunc
+}
+
+func (s *Server) serveConn(c net.Conn) {
+	defer s.wg.Done()
+	ctx, cancel := context.WithCancel(s.ctx)
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	sc := &sconn{s: s, c: c, pending: make(map[uint64]context.CancelFunc)}
+	var waiters sync.WaitGroup
+	defer func() {
+		stop()
+		cancel()
+		c.Close()
+		waiters.Wait()
+	}()
+	br := bufio.NewReader(c)
+	for {
+		body, err := readFrame(br, s.opts.MaxFrame)
+		if err != nil {
+			if errors.Is(err, ErrFrameTooLarge) || errors.Is(err, ErrProtocol) {
+				sc.reply(statusError, 0, []byte(err.Error()))
+			}
+			return
+		}
+		req, err := decodeRequest(body)
+		if err != nil {
+			var uo *unknownOpError
+			if errors.As(err, &uo) {
+				sc.reply(statusError, req.id, []byte(err.Error()))
+				continue
+			}
+			sc.reply(statusError, req.id, []byte(fmt.Sprintf("malformed %s request: %v", opName(req.op), err)))
+			return
+		}
+		switch req.op {
+		case opGet, opWait:
+			sc.startBlocking(ctx, &waiters, req)
+		default:
+			sc.handle(req)
+		}
+	}
+}
+
+// reply writes one response; a failed write closes the connection.
+func (sc *sconn) reply(status byte, id uint64, payload []byte) {
+	frame := encodeResponse(status, id, payload)
+	sc.wmu.Lock()
+	defer sc.wmu.Unlock()
+	sc.c.SetWriteDeadline(time.Now().Add(sc.s.opts.WriteTimeout))
+	if _, err := sc.c.Write(frame); err != nil {
+		sc.c.Close()
+	}
+}
+
+// handle serves a non-blocking request.
+func (sc *sconn) handle(req request) {
+	s := sc.s
+	switch req.op {
+	case opPing:
+		if string(req.value) != Magic {
+			sc.reply(statusError, req.id, []byte(fmt.Sprintf("protocol mismatch: client speaks %q, server %q", req.value, Magic)))
+			return
+		}
+		sc.reply(statusOK, req.id, []byte(Magic))
+	case opSet:
+		s.lock()
+		s.st.set(req.key, req.value)
+		s.unlock()
+		sc.reply(statusOK, req.id, nil)
+	case opAdd:
+		s.lock()
+		v, err := s.st.add(req.key, req.delta)
+		s.unlock()
+		if err != nil {
+			sc.reply(statusError, req.id, []byte(err.Error()))
+			return
+		}
+		sc.reply(statusOK, req.id, binary.BigEndian.AppendUint64(nil, uint64(v)))
+	case opDelete:
+		s.lock()
+		ok := s.st.del(req.key)
+		s.unlock()
+		var b byte
+		if ok {
+			b = 1
+		}
+		sc.reply(statusOK, req.id, []byte{b})
+	case opCancel:
+		sc.mu.Lock()
+		cancel := sc.pending[req.target]
+		sc.mu.Unlock()
+		if cancel != nil {
+			cancel()
+		}
+	}
+}
+
+// startBlocking serves get or wait in its own goroutine so the connection
+// keeps reading (and can receive a cancel).
+func (sc *sconn) startBlocking(ctx context.Context, wg *sync.WaitGroup, req request) {
+	keys := req.keys
+	if req.op == opGet {
+		keys = []string{req.key}
+	}
+	// Fast path: everything present already.
+	sc.s.lock()
+	_, miss := sc.s.st.missing(keys)
+	var v []byte
+	if !miss && req.op == opGet {
+		v = sc.s.st.data[req.key]
+	}
+	sc.s.unlock()
+	if !miss {
+		if req.op == opWait {
+			v = nil
+		}
+		sc.reply(statusOK, req.id, v)
+		return
+	}
+
+	sc.mu.Lock()
+	if len(sc.pending) >= sc.s.opts.MaxPending {
+		sc.mu.Unlock()
+		sc.reply(statusError, req.id, []byte(fmt.Sprintf("too many pending requests on this connection (limit %d)", sc.s.opts.MaxPending)))
+		return
+	}
+	if _, dup := sc.pending[req.id]; dup || req.id == 0 {
+		sc.mu.Unlock()
+		sc.reply(statusError, req.id, []byte(fmt.Sprintf("request id %d is zero or already pending", req.id)))
+		return
+	}
+	var rctx context.Context
+	var cancel context.CancelFunc
+	if req.timeout > 0 {
+		rctx, cancel = context.WithTimeout(ctx, req.timeout)
+	} else {
+		rctx, cancel = context.WithCancel(ctx)
+	}
+	sc.pending[req.id] = cancel
+	sc.mu.Unlock()
+
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer func() {
+			sc.mu.Lock()
+			delete(sc.pending, req.id)
+			sc.mu.Unlock()
+			cancel()
+		}()
+		v, err := sc.s.st.waitFor(rctx, sc.s.lock, sc.s.unlock, keys)
+		switch {
+		case err == nil:
+			if req.op == opWait {
+				v = nil
+			}
+			sc.reply(statusOK, req.id, v)
+		case ctx.Err() != nil:
+			// The connection or server is closing: nobody to answer.
+		case errors.Is(err, context.DeadlineExceeded):
+			sc.reply(statusTimeout, req.id, nil)
+		default:
+			sc.reply(statusError, req.id, []byte("canceled"))
+		}
+	}()
+}
