@@ -1,0 +1,55 @@
+// Package autograd is tape-based reverse-mode differentiation over
+// distributed tensors (DESIGN.md §4). Values and gradients are
+// placement.DTensors; every op has a sharding rule; no op inserts a
+// collective the caller did not ask for.
+//
+// # Tapes and values
+//
+// A Tape belongs to one rank (it is not safe for concurrent use; simulated
+// ranks each make their own) and records ops in forward order. Param makes
+// a leaf that requires grad, Constant one that does not; ops (Add, Mul,
+// Scale, Sum, MatMul, Redistribute) take Values and record a node when
+// some input requires grad and recording is on. NoGrad runs a function
+// with recording off. Every rank records the same ops in the same order.
+//
+// Backward(ctx, loss) needs a scalar loss (global shape [] or [1]) that is
+// Replicate or Partial(sum) on every mesh axis; it seeds ones laid out as
+// placement.GradSpec(loss), walks the nodes in reverse and accumulates
+// into the leaves' Grad. It then clears the tape (also on error); leaves
+// and their gradients survive, so gradients accumulate across Backward
+// calls until ZeroGrad. Results of ops do not retain gradients.
+//
+// Gradients meeting at one value are added locally when their specs are
+// equal; when they differ one is moved to the other's spec only if that
+// needs no collective (Replicate -> Partial(sum) keeps the value on one
+// rank, Replicate -> Shard takes the local chunk); otherwise Backward fails
+// with ErrGradPlacement naming both placements. A gradient keeps the
+// placement backward produced, which may differ from GradSpec of its value:
+// a replicated weight used with a batch-sharded input gets a gradient that
+// is Partial(sum) on the batch axis, which data parallelism then reduces.
+//
+// OnGradReady registers a hook on a leaf that fires during Backward the
+// moment the leaf's gradient for the pass is final: right after the
+// backward of the earliest recorded op that uses it, before any op recorded
+// earlier is differentiated. DDP and FSDP start their communication there.
+//
+// # Sharding rules
+//
+// AddRule, MulRule, ScaleRule, SumRule, MatMulRule and RedistributeRule map
+// input specs to the output spec, or return an error wrapping ErrRule that
+// names the mismatch and what would work. Linear reductions over a sharded
+// dim (a sum over it, a sharded matmul contraction) give Partial(sum) with
+// no communication; nonlinear ops (Mul) reject Partial inputs; elementwise
+// ops accept only Partial(sum) among the Partials. Redistribute is the only
+// op that communicates; its backward runs the dual plan
+// (placement.Planner.Backward), or placement.Planner.ExtremumGrad from a
+// Partial(max|min) source.
+//
+// # Checking gradients
+//
+// CheckGrad (and Checker) compares Backward's gradients with central
+// finite differences of the global loss in float64, on a simulated mesh
+// like any other collective code.
+//
+// The package holds no mutable global state.
+package autograd

@@ -1,0 +1,452 @@
+package autograd
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// Option configures NewTape.
+type Option func(*Tape)
+
+// WithPlanner makes the tape plan redistributions (forward and backward)
+// with p, sharing its plan cache and cost model. Without it the tape uses
+// a planner of its own with no cost model.
+func WithPlanner(p *placement.Planner) Option { return func(t *Tape) { t.planner = p } }
+
+// WithBLAS makes MatMul run on b. Without it the tape uses kernels.Default
+// on first use.
+func WithBLAS(b *kernels.BLAS) Option { return func(t *Tape) { t.blas = b } }
+
+// Tape records the ops of one rank's forward pass so that Backward can run
+// them in reverse. There is one tape per rank: a Tape and its Values are
+// not safe for concurrent use and must not be shared between the
+// goroutines of simulated ranks. Every rank records the same ops in the
+// same order (SPMD), since Redistribute and the backward of some ops are
+// collective.
+//
+// Backward clears the recorded ops (successful or not); leaves and their
+// gradients survive, so a training step records a fresh forward pass on
+// the same tape. Reset clears the ops without running backward.
+type Tape struct {
+	planner *placement.Planner
+	blas    *kernels.BLAS
+	nodes   []*node
+	gen     uint64 // incremented every time the nodes are cleared
+	noGrad  int    // depth of NoGrad scopes
+	walking bool   // inside Backward (hooks run with recording off)
+	trace   func(event string)
+}
+
+// NewTape returns an empty tape.
+func NewTape(opts ...Option) *Tape {
+	t := &Tape{}
+	for _, o := range opts {
+		o(t)
+	}
+	if t.planner == nil {
+		t.planner = placement.NewPlanner(nil)
+	}
+	return t
+}
+
+// Planner returns the planner the tape redistributes with.
+func (t *Tape) Planner() *placement.Planner {
+	if t == nil {
+		return nil
+	}
+	return t.planner
+}
+
+// Len returns the number of ops recorded since the tape was last cleared.
+func (t *Tape) Len() int {
+	if t == nil {
+		return 0
+	}
+	return len(t.nodes)
+}
+
+// Reset discards the recorded ops without running backward. Leaves keep
+// their gradients; values produced by the discarded ops can no longer be
+// used in recorded ops.
+func (t *Tape) Reset() {
+	if t == nil {
+		return
+	}
+	clear(t.nodes)
+	t.nodes = t.nodes[:0]
+	t.gen++
+}
+
+// NoGrad runs fn with recording off: ops inside it record nothing and
+// produce values that do not require grad (leaves created inside still do).
+// Scopes nest. It returns fn's error.
+func (t *Tape) NoGrad(fn func() error) error {
+	if t == nil || fn == nil {
+		return invalidf("NoGrad", "nil tape or function")
+	}
+	t.noGrad++
+	defer func() { t.noGrad-- }()
+	return fn()
+}
+
+// recording reports whether ops are recorded now.
+func (t *Tape) recording() bool { return t.noGrad == 0 && !t.walking }
+
+// backwardFunc maps the gradient of a node's output to the gradients of
+// its inputs (nil where an input needs none).
+type backwardFunc func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error)
+
+// node is one recorded op.
+type node struct {
+	op     string
+	inputs []*Value
+	out    *Value
+	back   backwardFunc
+	index  int
+	gen    uint64
+}
+
+// Value is a distributed tensor in a computation: its data (a DTensor),
+// whether it requires grad, the op that produced it (none for a leaf) and,
+// for leaves that require grad, the gradient accumulated so far.
+//
+// A gradient is a DTensor of the value's global shape. Its placements are
+// whatever backward produced, which may differ from
+// placement.GradSpec(value): a replicated weight multiplied by a
+// batch-sharded input gets a gradient that is Partial(sum) on the batch
+// axis. Autograd keeps it that way (no hidden communication); data
+// parallelism all-reduces it (DDP) or reduce-scatters it (FSDP), typically
+// from an OnGradReady hook.
+type Value struct {
+	tape         *Tape
+	data         *placement.DTensor
+	grad         *placement.DTensor
+	requiresGrad bool
+	leaf         bool
+	node         *node
+	name         string
+	hooks        []func(*Value)
+}
+
+// Param makes a leaf that requires grad (a parameter) named name, holding
+// dt. Its gradient accumulates across Backward calls until ZeroGrad.
+func (t *Tape) Param(name string, dt *placement.DTensor) (*Value, error) {
+	if t == nil {
+		return nil, invalidf("Param", "nil tape")
+	}
+	if dt == nil {
+		return nil, invalidf("Param", "nil tensor for %q", name)
+	}
+	return &Value{tape: t, data: dt, requiresGrad: true, leaf: true, name: name}, nil
+}
+
+// Constant makes a leaf that does not require grad.
+func (t *Tape) Constant(dt *placement.DTensor) (*Value, error) {
+	if t == nil {
+		return nil, invalidf("Constant", "nil tape")
+	}
+	if dt == nil {
+		return nil, invalidf("Constant", "nil tensor")
+	}
+	return &Value{tape: t, data: dt, leaf: true, name: "constant"}, nil
+}
+
+// Data returns the value's distributed tensor. It must not be modified.
+func (v *Value) Data() *placement.DTensor {
+	if v == nil {
+		return nil
+	}
+	return v.data
+}
+
+// Spec returns the value's spec.
+func (v *Value) Spec() *placement.Spec {
+	if v == nil || v.data == nil {
+		return nil
+	}
+	return v.data.Spec()
+}
+
+// Name returns the value's name: the parameter's name for leaves, the
+// op's name for op results.
+func (v *Value) Name() string {
+	if v == nil {
+		return ""
+	}
+	return v.name
+}
+
+// RequiresGrad reports whether gradients flow to or through the value.
+func (v *Value) RequiresGrad() bool { return v != nil && v.requiresGrad }
+
+// IsLeaf reports whether the value was made by Param or Constant rather
+// than by an op.
+func (v *Value) IsLeaf() bool { return v != nil && v.leaf }
+
+// Grad returns the gradient accumulated in a leaf by the Backward calls
+// since its last ZeroGrad, or nil if none has arrived. Results of ops do
+// not retain gradients. The returned tensor is owned by the value; later
+// Backward calls replace it rather than modify it.
+func (v *Value) Grad() *placement.DTensor {
+	if v == nil {
+		return nil
+	}
+	return v.grad
+}
+
+// ZeroGrad drops the accumulated gradient.
+func (v *Value) ZeroGrad() {
+	if v != nil {
+		v.grad = nil
+	}
+}
+
+// OnGradReady registers fn to run during Backward the moment this leaf's
+// gradient for that pass is final: right after the backward of the
+// earliest recorded op that uses it, before the backward of any op
+// recorded before that one. It fires exactly once per Backward in which the
+// leaf receives a gradient (not for a leaf the loss does not depend on),
+// and sees Grad() with every pass accumulated so far. Hooks of leaves
+// finalised by the same op fire in the order the leaves appear among that
+// op's inputs; hooks of one leaf fire in registration order. Hooks run with
+// recording off. Only leaves that require grad take hooks.
+func (v *Value) OnGradReady(fn func(v *Value)) error {
+	if fn == nil || v == nil {
+		return invalidf("OnGradReady", "nil hook or value")
+	}
+	if !v.leaf || !v.requiresGrad {
+		return invalidf("OnGradReady", "%q is not a leaf that requires grad; hooks are for parameters", v.name)
+	}
+	v.hooks = append(v.hooks, fn)
+	return nil
+}
+
+// inputs validates op inputs: non-nil, on this tape and, when they need
+// gradients, recorded in the tape's current pass.
+func checkInputs(op string, vs ...*Value) (*Tape, error) {
+	var t *Tape
+	for i, v := range vs {
+		if v == nil || v.data == nil || v.tape == nil {
+			return nil, invalidf(op, "input %d is nil", i)
+		}
+		if t == nil {
+			t = v.tape
+		} else if v.tape != t {
+			return nil, invalidf(op, "inputs come from different tapes (input %d, %q)", i, v.name)
+		}
+		if v.requiresGrad && !v.leaf && v.node.gen != t.gen {
+			return nil, invalidf(op, "input %d (%q) was recorded before the tape was last cleared (by Backward or Reset); recompute it", i, v.name)
+		}
+	}
+	return t, nil
+}
+
+// record makes the result of an op; when recording and some input requires
+// grad it adds a node whose backward is back.
+func (t *Tape) record(op string, out *placement.DTensor, inputs []*Value, back backwardFunc) *Value {
+	v := &Value{tape: t, data: out, name: op}
+	if !t.recording() || !slices.ContainsFunc(inputs, (*Value).RequiresGrad) {
+		return v
+	}
+	n := &node{op: op, inputs: inputs, out: v, back: back, index: len(t.nodes), gen: t.gen}
+	v.requiresGrad, v.node = true, n
+	t.nodes = append(t.nodes, n)
+	return v
+}
+
+// Backward computes the gradient of loss with respect to every leaf that
+// requires grad and accumulates it into the leaves' Grad. loss must be on
+// this tape, require grad, and be a scalar (global shape [] or [1]) laid
+// out Replicate or Partial(sum) on every mesh axis; its seed gradient is
+// ones laid out as placement.GradSpec(loss) (Replicate everywhere). Every
+// rank of the mesh calls Backward with the same loss (backward ops may be
+// collective).
+//
+// Gradients meeting at one value are added locally when their specs are
+// equal. When they differ, one is redistributed to the other's spec if that
+// plan has no collective (incoming to existing first, then existing to
+// incoming: Replicate -> Partial(sum) keeps the value on one rank and
+// zeroes the rest, Replicate -> Shard takes the local chunk); otherwise
+// Backward fails with ErrGradPlacement naming both placements.
+//
+// Backward clears the tape whether or not it succeeds. On an error some
+// leaves may hold partial gradients for the pass: ZeroGrad before retrying.
+func (t *Tape) Backward(ctx context.Context, loss *Value) error {
+	const op = "Backward"
+	if t == nil {
+		return invalidf(op, "nil tape")
+	}
+	if loss == nil || loss.data == nil {
+		return invalidf(op, "nil loss")
+	}
+	if loss.tape != t {
+		return invalidf(op, "the loss %q was recorded on another tape", loss.name)
+	}
+	if t.walking {
+		return invalidf(op, "Backward called from a gradient hook")
+	}
+	if !loss.requiresGrad {
+		return invalidf(op, "the loss %q does not require grad (built from constants only, or under NoGrad)", loss.name)
+	}
+	if !loss.leaf && loss.node.gen != t.gen {
+		return invalidf(op, "the loss %q was recorded before the tape was last cleared; Backward has already run on it", loss.name)
+	}
+	defer t.Reset()
+	spec := loss.Spec()
+	if sh := spec.Shape(); !(len(sh) == 0 || (len(sh) == 1 && sh[0] == 1)) {
+		return invalidf(op, "the loss %q has global shape %v; want a scalar (shape [] or [1]): reduce it with Sum", loss.name, sh)
+	}
+	for a, p := range spec.Placements() {
+		if !(p.IsReplicate() || (p.IsPartial() && p.Op() == comm.Sum)) {
+			return invalidf(op, "the loss %q is %v on mesh axis %q; want Replicate or Partial(sum) on every axis", loss.name, p, spec.Mesh().Names()[a])
+		}
+	}
+	seedSpec, err := placement.GradSpec(spec)
+	if err != nil {
+		return err
+	}
+	seed, err := filled(seedSpec, 1)
+	if err != nil {
+		return err
+	}
+	t.walking = true
+	defer func() { t.walking = false }()
+	if loss.leaf {
+		if err := t.accumulateLeaf(ctx, loss, seed); err != nil {
+			return err
+		}
+		fire(loss)
+		return nil
+	}
+
+	// finalAt[i] lists the leaves whose earliest consumer is node i, in
+	// order of first appearance: their gradient is final once node i's
+	// backward has run.
+	finalAt := make([][]*Value, len(t.nodes))
+	seen := map[*Value]bool{}
+	for i, n := range t.nodes {
+		for _, in := range n.inputs {
+			if in.leaf && in.requiresGrad && !seen[in] {
+				seen[in] = true
+				finalAt[i] = append(finalAt[i], in)
+			}
+		}
+	}
+	got := map[*Value]bool{} // leaves that received a gradient in this pass
+	pending := map[*Value]*placement.DTensor{loss: seed}
+	for i := len(t.nodes) - 1; i >= 0; i-- {
+		n := t.nodes[i]
+		if g, ok := pending[n.out]; ok {
+			delete(pending, n.out)
+			if t.trace != nil {
+				t.trace("backward " + n.op)
+			}
+			grads, err := n.back(ctx, g)
+			if err != nil {
+				return fmt.Errorf("autograd: backward of %s (op %d of the tape): %w", n.op, i, err)
+			}
+			if len(grads) != len(n.inputs) {
+				return fmt.Errorf("autograd: backward of %s returned %d gradients for %d inputs", n.op, len(grads), len(n.inputs))
+			}
+			for j, in := range n.inputs {
+				gj := grads[j]
+				if gj == nil || !in.requiresGrad {
+					continue
+				}
+				if in.leaf {
+					if err := t.accumulateLeaf(ctx, in, gj); err != nil {
+						return err
+					}
+					got[in] = true
+					continue
+				}
+				acc, err := t.accumulate(ctx, in.name, pending[in], gj)
+				if err != nil {
+					return err
+				}
+				pending[in] = acc
+			}
+		}
+		for _, leaf := range finalAt[i] {
+			if got[leaf] {
+				fire(leaf)
+			}
+		}
+	}
+	return nil
+}
+
+// fire runs a leaf's hooks.
+func fire(v *Value) {
+	if v.tape.trace != nil {
+		v.tape.trace("ready " + v.name)
+	}
+	for _, h := range v.hooks {
+		h(v)
+	}
+}
+
+// accumulateLeaf adds g into a leaf's gradient; the leaf owns its gradient,
+// so the first one is copied (backward functions may share tensors).
+func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTensor) error {
+	if v.grad == nil {
+		c, err := clone(g)
+		if err != nil {
+			return err
+		}
+		v.grad = c
+		return nil
+	}
+	acc, err := t.accumulate(ctx, v.name, v.grad, g)
+	if err != nil {
+		return err
+	}
+	v.grad = acc
+	return nil
+}
+
+// accumulate returns existing + incoming as a new tensor (neither is
+// modified), moving one to the other's spec only by a plan with no
+// collective.
+func (t *Tape) accumulate(ctx context.Context, name string, existing, incoming *placement.DTensor) (*placement.DTensor, error) {
+	if existing == nil {
+		return incoming, nil
+	}
+	es, is := existing.Spec(), incoming.Spec()
+	if es.Equal(is) {
+		return add(es, existing, incoming)
+	}
+	var needs []comm.Op
+	if moved, ops, err := t.moveLocal(ctx, incoming, es); err != nil {
+		return nil, err
+	} else if moved != nil {
+		return add(es, existing, moved)
+	} else {
+		needs = ops
+	}
+	if moved, _, err := t.moveLocal(ctx, existing, is); err != nil {
+		return nil, err
+	} else if moved != nil {
+		return add(is, moved, incoming)
+	}
+	return nil, gradPlacementf("Backward", "gradients of %q arrive as %v and %v (%v and %v); combining them needs %v, and autograd inserts no communication: redistribute the value explicitly (autograd.Redistribute) before its uses so their gradients agree", name, es.Placements(), is.Placements(), es, is, needs)
+}
+
+// moveLocal redistributes dt to spec if the plan has no collective; it
+// returns nil and the plan's collectives otherwise.
+func (t *Tape) moveLocal(ctx context.Context, dt *placement.DTensor, spec *placement.Spec) (*placement.DTensor, []comm.Op, error) {
+	pl, err := t.planner.Plan(dt.Spec(), spec)
+	if err != nil {
+		return nil, nil, err
+	}
+	if ops := pl.Collectives(); len(ops) > 0 {
+		return nil, ops, nil
+	}
+	out, err := t.planner.Execute(ctx, pl, dt, spec.Mesh())
+	return out, nil, err
+}
