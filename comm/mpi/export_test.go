@@ -1,0 +1,20 @@
+//go:build mpi
+
+package mpi
+
+// Hooks for the external tests.
+var (
+	RawAllReduceSum = rawAllReduceSum
+	CF32ToBF16      = cF32ToBF16
+	CF32ToF16       = cF32ToF16
+	CF16ToF32       = cF16ToF32
+	OrphanCount     = orphanCount
+)
+
+// SetMaxCount lowers the per-call element limit, so that tests exercise the
+// splitting of large messages; it returns a function restoring it.
+func SetMaxCount(n int) func() {
+	old := maxCount
+	maxCount = n
+	return func() { maxCount = old }
+}

@@ -1,0 +1,270 @@
+//go:build mpi
+
+#include "loom_mpi.h"
+#include <stdint.h>
+
+int loom_init_thread(int *provided) {
+	return MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, provided);
+}
+int loom_thread_multiple(void) { return MPI_THREAD_MULTIPLE; }
+int loom_thread_serialized(void) { return MPI_THREAD_SERIALIZED; }
+int loom_thread_funneled(void) { return MPI_THREAD_FUNNELED; }
+
+MPI_Comm loom_comm_world(void) { return MPI_COMM_WORLD; }
+MPI_Comm loom_comm_null(void) { return MPI_COMM_NULL; }
+int loom_comm_is_null(MPI_Comm c) { return c == MPI_COMM_NULL; }
+MPI_Request loom_request_null(void) { return MPI_REQUEST_NULL; }
+void *loom_in_place(void) { return MPI_IN_PLACE; }
+int loom_undefined(void) { return MPI_UNDEFINED; }
+int loom_any_source(void) { return MPI_ANY_SOURCE; }
+int loom_success(void) { return MPI_SUCCESS; }
+int loom_set_errors_return(MPI_Comm c) { return MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN); }
+MPI_Op loom_bor(void) { return MPI_BOR; }
+
+int loom_test_recv(MPI_Request *req, int *flag, int *count, MPI_Datatype dt) {
+	MPI_Status st;
+	int rc = MPI_Test(req, flag, &st);
+	if (rc != MPI_SUCCESS || !*flag) return rc;
+	return MPI_Get_count(&st, dt, count);
+}
+
+int loom_cancel_wait(MPI_Request *req) {
+	int rc = MPI_Cancel(req);
+	if (rc != MPI_SUCCESS) return rc;
+	return MPI_Wait(req, MPI_STATUS_IGNORE);
+}
+
+int loom_tag_ub(void) {
+	void *v = NULL;
+	int flag = 0;
+	if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &v, &flag) != MPI_SUCCESS || !flag || v == NULL) {
+		return 32767; // the minimum the standard guarantees
+	}
+	return *(int *)v;
+}
+
+MPI_Datatype loom_dtype(int code) {
+	switch (code) {
+	case 1: return MPI_FLOAT;
+	case 2: return MPI_DOUBLE;
+	case 3: return MPI_UINT16_T;
+	case 4: return MPI_UINT16_T;
+	case 5: return MPI_INT32_T;
+	case 6: return MPI_INT64_T;
+	case 7: return MPI_UINT8_T;
+	}
+	return MPI_DATATYPE_NULL;
+}
+MPI_Datatype loom_byte(void) { return MPI_BYTE; }
+MPI_Datatype loom_int64(void) { return MPI_INT64_T; }
+MPI_Datatype loom_int(void) { return MPI_INT; }
+
+// ---- 16-bit floats, bit-exact with package comm's conversions ----
+
+static inline float bf16_to_f32(uint16_t h) {
+	uint32_t b = (uint32_t)h << 16;
+	float f;
+	memcpy(&f, &b, 4);
+	return f;
+}
+
+unsigned short loom_f32_to_bf16(float f) {
+	uint32_t b;
+	memcpy(&b, &f, 4);
+	if ((b & 0x7fffffffu) > 0x7f800000u) {
+		return (uint16_t)((b >> 16) | 0x40);
+	}
+	uint32_t rounding = 0x7fffu + ((b >> 16) & 1u);
+	return (uint16_t)((b + rounding) >> 16);
+}
+
+float loom_f16_to_f32(unsigned short h) {
+	uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+	uint32_t exp = ((uint32_t)h >> 10) & 0x1fu;
+	uint32_t mant = (uint32_t)h & 0x3ffu;
+	uint32_t b;
+	if (exp == 0x1f) {
+		b = sign | 0x7f800000u | (mant << 13);
+	} else if (exp != 0) {
+		b = sign | ((exp + 112) << 23) | (mant << 13);
+	} else if (mant == 0) {
+		b = sign;
+	} else {
+		uint32_t e = 113;
+		while ((mant & 0x400u) == 0) {
+			mant <<= 1;
+			e--;
+		}
+		b = sign | (e << 23) | ((mant & 0x3ffu) << 13);
+	}
+	float f;
+	memcpy(&f, &b, 4);
+	return f;
+}
+
+unsigned short loom_f32_to_f16(float f) {
+	uint32_t b;
+	memcpy(&b, &f, 4);
+	uint16_t sign = (uint16_t)(b >> 16) & 0x8000u;
+	int32_t exp = (int32_t)((b >> 23) & 0xffu);
+	uint32_t mant = b & 0x7fffffu;
+	if (exp == 0xff) {
+		return mant != 0 ? (uint16_t)(sign | 0x7e00u) : (uint16_t)(sign | 0x7c00u);
+	}
+	if (exp > 142) {
+		return (uint16_t)(sign | 0x7c00u);
+	}
+	if (exp >= 113) {
+		uint32_t h = ((uint32_t)(exp - 112) << 10) | (mant >> 13);
+		uint32_t rest = mant & 0x1fffu;
+		if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) {
+			h++;
+		}
+		return (uint16_t)(sign | h);
+	}
+	if (exp >= 102) {
+		uint32_t m = mant | 0x800000u;
+		uint32_t shift = (uint32_t)(126 - exp);
+		uint32_t h = m >> shift;
+		uint32_t rest = m & ((1u << shift) - 1u);
+		uint32_t half = 1u << (shift - 1);
+		if (rest > half || (rest == half && (h & 1u))) {
+			h++;
+		}
+		return (uint16_t)(sign | h);
+	}
+	return sign;
+}
+
+// NaN-propagating min and max, as package comm's kernels do.
+static inline float fmin_nan(float x, float y) {
+	if (x != x) return x;
+	if (y != y || y < x) return y;
+	return x;
+}
+static inline float fmax_nan(float x, float y) {
+	if (x != x) return x;
+	if (y != y || y > x) return y;
+	return x;
+}
+
+#define HALF_OP(NAME, WIDEN, NARROW, EXPR)                                      \
+	static void NAME(void *in, void *inout, int *len, MPI_Datatype *dt) {   \
+		(void)dt;                                                       \
+		const uint16_t *a = (const uint16_t *)in;                       \
+		uint16_t *b = (uint16_t *)inout;                                \
+		int n = *len;                                                   \
+		for (int i = 0; i < n; i++) {                                   \
+			float x = WIDEN(a[i]), y = WIDEN(b[i]);                 \
+			b[i] = NARROW(EXPR);                                    \
+		}                                                               \
+	}
+
+HALF_OP(bf16_sum, bf16_to_f32, loom_f32_to_bf16, x + y)
+HALF_OP(bf16_prod, bf16_to_f32, loom_f32_to_bf16, x * y)
+HALF_OP(bf16_min, bf16_to_f32, loom_f32_to_bf16, fmin_nan(x, y))
+HALF_OP(bf16_max, bf16_to_f32, loom_f32_to_bf16, fmax_nan(x, y))
+HALF_OP(f16_sum, loom_f16_to_f32, loom_f32_to_f16, x + y)
+HALF_OP(f16_prod, loom_f16_to_f32, loom_f32_to_f16, x * y)
+HALF_OP(f16_min, loom_f16_to_f32, loom_f32_to_f16, fmin_nan(x, y))
+HALF_OP(f16_max, loom_f16_to_f32, loom_f32_to_f16, fmax_nan(x, y))
+
+// Open MPI 4.1's vectorised MPI_SUM on MPI_UINT8_T saturates at 255 instead
+// of wrapping (op/avx), so uint8 sum and prod use these user operators,
+// which wrap modulo 256 like C and comm/local.
+static void u8_sum(void *in, void *inout, int *len, MPI_Datatype *dt) {
+	(void)dt;
+	const uint8_t *a = (const uint8_t *)in;
+	uint8_t *b = (uint8_t *)inout;
+	int n = *len;
+	for (int i = 0; i < n; i++) b[i] = (uint8_t)(a[i] + b[i]);
+}
+static void u8_prod(void *in, void *inout, int *len, MPI_Datatype *dt) {
+	(void)dt;
+	const uint8_t *a = (const uint8_t *)in;
+	uint8_t *b = (uint8_t *)inout;
+	int n = *len;
+	for (int i = 0; i < n; i++) b[i] = (uint8_t)(a[i] * b[i]);
+}
+static MPI_Op u8_ops[2];
+
+// half_ops[t][k]: t 0 bfloat16, 1 float16; k 0 sum, 1 prod, 2 min, 3 max.
+static MPI_Op half_ops[2][4];
+static int half_ops_ready;
+
+int loom_create_half_ops(void) {
+	MPI_User_function *fns[2][4] = {
+		{bf16_sum, bf16_prod, bf16_min, bf16_max},
+		{f16_sum, f16_prod, f16_min, f16_max},
+	};
+	if (half_ops_ready) return MPI_SUCCESS;
+	for (int t = 0; t < 2; t++) {
+		for (int k = 0; k < 4; k++) {
+			int rc = MPI_Op_create(fns[t][k], 1, &half_ops[t][k]);
+			if (rc != MPI_SUCCESS) return rc;
+		}
+	}
+	int rc = MPI_Op_create(u8_sum, 1, &u8_ops[0]);
+	if (rc != MPI_SUCCESS) return rc;
+	rc = MPI_Op_create(u8_prod, 1, &u8_ops[1]);
+	if (rc != MPI_SUCCESS) return rc;
+	half_ops_ready = 1;
+	return MPI_SUCCESS;
+}
+
+void loom_free_half_ops(void) {
+	if (!half_ops_ready) return;
+	for (int t = 0; t < 2; t++) {
+		for (int k = 0; k < 4; k++) {
+			MPI_Op_free(&half_ops[t][k]);
+		}
+	}
+	MPI_Op_free(&u8_ops[0]);
+	MPI_Op_free(&u8_ops[1]);
+	half_ops_ready = 0;
+}
+
+MPI_Op loom_op(int op, int dtype) {
+	int k;
+	switch (op) {
+	case 1: case 2: k = 0; break; // sum, avg (divided afterwards)
+	case 3: k = 1; break;
+	case 4: k = 2; break;
+	case 5: k = 3; break;
+	default: return MPI_OP_NULL;
+	}
+	if (dtype == 3 || dtype == 4) {
+		if (!half_ops_ready) return MPI_OP_NULL;
+		return half_ops[dtype == 3 ? 0 : 1][k];
+	}
+	if (dtype == 7 && k <= 1) {
+		if (!half_ops_ready) return MPI_OP_NULL;
+		return u8_ops[k];
+	}
+	switch (k) {
+	case 0: return MPI_SUM;
+	case 1: return MPI_PROD;
+	case 2: return MPI_MIN;
+	default: return MPI_MAX;
+	}
+}
+
+int loom_error_string(int code, char *buf, int len) {
+	char tmp[MPI_MAX_ERROR_STRING];
+	int n = 0;
+	if (MPI_Error_string(code, tmp, &n) != MPI_SUCCESS) {
+		return 0;
+	}
+	if (n >= len) n = len - 1;
+	memcpy(buf, tmp, n);
+	buf[n] = 0;
+	return n;
+}
+
+int loom_test(MPI_Request *req, int *flag) {
+	return MPI_Test(req, flag, MPI_STATUS_IGNORE);
+}
+
+int loom_testall(int n, MPI_Request *reqs, int *flag) {
+	return MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
+}

@@ -1,0 +1,348 @@
+//go:build mpi
+
+package mpi
+
+/*
+#include "loom_mpi.h"
+*/
+import "C"
+
+import (
+	"context"
+	"fmt"
+	"unsafe"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/internal/kernel"
+)
+
+// Do implements comm.Communicator: Start, then Wait.
+func (c *Comm) Do(ctx context.Context, call comm.Call) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	w, err := c.start(ctx, call)
+	if err != nil {
+		return err
+	}
+	return w.Wait(ctx)
+}
+
+// Start implements comm.Communicator. Collectives are posted in call order;
+// Send and Recv are posted at once.
+func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	w, err := c.start(ctx, call)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	if !w.finished {
+		c.driveLocked()
+	}
+	c.mu.Unlock()
+	return w, nil
+}
+
+func (c *Comm) start(ctx context.Context, call comm.Call) (*work, error) {
+	p2p := call.Op == comm.OpSend || call.Op == comm.OpRecv
+	seq, peer := c.seq+1, -1
+	if p2p {
+		seq, peer = c.p2pSeq.Load()+1, call.Peer
+	}
+	if call.Op == comm.OpSplit {
+		return nil, c.errorf(call.Op, seq, -1, "%w: use Split", comm.ErrInvalid)
+	}
+	if e := c.failure.Load(); e != nil {
+		return nil, c.wrap(call.Op, seq, peer, e)
+	}
+	c.mu.Lock()
+	freed := c.freed
+	c.mu.Unlock()
+	if freed {
+		return nil, c.errorf(call.Op, seq, peer, "%w: communicator freed", comm.ErrInvalid)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, c.errorf(call.Op, seq, peer, "%w before the call was issued (context: %w)", errCancelled, err)
+	}
+	invalid := c.validate(&call)
+	check := c.cfg.opts.ConsistencyCheck && !p2p
+	if invalid != nil && !check && call.Op != comm.OpAllToAllV {
+		// Rejected here alone: nothing was posted and no sequence number
+		// is taken.
+		e := c.wrap(call.Op, seq, peer, invalid)
+		id := c.rec.Begin(seq, &call, call.Algorithm)
+		c.rec.Update(id, comm.Failed, e)
+		return nil, e
+	}
+	if p2p {
+		seq = c.p2pSeq.Add(1)
+	} else {
+		c.seq++
+	}
+	w := c.newWork(ctx, &call, seq)
+	if check {
+		fp := comm.FingerprintOf(seq, &call)
+		fp.Site = callerSite()
+		w.steps = append(w.steps, c.fingerprintStep(fp, invalid, 0, 0))
+	}
+	switch {
+	case call.Op == comm.OpAllToAllV:
+		w.steps = append(w.steps, c.countsStep(invalid))
+	case invalid == nil:
+		w.steps = append(w.steps, (*work).issue)
+	}
+	c.enqueue(w)
+	return w, nil
+}
+
+func hostOf(b comm.Buffer) *comm.HostBuffer {
+	if b == nil {
+		return nil
+	}
+	h, _ := b.(*comm.HostBuffer)
+	return h
+}
+
+// validate checks what this rank can check alone.
+func (c *Comm) validate(call *comm.Call) error {
+	if err := call.Validate(c.rank, c.size); err != nil {
+		return err
+	}
+	for _, b := range []comm.Buffer{call.Send, call.Recv} {
+		if b != nil && hostOf(b) == nil {
+			return fmt.Errorf("%w: the mpi backend needs host buffers, got %T on %s", comm.ErrUnsupported, b, b.Device())
+		}
+	}
+	if call.Algorithm != comm.Auto {
+		return fmt.Errorf("%w: algorithm %v: the MPI library chooses its own algorithms; only auto applies", comm.ErrUnsupported, call.Algorithm)
+	}
+	if call.Op == comm.OpSend || call.Op == comm.OpRecv {
+		if call.Tag < 0 || call.Tag >= lib.tagUB {
+			return fmt.Errorf("%w: %v: tag %d out of range [0,%d)", comm.ErrInvalid, call.Op, call.Tag, lib.tagUB)
+		}
+	}
+	s, r := hostOf(call.Send), hostOf(call.Recv)
+	if s != nil && r != nil && comm.HostOverlap(s, r) != comm.Disjoint && !isInPlace(call, c.rank) {
+		return fmt.Errorf("%w: %v: send and recv overlap but not as the in-place form (%s)", comm.ErrInvalid, call.Op, inPlaceRule(call.Op))
+	}
+	block := -1
+	switch call.Op {
+	case comm.OpAllGather, comm.OpGather:
+		block = s.Len()
+	case comm.OpReduceScatter, comm.OpScatter:
+		block = r.Len()
+	case comm.OpAllToAll:
+		block = s.Len() / c.size
+	case comm.OpAllToAllV:
+		for _, counts := range [][]int{call.SendCounts, call.RecvCounts} {
+			off := 0
+			for j, n := range counts {
+				if n > maxCount || off > maxCount {
+					return fmt.Errorf("%w: alltoallv: the block for rank %d (%d elements at displacement %d) exceeds MPI's int count limit %d; split the call", comm.ErrUnsupported, j, n, off, maxCount)
+				}
+				off += n
+			}
+		}
+	}
+	if block > maxCount {
+		return fmt.Errorf("%w: %v: per-rank block of %d elements exceeds MPI's int count limit %d; split the call", comm.ErrUnsupported, call.Op, block, maxCount)
+	}
+	return nil
+}
+
+func inPlaceRule(op comm.Op) string {
+	switch op {
+	case comm.OpAllReduce, comm.OpBroadcast, comm.OpReduce:
+		return "send == recv"
+	case comm.OpAllGather:
+		return "send is recv's block at rank·n"
+	case comm.OpReduceScatter:
+		return "recv is send's block at rank·n"
+	}
+	return "this op has no in-place form"
+}
+
+// isInPlace reports whether the call uses NCCL's in-place form on rank.
+func isInPlace(call *comm.Call, rank int) bool {
+	s, r := hostOf(call.Send), hostOf(call.Recv)
+	if s == nil || r == nil || len(s.Bytes()) == 0 {
+		return call.Op == comm.OpBroadcast
+	}
+	switch call.Op {
+	case comm.OpAllReduce, comm.OpBroadcast, comm.OpReduce:
+		return comm.HostOverlap(s, r) == comm.Same
+	case comm.OpAllGather:
+		off, ok := comm.ByteOffset(r, s)
+		return ok && off == rank*len(s.Bytes())
+	case comm.OpReduceScatter:
+		off, ok := comm.ByteOffset(s, r)
+		return ok && off == rank*len(r.Bytes())
+	}
+	return false
+}
+
+// chunks calls f for consecutive pieces [lo, lo+n) of total elements, at
+// most maxCount each, and at least once (for zero elements).
+func chunks(total int, f func(lo, n int) error) error {
+	for lo := 0; ; lo += maxCount {
+		n := min(maxCount, total-lo)
+		if err := f(lo, n); err != nil {
+			return err
+		}
+		if lo+n >= total {
+			return nil
+		}
+	}
+}
+
+// issue is the data step: it posts the operation's MPI requests.
+func (w *work) issue() error {
+	c, call := w.c, &w.call
+	c.rec.Update(w.id, comm.Started, nil)
+	send, recv := hostOf(call.Send), hostOf(call.Recv)
+	var dt comm.DType
+	var sb, rb []byte
+	if send != nil {
+		dt, sb = send.DType(), send.Bytes()
+	}
+	if recv != nil {
+		dt, rb = recv.DType(), recv.Bytes()
+	}
+	mdt := C.loom_dtype(C.int(dt))
+	es := dt.Size()
+	var mop C.MPI_Op
+	if call.Op.Reduces() {
+		mop = C.loom_op(C.int(call.Reduce), C.int(dt))
+	}
+	at := func(b []byte, lo int) unsafe.Pointer { return ptr(b[lo*es:]) }
+	inPlace := isInPlace(call, c.rank)
+	avg := func(b []byte) {
+		if call.Reduce == comm.Avg {
+			w.finish = append(w.finish, func() error { kernel.Scale(dt, b, c.size); return nil })
+		}
+	}
+	h, root := c.h, C.int(call.Root)
+	atRoot := c.rank == call.Root
+	switch call.Op {
+	case comm.OpAllReduce:
+		w.use(sb, rb)
+		avg(rb)
+		return chunks(send.Len(), func(lo, n int) error {
+			sp := at(sb, lo)
+			if inPlace {
+				sp = C.loom_in_place()
+			}
+			return ok(C.MPI_Iallreduce(sp, at(rb, lo), C.int(n), mdt, mop, h, w.newReq()), "MPI_Iallreduce")
+		})
+	case comm.OpBroadcast:
+		if atRoot && send != nil && comm.HostOverlap(send, recv) != comm.Same {
+			copy(rb, sb)
+		}
+		w.use(rb)
+		return chunks(recv.Len(), func(lo, n int) error {
+			return ok(C.MPI_Ibcast(at(rb, lo), C.int(n), mdt, root, h, w.newReq()), "MPI_Ibcast")
+		})
+	case comm.OpReduce:
+		if atRoot {
+			w.use(sb, rb)
+			avg(rb)
+		} else {
+			w.use(sb)
+		}
+		return chunks(send.Len(), func(lo, n int) error {
+			sp := at(sb, lo)
+			var rp unsafe.Pointer
+			if atRoot {
+				rp = at(rb, lo)
+				if inPlace {
+					sp = C.loom_in_place()
+				}
+			}
+			return ok(C.MPI_Ireduce(sp, rp, C.int(n), mdt, mop, root, h, w.newReq()), "MPI_Ireduce")
+		})
+	case comm.OpAllGather:
+		n := C.int(send.Len())
+		w.use(sb, rb)
+		sp := ptr(sb)
+		if inPlace {
+			sp = C.loom_in_place()
+		}
+		return ok(C.MPI_Iallgather(sp, n, mdt, ptr(rb), n, mdt, h, w.newReq()), "MPI_Iallgather")
+	case comm.OpReduceScatter:
+		n := recv.Len()
+		out := rb
+		if inPlace {
+			// MPI_IN_PLACE would leave the result at the start of the send
+			// buffer; reduce into scratch and copy it to the rank-th block.
+			out = scratch(len(rb))
+			w.finish = append(w.finish, func() error { copy(rb, out); return nil })
+		}
+		w.use(sb, out)
+		avg(rb)
+		return ok(C.MPI_Ireduce_scatter_block(ptr(sb), ptr(out), C.int(n), mdt, mop, h, w.newReq()), "MPI_Ireduce_scatter_block")
+	case comm.OpGather:
+		n := C.int(send.Len())
+		var rp unsafe.Pointer
+		if atRoot {
+			rp = ptr(rb)
+			w.use(rb)
+		}
+		w.use(sb)
+		return ok(C.MPI_Igather(ptr(sb), n, mdt, rp, n, mdt, root, h, w.newReq()), "MPI_Igather")
+	case comm.OpScatter:
+		n := C.int(recv.Len())
+		var sp unsafe.Pointer
+		if atRoot {
+			sp = ptr(sb)
+			w.use(sb)
+		}
+		w.use(rb)
+		return ok(C.MPI_Iscatter(sp, n, mdt, ptr(rb), n, mdt, root, h, w.newReq()), "MPI_Iscatter")
+	case comm.OpAllToAll:
+		n := C.int(send.Len() / c.size)
+		w.use(sb, rb)
+		return ok(C.MPI_Ialltoall(ptr(sb), n, mdt, ptr(rb), n, mdt, h, w.newReq()), "MPI_Ialltoall")
+	case comm.OpAllToAllV:
+		p := c.size
+		arr := unsafe.Slice((*C.int)(w.cAlloc(4*p*int(unsafe.Sizeof(C.int(0))))), 4*p)
+		sc, sd, rc, rd := arr[:p], arr[p:2*p], arr[2*p:3*p], arr[3*p:]
+		so, ro := 0, 0
+		for j := range p {
+			sc[j], sd[j] = C.int(call.SendCounts[j]), C.int(so)
+			rc[j], rd[j] = C.int(call.RecvCounts[j]), C.int(ro)
+			so += call.SendCounts[j]
+			ro += call.RecvCounts[j]
+		}
+		w.use(sb, rb)
+		return ok(C.MPI_Ialltoallv(ptr(sb), &sc[0], &sd[0], mdt, ptr(rb), &rc[0], &rd[0], mdt, h, w.newReq()), "MPI_Ialltoallv")
+	case comm.OpBarrier:
+		return ok(C.MPI_Ibarrier(h, w.newReq()), "MPI_Ibarrier")
+	case comm.OpSend:
+		w.use(sb)
+		return chunks(send.Len(), func(lo, n int) error {
+			return ok(C.MPI_Issend(at(sb, lo), C.int(n), mdt, C.int(call.Peer), C.int(call.Tag), h, w.newReq()), "MPI_Issend")
+		})
+	case comm.OpRecv:
+		w.use(rb)
+		w.recvType = mdt
+		return chunks(recv.Len(), func(lo, n int) error {
+			w.recvWant = append(w.recvWant, n)
+			w.recvGot = append(w.recvGot, 0)
+			w.recvDone = append(w.recvDone, false)
+			return ok(C.MPI_Irecv(at(rb, lo), C.int(n), mdt, C.int(call.Peer), C.int(call.Tag), h, w.newReq()), "MPI_Irecv")
+		})
+	}
+	return fmt.Errorf("%w: op %v", comm.ErrUnsupported, call.Op)
+}
+
+// scratch allocates n bytes aligned for any element type.
+func scratch(n int) []byte {
+	if n == 0 {
+		return nil
+	}
+	words := make([]uint64, (n+7)/8)
+	return unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), n)
+}
