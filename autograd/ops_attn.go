@@ -1,0 +1,442 @@
+package autograd
+
+import (
+	"context"
+	"fmt"
+	"math"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// Narrow returns entries start … start+length−1 of x along dim (negative
+// dims count from the end). Sharding rule: NarrowRule (dim not sharded).
+// Backward pads the gradient with zeros, laid out like g.
+func Narrow(x *Value, dim, start, length int) (*Value, error) {
+	const op = "Narrow"
+	t, err := checkInputs(op, x)
+	if err != nil {
+		return nil, err
+	}
+	spec, d, err := narrowRule(x.Spec(), dim, start, length)
+	if err != nil {
+		return nil, err
+	}
+	full := x.Spec().Shape()[d]
+	lshape := x.data.LocalShape()
+	out, err := mapLocal(spec, x.data, func(v any) any { return narrowAny(v, lshape, d, start, length) })
+	if err != nil {
+		return nil, err
+	}
+	in := x.Spec()
+	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		s, err := gradSpec(in, g.Spec().Placements())
+		if err != nil {
+			return nil, err
+		}
+		gshape := g.LocalShape()
+		gx, err := mapLocal(s, g, func(v any) any { return padAny(v, gshape, d, start, full) })
+		return []*placement.DTensor{gx}, err
+	}), nil
+}
+
+// SplitLast splits the last dim of x into k equal parts (Narrow of each),
+// e.g. a fused q|k|v projection into q, k and v. The last dim must be
+// divisible by k and not sharded.
+func SplitLast(x *Value, k int) ([]*Value, error) {
+	if x == nil || x.data == nil {
+		return nil, invalidf("SplitLast", "input 0 is nil")
+	}
+	sh := x.Spec().Shape()
+	if len(sh) == 0 || k <= 0 || sh[len(sh)-1]%k != 0 {
+		return nil, invalidf("SplitLast", "cannot split shape %v into %d equal parts along the last dim", sh, k)
+	}
+	n := sh[len(sh)-1] / k
+	out := make([]*Value, k)
+	for i := range out {
+		v, err := Narrow(x, -1, i*n, n)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = v
+	}
+	return out, nil
+}
+
+// Concat joins xs along dim (negative counts from the end). Sharding rule:
+// ConcatRule. Backward narrows the gradient back into pieces, laid out
+// like g.
+func Concat(dim int, xs ...*Value) (*Value, error) {
+	const op = "Concat"
+	t, err := checkInputs(op, xs...)
+	if err != nil {
+		return nil, err
+	}
+	specs := make([]*placement.Spec, len(xs))
+	for i, x := range xs {
+		specs[i] = x.Spec()
+	}
+	spec, d, err := concatRule(dim, specs)
+	if err != nil {
+		return nil, err
+	}
+	sizes := make([]int, len(xs))
+	lshapes := make([][]int, len(xs))
+	blocks := make([]any, len(xs))
+	for i, x := range xs {
+		sizes[i] = specs[i].Shape()[d]
+		lshapes[i] = x.data.LocalShape()
+		blocks[i] = x.data.LocalData()
+	}
+	out, err := placement.NewLocal(spec, concatAny(blocks, lshapes, d))
+	if err != nil {
+		return nil, err
+	}
+	return t.record(op, out, xs, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		gshape := g.LocalShape()
+		grads := make([]*placement.DTensor, len(xs))
+		off := 0
+		for i, x := range xs {
+			if x.requiresGrad {
+				s, err := gradSpec(specs[i], g.Spec().Placements())
+				if err != nil {
+					return nil, err
+				}
+				o := off
+				if grads[i], err = mapLocal(s, g, func(v any) any { return narrowAny(v, gshape, d, o, sizes[i]) }); err != nil {
+					return nil, err
+				}
+			}
+			off += sizes[i]
+		}
+		return grads, nil
+	}), nil
+}
+
+// mapLocal lays out f(local block of x) by spec.
+func mapLocal(spec *placement.Spec, x *placement.DTensor, f func(any) any) (*placement.DTensor, error) {
+	return placement.NewLocal(spec, f(x.LocalData()))
+}
+
+func narrowAny(v any, shape []int, d, start, length int) any {
+	switch x := v.(type) {
+	case []float32:
+		return narrowT(x, shape, d, start, length)
+	case []float64:
+		return narrowT(x, shape, d, start, length)
+	}
+	return v
+}
+
+func padAny(v any, shape []int, d, start, full int) any {
+	switch x := v.(type) {
+	case []float32:
+		return padT(x, shape, d, start, full)
+	case []float64:
+		return padT(x, shape, d, start, full)
+	}
+	return v
+}
+
+func concatAny(blocks []any, shapes [][]int, d int) any {
+	switch blocks[0].(type) {
+	case []float32:
+		return concatT[float32](blocks, shapes, d)
+	default:
+		return concatT[float64](blocks, shapes, d)
+	}
+}
+
+func narrowT[T float](x []T, shape []int, d, start, length int) []T {
+	outer, n, inner := splitDim(shape, d)
+	out := make([]T, outer*length*inner)
+	for o := range outer {
+		copy(out[o*length*inner:(o+1)*length*inner], x[(o*n+start)*inner:(o*n+start+length)*inner])
+	}
+	return out
+}
+
+func padT[T float](g []T, shape []int, d, start, full int) []T {
+	outer, n, inner := splitDim(shape, d)
+	out := make([]T, outer*full*inner)
+	for o := range outer {
+		copy(out[(o*full+start)*inner:(o*full+start+n)*inner], g[o*n*inner:(o+1)*n*inner])
+	}
+	return out
+}
+
+func concatT[T float](blocks []any, shapes [][]int, d int) []T {
+	outer, _, inner := splitDim(shapes[0], d)
+	total := 0
+	for _, s := range shapes {
+		total += s[d]
+	}
+	out := make([]T, outer*total*inner)
+	off := 0
+	for i, b := range blocks {
+		x := b.([]T)
+		n := shapes[i][d]
+		for o := range outer {
+			copy(out[(o*total+off)*inner:(o*total+off+n)*inner], x[o*n*inner:(o+1)*n*inner])
+		}
+		off += n
+	}
+	return out
+}
+
+// BatchedMatMul returns a·b for a [..., m, k] and b [..., k, n] with equal
+// batch dims, one matrix product per batch index. Sharding rule:
+// BatchedMatMulRule. Backward, per mesh axis (a, b) -> (da, db):
+//
+//	(S(d), S(d)) batch:    S(d), S(d)
+//	(S(m), R):             S(m), P(sum)
+//	(R, S(n)):             P(sum), S(n)
+//	(S(k), S(k)):          S(k), S(k)    g must be R there
+//	(R, R):                like g, like g
+//	(P(sum), R):           like g, P(sum) g must be R for db
+//	(R, P(sum)):           P(sum), like g g must be R for da
+func BatchedMatMul(a, b *Value) (*Value, error) {
+	const op = "BatchedMatMul"
+	t, err := checkInputs(op, a, b)
+	if err != nil {
+		return nil, err
+	}
+	spec, cases, err := bmmRule(a.Spec(), b.Spec())
+	if err != nil {
+		return nil, err
+	}
+	blas, err := t.blasOrDefault()
+	if err != nil {
+		return nil, err
+	}
+	al, bl := a.data.LocalShape(), b.data.LocalShape()
+	r := len(al)
+	batch, m, k, n := prod(al[:r-2]), al[r-2], al[r-1], bl[r-1]
+	if bl[r-2] != k || prod(bl[:r-2]) != batch {
+		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v and %v do not chain", op, al, bl)
+	}
+	out, err := bmmLocal(blas, spec, a.data, b.data, false, false, batch, m, n, k)
+	if err != nil {
+		return nil, err
+	}
+	sa, sb := a.Spec(), b.Spec()
+	x, y := a.data, b.data
+	needA, needB := a.requiresGrad, b.requiresGrad
+	names := sa.Mesh().Names()
+	return t.record(op, out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		pa, pb, pg := sa.Placements(), sb.Placements(), g.Spec().Placements()
+		da, db := make([]placement.Placement, len(pa)), make([]placement.Placement, len(pa))
+		sum := placement.Partial(comm.Sum)
+		var errA, errB error
+		for ax, c := range cases {
+			needR := func(which string) error {
+				return gradPlacementf(op, "the gradient of the result arrives as %v on mesh axis %q, where a is %v and b is %v: d%s needs it all-reduced to R first, and autograd inserts no communication", pg[ax], names[ax], pa[ax], pb[ax], which)
+			}
+			switch c {
+			case bmmBatch:
+				da[ax], db[ax] = pa[ax], pb[ax]
+			case bmmRows:
+				da[ax], db[ax] = pa[ax], sum
+			case bmmCols:
+				da[ax], db[ax] = sum, pb[ax]
+			case bmmInner:
+				da[ax], db[ax] = pa[ax], pb[ax]
+				if pg[ax].IsPartial() {
+					errA, errB = cmp(errA, needR("a")), cmp(errB, needR("b"))
+				}
+			case bmmRep:
+				da[ax], db[ax] = pg[ax], pg[ax]
+			case bmmPartA:
+				da[ax], db[ax] = pg[ax], sum
+				if pg[ax].IsPartial() {
+					errB = cmp(errB, needR("b"))
+				}
+			case bmmPartB:
+				da[ax], db[ax] = sum, pg[ax]
+				if pg[ax].IsPartial() {
+					errA = cmp(errA, needR("a"))
+				}
+			}
+		}
+		grads := make([]*placement.DTensor, 2)
+		if needA {
+			if errA != nil {
+				return nil, errA
+			}
+			s, err := gradSpec(sa, da)
+			if err != nil {
+				return nil, err
+			}
+			if grads[0], err = bmmLocal(blas, s, g, y, false, true, batch, m, k, n); err != nil {
+				return nil, err
+			}
+		}
+		if needB {
+			if errB != nil {
+				return nil, errB
+			}
+			s, err := gradSpec(sb, db)
+			if err != nil {
+				return nil, err
+			}
+			if grads[1], err = bmmLocal(blas, s, x, g, true, false, batch, k, n, m); err != nil {
+				return nil, err
+			}
+		}
+		return grads, nil
+	}), nil
+}
+
+// bmmLocal computes op(A_i)·op(B_i) for every batch index i of row-major
+// local blocks, op(A_i) m×k and op(B_i) k×n, and lays the result out by
+// spec.
+func bmmLocal(bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
+	lda, ldb := max(1, k), max(1, n)
+	if transA {
+		lda = max(1, m)
+	}
+	if transB {
+		ldb = max(1, k)
+	}
+	sa, sb, sc := m*k, k*n, m*n
+	switch xd := x.LocalData().(type) {
+	case []float32:
+		yd, _ := y.LocalData().([]float32)
+		c := make([]float32, batch*sc)
+		if k > 0 && m > 0 && n > 0 {
+			for i := range batch {
+				if err := bl.Sgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, 0, c[i*sc:(i+1)*sc], max(1, n)); err != nil {
+					return nil, fmt.Errorf("autograd: internal: %w", err)
+				}
+			}
+		}
+		return placement.NewLocal(spec, c)
+	case []float64:
+		yd, _ := y.LocalData().([]float64)
+		c := make([]float64, batch*sc)
+		if k > 0 && m > 0 && n > 0 {
+			for i := range batch {
+				if err := bl.Dgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, 0, c[i*sc:(i+1)*sc], max(1, n)); err != nil {
+					return nil, fmt.Errorf("autograd: internal: %w", err)
+				}
+			}
+		}
+		return placement.NewLocal(spec, c)
+	}
+	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
+}
+
+// CausalSoftmax returns the softmax over the last dim of scores x
+// [..., T, T] with the causal mask: entry (i, j) with j > i is −∞ before
+// the softmax and exactly 0 after it. Sharding rule: CausalSoftmaxRule.
+// Backward: y⊙(g − Σ_j g⊙y), laid out like g (masked entries get 0).
+func CausalSoftmax(x *Value) (*Value, error) {
+	const op = "CausalSoftmax"
+	t, err := checkInputs(op, x)
+	if err != nil {
+		return nil, err
+	}
+	spec, err := CausalSoftmaxRule(x.Spec())
+	if err != nil {
+		return nil, err
+	}
+	if isF32(spec) {
+		return causalOp[float32](t, spec, x)
+	}
+	return causalOp[float64](t, spec, x)
+}
+
+func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
+	const op = "CausalSoftmax"
+	xd, err := dataOf[T](x.data)
+	if err != nil {
+		return nil, err
+	}
+	sh := spec.Shape()
+	tt := sh[len(sh)-1]
+	yd := causalFwd(xd, tt)
+	out, err := placement.NewLocal(spec, yd)
+	if err != nil {
+		return nil, err
+	}
+	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		gd, err := dataOf[T](g)
+		if err != nil {
+			return nil, err
+		}
+		shape := g.LocalShape()
+		gx, err := placement.NewLocal(g.Spec(), softmaxBwd(yd, gd, shape, len(shape)-1, false))
+		return []*placement.DTensor{gx}, err
+	}), nil
+}
+
+// causalFwd is the masked row softmax of [..., T, T] blocks.
+func causalFwd[T float](x []T, tt int) []T {
+	out := make([]T, len(x))
+	for base := 0; base < len(x); base += tt * tt {
+		for i := range tt {
+			row := x[base+i*tt : base+(i+1)*tt]
+			m := math.Inf(-1)
+			for j := 0; j <= i; j++ {
+				m = max(m, float64(row[j]))
+			}
+			s := 0.0
+			for j := 0; j <= i; j++ {
+				s += math.Exp(float64(row[j]) - m)
+			}
+			for j := 0; j <= i; j++ {
+				out[base+i*tt+j] = T(math.Exp(float64(row[j])-m) / s)
+			}
+		}
+	}
+	return out
+}
+
+// CausalAttention is causal scaled-dot-product attention with heads as a
+// dimension: q, k, v are [..., T, Dh] (e.g. [B, H, T, Dh]) and the result
+// is softmax_causal(q·kᵀ/√Dh)·v, [..., T, Dh]. It composes Transpose,
+// BatchedMatMul, Scale and CausalSoftmax, so the sharding rules are
+// theirs: batch and head dims may be sharded (the same way in q, k and v);
+// T and Dh may not, and no input may be Partial.
+func CausalAttention(q, k, v *Value) (*Value, error) {
+	if q == nil || q.data == nil {
+		return nil, invalidf("CausalAttention", "nil q")
+	}
+	sh := q.Spec().Shape()
+	if len(sh) < 2 {
+		return nil, invalidf("CausalAttention", "q has shape %v; want [..., T, Dh]", sh)
+	}
+	kt, err := Transpose(k, -2, -1)
+	if err != nil {
+		return nil, err
+	}
+	s, err := BatchedMatMul(q, kt)
+	if err != nil {
+		return nil, err
+	}
+	if s, err = Scale(s, 1/math.Sqrt(float64(sh[len(sh)-1]))); err != nil {
+		return nil, err
+	}
+	a, err := CausalSoftmax(s)
+	if err != nil {
+		return nil, err
+	}
+	return BatchedMatMul(a, v)
+}
