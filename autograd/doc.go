@@ -7,9 +7,13 @@
 //
 // A Tape belongs to one rank (it is not safe for concurrent use; simulated
 // ranks each make their own) and records ops in forward order. Param makes
-// a leaf that requires grad, Constant one that does not; ops (Add, Mul,
-// Scale, Sum, MatMul, Redistribute) take Values and record a node when
-// some input requires grad and recording is on. NoGrad runs a function
+// a leaf that requires grad, Constant one that does not; ops take Values
+// and record a node when some input requires grad and recording is on.
+// The ops: Redistribute (the only one that communicates), Add, Mul, Scale,
+// Sum, MatMul, BatchedMatMul, Linear (replicated, data-parallel, colwise,
+// rowwise), Transpose, Permute, Reshape, Narrow, SplitLast, Concat, GELU,
+// Softmax, LogSoftmax, CausalSoftmax, LayerNorm, Embedding, CrossEntropy
+// and CausalAttention; integer ids and targets travel as Indices. NoGrad runs a function
 // with recording off. Every rank records the same ops in the same order.
 //
 // Backward(ctx, loss) needs a scalar loss (global shape [] or [1]) that is
@@ -35,7 +39,7 @@
 //
 // # Sharding rules
 //
-// AddRule, MulRule, ScaleRule, SumRule, MatMulRule and RedistributeRule map
+// Each op has a rule (AddRule, MatMulRule, LinearRule, ...) that maps
 // input specs to the output spec, or return an error wrapping ErrRule that
 // names the mismatch and what would work. Linear reductions over a sharded
 // dim (a sum over it, a sharded matmul contraction) give Partial(sum) with
