@@ -265,3 +265,40 @@ func (c *Call) validateCounts(size int, bad func(string, ...any) error) error {
 	}
 	return total("recv", c.RecvCounts, c.Recv.Len())
 }
+
+// InPlace reports whether the call, as rank issues it, uses NCCL's in-place
+// form: AllReduce, Broadcast and Reduce with send == recv; AllGather with
+// send the rank-th block of recv; ReduceScatter with recv the rank-th block
+// of send. Broadcast with no send buffer is in place too. Only host buffers
+// are inspected.
+func (c *Call) InPlace(rank int) bool {
+	s, _ := c.Send.(*HostBuffer)
+	r, _ := c.Recv.(*HostBuffer)
+	if s == nil || r == nil || len(s.Bytes()) == 0 {
+		return c.Op == OpBroadcast
+	}
+	switch c.Op {
+	case OpAllReduce, OpBroadcast, OpReduce:
+		return HostOverlap(s, r) == Same
+	case OpAllGather:
+		off, ok := ByteOffset(r, s)
+		return ok && off == rank*len(s.Bytes())
+	case OpReduceScatter:
+		off, ok := ByteOffset(s, r)
+		return ok && off == rank*len(r.Bytes())
+	}
+	return false
+}
+
+// InPlaceRule describes op's in-place form, for error messages.
+func InPlaceRule(op Op) string {
+	switch op {
+	case OpAllReduce, OpBroadcast, OpReduce:
+		return "send == recv"
+	case OpAllGather:
+		return "send is recv's block at rank·n"
+	case OpReduceScatter:
+		return "recv is send's block at rank·n"
+	}
+	return "this op has no in-place form"
+}

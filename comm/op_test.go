@@ -194,3 +194,32 @@ func TestCallCount(t *testing.T) {
 		}
 	}
 }
+
+// InPlace recognises exactly NCCL's in-place forms.
+func TestCallInPlace(t *testing.T) {
+	buf := comm.Host(make([]float32, 12))
+	sub := func(lo, hi int) comm.Buffer { return buf.Slice(lo, hi) }
+	tests := []struct {
+		name string
+		call comm.Call
+		rank int
+		want bool
+	}{
+		{"allreduce same", comm.Call{Op: comm.OpAllReduce, Send: buf, Recv: buf}, 0, true},
+		{"allreduce distinct", comm.Call{Op: comm.OpAllReduce, Send: sub(0, 6), Recv: sub(6, 12)}, 0, false},
+		{"allgather rank block", comm.Call{Op: comm.OpAllGather, Send: sub(8, 12), Recv: buf}, 2, true},
+		{"allgather wrong block", comm.Call{Op: comm.OpAllGather, Send: sub(4, 8), Recv: buf}, 2, false},
+		{"reducescatter rank block", comm.Call{Op: comm.OpReduceScatter, Send: buf, Recv: sub(4, 8)}, 1, true},
+		{"reducescatter wrong block", comm.Call{Op: comm.OpReduceScatter, Send: buf, Recv: sub(4, 8)}, 0, false},
+		{"broadcast without send", comm.Call{Op: comm.OpBroadcast, Recv: buf}, 0, true},
+		{"alltoall never", comm.Call{Op: comm.OpAllToAll, Send: buf, Recv: buf}, 0, false},
+	}
+	for _, tc := range tests {
+		if got := tc.call.InPlace(tc.rank); got != tc.want {
+			t.Errorf("%s: InPlace = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+	if comm.InPlaceRule(comm.OpAllGather) != "send is recv's block at rank·n" {
+		t.Error("InPlaceRule(allgather)")
+	}
+}

@@ -78,7 +78,7 @@ func (c *Comm) post(d *descriptor, seq uint64, call *comm.Call) {
 		d.recv, d.dtype = b.Bytes(), b.DType()
 	}
 	d.sendCounts, d.recvCounts = call.SendCounts, call.RecvCounts
-	d.inPlace = isInPlace(call, c.rank)
+	d.inPlace = call.InPlace(c.rank)
 	if halfAvg(call, d.dtype) {
 		// Avg of 16-bit floats divides each input by p first, as NCCL does,
 		// so that a sum larger than the type's range does not overflow. The
@@ -125,41 +125,10 @@ func (c *Comm) validate(call *comm.Call) error {
 	if s == nil || r == nil || comm.HostOverlap(s, r) == comm.Disjoint {
 		return nil
 	}
-	if !isInPlace(call, c.rank) {
-		return fmt.Errorf("%w: %v: send and recv overlap but not as the in-place form (%s)", comm.ErrInvalid, call.Op, inPlaceRule(call.Op))
+	if !call.InPlace(c.rank) {
+		return fmt.Errorf("%w: %v: send and recv overlap but not as the in-place form (%s)", comm.ErrInvalid, call.Op, comm.InPlaceRule(call.Op))
 	}
 	return nil
-}
-
-func inPlaceRule(op comm.Op) string {
-	switch op {
-	case comm.OpAllReduce, comm.OpBroadcast, comm.OpReduce:
-		return "send == recv"
-	case comm.OpAllGather:
-		return "send is recv's block at rank·n"
-	case comm.OpReduceScatter:
-		return "recv is send's block at rank·n"
-	}
-	return "this op has no in-place form"
-}
-
-// isInPlace reports whether the call uses NCCL's in-place form on rank.
-func isInPlace(call *comm.Call, rank int) bool {
-	s, r := hostOf(call.Send), hostOf(call.Recv)
-	if s == nil || r == nil || len(s.Bytes()) == 0 {
-		return call.Op == comm.OpBroadcast
-	}
-	switch call.Op {
-	case comm.OpAllReduce, comm.OpBroadcast, comm.OpReduce:
-		return comm.HostOverlap(s, r) == comm.Same
-	case comm.OpAllGather:
-		off, ok := comm.ByteOffset(r, s)
-		return ok && off == rank*len(s.Bytes())
-	case comm.OpReduceScatter:
-		off, ok := comm.ByteOffset(s, r)
-		return ok && off == rank*len(r.Bytes())
-	}
-	return false
 }
 
 // arrive waits until every member has posted its descriptor for seq.

@@ -125,8 +125,8 @@ func (c *Comm) validate(call *comm.Call) error {
 		}
 	}
 	s, r := hostOf(call.Send), hostOf(call.Recv)
-	if s != nil && r != nil && comm.HostOverlap(s, r) != comm.Disjoint && !isInPlace(call, c.rank) {
-		return fmt.Errorf("%w: %v: send and recv overlap but not as the in-place form (%s)", comm.ErrInvalid, call.Op, inPlaceRule(call.Op))
+	if s != nil && r != nil && comm.HostOverlap(s, r) != comm.Disjoint && !call.InPlace(c.rank) {
+		return fmt.Errorf("%w: %v: send and recv overlap but not as the in-place form (%s)", comm.ErrInvalid, call.Op, comm.InPlaceRule(call.Op))
 	}
 	block := -1
 	switch call.Op {
@@ -151,37 +151,6 @@ func (c *Comm) validate(call *comm.Call) error {
 		return fmt.Errorf("%w: %v: per-rank block of %d elements exceeds MPI's int count limit %d; split the call", comm.ErrUnsupported, call.Op, block, maxCount)
 	}
 	return nil
-}
-
-func inPlaceRule(op comm.Op) string {
-	switch op {
-	case comm.OpAllReduce, comm.OpBroadcast, comm.OpReduce:
-		return "send == recv"
-	case comm.OpAllGather:
-		return "send is recv's block at rank·n"
-	case comm.OpReduceScatter:
-		return "recv is send's block at rank·n"
-	}
-	return "this op has no in-place form"
-}
-
-// isInPlace reports whether the call uses NCCL's in-place form on rank.
-func isInPlace(call *comm.Call, rank int) bool {
-	s, r := hostOf(call.Send), hostOf(call.Recv)
-	if s == nil || r == nil || len(s.Bytes()) == 0 {
-		return call.Op == comm.OpBroadcast
-	}
-	switch call.Op {
-	case comm.OpAllReduce, comm.OpBroadcast, comm.OpReduce:
-		return comm.HostOverlap(s, r) == comm.Same
-	case comm.OpAllGather:
-		off, ok := comm.ByteOffset(r, s)
-		return ok && off == rank*len(s.Bytes())
-	case comm.OpReduceScatter:
-		off, ok := comm.ByteOffset(s, r)
-		return ok && off == rank*len(r.Bytes())
-	}
-	return false
 }
 
 // chunks calls f for consecutive pieces [lo, lo+n) of total elements, at
@@ -218,7 +187,7 @@ func (w *work) issue() error {
 		mop = C.loom_op(C.int(call.Reduce), C.int(dt))
 	}
 	at := func(b []byte, lo int) unsafe.Pointer { return ptr(b[lo*es:]) }
-	inPlace := isInPlace(call, c.rank)
+	inPlace := call.InPlace(c.rank)
 	avg := func(b []byte) {
 		if call.Reduce == comm.Avg {
 			w.finish = append(w.finish, func() error { kernel.Scale(dt, b, c.size); return nil })
