@@ -1,0 +1,214 @@
+// Package optim holds optimizers that update autograd leaves in place, one
+// local block at a time: on every rank each parameter's local block is
+// updated from the matching local block of its gradient, so the same code
+// serves replicated parameters (every rank updates its full copy) and
+// sharded ones (FSDP: every rank updates its shard). No optimizer
+// communicates; gradients must already be reduced (not Partial).
+package optim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// AdamWCoeffs are the scalar coefficients of one AdamW step (PyTorch 1.13
+// semantics, TINY_GPT.md §4), computed in float64. Update rounds each of
+// them once to the element type and then does every tensor operation in
+// that type.
+type AdamWCoeffs struct {
+	Decay         float64 // 1 − lr·wd
+	Beta1         float64 // β1
+	OneMinusBeta1 float64 // 1 − β1
+	Beta2         float64 // β2
+	OneMinusBeta2 float64 // 1 − β2
+	SqrtBC2       float64 // sqrt(1 − β2^t)
+	Step          float64 // −lr / (1 − β1^t)
+	Eps           float64 // ε
+}
+
+// Coefficients returns the coefficients of AdamW step t (t ≥ 1) for
+// learning rate lr, decoupled weight decay wd, betas β1, β2 and ε.
+func Coefficients(lr, wd, beta1, beta2, eps float64, t int) AdamWCoeffs {
+	bc1 := 1 - math.Pow(beta1, float64(t))
+	bc2 := 1 - math.Pow(beta2, float64(t))
+	return AdamWCoeffs{
+		Decay:         1 - lr*wd,
+		Beta1:         beta1,
+		OneMinusBeta1: 1 - beta1,
+		Beta2:         beta2,
+		OneMinusBeta2: 1 - beta2,
+		SqrtBC2:       math.Sqrt(bc2),
+		Step:          -lr / bc1,
+		Eps:           eps,
+	}
+}
+
+// Float is the element types Update works on.
+type Float interface{ ~float32 | ~float64 }
+
+// Update applies one AdamW step element-wise to parameters p with gradient
+// g and moments m and v (all the same length; p, m and v are updated in
+// place). Each coefficient is rounded once to T; then, in T arithmetic and
+// in this order (TINY_GPT.md §4's bit-exact recipe):
+//
+//	p   = p·c_wd
+//	m   = m·β1 + c1·g
+//	v   = v·β2 + (c2·g)·g
+//	den = sqrt(v)/c_bc2 + ε
+//	p   = p + (c_step·m)/den
+//
+// Every intermediate is rounded to T (explicit conversions keep the
+// compiler from fusing multiply-adds).
+func Update[T Float](c AdamWCoeffs, p, g, m, v []T) {
+	cwd, b1, c1, b2, c2 := T(c.Decay), T(c.Beta1), T(c.OneMinusBeta1), T(c.Beta2), T(c.OneMinusBeta2)
+	cbc2, cstep, eps := T(c.SqrtBC2), T(c.Step), T(c.Eps)
+	n := len(p)
+	g, m, v = g[:n], m[:n], v[:n]
+	for i := range n {
+		pi := T(p[i] * cwd)
+		gi := g[i]
+		mi := T(m[i]*b1) + T(c1*gi)
+		vi := T(v[i]*b2) + T(T(c2*gi)*gi)
+		den := T(T(math.Sqrt(float64(vi)))/cbc2) + eps
+		p[i] = pi + T(T(cstep*mi)/den)
+		m[i], v[i] = mi, vi
+	}
+}
+
+// AdamW is the AdamW optimizer over a fixed list of autograd leaves
+// (PyTorch 1.13 torch.optim.AdamW with amsgrad=False, maximize=False):
+// decoupled weight decay applied to every parameter first, then the Adam
+// update with bias correction, ε added after sqrt(v)/sqrt(bc2). Every
+// parameter has its own moments m and v (zero at first) and its own step
+// count t, which starts at 1 and advances only on steps where the
+// parameter has a gradient (a parameter with no gradient is skipped
+// entirely, like PyTorch's grad None).
+type AdamW struct {
+	// LR, WD, Beta1, Beta2 and Eps are the hyper-parameters; they may be
+	// changed between steps.
+	LR, WD, Beta1, Beta2, Eps float64
+
+	params []*autograd.Value
+	state  []adamState
+}
+
+type adamState struct {
+	m, v any // []float32 or []float64, like the local block
+	t    int
+}
+
+// NewAdamW returns an AdamW optimizer for params (leaves that require
+// grad, each listed once). Float32 and float64 parameters are supported.
+func NewAdamW(params []*autograd.Value, lr, wd, beta1, beta2, eps float64) (*AdamW, error) {
+	seen := map[*autograd.Value]bool{}
+	for i, p := range params {
+		switch {
+		case p == nil || p.Data() == nil:
+			return nil, fmt.Errorf("optim: AdamW: parameter %d is nil", i)
+		case !p.IsLeaf() || !p.RequiresGrad():
+			return nil, fmt.Errorf("optim: AdamW: %q (parameter %d) is not a leaf that requires grad", p.Name(), i)
+		case seen[p]:
+			return nil, fmt.Errorf("optim: AdamW: %q (parameter %d) is listed twice", p.Name(), i)
+		}
+		seen[p] = true
+		switch p.Data().LocalData().(type) {
+		case []float32, []float64:
+		default:
+			return nil, fmt.Errorf("optim: AdamW: %q holds %T", p.Name(), p.Data().LocalData())
+		}
+	}
+	if !(lr > 0) || !(wd >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) || !(eps > 0) {
+		return nil, fmt.Errorf("optim: AdamW: invalid hyper-parameters lr=%v wd=%v betas=(%v, %v) eps=%v", lr, wd, beta1, beta2, eps)
+	}
+	return &AdamW{
+		LR: lr, WD: wd, Beta1: beta1, Beta2: beta2, Eps: eps,
+		params: slices.Clone(params),
+		state:  make([]adamState, len(params)),
+	}, nil
+}
+
+// Params returns the parameters, in the order given to NewAdamW.
+func (o *AdamW) Params() []*autograd.Value { return slices.Clone(o.params) }
+
+// StepCount returns how many updates parameter i has received.
+func (o *AdamW) StepCount(i int) int { return o.state[i].t }
+
+// Step updates every parameter that has a gradient, in place, from the
+// local block of that gradient. Call it after Backward (which leaves the
+// tape empty) and before the next forward pass: it rewrites the leaves'
+// local blocks, which values recorded earlier may share. The gradient's
+// local block must line up with the parameter's: on every mesh axis of
+// size > 1 either both are sharded on the same dim or neither is, and the
+// gradient is not Partial (reduce it first, e.g. DDP's all-reduce). It
+// checks every parameter before updating any.
+func (o *AdamW) Step() error {
+	var errs []error
+	for _, p := range o.params {
+		if g := p.Grad(); g != nil {
+			if err := lineUp(p.Data(), g); err != nil {
+				errs = append(errs, fmt.Errorf("optim: AdamW: %q: %w", p.Name(), err))
+			}
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	for i, p := range o.params {
+		g := p.Grad()
+		if g == nil {
+			continue
+		}
+		st := &o.state[i]
+		st.t++
+		c := Coefficients(o.LR, o.WD, o.Beta1, o.Beta2, o.Eps, st.t)
+		switch pd := p.Data().LocalData().(type) {
+		case []float32:
+			if st.m == nil {
+				st.m, st.v = make([]float32, len(pd)), make([]float32, len(pd))
+			}
+			Update(c, pd, g.LocalData().([]float32), st.m.([]float32), st.v.([]float32))
+		case []float64:
+			if st.m == nil {
+				st.m, st.v = make([]float64, len(pd)), make([]float64, len(pd))
+			}
+			Update(c, pd, g.LocalData().([]float64), st.m.([]float64), st.v.([]float64))
+		}
+	}
+	return nil
+}
+
+// lineUp checks that g's local block is the gradient of p's local block.
+func lineUp(p, g *placement.DTensor) error {
+	ps, gs := p.Spec(), g.Spec()
+	if ps.DType() != gs.DType() || !slices.Equal(ps.Shape(), gs.Shape()) {
+		return fmt.Errorf("gradient %v does not match the parameter %v in dtype or shape", gs, ps)
+	}
+	sizes := ps.Mesh().Shape()
+	pp, gp := ps.Placements(), gs.Placements()
+	for a, n := range sizes {
+		if n == 1 {
+			continue
+		}
+		name := ps.Mesh().Names()[a]
+		if gp[a].IsPartial() {
+			return fmt.Errorf("gradient is %v on mesh axis %q: reduce it before the optimizer step", gp[a], name)
+		}
+		if pp[a].IsShard() != gp[a].IsShard() || (pp[a].IsShard() && pp[a].Dim() != gp[a].Dim()) {
+			return fmt.Errorf("gradient is %v on mesh axis %q where the parameter is %v: redistribute it to the parameter's layout first", gp[a], name, pp[a])
+		}
+	}
+	if !slices.Equal(p.LocalShape(), g.LocalShape()) {
+		return fmt.Errorf("gradient block %v does not line up with the parameter block %v", g.LocalShape(), p.LocalShape())
+	}
+	switch g.LocalData().(type) {
+	case []float32, []float64:
+	default:
+		return fmt.Errorf("gradient holds %T", g.LocalData())
+	}
+	return nil
+}
