@@ -55,26 +55,31 @@ func parallelRange(n int, f func(lo, hi int)) {
 	wg.Wait()
 }
 
-// geluFwd is 0.5·x·(1 + erf(x/√2)).
-func geluFwd[T float](x []T) []T {
-	out := make([]T, len(x))
+// geluFwd is 0.5·x·(1 + erf(x/√2)). It also returns every erf(x/√2), which
+// the backward reuses: erf is the most expensive part of both passes.
+func geluFwd[T float](x []T) (out []T, erfs []float64) {
+	out = make([]T, len(x))
+	erfs = make([]float64, len(x))
 	parallelRange(len(x), func(lo, hi int) {
 		for i, v := range x[lo:hi] {
 			f := float64(v)
-			out[lo+i] = T(0.5 * f * (1 + math.Erf(f/math.Sqrt2)))
+			e := math.Erf(f / math.Sqrt2)
+			erfs[lo+i] = e
+			out[lo+i] = T(0.5 * f * (1 + e))
 		}
 	})
-	return out
+	return out, erfs
 }
 
-// geluBwd is g·GELU'(x), GELU'(x) = Φ(x) + x·φ(x).
-func geluBwd[T float](x, g []T) []T {
+// geluBwd is g·GELU'(x), GELU'(x) = Φ(x) + x·φ(x), with Φ(x) = 0.5·(1 +
+// erf(x/√2)) from the forward's erfs.
+func geluBwd[T float](x []T, erfs []float64, g []T) []T {
 	out := make([]T, len(x))
 	c := 1 / math.Sqrt(2*math.Pi)
 	parallelRange(len(x), func(lo, hi int) {
 		for i, v := range x[lo:hi] {
 			f := float64(v)
-			d := 0.5*(1+math.Erf(f/math.Sqrt2)) + f*c*math.Exp(-0.5*f*f)
+			d := 0.5*(1+erfs[lo+i]) + f*c*math.Exp(-0.5*f*f)
 			out[lo+i] = T(float64(g[lo+i]) * d)
 		}
 	})

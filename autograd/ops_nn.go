@@ -320,7 +320,8 @@ func geluOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := placement.NewLocal(spec, geluFwd(xd))
+	yd, erfs := geluFwd(xd)
+	out, err := placement.NewLocal(spec, yd)
 	if err != nil {
 		return nil, err
 	}
@@ -333,7 +334,7 @@ func geluOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 		if err != nil {
 			return nil, err
 		}
-		gx, err := placement.NewLocal(g.Spec(), geluBwd(xd, gd))
+		gx, err := placement.NewLocal(g.Spec(), geluBwd(xd, erfs, gd))
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
