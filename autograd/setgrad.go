@@ -1,0 +1,46 @@
+package autograd
+
+import (
+	"slices"
+
+	"github.com/b7ea7098/loom/placement"
+)
+
+// SetGrad replaces a leaf's accumulated gradient with g (nil drops it, like
+// ZeroGrad). It is how data parallelism installs a reduced gradient: DDP
+// all-reduces the Partial(sum) gradients backward produced and sets the
+// result, laid out Replicate on the data-parallel axis, so that an
+// optimizer accepts it. g must have the leaf's global shape, dtype and mesh
+// shape; its placements are the caller's statement of what the local block
+// means. The leaf takes ownership of g (later Backward calls replace it
+// rather than modify it). SetGrad may not be called from a gradient hook
+// while Backward is running (the pass is still accumulating). Errors wrap
+// ErrInvalid.
+func (v *Value) SetGrad(g *placement.DTensor) error {
+	const op = "SetGrad"
+	if v == nil {
+		return invalidf(op, "nil value")
+	}
+	if !v.leaf || !v.requiresGrad {
+		return invalidf(op, "%q is not a leaf that requires grad", v.name)
+	}
+	if v.tape != nil && v.tape.walking {
+		return invalidf(op, "%q: SetGrad called during Backward (from a gradient hook)", v.name)
+	}
+	if g == nil {
+		v.grad = nil
+		return nil
+	}
+	vs, gs := v.data.Spec(), g.Spec()
+	if !slices.Equal(vs.Shape(), gs.Shape()) {
+		return invalidf(op, "%q: gradient of global shape %v for a value of shape %v", v.name, gs.Shape(), vs.Shape())
+	}
+	if vs.DType() != gs.DType() {
+		return invalidf(op, "%q: gradient of dtype %v for a value of dtype %v", v.name, gs.DType(), vs.DType())
+	}
+	if !slices.Equal(vs.Mesh().Shape(), gs.Mesh().Shape()) || !slices.Equal(vs.Mesh().Names(), gs.Mesh().Names()) {
+		return invalidf(op, "%q: gradient on mesh %v for a value on mesh %v", v.name, gs.Mesh(), vs.Mesh())
+	}
+	v.grad = g
+	return nil
+}

@@ -1,0 +1,520 @@
+package parallel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// Default bucket limits, in bytes of gradient data (PyTorch's defaults).
+const (
+	// DefaultFirstBucket is the limit of the first bucket: small, so that
+	// the first all-reduce starts early in backward.
+	DefaultFirstBucket int64 = 1 << 20
+	// DefaultBucketCap is the limit of every later bucket.
+	DefaultBucketCap int64 = 25 << 20
+)
+
+// ErrInvalid is wrapped by errors about arguments or misuse (a parameter
+// that is not a leaf, not Replicate on the dp axis, a gradient laid out in
+// a way DDP cannot reduce, Finish inside NoSync).
+var ErrInvalid = errors.New("parallel: invalid argument")
+
+// ScaledBucketCap returns a bucket cap for dp data-parallel ranks:
+// max(DefaultBucketCap, dp·1 MiB), so that each bucket's all-reduce stays
+// bandwidth-bound as the ring's latency term grows with dp (see the package
+// documentation).
+func ScaledBucketCap(dp int) int64 {
+	return max(DefaultBucketCap, int64(dp)<<20)
+}
+
+// Option configures New.
+type Option func(*config)
+
+type config struct {
+	axis   string
+	first  int64
+	cap    int64
+	avg    bool
+	report func(names []string)
+}
+
+// WithAxis names the data-parallel mesh axis (default "dp").
+func WithAxis(name string) Option { return func(c *config) { c.axis = name } }
+
+// WithFirstBucket sets the byte limit of the first bucket (default
+// DefaultFirstBucket). It must be positive.
+func WithFirstBucket(bytes int64) Option { return func(c *config) { c.first = bytes } }
+
+// WithBucketCap sets the byte limit of every bucket after the first
+// (default DefaultBucketCap; see ScaledBucketCap for large dp). It must be
+// positive.
+func WithBucketCap(bytes int64) Option { return func(c *config) { c.cap = bytes } }
+
+// Average divides every rank's contribution by dp before the sum, for
+// losses that are a per-rank mean over equal local counts. Without it the
+// contributions are summed (the convention of autograd.CrossEntropy, which
+// already divides by the global row count).
+func Average() Option { return func(c *config) { c.avg = true } }
+
+// ReportUnused makes Finish call fn with the names of the parameters that
+// had no gradient in the step (in parameter order), when there are any.
+func ReportUnused(fn func(names []string)) Option { return func(c *config) { c.report = fn } }
+
+// BucketInfo describes one bucket: the parameters in it (indices into the
+// list given to New, in bucket order, which is reverse parameter order),
+// its element count, its size in bytes and its dtype.
+type BucketInfo struct {
+	Params []int
+	Names  []string
+	Elems  int
+	Bytes  int64
+	DType  comm.DType
+}
+
+// bucket is one flat gradient buffer and its state in the current step.
+type bucket struct {
+	params []int
+	elems  int
+	dtype  comm.DType
+	f32    []float32
+	f64    []float64
+	ready  int
+	work   comm.Work
+}
+
+// slot is where a parameter's local gradient lives in its bucket.
+type slot struct {
+	bucket, off, n int
+}
+
+// DDP reduces the data-parallel gradients of a fixed parameter list (see
+// the package documentation). It belongs to one rank, like the tape the
+// parameters live on; every rank of the mesh builds one with the same
+// parameter list and options. Its hooks stay registered on the parameters
+// for their lifetime: build one DDP per parameter list.
+//
+// A step is: forward and Backward (hooks fill buckets and launch their
+// all-reduces as they complete), then Finish, then the optimizer step and
+// ZeroGrad. Micro-batches before the last run inside NoSync.
+type DDP struct {
+	cfg     config
+	ctx     context.Context
+	params  []*autograd.Value
+	names   []string
+	c       comm.Communicator
+	axis    int // index of the dp axis in the mesh
+	dp      int
+	coord   int // this rank's coordinate on the dp axis
+	buckets []*bucket
+	slots   []slot
+	filled  []bool
+	out     []*placement.Spec
+	next    int // the next bucket to launch
+	noSync  int
+	scale   float64
+	err     error
+	unused  []string
+	trace   func(event string)
+}
+
+// New builds a DDP for params on the data-parallel axis of their mesh and
+// registers its gradient hooks. Every parameter must be a leaf that requires
+// grad, float32 or float64, on one mesh, and Replicate on the dp axis (any
+// layout on other axes: DDP reduces local blocks, which are the same size
+// on every rank of a dp group). It is collective over the mesh (it may
+// create the dp communicator). ctx is the context of the all-reduces issued
+// from the hooks during backward; Finish waits on its own context.
+func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, error) {
+	cfg := config{axis: "dp", first: DefaultFirstBucket, cap: DefaultBucketCap}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if cfg.first <= 0 || cfg.cap <= 0 {
+		return nil, fmt.Errorf("%w: bucket limits must be positive (first %d, cap %d)", ErrInvalid, cfg.first, cfg.cap)
+	}
+	if len(params) == 0 {
+		return nil, fmt.Errorf("%w: no parameters", ErrInvalid)
+	}
+	seen := map[*autograd.Value]bool{}
+	for i, p := range params {
+		if p == nil || !p.IsLeaf() || !p.RequiresGrad() {
+			return nil, fmt.Errorf("%w: parameter %d (%q) is not a leaf that requires grad", ErrInvalid, i, p.Name())
+		}
+		if seen[p] {
+			return nil, fmt.Errorf("%w: parameter %q listed twice", ErrInvalid, p.Name())
+		}
+		seen[p] = true
+	}
+	m := params[0].Spec().Mesh()
+	axis := slices.Index(m.Names(), cfg.axis)
+	if axis < 0 {
+		return nil, fmt.Errorf("%w: mesh %v has no axis %q", ErrInvalid, m, cfg.axis)
+	}
+	elems := make([]int, len(params))
+	dtypes := make([]comm.DType, len(params))
+	names := make([]string, len(params))
+	for i, p := range params {
+		s := p.Spec()
+		names[i] = p.Name()
+		if !slices.Equal(s.Mesh().Names(), m.Names()) || !slices.Equal(s.Mesh().Shape(), m.Shape()) {
+			return nil, fmt.Errorf("%w: parameter %q is on mesh %v, not %v", ErrInvalid, p.Name(), s.Mesh(), m)
+		}
+		if pl := s.Placements()[axis]; !pl.IsReplicate() {
+			return nil, fmt.Errorf("%w: parameter %q is %v on axis %q; DDP needs Replicate there (FSDP shards parameters)", ErrInvalid, p.Name(), pl, cfg.axis)
+		}
+		if dt := s.DType(); dt != comm.Float32 && dt != comm.Float64 {
+			return nil, fmt.Errorf("%w: parameter %q has dtype %v; want float32 or float64", ErrInvalid, p.Name(), dt)
+		}
+		dtypes[i] = s.DType()
+		elems[i] = prod(s.LocalShape())
+	}
+	c, err := m.Comm(ctx, cfg.axis)
+	if err != nil {
+		return nil, err
+	}
+	coord, err := m.Local(cfg.axis)
+	if err != nil {
+		return nil, err
+	}
+	d := &DDP{
+		cfg: cfg, ctx: ctx, params: slices.Clone(params), names: names, c: c,
+		axis: axis, dp: c.Size(), coord: coord,
+		slots: make([]slot, len(params)), filled: make([]bool, len(params)),
+		out: make([]*placement.Spec, len(params)), scale: 1,
+	}
+	for bi, idx := range planBuckets(elems, dtypes, cfg.first, cfg.cap) {
+		b := &bucket{params: idx, dtype: dtypes[idx[0]]}
+		for _, i := range idx {
+			d.slots[i] = slot{bucket: bi, off: b.elems, n: elems[i]}
+			b.elems += elems[i]
+		}
+		if b.dtype == comm.Float32 {
+			b.f32 = make([]float32, b.elems)
+		} else {
+			b.f64 = make([]float64, b.elems)
+		}
+		d.buckets = append(d.buckets, b)
+	}
+	for i, p := range d.params {
+		if err := p.OnGradReady(func(*autograd.Value) { d.ready(i) }); err != nil {
+			return nil, err
+		}
+	}
+	return d, nil
+}
+
+// planBuckets assigns parameters (by local element count and dtype) to
+// buckets: in reverse order, the first bucket limited to first bytes and
+// the others to cap; a parameter that would push a non-empty bucket past
+// its limit, or has another dtype, starts a new bucket; a bucket that
+// reaches its limit is closed. A parameter larger than the limit thus gets
+// a bucket of its own.
+func planBuckets(elems []int, dtypes []comm.DType, first, cap int64) [][]int {
+	var out [][]int
+	var cur []int
+	var size int64
+	limit := func() int64 {
+		if len(out) == 0 {
+			return first
+		}
+		return cap
+	}
+	closeCur := func() {
+		if len(cur) > 0 {
+			out = append(out, cur)
+			cur, size = nil, 0
+		}
+	}
+	for i := len(elems) - 1; i >= 0; i-- {
+		bytes := int64(elems[i]) * int64(dtypes[i].Size())
+		if len(cur) > 0 && (size+bytes > limit() || dtypes[cur[0]] != dtypes[i]) {
+			closeCur()
+		}
+		cur = append(cur, i)
+		size += bytes
+		if size >= limit() {
+			closeCur()
+		}
+	}
+	closeCur()
+	return out
+}
+
+// Buckets describes the buckets, in launch order.
+func (d *DDP) Buckets() []BucketInfo {
+	out := make([]BucketInfo, len(d.buckets))
+	for k, b := range d.buckets {
+		info := BucketInfo{Params: slices.Clone(b.params), Elems: b.elems, DType: b.dtype, Bytes: int64(b.elems) * int64(b.dtype.Size())}
+		for _, i := range b.params {
+			info.Names = append(info.Names, d.names[i])
+		}
+		out[k] = info
+	}
+	return out
+}
+
+// Comm returns the data-parallel communicator the buckets are reduced on.
+func (d *DDP) Comm() comm.Communicator { return d.c }
+
+// SetScale sets the factor every rank applies to its own gradient
+// contribution before the sum (default 1; with Average it is further
+// divided by dp). Set it before the synced backward of a step: the hooks
+// apply it when they copy gradients into the buckets. For example, with a
+// per-rank mean loss over n of N global tokens use n/N; with a per-rank
+// sum of token losses use 1/N.
+func (d *DDP) SetScale(s float64) { d.scale = s }
+
+// NoSync runs fn (typically a micro-batch's forward and backward) with
+// DDP's hooks disabled: gradients accumulate locally, Partial(sum) on dp,
+// and the next backward outside NoSync reduces the accumulated sum. It
+// returns fn's error.
+func (d *DDP) NoSync(fn func() error) error {
+	d.noSync++
+	defer func() { d.noSync-- }()
+	return fn()
+}
+
+// Unused returns the names of the parameters that had no gradient at the
+// last Finish (in parameter order).
+func (d *DDP) Unused() []string { return slices.Clone(d.unused) }
+
+// ready is the gradient hook of parameter i.
+func (d *DDP) ready(i int) {
+	if d.noSync > 0 {
+		return
+	}
+	if d.trace != nil {
+		d.trace("ready " + d.names[i])
+	}
+	if d.filled[i] {
+		d.fail(fmt.Errorf("%w: the gradient of %q arrived twice before Finish (run the earlier micro-batches inside NoSync)", ErrInvalid, d.names[i]))
+		return
+	}
+	d.fill(i, d.params[i].Grad())
+	d.launchReady()
+}
+
+// fail keeps the first error of the step; Finish returns it.
+func (d *DDP) fail(err error) {
+	if d.err == nil {
+		d.err = err
+	}
+}
+
+// fill copies parameter i's gradient g (nil: zeros), scaled, into its
+// bucket and records the layout of the reduced gradient. It always fills
+// the slot (with zeros on an error) so that every rank's bucket completes.
+func (d *DDP) fill(i int, g *placement.DTensor) {
+	s := d.slots[i]
+	b := d.buckets[s.bucket]
+	d.filled[i] = true
+	b.ready++
+	factor := d.scale
+	if d.cfg.avg {
+		factor /= float64(d.dp)
+	}
+	zero := func() {
+		if b.f32 != nil {
+			clear(b.f32[s.off : s.off+s.n])
+		} else {
+			clear(b.f64[s.off : s.off+s.n])
+		}
+	}
+	ps := d.params[i].Spec()
+	if g == nil {
+		zero()
+		gs, err := placement.GradSpec(ps)
+		if err != nil {
+			d.fail(err)
+		}
+		d.out[i] = gs
+		return
+	}
+	gs := g.Spec()
+	places := gs.Placements()
+	switch pl := places[d.axis]; {
+	case pl.IsPartial() && pl.Op() == comm.Sum:
+	case pl.IsReplicate():
+		// Every rank holds the whole gradient: as Partial(sum) it is the
+		// value at coordinate 0 and zeros elsewhere.
+		if d.coord != 0 {
+			factor = 0
+		}
+	default:
+		zero()
+		d.out[i] = ps
+		d.fail(fmt.Errorf("%w: the gradient of %q is %v on axis %q; DDP reduces Partial(sum) (or Replicate) gradients", ErrInvalid, d.names[i], pl, d.cfg.axis))
+		return
+	}
+	places[d.axis] = placement.Replicate()
+	var orders []placement.SpecOption
+	for dim := range gs.Shape() {
+		if o := gs.Order(dim); len(o) > 1 {
+			orders = append(orders, placement.WithOrder(dim, o...))
+		}
+	}
+	out, err := gs.With(places, orders...)
+	if err != nil {
+		zero()
+		d.out[i] = ps
+		d.fail(err)
+		return
+	}
+	d.out[i] = out
+	switch src := g.LocalData().(type) {
+	case []float32:
+		if b.f32 == nil || len(src) != s.n {
+			break
+		}
+		dst := b.f32[s.off : s.off+s.n]
+		if factor == 1 {
+			copy(dst, src)
+		} else {
+			f := float32(factor)
+			for k, v := range src {
+				dst[k] = v * f
+			}
+		}
+		return
+	case []float64:
+		if b.f64 == nil || len(src) != s.n {
+			break
+		}
+		dst := b.f64[s.off : s.off+s.n]
+		if factor == 1 {
+			copy(dst, src)
+		} else {
+			for k, v := range src {
+				dst[k] = v * factor
+			}
+		}
+		return
+	}
+	zero()
+	d.out[i] = ps
+	d.fail(fmt.Errorf("%w: the gradient of %q has a local block of %v %v elements; its bucket expects %d %v elements (the parameter's local block)", ErrInvalid, d.names[i], gs.LocalShape(), gs.DType(), s.n, d.buckets[s.bucket].dtype))
+}
+
+// launchReady launches, in bucket order, every complete bucket whose
+// predecessors are launched.
+func (d *DDP) launchReady() {
+	for d.next < len(d.buckets) && d.buckets[d.next].ready == len(d.buckets[d.next].params) {
+		d.launch(d.buckets[d.next])
+		d.next++
+	}
+}
+
+// launch issues a bucket's in-place all-reduce.
+func (d *DDP) launch(b *bucket) {
+	if d.trace != nil {
+		d.trace(fmt.Sprintf("launch %d", slices.Index(d.buckets, b)))
+	}
+	var buf comm.Buffer
+	if b.f32 != nil {
+		buf = comm.Host(b.f32)
+	} else {
+		buf = comm.Host(b.f64)
+	}
+	w, err := comm.AllReduceAsync(d.ctx, d.c, buf, buf, comm.Sum)
+	if err != nil {
+		d.fail(fmt.Errorf("parallel: DDP all-reduce of a %d-element bucket: %w", b.elems, err))
+		return
+	}
+	b.work = w
+}
+
+// Finish completes the step's gradient reduction: it launches, in order,
+// every bucket not launched during backward (parameters whose hook did not
+// fire contribute the gradient they hold, accumulated under NoSync, or
+// zeros), waits for every all-reduce, and replaces each parameter's
+// gradient by the reduced one, laid out Replicate on the dp axis (other
+// axes as backward produced them; a parameter with no gradient gets zeros
+// laid out as placement.GradSpec of the parameter). Every rank calls it,
+// after the synced backward and before the optimizer step. It returns the
+// first error of the step, after every rank's collectives have completed.
+// It must not be called inside NoSync.
+func (d *DDP) Finish(ctx context.Context) error {
+	if d.noSync > 0 {
+		return fmt.Errorf("%w: Finish called inside NoSync", ErrInvalid)
+	}
+	defer d.reset()
+	var unused []int
+	for ; d.next < len(d.buckets); d.next++ {
+		b := d.buckets[d.next]
+		for _, i := range b.params {
+			if !d.filled[i] {
+				g := d.params[i].Grad()
+				if g == nil {
+					unused = append(unused, i)
+				}
+				d.fill(i, g)
+			}
+		}
+		d.launch(b)
+	}
+	var errs []error
+	for _, b := range d.buckets {
+		if b.work != nil {
+			if err := b.work.Wait(ctx); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	if d.err != nil {
+		errs = append([]error{d.err}, errs...)
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	for i, p := range d.params {
+		s := d.slots[i]
+		b := d.buckets[s.bucket]
+		var data any
+		if b.f32 != nil {
+			data = slices.Clone(b.f32[s.off : s.off+s.n])
+		} else {
+			data = slices.Clone(b.f64[s.off : s.off+s.n])
+		}
+		g, err := placement.NewLocal(d.out[i], data)
+		if err != nil {
+			return fmt.Errorf("parallel: DDP gradient of %q: %w", d.names[i], err)
+		}
+		if err := p.SetGrad(g); err != nil {
+			return err
+		}
+	}
+	slices.Sort(unused)
+	d.unused = d.unused[:0]
+	for _, i := range unused {
+		d.unused = append(d.unused, d.names[i])
+	}
+	if len(d.unused) > 0 && d.cfg.report != nil {
+		d.cfg.report(slices.Clone(d.unused))
+	}
+	return nil
+}
+
+// reset clears the per-step state.
+func (d *DDP) reset() {
+	clear(d.filled)
+	clear(d.out)
+	for _, b := range d.buckets {
+		b.ready, b.work = 0, nil
+	}
+	d.next = 0
+	d.err = nil
+}
+
+func prod(s []int) int {
+	n := 1
+	for _, v := range s {
+		n *= v
+	}
+	return n
+}
