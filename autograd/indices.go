@@ -79,22 +79,55 @@ func indexSpec(op string, m *mesh.Mesh, shape []int, places []placement.Placemen
 	return spec, nil
 }
 
-// Shape returns the global shape.
-func (ix *Indices) Shape() []int { return ix.spec.Shape() }
+// valid reports whether ix was built by NewIndices or IndicesFromFull; the
+// accessors of a nil or zero Indices return zero values instead of
+// panicking, and ops reject it.
+func (ix *Indices) valid() bool { return ix != nil && ix.spec != nil }
+
+// Shape returns the global shape (nil for an invalid Indices).
+func (ix *Indices) Shape() []int {
+	if !ix.valid() {
+		return nil
+	}
+	return ix.spec.Shape()
+}
 
 // Placements returns one placement per mesh axis.
-func (ix *Indices) Placements() []placement.Placement { return ix.spec.Placements() }
+func (ix *Indices) Placements() []placement.Placement {
+	if !ix.valid() {
+		return nil
+	}
+	return ix.spec.Placements()
+}
 
 // Order returns the mesh axes (by name) that shard dim, outer to inner.
-func (ix *Indices) Order(dim int) []string { return ix.spec.Order(dim) }
+func (ix *Indices) Order(dim int) []string {
+	if !ix.valid() {
+		return nil
+	}
+	return ix.spec.Order(dim)
+}
 
 // LocalShape returns the shape of this rank's block.
-func (ix *Indices) LocalShape() []int { return ix.spec.LocalShape() }
+func (ix *Indices) LocalShape() []int {
+	if !ix.valid() {
+		return nil
+	}
+	return ix.spec.LocalShape()
+}
 
 // Local returns a copy of this rank's block.
-func (ix *Indices) Local() []int64 { return slices.Clone(ix.data) }
+func (ix *Indices) Local() []int64 {
+	if ix == nil {
+		return nil
+	}
+	return slices.Clone(ix.data)
+}
 
 // String describes the layout, e.g. "indices [4 8] on (dp=2): [S(0)]".
 func (ix *Indices) String() string {
+	if !ix.valid() {
+		return "indices (invalid)"
+	}
 	return fmt.Sprintf("indices %v on %v: %v", ix.spec.Shape(), ix.spec.Mesh(), ix.spec.Placements())
 }

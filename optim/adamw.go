@@ -122,8 +122,8 @@ func NewAdamW(params []*autograd.Value, lr, wd, beta1, beta2, eps float64) (*Ada
 			return nil, fmt.Errorf("optim: AdamW: %q holds %T", p.Name(), p.Data().LocalData())
 		}
 	}
-	if !(lr > 0) || !(wd >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) || !(eps > 0) {
-		return nil, fmt.Errorf("optim: AdamW: invalid hyper-parameters lr=%v wd=%v betas=(%v, %v) eps=%v", lr, wd, beta1, beta2, eps)
+	if err := checkHyper(lr, wd, beta1, beta2, eps); err != nil {
+		return nil, err
 	}
 	return &AdamW{
 		LR: lr, WD: wd, Beta1: beta1, Beta2: beta2, Eps: eps,
@@ -135,8 +135,14 @@ func NewAdamW(params []*autograd.Value, lr, wd, beta1, beta2, eps float64) (*Ada
 // Params returns the parameters, in the order given to NewAdamW.
 func (o *AdamW) Params() []*autograd.Value { return slices.Clone(o.params) }
 
-// StepCount returns how many updates parameter i has received.
-func (o *AdamW) StepCount(i int) int { return o.state[i].t }
+// StepCount returns how many updates parameter i has received, or -1 if i
+// is out of range.
+func (o *AdamW) StepCount(i int) int {
+	if i < 0 || i >= len(o.state) {
+		return -1
+	}
+	return o.state[i].t
+}
 
 // Step updates every parameter that has a gradient, in place, from the
 // local block of that gradient. Call it after Backward (which leaves the
@@ -147,6 +153,10 @@ func (o *AdamW) StepCount(i int) int { return o.state[i].t }
 // gradient is not Partial (reduce it first, e.g. DDP's all-reduce). It
 // checks every parameter before updating any.
 func (o *AdamW) Step() error {
+	// The hyper-parameters may change between steps: check them again.
+	if err := checkHyper(o.LR, o.WD, o.Beta1, o.Beta2, o.Eps); err != nil {
+		return err
+	}
 	var errs []error
 	for _, p := range o.params {
 		if g := p.Grad(); g != nil {
@@ -182,6 +192,15 @@ func (o *AdamW) Step() error {
 	return nil
 }
 
+// checkHyper rejects hyper-parameters that would turn parameters into NaN
+// or Inf.
+func checkHyper(lr, wd, beta1, beta2, eps float64) error {
+	if !(lr > 0) || !(wd >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) || !(eps > 0) {
+		return fmt.Errorf("optim: AdamW: invalid hyper-parameters lr=%v wd=%v betas=(%v, %v) eps=%v", lr, wd, beta1, beta2, eps)
+	}
+	return nil
+}
+
 // lineUp checks that g's local block is the gradient of p's local block.
 func lineUp(p, g *placement.DTensor) error {
 	ps, gs := p.Spec(), g.Spec()
@@ -201,6 +220,16 @@ func lineUp(p, g *placement.DTensor) error {
 		if pp[a].IsShard() != gp[a].IsShard() || (pp[a].IsShard() && pp[a].Dim() != gp[a].Dim()) {
 			return fmt.Errorf("gradient is %v on mesh axis %q where the parameter is %v: redistribute it to the parameter's layout first", gp[a], name, pp[a])
 		}
+	}
+	for d := range ps.Shape() {
+		// Equal block shapes are not enough: axes sharding one dim in
+		// another order hold other elements.
+		if !slices.Equal(ps.Order(d), gs.Order(d)) {
+			return fmt.Errorf("gradient shards dim %d over mesh axes %v where the parameter uses %v: redistribute it to the parameter's layout first", d, gs.Order(d), ps.Order(d))
+		}
+	}
+	if ps.Mesh().World() != gs.Mesh().World() || !slices.Equal(ps.Mesh().WorldRanks(), gs.Mesh().WorldRanks()) {
+		return fmt.Errorf("gradient is on mesh %v, the parameter on %v", gs.Mesh(), ps.Mesh())
 	}
 	if !slices.Equal(p.LocalShape(), g.LocalShape()) {
 		return fmt.Errorf("gradient block %v does not line up with the parameter block %v", g.LocalShape(), p.LocalShape())

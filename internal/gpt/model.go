@@ -237,7 +237,11 @@ func (md *Model) Forward(tape *autograd.Tape, x, y *autograd.Indices) (*autograd
 	}
 	tgt := y
 	if len(y.Shape()) == 2 {
-		if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local()); err != nil {
+		var opts []placement.SpecOption
+		if ord := y.Order(0); len(ord) > 1 { // keep a nested batch order
+			opts = append(opts, placement.WithOrder(0, ord...))
+		}
+		if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), opts...); err != nil {
 			return nil, fmt.Errorf("gpt: Forward: targets: %w", err)
 		}
 	}
