@@ -63,7 +63,8 @@ func WithBucketCap(bytes int64) Option { return func(c *config) { c.cap = bytes 
 func Average() Option { return func(c *config) { c.avg = true } }
 
 // ReportUnused makes Finish call fn with the names of the parameters that
-// had no gradient in the step (in parameter order), when there are any.
+// no rank gave a gradient in the step (in parameter order), when there
+// are any.
 func ReportUnused(fn func(names []string)) Option { return func(c *config) { c.report = fn } }
 
 // BucketInfo describes one bucket: the parameters in it (indices into the
@@ -114,6 +115,7 @@ type DDP struct {
 	buckets []*bucket
 	slots   []slot
 	filled  []bool
+	has     []int32 // 1 where this rank contributed a gradient this step
 	out     []*placement.Spec
 	next    int // the next bucket to launch
 	noSync  int
@@ -185,7 +187,7 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 	d := &DDP{
 		cfg: cfg, ctx: ctx, params: slices.Clone(params), names: names, c: c,
 		axis: axis, dp: c.Size(), coord: coord,
-		slots: make([]slot, len(params)), filled: make([]bool, len(params)),
+		slots: make([]slot, len(params)), filled: make([]bool, len(params)), has: make([]int32, len(params)),
 		out: make([]*placement.Spec, len(params)), scale: 1,
 	}
 	for bi, idx := range planBuckets(elems, dtypes, cfg.first, cfg.cap) {
@@ -280,8 +282,8 @@ func (d *DDP) NoSync(fn func() error) error {
 	return fn()
 }
 
-// Unused returns the names of the parameters that had no gradient at the
-// last Finish (in parameter order).
+// Unused returns the names of the parameters that no rank gave a gradient
+// at the last Finish (in parameter order).
 func (d *DDP) Unused() []string { return slices.Clone(d.unused) }
 
 // ready is the gradient hook of parameter i.
@@ -327,6 +329,9 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 		}
 	}
 	ps := d.params[i].Spec()
+	if g != nil {
+		d.has[i] = 1
+	}
 	if g == nil {
 		zero()
 		gs, err := placement.GradSpec(ps)
@@ -434,8 +439,8 @@ func (d *DDP) launch(b *bucket) {
 // fire contribute the gradient they hold, accumulated under NoSync, or
 // zeros), waits for every all-reduce, and replaces each parameter's
 // gradient by the reduced one, laid out Replicate on the dp axis (other
-// axes as backward produced them; a parameter with no gradient gets zeros
-// laid out as placement.GradSpec of the parameter). Every rank calls it,
+// axes as backward produced them; a parameter that no rank gave a gradient
+// keeps none, so optimizers skip it). Every rank calls it,
 // after the synced backward and before the optimizer step. It returns the
 // first error of the step, after every rank's collectives have completed.
 // It must not be called inside NoSync.
@@ -444,16 +449,11 @@ func (d *DDP) Finish(ctx context.Context) error {
 		return fmt.Errorf("%w: Finish called inside NoSync", ErrInvalid)
 	}
 	defer d.reset()
-	var unused []int
 	for ; d.next < len(d.buckets); d.next++ {
 		b := d.buckets[d.next]
 		for _, i := range b.params {
 			if !d.filled[i] {
-				g := d.params[i].Grad()
-				if g == nil {
-					unused = append(unused, i)
-				}
-				d.fill(i, g)
+				d.fill(i, d.params[i].Grad())
 			}
 		}
 		d.launch(b)
@@ -466,13 +466,31 @@ func (d *DDP) Finish(ctx context.Context) error {
 			}
 		}
 	}
+	// Which parameters had a gradient on any rank: one small all-reduce,
+	// issued by every rank here in the same order. A parameter no rank
+	// used keeps no gradient, so the optimizer skips it as serial training
+	// would (a zero gradient would still decay it and advance its step).
+	if len(errs) == 0 {
+		flags := comm.Host(d.has)
+		if err := comm.AllReduce(ctx, d.c, flags, flags, comm.Sum); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if d.err != nil {
 		errs = append([]error{d.err}, errs...)
 	}
 	if len(errs) > 0 {
 		return errors.Join(errs...)
 	}
+	var unused []int
 	for i, p := range d.params {
+		if d.has[i] == 0 {
+			unused = append(unused, i)
+			if err := p.SetGrad(nil); err != nil {
+				return err
+			}
+			continue
+		}
 		s := d.slots[i]
 		b := d.buckets[s.bucket]
 		var data any
@@ -503,6 +521,7 @@ func (d *DDP) Finish(ctx context.Context) error {
 // reset clears the per-step state.
 func (d *DDP) reset() {
 	clear(d.filled)
+	clear(d.has)
 	clear(d.out)
 	for _, b := range d.buckets {
 		b.ready, b.work = 0, nil

@@ -58,8 +58,11 @@
 // completing during backward; Finish then launches every remaining bucket
 // in order, filling such parameters with zeros (or with the gradient they
 // accumulated under NoSync), so no rank hangs and every rank issues the
-// same collectives. After Finish they hold a zero gradient. Unused lists
-// them; the ReportUnused option reports them at every Finish. An unused
+// same collectives. A parameter that some ranks used gets the reduced sum;
+// one that no rank used keeps no gradient after Finish (one small
+// all-reduce of presence flags decides), so the optimizer leaves it alone
+// as serial training would. Unused lists those; the ReportUnused option
+// reports them at every Finish. An unused
 // parameter in an early bucket delays every later bucket to Finish, so
 // overlap is lost: remove such parameters from the list given to New.
 package parallel

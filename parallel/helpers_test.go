@@ -158,10 +158,17 @@ func serialMLPGrads(lo, hi int) (map[string][]float64, error) {
 }
 
 // checkReduced checks that every parameter's gradient is Replicate on
-// every axis (the MLP's parameters are replicated) and equals want.
+// every axis (the MLP's parameters are replicated) and equals want; a
+// parameter that want lacks must have no gradient (no rank used it).
 func checkReduced[T float32 | float64](params []*autograd.Value, want map[string][]T, tol float64) error {
 	for _, p := range params {
 		g := p.Grad()
+		if _, used := want[p.Name()]; !used {
+			if g != nil {
+				return fmt.Errorf("%s: no rank used it, yet it has a gradient %v", p.Name(), g.Spec())
+			}
+			continue
+		}
 		if g == nil {
 			return fmt.Errorf("%s: no gradient", p.Name())
 		}
