@@ -449,6 +449,26 @@ func (d *DDP) Finish(ctx context.Context) error {
 		return fmt.Errorf("%w: Finish called inside NoSync", ErrInvalid)
 	}
 	defer d.reset()
+	if err := d.complete(ctx); err != nil {
+		return err
+	}
+	return d.install()
+}
+
+// Discard abandons the current step, after a Backward that failed: it
+// issues and waits for the same collectives as Finish (so peers whose
+// backward succeeded and who call Finish are not left waiting) but
+// installs nothing, and resets the step. Every rank calls Finish or
+// Discard once per step. Zero the gradients (ZeroGrad) before retrying.
+func (d *DDP) Discard(ctx context.Context) error {
+	defer d.reset()
+	return d.complete(ctx)
+}
+
+// complete launches every bucket not yet launched, in order (parameters
+// whose hook did not fire contribute the gradient they hold, or zeros),
+// waits for them, and all-reduces the gradient-presence flags.
+func (d *DDP) complete(ctx context.Context) error {
 	for ; d.next < len(d.buckets); d.next++ {
 		b := d.buckets[d.next]
 		for _, i := range b.params {
@@ -479,9 +499,11 @@ func (d *DDP) Finish(ctx context.Context) error {
 	if d.err != nil {
 		errs = append([]error{d.err}, errs...)
 	}
-	if len(errs) > 0 {
-		return errors.Join(errs...)
-	}
+	return errors.Join(errs...)
+}
+
+// install replaces each parameter's gradient by its reduced value.
+func (d *DDP) install() error {
 	var unused []int
 	for i, p := range d.params {
 		if d.has[i] == 0 {

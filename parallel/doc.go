@@ -65,4 +65,8 @@
 // reports them at every Finish. An unused
 // parameter in an early bucket delays every later bucket to Finish, so
 // overlap is lost: remove such parameters from the list given to New.
+//
+// When Backward fails midway, some buckets may have launched: call
+// Discard, which completes the step's collectives without installing
+// anything (peers that call Finish are matched), then ZeroGrad and retry.
 package parallel
