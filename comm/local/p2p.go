@@ -171,6 +171,10 @@ func (o *p2pOp) Wait(ctx context.Context) error {
 	var cause error
 	for cause == nil {
 		left := g.w.leaving()
+		if e := g.err(); e != nil && o.state.Load() == 0 { // the cause beats "left"
+			cause = e
+			break
+		}
 		if g.w.left[g.worldRanks[o.peer]].Load() && o.state.Load() == 0 {
 			cause = fmt.Errorf("%w: rank %d finished without matching this %v (tag %d)", ErrRankLeft, o.peer, o.op, o.tag)
 			break

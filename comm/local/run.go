@@ -125,12 +125,14 @@ func Run(ctx context.Context, p int, fn RankFunc, opts ...Option) error {
 		go func(r int) {
 			defer wg.Done()
 			err := runRank(ctx, wd.Comm(r), fn)
-			wd.Leave(r)
 			if err != nil {
+				// Abort before leaving, so peers report the cause, not
+				// merely that this rank left.
 				errs[r] = fmt.Errorf("rank %d: %w", r, err)
 				wd.Abort(r, err)
 				cancel()
 			}
+			wd.Leave(r)
 		}(r)
 	}
 	wg.Wait()
