@@ -345,18 +345,7 @@ func bmmLocal(bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, t
 // Backward: y⊙(g − Σ_j g⊙y), laid out like g (masked entries get 0).
 func CausalSoftmax(x *Value) (*Value, error) {
 	const op = "CausalSoftmax"
-	t, err := checkInputs(op, x)
-	if err != nil {
-		return nil, err
-	}
-	spec, err := CausalSoftmaxRule(x.Spec())
-	if err != nil {
-		return nil, err
-	}
-	if isF32(spec) {
-		return causalOp[float32](t, spec, x)
-	}
-	return causalOp[float64](t, spec, x)
+	return elementwise(op, x, CausalSoftmaxRule, causalOp[float32], causalOp[float64])
 }
 
 func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {

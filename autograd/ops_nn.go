@@ -300,18 +300,36 @@ func Reshape(x *Value, shape ...int) (*Value, error) {
 // out like g.
 func GELU(x *Value) (*Value, error) {
 	const op = "GELU"
+	return elementwise(op, x, GELURule, geluOp[float32], geluOp[float64])
+}
+
+// elementwise checks a one-input op's input and rule and runs its float32
+// or float64 form.
+func elementwise(op string, x *Value, rule func(*placement.Spec) (*placement.Spec, error),
+	f32, f64 func(*Tape, *placement.Spec, *Value) (*Value, error)) (*Value, error) {
 	t, err := checkInputs(op, x)
 	if err != nil {
 		return nil, err
 	}
-	spec, err := GELURule(x.Spec())
+	spec, err := rule(x.Spec())
 	if err != nil {
 		return nil, err
 	}
 	if isF32(spec) {
-		return geluOp[float32](t, spec, x)
+		return f32(t, spec, x)
 	}
-	return geluOp[float64](t, spec, x)
+	return f64(t, spec, x)
+}
+
+// checkIDs rejects indices outside [0, n); format reports the first one
+// and n (two %d verbs).
+func checkIDs(op string, ids []int64, n int, format string) error {
+	for _, id := range ids {
+		if id < 0 || id >= int64(n) {
+			return invalidf(op, format, id, n)
+		}
+	}
+	return nil
 }
 
 func geluOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
@@ -498,10 +516,8 @@ func Embedding(table *Value, ids *Indices) (*Value, error) {
 		return nil, err
 	}
 	v, d := table.Spec().Shape()[0], table.Spec().Shape()[1]
-	for _, id := range ids.data {
-		if id < 0 || id >= int64(v) {
-			return nil, invalidf(op, "id %d out of range for a table of %d rows", id, v)
-		}
+	if err := checkIDs(op, ids.data, v, "id %d out of range for a table of %d rows"); err != nil {
+		return nil, err
 	}
 	if isF32(spec) {
 		return embeddingOp[float32](t, spec, table, ids, v, d)
@@ -557,10 +573,8 @@ func CrossEntropy(logits *Value, targets *Indices) (*Value, error) {
 		return nil, err
 	}
 	v := logits.Spec().Shape()[1]
-	for _, id := range targets.data {
-		if id < 0 || id >= int64(v) {
-			return nil, invalidf(op, "target %d out of range for %d classes", id, v)
-		}
+	if err := checkIDs(op, targets.data, v, "target %d out of range for %d classes"); err != nil {
+		return nil, err
 	}
 	if isF32(spec) {
 		return crossEntropyOp[float32](t, spec, logits, targets)

@@ -17,7 +17,7 @@ import (
 func TestFixtureDirFindsShared(t *testing.T) {
 	dir, err := FixtureDir()
 	if errors.Is(err, ErrNoFixture) {
-		t.Skipf("skipping: %v", err)
+		t.Skipf("the reference fixture is absent (../shared/reference beside the repository): %v", err)
 	}
 	if err != nil {
 		t.Fatal(err)

@@ -13,7 +13,7 @@ func loadFixture(t *testing.T) *Fixture {
 	t.Helper()
 	fx, err := LoadDefaultFixture()
 	if errors.Is(err, ErrNoFixture) {
-		t.Skipf("skipping: %v", err)
+		t.Skipf("the reference fixture is absent (../shared/reference beside the repository): %v", err)
 	}
 	if err != nil {
 		t.Fatal(err)
@@ -27,7 +27,7 @@ func readSpec(t *testing.T) string {
 	t.Helper()
 	dir, err := FixtureDir()
 	if errors.Is(err, ErrNoFixture) {
-		t.Skipf("skipping: %v", err)
+		t.Skipf("the reference fixture is absent (../shared/reference beside the repository): %v", err)
 	}
 	if err != nil {
 		t.Fatal(err)
