@@ -1,174 +1,73 @@
 #include "textflag.h"
 
-// func addF32AVX2(dst, a, b *float32, n int)
-// dst[i] = a[i] + b[i] for i < n; n is a multiple of 8. dst may alias a or b.
-TEXT ·addF32AVX2(SB), NOSPLIT, $0-32
-	MOVQ dst+0(FP), DI
-	MOVQ a+8(FP), SI
-	MOVQ b+16(FP), DX
-	MOVQ n+24(FP), CX
-loop32:
-	CMPQ CX, $32
-	JL   loop8
-	VMOVUPS (SI), Y0
-	VMOVUPS 32(SI), Y1
-	VMOVUPS 64(SI), Y2
-	VMOVUPS 96(SI), Y3
-	VADDPS  (DX), Y0, Y0
-	VADDPS  32(DX), Y1, Y1
-	VADDPS  64(DX), Y2, Y2
-	VADDPS  96(DX), Y3, Y3
-	VMOVUPS Y0, (DI)
-	VMOVUPS Y1, 32(DI)
-	VMOVUPS Y2, 64(DI)
-	VMOVUPS Y3, 96(DI)
-	ADDQ    $128, SI
-	ADDQ    $128, DX
-	ADDQ    $128, DI
-	SUBQ    $32, CX
-	JMP     loop32
-loop8:
-	CMPQ CX, $8
-	JL   done
-	VMOVUPS (SI), Y0
-	VADDPS  (DX), Y0, Y0
-	VMOVUPS Y0, (DI)
-	ADDQ    $32, SI
-	ADDQ    $32, DX
-	ADDQ    $32, DI
-	SUBQ    $8, CX
-	JMP     loop8
-done:
-	VZEROUPPER
+// ADDLOOP is the body of every vector sum here: dst[i] = a[i] + b[i] for
+// i < n, n a multiple of SMALL (the elements in one 32-byte register), four
+// registers at a time while BIG (four registers' worth) remain. LOAD, ADD
+// and STORE are the instructions for the element type, STORE a streaming
+// store (then FENCE is SFENCE) or an ordinary one (FENCE is empty). Labels
+// are local to each TEXT block, so every function can expand it.
+#define ADDLOOP(LOAD, ADD, STORE, BIG, SMALL, FENCE) \
+	MOVQ dst+0(FP), DI \
+	MOVQ a+8(FP), SI   \
+	MOVQ b+16(FP), DX  \
+	MOVQ n+24(FP), CX  \
+big:                   \
+	CMPQ CX, $BIG      \
+	JL   small         \
+	LOAD (SI), Y0      \
+	LOAD 32(SI), Y1    \
+	LOAD 64(SI), Y2    \
+	LOAD 96(SI), Y3    \
+	ADD  (DX), Y0, Y0  \
+	ADD  32(DX), Y1, Y1 \
+	ADD  64(DX), Y2, Y2 \
+	ADD  96(DX), Y3, Y3 \
+	STORE Y0, (DI)     \
+	STORE Y1, 32(DI)   \
+	STORE Y2, 64(DI)   \
+	STORE Y3, 96(DI)   \
+	ADDQ $128, SI      \
+	ADDQ $128, DX      \
+	ADDQ $128, DI      \
+	SUBQ $BIG, CX      \
+	JMP  big           \
+small:                 \
+	CMPQ CX, $SMALL    \
+	JL   done          \
+	LOAD (SI), Y0      \
+	ADD  (DX), Y0, Y0  \
+	STORE Y0, (DI)     \
+	ADDQ $32, SI       \
+	ADDQ $32, DX       \
+	ADDQ $32, DI       \
+	SUBQ $SMALL, CX    \
+	JMP  small         \
+done:                  \
+	FENCE              \
+	VZEROUPPER         \
 	RET
+
+#define NOFENCE
+
+// func addF32AVX2(dst, a, b *float32, n int)
+// n is a multiple of 8; dst may alias a or b.
+TEXT ·addF32AVX2(SB), NOSPLIT, $0-32
+	ADDLOOP(VMOVUPS, VADDPS, VMOVUPS, 32, 8, NOFENCE)
 
 // func addF64AVX2(dst, a, b *float64, n int)
-// dst[i] = a[i] + b[i] for i < n; n is a multiple of 4. dst may alias a or b.
+// n is a multiple of 4; dst may alias a or b.
 TEXT ·addF64AVX2(SB), NOSPLIT, $0-32
-	MOVQ dst+0(FP), DI
-	MOVQ a+8(FP), SI
-	MOVQ b+16(FP), DX
-	MOVQ n+24(FP), CX
-loop16:
-	CMPQ CX, $16
-	JL   loop4
-	VMOVUPD (SI), Y0
-	VMOVUPD 32(SI), Y1
-	VMOVUPD 64(SI), Y2
-	VMOVUPD 96(SI), Y3
-	VADDPD  (DX), Y0, Y0
-	VADDPD  32(DX), Y1, Y1
-	VADDPD  64(DX), Y2, Y2
-	VADDPD  96(DX), Y3, Y3
-	VMOVUPD Y0, (DI)
-	VMOVUPD Y1, 32(DI)
-	VMOVUPD Y2, 64(DI)
-	VMOVUPD Y3, 96(DI)
-	ADDQ    $128, SI
-	ADDQ    $128, DX
-	ADDQ    $128, DI
-	SUBQ    $16, CX
-	JMP     loop16
-loop4:
-	CMPQ CX, $4
-	JL   done64
-	VMOVUPD (SI), Y0
-	VADDPD  (DX), Y0, Y0
-	VMOVUPD Y0, (DI)
-	ADDQ    $32, SI
-	ADDQ    $32, DX
-	ADDQ    $32, DI
-	SUBQ    $4, CX
-	JMP     loop4
-done64:
-	VZEROUPPER
-	RET
+	ADDLOOP(VMOVUPD, VADDPD, VMOVUPD, 16, 4, NOFENCE)
 
 // func addF32AVX2NT(dst, a, b *float32, n int)
-// dst[i] = a[i] + b[i] for i < n; n is a multiple of 8. dst is 32-byte aligned; stores bypass the cache.
+// n is a multiple of 8; dst is 32-byte aligned; stores bypass the cache.
 TEXT ·addF32AVX2NT(SB), NOSPLIT, $0-32
-	MOVQ dst+0(FP), DI
-	MOVQ a+8(FP), SI
-	MOVQ b+16(FP), DX
-	MOVQ n+24(FP), CX
-loop32nt:
-	CMPQ CX, $32
-	JL   loop8nt
-	VMOVUPS (SI), Y0
-	VMOVUPS 32(SI), Y1
-	VMOVUPS 64(SI), Y2
-	VMOVUPS 96(SI), Y3
-	VADDPS  (DX), Y0, Y0
-	VADDPS  32(DX), Y1, Y1
-	VADDPS  64(DX), Y2, Y2
-	VADDPS  96(DX), Y3, Y3
-	VMOVNTPS Y0, (DI)
-	VMOVNTPS Y1, 32(DI)
-	VMOVNTPS Y2, 64(DI)
-	VMOVNTPS Y3, 96(DI)
-	ADDQ    $128, SI
-	ADDQ    $128, DX
-	ADDQ    $128, DI
-	SUBQ    $32, CX
-	JMP     loop32nt
-loop8nt:
-	CMPQ CX, $8
-	JL   donent
-	VMOVUPS (SI), Y0
-	VADDPS  (DX), Y0, Y0
-	VMOVNTPS Y0, (DI)
-	ADDQ    $32, SI
-	ADDQ    $32, DX
-	ADDQ    $32, DI
-	SUBQ    $8, CX
-	JMP     loop8nt
-donent:
-	SFENCE
-	VZEROUPPER
-	RET
+	ADDLOOP(VMOVUPS, VADDPS, VMOVNTPS, 32, 8, SFENCE)
 
 // func addF64AVX2NT(dst, a, b *float64, n int)
-// dst[i] = a[i] + b[i] for i < n; n is a multiple of 4. dst is 32-byte aligned; stores bypass the cache.
+// n is a multiple of 4; dst is 32-byte aligned; stores bypass the cache.
 TEXT ·addF64AVX2NT(SB), NOSPLIT, $0-32
-	MOVQ dst+0(FP), DI
-	MOVQ a+8(FP), SI
-	MOVQ b+16(FP), DX
-	MOVQ n+24(FP), CX
-loop16nt:
-	CMPQ CX, $16
-	JL   loop4nt
-	VMOVUPD (SI), Y0
-	VMOVUPD 32(SI), Y1
-	VMOVUPD 64(SI), Y2
-	VMOVUPD 96(SI), Y3
-	VADDPD  (DX), Y0, Y0
-	VADDPD  32(DX), Y1, Y1
-	VADDPD  64(DX), Y2, Y2
-	VADDPD  96(DX), Y3, Y3
-	VMOVNTPD Y0, (DI)
-	VMOVNTPD Y1, 32(DI)
-	VMOVNTPD Y2, 64(DI)
-	VMOVNTPD Y3, 96(DI)
-	ADDQ    $128, SI
-	ADDQ    $128, DX
-	ADDQ    $128, DI
-	SUBQ    $16, CX
-	JMP     loop16nt
-loop4nt:
-	CMPQ CX, $4
-	JL   done64nt
-	VMOVUPD (SI), Y0
-	VADDPD  (DX), Y0, Y0
-	VMOVNTPD Y0, (DI)
-	ADDQ    $32, SI
-	ADDQ    $32, DX
-	ADDQ    $32, DI
-	SUBQ    $4, CX
-	JMP     loop4nt
-done64nt:
-	SFENCE
-	VZEROUPPER
-	RET
+	ADDLOOP(VMOVUPD, VADDPD, VMOVNTPD, 16, 4, SFENCE)
 
 // func copyAVX2NT(dst, src *byte, n int)
 // Copies n bytes (a multiple of 128) with stores that bypass the cache;
