@@ -38,6 +38,25 @@
 // backward of the earliest recorded op that uses it, before any op recorded
 // earlier is differentiated. DDP and FSDP start their communication there.
 //
+// # Local compute and memory
+//
+// Ops compute on local blocks: GEMMs on the tape's kernels.BLAS (one GEMM
+// per Linear, with [..., in] flattened to rows and transposes passed as
+// BLAS flags rather than copied) and, for float32, the fused row kernels of
+// package kernels (LayerNorm, GELU, softmax, cross-entropy; float64
+// accumulation, one rounding). CausalAttention on float32 inputs is one
+// fused op. float64 blocks run plain loops and serve as references.
+//
+// Op results, the loss and leaf gradients are freshly allocated: a user
+// may keep them. What dies with a pass is recycled by the tape instead:
+// values saved for backward and the gradients of intermediate values come
+// from a per-tape arena, go back to it as soon as Backward has consumed
+// them (unless another pending gradient shares their memory) and in any
+// case when the tape is cleared, and are reused by the next pass. A
+// LocalFunc's Backward therefore gets a gradient block that is valid only
+// during the call. An arena holds about one pass's worth of such buffers
+// between passes.
+//
 // # Sharding rules
 //
 // Each op has a rule (AddRule, MatMulRule, LinearRule, ...) that maps

@@ -69,45 +69,78 @@ func zip(spec *placement.Spec, x, y *placement.DTensor, f32 func(a, b []float32)
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
 
-func addT[T float](a, b []T) []T {
-	out := make([]T, len(a))
-	for i := range a {
-		out[i] = a[i] + b[i]
+// newBlock returns a block of n elements for a result: freshly allocated
+// (zeroed) when t is nil, which is what op results, the loss and leaf
+// gradients need since users may keep them; from t's arena otherwise
+// (arbitrary contents), for saved values and intermediate gradients that
+// die with the tape's pass.
+func newBlock[T float](t *Tape, n int) []T {
+	if t == nil {
+		return make([]T, n)
+	}
+	return getBuf[T](t, n)
+}
+
+// addInto sets out = a + b (float32 on the vector kernel) and returns it.
+func addInto[T float](out, a, b []T) []T {
+	b, out = b[:len(a)], out[:len(a)]
+	if o32, ok := any(out).([]float32); ok {
+		_ = kernels.Add(o32, any(a).([]float32), any(b).([]float32)) // lengths match
+		return out
+	}
+	for i, v := range a {
+		out[i] = v + b[i]
 	}
 	return out
 }
 
-func mulT[T float](a, b []T) []T {
-	out := make([]T, len(a))
-	for i := range a {
-		out[i] = a[i] * b[i]
+func mulInto[T float](out, a, b []T) []T {
+	b, out = b[:len(a)], out[:len(a)]
+	for i, v := range a {
+		out[i] = v * b[i]
 	}
 	return out
 }
+
+func addT[T float](a, b []T) []T { return addInto(make([]T, len(a)), a, b) }
+
+func mulT[T float](a, b []T) []T { return mulInto(make([]T, len(a)), a, b) }
 
 func add(spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
 	return zip(spec, x, y, addT[float32], addT[float64])
 }
 
-func mul(spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
-	return zip(spec, x, y, mulT[float32], mulT[float64])
+// addScratch is add with the sum in t's arena (an intermediate gradient).
+func (t *Tape) addScratch(spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
+	return zip(spec, x, y,
+		func(a, b []float32) []float32 { return addInto(getBuf[float32](t, len(a)), a, b) },
+		func(a, b []float64) []float64 { return addInto(getBuf[float64](t, len(a)), a, b) })
 }
 
-func scaleT[T float](a []T, c T) []T {
-	out := make([]T, len(a))
-	for i := range a {
-		out[i] = a[i] * c
+// mul is the element-wise product; with a non-nil t the result is in its
+// arena.
+func mul(t *Tape, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
+	return zip(spec, x, y,
+		func(a, b []float32) []float32 { return mulInto(newBlock[float32](t, len(a)), a, b) },
+		func(a, b []float64) []float64 { return mulInto(newBlock[float64](t, len(a)), a, b) })
+}
+
+func scaleInto[T float](out, a []T, c T) []T {
+	out = out[:len(a)]
+	for i, v := range a {
+		out[i] = v * c
 	}
 	return out
 }
 
-// scale multiplies the local block of x by c and lays it out by spec.
-func scale(spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
+// scale multiplies the local block of x by c and lays it out by spec; with
+// a non-nil t the result is in its arena.
+func scale(t *Tape, spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
 	switch d := x.LocalData().(type) {
 	case []float32:
-		return placement.NewLocal(spec, scaleT(d, float32(c)))
+		return placement.NewLocal(spec, scaleInto(newBlock[float32](t, len(d)), d, float32(c)))
 	case []float64:
-		return placement.NewLocal(spec, scaleT(d, c))
+		return placement.NewLocal(spec, scaleInto(newBlock[float64](t, len(d)), d, c))
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
@@ -152,6 +185,13 @@ func forEach(shape, st []int, f func(i, j int)) {
 }
 
 func sumT[T float](x []T, shape []int, reduce []bool) []T {
+	if !slices.Contains(reduce, false) { // every dim: one total, in the same order
+		var s T
+		for _, v := range x {
+			s += v
+		}
+		return []T{s}
+	}
 	st := reduceIndex(shape, reduce)
 	n := 1
 	for d, s := range shape {
@@ -164,9 +204,14 @@ func sumT[T float](x []T, shape []int, reduce []bool) []T {
 	return out
 }
 
-func broadcastT[T float](g []T, shape []int, reduce []bool) []T {
+func broadcastT[T float](out, g []T, shape []int, reduce []bool) []T {
+	if !slices.Contains(reduce, false) && len(g) == 1 { // a scalar everywhere
+		for i := range out {
+			out[i] = g[0]
+		}
+		return out
+	}
 	st := reduceIndex(shape, reduce)
-	out := make([]T, prod(shape))
 	forEach(shape, st, func(i, j int) { out[i] = g[j] })
 	return out
 }
@@ -185,8 +230,8 @@ func sumLocal(spec *placement.Spec, x *placement.DTensor, reduce []bool) (*place
 }
 
 // broadcastLocal expands g's local block over the reduced dims of spec's
-// local shape; spec is the result's layout.
-func broadcastLocal(spec *placement.Spec, g *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
+// local shape into t's arena (a gradient); spec is the result's layout.
+func broadcastLocal(t *Tape, spec *placement.Spec, g *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
 	shape := spec.LocalShape()
 	want := 1
 	for d, s := range shape {
@@ -199,19 +244,22 @@ func broadcastLocal(spec *placement.Spec, g *placement.DTensor, reduce []bool) (
 		if len(d) != want {
 			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
 		}
-		return placement.NewLocal(spec, broadcastT(d, shape, reduce))
+		return placement.NewLocal(spec, broadcastT(newBlock[float32](t, prod(shape)), d, shape, reduce))
 	case []float64:
 		if len(d) != want {
 			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
 		}
-		return placement.NewLocal(spec, broadcastT(d, shape, reduce))
+		return placement.NewLocal(spec, broadcastT(newBlock[float64](t, prod(shape)), d, shape, reduce))
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", g.LocalData())
 }
 
 // gemm computes op(A)·op(B) for local row-major blocks, where op(A) is m×k
-// and op(B) is k×n, and lays the m×n result out by spec.
-func gemm(b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, m, n, k int) (*placement.DTensor, error) {
+// and op(B) is k×n, and lays the m×n result out by spec. With a non-nil t
+// the result is in its arena (a gradient of an intermediate value or of a
+// leaf, which Backward copies); with nil it is freshly allocated (an op's
+// result).
+func gemm(t *Tape, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, m, n, k int) (*placement.DTensor, error) {
 	lda, ldb := k, n
 	if transA {
 		lda = m
@@ -220,25 +268,52 @@ func gemm(b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA
 		ldb = k
 	}
 	lda, ldb = max(1, lda), max(1, ldb)
+	// A fresh result is already zero, so C = A·B + C needs no pass of the
+	// BLAS clearing C (which beta = 0 costs); arena memory needs beta = 0.
+	var beta float32
+	if t == nil {
+		beta = 1
+	}
 	switch xd := x.LocalData().(type) {
 	case []float32:
 		yd, _ := y.LocalData().([]float32)
-		c := make([]float32, m*n)
-		if k > 0 {
-			if err := b.Sgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, 0, c, max(1, n)); err != nil {
+		c := newBlock[float32](t, m*n)
+		if k == 0 {
+			clear(c)
+		} else {
+			if err := b.Sgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, beta, c, max(1, n)); err != nil {
 				return nil, fmt.Errorf("autograd: internal: %w", err)
 			}
 		}
 		return placement.NewLocal(spec, c)
 	case []float64:
 		yd, _ := y.LocalData().([]float64)
-		c := make([]float64, m*n)
-		if k > 0 {
-			if err := b.Dgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, 0, c, max(1, n)); err != nil {
+		c := newBlock[float64](t, m*n)
+		if k == 0 {
+			clear(c)
+		} else {
+			if err := b.Dgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, float64(beta), c, max(1, n)); err != nil {
 				return nil, fmt.Errorf("autograd: internal: %w", err)
 			}
 		}
 		return placement.NewLocal(spec, c)
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
+}
+
+// addInPlace adds y's local block into x's (same length and dtype).
+func addInPlace(x, y *placement.DTensor) error {
+	switch xd := x.LocalData().(type) {
+	case []float32:
+		if yd, ok := y.LocalData().([]float32); ok && len(yd) == len(xd) {
+			addInto(xd, xd, yd)
+			return nil
+		}
+	case []float64:
+		if yd, ok := y.LocalData().([]float64); ok && len(yd) == len(xd) {
+			addInto(xd, xd, yd)
+			return nil
+		}
+	}
+	return fmt.Errorf("autograd: internal: local blocks %v and %v do not match", x.LocalShape(), y.LocalShape())
 }

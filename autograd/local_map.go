@@ -63,15 +63,16 @@ type Block[T float32 | float64] struct {
 // must be T's), and it uses mesh-axis shard order.
 //
 // Forward and Backward get the local blocks of the inputs (and of the
-// output and its gradient); they must not modify them. The blocks they
-// return are owned by autograd afterwards. Each returned block's Shape
-// must equal the local shape its declared spec implies on this rank
-// (shards may be empty) and its Data must have that many elements;
-// anything else is ErrInvalid naming the function and the input. Errors
-// returned by Forward or Backward are wrapped with the function's name
-// (errors.Is still finds them). Neither may communicate: Forward runs at
-// Apply time on each rank independently, and any collective belongs
-// outside, in an explicit Redistribute.
+// output and its gradient); they must not modify them, and must not keep
+// the output's gradient block after Backward returns (the tape may reuse
+// its memory). The blocks they return are owned by autograd afterwards.
+// Each returned block's Shape must equal the local shape its declared spec
+// implies on this rank (shards may be empty) and its Data must have that
+// many elements; anything else is ErrInvalid naming the function and the
+// input. Errors returned by Forward or Backward are wrapped with the
+// function's name (errors.Is still finds them). Neither may communicate:
+// Forward runs at Apply time on each rank independently, and any
+// collective belongs outside, in an explicit Redistribute.
 type LocalFunc[T float32 | float64] struct {
 	// Name names the op on the tape and in errors. Required.
 	Name string

@@ -239,10 +239,13 @@ func fromF64[T float](a []float64) []T {
 	return out
 }
 
-// permuteT returns the block of shape permuted so that result dim i is
-// input dim perm[i].
-func permuteT[T float](x []T, shape, perm []int) []T {
-	out := make([]T, len(x))
+// permuteT writes into out (len(x) elements) the block of shape permuted
+// so that result dim i is input dim perm[i], and returns it. It walks the
+// result row by row: trailing dims that keep their order are merged into
+// one contiguous run copied at once, and otherwise the last result dim is
+// a strided gather.
+func permuteT[T float](out, x []T, shape, perm []int) []T {
+	out = out[:len(x)]
 	if len(x) == 0 {
 		return out
 	}
@@ -258,7 +261,52 @@ func permuteT[T float](x []T, shape, perm []int) []T {
 	for i, p := range perm {
 		oshape[i], st[i] = shape[p], in[p]
 	}
-	forEach(oshape, st, func(i, j int) { out[i] = x[j] })
+	// Merge trailing result dims that are contiguous in the input.
+	r := len(oshape)
+	run := 1
+	for r > 0 && st[r-1] == run {
+		run *= oshape[r-1]
+		r--
+	}
+	if run > 1 || r == 0 {
+		// Copy runs of `run` contiguous elements; odometer over dims [0, r).
+		idx := make([]int, r)
+		j := 0
+		for o := 0; o < len(out); o += run {
+			copy(out[o:o+run], x[j:j+run])
+			for d := r - 1; d >= 0; d-- {
+				idx[d]++
+				j += st[d]
+				if idx[d] < oshape[d] {
+					break
+				}
+				j -= st[d] * oshape[d]
+				idx[d] = 0
+			}
+		}
+		return out
+	}
+	// The last result dim is strided in the input: gather each result row.
+	n, stride := oshape[r-1], st[r-1]
+	idx := make([]int, r-1)
+	j := 0
+	for o := 0; o < len(out); o += n {
+		row := out[o : o+n]
+		k := j
+		for c := range row {
+			row[c] = x[k]
+			k += stride
+		}
+		for d := r - 2; d >= 0; d-- {
+			idx[d]++
+			j += st[d]
+			if idx[d] < oshape[d] {
+				break
+			}
+			j -= st[d] * oshape[d]
+			idx[d] = 0
+		}
+	}
 	return out
 }
 
@@ -271,20 +319,29 @@ func rowSum[T float](g []T, n int) []T {
 	return fromF64[T](acc)
 }
 
-// embedFwd gathers rows of a [V, D] table.
-func embedFwd[T float](table []T, ids []int64, d int) []T {
+// embedFwd gathers rows of a table block holding rows [lo, lo+vl) of d
+// columns each: ids in that range copy their row, others give zero rows
+// (a vocab-parallel rank's share of the lookup).
+func embedFwd[T float](table []T, ids []int64, lo, vl, d int) []T {
 	out := make([]T, len(ids)*d)
 	for i, id := range ids {
-		copy(out[i*d:(i+1)*d], table[int(id)*d:(int(id)+1)*d])
+		if r := int(id) - lo; r >= 0 && r < vl {
+			copy(out[i*d:(i+1)*d], table[r*d:(r+1)*d])
+		}
 	}
 	return out
 }
 
-// embedBwd scatter-adds the rows of g into a zero [V, D] table gradient.
-func embedBwd[T float](g []T, ids []int64, v, d int) []T {
-	acc := make([]float64, v*d)
+// embedBwd scatter-adds the rows of g whose ids lie in [lo, lo+vl) into a
+// zero [vl, d] table-block gradient.
+func embedBwd[T float](g []T, ids []int64, lo, vl, d int) []T {
+	acc := make([]float64, vl*d)
 	for i, id := range ids {
-		row := acc[int(id)*d : (int(id)+1)*d]
+		r := int(id) - lo
+		if r < 0 || r >= vl {
+			continue
+		}
+		row := acc[r*d : (r+1)*d]
 		for k := range d {
 			row[k] += float64(g[i*d+k])
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/kernels"
@@ -25,7 +26,7 @@ func Narrow(x *Value, dim, start, length int) (*Value, error) {
 	}
 	full := x.Spec().Shape()[d]
 	lshape := x.data.LocalShape()
-	out, err := mapLocal(spec, x.data, func(v any) any { return narrowAny(v, lshape, d, start, length) })
+	out, err := mapLocal(spec, x.data, func(v any) any { return narrowAny(nil, v, lshape, d, start, length) })
 	if err != nil {
 		return nil, err
 	}
@@ -40,7 +41,7 @@ func Narrow(x *Value, dim, start, length int) (*Value, error) {
 			return nil, err
 		}
 		gshape := g.LocalShape()
-		gx, err := mapLocal(s, g, func(v any) any { return padAny(v, gshape, d, start, full) })
+		gx, err := mapLocal(s, g, func(v any) any { return padAny(t, v, gshape, d, start, full) })
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -112,7 +113,7 @@ func Concat(dim int, xs ...*Value) (*Value, error) {
 					return nil, err
 				}
 				o := off
-				if grads[i], err = mapLocal(s, g, func(v any) any { return narrowAny(v, gshape, d, o, sizes[i]) }); err != nil {
+				if grads[i], err = mapLocal(s, g, func(v any) any { return narrowAny(t, v, gshape, d, o, sizes[i]) }); err != nil {
 					return nil, err
 				}
 			}
@@ -127,22 +128,24 @@ func mapLocal(spec *placement.Spec, x *placement.DTensor, f func(any) any) (*pla
 	return placement.NewLocal(spec, f(x.LocalData()))
 }
 
-func narrowAny(v any, shape []int, d, start, length int) any {
+// narrowAny and padAny allocate their result in t's arena when t is not
+// nil (a gradient) and freshly otherwise (an op's result).
+func narrowAny(t *Tape, v any, shape []int, d, start, length int) any {
 	switch x := v.(type) {
 	case []float32:
-		return narrowT(x, shape, d, start, length)
+		return narrowT(t, x, shape, d, start, length)
 	case []float64:
-		return narrowT(x, shape, d, start, length)
+		return narrowT(t, x, shape, d, start, length)
 	}
 	return v
 }
 
-func padAny(v any, shape []int, d, start, full int) any {
+func padAny(t *Tape, v any, shape []int, d, start, full int) any {
 	switch x := v.(type) {
 	case []float32:
-		return padT(x, shape, d, start, full)
+		return padT(t, x, shape, d, start, full)
 	case []float64:
-		return padT(x, shape, d, start, full)
+		return padT(t, x, shape, d, start, full)
 	}
 	return v
 }
@@ -156,20 +159,25 @@ func concatAny(blocks []any, shapes [][]int, d int) any {
 	}
 }
 
-func narrowT[T float](x []T, shape []int, d, start, length int) []T {
+func narrowT[T float](t *Tape, x []T, shape []int, d, start, length int) []T {
 	outer, n, inner := splitDim(shape, d)
-	out := make([]T, outer*length*inner)
+	out := newBlock[T](t, outer*length*inner)
 	for o := range outer {
 		copy(out[o*length*inner:(o+1)*length*inner], x[(o*n+start)*inner:(o*n+start+length)*inner])
 	}
 	return out
 }
 
-func padT[T float](g []T, shape []int, d, start, full int) []T {
+func padT[T float](t *Tape, g []T, shape []int, d, start, full int) []T {
 	outer, n, inner := splitDim(shape, d)
-	out := make([]T, outer*full*inner)
+	out := newBlock[T](t, outer*full*inner)
 	for o := range outer {
-		copy(out[(o*full+start)*inner:(o*full+start+n)*inner], g[o*n*inner:(o+1)*n*inner])
+		row := out[o*full*inner : (o+1)*full*inner]
+		if t != nil { // arena memory: the padding must be cleared
+			clear(row[:start*inner])
+			clear(row[(start+n)*inner:])
+		}
+		copy(row[start*inner:(start+n)*inner], g[o*n*inner:(o+1)*n*inner])
 	}
 	return out
 }
@@ -224,7 +232,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 	if bl[r-2] != k || prod(bl[:r-2]) != batch {
 		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v and %v do not chain", op, al, bl)
 	}
-	out, err := bmmLocal(blas, spec, a.data, b.data, false, false, batch, m, n, k)
+	out, err := bmmLocal(nil, blas, spec, a.data, b.data, false, false, batch, m, n, k)
 	if err != nil {
 		return nil, err
 	}
@@ -280,7 +288,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 			if err != nil {
 				return nil, err
 			}
-			if grads[0], err = bmmLocal(blas, s, g, y, false, true, batch, m, k, n); err != nil {
+			if grads[0], err = bmmLocal(t, blas, s, g, y, false, true, batch, m, k, n); err != nil {
 				return nil, err
 			}
 		}
@@ -292,7 +300,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 			if err != nil {
 				return nil, err
 			}
-			if grads[1], err = bmmLocal(blas, s, x, g, true, false, batch, k, n, m); err != nil {
+			if grads[1], err = bmmLocal(t, blas, s, x, g, true, false, batch, k, n, m); err != nil {
 				return nil, err
 			}
 		}
@@ -302,8 +310,8 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 
 // bmmLocal computes op(A_i)·op(B_i) for every batch index i of row-major
 // local blocks, op(A_i) m×k and op(B_i) k×n, and lays the result out by
-// spec.
-func bmmLocal(bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
+// spec; in t's arena when t is not nil (a gradient).
+func bmmLocal(t *Tape, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
 	lda, ldb := max(1, k), max(1, n)
 	if transA {
 		lda = max(1, m)
@@ -312,13 +320,19 @@ func bmmLocal(bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, t
 		ldb = max(1, k)
 	}
 	sa, sb, sc := m*k, k*n, m*n
+	var beta float32 // see gemm: a fresh result is already zero
+	if t == nil {
+		beta = 1
+	}
 	switch xd := x.LocalData().(type) {
 	case []float32:
 		yd, _ := y.LocalData().([]float32)
-		c := make([]float32, batch*sc)
-		if k > 0 && m > 0 && n > 0 {
+		c := newBlock[float32](t, batch*sc)
+		if k == 0 {
+			clear(c)
+		} else if m > 0 && n > 0 {
 			for i := range batch {
-				if err := bl.Sgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, 0, c[i*sc:(i+1)*sc], max(1, n)); err != nil {
+				if err := bl.Sgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, beta, c[i*sc:(i+1)*sc], max(1, n)); err != nil {
 					return nil, fmt.Errorf("autograd: internal: %w", err)
 				}
 			}
@@ -326,10 +340,12 @@ func bmmLocal(bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, t
 		return placement.NewLocal(spec, c)
 	case []float64:
 		yd, _ := y.LocalData().([]float64)
-		c := make([]float64, batch*sc)
-		if k > 0 && m > 0 && n > 0 {
+		c := newBlock[float64](t, batch*sc)
+		if k == 0 {
+			clear(c)
+		} else if m > 0 && n > 0 {
 			for i := range batch {
-				if err := bl.Dgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, 0, c[i*sc:(i+1)*sc], max(1, n)); err != nil {
+				if err := bl.Dgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, float64(beta), c[i*sc:(i+1)*sc], max(1, n)); err != nil {
 					return nil, fmt.Errorf("autograd: internal: %w", err)
 				}
 			}
@@ -356,7 +372,10 @@ func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) 
 	}
 	sh := spec.Shape()
 	tt := sh[len(sh)-1]
-	yd := causalFwd(xd, tt)
+	yd, err := causalForward(xd, tt)
+	if err != nil {
+		return nil, err
+	}
 	out, err := placement.NewLocal(spec, yd)
 	if err != nil {
 		return nil, err
@@ -370,8 +389,11 @@ func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) 
 		if err != nil {
 			return nil, err
 		}
-		shape := g.LocalShape()
-		gx, err := placement.NewLocal(g.Spec(), softmaxBwd(yd, gd, shape, len(shape)-1, false))
+		dx, err := causalBackward(t, yd, gd, g.LocalShape())
+		if err != nil {
+			return nil, err
+		}
+		gx, err := placement.NewLocal(g.Spec(), dx)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -400,10 +422,19 @@ func causalFwd[T float](x []T, tt int) []T {
 
 // CausalAttention is causal scaled-dot-product attention with heads as a
 // dimension: q, k, v are [..., T, Dh] (e.g. [B, H, T, Dh]) and the result
-// is softmax_causal(q·kᵀ/√Dh)·v, [..., T, Dh]. It composes Transpose,
-// BatchedMatMul, Scale and CausalSoftmax, so the sharding rules are
-// theirs: batch and head dims may be sharded (the same way in q, k and v);
-// T and Dh may not, and no input may be Partial.
+// is softmax_causal(q·kᵀ/√Dh)·v, [..., T, Dh]. It is the composition of
+// Transpose, BatchedMatMul, Scale and CausalSoftmax, so the sharding rules
+// are theirs: batch and head dims may be sharded (the same way in q, k and
+// v); T and Dh may not, and no input may be Partial.
+//
+// float32 inputs laid out alike (Replicate, or Shard of the same batch or
+// head dims, on every mesh axis) run fused: one recorded op on
+// kernels.CausalAttentionForward and kernels.CausalAttentionBackward,
+// which skip the masked half of every block and keep only the
+// probabilities for backward (no transposed copy of k, no separate scores
+// or scaling pass). Its result and gradients are laid out as the
+// composition's, and agree with it to within float32 rounding. Other
+// inputs are recorded as the composition.
 func CausalAttention(q, k, v *Value) (*Value, error) {
 	if q == nil || q.data == nil {
 		return nil, invalidf("CausalAttention", "nil q")
@@ -411,6 +442,9 @@ func CausalAttention(q, k, v *Value) (*Value, error) {
 	sh := q.Spec().Shape()
 	if len(sh) < 2 {
 		return nil, invalidf("CausalAttention", "q has shape %v; want [..., T, Dh]", sh)
+	}
+	if spec, ok := fusedAttentionSpec(q, k, v); ok {
+		return causalAttentionFused(spec, q, k, v)
 	}
 	kt, err := Transpose(k, -2, -1)
 	if err != nil {
@@ -428,4 +462,151 @@ func CausalAttention(q, k, v *Value) (*Value, error) {
 		return nil, err
 	}
 	return BatchedMatMul(a, v)
+}
+
+// fusedAttentionSpec returns the spec of CausalAttention's result and true
+// when q, k and v can run fused: float32, on one tape and mesh, q and k of
+// one shape, v with their batch dims and T, and identical placements and
+// shard orders that are Replicate or Shard of a batch dim on every axis.
+// The spec comes from the composition's rules, so it is the composed
+// result's.
+func fusedAttentionSpec(q, k, v *Value) (*placement.Spec, bool) {
+	if k == nil || v == nil || k.data == nil || v.data == nil || q.tape != k.tape || q.tape != v.tape {
+		return nil, false
+	}
+	sq, sk, sv := q.Spec(), k.Spec(), v.Spec()
+	if !isF32(sq) || !isF32(sk) || !isF32(sv) {
+		return nil, false
+	}
+	shq, shv := sq.Shape(), sv.Shape()
+	r := len(shq)
+	if r < 2 || !slices.Equal(shq, sk.Shape()) || len(shv) != r || !slices.Equal(shq[:r-1], shv[:r-1]) {
+		return nil, false
+	}
+	if compatible("CausalAttention", sq, sk) != nil || compatible("CausalAttention", sq, sv) != nil {
+		return nil, false
+	}
+	pq := sq.Placements()
+	if !slices.Equal(pq, sk.Placements()) || !slices.Equal(pq, sv.Placements()) {
+		return nil, false
+	}
+	for _, p := range pq {
+		if !p.IsReplicate() && !(p.IsShard() && p.Dim() < r-2) {
+			return nil, false
+		}
+	}
+	for d := range r {
+		if !slices.Equal(sq.Order(d), sk.Order(d)) || !slices.Equal(sq.Order(d), sv.Order(d)) {
+			return nil, false
+		}
+	}
+	kt, err := TransposeRule(sk, -2, -1)
+	if err != nil {
+		return nil, false
+	}
+	scores, err := BatchedMatMulRule(sq, kt)
+	if err != nil {
+		return nil, false
+	}
+	if _, err := CausalSoftmaxRule(scores); err != nil {
+		return nil, false
+	}
+	out, err := BatchedMatMulRule(scores, sv)
+	if err != nil {
+		return nil, false
+	}
+	return out, true
+}
+
+// causalAttentionFused records CausalAttention as one op (see its doc).
+func causalAttentionFused(spec *placement.Spec, q, k, v *Value) (*Value, error) {
+	const op = "CausalAttention"
+	t, err := checkInputs(op, q, k, v)
+	if err != nil {
+		return nil, err
+	}
+	qd, err := dataOf[float32](q.data)
+	if err != nil {
+		return nil, err
+	}
+	kd, err := dataOf[float32](k.data)
+	if err != nil {
+		return nil, err
+	}
+	vd, err := dataOf[float32](v.data)
+	if err != nil {
+		return nil, err
+	}
+	lq, lv := q.data.LocalShape(), v.data.LocalShape()
+	r := len(lq)
+	batch, tt, dh, dv := prod(lq[:r-2]), lq[r-2], lq[r-1], lv[r-1]
+	if len(qd) != batch*tt*dh || len(kd) != len(qd) || len(vd) != batch*tt*dv {
+		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v, %v and %v", op, lq, k.data.LocalShape(), lv)
+	}
+	scale := float32(1 / math.Sqrt(float64(q.Spec().Shape()[r-1])))
+	rec := t.records(q, k, v)
+	// P = causal softmax(scale·q·kᵀ), batch blocks of tt×tt; kept for
+	// backward when recorded.
+	probs := getBuf[float32](t, batch*tt*tt)
+	out := make([]float32, batch*tt*dv)
+	err = kernels.CausalAttentionForward(out, probs, qd, kd, vd, batch, tt, dh, dv, scale)
+	if !rec {
+		putBuf(t, probs)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("autograd: %s: internal: %w", op, err)
+	}
+	res, err := placement.NewLocal(spec, out)
+	if err != nil {
+		return nil, err
+	}
+	sq, sk, sv := q.Spec(), k.Spec(), v.Spec()
+	needQ, needK, needV := q.requiresGrad, k.requiresGrad, v.requiresGrad
+	return t.record(op, res, []*Value{q, k, v}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		gd, err := dataOf[float32](g)
+		if err != nil {
+			return nil, err
+		}
+		if len(gd) != len(out) {
+			return nil, fmt.Errorf("autograd: %s: internal: gradient block %v, result %v", op, g.LocalShape(), res.LocalShape())
+		}
+		// On every mesh axis the inputs are R or Shard(batch dim): their
+		// gradients are laid out like the aligned g, as the composition's.
+		pg := g.Spec().Placements()
+		var dq, dk, dvv []float32
+		if needQ {
+			dq = getBuf[float32](t, len(qd))
+		}
+		if needK {
+			dk = getBuf[float32](t, len(kd))
+		}
+		if needV {
+			dvv = getBuf[float32](t, len(vd))
+		}
+		if err := kernels.CausalAttentionBackward(dq, dk, dvv, gd, probs, qd, kd, vd, batch, tt, dh, dv, scale); err != nil {
+			return nil, fmt.Errorf("autograd: %s: internal: %w", op, err)
+		}
+		grads := make([]*placement.DTensor, 3)
+		for i, c := range []struct {
+			need bool
+			s    *placement.Spec
+			d    []float32
+		}{{needQ, sq, dq}, {needK, sk, dk}, {needV, sv, dvv}} {
+			if !c.need {
+				continue
+			}
+			gs, err := gradSpec(c.s, pg)
+			if err != nil {
+				return nil, err
+			}
+			if grads[i], err = placement.NewLocal(gs, c.d); err != nil {
+				return nil, err
+			}
+		}
+		return grads, nil
+	}), nil
 }

@@ -86,10 +86,6 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v and %v do not chain", op, xl, wl)
 	}
 	m, n := prod(xl[:len(xl)-1]), wl[0]
-	y, err := gemm(blas, spec, x.data, w.data, false, true, m, n, k)
-	if err != nil {
-		return nil, err
-	}
 	coord := spec.Mesh().Coord()
 	addBias := b != nil
 	for ax, c := range cases {
@@ -97,21 +93,18 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			addBias = false
 		}
 	}
+	var bd []T
 	if addBias {
-		yd, err := dataOf[T](y)
-		if err != nil {
-			return nil, err
-		}
-		bd, err := dataOf[T](b.data)
-		if err != nil {
+		if bd, err = dataOf[T](b.data); err != nil {
 			return nil, err
 		}
 		if len(bd) != n {
 			return nil, fmt.Errorf("autograd: %s: internal: bias block of %d for %d outputs", op, len(bd), n)
 		}
-		for i := range yd {
-			yd[i] += bd[i%n]
-		}
+	}
+	y, err := gemmBias(blas, spec, x.data, w.data, bd, m, n, k)
+	if err != nil {
+		return nil, err
 	}
 	inputs := []*Value{x, w}
 	if b != nil {
@@ -163,7 +156,7 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			if err != nil {
 				return nil, err
 			}
-			if grads[0], err = gemm(blas, s, g, wd, false, false, m, k, n); err != nil {
+			if grads[0], err = gemm(t, blas, s, g, wd, false, false, m, k, n); err != nil {
 				return nil, err
 			}
 		}
@@ -175,7 +168,7 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			if err != nil {
 				return nil, err
 			}
-			if grads[1], err = gemm(blas, s, g, xd, true, false, n, k, m); err != nil {
+			if grads[1], err = gemm(t, blas, s, g, xd, true, false, n, k, m); err != nil {
 				return nil, err
 			}
 		}
@@ -188,7 +181,11 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			if err != nil {
 				return nil, err
 			}
-			if grads[2], err = placement.NewLocal(s, rowSum(gd, n)); err != nil {
+			db, err := columnSums(t, gd, n)
+			if err != nil {
+				return nil, err
+			}
+			if grads[2], err = placement.NewLocal(s, db); err != nil {
 				return nil, err
 			}
 		}
@@ -214,7 +211,7 @@ func Permute(x *Value, perm ...int) (*Value, error) {
 	for i, p := range perm {
 		inv[p] = i
 	}
-	out, err := permuteLocal(spec, x.data, perm)
+	out, err := permuteLocal(nil, spec, x.data, perm)
 	if err != nil {
 		return nil, err
 	}
@@ -227,7 +224,7 @@ func Permute(x *Value, perm ...int) (*Value, error) {
 		if err != nil {
 			return nil, err
 		}
-		gx, err := permuteLocal(s, g, inv)
+		gx, err := permuteLocal(t, s, g, inv)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -245,20 +242,22 @@ func Transpose(x *Value, d0, d1 int) (*Value, error) {
 	return Permute(x, perm...)
 }
 
-func permuteLocal(spec *placement.Spec, x *placement.DTensor, perm []int) (*placement.DTensor, error) {
+// permuteLocal permutes x's local block; with a non-nil t the result is in
+// its arena (a gradient).
+func permuteLocal(t *Tape, spec *placement.Spec, x *placement.DTensor, perm []int) (*placement.DTensor, error) {
 	shape := x.LocalShape()
 	if isF32(spec) {
 		d, err := dataOf[float32](x)
 		if err != nil {
 			return nil, err
 		}
-		return placement.NewLocal(spec, permuteT(d, shape, perm))
+		return placement.NewLocal(spec, permuteT(newBlock[float32](t, len(d)), d, shape, perm))
 	}
 	d, err := dataOf[float64](x)
 	if err != nil {
 		return nil, err
 	}
-	return placement.NewLocal(spec, permuteT(d, shape, perm))
+	return placement.NewLocal(spec, permuteT(newBlock[float64](t, len(d)), d, shape, perm))
 }
 
 // Reshape returns x with global shape shape (one entry may be -1). It
@@ -338,7 +337,15 @@ func geluOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	yd, erfs := geluFwd(xd)
+	ls := x.data.LocalShape()
+	n := 1
+	if len(ls) > 0 {
+		n = ls[len(ls)-1]
+	}
+	yd, saved, err := geluForward(t, t.records(x), xd, n)
+	if err != nil {
+		return nil, err
+	}
 	out, err := placement.NewLocal(spec, yd)
 	if err != nil {
 		return nil, err
@@ -352,7 +359,11 @@ func geluOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 		if err != nil {
 			return nil, err
 		}
-		gx, err := placement.NewLocal(g.Spec(), geluBwd(xd, erfs, gd))
+		dx, err := geluBackward(t, xd, saved, gd, n)
+		if err != nil {
+			return nil, err
+		}
+		gx, err := placement.NewLocal(g.Spec(), dx)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -394,7 +405,10 @@ func softmaxOp[T float](t *Tape, op string, x *Value, d int, logOut bool) (*Valu
 		return nil, err
 	}
 	shape := x.data.LocalShape()
-	yd := softmaxFwd(xd, shape, d, logOut)
+	yd, err := softmaxForward(xd, shape, d, logOut)
+	if err != nil {
+		return nil, err
+	}
 	out, err := placement.NewLocal(spec, yd)
 	if err != nil {
 		return nil, err
@@ -408,7 +422,11 @@ func softmaxOp[T float](t *Tape, op string, x *Value, d int, logOut bool) (*Valu
 		if err != nil {
 			return nil, err
 		}
-		gx, err := placement.NewLocal(g.Spec(), softmaxBwd(yd, gd, shape, d, logOut))
+		dx, err := softmaxBackward(t, yd, gd, shape, d, logOut)
+		if err != nil {
+			return nil, err
+		}
+		gx, err := placement.NewLocal(g.Spec(), dx)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -453,7 +471,10 @@ func layerNormOp[T float](t *Tape, spec *placement.Spec, x, w, b *Value, eps flo
 	}
 	shape := spec.Shape()
 	n := shape[len(shape)-1]
-	yd, xhat, rstd := lnFwd(xd, wd, bd, n, eps)
+	yd, saved, err := lnForward(t, t.records(x, w, b), xd, wd, bd, n, eps)
+	if err != nil {
+		return nil, err
+	}
 	out, err := placement.NewLocal(spec, yd)
 	if err != nil {
 		return nil, err
@@ -469,7 +490,10 @@ func layerNormOp[T float](t *Tape, spec *placement.Spec, x, w, b *Value, eps flo
 		if err != nil {
 			return nil, err
 		}
-		dx, dw, db := lnBwd(gd, wd, xhat, rstd, n, needX, needW, needB)
+		dx, dw, db, err := lnBackward(t, gd, xd, wd, saved, n, needX, needW, needB)
+		if err != nil {
+			return nil, err
+		}
 		grads := make([]*placement.DTensor, 3)
 		if needX {
 			if grads[0], err = placement.NewLocal(g.Spec(), dx); err != nil {
@@ -499,12 +523,26 @@ func layerNormOp[T float](t *Tape, spec *placement.Spec, x, w, b *Value, eps flo
 	}), nil
 }
 
-// Embedding returns the rows of table [V, D] selected by ids (shape S):
-// a result of shape S + [D] laid out like the ids. Sharding rule:
-// EmbeddingRule (the table must be Replicate). Every id must lie in
-// [0, V) (ErrInvalid otherwise). Backward scatter-adds the gradient's rows
-// into a zero [V, D] table (rows no id selects get exactly 0), laid out
-// Partial(sum) on the axes that shard the ids and like g elsewhere.
+// Embedding returns the rows of table [V, D] selected by ids (shape S): a
+// result of shape S + [D]. Sharding rule: EmbeddingRule: the result is
+// laid out like the ids, Partial(sum) on the axes where the table is
+// vocab parallel (Shard(0): each rank looks up only the ids in its vocab
+// range and writes zero rows for the others, with no communication), and
+// sharded on its last dim where the table is Shard(1). Every id must lie
+// in [0, V) (ErrInvalid otherwise), whichever rank's range holds it.
+//
+// Backward scatter-adds the gradient's rows into a zero table gradient
+// (rows no id selects get exactly 0), laid out per mesh axis (table, ids):
+//
+//	(R, R)     like g
+//	(R, S(d))  P(sum)   each rank adds its ids' rows
+//	(S(0), R)  S(0)     each rank's vocab rows only; g must be R there
+//	(S(1), R)  S(1)     each rank's columns
+//
+// On a vocab-parallel axis the gradient must arrive Replicate (as the
+// backward of the caller's all-reduce leaves it); a Partial or sharded
+// gradient there fails with ErrGradPlacement, since the table rows a rank
+// owns need every position's gradient.
 func Embedding(table *Value, ids *Indices) (*Value, error) {
 	const op = "Embedding"
 	t, err := checkInputs(op, table)
@@ -515,29 +553,55 @@ func Embedding(table *Value, ids *Indices) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	v, d := table.Spec().Shape()[0], table.Spec().Shape()[1]
+	v := table.Spec().Shape()[0]
 	if err := checkIDs(op, ids.data, v, "id %d out of range for a table of %d rows"); err != nil {
 		return nil, err
 	}
 	if isF32(spec) {
-		return embeddingOp[float32](t, spec, table, ids, v, d)
+		return embeddingOp[float32](t, spec, table, ids)
 	}
-	return embeddingOp[float64](t, spec, table, ids, v, d)
+	return embeddingOp[float64](t, spec, table, ids)
 }
 
-func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indices, v, d int) (*Value, error) {
+func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indices) (*Value, error) {
 	const op = "Embedding"
 	td, err := dataOf[T](table.data)
 	if err != nil {
 		return nil, err
 	}
-	out, err := placement.NewLocal(spec, embedFwd(td, ids.data, d))
+	ts := table.Spec()
+	// This rank's block of the table: rows [lo, lo+vl), dl columns.
+	off, _, err := ts.Box(ts.Mesh().Rank())
+	if err != nil {
+		return nil, fmt.Errorf("autograd: %s: %w", op, err)
+	}
+	lb := table.data.LocalShape()
+	lo, vl, dl := off[0], lb[0], lb[1]
+	if len(td) != vl*dl || len(ids.data)*dl != prod(spec.LocalShape()) {
+		return nil, fmt.Errorf("autograd: %s: internal: table block %v and %d local ids for a result block %v", op, lb, len(ids.data), spec.LocalShape())
+	}
+	out, err := placement.NewLocal(spec, embedFwd(td, ids.data, lo, vl, dl))
 	if err != nil {
 		return nil, err
 	}
-	ts := table.Spec()
+	names := ts.Mesh().Names()
 	return t.record(op, out, []*Value{table}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
 		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		pg := g.Spec().Placements()
+		places := reducedOver(ids.spec, pg)
+		for ax, p := range ts.Placements() {
+			if !p.IsShard() {
+				continue
+			}
+			if p.Dim() == 0 && !pg[ax].IsReplicate() {
+				return nil, gradPlacementf(op, "the gradient of the result arrives as %v on mesh axis %q, where the table is vocab parallel (%v); it must be R there (an all-reduce first, e.g. the backward of redistributing the result to R), and autograd inserts no communication", pg[ax], names[ax], p)
+			}
+			places[ax] = p
+		}
+		s, err := gradSpec(ts, places)
 		if err != nil {
 			return nil, err
 		}
@@ -545,11 +609,10 @@ func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indi
 		if err != nil {
 			return nil, err
 		}
-		s, err := gradSpec(ts, reducedOver(ids.spec, g.Spec().Placements()))
-		if err != nil {
-			return nil, err
+		if len(gd) != len(ids.data)*dl {
+			return nil, fmt.Errorf("autograd: %s: internal: gradient block %v for %d local ids of %d columns", op, g.LocalShape(), len(ids.data), dl)
 		}
-		gt, err := placement.NewLocal(s, embedBwd(gd, ids.data, v, d))
+		gt, err := placement.NewLocal(s, embedBwd(gd, ids.data, lo, vl, dl))
 		return []*placement.DTensor{gt}, err
 	}), nil
 }
@@ -593,7 +656,10 @@ func crossEntropyOp[T float](t *Tape, spec *placement.Spec, logits *Value, targe
 	if len(xd) != len(targets.data)*v {
 		return nil, fmt.Errorf("autograd: %s: internal: logits block %v for %d local targets", op, logits.data.LocalShape(), len(targets.data))
 	}
-	loss, sm := ceFwd(xd, targets.data, v, n)
+	loss, saved, err := ceForward(t, t.records(logits), xd, targets.data, v, n)
+	if err != nil {
+		return nil, err
+	}
 	out, err := placement.NewLocal(spec, []T{loss})
 	if err != nil {
 		return nil, err
@@ -627,7 +693,11 @@ func crossEntropyOp[T float](t *Tape, spec *placement.Spec, logits *Value, targe
 		if len(gd) != 1 {
 			return nil, fmt.Errorf("autograd: %s: internal: scalar gradient block of %d", op, len(gd))
 		}
-		gx, err := placement.NewLocal(s, ceBwd[T](sm, targets.data, v, n, float64(gd[0])))
+		dx, err := ceBackward(t, xd, targets.data, saved, v, n, float64(gd[0]))
+		if err != nil {
+			return nil, err
+		}
+		gx, err := placement.NewLocal(s, dx)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }

@@ -461,10 +461,28 @@ func reshapeRule(x *placement.Spec, shape []int) (*placement.Spec, []int, error)
 	return out, shape, nil
 }
 
-// EmbeddingRule is the sharding rule of Embedding: the table [V, D] must be
-// Replicate on every axis (vocab-parallel tables are not supported yet);
-// ids of shape S give a result of shape S + [D] laid out like the ids
-// (Shard(d) -> Shard(d) with the same order, Replicate -> Replicate).
+// EmbeddingRule is the sharding rule of Embedding for a table [V, D] and
+// ids of shape S; the result has shape S + [D]. Per mesh axis (table,
+// ids) -> result:
+//
+//	(R, R)     -> R
+//	(R, S(d))  -> S(d)       ids sharded (batch, sequence): rows follow the ids
+//	(S(0), R)  -> P(sum)     vocab parallel (Megatron's VocabParallelEmbedding)
+//	(S(1), R)  -> S(len(S))  embedding dim sharded: each rank holds its columns
+//
+// On a vocab-parallel axis each rank looks up only the ids in its vocab
+// range [lo, hi) (its block of table rows, torch.chunk rule, so uneven and
+// empty ranges are exact) and writes zero rows for the others, so the
+// ranks' results sum to the lookup: the result is Partial(sum) and the
+// caller redistributes it (all-reduce to Replicate, or reduce-scatter to
+// a sequence-sharded layout); nothing is communicated here. Ids sharded
+// by an axis in the result keep their shard order; the result's last dim
+// is sharded by the axes sharding table dim 1, in the table's order.
+//
+// Errors (ErrRule): a Partial or Routed table, and ids sharded on an axis
+// that also shards the table (each rank would hold only some ids and only
+// some of the table; make the ids Replicate there, or the table). Shapes
+// and meshes are ErrInvalid.
 func EmbeddingRule(table *placement.Spec, ids *Indices) (*placement.Spec, error) {
 	const op = "Embedding"
 	if table == nil || ids == nil || ids.spec == nil {
@@ -476,11 +494,28 @@ func EmbeddingRule(table *placement.Spec, ids *Indices) (*placement.Spec, error)
 	if len(table.Shape()) != 2 {
 		return nil, invalidf(op, "the table must be [V, D]; got shape %v", table.Shape())
 	}
-	if err := allReplicate(op, "the table", table, "vocab-parallel embedding is not supported yet"); err != nil {
-		return nil, err
+	sIDs := ids.spec.Shape()
+	last := len(sIDs)
+	names := table.Mesh().Names()
+	pt, pi := table.Placements(), ids.spec.Placements()
+	places := make([]placement.Placement, len(pt))
+	for ax, p := range pt {
+		switch {
+		case p.IsReplicate():
+			places[ax] = pi[ax]
+		case p.IsShard() && pi[ax].IsShard():
+			return nil, rulef(op, "the table is %v and the ids are %v on mesh axis %q: ids sharded on the same axis as the table; make the ids R there (vocab or embedding-dim parallel: every rank looks up every id) or the table R there", p, pi[ax], names[ax])
+		case p.IsShard() && p.Dim() == 0:
+			places[ax] = placement.Partial(comm.Sum)
+		case p.IsShard():
+			places[ax] = placement.Shard(last)
+		default:
+			return nil, rulef(op, "the table is %v on mesh axis %q; it must be R, S(0) (vocab parallel) or S(1) (embedding dim sharded) there: redistribute it first", p, names[ax])
+		}
 	}
-	shape := append(ids.spec.Shape(), table.Shape()[1])
-	out, err := specWith(table, shape, ids.spec.Placements(), ordersOf(ids.spec))
+	orders := ordersOf(ids.spec)
+	orders[last] = table.Order(1)
+	out, err := specWith(table, append(sIDs, table.Shape()[1]), places, orders)
 	if err != nil {
 		return nil, fmt.Errorf("autograd: %s: %w", op, err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/kernels"
@@ -21,6 +22,33 @@ func WithPlanner(p *placement.Planner) Option { return func(t *Tape) { t.planner
 // WithBLAS makes MatMul run on b. Without it the tape uses kernels.Default
 // on first use.
 func WithBLAS(b *kernels.BLAS) Option { return func(t *Tape) { t.blas = b } }
+
+// The phases an Observer is told about.
+const (
+	// PhaseForward is an op's forward computation: from the check of its
+	// inputs to its result (recorded or not: ops under NoGrad count too).
+	PhaseForward = "forward"
+	// PhaseBackward is one recorded op's backward function during
+	// Backward, with the accumulation of the gradients it returns.
+	PhaseBackward = "backward"
+	// PhaseHooks is the gradient-ready hooks of one leaf (op is the leaf's
+	// name), such as DDP copying a gradient into a bucket and launching its
+	// all-reduce.
+	PhaseHooks = "hooks"
+)
+
+// Observer receives the wall-clock span [start, end] of each piece of work
+// the tape does: op is the op's name ("Linear") or, for PhaseHooks, the
+// leaf's name; phase is PhaseForward, PhaseBackward or PhaseHooks. It runs
+// on the goroutine that uses the tape, synchronously, so it must be cheap
+// and must not use the tape.
+type Observer func(op, phase string, start, end time.Time)
+
+// WithObserver makes the tape report the time of every op's forward, every
+// op's backward and every leaf's gradient-ready hooks to fn (the trace
+// package turns them into a timeline). Without it, or with a nil fn,
+// nothing is timed.
+func WithObserver(fn Observer) Option { return func(t *Tape) { t.observe = fn } }
 
 // Tape records the ops of one rank's forward pass so that Backward can run
 // them in reverse. There is one tape per rank: a Tape and its Values are
@@ -40,6 +68,9 @@ type Tape struct {
 	noGrad  int    // depth of NoGrad scopes
 	walking bool   // inside Backward (hooks run with recording off)
 	trace   func(event string)
+	observe Observer  // WithObserver; nil: nothing is timed
+	opStart time.Time // when the op being computed checked its inputs
+	arena   arena     // scratch and intermediate gradients, reused across passes
 }
 
 // NewTape returns an empty tape.
@@ -80,6 +111,7 @@ func (t *Tape) Reset() {
 	clear(t.nodes)
 	t.nodes = t.nodes[:0]
 	t.gen++
+	t.arena.reset()
 }
 
 // NoGrad runs fn with recording off: ops inside it record nothing and
@@ -164,6 +196,15 @@ func (v *Value) Data() *placement.DTensor {
 	return v.data
 }
 
+// Tape returns the tape the value was made on (nil for a nil value).
+// Parallel styles use it to make resharded copies of parameters.
+func (v *Value) Tape() *Tape {
+	if v == nil {
+		return nil
+	}
+	return v.tape
+}
+
 // Spec returns the value's spec.
 func (v *Value) Spec() *placement.Spec {
 	if v == nil || v.data == nil {
@@ -236,6 +277,9 @@ func checkInputs(op string, vs ...*Value) (*Tape, error) {
 		}
 		if t == nil {
 			t = v.tape
+			if t.observe != nil {
+				t.opStart = time.Now()
+			}
 		} else if v.tape != t {
 			return nil, invalidf(op, "inputs come from different tapes (input %d, %q)", i, v.name)
 		}
@@ -249,6 +293,10 @@ func checkInputs(op string, vs ...*Value) (*Tape, error) {
 // record makes the result of an op; when recording and some input requires
 // grad it adds a node whose backward is back.
 func (t *Tape) record(op string, out *placement.DTensor, inputs []*Value, back backwardFunc) *Value {
+	if t.observe != nil && !t.opStart.IsZero() {
+		t.observe(op, PhaseForward, t.opStart, time.Now())
+		t.opStart = time.Time{}
+	}
 	v := &Value{tape: t, data: out, name: op}
 	if !t.recording() || !slices.ContainsFunc(inputs, (*Value).RequiresGrad) {
 		return v
@@ -339,12 +387,17 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 	}
 	got := map[*Value]bool{} // leaves that received a gradient in this pass
 	pending := map[*Value]*placement.DTensor{loss: seed}
+	var dead []*placement.DTensor // gradients consumed by the current node
 	for i := len(t.nodes) - 1; i >= 0; i-- {
 		n := t.nodes[i]
 		if g, ok := pending[n.out]; ok {
 			delete(pending, n.out)
 			if t.trace != nil {
 				t.trace("backward " + n.op)
+			}
+			var start time.Time
+			if t.observe != nil {
+				start = time.Now()
 			}
 			grads, err := n.back(ctx, g)
 			if err != nil {
@@ -353,9 +406,11 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 			if len(grads) != len(n.inputs) {
 				return fmt.Errorf("autograd: backward of %s returned %d gradients for %d inputs", n.op, len(grads), len(n.inputs))
 			}
+			dead = append(dead[:0], g)
 			for j, in := range n.inputs {
 				gj := grads[j]
 				if gj == nil || !in.requiresGrad {
+					dead = append(dead, gj)
 					continue
 				}
 				if in.leaf {
@@ -363,13 +418,33 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 						return err
 					}
 					got[in] = true
+					dead = append(dead, gj) // the leaf keeps a copy
 					continue
 				}
-				acc, err := t.accumulate(ctx, in.name, pending[in], gj)
+				prev := pending[in]
+				if prev != nil && prev.Spec().Equal(gj.Spec()) && t.arena.exclusive(prev, in, pending, append(grads, g)) {
+					// prev is scratch nothing else sees: add in place.
+					if err := addInPlace(prev, gj); err != nil {
+						return err
+					}
+					dead = append(dead, gj)
+					continue
+				}
+				acc, err := t.accumulate(ctx, in.name, prev, gj, true)
 				if err != nil {
 					return err
 				}
+				if prev != nil {
+					dead = append(dead, prev, gj)
+				}
 				pending[in] = acc
+			}
+			// Buffers of consumed gradients go back to the arena unless a
+			// pending gradient shares their memory (Add passes one tensor
+			// to both inputs, Reshape a view of it).
+			t.arena.releaseDead(dead, pending)
+			if t.observe != nil {
+				t.observe(n.op, PhaseBackward, start, time.Now())
 			}
 		}
 		for _, leaf := range finalAt[i] {
@@ -386,9 +461,18 @@ func fire(v *Value) {
 	if v.tape.trace != nil {
 		v.tape.trace("ready " + v.name)
 	}
+	obs := v.tape.observe
+	if obs == nil || len(v.hooks) == 0 {
+		for _, h := range v.hooks {
+			h(v)
+		}
+		return
+	}
+	start := time.Now()
 	for _, h := range v.hooks {
 		h(v)
 	}
+	obs(v.name, PhaseHooks, start, time.Now())
 }
 
 // accumulateLeaf adds g into a leaf's gradient; the leaf owns its gradient,
@@ -402,7 +486,7 @@ func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTenso
 		v.grad = c
 		return nil
 	}
-	acc, err := t.accumulate(ctx, v.name, v.grad, g)
+	acc, err := t.accumulate(ctx, v.name, v.grad, g, false)
 	if err != nil {
 		return err
 	}
@@ -412,27 +496,33 @@ func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTenso
 
 // accumulate returns existing + incoming as a new tensor (neither is
 // modified), moving one to the other's spec only by a plan with no
-// collective.
-func (t *Tape) accumulate(ctx context.Context, name string, existing, incoming *placement.DTensor) (*placement.DTensor, error) {
+// collective. The sum is in arena memory when scratch is set (a pending
+// gradient of an intermediate value) and freshly allocated otherwise (a
+// leaf's gradient, which the user may keep).
+func (t *Tape) accumulate(ctx context.Context, name string, existing, incoming *placement.DTensor, scratch bool) (*placement.DTensor, error) {
 	if existing == nil {
 		return incoming, nil
 	}
+	sum := add
+	if scratch {
+		sum = t.addScratch
+	}
 	es, is := existing.Spec(), incoming.Spec()
 	if es.Equal(is) {
-		return add(es, existing, incoming)
+		return sum(es, existing, incoming)
 	}
 	var needs []comm.Op
 	if moved, ops, err := t.moveLocal(ctx, incoming, es); err != nil {
 		return nil, err
 	} else if moved != nil {
-		return add(es, existing, moved)
+		return sum(es, existing, moved)
 	} else {
 		needs = ops
 	}
 	if moved, _, err := t.moveLocal(ctx, existing, is); err != nil {
 		return nil, err
 	} else if moved != nil {
-		return add(is, moved, incoming)
+		return sum(is, moved, incoming)
 	}
 	return nil, gradPlacementf("Backward", "gradients of %q arrive as %v and %v (%v and %v); combining them needs %v, and autograd inserts no communication: redistribute the value explicitly (autograd.Redistribute) before its uses so their gradients agree", name, es.Placements(), is.Placements(), es, is, needs)
 }

@@ -44,4 +44,49 @@
 // Dynamic loading is implemented on linux/amd64 and linux/arm64; on other
 // platforms [Load] always returns the pure-Go GEMM (or an error when a library
 // was forced).
+//
+// On a 2-core machine, OpenBLAS with two threads measured faster for the
+// tiny GPT's step than with one, although its idle worker spins (in
+// sched_yield) between calls: the Go side of a step is mostly serial, so
+// the spinning core is otherwise idle. Where the caller runs its own
+// goroutines on every core, set WithThreads(1) (or OPENBLAS_NUM_THREADS=1).
+//
+// # Row kernels
+//
+// The non-GEMM work of a transformer step runs as fused float32 loops over
+// the rows of row-major blocks: [SoftmaxRows], [LogSoftmaxRows],
+// [CausalSoftmax] and their backward, [LayerNorm] (one pass for the mean
+// and variance, which it saves for [LayerNormBackward]), [BiasGELU] (the
+// erf form, saving GELU' for [BiasGELUBackward]), [CrossEntropyRows] (with
+// the logsumexp per row that [CrossEntropyRowsBackward] takes),
+// [ColumnSums] (bias gradients), [Add] and [Mul]. Reductions accumulate in
+// float64 and transcendentals are evaluated in float64, so each result is
+// rounded to float32 once, as a float64 computation rounded at the end
+// would be, up to summation order. Large calls of the kernels that
+// evaluate exp or erfc split their rows over up to GOMAXPROCS goroutines,
+// each row computed exactly as serially; the memory-bound ones stay on
+// the calling goroutine, where two measured no faster.
+//
+// [CausalAttentionForward] and [CausalAttentionBackward] compute causal
+// scaled-dot-product attention on many small per-head blocks (T×T×Dh,
+// e.g. 64×64×32) with a register-tiled 4×16 micro-kernel instead of one
+// BLAS call per product, which packing and thread start-up dominate at
+// these sizes; tiles above the diagonal and the masked part of every
+// k-loop are skipped.
+//
+// On amd64 CPUs with AVX2 and FMA the inner loops are assembly
+// (vec_amd64.s): exp and erfc in four float64 lanes (exp by range
+// reduction and a degree-10 Taylor polynomial, relative error below 2e-12;
+// erfc as exp(−z²)·t·P(u) with a degree-10 fit of relative error below
+// 3.5e-10), the layer-norm, softmax and elementwise loops in float64 or
+// float32 lanes, and the 4×16 GEMM tile in float32. Elsewhere the same
+// functions run portable loops on math.Exp and math.Erfc; both agree with
+// a float64 reference to within float32 rounding.
+//
+// # Peak throughput
+//
+// [EstimatePeak] estimates the CPU's peak single-precision FLOP/s from the
+// detected ISA, the core count and the clock in /proc/cpuinfo, assuming two
+// FMA units per core for AVX2 (see [Peak]); BenchmarkSgemm reports each
+// GEMM shape of a training step in GFLOP/s and as a percentage of it.
 package kernels
