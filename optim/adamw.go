@@ -3,7 +3,10 @@
 // updated from the matching local block of its gradient, so the same code
 // serves replicated parameters (every rank updates its full copy) and
 // sharded ones (FSDP: every rank updates its shard). No optimizer
-// communicates; gradients must already be reduced (not Partial).
+// communicates; gradients must already be reduced (not Partial). The
+// optimizers are AdamW and SGD (PyTorch semantics). ClipGradNorm, global
+// gradient-norm clipping, is the one function here that communicates:
+// one all-reduce of a scalar per set of mesh axes that shard gradients.
 package optim
 
 import (

@@ -1,0 +1,281 @@
+package optim
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"slices"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// ClipOption configures ClipGradNorm.
+type ClipOption func(*clipConfig)
+
+type clipConfig struct {
+	normType     float64
+	errNonfinite bool
+}
+
+// NormType sets the norm ClipGradNorm measures: p > 0 for the p-norm
+// (Σ|g|^p)^(1/p) over every element of every gradient (default 2),
+// or math.Inf(1) for the largest absolute element.
+func NormType(p float64) ClipOption { return func(c *clipConfig) { c.normType = p } }
+
+// ErrorIfNonfinite makes ClipGradNorm return an error, without scaling
+// anything, when the total norm is NaN or infinite (PyTorch's
+// error_if_nonfinite=True). Without it such a norm scales the gradients
+// like any other, which turns them into NaN (PyTorch's default).
+func ErrorIfNonfinite() ClipOption { return func(c *clipConfig) { c.errNonfinite = true } }
+
+// clipEps is PyTorch's 1e-6 added to the norm before dividing.
+const clipEps = 1e-6
+
+// ClipGradNorm rescales the gradients of params so that their total norm
+// is at most maxNorm, like torch.nn.utils.clip_grad_norm_, and returns the
+// total norm before clipping. The norm (2 by default, see NormType) is
+// over the global gradient tensors, as if every gradient were gathered on
+// one rank: each distinct element counts once whatever the placement.
+// When maxNorm/(norm + 1e-6) < 1 (or is NaN), every gradient is multiplied
+// by it; otherwise nothing changes. Parameters without a gradient are
+// skipped; with none at all the norm is 0.
+//
+// Each rank sums |g|^p (or takes max |g|) over its local blocks, in
+// float64. On a mesh axis where a gradient is Shard the blocks hold
+// different elements, so the sums are reduced over that axis; where it is
+// Replicate every rank already holds the same elements, so they are not.
+// Gradients are grouped by the set of mesh axes (of size > 1) that shard
+// them, and each group with a non-empty set is all-reduced once over the
+// communicator of those axes (mesh.Group), all groups issued together in
+// a fixed order (by axis set), so the collectives are the same on every
+// rank. The result is then the same on every rank. Scaled gradients are
+// installed with SetGrad as new tensors in the same layout (the old ones
+// are not modified).
+//
+// ClipGradNorm is collective: every rank of the mesh calls it with the
+// same parameters, whose gradients are present on every rank or on none
+// and laid out alike. Every gradient must live on one mesh layout and
+// hold float32 or float64. A Partial gradient (on an axis of size > 1) is
+// an error, since its norm is not determined by any rank's block: reduce
+// it first (DDP's all-reduce, FSDP's reduce-scatter). Errors also for a
+// NaN or negative maxNorm, a bad NormType, or (with ErrorIfNonfinite) a
+// non-finite norm; all checks but the last run before any communication,
+// and no gradient changes on an error.
+func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64, opts ...ClipOption) (float64, error) {
+	cfg := clipConfig{normType: 2}
+	for _, o := range opts {
+		if o != nil {
+			o(&cfg)
+		}
+	}
+	p := cfg.normType
+	if math.IsNaN(maxNorm) || maxNorm < 0 {
+		return 0, fmt.Errorf("optim: ClipGradNorm: invalid maxNorm %v (want ≥ 0)", maxNorm)
+	}
+	if !(p > 0) || math.IsInf(p, -1) {
+		return 0, fmt.Errorf("optim: ClipGradNorm: invalid norm type %v (want p > 0 or +Inf)", p)
+	}
+	inf := math.IsInf(p, 1)
+
+	var (
+		withGrad []*autograd.Value
+		m        *mesh.Mesh
+		acc      = map[uint64]float64{} // sharding-axis mask -> local partial
+	)
+	for i, v := range params {
+		if v == nil {
+			return 0, fmt.Errorf("optim: ClipGradNorm: parameter %d is nil", i)
+		}
+		g := v.Grad()
+		if g == nil {
+			continue
+		}
+		s := g.Spec()
+		if m == nil {
+			m = s.Mesh()
+		} else if err := sameMesh(m, s.Mesh()); err != nil {
+			return 0, fmt.Errorf("optim: ClipGradNorm: the gradient of %q: %w", v.Name(), err)
+		}
+		mask, err := shardMask(s)
+		if err != nil {
+			return 0, fmt.Errorf("optim: ClipGradNorm: the gradient of %q: %w", v.Name(), err)
+		}
+		var part float64
+		switch d := g.LocalData().(type) {
+		case []float32:
+			part = localNorm(d, p)
+		case []float64:
+			part = localNorm(d, p)
+		default:
+			return 0, fmt.Errorf("optim: ClipGradNorm: the gradient of %q holds %T", v.Name(), g.LocalData())
+		}
+		if prev, ok := acc[mask]; !ok {
+			acc[mask] = part
+		} else if inf {
+			acc[mask] = max(prev, part)
+		} else {
+			acc[mask] = prev + part
+		}
+		withGrad = append(withGrad, v)
+	}
+	if len(withGrad) == 0 {
+		return 0, nil
+	}
+
+	op := comm.Sum
+	if inf {
+		op = comm.Max
+	}
+	masks := make([]uint64, 0, len(acc))
+	for k := range acc {
+		masks = append(masks, k)
+	}
+	slices.Sort(masks)
+	names := m.Names()
+	var (
+		works []comm.Work
+		recvs [][]float64
+	)
+	for _, mask := range masks {
+		if mask == 0 {
+			recvs = append(recvs, []float64{acc[mask]})
+			continue
+		}
+		var axes []string
+		for a, n := range names {
+			if mask&(1<<a) != 0 {
+				axes = append(axes, n)
+			}
+		}
+		c, err := m.Group(ctx, axes...)
+		if err != nil {
+			return 0, fmt.Errorf("optim: ClipGradNorm: communicator of mesh axes %v: %w", axes, err)
+		}
+		recv := []float64{0}
+		w, err := comm.AllReduceAsync(ctx, c, comm.Host([]float64{acc[mask]}), comm.Host(recv), op)
+		if err != nil {
+			return 0, fmt.Errorf("optim: ClipGradNorm: all-reduce over mesh axes %v: %w", axes, err)
+		}
+		works = append(works, w)
+		recvs = append(recvs, recv)
+	}
+	if err := comm.WaitAll(ctx, works...); err != nil {
+		return 0, fmt.Errorf("optim: ClipGradNorm: reducing the norm: %w", err)
+	}
+	total := 0.0
+	for _, r := range recvs {
+		if inf {
+			total = max(total, r[0])
+		} else {
+			total += r[0]
+		}
+	}
+	norm := total
+	switch {
+	case inf:
+	case p == 2:
+		norm = math.Sqrt(total)
+	case p == 1:
+	default:
+		norm = math.Pow(total, 1/p)
+	}
+	if cfg.errNonfinite && (math.IsNaN(norm) || math.IsInf(norm, 0)) {
+		return norm, fmt.Errorf("optim: ClipGradNorm: the total norm of order %v of the gradients is non-finite (%v); nothing was scaled", p, norm)
+	}
+	coef := maxNorm / (norm + clipEps)
+	if coef >= 1 {
+		return norm, nil
+	}
+	// Scale into new tensors first, then install them all, so that an
+	// error leaves every gradient as it was.
+	scaled := make([]*placement.DTensor, len(withGrad))
+	for i, v := range withGrad {
+		g := v.Grad()
+		var err error
+		switch d := g.LocalData().(type) {
+		case []float32:
+			scaled[i], err = placement.NewLocal(g.Spec(), scaleBy(d, float32(coef)))
+		case []float64:
+			scaled[i], err = placement.NewLocal(g.Spec(), scaleBy(d, coef))
+		}
+		if err != nil {
+			return norm, fmt.Errorf("optim: ClipGradNorm: scaling the gradient of %q: %w", v.Name(), err)
+		}
+	}
+	for i, v := range withGrad {
+		if err := v.SetGrad(scaled[i]); err != nil {
+			return norm, fmt.Errorf("optim: ClipGradNorm: installing the scaled gradient of %q: %w", v.Name(), err)
+		}
+	}
+	return norm, nil
+}
+
+// shardMask returns the set of mesh axes (size > 1) on which s is
+// sharded, as a bit mask over axis indices. Partial and Routed placements
+// on such axes are errors.
+func shardMask(s *placement.Spec) (uint64, error) {
+	sizes, names := s.Mesh().Shape(), s.Mesh().Names()
+	if len(sizes) > 64 {
+		return 0, fmt.Errorf("a mesh of %d axes (at most 64)", len(sizes))
+	}
+	var mask uint64
+	for a, pl := range s.Placements() {
+		if sizes[a] == 1 {
+			continue
+		}
+		switch {
+		case pl.IsShard():
+			mask |= 1 << a
+		case pl.IsPartial():
+			return 0, fmt.Errorf("it is %v on mesh axis %q, so no rank's block determines its norm: reduce it (all-reduce or reduce-scatter) before clipping", pl, names[a])
+		case pl.IsRouted():
+			return 0, fmt.Errorf("it is %v on mesh axis %q; combine it first", pl, names[a])
+		}
+	}
+	return mask, nil
+}
+
+// sameMesh checks that b is the same mesh layout as a.
+func sameMesh(a, b *mesh.Mesh) error {
+	if a.World() != b.World() || !slices.Equal(a.Names(), b.Names()) || !slices.Equal(a.Shape(), b.Shape()) || !slices.Equal(a.WorldRanks(), b.WorldRanks()) {
+		return fmt.Errorf("it is on mesh %v, another gradient on %v: every gradient must be on one mesh layout", b, a)
+	}
+	return nil
+}
+
+// localNorm returns Σ|x|^p over d in float64, or max|x| for p = +Inf
+// (NaN if any element is NaN: Go's max propagates NaN, like torch.max).
+func localNorm[T Float](d []T, p float64) float64 {
+	s := 0.0
+	switch {
+	case math.IsInf(p, 1):
+		for _, x := range d {
+			s = max(s, math.Abs(float64(x)))
+		}
+	case p == 2:
+		for _, x := range d {
+			s += float64(x) * float64(x)
+		}
+	case p == 1:
+		for _, x := range d {
+			s += math.Abs(float64(x))
+		}
+	default:
+		for _, x := range d {
+			s += math.Pow(math.Abs(float64(x)), p)
+		}
+	}
+	return s
+}
+
+// scaleBy returns c·d.
+func scaleBy[T Float](d []T, c T) []T {
+	out := make([]T, len(d))
+	for i, x := range d {
+		out[i] = x * c
+	}
+	return out
+}
