@@ -1,0 +1,132 @@
+// loom MoE permute kernels, compiled at run time by NVRTC (no headers).
+//
+// Rows are processed by 2-D blocks: threadIdx.x walks the elements (or
+// words) of a row, threadIdx.y picks one of blockDim.y rows, and the grid
+// strides over rows. Index maps are int32; -1 marks a pad row or a dead
+// slot, exactly as in package kernels' Routing.
+
+typedef long long i64;
+
+// Raw words for the dtype-agnostic row copies: a row of B bytes moves as
+// B/16, B/8, B/4 or B words.
+struct alignas(16) loom_w16 {
+  unsigned long long a, b;
+};
+typedef unsigned long long loom_w8;
+typedef unsigned int loom_w4;
+typedef unsigned char loom_w1;
+
+// Row r of dst becomes row idx[r]/div of src, or zeros when idx[r] < 0.
+// Permute is idx = RowSlot, div = K; PermuteSlots is div = 1 with
+// RowSlot; UnpermuteSlots is div = 1 with SlotRow; the rank/expert chunk
+// regrouping is div = 1 with a host-built row map.
+template <typename W>
+__device__ __forceinline__ void loom_gather(W *__restrict__ dst, const W *__restrict__ src,
+                                            const int *__restrict__ idx, int div, i64 rows, i64 words) {
+  for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += (i64)gridDim.x * blockDim.y) {
+    int s = idx[r];
+    W *o = dst + r * words;
+    if (s < 0) {
+      W z{};
+      for (i64 i = threadIdx.x; i < words; i += blockDim.x) o[i] = z;
+      continue;
+    }
+    const W *in = src + (i64)(s / div) * words;
+    for (i64 i = threadIdx.x; i < words; i += blockDim.x) o[i] = in[i];
+  }
+}
+
+// Row t of out becomes sum_j gate[t*k+j] * packed[slotRow[t*k+j]] over the
+// live slots, in slot order (zero when none is live); gates == 0 weights
+// every slot by 1.
+template <typename T>
+__device__ __forceinline__ void loom_unpermute(T *__restrict__ out, const T *__restrict__ packed,
+                                               const T *__restrict__ gates, const int *__restrict__ slotRow,
+                                               int k, i64 tokens, i64 d) {
+  for (i64 t = (i64)blockIdx.x * blockDim.y + threadIdx.y; t < tokens; t += (i64)gridDim.x * blockDim.y) {
+    const int *sr = slotRow + t * k;
+    for (i64 i = threadIdx.x; i < d; i += blockDim.x) {
+      T acc = T(0);
+      for (int j = 0; j < k; ++j) {
+        int p = sr[j];
+        if (p >= 0) {
+          T g = gates ? gates[t * k + j] : T(1);
+          acc += g * packed[(i64)p * d + i];
+        }
+      }
+      out[t * d + i] = acc;
+    }
+  }
+}
+
+// Packed row r of dpacked becomes gates[s] * dout[s/k] for s = rowSlot[r],
+// or zeros for a pad row; gates == 0 weights by 1.
+template <typename T>
+__device__ __forceinline__ void loom_scale_gather(T *__restrict__ dpacked, const T *__restrict__ dout,
+                                                  const T *__restrict__ gates, const int *__restrict__ rowSlot,
+                                                  int k, i64 rows, i64 d) {
+  for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += (i64)gridDim.x * blockDim.y) {
+    int s = rowSlot[r];
+    T *o = dpacked + r * d;
+    if (s < 0) {
+      for (i64 i = threadIdx.x; i < d; i += blockDim.x) o[i] = T(0);
+      continue;
+    }
+    T g = gates ? gates[s] : T(1);
+    const T *in = dout + (i64)(s / k) * d;
+    for (i64 i = threadIdx.x; i < d; i += blockDim.x) o[i] = g * in[i];
+  }
+}
+
+// dgates[s] becomes <packed[slotRow[s]], dout[s/k]>, accumulated in
+// double, or 0 for a dead slot. One block (1-D, blockDim.x a power of two
+// <= 256) per slot.
+template <typename T>
+__device__ __forceinline__ void loom_gate_grad(T *__restrict__ dgates, const T *__restrict__ packed,
+                                               const T *__restrict__ dout, const int *__restrict__ slotRow,
+                                               int k, i64 slots, i64 d) {
+  __shared__ double sh[256];
+  for (i64 s = blockIdx.x; s < slots; s += gridDim.x) {
+    int p = slotRow[s];
+    double acc = 0.0;
+    if (p >= 0) {
+      const T *a = packed + (i64)p * d;
+      const T *b = dout + (s / k) * d;
+      for (i64 i = threadIdx.x; i < d; i += blockDim.x) acc += (double)a[i] * (double)b[i];
+    }
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (unsigned w = blockDim.x / 2; w > 0; w >>= 1) {
+      if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) dgates[s] = (T)sh[0];
+    __syncthreads();
+  }
+}
+
+#define LOOM_GATHER(NAME, W)                                                                             \
+  extern "C" __global__ void NAME(void *dst, const void *src, const int *idx, int div, i64 rows,         \
+                                  i64 words) {                                                           \
+    loom_gather<W>((W *)dst, (const W *)src, idx, div, rows, words);                                     \
+  }
+LOOM_GATHER(loom_gather_w16, loom_w16)
+LOOM_GATHER(loom_gather_w8, loom_w8)
+LOOM_GATHER(loom_gather_w4, loom_w4)
+LOOM_GATHER(loom_gather_w1, loom_w1)
+
+#define LOOM_TYPED(SUFFIX, T)                                                                            \
+  extern "C" __global__ void loom_unpermute_##SUFFIX(T *out, const T *packed, const T *gates,            \
+                                                     const int *slotRow, int k, i64 tokens, i64 d) {     \
+    loom_unpermute<T>(out, packed, gates, slotRow, k, tokens, d);                                        \
+  }                                                                                                      \
+  extern "C" __global__ void loom_scale_gather_##SUFFIX(T *dpacked, const T *dout, const T *gates,       \
+                                                        const int *rowSlot, int k, i64 rows, i64 d) {    \
+    loom_scale_gather<T>(dpacked, dout, gates, rowSlot, k, rows, d);                                     \
+  }                                                                                                      \
+  extern "C" __global__ void loom_gate_grad_##SUFFIX(T *dgates, const T *packed, const T *dout,          \
+                                                     const int *slotRow, int k, i64 slots, i64 d) {      \
+    loom_gate_grad<T>(dgates, packed, dout, slotRow, k, slots, d);                                       \
+  }
+LOOM_TYPED(f32, float)
+LOOM_TYPED(f64, double)

@@ -1,0 +1,740 @@
+package kernels
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"runtime"
+	"sync"
+	"unsafe"
+)
+
+// MoE permute kernels: the local data movement of expert-parallel dispatch
+// and combine.
+//
+// A token t of n routes to K experts; slot s = t·K + j holds its j-th
+// choice, experts[s] in [0, E), or −1 when the slot is not routed. A
+// [Routing] is the expert-major layout of those slots, computed once per
+// step by [PlanRouting] with a counting sort: packed rows are grouped by
+// expert (ascending), and within an expert ordered by slot index, that is by
+// token and then by slot — Megatron-Core's dropless order. [Permute] copies
+// token rows into that layout (dispatch), [Unpermute] sums them back
+// weighted by their gates (combine), and [UnpermuteBackward] gives both
+// gradients of the combine. [Routing.RankSplits], [GroupByRank] and
+// [GroupByExpert] are the expert-parallel pack and unpack around the
+// all-to-all.
+//
+// In static-capacity mode (capacity > 0) every expert owns exactly capacity
+// packed rows: slots beyond an expert's capacity (in slot order) are dropped
+// and counted, and the unused rows are pad rows, zero in [Permute]'s output
+// and ignored by [Unpermute]. The layout then depends only on E and the
+// capacity, never on the routing.
+//
+// Every kernel reuses caller-provided buffers and does not allocate. Row
+// moves are copy() calls; bad lengths return an error and leave every
+// output untouched. Large calls split their rows over up to GOMAXPROCS
+// goroutines; each row is computed exactly as by a serial loop, so results
+// do not depend on the split.
+
+// Float is the element type of the permute kernels.
+type Float interface{ ~float32 | ~float64 }
+
+// ExpertIndex is the integer type of expert ids given to [PlanRouting].
+type ExpertIndex interface{ ~int | ~int32 | ~int64 }
+
+// permMinBytesPerWorker is the fewest bytes a goroutine of permForRows
+// moves. Measured on the two-core development machine
+// (BenchmarkPermuteWorkers, float32 rows of 256): moving 2 MiB, one
+// goroutine is faster than two (65 against 43 GB/s, the data sits in
+// cache); moving 4 MiB, two are faster (57 against 37-47 GB/s), and from 8
+// MiB on two goroutines move rows 1.9 to 3 times faster than one.
+const permMinBytesPerWorker = 2 << 20
+
+// permForRows calls f on ranges [lo, hi) covering rows 0..rows−1, each row
+// moving rowBytes bytes, on up to GOMAXPROCS goroutines (the first range on
+// the caller's), and waits for them.
+func permForRows(rows, rowBytes int, f func(lo, hi int)) {
+	permForRowsN(0, rows, rowBytes, f)
+}
+
+// permForRowsN is permForRows with at most workers goroutines (0:
+// GOMAXPROCS).
+func permForRowsN(workers, rows, rowBytes int, f func(lo, hi int)) {
+	if workers <= 0 {
+		workers = runtime.GOMAXPROCS(0)
+	}
+	w := 1
+	if rows > 1 && rowBytes > 0 {
+		w = min(workers, rows, int(min(int64(rows)*int64(rowBytes)/permMinBytesPerWorker, math.MaxInt32)))
+	}
+	if w <= 1 {
+		f(0, rows)
+		return
+	}
+	var wg sync.WaitGroup
+	for i := 1; i < w; i++ {
+		lo, hi := i*rows/w, (i+1)*rows/w
+		wg.Go(func() { f(lo, hi) })
+	}
+	f(0, rows/w)
+	wg.Wait()
+}
+
+// Routing is the expert-major layout of one MoE dispatch: which token slot
+// fills each packed row. [PlanRouting] fills it; reusing one Routing across
+// steps reuses its slices. The fields are read-only for callers: the
+// kernels trust them.
+type Routing struct {
+	// Tokens is n, the number of token rows; TopK is K, the slots per
+	// token; Experts is E.
+	Tokens, TopK, Experts int
+	// Capacity is the rows per expert in static-capacity mode, 0 when the
+	// layout is dropless.
+	Capacity int
+
+	// Counts[e] is the number of packed rows of expert e that hold a token
+	// (at most Capacity in static-capacity mode).
+	Counts []int
+	// Routed[e] is the number of slots routed to expert e before the
+	// capacity limit; Routed[e] − Counts[e] of them were dropped.
+	Routed []int
+	// Offsets has E+1 entries: expert e owns packed rows
+	// [Offsets[e], Offsets[e+1]), the first Counts[e] of them live and the
+	// rest pad rows. Offsets[E] is the number of packed rows.
+	Offsets []int
+	// RowSlot[p] is the slot t·K + j that fills packed row p (token
+	// RowSlot[p]/K, choice RowSlot[p]%K), or −1 for a pad row.
+	RowSlot []int32
+	// SlotRow[s] is the packed row of slot s, or −1 when the slot is not
+	// routed (expert −1) or was dropped by the capacity limit.
+	SlotRow []int32
+
+	// Unrouted counts slots whose expert is −1; Dropped counts slots
+	// beyond their expert's capacity; Padded counts pad rows.
+	Unrouted, Dropped, Padded int
+
+	cursor []int
+}
+
+// Rows returns the number of packed rows, Offsets[E] (0 for a Routing that
+// was never planned).
+func (r *Routing) Rows() int {
+	if len(r.Offsets) == 0 {
+		return 0
+	}
+	return r.Offsets[len(r.Offsets)-1]
+}
+
+// Source returns the token and choice that fill packed row p, with ok false
+// for a pad row or a row out of range.
+func (r *Routing) Source(p int) (token, choice int, ok bool) {
+	if p < 0 || p >= len(r.RowSlot) || r.RowSlot[p] < 0 {
+		return 0, 0, false
+	}
+	s := int(r.RowSlot[p])
+	return s / r.TopK, s % r.TopK, true
+}
+
+// grow returns s resized to n elements, reusing its storage when it is
+// large enough. The contents are unspecified.
+func grow[T any](s []T, n int) []T {
+	if cap(s) >= n {
+		return s[:n]
+	}
+	return make([]T, n)
+}
+
+// PlanRouting computes the expert-major layout of experts (n·K slot expert
+// ids, token-major: slot t·K + j is token t's j-th choice; −1 marks a slot
+// that is not routed) into r, reusing r's slices. numExperts is E ≥ 1 and
+// k is K ≥ 1; len(experts) must be a multiple of k. capacity 0 plans the
+// dropless layout (one packed row per routed slot); capacity > 0 plans the
+// static-capacity layout of E·capacity rows, keeping each expert's first
+// capacity slots in slot order. It returns an error, leaving r unchanged,
+// for an id outside [−1, E), bad sizes, or more than 2³¹−1 slots or rows.
+func PlanRouting[I ExpertIndex](r *Routing, experts []I, k, numExperts, capacity int) error {
+	const op = "PlanRouting"
+	switch {
+	case r == nil:
+		return fmt.Errorf("kernels: %s: nil Routing", op)
+	case k < 1:
+		return fmt.Errorf("kernels: %s: top-k %d, want >= 1", op, k)
+	case numExperts < 1:
+		return fmt.Errorf("kernels: %s: %d experts, want >= 1", op, numExperts)
+	case capacity < 0:
+		return fmt.Errorf("kernels: %s: negative capacity %d", op, capacity)
+	case len(experts)%k != 0:
+		return fmt.Errorf("kernels: %s: %d expert ids are not whole tokens of %d slots", op, len(experts), k)
+	case len(experts) > math.MaxInt32:
+		return fmt.Errorf("kernels: %s: %d slots exceed the int32 row map", op, len(experts))
+	case capacity > 0 && int64(capacity)*int64(numExperts) > math.MaxInt32:
+		return fmt.Errorf("kernels: %s: %d experts × capacity %d rows exceed the int32 row map", op, numExperts, capacity)
+	}
+	e64 := int64(numExperts)
+	for s, e := range experts {
+		if int64(e) < -1 || int64(e) >= e64 {
+			return fmt.Errorf("kernels: %s: slot %d (token %d, choice %d) has expert %d, want -1 or [0, %d)",
+				op, s, s/k, s%k, int64(e), numExperts)
+		}
+	}
+
+	ne := numExperts
+	routed := grow(r.Routed, ne)
+	clear(routed)
+	unrouted := 0
+	for _, e := range experts {
+		if e < 0 {
+			unrouted++
+			continue
+		}
+		routed[e]++
+	}
+	counts := grow(r.Counts, ne)
+	offsets := grow(r.Offsets, ne+1)
+	dropped, padded := 0, 0
+	offsets[0] = 0
+	for e, c := range routed {
+		if capacity > 0 {
+			kept := min(c, capacity)
+			counts[e] = kept
+			dropped += c - kept
+			padded += capacity - kept
+			offsets[e+1] = offsets[e] + capacity
+		} else {
+			counts[e] = c
+			offsets[e+1] = offsets[e] + c
+		}
+	}
+	rows := offsets[ne]
+	rowSlot := grow(r.RowSlot, rows)
+	slotRow := grow(r.SlotRow, len(experts))
+	cursor := grow(r.cursor, ne)
+	copy(cursor, offsets[:ne])
+	for s, e := range experts {
+		if e < 0 {
+			slotRow[s] = -1
+			continue
+		}
+		p := cursor[e]
+		if p >= offsets[e]+counts[e] {
+			slotRow[s] = -1
+			continue
+		}
+		cursor[e] = p + 1
+		rowSlot[p] = int32(s)
+		slotRow[s] = int32(p)
+	}
+	if padded > 0 {
+		for e := range ne {
+			for p := offsets[e] + counts[e]; p < offsets[e+1]; p++ {
+				rowSlot[p] = -1
+			}
+		}
+	}
+	*r = Routing{
+		Tokens: len(experts) / k, TopK: k, Experts: ne, Capacity: capacity,
+		Counts: counts, Routed: routed, Offsets: offsets, RowSlot: rowSlot, SlotRow: slotRow,
+		Unrouted: unrouted, Dropped: dropped, Padded: padded,
+		cursor: cursor,
+	}
+	return nil
+}
+
+// check validates that r is a planned layout whose slices agree with its
+// sizes, so that the kernels can trust it.
+func (r *Routing) check(op string) error {
+	if r == nil {
+		return fmt.Errorf("kernels: %s: nil Routing", op)
+	}
+	if r.TopK < 1 || r.Experts < 1 || len(r.Offsets) != r.Experts+1 || len(r.Counts) != r.Experts ||
+		len(r.SlotRow) != r.Tokens*r.TopK || len(r.RowSlot) != r.Offsets[r.Experts] {
+		return fmt.Errorf("kernels: %s: Routing is not planned (tokens %d, top-k %d, experts %d, %d offsets, %d row map, %d slot map); call PlanRouting",
+			op, r.Tokens, r.TopK, r.Experts, len(r.Offsets), len(r.RowSlot), len(r.SlotRow))
+	}
+	return nil
+}
+
+// checkRowSlot and checkSlotRow validate the row maps a kernel indexes
+// with, so that a Routing whose exported fields were changed by hand gives
+// an error instead of an index panic.
+func (r *Routing) checkRowSlot(op string) error {
+	return permIdxCheck(op, "RowSlot", r.RowSlot, len(r.SlotRow))
+}
+
+func (r *Routing) checkSlotRow(op string) error {
+	return permIdxCheck(op, "SlotRow", r.SlotRow, len(r.RowSlot))
+}
+
+// permIdxCheck checks that every entry of idx is −1 or in [0, limit).
+func permIdxCheck(op, name string, idx []int32, limit int) error {
+	lo, hi := int32(-1), int32(-1)
+	for _, v := range idx {
+		lo = min(lo, v)
+		hi = max(hi, v)
+	}
+	if lo < -1 || int(hi) >= limit {
+		return fmt.Errorf("kernels: %s: Routing.%s holds entries in [%d, %d], want -1 or [0, %d); was it changed after PlanRouting?", op, name, lo, hi, limit)
+	}
+	return nil
+}
+
+// permLen checks that buf holds rows rows of width d.
+func permLen(op, name string, l, rows, d int) error {
+	if l != rows*d {
+		return fmt.Errorf("kernels: %s: len(%s) = %d, want %d rows × %d = %d", op, name, l, rows, d, rows*d)
+	}
+	return nil
+}
+
+// permWidth checks the row width.
+func permWidth(op string, d int) error {
+	if d < 0 {
+		return fmt.Errorf("kernels: %s: negative row width %d", op, d)
+	}
+	return nil
+}
+
+// sizeOf returns the size of T in bytes.
+func sizeOf[T Float]() int {
+	var z T
+	return int(unsafe.Sizeof(z))
+}
+
+// Permute is the dispatch copy: packed row p of out (rows of width d,
+// r.Rows() of them) becomes row RowSlot[p]/K of x (r.Tokens rows of width
+// d), and pad rows become zero. len(x) must be r.Tokens·d and len(out)
+// r.Rows()·d; out must not overlap x. Its adjoint is [Unpermute] with nil
+// gates.
+func Permute[T Float](out, x []T, d int, r *Routing) error {
+	const op = "Permute"
+	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
+		return err
+	}
+	if err := r.checkRowSlot(op); err != nil {
+		return err
+	}
+	if err := errors.Join(permLen(op, "x", len(x), r.Tokens, d), permLen(op, "out", len(out), r.Rows(), d)); err != nil {
+		return err
+	}
+	gatherRows(out, x, r.RowSlot, r.TopK, d)
+	return nil
+}
+
+// PermuteSlots gathers per-slot rows into the packed order: packed row p of
+// out becomes row RowSlot[p] of v (n·K rows of width d), and pad rows
+// become zero. With d = 1 it gives each packed row its gate (Megatron's
+// permuted probs). len(v) must be n·K·d and len(out) r.Rows()·d. Its
+// adjoint is [UnpermuteSlots].
+func PermuteSlots[T Float](out, v []T, d int, r *Routing) error {
+	const op = "PermuteSlots"
+	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
+		return err
+	}
+	if err := r.checkRowSlot(op); err != nil {
+		return err
+	}
+	if err := errors.Join(permLen(op, "v", len(v), len(r.SlotRow), d), permLen(op, "out", len(out), r.Rows(), d)); err != nil {
+		return err
+	}
+	gatherRows(out, v, r.RowSlot, 1, d)
+	return nil
+}
+
+// UnpermuteSlots scatters packed rows back to their slots: row s of v (n·K
+// rows of width d) becomes packed row SlotRow[s] of packed, or zero for a
+// slot that is not routed or was dropped. It is the adjoint of
+// [PermuteSlots] (and, with d = 1, the gradient of the gates a
+// [PermuteSlots] call gathered).
+func UnpermuteSlots[T Float](v, packed []T, d int, r *Routing) error {
+	const op = "UnpermuteSlots"
+	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
+		return err
+	}
+	if err := r.checkSlotRow(op); err != nil {
+		return err
+	}
+	if err := errors.Join(permLen(op, "v", len(v), len(r.SlotRow), d), permLen(op, "packed", len(packed), r.Rows(), d)); err != nil {
+		return err
+	}
+	gatherRows(v, packed, r.SlotRow, 1, d)
+	return nil
+}
+
+// gatherRows sets row i of dst to row idx[i]/div of src, or to zero when
+// idx[i] < 0.
+func gatherRows[T Float](dst, src []T, idx []int32, div, d int) {
+	permForRows(len(idx), 2*d*sizeOf[T](), func(lo, hi int) {
+		gatherRange(dst, src, idx, div, d, lo, hi)
+	})
+}
+
+func gatherRange[T Float](dst, src []T, idx []int32, div, d, lo, hi int) {
+	if d == 1 {
+		for i := lo; i < hi; i++ {
+			if s := idx[i]; s >= 0 {
+				dst[i] = src[int(s)/div]
+			} else {
+				dst[i] = 0
+			}
+		}
+		return
+	}
+	for i := lo; i < hi; i++ {
+		o := dst[i*d : i*d+d]
+		s := int(idx[i])
+		if s < 0 {
+			clear(o)
+			continue
+		}
+		s /= div
+		copy(o, src[s*d:s*d+d])
+	}
+}
+
+// Unpermute is the combine: row t of out (r.Tokens rows of width d) becomes
+// Σ_j gates[t·K+j] · packed[SlotRow[t·K+j]] over the token's live slots
+// (zero when none is live), summed pairwise in slot order:
+// (g₀x₀ + g₁x₁) + (g₂x₂ + g₃x₃) + …. nil gates weight every slot by 1,
+// the pure scatter-add that is [Permute]'s adjoint. len(packed) must be
+// r.Rows()·d, len(out) r.Tokens·d and len(gates) n·K when not nil; out must
+// not overlap packed.
+func Unpermute[T Float](out, packed, gates []T, d int, r *Routing) error {
+	const op = "Unpermute"
+	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
+		return err
+	}
+	if err := r.checkSlotRow(op); err != nil {
+		return err
+	}
+	if err := errors.Join(permLen(op, "out", len(out), r.Tokens, d), permLen(op, "packed", len(packed), r.Rows(), d)); err != nil {
+		return err
+	}
+	if gates != nil && len(gates) != len(r.SlotRow) {
+		return fmt.Errorf("kernels: %s: len(gates) = %d, want %d tokens × %d = %d", op, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
+	}
+	k := r.TopK
+	permForRows(r.Tokens, (k+1)*d*sizeOf[T](), func(lo, hi int) {
+		for t := lo; t < hi; t++ {
+			// Live slots are taken two at a time, so that o is read and
+			// written once per pair: o = g₀x₀ + g₁x₁, then o += g₂x₂ + g₃x₃,
+			// and a last odd one alone.
+			o := out[t*d : t*d+d]
+			first := true
+			var x0 []T
+			var g0 T
+			for s := t * k; s < t*k+k; s++ {
+				p := int(r.SlotRow[s])
+				if p < 0 {
+					continue
+				}
+				g := T(1)
+				if gates != nil {
+					g = gates[s]
+				}
+				if x0 == nil {
+					x0, g0 = packed[p*d:p*d+d], g
+					continue
+				}
+				permPair(o, x0, packed[p*d:p*d+d], g0, g, first)
+				x0, first = nil, false
+			}
+			switch {
+			case x0 != nil && first && gates == nil:
+				copy(o, x0)
+			case x0 != nil && first:
+				permScale(o, x0, g0)
+			case x0 != nil:
+				permAxpy(o, x0, g0)
+			case first:
+				clear(o)
+			}
+		}
+	})
+	return nil
+}
+
+// UnpermuteBackward is the backward of [Unpermute] for upstream gradient
+// dout (r.Tokens rows of width d):
+//
+//   - dpacked (r.Rows() rows of width d, or nil to skip) gets
+//     gates[s] · dout[s/K] in the packed row of each live slot s, and zero in
+//     pad rows: the gate-scaled gather that is the combine's adjoint (with
+//     nil gates, exactly [Permute] of dout).
+//   - dgates (n·K values, or nil to skip) gets ⟨packed[SlotRow[s]], dout[s/K]⟩
+//     for each live slot, accumulated in float64, and zero for a slot that
+//     is not routed or was dropped. It needs packed, the combine's input.
+//
+// packed may be nil when dgates is; gates may be nil (weights of 1).
+func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int, r *Routing) error {
+	const op = "UnpermuteBackward"
+	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
+		return err
+	}
+	slots := len(r.SlotRow)
+	var errs []error
+	errs = append(errs, permLen(op, "dout", len(dout), r.Tokens, d))
+	if dpacked != nil {
+		errs = append(errs, permLen(op, "dpacked", len(dpacked), r.Rows(), d))
+	}
+	if dgates != nil {
+		errs = append(errs, permLen(op, "dgates", len(dgates), slots, 1), permLen(op, "packed", len(packed), r.Rows(), d))
+	}
+	if gates != nil {
+		errs = append(errs, permLen(op, "gates", len(gates), slots, 1))
+	}
+	if dpacked != nil {
+		errs = append(errs, r.checkRowSlot(op))
+	}
+	if dgates != nil {
+		errs = append(errs, r.checkSlotRow(op))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	k := r.TopK
+	if dpacked != nil {
+		if gates == nil {
+			gatherRows(dpacked, dout, r.RowSlot, k, d)
+		} else {
+			permForRows(len(r.RowSlot), 2*d*sizeOf[T](), func(lo, hi int) {
+				for p := lo; p < hi; p++ {
+					o := dpacked[p*d : p*d+d]
+					s := int(r.RowSlot[p])
+					if s < 0 {
+						clear(o)
+						continue
+					}
+					t := s / k
+					permScale(o, dout[t*d:t*d+d], gates[s])
+				}
+			})
+		}
+	}
+	if dgates != nil {
+		permForRows(slots, 2*d*sizeOf[T](), func(lo, hi int) {
+			for s := lo; s < hi; s++ {
+				p := int(r.SlotRow[s])
+				if p < 0 {
+					dgates[s] = 0
+					continue
+				}
+				t := s / k
+				dgates[s] = T(permDot(packed[p*d:p*d+d], dout[t*d:t*d+d]))
+			}
+		})
+	}
+	return nil
+}
+
+// permScale sets o[i] = g·x[i]; len(x) >= len(o).
+func permScale[T Float](o, x []T, g T) {
+	x = x[:len(o)]
+	i := 0
+	for ; i+4 <= len(o); i += 4 {
+		o0, x0 := o[i:i+4:i+4], x[i:i+4:i+4]
+		o0[0], o0[1], o0[2], o0[3] = g*x0[0], g*x0[1], g*x0[2], g*x0[3]
+	}
+	for ; i < len(o); i++ {
+		o[i] = g * x[i]
+	}
+}
+
+// permAxpy sets o[i] += g·x[i]; len(x) >= len(o).
+func permAxpy[T Float](o, x []T, g T) {
+	x = x[:len(o)]
+	i := 0
+	for ; i+4 <= len(o); i += 4 {
+		o0, x0 := o[i:i+4:i+4], x[i:i+4:i+4]
+		o0[0] += g * x0[0]
+		o0[1] += g * x0[1]
+		o0[2] += g * x0[2]
+		o0[3] += g * x0[3]
+	}
+	for ; i < len(o); i++ {
+		o[i] += g * x[i]
+	}
+}
+
+// permPair sets o[i] = a·x[i] + b·y[i] (set) or adds it to o[i];
+// len(x), len(y) >= len(o). x is never nil here, y may alias x.
+func permPair[T Float](o, x, y []T, a, b T, set bool) {
+	x, y = x[:len(o)], y[:len(o)]
+	i := 0
+	if set {
+		for ; i+4 <= len(o); i += 4 {
+			o0, x0, y0 := o[i:i+4:i+4], x[i:i+4:i+4], y[i:i+4:i+4]
+			o0[0] = a*x0[0] + b*y0[0]
+			o0[1] = a*x0[1] + b*y0[1]
+			o0[2] = a*x0[2] + b*y0[2]
+			o0[3] = a*x0[3] + b*y0[3]
+		}
+		for ; i < len(o); i++ {
+			o[i] = a*x[i] + b*y[i]
+		}
+		return
+	}
+	for ; i+4 <= len(o); i += 4 {
+		o0, x0, y0 := o[i:i+4:i+4], x[i:i+4:i+4], y[i:i+4:i+4]
+		o0[0] += a*x0[0] + b*y0[0]
+		o0[1] += a*x0[1] + b*y0[1]
+		o0[2] += a*x0[2] + b*y0[2]
+		o0[3] += a*x0[3] + b*y0[3]
+	}
+	for ; i < len(o); i++ {
+		o[i] += a*x[i] + b*y[i]
+	}
+}
+
+// permDot returns Σ a[i]·b[i] accumulated in float64 over four partial
+// sums.
+func permDot[T Float](a, b []T) float64 {
+	b = b[:len(a)]
+	var s0, s1, s2, s3 float64
+	i := 0
+	for ; i+4 <= len(a); i += 4 {
+		a0, b0 := a[i:i+4:i+4], b[i:i+4:i+4]
+		s0 += float64(a0[0]) * float64(b0[0])
+		s1 += float64(a0[1]) * float64(b0[1])
+		s2 += float64(a0[2]) * float64(b0[2])
+		s3 += float64(a0[3]) * float64(b0[3])
+	}
+	for ; i < len(a); i++ {
+		s0 += float64(a[i]) * float64(b[i])
+	}
+	return (s0 + s1) + (s2 + s3)
+}
+
+// ExpertBounds splits experts 0..numExperts−1 into contiguous ranges over
+// ranks ranks by the torch.chunk rule (chunk = ⌈E/ranks⌉, the last ranks
+// may own fewer or none): rank q owns experts [b[q], b[q+1]) of the
+// returned b (ranks+1 entries). It returns an error for numExperts < 0 or
+// ranks < 1.
+func ExpertBounds(numExperts, ranks int) ([]int, error) {
+	if numExperts < 0 || ranks < 1 {
+		return nil, fmt.Errorf("kernels: ExpertBounds: %d experts over %d ranks, want experts >= 0 and ranks >= 1", numExperts, ranks)
+	}
+	chunk := (numExperts + ranks - 1) / ranks
+	b := make([]int, ranks+1)
+	for q := range b {
+		b[q] = min(q*chunk, numExperts)
+	}
+	return b, nil
+}
+
+// RankSplits sets dst[q] to the number of packed rows owned by rank q when
+// rank q owns experts [bounds[q], bounds[q+1]) (bounds ascending from 0 to
+// r.Experts, len(bounds) = len(dst)+1, as from [ExpertBounds]). Because
+// the packed layout is expert-major and ownership is contiguous, rank q's
+// rows are already one contiguous send buffer, starting at packed row
+// Offsets[bounds[q]]: dst is the all-to-all-v send split, with no copy.
+// Pad rows count (static capacity sends E·capacity rows).
+func (r *Routing) RankSplits(dst, bounds []int) error {
+	const op = "RankSplits"
+	if err := r.check(op); err != nil {
+		return err
+	}
+	if len(bounds) != len(dst)+1 || len(bounds) < 2 || bounds[0] != 0 || bounds[len(bounds)-1] != r.Experts {
+		return fmt.Errorf("kernels: %s: bounds %v for %d ranks, want %d ascending entries from 0 to %d", op, bounds, len(dst), len(dst)+1, r.Experts)
+	}
+	for q := range dst {
+		if bounds[q+1] < bounds[q] {
+			return fmt.Errorf("kernels: %s: bounds %v are not ascending", op, bounds)
+		}
+	}
+	for q := range dst {
+		dst[q] = r.Offsets[bounds[q+1]] - r.Offsets[bounds[q]]
+	}
+	return nil
+}
+
+// chunkCheck validates the [ranks, local] count matrix of GroupByRank and
+// GroupByExpert and returns the total row count.
+func chunkCheck(op string, counts []int, ranks, local int) (int, error) {
+	if ranks < 0 || local < 0 || len(counts) != ranks*local {
+		return 0, fmt.Errorf("kernels: %s: %d counts for %d ranks × %d local experts", op, len(counts), ranks, local)
+	}
+	total := 0
+	for i, c := range counts {
+		if c < 0 {
+			return 0, fmt.Errorf("kernels: %s: counts[%d] (rank %d, local expert %d) = %d is negative", op, i, i/local, i%local, c)
+		}
+		total += c
+	}
+	return total, nil
+}
+
+// GroupByExpert is the unpack after the dispatch all-to-all: src holds the
+// rows received from ranks source ranks in rank order, each rank's rows
+// grouped by local expert (rank-major: chunk (q, l) of counts[q·local+l]
+// rows); dst gets the same rows expert-major (chunk (l, q) of local expert
+// l from rank q), the layout a grouped expert GEMM wants. counts is a
+// [ranks, local] matrix in both directions. Rows have width d; len(src) and
+// len(dst) must both be Σcounts·d and must not overlap. Each chunk moves
+// with one copy. [GroupByRank] is the inverse (and the adjoint).
+func GroupByExpert[T Float](dst, src []T, d int, counts []int, ranks, local int) error {
+	return groupChunks("GroupByExpert", dst, src, d, counts, ranks, local, true)
+}
+
+// GroupByRank is the pack before the combine all-to-all, the inverse of
+// [GroupByExpert]: src holds rows expert-major (chunk (l, q): local expert
+// l's rows from rank q, counts[q·local+l] of them) and dst gets them
+// rank-major, so that rank q's rows form one contiguous send buffer in
+// local-expert order. Rows have width d; len(src) and len(dst) must both be
+// Σcounts·d and must not overlap.
+func GroupByRank[T Float](dst, src []T, d int, counts []int, ranks, local int) error {
+	return groupChunks("GroupByRank", dst, src, d, counts, ranks, local, false)
+}
+
+// groupChunks moves the chunks of a [ranks, local] count matrix between the
+// rank-major and the expert-major layouts.
+func groupChunks[T Float](op string, dst, src []T, d int, counts []int, ranks, local int, toExpert bool) error {
+	if err := permWidth(op, d); err != nil {
+		return err
+	}
+	total, err := chunkCheck(op, counts, ranks, local)
+	if err != nil {
+		return err
+	}
+	if err := errors.Join(permLen(op, "src", len(src), total, d), permLen(op, "dst", len(dst), total, d)); err != nil {
+		return err
+	}
+	if total == 0 || d == 0 {
+		return nil
+	}
+	// Walk the chunks in rank-major order; em is the expert-major row
+	// offset of chunk (q, l): rows of experts < l from every rank, plus
+	// rows of expert l from ranks < q.
+	move := func(q0, q1 int) {
+		rm := 0
+		for q := range q0 {
+			for l := range local {
+				rm += counts[q*local+l]
+			}
+		}
+		for q := q0; q < q1; q++ {
+			em := 0
+			for l := range local {
+				for qq := range ranks {
+					if qq < q {
+						em += counts[qq*local+l]
+					}
+				}
+				c := counts[q*local+l]
+				if c > 0 {
+					a, b := rm*d, em*d
+					if toExpert {
+						copy(dst[b:b+c*d], src[a:a+c*d])
+					} else {
+						copy(dst[a:a+c*d], src[b:b+c*d])
+					}
+				}
+				rm += c
+				for qq := q; qq < ranks; qq++ {
+					em += counts[qq*local+l]
+				}
+			}
+		}
+	}
+	permForRows(ranks, 2*total*d*sizeOf[T]()/max(ranks, 1), move)
+	return nil
+}
