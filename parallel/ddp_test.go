@@ -11,8 +11,6 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/internal/gpt"
-	"github.com/b7ea7098/loom/internal/tinygpt"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/placement"
@@ -409,67 +407,6 @@ func TestLaunchDuringBackward(t *testing.T) {
 		}
 		return d.Finish(ctx)
 	})
-}
-
-// TestTinyGPT: the tiny GPT (reduced config) with the batch sharded on dp
-// gets the serial full-batch gradients after Finish.
-func TestTinyGPT(t *testing.T) {
-	c := tinygpt.Default()
-	c.D, c.H, c.L, c.F, c.T, c.B = 16, 2, 2, 32, 8, 6
-	c.V = tinygpt.MinVocab
-	init := gpt.RandomInit(c, 5)
-	batch, err := tinygpt.BatchAt(c, tinygpt.Corpus(c), 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	grads := func(ctx context.Context, m *mesh.Mesh, ddp bool) (*gpt.Model, error) {
-		tape := autograd.NewTape()
-		md, err := gpt.New(tape, m, c, init)
-		if err != nil {
-			return nil, err
-		}
-		var d *DDP
-		if ddp {
-			if d, err = New(ctx, md.Params(), WithFirstBucket(1<<10), WithBucketCap(8<<10)); err != nil {
-				return nil, err
-			}
-		}
-		x, y, err := md.Inputs(batch, batchPlaces(m))
-		if err != nil {
-			return nil, err
-		}
-		l, err := md.Forward(tape, x, y)
-		if err != nil {
-			return nil, err
-		}
-		if err := tape.Backward(ctx, l); err != nil {
-			return nil, err
-		}
-		if d != nil {
-			return md, d.Finish(ctx)
-		}
-		return md, nil
-	}
-	want := map[string][]float32{}
-	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		md, err := grads(ctx, m, false)
-		if err != nil {
-			return err
-		}
-		for _, p := range md.Params() {
-			want[p.Name()] = p.Grad().LocalData().([]float32)
-		}
-		return nil
-	})
-	for _, dp := range []int{2, 3} {
-		placementtest.Run(t, []int{dp}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-			md, err := grads(ctx, m, true)
-			if err != nil {
-				return err
-			}
-			return checkReduced(md.Params(), want, 1e-5)
-		})
-	}
 }
 
 // TestMisuse: a second synced backward before Finish, and Finish inside

@@ -7,66 +7,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/internal/gpt"
 	"github.com/b7ea7098/loom/internal/tinygpt"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
-	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
-
-// trainer runs training steps of the tiny GPT on a 1-rank mesh: forward and
-// backward on the sampler's next batch, one AdamW step, gradients dropped.
-// The sampler's stream and the optimizer's moments carry across steps.
-type trainer struct {
-	tape    *autograd.Tape
-	md      *gpt.Model
-	opt     *optim.AdamW
-	sampler *tinygpt.Sampler
-}
-
-func newTrainer(m *mesh.Mesh, cfg tinygpt.Config, init map[string][]float32) (*trainer, error) {
-	tape := autograd.NewTape()
-	md, err := gpt.New(tape, m, cfg, init)
-	if err != nil {
-		return nil, err
-	}
-	opt, err := optim.NewAdamW(md.Params(), cfg.LR, cfg.WD, cfg.Beta1, cfg.Beta2, cfg.Eps)
-	if err != nil {
-		return nil, err
-	}
-	sampler, err := tinygpt.NewSampler(cfg, tinygpt.Corpus(cfg))
-	if err != nil {
-		return nil, err
-	}
-	return &trainer{tape: tape, md: md, opt: opt, sampler: sampler}, nil
-}
-
-// step runs one training step and returns its loss (the loss of the batch
-// before the update) and the batch's step number.
-func (tr *trainer) step(ctx context.Context) (step int, loss float64, err error) {
-	b := tr.sampler.Next()
-	x, y, err := tr.md.Inputs(b, nil)
-	if err != nil {
-		return b.Step, 0, err
-	}
-	l, err := tr.md.Forward(tr.tape, x, y)
-	if err != nil {
-		return b.Step, 0, err
-	}
-	if loss, err = gpt.Loss(l); err != nil {
-		return b.Step, 0, err
-	}
-	if err := tr.tape.Backward(ctx, l); err != nil {
-		return b.Step, loss, err
-	}
-	if err := tr.opt.Step(); err != nil {
-		return b.Step, loss, err
-	}
-	tr.md.ZeroGrad()
-	return b.Step, loss, nil
-}
 
 // Test 6: 200 training steps from init.*; the loss at every step of the
 // fixture's curve (and at steps 1 and 2) within the §7 tolerances.
@@ -79,12 +25,12 @@ func TestParityTraining(t *testing.T) {
 	losses := make([]float64, 0, cfg.Steps)
 	start := time.Now()
 	err := placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := newTrainer(m, cfg, ref.init)
+		tr, err := gpt.NewTrainer(ctx, m, cfg, ref.init, gpt.TrainOptions{})
 		if err != nil {
 			return err
 		}
 		for range cfg.Steps {
-			step, loss, err := tr.step(ctx)
+			step, loss, err := tr.Step(ctx)
 			if err != nil {
 				return fmt.Errorf("step %d: %w", step, err)
 			}
@@ -134,18 +80,18 @@ func BenchmarkTrainStep(b *testing.B) {
 	}
 	b.Logf("BLAS %s, %s, %d threads", bl.Name(), bl.Config(), bl.Threads())
 	err = placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := newTrainer(m, cfg, gpt.RandomInit(cfg, 1))
+		tr, err := gpt.NewTrainer(ctx, m, cfg, gpt.RandomInit(cfg, 1), gpt.TrainOptions{})
 		if err != nil {
 			return err
 		}
 		// One warm-up step allocates the optimizer state.
-		if _, _, err := tr.step(ctx); err != nil {
+		if _, _, err := tr.Step(ctx); err != nil {
 			return err
 		}
 		b.ReportAllocs()
 		b.ResetTimer()
 		for b.Loop() {
-			if _, _, err := tr.step(ctx); err != nil {
+			if _, _, err := tr.Step(ctx); err != nil {
 				return err
 			}
 		}

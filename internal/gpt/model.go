@@ -3,37 +3,114 @@
 // parameters (tinygpt.Config.Params, in param_order) as autograd leaves and
 // Forward records the loss of one batch on the model's tape.
 //
-// Everything runs in the parameters' dtype (float32 for the reference), and
-// every parameter is Replicate on every mesh axis. The token ids may be
-// Replicate (one rank, or every rank computing the whole batch) or sharded
-// on the batch dim (data parallelism); the loss is then Partial(sum) on the
-// sharding axes and the parameter gradients Partial(sum) there as well.
+// Everything runs in the parameters' dtype (float32 for the reference).
+// New lays every parameter out Replicate on every mesh axis; Plan, applied
+// with parallel.Parallelize, shards them for tensor (and sequence)
+// parallelism. The token ids may be Replicate or sharded on the batch dim
+// (data parallelism); the loss is then Partial(sum) on the batch-sharding
+// axes and the parameter gradients Partial(sum) there as well.
 package gpt
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
+	"strconv"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/internal/tinygpt"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
 )
 
 // Model is the tiny GPT of TINY_GPT.md §3: token and position embeddings,
 // L pre-LN transformer blocks, a final LayerNorm and an untied lm_head
-// without bias. Its parameters are leaves of one tape (the tape given to
-// New), Replicate on every mesh axis, in param_order.
+// without bias. It is a tree of parallel modules written in global terms:
+// parallel.Parallelize (with Plan) lays it out for tensor and sequence
+// parallelism without changing its code. Its parameters are leaves of one
+// tape (the tape given to New).
 type Model struct {
+	parallel.Hooks
 	cfg    tinygpt.Config
 	tape   *autograd.Tape
 	mesh   *mesh.Mesh
-	names  []string
-	params []*autograd.Value
-	byName map[string]*autograd.Value
+	order  map[string]int // parameter name -> index in param_order
+	WTE    *parallel.Embedding
+	WPE    *parallel.Embedding
+	Blocks []*Block
+	LNF    *parallel.LayerNorm
+	LMHead *parallel.Linear
+}
+
+// Block is one pre-LN transformer block: h += attn(ln1(h)); h +=
+// mlp(ln2(h)).
+type Block struct {
+	parallel.Hooks
+	LN1, LN2 *parallel.LayerNorm
+	Attn     *parallel.Attention
+	MLP      *parallel.MLP
+}
+
+// Children returns ln1, attn, ln2 and mlp.
+func (b *Block) Children() []parallel.Child {
+	return []parallel.Child{{Name: "ln1", Module: b.LN1}, {Name: "attn", Module: b.Attn}, {Name: "ln2", Module: b.LN2}, {Name: "mlp", Module: b.MLP}}
+}
+
+// Forward runs the block on h [B, T, D].
+func (b *Block) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value, error) {
+	h, err := b.Input(ctx, h)
+	if err != nil {
+		return nil, err
+	}
+	for _, sub := range []struct {
+		ln *parallel.LayerNorm
+		f  func(context.Context, *autograd.Value) (*autograd.Value, error)
+	}{{b.LN1, b.Attn.Forward}, {b.LN2, b.MLP.Forward}} {
+		a, err := sub.ln.Forward(ctx, h)
+		if err != nil {
+			return nil, err
+		}
+		o, err := sub.f(ctx, a)
+		if err != nil {
+			return nil, err
+		}
+		if h, err = autograd.Add(h, o); err != nil {
+			return nil, fmt.Errorf("residual: %w", err)
+		}
+	}
+	return b.Output(ctx, h)
+}
+
+// blocks is the "h" container: its children are named 0 … L−1.
+type blocks struct {
+	parallel.Hooks
+	list []*Block
+}
+
+func (bs *blocks) Children() []parallel.Child {
+	out := make([]parallel.Child, len(bs.list))
+	for i, b := range bs.list {
+		out[i] = parallel.Child{Name: strconv.Itoa(i), Module: b}
+	}
+	return out
+}
+
+// Children returns wte, wpe, h (the blocks, named h.0 … h.L−1), ln_f and
+// lm_head: module paths that, followed by the parameter's own suffix, are
+// the parameter names of TINY_GPT.md.
+func (md *Model) Children() []parallel.Child {
+	return []parallel.Child{
+		{Name: "wte", Module: md.WTE},
+		{Name: "wpe", Module: md.WPE},
+		{Name: "h", Module: &blocks{list: md.Blocks}},
+		{Name: "ln_f", Module: md.LNF},
+		{Name: "lm_head", Module: md.LMHead},
+	}
 }
 
 // New builds the model for cfg on tape and mesh m from init, which maps
@@ -49,13 +126,15 @@ func New(tape *autograd.Tape, m *mesh.Mesh, cfg tinygpt.Config, init map[string]
 		return nil, fmt.Errorf("gpt: %w", err)
 	}
 	ps := cfg.Params()
-	md := &Model{cfg: cfg, tape: tape, mesh: m, byName: make(map[string]*autograd.Value, len(ps))}
+	md := &Model{cfg: cfg, tape: tape, mesh: m, order: make(map[string]int, len(ps))}
 	rep := make([]placement.Placement, m.NDim())
 	for i := range rep {
 		rep[i] = placement.Replicate()
 	}
+	byName := make(map[string]*autograd.Value, len(ps))
 	var errs []error
-	for _, p := range ps {
+	for i, p := range ps {
+		md.order[p.Name] = i
 		data, ok := init[p.Name]
 		if !ok {
 			errs = append(errs, fmt.Errorf("gpt: New: no initial value for %q", p.Name))
@@ -73,27 +152,74 @@ func New(tape *autograd.Tape, m *mesh.Mesh, cfg tinygpt.Config, init map[string]
 		if err != nil {
 			return nil, fmt.Errorf("gpt: New: %q: %w", p.Name, err)
 		}
-		v, err := tape.Param(p.Name, dt)
-		if err != nil {
+		if byName[p.Name], err = tape.Param(p.Name, dt); err != nil {
 			return nil, fmt.Errorf("gpt: New: %w", err)
 		}
-		md.names = append(md.names, p.Name)
-		md.params = append(md.params, v)
-		md.byName[p.Name] = v
 	}
-	if len(init) != len(ps) {
-		for name := range init {
-			if _, ok := md.byName[name]; !ok {
-				if _, err := cfg.Param(name); err != nil {
-					errs = append(errs, fmt.Errorf("gpt: New: initial value for unknown parameter %q", name))
-				}
-			}
+	for name := range init {
+		if _, ok := md.order[name]; !ok {
+			errs = append(errs, fmt.Errorf("gpt: New: initial value for unknown parameter %q", name))
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
+	ln := func(w, b string) *parallel.LayerNorm {
+		return &parallel.LayerNorm{Weight: byName[w], Bias: byName[b], Eps: cfg.LNEps}
+	}
+	lin := func(w, b string) *parallel.Linear {
+		return &parallel.Linear{Weight: byName[w], Bias: byName[b]}
+	}
+	md.WTE = &parallel.Embedding{Table: byName[tinygpt.ParamWTE]}
+	md.WPE = &parallel.Embedding{Table: byName[tinygpt.ParamWPE]}
+	for l := range cfg.L {
+		p := func(suffix string) string { return tinygpt.BlockParam(l, suffix) }
+		qkv := lin(p(tinygpt.BlockQKVW), p(tinygpt.BlockQKVB))
+		qkv.Chunks = 3
+		md.Blocks = append(md.Blocks, &Block{
+			LN1:  ln(p(tinygpt.BlockLN1W), p(tinygpt.BlockLN1B)),
+			Attn: &parallel.Attention{QKV: qkv, Proj: lin(p(tinygpt.BlockAttnProjW), p(tinygpt.BlockAttnProjB)), Heads: cfg.H},
+			LN2:  ln(p(tinygpt.BlockLN2W), p(tinygpt.BlockLN2B)),
+			MLP:  &parallel.MLP{FC: lin(p(tinygpt.BlockFCW), p(tinygpt.BlockFCB)), Proj: lin(p(tinygpt.BlockMLPProjW), p(tinygpt.BlockMLPProjB))},
+		})
+	}
+	md.LNF = ln(tinygpt.ParamLNFW, tinygpt.ParamLNFB)
+	md.LMHead = &parallel.Linear{Weight: byName[tinygpt.ParamLMHead]}
 	return md, nil
+}
+
+// Plan is the tensor-parallel plan of the model (Megatron's layout):
+// vocab-parallel token embedding, colwise q|k|v (by heads) and MLP fc,
+// rowwise attention and MLP projections, and a colwise lm_head whose
+// vocab-sharded logits go to a cross-entropy that never gathers them.
+// With sp, activations outside the tensor-parallel regions are sharded on
+// the sequence dim (LayerNorms run on sequence shards; the regions are
+// entered by an all-gather and left by a reduce-scatter), and ReduceGrads
+// must sum the LayerNorm gradients over the axis after backward.
+func Plan(sp bool) parallel.Plan {
+	if !sp {
+		return parallel.Plan{
+			{Pattern: "wte", Style: parallel.RowwiseParallel{}},
+			{Pattern: "h.*.attn.qkv", Style: parallel.ColwiseParallel{}},
+			{Pattern: "h.*.attn.proj", Style: parallel.RowwiseParallel{}},
+			{Pattern: "h.*.mlp.fc", Style: parallel.ColwiseParallel{}},
+			{Pattern: "h.*.mlp.proj", Style: parallel.RowwiseParallel{}},
+			{Pattern: "lm_head", Style: parallel.ColwiseParallel{}},
+		}
+	}
+	seq := placement.Shard(1)
+	return parallel.Plan{
+		{Pattern: "wte", Style: parallel.RowwiseParallel{Output: seq}},
+		{Pattern: "wpe", Style: parallel.PrepareOutput{Layout: seq}},
+		{Pattern: "h.*.ln1", Style: parallel.SequenceParallel{}},
+		{Pattern: "h.*.attn.qkv", Style: parallel.ColwiseParallel{}},
+		{Pattern: "h.*.attn.proj", Style: parallel.RowwiseParallel{Output: seq}},
+		{Pattern: "h.*.ln2", Style: parallel.SequenceParallel{}},
+		{Pattern: "h.*.mlp.fc", Style: parallel.ColwiseParallel{}},
+		{Pattern: "h.*.mlp.proj", Style: parallel.RowwiseParallel{Output: seq}},
+		{Pattern: "ln_f", Style: parallel.SequenceParallel{}},
+		{Pattern: "lm_head", Style: parallel.ColwiseParallel{}},
+	}
 }
 
 // Config returns the model's configuration.
@@ -105,19 +231,40 @@ func (md *Model) Tape() *autograd.Tape { return md.tape }
 // Mesh returns the mesh the parameters are laid out on.
 func (md *Model) Mesh() *mesh.Mesh { return md.mesh }
 
-// Params returns the parameter leaves in param_order. The slice is a copy;
-// the leaves are the model's own.
-func (md *Model) Params() []*autograd.Value { return append([]*autograd.Value(nil), md.params...) }
+// Params returns the parameter leaves in param_order (the current leaves:
+// Parallelize replaces the ones it reshards).
+func (md *Model) Params() []*autograd.Value {
+	ps, err := parallel.Params(md)
+	if err != nil {
+		return nil
+	}
+	slices.SortFunc(ps, func(a, b *autograd.Value) int { return md.order[a.Name()] - md.order[b.Name()] })
+	return ps
+}
 
 // Names returns the parameter names in param_order.
-func (md *Model) Names() []string { return append([]string(nil), md.names...) }
+func (md *Model) Names() []string {
+	ps := md.Params()
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = p.Name()
+	}
+	return names
+}
 
 // Param returns the leaf of the parameter called name, or nil.
-func (md *Model) Param(name string) *autograd.Value { return md.byName[name] }
+func (md *Model) Param(name string) *autograd.Value {
+	for _, p := range md.Params() {
+		if p.Name() == name {
+			return p
+		}
+	}
+	return nil
+}
 
 // ZeroGrad drops every parameter's accumulated gradient.
 func (md *Model) ZeroGrad() {
-	for _, p := range md.params {
+	for _, p := range md.Params() {
 		p.ZeroGrad()
 	}
 }
@@ -154,156 +301,101 @@ func (md *Model) Inputs(b tinygpt.Batch, places []placement.Placement) (x, y *au
 // The fused qkv output splits into q, k and v blocks of D channels, each
 // split into H heads of Dh = D/H contiguous channels; attention is causal
 // with scale 1/sqrt(Dh); GELU is the erf form; LayerNorm uses the biased
-// variance and cfg.LNEps.
-func (md *Model) Forward(tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
-	if tape != md.tape {
-		return nil, errors.New("gpt: Forward: the tape is not the one the model's parameters live on")
-	}
-	if x == nil || y == nil {
-		return nil, errors.New("gpt: Forward: nil ids or targets")
-	}
-	cfg := md.cfg
-	xs := x.Shape()
-	if len(xs) != 2 {
-		return nil, fmt.Errorf("gpt: Forward: ids have shape %v; want [B, T]", xs)
-	}
-	B, T := xs[0], xs[1]
-	if T < 1 || T > cfg.T {
-		return nil, fmt.Errorf("gpt: Forward: sequence length %d outside [1, %d]", T, cfg.T)
-	}
-	switch ys := y.Shape(); {
-	case len(ys) == 2 && ys[0] == B && ys[1] == T, len(ys) == 1 && ys[0] == B*T:
-	default:
-		return nil, fmt.Errorf("gpt: Forward: targets have shape %v for ids %v", ys, xs)
-	}
-	D, H, V := cfg.D, cfg.H, cfg.V
-	Dh := cfg.HeadDim()
-
-	// Position ids t, laid out like x.
-	pos := make([]int64, B*T)
-	for i := range pos {
-		pos[i] = int64(i % T)
-	}
-	var opts []placement.SpecOption
-	for d := range xs {
-		if o := x.Order(d); len(o) > 1 {
-			opts = append(opts, placement.WithOrder(d, o...))
-		}
-	}
-	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, opts...)
-	if err != nil {
-		return nil, fmt.Errorf("gpt: Forward: position ids: %w", err)
-	}
-
-	f := forward{md: md}
-	tok := f.do(autograd.Embedding(md.byName[tinygpt.ParamWTE], x))
-	pe := f.do(autograd.Embedding(md.byName[tinygpt.ParamWPE], posIdx))
-	h := f.do2(tok, pe, autograd.Add)
-	for l := range cfg.L {
-		p := func(suffix string) *autograd.Value { return md.byName[tinygpt.BlockParam(l, suffix)] }
-		a := f.ln(h, p(tinygpt.BlockLN1W), p(tinygpt.BlockLN1B))
-		qkv := f.linear(a, p(tinygpt.BlockQKVW), p(tinygpt.BlockQKVB))
-		var parts []*autograd.Value
-		if f.err == nil {
-			parts, f.err = autograd.SplitLast(qkv, 3)
-		}
-		if f.err != nil {
-			return nil, f.wrap()
-		}
-		heads := func(v *autograd.Value) *autograd.Value { // [B,T,D] -> [B,H,T,Dh]
-			r := f.do(f.reshape(v, B, T, H, Dh))
-			return f.permute(r, 0, 2, 1, 3)
-		}
-		q, k, v := heads(parts[0]), heads(parts[1]), heads(parts[2])
-		var o *autograd.Value
-		if f.err == nil {
-			o = f.do(autograd.CausalAttention(q, k, v)) // [B,H,T,Dh]
-		}
-		o = f.do(f.reshape(f.permute(o, 0, 2, 1, 3), B, T, D))
-		h = f.do2(h, f.linear(o, p(tinygpt.BlockAttnProjW), p(tinygpt.BlockAttnProjB)), autograd.Add)
-		m := f.ln(h, p(tinygpt.BlockLN2W), p(tinygpt.BlockLN2B))
-		u := f.linear(m, p(tinygpt.BlockFCW), p(tinygpt.BlockFCB))
-		var g *autograd.Value
-		if f.err == nil {
-			g = f.do(autograd.GELU(u))
-		}
-		h = f.do2(h, f.linear(g, p(tinygpt.BlockMLPProjW), p(tinygpt.BlockMLPProjB)), autograd.Add)
-	}
-	h = f.ln(h, md.byName[tinygpt.ParamLNFW], md.byName[tinygpt.ParamLNFB])
-	logits := f.linear(h, md.byName[tinygpt.ParamLMHead], nil)
-	logits = f.do(f.reshape(logits, B*T, V))
-	if f.err != nil {
-		return nil, f.wrap()
-	}
-	tgt := y
-	if len(y.Shape()) == 2 {
-		var opts []placement.SpecOption
-		if ord := y.Order(0); len(ord) > 1 { // keep a nested batch order
-			opts = append(opts, placement.WithOrder(0, ord...))
-		}
-		if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), opts...); err != nil {
-			return nil, fmt.Errorf("gpt: Forward: targets: %w", err)
-		}
-	}
-	loss, err := autograd.CrossEntropy(logits, tgt)
+// variance and cfg.LNEps. Logits sharded on the vocab dim (a colwise
+// lm_head) go to parallel.VocabParallelCrossEntropy on that axis; the
+// only communication is what the modules' styles asked for.
+func (md *Model) Forward(ctx context.Context, tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
+	loss, err := md.forward(ctx, tape, x, y)
 	if err != nil {
 		return nil, fmt.Errorf("gpt: Forward: %w", err)
 	}
 	return loss, nil
 }
 
-// forward threads the first error through a chain of ops.
-type forward struct {
-	md  *Model
-	err error
-}
-
-func (f *forward) wrap() error { return fmt.Errorf("gpt: Forward: %w", f.err) }
-
-func (f *forward) do(v *autograd.Value, err error) *autograd.Value {
-	if f.err != nil {
-		return nil
+func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
+	if tape != md.tape {
+		return nil, errors.New("the tape is not the one the model's parameters live on")
 	}
+	if x == nil || y == nil {
+		return nil, errors.New("nil ids or targets")
+	}
+	xs := x.Shape()
+	if len(xs) != 2 {
+		return nil, fmt.Errorf("ids have shape %v; want [B, T]", xs)
+	}
+	B, T := xs[0], xs[1]
+	if T < 1 || T > md.cfg.T {
+		return nil, fmt.Errorf("sequence length %d outside [1, %d]", T, md.cfg.T)
+	}
+	switch ys := y.Shape(); {
+	case len(ys) == 2 && ys[0] == B && ys[1] == T, len(ys) == 1 && ys[0] == B*T:
+	default:
+		return nil, fmt.Errorf("targets have shape %v for ids %v", ys, xs)
+	}
+
+	// Position ids t, laid out like x.
+	pos := make([]int64, B*T)
+	for i := range pos {
+		pos[i] = int64(i % T)
+	}
+	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, orderOpts(x)...)
 	if err != nil {
-		f.err = err
-		return nil
+		return nil, fmt.Errorf("position ids: %w", err)
 	}
-	return v
+	tok, err := md.WTE.Forward(ctx, x)
+	if err != nil {
+		return nil, err
+	}
+	pe, err := md.WPE.Forward(ctx, posIdx)
+	if err != nil {
+		return nil, err
+	}
+	h, err := autograd.Add(tok, pe)
+	if err != nil {
+		return nil, err
+	}
+	for l, b := range md.Blocks {
+		if h, err = b.Forward(ctx, h); err != nil {
+			return nil, fmt.Errorf("block %d: %w", l, err)
+		}
+	}
+	if h, err = md.LNF.Forward(ctx, h); err != nil {
+		return nil, err
+	}
+	logits, err := md.LMHead.Forward(ctx, h)
+	if err != nil {
+		return nil, err
+	}
+	if logits, err = autograd.Reshape(logits, B*T, md.cfg.V); err != nil {
+		return nil, err
+	}
+	tgt := y
+	if len(y.Shape()) == 2 {
+		if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), orderOpts(y)...); err != nil {
+			return nil, fmt.Errorf("targets: %w", err)
+		}
+	}
+	// Logits sharded on the vocab dim need the cross-entropy that reduces
+	// over that axis.
+	names := md.mesh.Names()
+	for a, p := range logits.Spec().Placements() {
+		if p.Dim() == 1 {
+			return parallel.VocabParallelCrossEntropy(ctx, logits, tgt, names[a])
+		}
+	}
+	return autograd.CrossEntropy(logits, tgt)
 }
 
-func (f *forward) do2(a, b *autograd.Value, op func(a, b *autograd.Value) (*autograd.Value, error)) *autograd.Value {
-	if f.err != nil {
-		return nil
+// orderOpts keeps the shard order of dim 0 (a batch dim sharded by several
+// axes) when ids are re-laid out.
+func orderOpts(ix *autograd.Indices) []placement.SpecOption {
+	var opts []placement.SpecOption
+	for d := range ix.Shape() {
+		if o := ix.Order(d); len(o) > 1 {
+			opts = append(opts, placement.WithOrder(d, o...))
+		}
 	}
-	return f.do(op(a, b))
-}
-
-func (f *forward) ln(x, w, b *autograd.Value) *autograd.Value {
-	if f.err != nil {
-		return nil
-	}
-	return f.do(autograd.LayerNorm(x, w, b, f.md.cfg.LNEps))
-}
-
-func (f *forward) linear(x, w, b *autograd.Value) *autograd.Value {
-	if f.err != nil {
-		return nil
-	}
-	return f.do(autograd.Linear(x, w, b))
-}
-
-func (f *forward) reshape(x *autograd.Value, shape ...int) (*autograd.Value, error) {
-	if f.err != nil {
-		return nil, f.err
-	}
-	return autograd.Reshape(x, shape...)
-}
-
-func (f *forward) permute(x *autograd.Value, perm ...int) *autograd.Value {
-	if f.err != nil {
-		return nil
-	}
-	return f.do(autograd.Permute(x, perm...))
+	return opts
 }
 
 // Loss is a convenience for a scalar loss value: its local block as a

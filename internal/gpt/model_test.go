@@ -70,7 +70,7 @@ func TestForwardNearUniformAtInit(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		loss, err := md.Forward(tape, x, y)
+		loss, err := md.Forward(ctx, tape, x, y)
 		if err != nil {
 			return err
 		}
@@ -81,7 +81,7 @@ func TestForwardNearUniformAtInit(t *testing.T) {
 		if u := math.Log(float64(c.V)); math.Abs(l-u) > 0.1 {
 			t.Errorf("loss at a small init %v, want about ln V = %v", l, u)
 		}
-		if _, err := md.Forward(autograd.NewTape(), x, y); err == nil {
+		if _, err := md.Forward(ctx, autograd.NewTape(), x, y); err == nil {
 			t.Error("Forward on a foreign tape succeeded")
 		}
 		return tape.Backward(ctx, loss)
@@ -106,7 +106,7 @@ func TestDataParallelMatchesOneRank(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		loss, err := md.Forward(tape, x, y)
+		loss, err := md.Forward(ctx, tape, x, y)
 		if err != nil {
 			return err
 		}
@@ -131,7 +131,7 @@ func TestDataParallelMatchesOneRank(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		loss, err := md.Forward(tape, x, y)
+		loss, err := md.Forward(ctx, tape, x, y)
 		if err != nil {
 			return err
 		}

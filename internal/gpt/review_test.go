@@ -33,7 +33,7 @@ func TestForwardKeepsANestedBatchOrder(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		if _, err := md.Forward(tape, x, y); err != nil {
+		if _, err := md.Forward(ctx, tape, x, y); err != nil {
 			return fmt.Errorf("Forward with x and y laid out alike: %v", err)
 		}
 		return nil

@@ -15,6 +15,8 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+
+	"github.com/b7ea7098/loom/safetensors"
 )
 
 // File names in the fixture folder.
@@ -414,4 +416,33 @@ func (fx *Fixture) VerifySafetensors() error {
 func CorpusSHA256(corpus []byte) string {
 	s := sha256.Sum256(corpus)
 	return hex.EncodeToString(s[:])
+}
+
+// Params reads the float32 tensors prefix+name for every parameter of the
+// fixture's configuration (prefix is PrefixInit, PrefixGrad1 or
+// PrefixAfter1) from the fixture's safetensors file, checking each shape.
+func (fx *Fixture) Params(prefix string) (map[string][]float32, error) {
+	cfg, err := fx.Cfg()
+	if err != nil {
+		return nil, err
+	}
+	f, err := safetensors.Open(fx.SafetensorsPath())
+	if err != nil {
+		return nil, fmt.Errorf("tinygpt: %w", err)
+	}
+	defer f.Close()
+	out := make(map[string][]float32)
+	for _, p := range cfg.Params() {
+		tn, err := f.Tensor(prefix + p.Name)
+		if err != nil {
+			return nil, fmt.Errorf("tinygpt: %w", err)
+		}
+		if !slices.Equal(tn.Shape, p.Shape) {
+			return nil, fmt.Errorf("tinygpt: %s%s has shape %v, want %v", prefix, p.Name, tn.Shape, p.Shape)
+		}
+		if out[p.Name], err = tn.Float32s(); err != nil {
+			return nil, fmt.Errorf("tinygpt: %s%s: %w", prefix, p.Name, err)
+		}
+	}
+	return out, nil
 }

@@ -1,0 +1,153 @@
+package gpt
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/internal/tinygpt"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/optim"
+	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// TrainOptions says how a Trainer lays the model out.
+type TrainOptions struct {
+	// DP and TP name the data- and tensor-parallel mesh axes; an empty name
+	// or an axis the mesh lacks means that kind of parallelism is off.
+	DP, TP string
+	// SP turns on sequence parallelism on the TP axis.
+	SP bool
+	// DDP are extra DDP options (bucket sizes); the dp axis is set from DP.
+	DDP []parallel.Option
+	// Tape are options for the model's tape (a BLAS, an observer).
+	Tape []autograd.Option
+}
+
+// Trainer trains the tiny GPT of TINY_GPT.md on a (dp × tp) mesh: the batch
+// rows are sharded over dp, the model over tp by Plan, data-parallel
+// gradients are all-reduced by DDP while backward runs, and AdamW updates
+// each rank's shards. Every rank draws the same global batches (§2.3) and
+// keeps its rows, so any layout trains on exactly the batches one rank
+// would.
+type Trainer struct {
+	Model   *Model
+	tape    *autograd.Tape
+	opt     *optim.AdamW
+	ddp     *parallel.DDP
+	sampler *tinygpt.Sampler
+	places  []placement.Placement
+}
+
+// NewTrainer builds the model from init on m, parallelizes it as opts say,
+// and prepares DDP and AdamW (cfg's hyper-parameters). It is collective
+// over m.
+func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[string][]float32, opts TrainOptions) (*Trainer, error) {
+	tape := autograd.NewTape(opts.Tape...)
+	md, err := New(tape, m, cfg, init)
+	if err != nil {
+		return nil, err
+	}
+	names := m.Names()
+	tr := &Trainer{Model: md, tape: tape, places: make([]placement.Placement, m.NDim())}
+	for i := range tr.places {
+		tr.places[i] = placement.Replicate()
+	}
+	if opts.TP != "" && slices.Contains(names, opts.TP) {
+		if err := parallel.Parallelize(ctx, md, opts.TP, Plan(opts.SP)); err != nil {
+			return nil, fmt.Errorf("gpt: trainer: %w", err)
+		}
+	} else if opts.SP {
+		return nil, fmt.Errorf("gpt: trainer: sequence parallelism needs a tensor-parallel axis (%q is not one of %v)", opts.TP, names)
+	}
+	if i := slices.Index(names, opts.DP); opts.DP != "" && i >= 0 {
+		tr.places[i] = placement.Shard(0)
+		if m.Shape()[i] > 1 {
+			ddpOpts := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.DP))
+			if tr.ddp, err = parallel.New(ctx, md.Params(), ddpOpts...); err != nil {
+				return nil, fmt.Errorf("gpt: trainer: %w", err)
+			}
+		}
+	}
+	if tr.opt, err = optim.NewAdamW(md.Params(), cfg.LR, cfg.WD, cfg.Beta1, cfg.Beta2, cfg.Eps); err != nil {
+		return nil, fmt.Errorf("gpt: trainer: %w", err)
+	}
+	if tr.sampler, err = tinygpt.NewSampler(cfg, tinygpt.Corpus(cfg)); err != nil {
+		return nil, fmt.Errorf("gpt: trainer: %w", err)
+	}
+	return tr, nil
+}
+
+// Step runs one training step on the next batch: forward, backward (with
+// the dp all-reduces overlapping it), the remaining gradient reductions,
+// AdamW, and ZeroGrad. It returns the batch's step number (from 1) and its
+// global loss, computed before the update.
+func (tr *Trainer) Step(ctx context.Context) (step int, loss float64, err error) {
+	b := tr.sampler.Next()
+	if loss, err = tr.step(ctx, b); err != nil {
+		return b.Step, loss, fmt.Errorf("gpt: step %d: %w", b.Step, err)
+	}
+	return b.Step, loss, nil
+}
+
+func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
+	x, y, err := tr.Model.Inputs(b, tr.places)
+	if err != nil {
+		return 0, err
+	}
+	l, err := tr.Model.Forward(ctx, tr.tape, x, y)
+	if err != nil {
+		return 0, err
+	}
+	if err := tr.tape.Backward(ctx, l); err != nil {
+		if tr.ddp != nil {
+			err = fmt.Errorf("%w (DDP discard: %v)", err, tr.ddp.Discard(ctx))
+		}
+		return 0, err
+	}
+	if tr.ddp != nil {
+		if err := tr.ddp.Finish(ctx); err != nil {
+			return 0, err
+		}
+	}
+	params := tr.Model.Params()
+	if err := parallel.ReduceGrads(ctx, params); err != nil {
+		return 0, err
+	}
+	// The loss is Partial(sum) over the batch-sharding axis: the one
+	// collective of the step that is only for reporting.
+	full, err := l.Data().Full(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("loss: %w", err)
+	}
+	var loss float64
+	switch d := full.Data().(type) {
+	case float32:
+		loss = float64(d)
+	case []float32:
+		loss = float64(d[0])
+	default:
+		return 0, fmt.Errorf("loss: unexpected data %T", d)
+	}
+	if err := tr.opt.Step(); err != nil {
+		return loss, err
+	}
+	tr.Model.ZeroGrad()
+	return loss, nil
+}
+
+// Full gathers every parameter's global value, in param_order (collective
+// over the mesh).
+func (tr *Trainer) Full(ctx context.Context) (map[string][]float32, error) {
+	out := map[string][]float32{}
+	for _, p := range tr.Model.Params() {
+		f, err := p.Data().Full(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("gpt: gather %q: %w", p.Name(), err)
+		}
+		out[p.Name()] = slices.Clone(f.Data().([]float32))
+	}
+	return out, nil
+}

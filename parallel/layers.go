@@ -1,0 +1,263 @@
+package parallel
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/b7ea7098/loom/autograd"
+)
+
+// Linear is y = x·Wᵀ + b with W stored [out, in] as PyTorch stores it.
+//
+// Chunks > 1 marks a fused projection whose output features are Chunks
+// equal blocks (q|k|v): ForwardChunks returns the blocks separately, and
+// ColwiseParallel shards each block rather than the fused dim, so that every
+// rank holds matching slices of q, k and v. A chunk-sharded weight is stored
+// [Chunks, out/Chunks, in] (bias [Chunks, out/Chunks]); its row-major data is
+// the fused [out, in] weight's.
+type Linear struct {
+	Hooks
+	Weight *autograd.Value
+	Bias   *autograd.Value // nil: no bias
+	Chunks int             // 0 or 1: not fused
+}
+
+// Children returns nil: a Linear is a leaf module.
+func (l *Linear) Children() []Child { return nil }
+
+// OwnParams returns the weight and, if present, the bias.
+func (l *Linear) OwnParams() []*autograd.Value { return []*autograd.Value{l.Weight, l.Bias} }
+
+func (l *Linear) chunks() int { return max(l.Chunks, 1) }
+
+// Forward runs the input hooks, the projection and the output hooks. A
+// chunk-sharded weight needs ForwardChunks.
+func (l *Linear) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	if len(l.Weight.Spec().Shape()) != 2 {
+		return nil, fmt.Errorf("parallel: Linear.Forward: %w: weight %v is chunk-sharded; use ForwardChunks", ErrInvalid, l.Weight.Spec())
+	}
+	x, err := l.Input(ctx, x)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Linear input: %w", err)
+	}
+	y, err := autograd.Linear(x, l.Weight, l.Bias)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Linear: %w", err)
+	}
+	if y, err = l.Output(ctx, y); err != nil {
+		return nil, fmt.Errorf("parallel: Linear output: %w", err)
+	}
+	return y, nil
+}
+
+// ForwardChunks runs the input hooks, the fused projection and the output
+// hooks on each of its Chunks output blocks, returned in order.
+func (l *Linear) ForwardChunks(ctx context.Context, x *autograd.Value) ([]*autograd.Value, error) {
+	x, err := l.Input(ctx, x)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Linear input: %w", err)
+	}
+	var parts []*autograd.Value
+	if ws := l.Weight.Spec().Shape(); len(ws) == 2 {
+		y, err := autograd.Linear(x, l.Weight, l.Bias)
+		if err != nil {
+			return nil, fmt.Errorf("parallel: Linear: %w", err)
+		}
+		if parts, err = autograd.SplitLast(y, l.chunks()); err != nil {
+			return nil, fmt.Errorf("parallel: Linear: %w", err)
+		}
+	} else {
+		// [C, O, I]: one projection per block; each block's rows may be
+		// sharded (dim 1) while the chunk dim is not.
+		for c := range ws[0] {
+			w, err := chunk(l.Weight, c)
+			if err != nil {
+				return nil, err
+			}
+			var b *autograd.Value
+			if l.Bias != nil {
+				if b, err = chunk(l.Bias, c); err != nil {
+					return nil, err
+				}
+			}
+			y, err := autograd.Linear(x, w, b)
+			if err != nil {
+				return nil, fmt.Errorf("parallel: Linear chunk %d: %w", c, err)
+			}
+			parts = append(parts, y)
+		}
+	}
+	for i, p := range parts {
+		if parts[i], err = l.Output(ctx, p); err != nil {
+			return nil, fmt.Errorf("parallel: Linear output: %w", err)
+		}
+	}
+	return parts, nil
+}
+
+// chunk returns block c of a [C, ...] value as a [...] value.
+func chunk(v *autograd.Value, c int) (*autograd.Value, error) {
+	n, err := autograd.Narrow(v, 0, c, 1)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Linear chunk %d: %w", c, err)
+	}
+	r, err := autograd.Reshape(n, v.Spec().Shape()[1:]...)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Linear chunk %d: %w", c, err)
+	}
+	return r, nil
+}
+
+// Embedding looks up rows of Table [V, D] by token ids.
+type Embedding struct {
+	Hooks
+	Table *autograd.Value
+}
+
+// Children returns nil: an Embedding is a leaf module.
+func (e *Embedding) Children() []Child { return nil }
+
+// OwnParams returns the table.
+func (e *Embedding) OwnParams() []*autograd.Value { return []*autograd.Value{e.Table} }
+
+// Forward looks up ids (shape S; the result is S + [D]) and runs the output
+// hooks. Input hooks do not apply: ids are not differentiable values.
+func (e *Embedding) Forward(ctx context.Context, ids *autograd.Indices) (*autograd.Value, error) {
+	y, err := autograd.Embedding(e.Table, ids)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Embedding: %w", err)
+	}
+	if y, err = e.Output(ctx, y); err != nil {
+		return nil, fmt.Errorf("parallel: Embedding output: %w", err)
+	}
+	return y, nil
+}
+
+// LayerNorm normalises over the last dim with the biased variance and
+// epsilon Eps, then scales by Weight and shifts by Bias (both [D]).
+type LayerNorm struct {
+	Hooks
+	Weight, Bias *autograd.Value
+	Eps          float64
+}
+
+// Children returns nil: a LayerNorm is a leaf module.
+func (n *LayerNorm) Children() []Child { return nil }
+
+// OwnParams returns the weight and the bias.
+func (n *LayerNorm) OwnParams() []*autograd.Value { return []*autograd.Value{n.Weight, n.Bias} }
+
+// Forward runs the input hooks, the normalisation and the output hooks.
+func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	x, err := n.Input(ctx, x)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: LayerNorm input: %w", err)
+	}
+	y, err := autograd.LayerNorm(x, n.Weight, n.Bias, n.Eps)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: LayerNorm: %w", err)
+	}
+	if y, err = n.Output(ctx, y); err != nil {
+		return nil, fmt.Errorf("parallel: LayerNorm output: %w", err)
+	}
+	return y, nil
+}
+
+// Attention is causal multi-head self-attention with a fused q|k|v
+// projection (QKV, Chunks 3) and an output projection (Proj), on x [B, T,
+// D] with Heads heads of D/Heads channels. Heads are a tensor dim, so
+// sharding QKV colwise and Proj rowwise shards the heads (tensor
+// parallelism): each rank then attends with its own heads only.
+type Attention struct {
+	Hooks
+	QKV, Proj *Linear
+	Heads     int
+}
+
+// Children returns qkv and proj.
+func (a *Attention) Children() []Child {
+	return []Child{{"qkv", a.QKV}, {"proj", a.Proj}}
+}
+
+// Forward computes proj(attn(q, k, v)) for x [B, T, D].
+func (a *Attention) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	if x == nil {
+		return nil, fmt.Errorf("parallel: Attention: %w", errNilValue)
+	}
+	x, err := a.Input(ctx, x)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Attention input: %w", err)
+	}
+	sh := x.Spec().Shape()
+	if len(sh) != 3 || a.Heads < 1 || sh[2]%a.Heads != 0 {
+		return nil, fmt.Errorf("parallel: Attention: %w: input %v for %d heads; want [B, T, D] with D divisible by the heads", ErrInvalid, sh, a.Heads)
+	}
+	B, T, D := sh[0], sh[1], sh[2]
+	qkv, err := a.QKV.ForwardChunks(ctx, x)
+	if err != nil {
+		return nil, err
+	}
+	if len(qkv) != 3 {
+		return nil, fmt.Errorf("parallel: Attention: %w: qkv has %d chunks, want 3", ErrInvalid, len(qkv))
+	}
+	var heads [3]*autograd.Value
+	for i, v := range qkv { // [B,T,D] -> [B,H,T,Dh]
+		r, err := autograd.Reshape(v, B, T, a.Heads, D/a.Heads)
+		if err != nil {
+			return nil, fmt.Errorf("parallel: Attention: %w", err)
+		}
+		if heads[i], err = autograd.Permute(r, 0, 2, 1, 3); err != nil {
+			return nil, fmt.Errorf("parallel: Attention: %w", err)
+		}
+	}
+	o, err := autograd.CausalAttention(heads[0], heads[1], heads[2])
+	if err != nil {
+		return nil, fmt.Errorf("parallel: Attention: %w", err)
+	}
+	if o, err = autograd.Permute(o, 0, 2, 1, 3); err != nil {
+		return nil, fmt.Errorf("parallel: Attention: %w", err)
+	}
+	if o, err = autograd.Reshape(o, B, T, D); err != nil {
+		return nil, fmt.Errorf("parallel: Attention: %w", err)
+	}
+	if o, err = a.Proj.Forward(ctx, o); err != nil {
+		return nil, err
+	}
+	if o, err = a.Output(ctx, o); err != nil {
+		return nil, fmt.Errorf("parallel: Attention output: %w", err)
+	}
+	return o, nil
+}
+
+// MLP is proj(GELU(fc(x))) with the exact (erf) GELU.
+type MLP struct {
+	Hooks
+	FC, Proj *Linear
+}
+
+// Children returns fc and proj.
+func (p *MLP) Children() []Child { return []Child{{"fc", p.FC}, {"proj", p.Proj}} }
+
+// Forward computes proj(GELU(fc(x))).
+func (p *MLP) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	x, err := p.Input(ctx, x)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: MLP input: %w", err)
+	}
+	u, err := p.FC.Forward(ctx, x)
+	if err != nil {
+		return nil, err
+	}
+	g, err := autograd.GELU(u)
+	if err != nil {
+		return nil, fmt.Errorf("parallel: MLP: %w", err)
+	}
+	y, err := p.Proj.Forward(ctx, g)
+	if err != nil {
+		return nil, err
+	}
+	if y, err = p.Output(ctx, y); err != nil {
+		return nil, fmt.Errorf("parallel: MLP output: %w", err)
+	}
+	return y, nil
+}

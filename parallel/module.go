@@ -1,0 +1,128 @@
+package parallel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/b7ea7098/loom/autograd"
+)
+
+// Module is one node of a model's layer tree. A model is written once, in
+// global terms, from modules; Parallelize then changes how their parameters
+// and activations are laid out without touching the model's code.
+type Module interface {
+	// Children returns the direct submodules, in a fixed order, each with
+	// its name (a path segment such as "attn" or "0").
+	Children() []Child
+	// Boundary returns the hooks that run on the module's inputs and
+	// outputs; styles install redistributions there.
+	Boundary() *Hooks
+}
+
+// Child is a named submodule.
+type Child struct {
+	Name   string
+	Module Module
+}
+
+// Hook transforms a value crossing a module boundary, typically a
+// Redistribute to the layout the next computation expects.
+type Hook func(ctx context.Context, v *autograd.Value) (*autograd.Value, error)
+
+// Hooks holds a module's input and output hooks. The zero value has none
+// and is ready to use; embedding Hooks in a module implements Boundary.
+type Hooks struct {
+	in, out []Hook
+}
+
+// Boundary returns b itself, so that embedding Hooks implements that half
+// of Module.
+func (b *Hooks) Boundary() *Hooks { return b }
+
+// OnInput appends a hook run, in order, on every input value.
+func (b *Hooks) OnInput(h Hook) { b.in = append(b.in, h) }
+
+// OnOutput appends a hook run, in order, on every output value.
+func (b *Hooks) OnOutput(h Hook) { b.out = append(b.out, h) }
+
+// Input runs the input hooks on v.
+func (b *Hooks) Input(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
+	return runHooks(ctx, b.in, v)
+}
+
+// Output runs the output hooks on v.
+func (b *Hooks) Output(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
+	return runHooks(ctx, b.out, v)
+}
+
+func runHooks(ctx context.Context, hooks []Hook, v *autograd.Value) (*autograd.Value, error) {
+	for _, h := range hooks {
+		var err error
+		if v, err = h(ctx, v); err != nil {
+			return nil, err
+		}
+	}
+	return v, nil
+}
+
+// Walk calls fn for root (path "") and every submodule, depth first in
+// Children order, with its dotted path ("h.0.attn.qkv"). It stops at the
+// first error fn returns.
+func Walk(root Module, fn func(path string, m Module) error) error {
+	if root == nil {
+		return fmt.Errorf("parallel: Walk: %w: nil module", ErrInvalid)
+	}
+	return walk("", root, fn)
+}
+
+func walk(path string, m Module, fn func(string, Module) error) error {
+	if err := fn(path, m); err != nil {
+		return err
+	}
+	for _, c := range m.Children() {
+		if c.Module == nil {
+			return fmt.Errorf("parallel: module %q: %w: child %q is nil", path, ErrInvalid, c.Name)
+		}
+		p := c.Name
+		if path != "" {
+			p = path + "." + c.Name
+		}
+		if err := walk(p, c.Module, fn); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ParamHolder is implemented by modules that own parameters directly (not
+// through children).
+type ParamHolder interface {
+	// OwnParams returns the module's own parameter leaves (not its
+	// children's); nil entries are skipped.
+	OwnParams() []*autograd.Value
+}
+
+// Params returns the parameter leaves of root and all its submodules in
+// Walk order, each once.
+func Params(root Module) ([]*autograd.Value, error) {
+	var out []*autograd.Value
+	seen := map[*autograd.Value]bool{}
+	err := Walk(root, func(_ string, m Module) error {
+		h, ok := m.(ParamHolder)
+		if !ok {
+			return nil
+		}
+		for _, p := range h.OwnParams() {
+			if p != nil && !seen[p] {
+				seen[p] = true
+				out = append(out, p)
+			}
+		}
+		return nil
+	})
+	return out, err
+}
+
+// errNilValue is returned by layers called with a nil input.
+var errNilValue = errors.New("nil input")

@@ -1,0 +1,398 @@
+package parallel
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// Style is a placement plan for one module on one mesh axis: how its
+// parameters are laid out and which layouts its inputs and outputs are
+// redistributed to. Apply reshards the parameters (a local slice: every
+// rank holds the replicated value) and installs Boundary hooks; it runs
+// before training starts, before DDP.New or any optimizer sees the
+// parameters, since resharding makes new parameter leaves.
+type Style interface {
+	Apply(ctx context.Context, m Module, axis string) error
+}
+
+// Rule applies Style to every module whose path matches Pattern: dotted
+// segments, each a literal or "*" (any one segment), e.g. "h.*.attn.qkv".
+type Rule struct {
+	Pattern string
+	Style   Style
+}
+
+// Plan is an ordered list of rules, in the spirit of PyTorch's
+// parallelize_module plan. Rules apply in order; a module may match several.
+type Plan []Rule
+
+// Parallelize applies plan to root's module tree on the named mesh axis.
+// Every rank calls it with the same plan. A rule that matches no module is
+// an error (a misspelt path would otherwise silently leave a layer
+// replicated), and so is a style that does not fit the module it matches.
+func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error {
+	type match struct {
+		path string
+		m    Module
+	}
+	var mods []match
+	if err := Walk(root, func(p string, m Module) error {
+		mods = append(mods, match{p, m})
+		return nil
+	}); err != nil {
+		return err
+	}
+	for _, r := range plan {
+		if r.Style == nil {
+			return fmt.Errorf("parallel: Parallelize: %w: rule %q has no style", ErrInvalid, r.Pattern)
+		}
+		pat := strings.Split(r.Pattern, ".")
+		n := 0
+		for _, mm := range mods {
+			if !matchPath(pat, mm.path) {
+				continue
+			}
+			n++
+			if err := r.Style.Apply(ctx, mm.m, axis); err != nil {
+				return fmt.Errorf("parallel: Parallelize %q on axis %q: %w", mm.path, axis, err)
+			}
+		}
+		if n == 0 {
+			return fmt.Errorf("parallel: Parallelize: %w: rule %q matches no module", ErrInvalid, r.Pattern)
+		}
+	}
+	return nil
+}
+
+func matchPath(pat []string, path string) bool {
+	segs := strings.Split(path, ".")
+	if path == "" {
+		segs = nil
+	}
+	if len(segs) != len(pat) {
+		return false
+	}
+	for i, s := range pat {
+		if s != "*" && s != segs[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// ColwiseParallel shards a Linear's output features over the axis: the
+// weight [out, in] becomes Shard(0) and the bias Shard(0); for a fused
+// Linear (Chunks > 1) each block is sharded (weight [C, out/C, in]
+// Shard(1)). The input is redistributed to Replicate on the axis (with
+// sequence parallelism that is the all-gather; otherwise a no-op whose
+// backward all-reduces the input gradient). The output is Shard(last),
+// or Output if set.
+type ColwiseParallel struct {
+	Output placement.Placement // zero value: keep Shard(last)
+}
+
+// Apply implements Style.
+func (s ColwiseParallel) Apply(ctx context.Context, m Module, axis string) error {
+	l, ok := m.(*Linear)
+	if !ok {
+		return fmt.Errorf("%w: ColwiseParallel applies to *Linear, not %T", ErrInvalid, m)
+	}
+	w, err := paramShape("weight", l.Weight, 2)
+	if err != nil {
+		return err
+	}
+	out, in := w[0], w[1]
+	if c := l.chunks(); c > 1 {
+		if out%c != 0 {
+			return fmt.Errorf("%w: ColwiseParallel: %d output features in %d chunks", ErrInvalid, out, c)
+		}
+		if l.Weight, err = reshard(ctx, l.Weight, axis, []int{c, out / c, in}, placement.Shard(1)); err != nil {
+			return err
+		}
+		if l.Bias != nil {
+			if l.Bias, err = reshard(ctx, l.Bias, axis, []int{c, out / c}, placement.Shard(1)); err != nil {
+				return err
+			}
+		}
+	} else {
+		if l.Weight, err = reshard(ctx, l.Weight, axis, nil, placement.Shard(0)); err != nil {
+			return err
+		}
+		if l.Bias != nil {
+			if l.Bias, err = reshard(ctx, l.Bias, axis, nil, placement.Shard(0)); err != nil {
+				return err
+			}
+		}
+	}
+	l.OnInput(ToLayout(axis, placement.Replicate()))
+	if s.Output != (placement.Placement{}) {
+		l.OnOutput(ToLayout(axis, s.Output))
+	}
+	return nil
+}
+
+// RowwiseParallel shards a Linear's input features over the axis (weight
+// Shard(1), bias Replicate and added once), so its output is Partial(sum)
+// there and is redistributed to Output (default Replicate: an all-reduce;
+// Shard(1) with sequence parallelism: a reduce-scatter). The input is
+// redistributed to Shard(last) first (a no-op after a ColwiseParallel
+// layer). On an Embedding it is vocab parallelism: the table [V, D] becomes
+// Shard(0), each rank looks up the ids in its rows, and the Partial(sum)
+// result is redistributed to Output.
+type RowwiseParallel struct {
+	Output placement.Placement // zero value: Replicate
+}
+
+// Apply implements Style.
+func (s RowwiseParallel) Apply(ctx context.Context, m Module, axis string) error {
+	out := s.Output
+	if out == (placement.Placement{}) {
+		out = placement.Replicate()
+	}
+	switch l := m.(type) {
+	case *Linear:
+		if _, err := paramShape("weight", l.Weight, 2); err != nil {
+			return err
+		}
+		if l.chunks() > 1 {
+			return fmt.Errorf("%w: RowwiseParallel on a fused Linear (%d chunks)", ErrInvalid, l.Chunks)
+		}
+		var err error
+		if l.Weight, err = reshard(ctx, l.Weight, axis, nil, placement.Shard(1)); err != nil {
+			return err
+		}
+		l.OnInput(toLastShard(axis))
+	case *Embedding:
+		if _, err := paramShape("table", l.Table, 2); err != nil {
+			return err
+		}
+		var err error
+		if l.Table, err = reshard(ctx, l.Table, axis, nil, placement.Shard(0)); err != nil {
+			return err
+		}
+	default:
+		return fmt.Errorf("%w: RowwiseParallel applies to *Linear or *Embedding, not %T", ErrInvalid, m)
+	}
+	m.Boundary().OnOutput(ToLayout(axis, out))
+	return nil
+}
+
+// SequenceParallel runs a module on activations sharded over the axis on
+// the sequence dim: its input is redistributed to Layout (default
+// Shard(1), for [B, T, D] activations) and its parameters stay Replicate.
+// Their gradients come out Partial(sum) on the axis, since each rank saw
+// only its part of the sequence: ReduceGrads sums them after backward.
+type SequenceParallel struct {
+	Layout placement.Placement // zero value: Shard(1)
+}
+
+// Apply implements Style.
+func (s SequenceParallel) Apply(_ context.Context, m Module, axis string) error {
+	p := s.Layout
+	if p == (placement.Placement{}) {
+		p = placement.Shard(1)
+	}
+	m.Boundary().OnInput(ToLayout(axis, p))
+	return nil
+}
+
+// PrepareInput redistributes a module's inputs to Layout on the axis, e.g.
+// Replicate before a tensor-parallel region entered from sequence-sharded
+// activations.
+type PrepareInput struct{ Layout placement.Placement }
+
+// Apply implements Style.
+func (s PrepareInput) Apply(_ context.Context, m Module, axis string) error {
+	if s.Layout == (placement.Placement{}) {
+		return fmt.Errorf("%w: PrepareInput without a layout", ErrInvalid)
+	}
+	m.Boundary().OnInput(ToLayout(axis, s.Layout))
+	return nil
+}
+
+// PrepareOutput redistributes a module's outputs to Layout on the axis.
+type PrepareOutput struct{ Layout placement.Placement }
+
+// Apply implements Style.
+func (s PrepareOutput) Apply(_ context.Context, m Module, axis string) error {
+	if s.Layout == (placement.Placement{}) {
+		return fmt.Errorf("%w: PrepareOutput without a layout", ErrInvalid)
+	}
+	m.Boundary().OnOutput(ToLayout(axis, s.Layout))
+	return nil
+}
+
+// ToLayout returns a Hook that redistributes a value so that it is laid out
+// p on the named mesh axis, keeping its other axes. It always records a
+// Redistribute, even when the layout already matches, because the backward
+// may still need a collective (a Partial(sum) gradient arriving at a
+// Replicate input is all-reduced there).
+func ToLayout(axis string, p placement.Placement) Hook {
+	return func(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
+		if v == nil {
+			return nil, fmt.Errorf("parallel: redistribute on %q: %w", axis, errNilValue)
+		}
+		spec := v.Spec()
+		i, err := axisIndex(spec, axis)
+		if err != nil {
+			return nil, err
+		}
+		places := spec.Placements()
+		places[i] = p
+		dst, err := spec.With(places, orders(spec, places)...)
+		if err != nil {
+			return nil, fmt.Errorf("parallel: redistribute %v to %v on %q: %w", spec, p, axis, err)
+		}
+		return autograd.Redistribute(ctx, v, dst)
+	}
+}
+
+// toLastShard is ToLayout(axis, Shard(last dim of the value)).
+func toLastShard(axis string) Hook {
+	return func(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
+		if v == nil {
+			return nil, fmt.Errorf("parallel: redistribute on %q: %w", axis, errNilValue)
+		}
+		return ToLayout(axis, placement.Shard(len(v.Spec().Shape())-1))(ctx, v)
+	}
+}
+
+// orders keeps the shard orders of spec's dims that stay sharded by more
+// than one axis under places.
+func orders(spec *placement.Spec, places []placement.Placement) []placement.SpecOption {
+	var opts []placement.SpecOption
+	for d := range spec.Shape() {
+		o := spec.Order(d)
+		if len(o) < 2 {
+			continue
+		}
+		var keep []string
+		names := spec.Mesh().Names()
+		for _, a := range o {
+			if i := slices.Index(names, a); i >= 0 && places[i].Dim() == d {
+				keep = append(keep, a)
+			}
+		}
+		if len(keep) > 1 {
+			opts = append(opts, placement.WithOrder(d, keep...))
+		}
+	}
+	return opts
+}
+
+func axisIndex(spec *placement.Spec, axis string) (int, error) {
+	i := slices.Index(spec.Mesh().Names(), axis)
+	if i < 0 {
+		return 0, fmt.Errorf("parallel: %w: mesh %v has no axis %q", ErrInvalid, spec.Mesh(), axis)
+	}
+	return i, nil
+}
+
+// paramShape checks that p is present with dims dims and returns its
+// global shape.
+func paramShape(what string, p *autograd.Value, dims int) ([]int, error) {
+	if p == nil {
+		return nil, fmt.Errorf("%w: no %s", ErrInvalid, what)
+	}
+	sh := p.Spec().Shape()
+	if len(sh) != dims {
+		return nil, fmt.Errorf("%w: %s %q has shape %v; want %d dims", ErrInvalid, what, p.Name(), sh, dims)
+	}
+	return sh, nil
+}
+
+// reshard returns a new parameter leaf holding p laid out pl on axis, with
+// global shape shape (nil: unchanged; a new shape must have p's elements in
+// the same row-major order, and p must then be Replicate on every axis).
+// p must be Replicate on axis and carry no gradient yet.
+func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, pl placement.Placement) (*autograd.Value, error) {
+	if !p.IsLeaf() || !p.RequiresGrad() {
+		return nil, fmt.Errorf("%w: %q is not a parameter", ErrInvalid, p.Name())
+	}
+	if p.Grad() != nil {
+		return nil, fmt.Errorf("%w: %q already has a gradient; parallelize before training", ErrInvalid, p.Name())
+	}
+	spec := p.Spec()
+	i, err := axisIndex(spec, axis)
+	if err != nil {
+		return nil, err
+	}
+	places := spec.Placements()
+	if !places[i].IsReplicate() {
+		return nil, fmt.Errorf("%w: %q is already %v on axis %q", ErrInvalid, p.Name(), places[i], axis)
+	}
+	data := p.Data()
+	if shape != nil && !slices.Equal(shape, spec.Shape()) {
+		for a, q := range places {
+			if !q.IsReplicate() {
+				return nil, fmt.Errorf("%w: reshaping %q from %v to %v needs it Replicate, but it is %v on axis %d", ErrInvalid, p.Name(), spec.Shape(), shape, q, a)
+			}
+		}
+		rs, err := placement.NewSpec(spec.Mesh(), shape, spec.DType(), places)
+		if err != nil {
+			return nil, fmt.Errorf("reshaping %q: %w", p.Name(), err)
+		}
+		if data, err = placement.NewLocal(rs, cloneLocal(data.LocalData())); err != nil {
+			return nil, fmt.Errorf("reshaping %q: %w", p.Name(), err)
+		}
+		spec = rs
+	}
+	places[i] = pl
+	dst, err := spec.With(places, orders(spec, places)...)
+	if err != nil {
+		return nil, fmt.Errorf("laying out %q: %w", p.Name(), err)
+	}
+	dt, err := p.Tape().Planner().Redistribute(ctx, data, dst)
+	if err != nil {
+		return nil, fmt.Errorf("laying out %q: %w", p.Name(), err)
+	}
+	return p.Tape().Param(p.Name(), dt)
+}
+
+func cloneLocal(d any) any {
+	switch s := d.(type) {
+	case []float32:
+		return slices.Clone(s)
+	case []float64:
+		return slices.Clone(s)
+	}
+	return d
+}
+
+// ReduceGrads makes every gradient laid out like its parameter: a gradient
+// that is Partial(sum) on an axis where the parameter is Replicate (a
+// norm's weight under sequence parallelism, a replicated weight whose
+// input was sharded) is summed over that axis. Run it after backward (and
+// after DDP.Finish, which handles the dp axis with overlap), on every rank
+// with the same parameters in the same order. Parameters without a
+// gradient, or whose gradient already matches, are skipped without
+// communication.
+func ReduceGrads(ctx context.Context, params []*autograd.Value) error {
+	for _, p := range params {
+		g := p.Grad()
+		if g == nil || g.Spec().Equal(p.Spec()) {
+			continue
+		}
+		gp := g.Spec().Placements()
+		pp := p.Spec().Placements()
+		for a := range gp {
+			if gp[a].IsPartial() && (gp[a].Op() != comm.Sum || !pp[a].IsReplicate()) {
+				return fmt.Errorf("parallel: ReduceGrads: %w: gradient of %q is %v on axis %d where the parameter is %v", ErrInvalid, p.Name(), gp[a], a, pp[a])
+			}
+		}
+		r, err := p.Tape().Planner().Redistribute(ctx, g, p.Spec())
+		if err != nil {
+			return fmt.Errorf("parallel: ReduceGrads %q: %w", p.Name(), err)
+		}
+		if err := p.SetGrad(r); err != nil {
+			return fmt.Errorf("parallel: ReduceGrads %q: %w", p.Name(), err)
+		}
+	}
+	return nil
+}
