@@ -4,7 +4,9 @@
 // A Spec is one global tensor laid out on a mesh: the mesh, the global
 // shape, the dtype (float32 or float64) and one Placement per mesh axis:
 // Replicate, Shard(d), Partial(op) with op sum, avg, max or min, and Routed
-// (the MoE placement; its handle arrives with the moe package). When
+// (the MoE placement: the rows of dim 0 sit on the ranks owning their
+// experts, in run-time row counts given by WithRoutedRows; the moe package's
+// dispatch and combine create and consume such tensors). When
 // several axes shard the same tensor dim, the spec records their order,
 // outer to inner (WithOrder); the default is mesh-axis order, and
 // WithOrder(0, "tp", "dp") is FSDP over TP. Layout math (Spec.Box) gives

@@ -117,7 +117,7 @@ func FromFull(spec *Spec, full *tensor.Dense) (*DTensor, error) {
 		return nil, invalidf(op, "nil spec")
 	}
 	if spec.l.hasRouted() {
-		return nil, unsupportedf(op, "Routed placements arrive with the MoE issue")
+		return nil, unsupportedf(op, "Routed placements are built by the moe package's dispatch (NewLocal with WithRoutedRows), not distributed from a full tensor")
 	}
 	if err := checkDense(op, full, spec.l.shape, spec.l.dtype, "full"); err != nil {
 		return nil, err
@@ -174,7 +174,7 @@ func FromRoot(ctx context.Context, spec *Spec, full *tensor.Dense, root int) (*D
 		return nil, invalidf(op, "nil spec")
 	}
 	if spec.l.hasRouted() {
-		return nil, unsupportedf(op, "Routed placements arrive with the MoE issue")
+		return nil, unsupportedf(op, "Routed placements are built by the moe package's dispatch (NewLocal with WithRoutedRows), not distributed from a full tensor")
 	}
 	m := spec.m
 	if root < 0 || root >= m.Size() {
@@ -270,7 +270,8 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 
 // FromLocal builds a DTensor from this rank's block (copied). local must
 // have exactly the shape Spec.LocalShape gives this rank; pass nil for an
-// empty block. With check, the ranks first compare a fingerprint of the
+// empty block; a Routed spec needs its row counts (WithRoutedRows). With
+// check, the ranks first compare a fingerprint of the
 // spec (mesh, global shape, dtype, placements, shard order) and whether
 // each local block has the right shape, with one small all-gather over the
 // mesh; on any difference every rank returns the same ErrMismatch or
@@ -281,8 +282,8 @@ func FromLocal(ctx context.Context, spec *Spec, local *tensor.Dense, check bool)
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
 	}
-	if spec.l.hasRouted() {
-		return nil, unsupportedf(op, "Routed placements arrive with the MoE issue")
+	if spec.l.hasRouted() && spec.l.rows == nil {
+		return nil, unsupportedf(op, "a Routed spec without row counts has no local shape (WithRoutedRows; the moe package's dispatch builds Routed tensors)")
 	}
 	want := spec.LocalShape()
 	var localErr error
@@ -391,7 +392,7 @@ func (t *DTensor) String() string {
 	partial := slices.ContainsFunc(l.places, Placement.IsPartial)
 	for r := range prod(l.mshape) {
 		coord := unravel(r, l.mshape)
-		off, sz := boxOf(l.shape, l.mshape, l.order, coord)
+		off, sz := l.box(coord)
 		fmt.Fprintf(&b, "\n  rank %d %v: [", r, coord)
 		for d := range off {
 			if d > 0 {

@@ -88,8 +88,9 @@ func (p *Planner) Backward(fwd *Plan, grad *Spec) (*Plan, error) {
 // replicas count once and Partial values reduce correctly, and the results
 // are summed over the mesh. a and b must have the same mesh, shape, dtype
 // and shard layout; on every axis their placements must be equal Shards,
-// both Replicate, or Partial(sum|avg) paired with Replicate (a value paired
-// with its gradient). It is the pairing of the adjoint test.
+// both Routed with equal row counts, both Replicate, or Partial(sum|avg)
+// paired with Replicate (a value paired with its gradient). It is the
+// pairing of the adjoint test.
 func Inner(ctx context.Context, a, b *DTensor) (float64, error) {
 	const op = "Inner"
 	if a == nil || b == nil {
@@ -106,6 +107,10 @@ func Inner(ctx context.Context, a, b *DTensor) (float64, error) {
 		k := la.mshape[ax]
 		switch {
 		case pa.IsShard() && pa == pb:
+		case pa.IsRouted() && pb.IsRouted():
+			if la.rows == nil || !slices.Equal(la.rows, lb.rows) {
+				return 0, invalidf(op, "Routed on axis %q: the row counts %v and %v must be given and equal", la.names[ax], la.rows, lb.rows)
+			}
 		case pa.IsReplicate() && pb.IsReplicate():
 			if coord[ax] != 0 {
 				w = 0

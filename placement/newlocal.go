@@ -12,15 +12,17 @@ import (
 // so empty shards are plain empty slices. data's element type must match
 // the spec's dtype and its length must be the product of the local shape
 // (1 for a scalar). The DTensor takes ownership of data: the caller must
-// not modify it afterwards. Errors wrap ErrInvalid (ErrUnsupported for
-// Routed placements).
+// not modify it afterwards. A Routed spec needs its row counts
+// (WithRoutedRows): that is how the moe package builds Routed tensors.
+// Errors wrap ErrInvalid (ErrUnsupported for Routed placements without row
+// counts).
 func NewLocal(spec *Spec, data any) (*DTensor, error) {
 	const op = "NewLocal"
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
 	}
-	if spec.l.hasRouted() {
-		return nil, unsupportedf(op, "Routed placements arrive with the MoE issue")
+	if spec.l.hasRouted() && spec.l.rows == nil {
+		return nil, unsupportedf(op, "a Routed spec without row counts has no local shape (WithRoutedRows; the moe package's dispatch builds Routed tensors)")
 	}
 	want := spec.LocalShape()
 	n := prod(want)

@@ -59,9 +59,13 @@ func Shard(dim int) Placement { return Placement{kind: KindShard, dim: dim} }
 // operator (the order of reduction would change the value).
 func Partial(op comm.ReduceOp) Placement { return Placement{kind: KindPartial, op: op} }
 
-// Routed is the MoE placement. The type exists so that specs can name it;
-// its routing handle, and redistribution to and from it, arrive with the moe
-// package. Redistribute rejects it with ErrUnsupported.
+// Routed is the MoE placement: the rows of dim 0 (token copies, one per
+// token and chosen expert) live on the ranks that own their experts, as the
+// routing decided. The row counts, known only at run time, are given with
+// WithRoutedRows; the moe package's dispatch and combine create and consume
+// Routed tensors and hold the routing handle (the permutation and the
+// per-rank, per-expert counts). Redistribute rejects Routed with
+// ErrUnsupported.
 func Routed() Placement { return Placement{kind: KindRouted} }
 
 // Kind returns the placement's kind.

@@ -30,6 +30,7 @@ type layout struct {
 	dtype  comm.DType
 	places []Placement
 	order  [][]int // per tensor dim: the mesh axes sharding it, outer to inner
+	rows   []int   // Routed row counts per routed group (WithRoutedRows), or nil
 	key    string
 }
 
@@ -38,6 +39,7 @@ type SpecOption func(*specConfig)
 
 type specConfig struct {
 	orders map[int][]string
+	rows   []int
 	err    error
 }
 
@@ -59,10 +61,36 @@ func WithOrder(dim int, axes ...string) SpecOption {
 	}
 }
 
+// WithRoutedRows gives a spec with Routed placements its row counts, which
+// the routing decides at run time (the moe package's dispatch computes
+// them). The Routed axes split tensor dim 0 into one contiguous run of rows
+// per routed group: rows[g] is the number of rows held by the ranks whose
+// coordinate on the Routed axes, taken row-major over those axes in mesh
+// order, is g (ranks that differ only on other axes hold the same rows,
+// or their Partial or Shard pieces). So len(rows) is the product of the
+// Routed axes' sizes, every count is at least 0, and the counts sum to the
+// global dim 0, which may then be 0 (no rows anywhere). Dim 0 must not also
+// be sharded. With row counts, LocalShape, Box, NewLocal and Inner work on
+// Routed specs; redistribution to or from Routed stays unsupported (the moe
+// package's dispatch and combine move those tensors). Without this option a
+// Routed spec only names the layout: it has no local shape.
+func WithRoutedRows(rows []int) SpecOption {
+	return func(c *specConfig) {
+		if c.rows != nil && c.err == nil {
+			c.err = fmt.Errorf("WithRoutedRows given twice")
+		}
+		c.rows = slices.Clone(rows)
+		if c.rows == nil {
+			c.rows = []int{}
+		}
+	}
+}
+
 // NewSpec builds a spec for a tensor of the given global shape and dtype
 // (Float32 or Float64) on m, with one placement per mesh axis. Every global
 // dim must be positive (gorgonia tensors cannot be empty); local shards may
-// still be empty. Errors wrap ErrInvalid.
+// still be empty; the one exception is dim 0 of a Routed spec with row
+// counts (WithRoutedRows), which may be 0. Errors wrap ErrInvalid.
 func NewSpec(m *mesh.Mesh, shape []int, dtype comm.DType, placements []Placement, opts ...SpecOption) (*Spec, error) {
 	const op = "NewSpec"
 	if m == nil {
@@ -82,6 +110,7 @@ func NewSpec(m *mesh.Mesh, shape []int, dtype comm.DType, placements []Placement
 		shape:  slices.Clone(shape),
 		dtype:  dtype,
 		places: slices.Clone(placements),
+		rows:   cfg.rows,
 	}
 	orders := make(map[int][]int, len(cfg.orders))
 	for d, names := range cfg.orders {
@@ -107,13 +136,13 @@ func (l *layout) init(orders map[int][]int) error {
 	if l.dtype != comm.Float32 && l.dtype != comm.Float64 {
 		return fmt.Errorf("dtype %v: want float32 or float64", l.dtype)
 	}
-	for i, n := range l.shape {
-		if n <= 0 {
-			return fmt.Errorf("global shape %v: dim %d is %d; global dims must be positive", l.shape, i, n)
-		}
-	}
 	if len(l.places) != len(l.mshape) {
 		return fmt.Errorf("%d placements %v for a mesh with %d axes %v", len(l.places), l.places, len(l.mshape), l.names)
+	}
+	for i, n := range l.shape {
+		if n < 0 || (n == 0 && !(i == 0 && l.rows != nil)) {
+			return fmt.Errorf("global shape %v: dim %d is %d; global dims must be positive", l.shape, i, n)
+		}
 	}
 	var partialOps []comm.ReduceOp
 	for a, p := range l.places {
@@ -157,10 +186,84 @@ func (l *layout) init(orders map[int][]int) error {
 			return fmt.Errorf("WithOrder(%d): dim out of range for a %d-d tensor", d, len(l.shape))
 		}
 	}
+	if err := l.checkRows(); err != nil {
+		return err
+	}
 	l.key = l.computeKey()
 	return nil
 }
 
+// routedAxes returns the mesh axes whose placement is Routed, in mesh order.
+func (l *layout) routedAxes() []int {
+	var axes []int
+	for a, p := range l.places {
+		if p.IsRouted() {
+			axes = append(axes, a)
+		}
+	}
+	return axes
+}
+
+// checkRows validates the Routed row counts against the placements.
+func (l *layout) checkRows() error {
+	if l.rows == nil {
+		return nil
+	}
+	axes := l.routedAxes()
+	if len(axes) == 0 {
+		return fmt.Errorf("WithRoutedRows given, but no placement in %v is Routed", l.places)
+	}
+	if len(l.shape) == 0 {
+		return fmt.Errorf("WithRoutedRows needs a tensor of at least one dim (Routed splits dim 0)")
+	}
+	if len(l.order[0]) > 0 {
+		return fmt.Errorf("placements %v shard dim 0, which the Routed axes split", l.places)
+	}
+	groups, total := 1, 0
+	for _, a := range axes {
+		groups *= l.mshape[a]
+	}
+	if len(l.rows) != groups {
+		return fmt.Errorf("WithRoutedRows has %d counts; the Routed axes %v have %d groups", len(l.rows), l.axisNames(axes), groups)
+	}
+	for g, n := range l.rows {
+		if n < 0 {
+			return fmt.Errorf("WithRoutedRows: routed group %d has %d rows", g, n)
+		}
+		total += n
+	}
+	if total != l.shape[0] {
+		return fmt.Errorf("WithRoutedRows counts sum to %d rows, but the global dim 0 is %d", total, l.shape[0])
+	}
+	return nil
+}
+
+// routedGroup returns the index of coord's routed group: its coordinate on
+// the Routed axes, row-major in mesh order.
+func (l *layout) routedGroup(coord []int) int {
+	g := 0
+	for a, p := range l.places {
+		if p.IsRouted() {
+			g = g*l.mshape[a] + coord[a]
+		}
+	}
+	return g
+}
+
+// box returns the offset and size of the block held at coord: the nested
+// chunk rule, with dim 0 given by the Routed row counts when there are any.
+func (l *layout) box(coord []int) (off, size []int) {
+	off, size = boxOf(l.shape, l.mshape, l.order, coord)
+	if l.rows != nil {
+		g := l.routedGroup(coord)
+		o := 0
+		for _, n := range l.rows[:g] {
+			o += n
+		}
+		off[0], size[0] = o, l.rows[g]
+	}
+	return off, size
+}
 func (l *layout) axisNames(axes []int) []string {
 	out := make([]string, len(axes))
 	for i, a := range axes {
@@ -199,6 +302,9 @@ func (l *layout) computeKey() string {
 	for _, o := range l.order {
 		fmt.Fprintf(&b, "%v", o)
 	}
+	if l.rows != nil {
+		fmt.Fprintf(&b, "|rows%v", l.rows)
+	}
 	return b.String()
 }
 
@@ -217,8 +323,12 @@ func (l *layout) sameMesh(o *layout) bool {
 }
 
 // withPlacements returns a copy with other placements and default order.
+// Routed row counts are kept when the Routed axes stay the same.
 func (l *layout) withPlacements(places []Placement, orders map[int][]int) (*layout, error) {
 	n := &layout{names: l.names, mshape: l.mshape, ranks: l.ranks, shape: l.shape, dtype: l.dtype, places: slices.Clone(places)}
+	if l.rows != nil && slices.Equal(n.routedAxes(), l.routedAxes()) {
+		n.rows = l.rows
+	}
 	if err := n.init(orders); err != nil {
 		return nil, err
 	}
@@ -243,6 +353,9 @@ func (l *layout) String() string {
 	fmt.Fprintf(&b, "): %v", l.places)
 	if s := l.orderString(); s != "" {
 		b.WriteString(" order " + s)
+	}
+	if l.rows != nil {
+		fmt.Fprintf(&b, " rows %v", l.rows)
 	}
 	return b.String()
 }
@@ -269,6 +382,10 @@ func (s *Spec) DType() comm.DType { return s.l.dtype }
 
 // Placements returns one placement per mesh axis.
 func (s *Spec) Placements() []Placement { return slices.Clone(s.l.places) }
+
+// RoutedRows returns the row counts of a Routed spec (WithRoutedRows), one
+// per routed group, or nil when the spec has none.
+func (s *Spec) RoutedRows() []int { return slices.Clone(s.l.rows) }
 
 // Order returns the mesh axes (by name) that shard tensor dim, outer to
 // inner; it is empty for an unsharded dim.
@@ -303,23 +420,26 @@ func (s *Spec) OnMesh(m *mesh.Mesh, placements []Placement, opts ...SpecOption) 
 
 // Box returns the offset and size in every tensor dim of the block that the
 // mesh rank meshRank (a position in the mesh view, not a world rank) holds.
-// Partial axes do not affect it; sizes may be 0 (empty shard). Routed
-// placements have no box.
+// Partial axes do not affect it; sizes may be 0 (empty shard). A Routed
+// spec has a box only with row counts (WithRoutedRows): its dim 0 is the
+// routed group's run of rows.
 func (s *Spec) Box(meshRank int) (offset, size []int, err error) {
-	if s.l.hasRouted() {
-		return nil, nil, unsupportedf("Box", "Routed placements have no static layout (the moe package assigns rows)")
+	if s.l.hasRouted() && s.l.rows == nil {
+		return nil, nil, unsupportedf("Box", "a Routed spec without row counts has no layout (the moe package assigns rows: WithRoutedRows)")
 	}
 	coord, err := s.m.CoordOf(meshRank)
 	if err != nil {
 		return nil, nil, invalidf("Box", "%v", err)
 	}
-	off, sz := boxOf(s.l.shape, s.l.mshape, s.l.order, coord)
+	off, sz := s.l.box(coord)
 	return off, sz, nil
 }
 
-// LocalShape returns the shape of this rank's local block.
+// LocalShape returns the shape of this rank's local block. For a Routed
+// spec without row counts it is the global shape (such a spec only names a
+// layout; nothing can be built on it).
 func (s *Spec) LocalShape() []int {
-	_, sz := boxOf(s.l.shape, s.l.mshape, s.l.order, s.m.Coord())
+	_, sz := s.l.box(s.m.Coord())
 	return sz
 }
 
