@@ -17,6 +17,11 @@ type backend struct {
 	run func(ctx context.Context, p int, opts comm.Options, fn func(ctx context.Context, c comm.Communicator) error) error
 	// algorithms lists the algorithms the backend offers for op.
 	algorithms func(op comm.Op) []comm.Algorithm
+	// world, for backends with one rank per process (MPI), returns the
+	// job's size and this process's rank; nil for in-process backends.
+	world func() (size, rank int, err error)
+	// finish, if set, runs once after the last measurement (MPI_Finalize).
+	finish func() error
 }
 
 // backends holds the registered backends by name; each backend_*.go file

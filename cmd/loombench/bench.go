@@ -77,8 +77,10 @@ func runJob(ctx context.Context, be backend, opts comm.Options, j *job, emit fun
 				c.Abort(err)
 				return err
 			}
-			// Every rank's results are in data[i] once all pass here.
-			if err := comm.Barrier(ctx, c); err != nil {
+			// Rank 0 gets the slowest rank's time per iteration and the
+			// total of wrong elements, whether the ranks share memory or
+			// not.
+			if err := data[i].collect(ctx, c); err != nil {
 				return fmt.Errorf("%v size %d B: %w", j.op, sh.bytes, err)
 			}
 			if c.Rank() == 0 {
@@ -87,6 +89,44 @@ func runJob(ctx context.Context, be backend, opts comm.Options, j *job, emit fun
 		}
 		return nil
 	})
+}
+
+// collect reduces every cell over the ranks: afterwards this rank's
+// durations are the slowest rank's per iteration, and rank 0's wrong count
+// is the total (the others' are 0), so that the row rank 0 builds is the
+// same whether the other ranks' entries are in this process or not.
+func (sd *sizeData) collect(ctx context.Context, c comm.Communicator) error {
+	r := c.Rank()
+	for v := range sd.cells {
+		cd := &sd.cells[v]
+		if err := slowest(ctx, c, cd.durs[r]); err != nil {
+			return err
+		}
+		w := []int64{cd.wrong[r]}
+		if err := comm.AllReduce(ctx, c, comm.Host(w), comm.Host(w), comm.Sum); err != nil {
+			return err
+		}
+		cd.wrong[r] = 0
+		if r == 0 {
+			cd.wrong[r] = w[0]
+		}
+	}
+	return nil
+}
+
+// slowest replaces each of d's times by the largest over the ranks.
+func slowest(ctx context.Context, c comm.Communicator, d []time.Duration) error {
+	ns := make([]int64, len(d))
+	for i, t := range d {
+		ns[i] = int64(t)
+	}
+	if err := comm.AllReduce(ctx, c, comm.Host(ns), comm.Host(ns), comm.Max); err != nil {
+		return err
+	}
+	for i, v := range ns {
+		d[i] = time.Duration(v)
+	}
+	return nil
 }
 
 // runSize measures one size on rank c.Rank(): warmup iterations, timed

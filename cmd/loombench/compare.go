@@ -173,6 +173,11 @@ func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options
 				}
 			}
 		}
+		for i := range vs {
+			if err := slowest(ctx, c, durs[i][r]); err != nil {
+				return err
+			}
+		}
 		return nil
 	})
 	if err != nil {

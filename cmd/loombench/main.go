@@ -42,6 +42,7 @@ type config struct {
 	backend  string
 	ops      []benchOp
 	ranks    int
+	ranksSet bool // -ranks was given
 	sizes    []int64
 	dtype    comm.DType
 	redop    comm.ReduceOp
@@ -66,7 +67,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	cfg := &config{}
 	var minS, maxS, dtype, redop string
 	var factor int64
-	fs.StringVar(&cfg.backend, "backend", "local", "communication backend (only \"local\" for now)")
+	fs.StringVar(&cfg.backend, "backend", "local", "communication backend: local (in-process ranks), or mpi in a binary built with -tags mpi and started by mpirun (one rank per process)")
 	fs.StringVar(&cfg.opNames, "op", "allreduce", "comma list of allreduce, allgather, reducescatter, broadcast, reduce, alltoall, alltoallv, sendrecv")
 	fs.IntVar(&cfg.ranks, "ranks", 2, "number of ranks")
 	fs.StringVar(&minS, "b", "8", "minimum size in bytes (K, M, G suffixes are powers of 1024)")
@@ -90,6 +91,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
+	fs.Visit(func(f *flag.Flag) { cfg.ranksSet = cfg.ranksSet || f.Name == "ranks" })
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments: %s", strings.Join(fs.Args(), " "))
 	}
@@ -166,6 +168,34 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "loombench: %v\n", err)
 		return 2
+	}
+	if be.finish != nil {
+		defer func() {
+			if err := be.finish(); err != nil {
+				fmt.Fprintf(stderr, "loombench: %v\n", err)
+			}
+		}()
+	}
+	if be.world != nil {
+		// One rank per process: the job's size is the rank count, and
+		// only rank 0 prints.
+		size, rank, err := be.world()
+		if err != nil {
+			fmt.Fprintf(stderr, "loombench: %v\n", err)
+			return 2
+		}
+		if cfg.ranksSet && cfg.ranks != size {
+			fmt.Fprintf(stderr, "loombench: -ranks %d, but the job has %d processes\n", cfg.ranks, size)
+			return 2
+		}
+		cfg.ranks = size
+		if cfg.root >= size {
+			fmt.Fprintf(stderr, "loombench: -root %d: out of range [0,%d)\n", cfg.root, size)
+			return 2
+		}
+		if rank != 0 {
+			stdout = io.Discard
+		}
 	}
 
 	fmt.Fprintf(stdout, "# loombench: backend=%s ranks=%d op=%s dtype=%v redop=%v algo=%s iters=%d warmup=%d\n",
