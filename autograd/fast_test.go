@@ -583,3 +583,114 @@ func TestArenaNeverAliasesUserData(t *testing.T) {
 		return nil
 	})
 }
+
+// TestInPlaceAccumulationRespectsAliases: a LocalFunc whose Backward
+// returns the output's gradient block itself for one input, while the
+// other input's pending gradient is that same block (an Add fanned it
+// out), must not see it modified by in-place accumulation. The graph is
+// L = Σ c⊙(f(a, b) + a) with f(a, b) = a + b, a = 1·p and b = 1·q, so
+// dL/dp = 2c and dL/dq = c.
+func TestInPlaceAccumulationRespectsAliases(t *testing.T) {
+	for _, dt := range []comm.DType{comm.Float32, comm.Float64} {
+		simulate(t, []int{1}, func(ctx context.Context, m *mesh.Mesh) error {
+			tp := NewTape()
+			shape := []int{3, 5}
+			mk := func(seed uint64) (*Value, error) {
+				s, err := placement.NewSpec(m, shape, dt, pl{R})
+				if err != nil {
+					return nil, err
+				}
+				d, err := placement.FromFull(s, placementtest.Random(shape, dt, seed))
+				if err != nil {
+					return nil, err
+				}
+				return tp.Param(fmt.Sprint("p", seed), d)
+			}
+			p, err := mk(1)
+			if err != nil {
+				return err
+			}
+			q, err := mk(2)
+			if err != nil {
+				return err
+			}
+			a, err := Scale(p, 1)
+			if err != nil {
+				return err
+			}
+			b, err := Scale(q, 1)
+			if err != nil {
+				return err
+			}
+			var y *Value
+			if dt == comm.Float32 {
+				y, err = passThrough[float32]().Apply(a, b)
+			} else {
+				y, err = passThrough[float64]().Apply(a, b)
+			}
+			if err != nil {
+				return err
+			}
+			h, err := Add(y, a)
+			if err != nil {
+				return err
+			}
+			// L = Σ h⊙c: Mul's backward puts h's gradient in the arena, so
+			// in-place accumulation is on the table for a.
+			cd, err := placement.FromFull(p.Spec(), placementtest.Random(shape, dt, 1234))
+			if err != nil {
+				return err
+			}
+			cv, err := tp.Constant(cd)
+			if err != nil {
+				return err
+			}
+			hc, err := Mul(h, cv)
+			if err != nil {
+				return err
+			}
+			l, err := Sum(hc)
+			if err != nil {
+				return err
+			}
+			if err := tp.Backward(ctx, l); err != nil {
+				return err
+			}
+			gp, err := fullData(ctx, p.Grad())
+			if err != nil {
+				return err
+			}
+			gq, err := fullData(ctx, q.Grad())
+			if err != nil {
+				return err
+			}
+			cf, err := fullData(ctx, cd)
+			if err != nil {
+				return err
+			}
+			for i, w := range cf {
+				if math.Abs(gp[i]-2*w) > 1e-6 || math.Abs(gq[i]-w) > 1e-6 {
+					t.Fatalf("%v: element %d: dp = %g (want %g), dq = %g (want %g)", dt, i, gp[i], 2*w, gq[i], w)
+				}
+			}
+			return nil
+		})
+	}
+}
+
+// passThrough is f(a, b) = a + b whose Backward hands the output's
+// gradient block itself to b and a copy to a.
+func passThrough[T float32 | float64]() LocalFunc[T] {
+	return LocalFunc[T]{Name: "pass", In: []pl{{R}, {R}}, GradIn: []pl{{R}, {R}}, Out: pl{R}, GradOut: pl{R},
+		Forward: func(in []Block[T]) (Block[T], error) {
+			y := make([]T, len(in[0].Data))
+			for i := range y {
+				y[i] = in[0].Data[i] + in[1].Data[i]
+			}
+			return Block[T]{Shape: in[0].Shape, Data: y}, nil
+		},
+		Backward: func(g Block[T], in []Block[T], _ Block[T]) ([]Block[T], error) {
+			return []Block[T]{{Shape: g.Shape, Data: slices.Clone(g.Data)}, g}, nil
+		},
+	}
+}
