@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/internal/gpt"
 	"github.com/b7ea7098/loom/internal/tinygpt"
 	"github.com/b7ea7098/loom/kernels"
@@ -101,4 +102,49 @@ func BenchmarkTrainStep(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+}
+
+// BenchmarkTrain200 trains the tiny GPT for 200 steps (the reference run's
+// length) on one rank from init per iteration, and reports tokens/s, the
+// rate of the step's matrix products (tinygpt.Config.TrainFLOPs over the
+// whole step time: a lower bound on the GEMM rate) and that rate as a
+// percentage of the CPU's estimated single-precision peak. The BLAS is
+// kernels.Default() (LOOM_BLAS=go|openblas|blis chooses it); its name and
+// the peak's derivation are logged.
+//
+//	go test ./tests -run XXX -bench Train200 -benchtime 1x -count 5
+func BenchmarkTrain200(b *testing.B) {
+	cfg := tinygpt.Default()
+	bl, err := kernels.Default()
+	if err != nil {
+		b.Fatal(err)
+	}
+	peak := kernels.EstimatePeak()
+	b.Logf("BLAS %s, %s, %d threads; peak %s", bl.Name(), bl.Config(), bl.Threads(), peak)
+	init := gpt.RandomInit(cfg, 1)
+	var elapsed float64
+	for b.Loop() {
+		err := placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+			tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{Tape: []autograd.Option{autograd.WithBLAS(bl)}})
+			if err != nil {
+				return err
+			}
+			start := time.Now()
+			for range cfg.Steps {
+				if _, _, err := tr.Step(ctx); err != nil {
+					return err
+				}
+			}
+			elapsed += time.Since(start).Seconds()
+			return nil
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	steps := float64(cfg.Steps * b.N)
+	flops := cfg.TrainFLOPs() * steps / elapsed
+	b.ReportMetric(float64(cfg.B*cfg.T)*steps/elapsed, "tokens/s")
+	b.ReportMetric(flops/1e9, "GFLOP/s")
+	b.ReportMetric(100*flops/peak.FLOPS(), "%peak")
 }

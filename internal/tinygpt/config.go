@@ -158,3 +158,19 @@ func (c Config) Validate() error {
 	}
 	return errors.Join(errs...)
 }
+
+// TrainFLOPs returns the floating-point operations of the matrix products
+// in one training step of the model for c (forward and backward, B·T
+// tokens): 6 per token per weight of every projection (qkv, attention
+// output, MLP and lm_head; the embeddings are lookups), plus causal
+// attention's two T×T products per head, counting the lower triangle
+// only (T(T+1)/2 scores per sequence). The elementwise work is not
+// counted, so FLOPs over step time is a lower bound on the GEMM rate.
+func (c Config) TrainFLOPs() float64 {
+	tokens := float64(c.B * c.T)
+	weights := float64(c.L*(3*c.D*c.D+c.D*c.D+2*c.D*c.F) + c.V*c.D)
+	// Per sequence and layer: q·kᵀ and p·v, each 2·D·T(T+1)/2 in forward,
+	// twice that in backward.
+	attn := float64(c.B*c.L) * 3 * 2 * 2 * float64(c.D) * float64(c.T*(c.T+1)/2)
+	return 6*weights*tokens + attn
+}

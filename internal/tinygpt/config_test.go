@@ -107,3 +107,14 @@ func TestValidateCorpusTooLong(t *testing.T) {
 		t.Errorf("Validate() = %v", err)
 	}
 }
+
+// TrainFLOPs counted by hand for a tiny config: B=1, T=2, D=2, F=4, V=3,
+// L=1. Weights: qkv 12 + proj 4 + MLP 16 + lm_head 6 = 38, so 6·38·2 =
+// 456; attention: 3 causal scores, two products of 2·D·3 = 12 each in
+// forward, three times that with backward: 72.
+func TestTrainFLOPs(t *testing.T) {
+	c := Config{B: 1, T: 2, D: 2, F: 4, V: 3, L: 1}
+	if got := c.TrainFLOPs(); got != 456+72 {
+		t.Errorf("TrainFLOPs = %v, want %v", got, 456+72)
+	}
+}
