@@ -3,6 +3,7 @@ module github.com/b7ea7098/loom
 go 1.26.0
 
 require (
+	github.com/NVIDIA/go-nvml v0.13.4-1
 	github.com/ebitengine/purego v0.11.3
 	golang.org/x/sys v0.50.0
 	gorgonia.org/tensor v0.9.24

@@ -1,0 +1,16 @@
+//go:build !(linux && cgo)
+
+package topology
+
+import "runtime"
+
+// NVMLEnv names the environment variable that overrides the NVML library
+// Discover loads (default libnvidia-ml.so.1). Without cgo on Linux it is
+// not read: Discover always fails.
+const NVMLEnv = "LOOM_NVML"
+
+// Discover fails with ErrUnavailable: NVML is read through go-nvml, which
+// needs cgo on Linux; this build is for runtime.GOOS without cgo.
+func Discover() (*Topology, error) {
+	return nil, unavailable(runtime.GOOS)
+}
