@@ -1,6 +1,7 @@
 // Package parallel holds loom's parallelism modules (DESIGN.md §5), built on
 // autograd's gradient hooks and the placement and comm packages. It starts
-// with DDP, data parallelism with replicated parameters.
+// with DDP, data parallelism with replicated parameters, and tensor and
+// sequence parallelism of modules written in global terms.
 //
 // # DDP
 //
@@ -69,4 +70,20 @@
 // When Backward fails midway, some buckets may have launched: call
 // Discard, which completes the step's collectives without installing
 // anything (peers that call Finish are matched), then ZeroGrad and retry.
+//
+// # Tensor and sequence parallelism
+//
+// A model is a tree of Modules (Linear, Embedding, LayerNorm, Attention,
+// MLP, or the user's own) written in global terms. Parallelize applies a
+// Plan, rules of dotted path patterns and Styles, on one mesh axis:
+// ColwiseParallel and RowwiseParallel reshard Linear weights (Megatron's
+// column and row parallel; RowwiseParallel on an Embedding is vocab
+// parallel) and install the redistributions at the module boundaries;
+// SequenceParallel, PrepareInput and PrepareOutput only install
+// redistributions. Resharding makes new parameter leaves, so Parallelize
+// runs before DDP, optimizers or gradient hooks see the parameters. After
+// backward (and DDP.Finish), ReduceGrads sums the gradients that sequence
+// parallelism leaves Partial(sum) on the tensor-parallel axis.
+// VocabParallelCrossEntropy takes vocab-sharded logits without gathering
+// them.
 package parallel

@@ -33,6 +33,9 @@ func (l *Linear) chunks() int { return max(l.Chunks, 1) }
 // Forward runs the input hooks, the projection and the output hooks. A
 // chunk-sharded weight needs ForwardChunks.
 func (l *Linear) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	if err := l.check(); err != nil {
+		return nil, err
+	}
 	if len(l.Weight.Spec().Shape()) != 2 {
 		return nil, fmt.Errorf("parallel: Linear.Forward: %w: weight %v is chunk-sharded; use ForwardChunks", ErrInvalid, l.Weight.Spec())
 	}
@@ -53,6 +56,9 @@ func (l *Linear) Forward(ctx context.Context, x *autograd.Value) (*autograd.Valu
 // ForwardChunks runs the input hooks, the fused projection and the output
 // hooks on each of its Chunks output blocks, returned in order.
 func (l *Linear) ForwardChunks(ctx context.Context, x *autograd.Value) ([]*autograd.Value, error) {
+	if err := l.check(); err != nil {
+		return nil, err
+	}
 	x, err := l.Input(ctx, x)
 	if err != nil {
 		return nil, fmt.Errorf("parallel: Linear input: %w", err)
@@ -95,6 +101,14 @@ func (l *Linear) ForwardChunks(ctx context.Context, x *autograd.Value) ([]*autog
 	return parts, nil
 }
 
+// check rejects a nil Linear or one without a weight.
+func (l *Linear) check() error {
+	if l == nil || l.Weight.Spec() == nil {
+		return fmt.Errorf("parallel: Linear: %w: nil module or weight", ErrInvalid)
+	}
+	return nil
+}
+
 // chunk returns block c of a [C, ...] value as a [...] value.
 func chunk(v *autograd.Value, c int) (*autograd.Value, error) {
 	n, err := autograd.Narrow(v, 0, c, 1)
@@ -123,6 +137,9 @@ func (e *Embedding) OwnParams() []*autograd.Value { return []*autograd.Value{e.T
 // Forward looks up ids (shape S; the result is S + [D]) and runs the output
 // hooks. Input hooks do not apply: ids are not differentiable values.
 func (e *Embedding) Forward(ctx context.Context, ids *autograd.Indices) (*autograd.Value, error) {
+	if e == nil {
+		return nil, fmt.Errorf("parallel: Embedding: %w: nil module", ErrInvalid)
+	}
 	y, err := autograd.Embedding(e.Table, ids)
 	if err != nil {
 		return nil, fmt.Errorf("parallel: Embedding: %w", err)
@@ -149,6 +166,9 @@ func (n *LayerNorm) OwnParams() []*autograd.Value { return []*autograd.Value{n.W
 
 // Forward runs the input hooks, the normalisation and the output hooks.
 func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	if n == nil {
+		return nil, fmt.Errorf("parallel: LayerNorm: %w: nil module", ErrInvalid)
+	}
 	x, err := n.Input(ctx, x)
 	if err != nil {
 		return nil, fmt.Errorf("parallel: LayerNorm input: %w", err)
@@ -181,6 +201,9 @@ func (a *Attention) Children() []Child {
 
 // Forward computes proj(attn(q, k, v)) for x [B, T, D].
 func (a *Attention) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	if a == nil || a.QKV == nil || a.Proj == nil {
+		return nil, fmt.Errorf("parallel: Attention: %w: nil module, qkv or proj", ErrInvalid)
+	}
 	if x == nil {
 		return nil, fmt.Errorf("parallel: Attention: %w", errNilValue)
 	}
@@ -240,6 +263,9 @@ func (p *MLP) Children() []Child { return []Child{{"fc", p.FC}, {"proj", p.Proj}
 
 // Forward computes proj(GELU(fc(x))).
 func (p *MLP) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+	if p == nil || p.FC == nil || p.Proj == nil {
+		return nil, fmt.Errorf("parallel: MLP: %w: nil module, fc or proj", ErrInvalid)
+	}
 	x, err := p.Input(ctx, x)
 	if err != nil {
 		return nil, fmt.Errorf("parallel: MLP input: %w", err)

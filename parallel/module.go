@@ -2,8 +2,8 @@ package parallel
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"reflect"
 
 	"github.com/b7ea7098/loom/autograd"
 )
@@ -67,13 +67,26 @@ func runHooks(ctx context.Context, hooks []Hook, v *autograd.Value) (*autograd.V
 }
 
 // Walk calls fn for root (path "") and every submodule, depth first in
-// Children order, with its dotted path ("h.0.attn.qkv"). It stops at the
-// first error fn returns.
+// Children order, with its dotted path ("h.0.attn.qkv"). A module that
+// appears at several paths is visited at each of them. It stops at the
+// first error fn returns. A nil module (also a nil pointer of a module
+// type) is an error wrapping ErrInvalid.
 func Walk(root Module, fn func(path string, m Module) error) error {
-	if root == nil {
+	if isNil(root) {
 		return fmt.Errorf("parallel: Walk: %w: nil module", ErrInvalid)
 	}
 	return walk("", root, fn)
+}
+
+// isNil reports whether m is nil or a nil pointer behind a non-nil
+// interface (a *Linear field left unset), on which a module's methods
+// would dereference nil.
+func isNil(m Module) bool {
+	if m == nil {
+		return true
+	}
+	v := reflect.ValueOf(m)
+	return v.Kind() == reflect.Pointer && v.IsNil()
 }
 
 func walk(path string, m Module, fn func(string, Module) error) error {
@@ -81,7 +94,7 @@ func walk(path string, m Module, fn func(string, Module) error) error {
 		return err
 	}
 	for _, c := range m.Children() {
-		if c.Module == nil {
+		if isNil(c.Module) {
 			return fmt.Errorf("parallel: module %q: %w: child %q is nil", path, ErrInvalid, c.Name)
 		}
 		p := c.Name
@@ -125,4 +138,4 @@ func Params(root Module) ([]*autograd.Value, error) {
 }
 
 // errNilValue is returned by layers called with a nil input.
-var errNilValue = errors.New("nil input")
+var errNilValue = fmt.Errorf("%w: nil input", ErrInvalid)

@@ -3,6 +3,7 @@ package parallel
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 
@@ -36,6 +37,16 @@ type Plan []Rule
 // Every rank calls it with the same plan. A rule that matches no module is
 // an error (a misspelt path would otherwise silently leave a layer
 // replicated), and so is a style that does not fit the module it matches.
+//
+// The plan is checked first, before any module changes: every rule has a
+// style and matches some module, and the axis is one of the parameters'
+// mesh. A module reachable at several paths gets each rule's style once. A
+// parameter leaf shared by several modules (tied weights) stays one leaf
+// when every style that reshards it lays it out the same way; laying it out
+// two ways, or resharding it in one module while another keeps the
+// replicated leaf, is an error. An error from a style (a module that does
+// not fit it) leaves the earlier rules applied: rebuild the model rather
+// than reuse it.
 func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error {
 	type match struct {
 		path string
@@ -48,27 +59,87 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 	}); err != nil {
 		return err
 	}
-	for _, r := range plan {
+	params, err := Params(root)
+	if err != nil {
+		return err
+	}
+	if len(params) > 0 && params[0].Spec() != nil {
+		if _, err := axisIndex(params[0].Spec(), axis); err != nil {
+			return err
+		}
+	}
+	matches := make([][]match, len(plan))
+	for k, r := range plan {
 		if r.Style == nil {
 			return fmt.Errorf("parallel: Parallelize: %w: rule %q has no style", ErrInvalid, r.Pattern)
 		}
 		pat := strings.Split(r.Pattern, ".")
-		n := 0
+		seen := map[Module]bool{}
 		for _, mm := range mods {
 			if !matchPath(pat, mm.path) {
 				continue
 			}
-			n++
+			if isComparable(mm.m) {
+				if seen[mm.m] {
+					continue // the same module at another path
+				}
+				seen[mm.m] = true
+			}
+			if mm.m.Boundary() == nil {
+				return fmt.Errorf("parallel: Parallelize: %w: module %q (%T) has no Boundary hooks", ErrInvalid, mm.path, mm.m)
+			}
+			matches[k] = append(matches[k], mm)
+		}
+		if len(matches[k]) == 0 {
+			return fmt.Errorf("parallel: Parallelize: %w: rule %q matches no module", ErrInvalid, r.Pattern)
+		}
+	}
+	cache := &reshardCache{new: map[*autograd.Value]reshardEntry{}}
+	ctx = context.WithValue(ctx, reshardCacheKey{}, cache)
+	for k, r := range plan {
+		for _, mm := range matches[k] {
 			if err := r.Style.Apply(ctx, mm.m, axis); err != nil {
 				return fmt.Errorf("parallel: Parallelize %q on axis %q: %w", mm.path, axis, err)
 			}
 		}
-		if n == 0 {
-			return fmt.Errorf("parallel: Parallelize: %w: rule %q matches no module", ErrInvalid, r.Pattern)
-		}
 	}
-	return nil
+	// A tied parameter resharded in one module must not stay replicated in
+	// another: the two would silently become separate parameters.
+	if len(cache.new) == 0 {
+		return nil
+	}
+	return Walk(root, func(path string, m Module) error {
+		h, ok := m.(ParamHolder)
+		if !ok {
+			return nil
+		}
+		for _, p := range h.OwnParams() {
+			if e, ok := cache.new[p]; ok {
+				return fmt.Errorf("parallel: Parallelize: %w: parameter %q is shared with module %q, which the plan leaves replicated on axis %q while another module lays it out %v; tied parameters must be laid out alike in every module that holds them", ErrInvalid, p.Name(), path, axis, e.pl)
+			}
+		}
+		return nil
+	})
 }
+
+// isComparable reports whether m can be a map key (pointer modules can).
+func isComparable(m Module) bool { return reflect.ValueOf(m).Comparable() }
+
+// reshardCache maps, during one Parallelize call, every parameter leaf a
+// style resharded to its new leaf, so that a leaf shared by several modules
+// (tied weights) becomes one new leaf.
+type reshardCache struct {
+	new map[*autograd.Value]reshardEntry
+}
+
+type reshardEntry struct {
+	leaf  *autograd.Value
+	axis  string
+	shape []int
+	pl    placement.Placement
+}
+
+type reshardCacheKey struct{}
 
 func matchPath(pat []string, path string) bool {
 	segs := strings.Split(path, ".")
@@ -194,6 +265,9 @@ type SequenceParallel struct {
 
 // Apply implements Style.
 func (s SequenceParallel) Apply(_ context.Context, m Module, axis string) error {
+	if _, ok := m.(*Embedding); ok {
+		return fmt.Errorf("%w: SequenceParallel on an Embedding, whose ids take no input hooks; shard its output with RowwiseParallel{Output: ...} or PrepareOutput", ErrInvalid)
+	}
 	p := s.Layout
 	if p == (placement.Placement{}) {
 		p = placement.Shard(1)
@@ -211,6 +285,9 @@ type PrepareInput struct{ Layout placement.Placement }
 func (s PrepareInput) Apply(_ context.Context, m Module, axis string) error {
 	if s.Layout == (placement.Placement{}) {
 		return fmt.Errorf("%w: PrepareInput without a layout", ErrInvalid)
+	}
+	if _, ok := m.(*Embedding); ok {
+		return fmt.Errorf("%w: PrepareInput on an Embedding, whose ids take no input hooks", ErrInvalid)
 	}
 	m.Boundary().OnInput(ToLayout(axis, s.Layout))
 	return nil
@@ -310,8 +387,24 @@ func paramShape(what string, p *autograd.Value, dims int) ([]int, error) {
 // reshard returns a new parameter leaf holding p laid out pl on axis, with
 // global shape shape (nil: unchanged; a new shape must have p's elements in
 // the same row-major order, and p must then be Replicate on every axis).
-// p must be Replicate on axis and carry no gradient yet.
+// p must be Replicate on axis and carry no gradient yet. Inside
+// Parallelize, a leaf already resharded by another module (a tied
+// parameter) gives the same new leaf when the layout agrees, and an error
+// when it does not.
 func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, pl placement.Placement) (*autograd.Value, error) {
+	cache, _ := ctx.Value(reshardCacheKey{}).(*reshardCache)
+	if cache != nil {
+		if e, ok := cache.new[p]; ok {
+			want := shape
+			if want == nil {
+				want = p.Spec().Shape()
+			}
+			if e.axis == axis && e.pl == pl && slices.Equal(e.shape, want) {
+				return e.leaf, nil // a tied parameter, already laid out
+			}
+			return nil, fmt.Errorf("%w: tied parameter %q is laid out as %v %v on axis %q by one module and as %v %v by another", ErrInvalid, p.Name(), e.shape, e.pl, e.axis, want, pl)
+		}
+	}
 	if !p.IsLeaf() || !p.RequiresGrad() {
 		return nil, fmt.Errorf("%w: %q is not a parameter", ErrInvalid, p.Name())
 	}
@@ -352,7 +445,14 @@ func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, p
 	if err != nil {
 		return nil, fmt.Errorf("laying out %q: %w", p.Name(), err)
 	}
-	return p.Tape().Param(p.Name(), dt)
+	np, err := p.Tape().Param(p.Name(), dt)
+	if err != nil {
+		return nil, err
+	}
+	if cache != nil {
+		cache.new[p] = reshardEntry{leaf: np, axis: axis, shape: dst.Shape(), pl: pl}
+	}
+	return np, nil
 }
 
 func cloneLocal(d any) any {
@@ -372,10 +472,11 @@ func cloneLocal(d any) any {
 // after DDP.Finish, which handles the dp axis with overlap), on every rank
 // with the same parameters in the same order. Parameters without a
 // gradient, or whose gradient already matches, are skipped without
-// communication.
+// communication. Every gradient is checked before any is communicated.
 func ReduceGrads(ctx context.Context, params []*autograd.Value) error {
+	var todo []*autograd.Value
 	for _, p := range params {
-		g := p.Grad()
+		g := p.Grad() // nil for a nil parameter: skipped
 		if g == nil || g.Spec().Equal(p.Spec()) {
 			continue
 		}
@@ -386,7 +487,10 @@ func ReduceGrads(ctx context.Context, params []*autograd.Value) error {
 				return fmt.Errorf("parallel: ReduceGrads: %w: gradient of %q is %v on axis %d where the parameter is %v", ErrInvalid, p.Name(), gp[a], a, pp[a])
 			}
 		}
-		r, err := p.Tape().Planner().Redistribute(ctx, g, p.Spec())
+		todo = append(todo, p)
+	}
+	for _, p := range todo {
+		r, err := p.Tape().Planner().Redistribute(ctx, p.Grad(), p.Spec())
 		if err != nil {
 			return fmt.Errorf("parallel: ReduceGrads %q: %w", p.Name(), err)
 		}

@@ -313,3 +313,84 @@ func TestParallelizeAfterBackward(t *testing.T) {
 		return nil
 	})
 }
+
+// The plan is checked before any module changes: a later rule that matches
+// nothing, an axis the mesh lacks (even for styles that only install
+// hooks) and a nil child are errors that leave the model as it was.
+func TestParallelizeChecksFirst(t *testing.T) {
+	placementtest.Run(t, []int{2}, []string{"tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		b, _, err := newBlock(m)
+		if err != nil {
+			return err
+		}
+		err = Parallelize(ctx, b, "tp", Plan{{"ln1", SequenceParallel{}}, {"mlp.fc", ColwiseParallel{}}, {"mlp.prj", RowwiseParallel{}}})
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "matches no module") {
+			return fmt.Errorf("misspelt rule: got %v", err)
+		}
+		if !b.mlp.FC.Weight.Spec().Placements()[0].IsReplicate() || len(b.ln1.in) != 0 {
+			return fmt.Errorf("a failed plan changed the model: fc %v, %d ln1 hooks", b.mlp.FC.Weight.Spec(), len(b.ln1.in))
+		}
+		if err := Parallelize(ctx, b, "model", Plan{{"ln1", SequenceParallel{}}}); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "no axis") {
+			return fmt.Errorf("unknown axis: got %v", err)
+		}
+		b.attn.Proj = nil
+		if err := Parallelize(ctx, b, "tp", Plan{{"attn", SequenceParallel{}}}); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "nil") {
+			return fmt.Errorf("nil child: got %v", err)
+		}
+		emb := &Embedding{Table: b.ln1.Weight}
+		if err := Parallelize(ctx, &twin{a: emb, b: b.ln2}, "tp", Plan{{"a", SequenceParallel{}}}); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "Embedding") {
+			return fmt.Errorf("SequenceParallel on an Embedding (no input hooks): got %v", err)
+		}
+		if _, err := (&Linear{}).Forward(ctx, nil); !errors.Is(err, ErrInvalid) {
+			return fmt.Errorf("Linear without a weight: got %v", err)
+		}
+		return nil
+	})
+}
+
+// twin holds two children that may be the same module.
+type twin struct {
+	Hooks
+	a, b Module
+}
+
+func (w *twin) Children() []Child { return []Child{{"a", w.a}, {"b", w.b}} }
+
+// A module reachable at two paths gets a style once; a parameter shared by
+// two modules (tied weights) stays one leaf when both lay it out alike, and
+// is an error when they do not or when one of them keeps it replicated.
+func TestParallelizeSharedModulesAndTiedParams(t *testing.T) {
+	placementtest.Run(t, []int{2}, []string{"tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		b, _, err := newBlock(m)
+		if err != nil {
+			return err
+		}
+		if err := Parallelize(ctx, &twin{a: b.ln1, b: b.ln1}, "tp", Plan{{"*", SequenceParallel{}}}); err != nil {
+			return err
+		}
+		if len(b.ln1.in) != 1 {
+			return fmt.Errorf("a module at two paths got %d input hooks, want 1", len(b.ln1.in))
+		}
+
+		w := b.attn.Proj.Weight
+		tied := &Linear{Weight: w}
+		if err := Parallelize(ctx, &twin{a: b.attn.Proj, b: tied}, "tp", Plan{{"*", RowwiseParallel{}}}); err != nil {
+			return err
+		}
+		if b.attn.Proj.Weight != tied.Weight || b.attn.Proj.Weight == w {
+			return fmt.Errorf("tied weight: %p and %p after Parallelize (was %p)", b.attn.Proj.Weight, tied.Weight, w)
+		}
+
+		w = b.mlp.FC.Weight
+		err = Parallelize(ctx, &twin{a: b.mlp.FC, b: &Linear{Weight: w}}, "tp", Plan{{"a", ColwiseParallel{}}, {"b", RowwiseParallel{}}})
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "tied") {
+			return fmt.Errorf("tied weight laid out two ways: got %v", err)
+		}
+		w = b.mlp.Proj.Weight
+		err = Parallelize(ctx, &twin{a: b.mlp.Proj, b: &Linear{Weight: w}}, "tp", Plan{{"a", RowwiseParallel{}}})
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "shared") {
+			return fmt.Errorf("tied weight left replicated in one module: got %v", err)
+		}
+		return nil
+	})
+}

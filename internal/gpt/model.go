@@ -45,6 +45,7 @@ type Model struct {
 	Blocks []*Block
 	LNF    *parallel.LayerNorm
 	LMHead *parallel.Linear
+	h      blocks // the "h" container: its hooks run around the blocks
 }
 
 // Block is one pre-LN transformer block: h += attn(ln1(h)); h +=
@@ -86,7 +87,9 @@ func (b *Block) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value
 	return b.Output(ctx, h)
 }
 
-// blocks is the "h" container: its children are named 0 … L−1.
+// blocks is the "h" container: its children are named 0 … L−1. Forward
+// runs its input hooks before the first block and its output hooks after
+// the last.
 type blocks struct {
 	parallel.Hooks
 	list []*Block
@@ -104,10 +107,11 @@ func (bs *blocks) Children() []parallel.Child {
 // lm_head: module paths that, followed by the parameter's own suffix, are
 // the parameter names of TINY_GPT.md.
 func (md *Model) Children() []parallel.Child {
+	md.h.list = md.Blocks
 	return []parallel.Child{
 		{Name: "wte", Module: md.WTE},
 		{Name: "wpe", Module: md.WPE},
-		{Name: "h", Module: &blocks{list: md.Blocks}},
+		{Name: "h", Module: &md.h},
 		{Name: "ln_f", Module: md.LNF},
 		{Name: "lm_head", Module: md.LMHead},
 	}
@@ -354,10 +358,16 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 	if err != nil {
 		return nil, err
 	}
+	if h, err = md.h.Input(ctx, h); err != nil {
+		return nil, fmt.Errorf("blocks' input: %w", err)
+	}
 	for l, b := range md.Blocks {
 		if h, err = b.Forward(ctx, h); err != nil {
 			return nil, fmt.Errorf("block %d: %w", l, err)
 		}
+	}
+	if h, err = md.h.Output(ctx, h); err != nil {
+		return nil, fmt.Errorf("blocks' output: %w", err)
 	}
 	if h, err = md.LNF.Forward(ctx, h); err != nil {
 		return nil, err

@@ -16,7 +16,9 @@ import (
 // TrainOptions says how a Trainer lays the model out.
 type TrainOptions struct {
 	// DP and TP name the data- and tensor-parallel mesh axes; an empty name
-	// or an axis the mesh lacks means that kind of parallelism is off.
+	// means that kind of parallelism is off. A name the mesh lacks is an
+	// error (a misspelt axis would otherwise silently replicate the work),
+	// and so is one axis named twice.
 	DP, TP string
 	// SP turns on sequence parallelism on the TP axis.
 	SP bool
@@ -51,16 +53,33 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[
 		return nil, err
 	}
 	names := m.Names()
+	for _, ax := range []string{opts.DP, opts.TP} {
+		if ax != "" && !slices.Contains(names, ax) {
+			return nil, fmt.Errorf("gpt: trainer: the mesh has no axis %q (its axes are %v)", ax, names)
+		}
+	}
+	if opts.DP != "" && opts.DP == opts.TP {
+		return nil, fmt.Errorf("gpt: trainer: axis %q named for both data and tensor parallelism", opts.DP)
+	}
+	// The layouts Forward needs: whole heads per tensor-parallel rank (the
+	// [B, T, D] -> [B, T, H, Dh] split of a sharded D), and whole batch
+	// rows per data-parallel rank (the [B, T] -> [B·T] merge of a sharded B).
+	if i := slices.Index(names, opts.TP); i >= 0 && cfg.H%m.Shape()[i] != 0 {
+		return nil, fmt.Errorf("gpt: trainer: %d heads do not split over %d tensor-parallel ranks", cfg.H, m.Shape()[i])
+	}
+	if i := slices.Index(names, opts.DP); i >= 0 && cfg.B%m.Shape()[i] != 0 {
+		return nil, fmt.Errorf("gpt: trainer: a batch of %d rows does not split over %d data-parallel ranks", cfg.B, m.Shape()[i])
+	}
 	tr := &Trainer{Model: md, tape: tape, places: make([]placement.Placement, m.NDim())}
 	for i := range tr.places {
 		tr.places[i] = placement.Replicate()
 	}
-	if opts.TP != "" && slices.Contains(names, opts.TP) {
+	if opts.TP != "" {
 		if err := parallel.Parallelize(ctx, md, opts.TP, Plan(opts.SP)); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	} else if opts.SP {
-		return nil, fmt.Errorf("gpt: trainer: sequence parallelism needs a tensor-parallel axis (%q is not one of %v)", opts.TP, names)
+		return nil, fmt.Errorf("gpt: trainer: sequence parallelism needs a tensor-parallel axis (TP is empty)")
 	}
 	if i := slices.Index(names, opts.DP); opts.DP != "" && i >= 0 {
 		tr.places[i] = placement.Shard(0)
@@ -84,9 +103,16 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[
 // the dp all-reduces overlapping it), the remaining gradient reductions,
 // AdamW, and ZeroGrad. It returns the batch's step number (from 1) and its
 // global loss, computed before the update.
+//
+// On an error the step's recorded ops and gradients are dropped, so the
+// next Step starts clean (on the next batch); an error from a collective
+// usually means the communicator is unusable, though, and every rank must
+// see the same errors to stay in step.
 func (tr *Trainer) Step(ctx context.Context) (step int, loss float64, err error) {
 	b := tr.sampler.Next()
 	if loss, err = tr.step(ctx, b); err != nil {
+		tr.tape.Reset()
+		tr.Model.ZeroGrad()
 		return b.Step, loss, fmt.Errorf("gpt: step %d: %w", b.Step, err)
 	}
 	return b.Step, loss, nil
@@ -103,7 +129,9 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
 	}
 	if err := tr.tape.Backward(ctx, l); err != nil {
 		if tr.ddp != nil {
-			err = fmt.Errorf("%w (DDP discard: %v)", err, tr.ddp.Discard(ctx))
+			if derr := tr.ddp.Discard(ctx); derr != nil {
+				err = fmt.Errorf("%w (and DDP's discard of the step: %v)", err, derr)
+			}
 		}
 		return 0, err
 	}
