@@ -4,12 +4,17 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/internal/gpt"
 	"github.com/b7ea7098/loom/internal/tinygpt"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -112,6 +117,55 @@ func TestParallelLayoutsMatchOneRank(t *testing.T) {
 				}
 			}
 			t.Logf("largest loss difference %.2g; parameters: max |Δ| %.2g, relative L2 %.2g", worst, worstAbs, worstRel)
+		})
+	}
+}
+
+// BenchmarkLayouts trains the tiny GPT on each layout of in-process ranks
+// and reports tokens/s (the median step time after two warm-up steps), with
+// GEMM threads sized so that ranks × threads = CPUs. Run it with -count so
+// that the layouts alternate and a noisy machine affects them alike, and
+// compare medians:
+//
+//	go test ./tests -run XXX -bench Layouts -benchtime 30x -count 5
+func BenchmarkLayouts(b *testing.B) {
+	cfg := tinygpt.Default()
+	init := gpt.RandomInit(cfg, 1)
+	for _, l := range []struct {
+		dp, tp int
+		sp     bool
+	}{{1, 1, false}, {2, 1, false}, {1, 2, false}, {1, 2, true}, {2, 2, false}} {
+		b.Run(fmt.Sprintf("dp=%d,tp=%d,sp=%v", l.dp, l.tp, l.sp), func(b *testing.B) {
+			bl, err := kernels.Load(kernels.WithThreads(max(1, runtime.NumCPU()/(l.dp*l.tp))))
+			if err != nil {
+				b.Fatal(err)
+			}
+			var tokensPerS float64
+			err = placementtest.Simulate(context.Background(), []int{l.dp, l.tp}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+				tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{DP: "dp", TP: "tp", SP: l.sp, Tape: []autograd.Option{autograd.WithBLAS(bl)}})
+				if err != nil {
+					return err
+				}
+				steps := make([]time.Duration, 0, b.N)
+				for i := range b.N + 2 {
+					t0 := time.Now()
+					if _, _, err := tr.Step(ctx); err != nil {
+						return err
+					}
+					if i >= 2 {
+						steps = append(steps, time.Since(t0))
+					}
+				}
+				if m.Rank() == 0 {
+					slices.Sort(steps)
+					tokensPerS = float64(cfg.B*cfg.T) / steps[len(steps)/2].Seconds()
+				}
+				return nil
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.ReportMetric(tokensPerS, "tokens/s")
 		})
 	}
 }
