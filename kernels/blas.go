@@ -4,10 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
 	"runtime"
 	"strings"
 	"sync"
+
+	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // EnvVar names the environment variable that forces the GEMM backend:
@@ -91,11 +92,7 @@ func Load(opts ...Option) (*BLAS, error) {
 	for _, o := range opts {
 		o(&cfg)
 	}
-	spec := cfg.lib
-	if !cfg.libSet {
-		spec = os.Getenv(EnvVar)
-	}
-	spec = strings.TrimSpace(spec)
+	spec := strings.TrimSpace(string(dynlib.SpecFrom(cfg.lib, cfg.libSet, EnvVar)))
 	threads := cfg.threads
 	if threads <= 0 {
 		threads = runtime.GOMAXPROCS(0)
@@ -117,23 +114,24 @@ func Load(opts ...Option) (*BLAS, error) {
 	default:
 		cands = []string{spec}
 	}
-	for _, name := range cands {
-		lib, err := openCBLAS(name)
-		if err != nil {
-			b.tried = append(b.tried, fmt.Sprintf("%s: %v", name, err))
-			continue
+	lib, _, tried, err := dynlib.First(dynlib.Search{Library: "cblas", Names: cands, Forced: forced}, openCBLAS)
+	for _, a := range tried {
+		if a.Err != nil {
+			b.tried = append(b.tried, fmt.Sprintf("%s: %v", a.Name, a.Err))
 		}
-		b.lib = lib
-		b.backend = lib.backend
-		b.path = lib.path
-		b.conf = lib.config()
-		if cfg.threads > 0 {
-			lib.setThreads(cfg.threads)
+	}
+	if err != nil {
+		if forced {
+			return nil, fmt.Errorf("kernels: %s=%q: no CBLAS library could be loaded: %s", EnvVar, spec, strings.Join(b.tried, "; "))
 		}
 		return b, nil
 	}
-	if forced {
-		return nil, fmt.Errorf("kernels: %s=%q: no CBLAS library could be loaded: %s", EnvVar, spec, strings.Join(b.tried, "; "))
+	b.lib = lib
+	b.backend = lib.backend
+	b.path = lib.path
+	b.conf = lib.config()
+	if cfg.threads > 0 {
+		lib.setThreads(cfg.threads)
 	}
 	return b, nil
 }

@@ -1,19 +1,12 @@
-//go:build linux && (amd64 || arm64)
-
 package kernels
 
 import (
-	"bufio"
-	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"unsafe"
 
-	"github.com/ebitengine/purego"
+	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // CBLAS enum values (cblas.h).
@@ -25,7 +18,14 @@ const (
 
 func openblasCandidates() []string { return []string{"libopenblas.so.0", "libopenblas.so"} }
 func blisCandidates() []string     { return []string{"libblis.so.4", "libblis.so"} }
+
+// autoCandidates are the libraries the automatic selection tries: none
+// where no library can be loaded, so that it then settles on the pure-Go
+// GEMM with nothing to report.
 func autoCandidates() []string {
+	if !dynlib.Supported {
+		return nil
+	}
 	return append(append(openblasCandidates(), blisCandidates()...), "libcblas.so.3", "libblas.so.3")
 }
 
@@ -34,7 +34,6 @@ func autoCandidates() []string {
 type cblasLib struct {
 	backend Backend
 	path    string
-	handle  uintptr
 
 	sgemmFn func(order, ta, tb, m, n, k int32, alpha float32, a unsafe.Pointer, lda int32, b unsafe.Pointer, ldb int32, beta float32, c unsafe.Pointer, ldc int32)
 	dgemmFn func(order, ta, tb, m, n, k int32, alpha float64, a unsafe.Pointer, lda int32, b unsafe.Pointer, ldb int32, beta float64, c unsafe.Pointer, ldc int32)
@@ -46,43 +45,43 @@ type cblasLib struct {
 	getThreads64 func() int64  // bli_thread_get_num_threads
 }
 
-// openCBLAS dlopens name and binds the CBLAS GEMM entry points. The library
-// is never closed: BLAS libraries start worker threads that must outlive
-// every call.
-func openCBLAS(name string) (*cblasLib, error) {
-	h, err := purego.Dlopen(name, purego.RTLD_NOW|purego.RTLD_LOCAL)
-	if err != nil {
-		return nil, err
+// openCBLAS binds the CBLAS GEMM entry points of lib, and those of OpenBLAS
+// or BLIS when lib is one of them. The library is never closed: BLAS
+// libraries start worker threads that must outlive every call.
+func openCBLAS(lib *dynlib.Library) (*cblasLib, error) {
+	l := &cblasLib{backend: BackendCBLAS}
+	if err := lib.Bind([]dynlib.Symbol{
+		{Name: "cblas_sgemm", Fn: &l.sgemmFn},
+		{Name: "cblas_dgemm", Fn: &l.dgemmFn},
+	}); err != nil {
+		return nil, fmt.Errorf("not a CBLAS library: %w", err)
 	}
-	sg, err1 := purego.Dlsym(h, "cblas_sgemm")
-	dg, err2 := purego.Dlsym(h, "cblas_dgemm")
-	if err := errors.Join(err1, err2); err != nil {
-		_ = purego.Dlclose(h)
-		return nil, fmt.Errorf("not a CBLAS library: %v", err)
-	}
-	l := &cblasLib{backend: BackendCBLAS, handle: h, path: name}
-	purego.RegisterFunc(&l.sgemmFn, sg)
-	purego.RegisterFunc(&l.dgemmFn, dg)
-	if p := mappedFile(sg); p != "" {
-		l.path = p
-	}
-	if sym, err := purego.Dlsym(h, "openblas_get_config"); err == nil {
-		l.backend = BackendOpenBLAS
-		purego.RegisterFunc(&l.configFn, sym)
-		if s, err := purego.Dlsym(h, "openblas_set_num_threads"); err == nil {
-			purego.RegisterFunc(&l.setThreadsFn, s)
+	l.path = lib.Path("cblas_sgemm")
+	// OpenBLAS and BLIS are told apart by their version functions, and
+	// their thread settings are bound only for them.
+	for _, fam := range []struct {
+		backend Backend
+		config  string
+		threads []dynlib.Symbol
+	}{
+		{BackendOpenBLAS, "openblas_get_config", []dynlib.Symbol{
+			{Name: "openblas_set_num_threads", Fn: &l.setThreadsFn, Optional: true},
+			{Name: "openblas_get_num_threads", Fn: &l.getThreadsFn, Optional: true},
+		}},
+		{BackendBLIS, "bli_info_get_version_str", []dynlib.Symbol{
+			{Name: "bli_thread_set_num_threads", Fn: &l.setThreads64, Optional: true},
+			{Name: "bli_thread_get_num_threads", Fn: &l.getThreads64, Optional: true},
+		}},
+	} {
+		if err := lib.Bind([]dynlib.Symbol{{Name: fam.config, Fn: &l.configFn, Optional: true}}); err != nil {
+			return nil, err
 		}
-		if s, err := purego.Dlsym(h, "openblas_get_num_threads"); err == nil {
-			purego.RegisterFunc(&l.getThreadsFn, s)
-		}
-	} else if sym, err := purego.Dlsym(h, "bli_info_get_version_str"); err == nil {
-		l.backend = BackendBLIS
-		purego.RegisterFunc(&l.configFn, sym)
-		if s, err := purego.Dlsym(h, "bli_thread_set_num_threads"); err == nil {
-			purego.RegisterFunc(&l.setThreads64, s)
-		}
-		if s, err := purego.Dlsym(h, "bli_thread_get_num_threads"); err == nil {
-			purego.RegisterFunc(&l.getThreads64, s)
+		if l.configFn != nil {
+			l.backend = fam.backend
+			if err := lib.Bind(fam.threads); err != nil {
+				return nil, err
+			}
+			break
 		}
 	}
 	return l, nil
@@ -151,38 +150,4 @@ func (l *cblasLib) dgemm(transA, transB bool, m, n, k int, alpha float64, a []fl
 	runtime.KeepAlive(a)
 	runtime.KeepAlive(b)
 	runtime.KeepAlive(c)
-}
-
-// mappedFile finds the file mapped at address addr in /proc/self/maps, so
-// that Name can report the real library behind a soname or symlink. It
-// returns "" when that is not possible.
-func mappedFile(addr uintptr) string {
-	f, err := os.Open("/proc/self/maps")
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		// start-end perms offset dev inode path
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 6 {
-			continue
-		}
-		lo, hi, ok := strings.Cut(fields[0], "-")
-		if !ok {
-			continue
-		}
-		start, err1 := strconv.ParseUint(lo, 16, 64)
-		end, err2 := strconv.ParseUint(hi, 16, 64)
-		if err1 != nil || err2 != nil || uint64(addr) < start || uint64(addr) >= end {
-			continue
-		}
-		p := strings.Join(fields[5:], " ")
-		if filepath.IsAbs(p) {
-			return p
-		}
-		return ""
-	}
-	return ""
 }

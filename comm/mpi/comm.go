@@ -9,6 +9,7 @@ import "C"
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -234,8 +235,8 @@ func (c *Comm) notifyLocked(cause error) {
 	}
 	buf := C.malloc(ctlBytes)
 	b := unsafe.Slice((*byte)(buf), ctlBytes)
-	putU64(b[0:], c.uid)
-	putU32(b[8:], uint32(len(msg)))
+	binary.LittleEndian.PutUint64(b[0:], c.uid)
+	binary.LittleEndian.PutUint32(b[8:], uint32(len(msg)))
 	copy(b[12:], msg)
 	for q := 0; q < c.size; q++ {
 		if q == c.rank {
@@ -272,12 +273,12 @@ func (c *Comm) pollCtlLocked() {
 	b := unsafe.Slice((*byte)(c.ctlBuf), ctlBytes)
 	var count C.int
 	C.MPI_Get_count(&st, C.loom_byte(), &count)
-	if count < 12 || getU64(b) != c.uid {
+	if count < 12 || binary.LittleEndian.Uint64(b) != c.uid {
 		// A notice for an earlier communicator that had this context id.
 		_ = c.postCtlLocked()
 		return
 	}
-	n := min(int(getU32(b[8:])), int(count)-12)
+	n := min(int(binary.LittleEndian.Uint32(b[8:])), int(count)-12)
 	cause := errors.New(string(b[12 : 12+n]))
 	c.abortLocked(&comm.AbortError{Rank: int(st.MPI_SOURCE), Cause: cause}, false)
 }
@@ -461,34 +462,6 @@ func callerSite() string {
 			return ""
 		}
 	}
-}
-
-func putU64(b []byte, v uint64) {
-	for i := range 8 {
-		b[i] = byte(v >> (8 * i))
-	}
-}
-
-func getU64(b []byte) uint64 {
-	var v uint64
-	for i := range 8 {
-		v |= uint64(b[i]) << (8 * i)
-	}
-	return v
-}
-
-func putU32(b []byte, v uint32) {
-	for i := range 4 {
-		b[i] = byte(v >> (8 * i))
-	}
-}
-
-func getU32(b []byte) uint32 {
-	var v uint32
-	for i := range 4 {
-		v |= uint32(b[i]) << (8 * i)
-	}
-	return v
 }
 
 // now is time.Now, kept separate for readability of deadline code.

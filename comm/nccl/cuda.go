@@ -1,6 +1,7 @@
 package nccl
 
 import (
+	"bytes"
 	"fmt"
 	"math"
 	"runtime"
@@ -72,7 +73,10 @@ func (d *Device) PCIBusID() (string, error) {
 	if rc := d.lib.cu.deviceGetPCIBusID(&buf[0], int32(len(buf)), d.dev); rc != 0 {
 		return "", fmt.Errorf("nccl: %s: %w", d.Name(), d.lib.cudaError("cuDeviceGetPCIBusId", rc))
 	}
-	return cstring(buf), nil
+	if i := bytes.IndexByte(buf, 0); i >= 0 {
+		buf = buf[:i]
+	}
+	return string(buf), nil
 }
 
 // Close releases the primary context (cuDevicePrimaryCtxRelease_v2). Later

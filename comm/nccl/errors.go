@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // ErrUnavailable is matched (errors.Is) by every error that means NCCL or
@@ -155,12 +156,7 @@ type Attempt struct {
 }
 
 // String formats the attempt as "cuda libcuda.so.1: ok" or with the reason.
-func (a Attempt) String() string {
-	if a.Err == nil {
-		return a.Library + " " + a.Name + ": ok"
-	}
-	return a.Library + " " + a.Name + ": " + a.Err.Error()
-}
+func (a Attempt) String() string { return dynlib.Attempt(a).String() }
 
 // LoadError is returned by Load when a library cannot be used. Tried lists
 // every candidate and why it failed. It matches ErrUnavailable, and the

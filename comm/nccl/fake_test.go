@@ -14,9 +14,8 @@ import (
 	"testing"
 	"unsafe"
 
-	"github.com/ebitengine/purego"
-
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // The tests in the *_fake_test.go files load testdata/fakenccl.c, built
@@ -79,23 +78,19 @@ func buildFake() (*fake, error) {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("building the fake NCCL: %v\n%s", err, out)
 	}
-	h, err := purego.Dlopen(lib, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	dl, err := dynlib.Open(lib)
 	if err != nil {
 		return nil, err
 	}
 	f := &fake{path: lib}
-	for name, fn := range map[string]any{
-		"fake_log_len": &f.logLen, "fake_log_copy": &f.logCopy, "fake_log_clear": &f.logClear, "fake_reset": &f.reset,
-		"fake_set_version": &f.setVersion, "fake_set_settle_polls": &f.setSettle,
-		"fake_set_abort_propagates": &f.setAbortPro, "fake_fail": &f.fail, "fake_set_async": &f.setAsync,
-		"fake_set_last_error": &f.setLastErr, "fake_live": &f.live, "fake_cfg_sizeof": &f.cfgSizeof,
-		"fake_cfg_offsetof": &f.cfgOffsetof, "fake_async_polls": &f.asyncPolls,
-	} {
-		sym, err := purego.Dlsym(h, name)
-		if err != nil {
-			return nil, err
-		}
-		purego.RegisterFunc(fn, sym)
+	if err := dl.Bind([]dynlib.Symbol{
+		{Name: "fake_log_len", Fn: &f.logLen}, {Name: "fake_log_copy", Fn: &f.logCopy}, {Name: "fake_log_clear", Fn: &f.logClear},
+		{Name: "fake_reset", Fn: &f.reset}, {Name: "fake_set_version", Fn: &f.setVersion}, {Name: "fake_set_settle_polls", Fn: &f.setSettle},
+		{Name: "fake_set_abort_propagates", Fn: &f.setAbortPro}, {Name: "fake_fail", Fn: &f.fail}, {Name: "fake_set_async", Fn: &f.setAsync},
+		{Name: "fake_set_last_error", Fn: &f.setLastErr}, {Name: "fake_live", Fn: &f.live}, {Name: "fake_cfg_sizeof", Fn: &f.cfgSizeof},
+		{Name: "fake_cfg_offsetof", Fn: &f.cfgOffsetof}, {Name: "fake_async_polls", Fn: &f.asyncPolls},
+	}); err != nil {
+		return nil, err
 	}
 	return f, nil
 }

@@ -2,9 +2,10 @@ package nccl
 
 import (
 	"fmt"
-	"os"
 	"strings"
 	"unsafe"
+
+	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // NCCLEnv names the environment variable that forces the NCCL library: a
@@ -49,20 +50,10 @@ func WithCUDA(spec string) LoadOption {
 	return func(c *loadConfig) { c.cuda, c.cudaSet = spec, true }
 }
 
-func (c *loadConfig) resolve() {
-	if !c.ncclSet {
-		c.nccl = strings.TrimSpace(os.Getenv(NCCLEnv))
-	}
-	if !c.cudaSet {
-		c.cuda = strings.TrimSpace(os.Getenv(CUDAEnv))
-	}
-}
-
-func candidates(spec string, defaults ...string) []string {
-	if spec != "" {
-		return []string{spec}
-	}
-	return defaults
+// specs returns the NCCL and CUDA driver specs: the options', else the
+// environment's.
+func (c *loadConfig) specs() (nccl, cuda dynlib.Spec) {
+	return dynlib.SpecFrom(c.nccl, c.ncclSet, NCCLEnv), dynlib.SpecFrom(c.cuda, c.cudaSet, CUDAEnv)
 }
 
 // cudaFns are the CUDA driver entry points (the _v2 names where cuda.h
@@ -156,7 +147,6 @@ func Load(opts ...LoadOption) (*Library, error) {
 			o(&cfg)
 		}
 	}
-	cfg.resolve()
 	l, err := open(cfg)
 	if err != nil {
 		return nil, err

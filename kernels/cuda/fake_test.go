@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ebitengine/purego"
+	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // These tests load testdata/fakecuda.cpp, built here with g++, as both the
@@ -41,20 +41,16 @@ func buildFake(t *testing.T) (string, *fakeCounters) {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building the fake driver (this compiles permute.cu as C++): %v\n%s", err, out)
 	}
-	h, err := purego.Dlopen(lib, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	dl, err := dynlib.Open(lib)
 	if err != nil {
 		t.Fatal(err)
 	}
 	f := &fakeCounters{}
-	for name, fn := range map[string]any{
-		"fake_live_allocs": &f.allocs, "fake_ctx_refs": &f.ctxRefs, "fake_modules": &f.modules,
-		"fake_events": &f.events, "fake_launches": &f.launches,
-	} {
-		sym, err := purego.Dlsym(h, name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		purego.RegisterFunc(fn, sym)
+	if err := dl.Bind([]dynlib.Symbol{
+		{Name: "fake_live_allocs", Fn: &f.allocs}, {Name: "fake_ctx_refs", Fn: &f.ctxRefs}, {Name: "fake_modules", Fn: &f.modules},
+		{Name: "fake_events", Fn: &f.events}, {Name: "fake_launches", Fn: &f.launches},
+	}); err != nil {
+		t.Fatal(err)
 	}
 	return lib, f
 }

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // DriverEnv names the environment variable that forces the CUDA driver
@@ -54,12 +56,7 @@ type Attempt struct {
 
 // String formats the attempt as "driver libcuda.so.1: <reason>" or
 // "driver libcuda.so.1: ok".
-func (a Attempt) String() string {
-	if a.Err == nil {
-		return a.Library + " " + a.Name + ": ok"
-	}
-	return a.Library + " " + a.Name + ": " + a.Err.Error()
-}
+func (a Attempt) String() string { return dynlib.Attempt(a).String() }
 
 // LoadError is returned by [Load] when a library that is needed cannot be
 // loaded. Tried lists every candidate of every library and why it failed.
@@ -250,7 +247,7 @@ type Lib struct {
 
 	mu     sync.RWMutex
 	closed bool
-	rtcH   uintptr
+	rtcLib *dynlib.Library // NVRTC, closed by Close; nil when off
 }
 
 // Load opens the CUDA driver and NVRTC as configured by opts, [DriverEnv]
@@ -265,46 +262,22 @@ func Load(opts ...Option) (*Lib, error) {
 			o(&c)
 		}
 	}
-	if !c.driverSet {
-		c.driver = os.Getenv(DriverEnv)
-	}
-	if !c.nvrtcSet {
-		c.nvrtc = os.Getenv(NVRTCEnv)
-	}
 	l := &Lib{}
-	if !strings.EqualFold(c.driver, Off) {
-		names, forced := DriverCandidates(), c.driver != ""
-		if forced {
-			names = []string{c.driver}
+	if driver := dynlib.SpecFrom(c.driver, c.driverSet, DriverEnv); !driver.Off() {
+		f, lib, tried, err := dynlib.First(driver.Search("driver", DriverCandidates()...), openDriver)
+		l.tried = append(l.tried, dynlib.AttemptsAs[Attempt](tried)...)
+		if err != nil {
+			return nil, &LoadError{Library: "driver", Forced: driver.Forced(), Tried: l.tried}
 		}
-		for _, n := range names {
-			f, path, err := openDriver(n)
-			l.tried = append(l.tried, Attempt{Library: "driver", Name: n, Err: err})
-			if err == nil {
-				l.drv, l.driverPath = f, path
-				break
-			}
-		}
-		if l.drv == nil {
-			return nil, &LoadError{Library: "driver", Forced: forced, Tried: l.tried}
-		}
+		l.drv, l.driverPath = f, lib.Path("cuInit")
 	}
-	if !strings.EqualFold(c.nvrtc, Off) {
-		names, forced := NVRTCCandidates(), c.nvrtc != ""
-		if forced {
-			names = []string{c.nvrtc}
+	if nvrtc := dynlib.SpecFrom(c.nvrtc, c.nvrtcSet, NVRTCEnv); !nvrtc.Off() {
+		f, lib, tried, err := dynlib.First(nvrtc.Search("nvrtc", NVRTCCandidates()...), openNVRTC)
+		l.tried = append(l.tried, dynlib.AttemptsAs[Attempt](tried)...)
+		if err != nil {
+			return nil, &LoadError{Library: "nvrtc", Forced: nvrtc.Forced(), Tried: l.tried}
 		}
-		for _, n := range names {
-			f, h, path, err := openNVRTC(n)
-			l.tried = append(l.tried, Attempt{Library: "nvrtc", Name: n, Err: err})
-			if err == nil {
-				l.rtc, l.rtcH, l.nvrtcPath = f, h, path
-				break
-			}
-		}
-		if l.rtc == nil {
-			return nil, &LoadError{Library: "nvrtc", Forced: forced, Tried: l.tried}
-		}
+		l.rtc, l.rtcLib, l.nvrtcPath = f, lib, lib.Path("nvrtcVersion")
 	}
 	if l.drv != nil {
 		if err := l.cuCheck("cuInit", l.drv.cuInit(0), "initialising the driver"); err != nil {
@@ -338,8 +311,8 @@ func (l *Lib) Close() error {
 		return nil
 	}
 	l.closed = true
-	if l.rtcH != 0 {
-		if err := closeLib(l.rtcH); err != nil {
+	if l.rtcLib != nil {
+		if err := l.rtcLib.Close(); err != nil {
 			return fmt.Errorf("cuda: closing NVRTC %s: %w", l.nvrtcPath, err)
 		}
 	}
