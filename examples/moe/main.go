@@ -1,0 +1,520 @@
+// Command moe trains a small byte-level transformer whose MLPs are
+// mixture-of-experts layers with expert parallelism (EP): dp × ep
+// in-process ranks (goroutines exchanging data through shared memory),
+// the batch rows sharded over both axes, every MoE layer's experts
+// sharded over ep (each rank owns E/ep of them), and the token copies
+// moved to their experts and back by one all-to-all-v each way.
+// Attention, embedding, norm and router weights are replicated; their
+// gradients are all-reduced over ep by DDP (overlapping backward) and
+// over dp, the experts' over dp. The model is internal/moegpt
+// (D=64, H=4, L=2, E=8 experts of width 128, top-2, 16 sequences of 64
+// bytes of the tiny GPT's corpus), trained with AdamW from a random init.
+//
+// Usage:
+//
+//	go run ./examples/moe [-dp 1] [-ep 4] [-steps 100] [-every 10]
+//	                      [-capacity 0] [-diag] [-experts 8] [-topk 2]
+//	                      [-trace trace.json] [-json run.json] [-compare]
+//
+// Every -every steps rank 0 prints the loss (with the load-balancing and
+// z-losses), tokens/s, the balance of every layer (largest tokens per
+// expert over the mean, and its aux loss), the dropped and padded
+// fractions of the token slots, and the MoE time of rank 0 summed over
+// the interval and the layers, forward and backward, split into permute
+// (the local row moves of dispatch), count exchange, payload exchange
+// (the all-to-all-v's), experts and combine (its local row moves).
+// -diag adds, for the interval's last step, each layer's send-count
+// matrix (rows a rank sends to each rank, within rank 0's ep group),
+// its largest row and column, and the tokens per expert.
+//
+// -capacity 0 is dropless routing (the ragged layout, exact counts
+// exchanged every layer); a positive value is a capacity factor: every
+// expert keeps at most ⌈factor·n·K/E⌉ of a rank's n tokens, and dispatch
+// pads every expert's rows to that capacity (the static layout of GShard
+// and Megatron's moe_pad_expert_input_to_capacity; -pad=false keeps the
+// ragged layout with drops only).
+//
+// -trace writes a Chrome trace of every rank's compute, collectives and
+// waits over the last -trace-steps steps (open it at https://ui.perfetto.dev);
+// -json writes the run's summary; -compare also trains on one rank with
+// the same init and batches and reports the largest loss and parameter
+// differences. Dropless routing picks the same experts on any layout, so
+// the runs differ by float32 rounding (about 1e-7 in the loss) until
+// rounding flips a near-tie in some token's top-k choice; from then on
+// they drift apart, and -compare names the first step whose loss differs
+// by more than 1e-5.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"os/signal"
+	"runtime"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/internal/moegpt"
+	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/moe"
+	"github.com/b7ea7098/loom/trace"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "moe:", err)
+		os.Exit(1)
+	}
+}
+
+type options struct {
+	dp, ep       int
+	steps, every int
+	capacity     float64
+	pad          bool
+	diag         bool
+	experts, k   int
+	seed         uint64
+	threads      int
+	tracePath    string
+	traceSteps   int
+	jsonPath     string
+	compare      bool
+}
+
+// result is what -json writes.
+type result struct {
+	DP         int       `json:"dp"`
+	EP         int       `json:"ep"`
+	Experts    int       `json:"experts"`
+	K          int       `json:"k"`
+	Capacity   float64   `json:"capacity_factor"`
+	Steps      int       `json:"steps"`
+	TokensPerS float64   `json:"tokens_per_s"`
+	FinalLoss  float64   `json:"final_loss"`
+	FinalCE    float64   `json:"final_ce"`
+	Losses     []float64 `json:"losses"`
+	CE         []float64 `json:"ce"`
+	Aux        []float64 `json:"aux"`
+	// Balance, Dropped and Padded are per step, the worst layer's.
+	Balance []float64 `json:"balance"`
+	Dropped []float64 `json:"dropped_fraction"`
+	Padded  []float64 `json:"padded_fraction"`
+	// TimeUS is rank 0's MoE time over the whole run, forward and
+	// backward, all layers, in microseconds.
+	TimeUS map[string]float64 `json:"moe_time_us"`
+	// LossDiff and ParamDiff are -compare's largest differences from the
+	// one-rank run.
+	LossDiff  *float64 `json:"compare_loss_diff,omitempty"`
+	ParamDiff *float64 `json:"compare_param_diff,omitempty"`
+}
+
+func parse(args []string, errOut io.Writer) (options, error) {
+	var o options
+	fs := flag.NewFlagSet("moe", flag.ContinueOnError)
+	fs.SetOutput(errOut)
+	fs.IntVar(&o.dp, "dp", 1, "data-parallel ranks (the batch is sharded over dp × ep)")
+	fs.IntVar(&o.ep, "ep", 4, "expert-parallel ranks (each owns experts/ep experts)")
+	fs.IntVar(&o.steps, "steps", 100, "training steps")
+	fs.IntVar(&o.every, "every", 10, "print progress every this many steps")
+	fs.Float64Var(&o.capacity, "capacity", 0, "expert capacity factor (0: dropless)")
+	fs.BoolVar(&o.pad, "pad", true, "with -capacity, pad every expert's rows to the capacity (static layout)")
+	fs.BoolVar(&o.diag, "diag", false, "also print the send-count matrix and tokens per expert")
+	fs.IntVar(&o.experts, "experts", 0, "experts per layer (default 8)")
+	fs.IntVar(&o.k, "topk", 0, "experts per token (default 2)")
+	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init")
+	fs.IntVar(&o.threads, "threads", 0, "GEMM threads per rank (default: the CPUs shared among the ranks)")
+	fs.StringVar(&o.tracePath, "trace", "", "write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file")
+	fs.IntVar(&o.traceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
+	fs.StringVar(&o.jsonPath, "json", "", "write the run's summary as JSON to this file")
+	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest differences")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	switch {
+	case o.dp < 1 || o.ep < 1 || o.every < 1:
+		return o, errors.New("-dp, -ep and -every must be at least 1")
+	case o.steps < 1:
+		return o, errors.New("-steps must be at least 1")
+	case o.threads < 0 || o.experts < 0 || o.k < 0:
+		return o, errors.New("-threads, -experts and -topk must not be negative")
+	case o.capacity < 0 || math.IsNaN(o.capacity) || math.IsInf(o.capacity, 0):
+		return o, errors.New("-capacity must be 0 (dropless) or a positive capacity factor")
+	case o.traceSteps < 1:
+		return o, errors.New("-trace-steps must be at least 1")
+	}
+	return o, nil
+}
+
+// config is the model configuration the options ask for.
+func config(o options) moegpt.Config {
+	cfg := moegpt.Default()
+	if o.experts > 0 {
+		cfg.E = o.experts
+	}
+	if o.k > 0 {
+		cfg.K = o.k
+	}
+	cfg.CapacityFactor = o.capacity
+	cfg.Pad = o.capacity > 0 && o.pad
+	return cfg
+}
+
+func run(ctx context.Context, args []string, out io.Writer) error {
+	o, err := parse(args, out)
+	if err != nil {
+		return err
+	}
+	return runConfig(ctx, config(o), o, out)
+}
+
+// runConfig trains cfg as o says and reports; tests call it with small
+// configurations.
+func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	if cfg.E%o.ep != 0 {
+		return fmt.Errorf("%d experts do not divide over -ep %d ranks", cfg.E, o.ep)
+	}
+	if cfg.B%(o.dp*o.ep) != 0 {
+		return fmt.Errorf("the batch of %d sequences does not split over dp × ep = %d ranks", cfg.B, o.dp*o.ep)
+	}
+	routing := "dropless"
+	if cfg.CapacityFactor > 0 {
+		routing = fmt.Sprintf("capacity factor %g", cfg.CapacityFactor)
+		if cfg.Pad {
+			routing += ", padded to capacity"
+		}
+	}
+	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) on dp=%d × ep=%d in-process ranks, %d steps\n",
+		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), cfg.B, cfg.T, o.dp, o.ep, o.steps)
+	init := moegpt.RandomInit(cfg, o.seed)
+
+	res, params, err := train(ctx, cfg, init, o, out)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "final loss %.6f (cross-entropy %.6f), median %.0f tokens/s\n", res.FinalLoss, res.FinalCE, res.TokensPerS)
+
+	if o.compare {
+		one := o
+		one.dp, one.ep, one.tracePath = 1, 1, ""
+		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.steps)
+		ref, refParams, err := train(ctx, cfg, init, one, io.Discard)
+		if err != nil {
+			return fmt.Errorf("one-rank run: %w", err)
+		}
+		var dl, dp float64
+		apart := 0 // the first step whose losses differ by more than 1e-5
+		for i := range res.Losses {
+			d := math.Abs(res.Losses[i] - ref.Losses[i])
+			dl = max(dl, d)
+			if d > 1e-5 && apart == 0 {
+				apart = i + 1
+			}
+		}
+		for name, w := range refParams {
+			for i, v := range params[name] {
+				dp = max(dp, math.Abs(float64(v)-float64(w[i])))
+			}
+		}
+		res.LossDiff, res.ParamDiff = &dl, &dp
+		fmt.Fprintf(out, "largest loss difference %.3g, largest parameter difference %.3g; one rank: %.0f tokens/s (this layout %.2f×)\n",
+			dl, dp, ref.TokensPerS, res.TokensPerS/ref.TokensPerS)
+		if apart > 0 {
+			fmt.Fprintf(out, "the losses first differ by more than 1e-5 at step %d (rounding flipped a near-tie in the routing, or the capacity limit dropped other slots)\n", apart)
+		}
+		if cfg.CapacityFactor > 0 && o.dp*o.ep > 1 {
+			fmt.Fprintln(out, "(the capacity limit applies to each rank's tokens, so it drops other slots than on one rank: the runs differ by more than rounding)")
+		}
+	}
+	if o.jsonPath != "" {
+		b, err := json.MarshalIndent(res, "", "  ")
+		if err != nil {
+			return fmt.Errorf("-json: %w", err)
+		}
+		if err := os.WriteFile(o.jsonPath, append(b, '\n'), 0o644); err != nil {
+			return fmt.Errorf("-json: %w", err)
+		}
+	}
+	return nil
+}
+
+// interval accumulates rank 0's MoE times between two progress lines.
+type interval struct {
+	steps int
+	start time.Time
+	t     moe.Timings
+}
+
+func (iv *interval) add(r *moegpt.StepResult) {
+	iv.steps++
+	for _, l := range r.Layers {
+		iv.t = addTimings(iv.t, l.Dispatch.Forward)
+		iv.t = addTimings(iv.t, l.Dispatch.Backward)
+	}
+}
+
+func addTimings(a, b moe.Timings) moe.Timings {
+	a.Permute += b.Permute
+	a.CountExchange += b.CountExchange
+	a.PayloadExchange += b.PayloadExchange
+	a.Experts += b.Experts
+	a.Combine += b.Combine
+	return a
+}
+
+// train runs o.steps steps on a dp × ep mesh and returns the results and
+// the final parameters. Rank 0 prints progress to out.
+func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
+	ranks := o.dp * o.ep
+	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor, Steps: o.steps}
+	// The ranks share the machine's cores: one BLAS whose thread pool is
+	// sized so that ranks × threads ≈ CPUs.
+	threads := o.threads
+	if threads == 0 {
+		threads = max(1, runtime.NumCPU()/ranks)
+	}
+	blas, err := kernels.Load(kernels.WithThreads(threads))
+	if err != nil {
+		return nil, nil, fmt.Errorf("GEMM library: %w", err)
+	}
+	fmt.Fprintf(out, "GEMM: %s, %d thread(s) per rank\n", blas.Config(), blas.Threads())
+	var (
+		mu     sync.Mutex
+		params map[string][]float32
+	)
+	tokens := float64(cfg.B * cfg.T)
+	var tl *trace.Timeline // nil: not tracing
+	if o.tracePath != "" {
+		tl = trace.NewTimeline()
+	}
+	firstTraced := max(1, o.steps-o.traceSteps+1)
+	err = local.Run(ctx, ranks, func(ctx context.Context, c comm.Communicator) error {
+		rank := c.Rank()
+		c = trace.Comm(c, tl, rank)
+		m, err := mesh.New(c, []int{o.dp, o.ep}, []string{"dp", "ep"})
+		if err != nil {
+			return err
+		}
+		tape := []autograd.Option{autograd.WithBLAS(blas)}
+		var tracing atomic.Bool
+		if tl != nil {
+			observe := tl.TapeObserver(rank)
+			tape = append(tape, autograd.WithObserver(func(op, phase string, start, end time.Time) {
+				if tracing.Load() {
+					observe(op, phase, start, end)
+				}
+			}))
+		}
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, moegpt.TrainOptions{
+			Options: moegpt.Options{DP: "dp", EP: "ep", BLAS: blas, Diagnostics: o.diag},
+			Tape:    tape,
+		})
+		if err != nil {
+			return err
+		}
+		rs := make([]*moegpt.StepResult, 0, o.steps)
+		stepTimes := make([]time.Duration, 0, o.steps)
+		var total moe.Timings
+		start := time.Now()
+		iv := interval{start: start}
+		for i := range o.steps {
+			if tl != nil && i+1 == firstTraced {
+				// Keep only the last steps: every rank arrives, rank 0
+				// drops what was recorded so far, and all start together.
+				if err := comm.Barrier(ctx, c); err != nil {
+					return err
+				}
+				if rank == 0 {
+					tl.Reset()
+				}
+				if err := comm.Barrier(ctx, c); err != nil {
+					return err
+				}
+				tracing.Store(true)
+			}
+			span := tl.Begin(rank, fmt.Sprintf("step %d", i+1))
+			t0 := time.Now()
+			r, err := tr.Step(ctx)
+			span.End()
+			if err != nil {
+				return err
+			}
+			stepTimes = append(stepTimes, time.Since(t0))
+			rs = append(rs, r)
+			iv.add(r)
+			if m.Rank() != 0 || (r.Step%o.every != 0 && r.Step != o.steps) {
+				continue
+			}
+			now := time.Now()
+			report(out, r, &iv, now.Sub(iv.start), tokens, o.diag)
+			total = addTimings(total, iv.t)
+			iv = interval{start: now}
+		}
+		elapsed := time.Since(start)
+		full, err := tr.Full(ctx)
+		if err != nil {
+			return err
+		}
+		if m.Rank() != 0 {
+			return nil
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		for _, r := range rs {
+			res.Losses = append(res.Losses, r.Loss)
+			res.CE = append(res.CE, r.CE)
+			res.Aux = append(res.Aux, r.Aux)
+			var bal, drop, pad float64
+			for _, l := range r.Layers {
+				bal, drop, pad = max(bal, l.Balance()), max(drop, l.DroppedFraction()), max(pad, l.PaddedFraction())
+			}
+			res.Balance = append(res.Balance, bal)
+			res.Dropped = append(res.Dropped, drop)
+			res.Padded = append(res.Padded, pad)
+		}
+		last := rs[len(rs)-1]
+		res.FinalLoss, res.FinalCE = last.Loss, last.CE
+		// Median step time: robust to a noisy machine's outliers.
+		sort.Slice(stepTimes, func(i, j int) bool { return stepTimes[i] < stepTimes[j] })
+		res.TokensPerS = tokens / stepTimes[len(stepTimes)/2].Seconds()
+		us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+		res.TimeUS = map[string]float64{
+			"permute": us(total.Permute), "count_exchange": us(total.CountExchange),
+			"payload_exchange": us(total.PayloadExchange), "experts": us(total.Experts), "combine": us(total.Combine),
+		}
+		params = full
+		fmt.Fprintf(out, "%d steps in %v\n", o.steps, elapsed.Round(time.Millisecond))
+		return nil
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	if tl != nil {
+		if err := writeTrace(out, tl, o); err != nil {
+			return nil, nil, err
+		}
+	}
+	return res, params, nil
+}
+
+// report prints one progress block: the step's losses and balance, the
+// interval's throughput and time split, and with diag the step's send
+// matrices.
+func report(out io.Writer, r *moegpt.StepResult, iv *interval, wall time.Duration, tokens float64, diag bool) {
+	fmt.Fprintf(out, "step %4d  loss %.4f (ce %.4f aux %.4f z %.4f)  %6.0f tokens/s\n",
+		r.Step, r.Loss, r.CE, r.Aux, r.Z, float64(iv.steps)*tokens/wall.Seconds())
+	var bal, drop, pad []string
+	for _, l := range r.Layers {
+		bal = append(bal, fmt.Sprintf("%.2f (aux %.4f)", l.Balance(), l.Aux))
+		drop = append(drop, fmt.Sprintf("%.1f%%", 100*l.DroppedFraction()))
+		pad = append(pad, fmt.Sprintf("%.1f%%", 100*l.PaddedFraction()))
+	}
+	fmt.Fprintf(out, "           balance max/mean per layer %s; dropped %s; padded %s\n",
+		strings.Join(bal, ", "), strings.Join(drop, " "), strings.Join(pad, " "))
+	t := iv.t
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.1fms", float64(d)/float64(time.Millisecond)) }
+	fmt.Fprintf(out, "           moe time (rank 0, %d step(s), fwd+bwd): permute %s  count exchange %s  payload exchange %s  experts %s  combine %s  = %s of %s\n",
+		iv.steps, ms(t.Permute), ms(t.CountExchange), ms(t.PayloadExchange), ms(t.Experts), ms(t.Combine), ms(t.Total()), ms(wall))
+	if !diag {
+		return
+	}
+	for i, l := range r.Layers {
+		s := l.Dispatch
+		if s.SendMatrix == nil {
+			fmt.Fprintf(out, "           layer %d: no send matrix (static layout without the count exchange)\n", i)
+			continue
+		}
+		fmt.Fprintf(out, "           layer %d: send matrix (rows rank i sends to rank j, ep group of rank 0) %v; largest row %d, largest column %d; tokens per expert %v\n",
+			i, s.SendMatrix, s.MaxSend, s.MaxRecv, s.TokensPerExpert)
+	}
+}
+
+// writeTrace writes the Chrome trace and reports, per rank, how much of
+// the gradient all-reduces was hidden behind the tape's compute, and the
+// time of the MoE all-to-all-v's (which run inside the dispatch and
+// combine ops, so nothing hides them).
+func writeTrace(out io.Writer, tl *trace.Timeline, o options) error {
+	if err := tl.WriteChromeFile(o.tracePath); err != nil {
+		return fmt.Errorf("-trace: %w", err)
+	}
+	fmt.Fprintf(out, "trace of the last %d step(s) written to %s (open it at https://ui.perfetto.dev or chrome://tracing)\n", min(o.traceSteps, o.steps), o.tracePath)
+	if o.dp*o.ep < 2 {
+		return nil
+	}
+	events := tl.Events()
+	for rank := range o.dp * o.ep {
+		ar, hidden := hiddenComm(events, rank, comm.OpAllReduce)
+		a2a, _ := hiddenComm(events, rank, comm.OpAllToAllV)
+		frac := 0.0
+		if ar > 0 {
+			frac = float64(hidden) / float64(ar)
+		}
+		fmt.Fprintf(out, "rank %d: all-reduce %v, %.0f%% hidden behind compute; all-to-all-v %v\n", rank,
+			ar.Round(time.Microsecond), 100*frac, a2a.Round(time.Microsecond))
+	}
+	return nil
+}
+
+// hiddenComm returns the length of the union of rank's comm events of op
+// and the part of it covered by the tape's compute events (forward,
+// backward and hooks; the hand-made step spans, which cover everything,
+// do not count).
+func hiddenComm(events []trace.Event, rank int, op comm.Op) (total, hidden time.Duration) {
+	var cm, cp []span
+	for _, e := range events {
+		switch {
+		case e.Rank != rank:
+		case e.Lane == trace.LaneComm && e.Op == op:
+			cm = append(cm, span{e.Start, e.End})
+		case e.Lane == trace.LaneCompute && e.Cat != "":
+			cp = append(cp, span{e.Start, e.End})
+		}
+	}
+	cm, cp = union(cm), union(cp)
+	for _, c := range cm {
+		total += c.hi - c.lo
+		for _, k := range cp {
+			if lo, hi := max(c.lo, k.lo), min(c.hi, k.hi); hi > lo {
+				hidden += hi - lo
+			}
+		}
+	}
+	return total, hidden
+}
+
+// span is the half-open time span [lo, hi).
+type span struct{ lo, hi time.Duration }
+
+// union sorts spans and merges the overlapping ones.
+func union(s []span) []span {
+	sort.Slice(s, func(i, j int) bool { return s[i].lo < s[j].lo })
+	var out []span
+	for _, v := range s {
+		if n := len(out); n > 0 && v.lo <= out[n-1].hi {
+			out[n-1].hi = max(out[n-1].hi, v.hi)
+			continue
+		}
+		out = append(out, v)
+	}
+	return out
+}

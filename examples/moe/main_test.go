@@ -1,0 +1,108 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/b7ea7098/loom/internal/moegpt"
+)
+
+// tiny is a configuration that trains a few steps in milliseconds.
+func tiny() moegpt.Config {
+	c := moegpt.Default()
+	c.D, c.H, c.L, c.T, c.B = 16, 2, 2, 16, 8
+	c.E, c.K, c.Hd = 4, 2, 16
+	c.LR = 1e-2
+	return c
+}
+
+// TestTrains runs a few steps of the tiny model on one rank, on ep = 2 and
+// on dp = 2 × ep = 2, and checks that the loss falls and that the layouts
+// agree with one rank (dropless routing: only float32 rounding differs).
+func TestTrains(t *testing.T) {
+	ctx := context.Background()
+	const steps = 12
+	var ref *result
+	for _, l := range []struct{ dp, ep int }{{1, 1}, {1, 2}, {2, 2}} {
+		o := options{dp: l.dp, ep: l.ep, steps: steps, every: steps, threads: 1, traceSteps: 1}
+		res, params, err := train(ctx, tiny(), moegpt.RandomInit(tiny(), 3), o, io.Discard)
+		if err != nil {
+			t.Fatalf("dp=%d ep=%d: %v", l.dp, l.ep, err)
+		}
+		if len(res.CE) != steps || len(params) != len(tiny().Params()) {
+			t.Fatalf("dp=%d ep=%d: %d losses, %d parameters", l.dp, l.ep, len(res.CE), len(params))
+		}
+		// ln 256 ≈ 5.5 at the start; a dozen AdamW steps at lr 1e-2
+		// learn the byte frequencies, well over half a nat.
+		if first, last := res.CE[0], res.CE[steps-1]; !(last < first-0.5) {
+			t.Errorf("dp=%d ep=%d: cross-entropy %v -> %v: the loss did not fall", l.dp, l.ep, first, last)
+		}
+		t.Logf("dp=%d ep=%d: cross-entropy %.4f -> %.4f", l.dp, l.ep, res.CE[0], res.CE[steps-1])
+		if ref == nil {
+			ref = res
+			continue
+		}
+		for s := range steps {
+			if d := res.Losses[s] - ref.Losses[s]; d > 1e-4 || d < -1e-4 {
+				t.Errorf("dp=%d ep=%d step %d: loss %v, one rank %v", l.dp, l.ep, s+1, res.Losses[s], ref.Losses[s])
+			}
+		}
+	}
+}
+
+// TestRun drives the command through its flags: ep = 2 with a capacity
+// factor, -diag, -json, -trace and -compare, on the tiny model's default
+// sizes for two steps.
+func TestRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("trains the default model for two steps, twice")
+	}
+	dir := t.TempDir()
+	js, tr := filepath.Join(dir, "run.json"), filepath.Join(dir, "trace.json")
+	var out bytes.Buffer
+	args := []string{"-ep", "2", "-steps", "2", "-every", "1", "-capacity", "1.5", "-diag", "-threads", "1",
+		"-json", js, "-trace", tr, "-trace-steps", "1", "-compare"}
+	if err := run(context.Background(), args, &out); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	for _, want := range []string{"step    2", "balance max/mean", "padded", "payload exchange", "send matrix", "largest loss difference", "all-to-all-v"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	b, err := os.ReadFile(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var res result
+	if err := json.Unmarshal(b, &res); err != nil {
+		t.Fatal(err)
+	}
+	if res.EP != 2 || len(res.Losses) != 2 || res.LossDiff == nil || res.TimeUS["payload_exchange"] <= 0 {
+		t.Errorf("-json wrote %s", b)
+	}
+	if fi, err := os.Stat(tr); err != nil || fi.Size() == 0 {
+		t.Errorf("-trace: %v", err)
+	}
+}
+
+func TestParse(t *testing.T) {
+	for _, args := range [][]string{{"-ep", "0"}, {"-steps", "0"}, {"-capacity", "-1"}, {"extra"}, {"-trace-steps", "0"}} {
+		if _, err := parse(args, io.Discard); err == nil {
+			t.Errorf("parse(%q) accepted", args)
+		}
+	}
+	o, err := parse(nil, io.Discard)
+	if err != nil || o.dp != 1 || o.ep != 4 || o.steps != 100 || o.capacity != 0 {
+		t.Errorf("defaults: %+v, %v", o, err)
+	}
+	if err := runConfig(context.Background(), tiny(), options{dp: 1, ep: 3, steps: 1, every: 1}, io.Discard); err == nil {
+		t.Error("4 experts over 3 ranks accepted")
+	}
+}

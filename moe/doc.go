@@ -1,0 +1,78 @@
+// Package moe is loom's mixture-of-experts layer (DESIGN.md §1, §3): the
+// router, the Routed dispatch and combine that move token rows to the ranks
+// owning their experts and back, grouped experts, and the load-balancing
+// losses.
+//
+// # Router
+//
+// A Router holds the router weight Wr [E, D] (a parameter, no bias,
+// Replicate on every mesh axis) and a RouterConfig. Router.Route takes this
+// rank's tokens x [n, D], laid out Shard(0) on the token-sharding mesh axes
+// (say "ep" and "dp") and Replicate on the others, and returns a Routing:
+// for every local token its K experts in descending score (−1 for a slot
+// dropped by the capacity limit), the differentiable gate weights [N, K]
+// laid out like the token rows, the auxiliary losses as scalars that are
+// Partial(sum) on the token-sharding axes, and the global tokens per expert.
+//
+// The forward pass, for token t with logits z_t = Wr·x_t:
+//
+//	p_t      = softmax(z_t)  or  σ(z_t)             # scores, [E]
+//	e_t1..K  = the K largest p_t[e] + b[e]           # b: expert bias, selection only
+//	           (descending; equal values: lower expert index first;
+//	            optionally only inside the TopGroups best of NumGroups groups)
+//	q_tj     = p_t[e_tj]
+//	g_tj     = s·q_tj / Σ_i q_ti   (Renormalize)  or  s·q_tj,  s = GateScale
+//	g_tj     = 0 for a slot dropped by the capacity limit
+//
+// With AuxCoef α and ZCoef β the Switch/GShard load-balancing loss and the
+// ST-MoE z-loss over the N global tokens are
+//
+//	aux = α · E · Σ_e f_e · P_e,  f_e = c_e/(N·K) (a constant),  P_e = (1/N)·Σ_t p_t[e]
+//	z   = β · (1/N) · Σ_t (log Σ_e exp z_t[e])²
+//
+// where c_e counts the slots that selected expert e (before the capacity
+// limit) and, for sigmoid scores, P uses σ(z_t) normalised to sum to 1
+// over the experts (as Megatron does). Gradients reach Wr and x through the gates (the renormalisation
+// and the score function), through P_e and through the log-sum-exp, exactly
+// as in ../shared/reference/MOE_LAYER.md §4; the choice of experts and the
+// counts carry no gradient.
+//
+// # Distribution
+//
+// The router communicates once per Route: one all-reduce(sum) of a few
+// per-expert int64 counts over the token-sharding axes (nothing when they
+// span a single rank), after every argument has been checked. Everything
+// else is local: the logits are an autograd.Linear of the sharded tokens
+// with the replicated weight, and the gates and losses are local functions
+// (autograd.LocalFunc) with declared gradient placements, so the weight's
+// gradient is Partial(sum) on the token-sharding axes, to be reduced by data
+// parallelism like any replicated parameter's.
+//
+// The capacity limit is applied per rank over its local tokens, as Megatron
+// does: capacity = ⌈CapacityFactor · n·K / E⌉ for the rank's n tokens,
+// so token dropping (unlike dropless routing) depends on how the tokens are
+// sharded. Dropless routing (the default) gives the same routing, gates and
+// losses whatever the sharding.
+//
+// # Precision
+//
+// The router computes in the dtype of x and Wr, float32 or float64 (the
+// only dtypes of loom's local tensors), so it never runs below float32:
+// float32 inputs give the float32 arithmetic of the reference
+// (MOE_LAYER.md), float64 inputs Megatron's router_dtype fp64. Scores are
+// rounded to that dtype before selection, as the reference selects on
+// float32 probabilities; sums (softmax denominators, log-sum-exp, the
+// losses) accumulate in float64.
+//
+// The package holds no mutable global state; a Router's expert bias is
+// the only state it keeps, and the training loop updates it explicitly
+// (Router.UpdateExpertBias).
+package moe
+
+import "errors"
+
+// ErrInvalid marks arguments rejected before any data moved: a bad
+// configuration, a nil router or value, shapes or placements that do not
+// fit, counts of the wrong length. Test for it with errors.Is; errors from
+// autograd, placement and comm are wrapped unchanged beside it.
+var ErrInvalid = errors.New("moe: invalid argument")
