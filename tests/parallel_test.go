@@ -132,11 +132,16 @@ func BenchmarkLayouts(b *testing.B) {
 	cfg := tinygpt.Default()
 	init := gpt.RandomInit(cfg, 1)
 	for _, l := range []struct {
-		dp, tp int
-		sp     bool
-	}{{1, 1, false}, {2, 1, false}, {1, 2, false}, {1, 2, true}, {2, 2, false}} {
-		b.Run(fmt.Sprintf("dp=%d,tp=%d,sp=%v", l.dp, l.tp, l.sp), func(b *testing.B) {
-			bl, err := kernels.Load(kernels.WithThreads(max(1, runtime.NumCPU()/(l.dp*l.tp))))
+		dp, tp  int
+		sp      bool
+		threads int // GEMM threads per rank; 0: CPUs / ranks
+	}{{1, 1, false, 0}, {1, 1, false, 1}, {2, 1, false, 0}, {1, 2, false, 0}, {1, 2, true, 0}, {2, 2, false, 0}} {
+		threads := l.threads
+		if threads == 0 {
+			threads = max(1, runtime.NumCPU()/(l.dp*l.tp))
+		}
+		b.Run(fmt.Sprintf("dp=%d,tp=%d,sp=%v,threads=%d", l.dp, l.tp, l.sp, threads), func(b *testing.B) {
+			bl, err := kernels.Load(kernels.WithThreads(threads))
 			if err != nil {
 				b.Fatal(err)
 			}
