@@ -45,7 +45,9 @@ type Trainer struct {
 
 // NewTrainer builds the model from init on m, parallelizes it as opts say,
 // and prepares DDP and AdamW (cfg's hyper-parameters). It is collective
-// over m.
+// over m. A tensor-parallel axis of size 1 leaves the model replicated: the
+// plan would only add no-op redistributions and the slower vocab-parallel
+// cross-entropy.
 func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[string][]float32, opts TrainOptions) (*Trainer, error) {
 	tape := autograd.NewTape(opts.Tape...)
 	md, err := New(tape, m, cfg, init)
@@ -74,11 +76,11 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[
 	for i := range tr.places {
 		tr.places[i] = placement.Replicate()
 	}
-	if opts.TP != "" {
+	if i := slices.Index(names, opts.TP); i >= 0 && m.Shape()[i] > 1 {
 		if err := parallel.Parallelize(ctx, md, opts.TP, Plan(opts.SP)); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
-	} else if opts.SP {
+	} else if opts.TP == "" && opts.SP {
 		return nil, fmt.Errorf("gpt: trainer: sequence parallelism needs a tensor-parallel axis (TP is empty)")
 	}
 	if i := slices.Index(names, opts.DP); opts.DP != "" && i >= 0 {
