@@ -15,7 +15,9 @@
 // Softmax, LogSoftmax, CausalSoftmax, LayerNorm, Embedding, CrossEntropy
 // and CausalAttention; integer ids and targets travel as Indices. NoGrad runs a function
 // with recording off. Every rank records the same ops in the same order.
-// LocalFunc.Apply is the local escape hatch, with mandatory gradient placements.
+// LocalFunc.Apply is the local escape hatch, with mandatory gradient placements;
+// Custom records an op whose forward and backward may communicate (MoE
+// dispatch and combine are built on it).
 //
 // Backward(ctx, loss) needs a scalar loss (global shape [] or [1]) that is
 // Replicate or Partial(sum) on every mesh axis; it seeds ones laid out as

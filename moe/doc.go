@@ -64,6 +64,31 @@
 // float32 probabilities; sums (softmax denominators, log-sum-exp, the
 // losses) accumulate in float64.
 //
+// # Dispatch, experts and combine
+//
+// Dispatch moves every routed slot's token row to the rank that owns its
+// expert (experts are Shard(0) over the expert-parallel axis, E/ep per
+// rank): the rows are permuted expert-major with the kernels package's
+// permute kernels, the ranks exchange their per-expert counts (one small
+// all-gather that also checks that every rank was called alike, so a bad
+// argument fails everywhere before any row moves), and the rows travel by
+// all-to-all-v. The result is laid out Routed on the token-sharding axes,
+// its data-dependent row counts carried by the spec
+// (placement.WithRoutedRows), and a Handle remembers the permutation and
+// the counts. Experts.Forward runs each local expert's MLP on its
+// contiguous rows; Combine sends the rows back and sums each token's K
+// outputs weighted by its gates. Dispatch and Combine are each other's
+// backward through the Handle, so the gradient path moves exactly the
+// forward's rows in reverse. Ranks and experts with no rows are ordinary.
+//
+// With a capacity (DispatchConfig.Capacity, or a router that pads to
+// capacity) every expert gets exactly that many rows, padded with zeros,
+// and the count exchange is skipped unless diagnostics are asked for. The
+// Layer puts router, dispatch, experts and combine together, and Stats
+// reports per step the send-count matrix, tokens per expert, the largest
+// row and column, dropped and padded fractions, and the time spent in
+// permute, count exchange, payload exchange, experts and combine.
+//
 // The package holds no mutable global state; a Router's expert bias is
 // the only state it keeps, and the training loop updates it explicitly
 // (Router.UpdateExpertBias).
