@@ -61,7 +61,7 @@ func TestTrains(t *testing.T) {
 // sizes for two steps.
 func TestRun(t *testing.T) {
 	if testing.Short() {
-		t.Skip("trains the default model for two steps, twice")
+		t.Skip("skipped in -short mode: trains the default model for two steps, twice")
 	}
 	dir := t.TempDir()
 	js, tr := filepath.Join(dir, "run.json"), filepath.Join(dir, "trace.json")
