@@ -47,7 +47,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -55,18 +54,15 @@ import (
 	"math"
 	"os"
 	"os/signal"
-	"runtime"
-	"sort"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/internal/moegpt"
-	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/internal/trainrun"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/trace"
@@ -89,11 +85,8 @@ type options struct {
 	diag         bool
 	experts, k   int
 	seed         uint64
-	threads      int
-	tracePath    string
-	traceSteps   int
-	jsonPath     string
 	compare      bool
+	trainrun.Flags
 }
 
 // result is what -json writes.
@@ -137,10 +130,7 @@ func parse(args []string, errOut io.Writer) (options, error) {
 	fs.IntVar(&o.experts, "experts", 0, "experts per layer (default 8)")
 	fs.IntVar(&o.k, "topk", 0, "experts per token (default 2)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init")
-	fs.IntVar(&o.threads, "threads", 0, "GEMM threads per rank (default: the CPUs shared among the ranks)")
-	fs.StringVar(&o.tracePath, "trace", "", "write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file")
-	fs.IntVar(&o.traceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
-	fs.StringVar(&o.jsonPath, "json", "", "write the run's summary as JSON to this file")
+	o.Flags.Register(fs)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest differences")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -153,11 +143,11 @@ func parse(args []string, errOut io.Writer) (options, error) {
 		return o, errors.New("-dp, -ep and -every must be at least 1")
 	case o.steps < 1:
 		return o, errors.New("-steps must be at least 1")
-	case o.threads < 0 || o.experts < 0 || o.k < 0:
+	case o.Threads < 0 || o.experts < 0 || o.k < 0:
 		return o, errors.New("-threads, -experts and -topk must not be negative")
 	case o.capacity < 0 || math.IsNaN(o.capacity) || math.IsInf(o.capacity, 0):
 		return o, errors.New("-capacity must be 0 (dropless) or a positive capacity factor")
-	case o.traceSteps < 1:
+	case o.TraceSteps < 1:
 		return o, errors.New("-trace-steps must be at least 1")
 	}
 	return o, nil
@@ -216,7 +206,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 
 	if o.compare {
 		one := o
-		one.dp, one.ep, one.tracePath = 1, 1, ""
+		one.dp, one.ep, one.TracePath = 1, 1, ""
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.steps)
 		ref, refParams, err := train(ctx, cfg, init, one, io.Discard)
 		if err != nil {
@@ -246,14 +236,8 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 			fmt.Fprintln(out, "(the capacity limit applies to each rank's tokens, so it drops other slots than on one rank: the runs differ by more than rounding)")
 		}
 	}
-	if o.jsonPath != "" {
-		b, err := json.MarshalIndent(res, "", "  ")
-		if err != nil {
-			return fmt.Errorf("-json: %w", err)
-		}
-		if err := os.WriteFile(o.jsonPath, append(b, '\n'), 0o644); err != nil {
-			return fmt.Errorf("-json: %w", err)
-		}
+	if err := trainrun.WriteJSON(o.JSONPath, res); err != nil {
+		return fmt.Errorf("-json: %w", err)
 	}
 	return nil
 }
@@ -287,44 +271,23 @@ func addTimings(a, b moe.Timings) moe.Timings {
 func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
 	ranks := o.dp * o.ep
 	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor, Steps: o.steps}
-	// The ranks share the machine's cores: one BLAS whose thread pool is
-	// sized so that ranks × threads ≈ CPUs.
-	threads := o.threads
-	if threads == 0 {
-		threads = max(1, runtime.NumCPU()/ranks)
-	}
-	blas, err := kernels.Load(kernels.WithThreads(threads))
+	blas, err := trainrun.LoadBLAS(out, o.Threads, ranks)
 	if err != nil {
 		return nil, nil, fmt.Errorf("GEMM library: %w", err)
 	}
-	fmt.Fprintf(out, "GEMM: %s, %d thread(s) per rank\n", blas.Config(), blas.Threads())
 	var (
 		mu     sync.Mutex
 		params map[string][]float32
 	)
 	tokens := float64(cfg.B * cfg.T)
-	var tl *trace.Timeline // nil: not tracing
-	if o.tracePath != "" {
-		tl = trace.NewTimeline()
-	}
-	firstTraced := max(1, o.steps-o.traceSteps+1)
+	tracer := trainrun.NewTracer(o.TracePath, o.steps, o.TraceSteps)
 	err = local.Run(ctx, ranks, func(ctx context.Context, c comm.Communicator) error {
-		rank := c.Rank()
-		c = trace.Comm(c, tl, rank)
-		m, err := mesh.New(c, []int{o.dp, o.ep}, []string{"dp", "ep"})
+		rt := tracer.Rank(c)
+		m, err := mesh.New(rt.Comm(), []int{o.dp, o.ep}, []string{"dp", "ep"})
 		if err != nil {
 			return err
 		}
-		tape := []autograd.Option{autograd.WithBLAS(blas)}
-		var tracing atomic.Bool
-		if tl != nil {
-			observe := tl.TapeObserver(rank)
-			tape = append(tape, autograd.WithObserver(func(op, phase string, start, end time.Time) {
-				if tracing.Load() {
-					observe(op, phase, start, end)
-				}
-			}))
-		}
+		tape := rt.Tape(autograd.WithBLAS(blas))
 		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, moegpt.TrainOptions{
 			Options: moegpt.Options{DP: "dp", EP: "ep", BLAS: blas, Diagnostics: o.diag},
 			Tape:    tape,
@@ -338,21 +301,10 @@ func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o 
 		start := time.Now()
 		iv := interval{start: start}
 		for i := range o.steps {
-			if tl != nil && i+1 == firstTraced {
-				// Keep only the last steps: every rank arrives, rank 0
-				// drops what was recorded so far, and all start together.
-				if err := comm.Barrier(ctx, c); err != nil {
-					return err
-				}
-				if rank == 0 {
-					tl.Reset()
-				}
-				if err := comm.Barrier(ctx, c); err != nil {
-					return err
-				}
-				tracing.Store(true)
+			span, err := rt.BeginStep(ctx, i)
+			if err != nil {
+				return err
 			}
-			span := tl.Begin(rank, fmt.Sprintf("step %d", i+1))
 			t0 := time.Now()
 			r, err := tr.Step(ctx)
 			span.End()
@@ -394,9 +346,7 @@ func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o 
 		}
 		last := rs[len(rs)-1]
 		res.FinalLoss, res.FinalCE = last.Loss, last.CE
-		// Median step time: robust to a noisy machine's outliers.
-		sort.Slice(stepTimes, func(i, j int) bool { return stepTimes[i] < stepTimes[j] })
-		res.TokensPerS = tokens / stepTimes[len(stepTimes)/2].Seconds()
+		res.TokensPerS = trainrun.MedianTokensPerS(tokens, stepTimes)
 		us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 		res.TimeUS = map[string]float64{
 			"permute": us(total.Permute), "count_exchange": us(total.CountExchange),
@@ -409,10 +359,8 @@ func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o 
 	if err != nil {
 		return nil, nil, err
 	}
-	if tl != nil {
-		if err := writeTrace(out, tl, o); err != nil {
-			return nil, nil, err
-		}
+	if err := writeTrace(out, tracer, o); err != nil {
+		return nil, nil, err
 	}
 	return res, params, nil
 }
@@ -453,68 +401,19 @@ func report(out io.Writer, r *moegpt.StepResult, iv *interval, wall time.Duratio
 // the gradient all-reduces was hidden behind the tape's compute, and the
 // time of the MoE all-to-all-v's (which run inside the dispatch and
 // combine ops, so nothing hides them).
-func writeTrace(out io.Writer, tl *trace.Timeline, o options) error {
-	if err := tl.WriteChromeFile(o.tracePath); err != nil {
+func writeTrace(out io.Writer, tracer *trainrun.Tracer, o options) error {
+	events, err := tracer.Write(out)
+	if err != nil {
 		return fmt.Errorf("-trace: %w", err)
 	}
-	fmt.Fprintf(out, "trace of the last %d step(s) written to %s (open it at https://ui.perfetto.dev or chrome://tracing)\n", min(o.traceSteps, o.steps), o.tracePath)
-	if o.dp*o.ep < 2 {
+	if !tracer.Enabled() || o.dp*o.ep < 2 {
 		return nil
 	}
-	events := tl.Events()
 	for rank := range o.dp * o.ep {
-		ar, hidden := hiddenComm(events, rank, comm.OpAllReduce)
-		a2a, _ := hiddenComm(events, rank, comm.OpAllToAllV)
-		frac := 0.0
-		if ar > 0 {
-			frac = float64(hidden) / float64(ar)
-		}
+		ar := trainrun.Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllReduce })
+		a2a := trainrun.Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllToAllV })
 		fmt.Fprintf(out, "rank %d: all-reduce %v, %.0f%% hidden behind compute; all-to-all-v %v\n", rank,
-			ar.Round(time.Microsecond), 100*frac, a2a.Round(time.Microsecond))
+			ar.Comm.Round(time.Microsecond), 100*ar.Fraction(), a2a.Comm.Round(time.Microsecond))
 	}
 	return nil
-}
-
-// hiddenComm returns the length of the union of rank's comm events of op
-// and the part of it covered by the tape's compute events (forward,
-// backward and hooks; the hand-made step spans, which cover everything,
-// do not count).
-func hiddenComm(events []trace.Event, rank int, op comm.Op) (total, hidden time.Duration) {
-	var cm, cp []span
-	for _, e := range events {
-		switch {
-		case e.Rank != rank:
-		case e.Lane == trace.LaneComm && e.Op == op:
-			cm = append(cm, span{e.Start, e.End})
-		case e.Lane == trace.LaneCompute && e.Cat != "":
-			cp = append(cp, span{e.Start, e.End})
-		}
-	}
-	cm, cp = union(cm), union(cp)
-	for _, c := range cm {
-		total += c.hi - c.lo
-		for _, k := range cp {
-			if lo, hi := max(c.lo, k.lo), min(c.hi, k.hi); hi > lo {
-				hidden += hi - lo
-			}
-		}
-	}
-	return total, hidden
-}
-
-// span is the half-open time span [lo, hi).
-type span struct{ lo, hi time.Duration }
-
-// union sorts spans and merges the overlapping ones.
-func union(s []span) []span {
-	sort.Slice(s, func(i, j int) bool { return s[i].lo < s[j].lo })
-	var out []span
-	for _, v := range s {
-		if n := len(out); n > 0 && v.lo <= out[n-1].hi {
-			out[n-1].hi = max(out[n-1].hi, v.hi)
-			continue
-		}
-		out = append(out, v)
-	}
-	return out
 }

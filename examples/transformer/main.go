@@ -22,7 +22,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -30,13 +29,10 @@ import (
 	"math"
 	"os"
 	"os/signal"
-	"runtime"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
@@ -44,7 +40,7 @@ import (
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/internal/gpt"
 	"github.com/b7ea7098/loom/internal/tinygpt"
-	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/internal/trainrun"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/trace"
 )
@@ -62,15 +58,9 @@ type options struct {
 	dp, tp       int
 	sp           bool
 	steps, every int
-	threads      int
-	tracePath    string
-	traceSteps   int
-	jsonPath     string
 	compare      bool
+	trainrun.Flags
 }
-
-// stepSpan prefixes the name of the trace span of each training step.
-const stepSpan = "step "
 
 // result is what -json writes.
 type result struct {
@@ -92,10 +82,7 @@ func parse(args []string, errOut io.Writer) (options, error) {
 	fs.BoolVar(&o.sp, "sp", false, "sequence parallelism on the tp axis")
 	fs.IntVar(&o.steps, "steps", 0, "training steps (default: the reference's 200)")
 	fs.IntVar(&o.every, "every", 20, "print the loss every this many steps")
-	fs.IntVar(&o.threads, "threads", 0, "GEMM threads per rank (default: the CPUs shared among the ranks)")
-	fs.StringVar(&o.tracePath, "trace", "", "write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file")
-	fs.IntVar(&o.traceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
-	fs.StringVar(&o.jsonPath, "json", "", "write the run's summary as JSON to this file")
+	o.Flags.Register(fs)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -103,10 +90,10 @@ func parse(args []string, errOut io.Writer) (options, error) {
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	if o.dp < 1 || o.tp < 1 || o.every < 1 || o.steps < 0 || o.threads < 0 {
+	if o.dp < 1 || o.tp < 1 || o.every < 1 || o.steps < 0 || o.Threads < 0 {
 		return o, errors.New("-dp, -tp and -every must be at least 1, -steps and -threads at least 0")
 	}
-	if o.traceSteps < 1 {
+	if o.TraceSteps < 1 {
 		return o, errors.New("-trace-steps must be at least 1")
 	}
 	if o.sp && o.tp < 2 {
@@ -142,7 +129,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if o.compare {
 		one := o
 		one.dp, one.tp, one.sp = 1, 1, false
-		one.tracePath = "" // keep the trace of the layout asked for
+		one.TracePath = "" // keep the trace of the layout asked for
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.steps)
 		ref, refParams, err := train(ctx, cfg, init, one, nil, io.Discard)
 		if err != nil {
@@ -161,16 +148,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		fmt.Fprintf(out, "largest loss difference %.3g, largest parameter difference %.3g; one rank: %.0f tokens/s (this layout %.2f×)\n",
 			dl, dp, ref.TokensPerS, res.TokensPerS/ref.TokensPerS)
 	}
-	if o.jsonPath != "" {
-		b, err := json.MarshalIndent(res, "", "  ")
-		if err != nil {
-			return err
-		}
-		if err := os.WriteFile(o.jsonPath, append(b, '\n'), 0o644); err != nil {
-			return err
-		}
-	}
-	return nil
+	return trainrun.WriteJSON(o.JSONPath, res)
 }
 
 // setup loads the reference's configuration and initial parameters, or
@@ -199,45 +177,23 @@ func setup() (tinygpt.Config, map[string][]float32, *tinygpt.Fixture, error) {
 // throughput and the final parameters. Rank 0 prints progress to out.
 func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture, out io.Writer) (*result, map[string][]float32, error) {
 	res := &result{DP: o.dp, TP: o.tp, SP: o.sp, Steps: o.steps}
-	// The ranks share the machine's cores: one BLAS, its thread pool sized
-	// so that ranks × threads ≈ CPUs (an oversubscribed or shared pool
-	// serialises the ranks' GEMMs).
-	threads := o.threads
-	if threads == 0 {
-		threads = max(1, runtime.NumCPU()/(o.dp*o.tp))
-	}
-	blas, err := kernels.Load(kernels.WithThreads(threads))
+	blas, err := trainrun.LoadBLAS(out, o.Threads, o.dp*o.tp)
 	if err != nil {
 		return nil, nil, err
 	}
-	fmt.Fprintf(out, "GEMM: %s, %d thread(s) per rank\n", blas.Config(), blas.Threads())
 	var (
 		mu     sync.Mutex
 		params map[string][]float32
 	)
 	tokens := float64(cfg.B * cfg.T)
-	var tl *trace.Timeline // nil: not tracing
-	if o.tracePath != "" {
-		tl = trace.NewTimeline()
-	}
-	firstTraced := max(1, o.steps-o.traceSteps+1)
+	tracer := trainrun.NewTracer(o.TracePath, o.steps, o.TraceSteps)
 	err = local.Run(ctx, o.dp*o.tp, func(ctx context.Context, c comm.Communicator) error {
-		rank := c.Rank()
-		c = trace.Comm(c, tl, rank)
-		m, err := mesh.New(c, []int{o.dp, o.tp}, []string{"dp", "tp"})
+		rt := tracer.Rank(c)
+		m, err := mesh.New(rt.Comm(), []int{o.dp, o.tp}, []string{"dp", "tp"})
 		if err != nil {
 			return err
 		}
-		tape := []autograd.Option{autograd.WithBLAS(blas)}
-		var tracing atomic.Bool
-		if tl != nil {
-			observe := tl.TapeObserver(rank)
-			tape = append(tape, autograd.WithObserver(func(op, phase string, start, end time.Time) {
-				if tracing.Load() {
-					observe(op, phase, start, end)
-				}
-			}))
-		}
+		tape := rt.Tape(autograd.WithBLAS(blas))
 		tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{DP: "dp", TP: "tp", SP: o.sp, Tape: tape})
 		if err != nil {
 			return err
@@ -247,21 +203,10 @@ func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o
 		start := time.Now()
 		last := start
 		for i := range o.steps {
-			if tl != nil && i+1 == firstTraced {
-				// Keep only the last steps: every rank arrives, rank 0
-				// drops what was recorded so far, and all start together.
-				if err := comm.Barrier(ctx, c); err != nil {
-					return err
-				}
-				if rank == 0 {
-					tl.Reset()
-				}
-				if err := comm.Barrier(ctx, c); err != nil {
-					return err
-				}
-				tracing.Store(true)
+			span, err := rt.BeginStep(ctx, i)
+			if err != nil {
+				return err
 			}
-			span := tl.Begin(rank, fmt.Sprintf("%s%d", stepSpan, i+1))
 			t0 := time.Now()
 			step, loss, err := tr.Step(ctx)
 			span.End()
@@ -294,9 +239,7 @@ func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o
 			defer mu.Unlock()
 			res.Losses = losses
 			res.FinalLoss = losses[len(losses)-1]
-			// Median step time: robust to the noisy machine's outliers.
-			sort.Slice(stepTimes, func(i, j int) bool { return stepTimes[i] < stepTimes[j] })
-			res.TokensPerS = tokens / stepTimes[len(stepTimes)/2].Seconds()
+			res.TokensPerS = trainrun.MedianTokensPerS(tokens, stepTimes)
 			params = full
 			fmt.Fprintf(out, "%d steps in %v\n", o.steps, elapsed.Round(time.Millisecond))
 		}
@@ -305,88 +248,29 @@ func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o
 	if err != nil {
 		return nil, nil, err
 	}
-	if tl != nil {
-		if err := writeTrace(out, tl, o); err != nil {
-			return nil, nil, err
-		}
+	if err := writeTrace(out, tracer, o); err != nil {
+		return nil, nil, err
 	}
 	return res, params, nil
 }
 
 // writeTrace writes the Chrome trace and reports, per rank, how much of the
 // data-parallel all-reduce time was hidden behind compute.
-func writeTrace(out io.Writer, tl *trace.Timeline, o options) error {
-	if err := tl.WriteChromeFile(o.tracePath); err != nil {
+func writeTrace(out io.Writer, tracer *trainrun.Tracer, o options) error {
+	events, err := tracer.Write(out)
+	if err != nil || !tracer.Enabled() || o.dp < 2 {
 		return err
 	}
-	fmt.Fprintf(out, "trace of the last %d step(s) written to %s (open it at https://ui.perfetto.dev or chrome://tracing)\n", min(o.traceSteps, o.steps), o.tracePath)
-	if o.dp < 2 {
-		return nil
-	}
-	events := tl.Events()
 	for rank := range o.dp * o.tp {
 		group := dpGroup(rank, o.dp, o.tp)
-		total, hidden := dpOverlap(events, rank, group)
-		pct := 0.0
-		if total > 0 {
-			pct = 100 * float64(hidden) / float64(total)
-		}
-		fmt.Fprintf(out, "rank %d: dp all-reduce %v, %.0f%% hidden behind compute\n", rank, total.Round(time.Microsecond), pct)
+		// The gradient buckets; DDP's int32 presence flags, reduced after
+		// backward, are not part of the overlap.
+		s := trainrun.Overlap(events, rank, func(e trace.Event) bool {
+			return e.Op == comm.OpAllReduce && e.Group == group && e.DType != comm.Int32
+		})
+		fmt.Fprintf(out, "rank %d: dp all-reduce %v, %.0f%% hidden behind compute\n", rank, s.Comm.Round(time.Microsecond), 100*s.Fraction())
 	}
 	return nil
-}
-
-// dpOverlap measures rank's gradient all-reduces on group (the union of
-// their spans) and the part of it during which the rank computed (tape ops
-// and hooks). The "step N" spans are left out of the compute: they cover the
-// whole step, communication included, and would make everything look
-// hidden.
-func dpOverlap(events []trace.Event, rank int, group string) (total, hidden time.Duration) {
-	var commIv, compIv [][2]time.Duration
-	for _, e := range events {
-		switch {
-		case e.Rank != rank:
-		case e.Lane == trace.LaneComm && e.Op == comm.OpAllReduce && e.Group == group && e.DType != comm.Int32:
-			// The gradient buckets; DDP's int32 presence flags, reduced
-			// after backward, are not part of the overlap.
-			commIv = append(commIv, [2]time.Duration{e.Start, e.End})
-		case e.Lane == trace.LaneCompute && !strings.HasPrefix(e.Name, stepSpan):
-			compIv = append(compIv, [2]time.Duration{e.Start, e.End})
-		}
-	}
-	c, k := union(commIv), union(compIv)
-	for _, v := range c {
-		total += v[1] - v[0]
-	}
-	for i, j := 0, 0; i < len(c) && j < len(k); {
-		lo, hi := max(c[i][0], k[j][0]), min(c[i][1], k[j][1])
-		if hi > lo {
-			hidden += hi - lo
-		}
-		if c[i][1] < k[j][1] {
-			i++
-		} else {
-			j++
-		}
-	}
-	return total, hidden
-}
-
-// union merges intervals into sorted disjoint ones.
-func union(iv [][2]time.Duration) [][2]time.Duration {
-	slices.SortFunc(iv, func(a, b [2]time.Duration) int { return int(a[0] - b[0]) })
-	var out [][2]time.Duration
-	for _, v := range iv {
-		if v[1] <= v[0] {
-			continue
-		}
-		if n := len(out); n > 0 && v[0] <= out[n-1][1] {
-			out[n-1][1] = max(out[n-1][1], v[1])
-			continue
-		}
-		out = append(out, v)
-	}
-	return out
 }
 
 // dpGroup is the trace label of rank's data-parallel group on the row-major
