@@ -604,3 +604,35 @@ func TestAddMul(t *testing.T) {
 		t.Error("length mismatch accepted")
 	}
 }
+
+// ExpShift against float64 exp: every length around the vector width,
+// with and without a destination, and a short destination rejected.
+func TestExpShift(t *testing.T) {
+	for _, n := range []int{0, 1, 3, 4, 5, 8, 17, 131} {
+		src := make([]float32, n)
+		for i := range src {
+			src[i] = float32(i%7) - 3.5
+		}
+		const shift = 1.25
+		var want float64
+		for _, v := range src {
+			want += math.Exp(float64(v) - shift)
+		}
+		dst := make([]float32, n)
+		got, err := ExpShift(dst, src, shift)
+		if err != nil || math.Abs(got-want) > 1e-12*math.Max(1, want) {
+			t.Errorf("n=%d: sum %v, %v; want %v", n, got, err, want)
+		}
+		for i, v := range src {
+			if e := math.Exp(float64(v) - shift); math.Abs(float64(dst[i])-e) > 1e-7*e {
+				t.Errorf("n=%d: dst[%d] = %v, want %v", n, i, dst[i], e)
+			}
+		}
+		if got2, err := ExpShift(nil, src, shift); err != nil || got2 != got {
+			t.Errorf("n=%d: sum only %v, %v; want %v", n, got2, err, got)
+		}
+	}
+	if _, err := ExpShift(make([]float32, 2), make([]float32, 3), 0); err == nil {
+		t.Error("short dst accepted")
+	}
+}

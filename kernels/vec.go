@@ -1,6 +1,9 @@
 package kernels
 
-import "math"
+import (
+	"fmt"
+	"math"
+)
 
 // Vector primitives of the row kernels. Each runs on the AVX2+FMA
 // assembly of vec_amd64.s where the CPU has it, and on the portable loops
@@ -252,4 +255,15 @@ func softBack(dx, y, dy []float32, s, scale float64) {
 	for ; i < len(y); i++ {
 		dx[i] = float32(scale * float64(y[i]) * (float64(dy[i]) - s))
 	}
+}
+
+// ExpShift sets dst[i] = exp(src[i] − shift) for every i of src, computed
+// in float64 and rounded once to float32, and returns the sum of the
+// unrounded values (a softmax denominator for shift = the row's max). dst
+// may be nil (only the sum); otherwise it needs len(src) elements.
+func ExpShift(dst, src []float32, shift float64) (float64, error) {
+	if dst != nil && len(dst) < len(src) {
+		return 0, fmt.Errorf("kernels: ExpShift: dst has %d elements for %d inputs", len(dst), len(src))
+	}
+	return expShift(dst, src, shift), nil
 }

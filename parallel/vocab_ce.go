@@ -8,6 +8,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -174,9 +175,9 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 			x := in[0].Data
 			out := make([]T, 2*nl)
 			for r := range nl {
-				s, m := 0.0, float64(rmax[r])
-				for _, e := range x[r*vl : (r+1)*vl] {
-					s += math.Exp(float64(e) - m)
+				s, err := expShiftRow(nil, x[r*vl:(r+1)*vl], float64(rmax[r]))
+				if err != nil {
+					return autograd.Block[T]{}, err
 				}
 				out[2*r] = T(s)
 				if k, ok := inRange(r); ok {
@@ -189,9 +190,13 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 			x := in[0].Data
 			dx := make([]T, len(x))
 			for r := range nl {
-				gs, m := float64(g.Data[2*r]), float64(rmax[r])
-				for k, e := range x[r*vl : (r+1)*vl] {
-					dx[r*vl+k] = T(gs * math.Exp(float64(e)-m))
+				row := dx[r*vl : (r+1)*vl]
+				if _, err := expShiftRow(row, x[r*vl:(r+1)*vl], float64(rmax[r])); err != nil {
+					return nil, err
+				}
+				gs := float64(g.Data[2*r])
+				for k, e := range row {
+					row[k] = T(gs * float64(e))
 				}
 				if k, ok := inRange(r); ok {
 					dx[r*vl+k] += g.Data[2*r+1]
@@ -249,4 +254,22 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 		return nil, fmt.Errorf("parallel: %s: %w", op, err)
 	}
 	return loss, nil
+}
+
+// expShiftRow sets dst[i] = exp(src[i] − shift) (dst nil: not stored) and
+// returns the sum, on the vectorised kernel for float32 rows.
+func expShiftRow[T float32 | float64](dst, src []T, shift float64) (float64, error) {
+	if s32, ok := any(src).([]float32); ok {
+		d32, _ := any(dst).([]float32)
+		return kernels.ExpShift(d32, s32, shift)
+	}
+	s := 0.0
+	for i, v := range src {
+		e := math.Exp(float64(v) - shift)
+		if dst != nil {
+			dst[i] = T(e)
+		}
+		s += e
+	}
+	return s, nil
 }
