@@ -376,26 +376,9 @@ func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) 
 	if err != nil {
 		return nil, err
 	}
-	out, err := placement.NewLocal(spec, yd)
-	if err != nil {
-		return nil, err
-	}
-	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
-		g, err := t.alignGrad(ctx, op, g, spec)
-		if err != nil {
-			return nil, err
-		}
-		gd, err := dataOf[T](g)
-		if err != nil {
-			return nil, err
-		}
-		dx, err := causalBackward(t, yd, gd, g.LocalShape())
-		if err != nil {
-			return nil, err
-		}
-		gx, err := placement.NewLocal(g.Spec(), dx)
-		return []*placement.DTensor{gx}, err
-	}), nil
+	return recordUnary(t, op, x, spec, yd, func(gd []T, gshape []int) ([]T, error) {
+		return causalBackward(t, yd, gd, gshape)
+	})
 }
 
 // causalFwd is the masked row softmax of [..., T, T] blocks.

@@ -346,26 +346,9 @@ func geluOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := placement.NewLocal(spec, yd)
-	if err != nil {
-		return nil, err
-	}
-	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
-		g, err := t.alignGrad(ctx, op, g, spec)
-		if err != nil {
-			return nil, err
-		}
-		gd, err := dataOf[T](g)
-		if err != nil {
-			return nil, err
-		}
-		dx, err := geluBackward(t, xd, saved, gd, n)
-		if err != nil {
-			return nil, err
-		}
-		gx, err := placement.NewLocal(g.Spec(), dx)
-		return []*placement.DTensor{gx}, err
-	}), nil
+	return recordUnary(t, op, x, spec, yd, func(gd []T, gshape []int) ([]T, error) {
+		return geluBackward(t, xd, saved, gd, n)
+	})
 }
 
 // Softmax returns the softmax of x over dim (negative dims count from the
@@ -409,26 +392,9 @@ func softmaxOp[T float](t *Tape, op string, x *Value, d int, logOut bool) (*Valu
 	if err != nil {
 		return nil, err
 	}
-	out, err := placement.NewLocal(spec, yd)
-	if err != nil {
-		return nil, err
-	}
-	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
-		g, err := t.alignGrad(ctx, op, g, spec)
-		if err != nil {
-			return nil, err
-		}
-		gd, err := dataOf[T](g)
-		if err != nil {
-			return nil, err
-		}
-		dx, err := softmaxBackward(t, yd, gd, shape, d, logOut)
-		if err != nil {
-			return nil, err
-		}
-		gx, err := placement.NewLocal(g.Spec(), dx)
-		return []*placement.DTensor{gx}, err
-	}), nil
+	return recordUnary(t, op, x, spec, yd, func(gd []T, gshape []int) ([]T, error) {
+		return softmaxBackward(t, yd, gd, shape, d, logOut)
+	})
 }
 
 // LayerNorm normalises x over its last dim with the biased variance:
@@ -698,6 +664,33 @@ func crossEntropyOp[T float](t *Tape, spec *placement.Spec, logits *Value, targe
 			return nil, err
 		}
 		gx, err := placement.NewLocal(s, dx)
+		return []*placement.DTensor{gx}, err
+	}), nil
+}
+
+// recordUnary makes the result of a one-input op from its local block yd
+// laid out by spec, and records a backward that aligns the incoming
+// gradient to spec and maps its local block through back (gshape is the
+// gradient's local shape) into the input's gradient, laid out like g.
+func recordUnary[T float](t *Tape, op string, x *Value, spec *placement.Spec, yd []T, back func(gd []T, gshape []int) ([]T, error)) (*Value, error) {
+	out, err := placement.NewLocal(spec, yd)
+	if err != nil {
+		return nil, err
+	}
+	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		gd, err := dataOf[T](g)
+		if err != nil {
+			return nil, err
+		}
+		dx, err := back(gd, g.LocalShape())
+		if err != nil {
+			return nil, err
+		}
+		gx, err := placement.NewLocal(g.Spec(), dx)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
