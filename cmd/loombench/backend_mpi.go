@@ -17,6 +17,8 @@ import (
 //	mpirun -np 4 /tmp/loombench -backend mpi -b 1M -e 64M -f 64
 //
 // MPI chooses its own algorithms, so only auto is offered.
+// LOOM_MPI_BLOCKING=1 (mpirun -x LOOM_MPI_BLOCKING=1) measures the blocking
+// call mode (mpi.WithBlockingCalls).
 func init() {
 	backends["mpi"] = backend{
 		run: func(ctx context.Context, p int, opts comm.Options, fn func(context.Context, comm.Communicator) error) error {

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Compares loombench -backend mpi with raw Open MPI (rawmpi/allreduce.c):
 # float32 sum AllReduce, out of place, at 1 MiB and 64 MiB, for 2 and 4
-# processes. Both time an iteration as the slowest rank's and report the
-# median over iterations; the two programs alternate for ROUNDS rounds so
-# that a noisy machine affects them alike, and the table shows the median
-# over rounds and loom's time relative to raw MPI.
+# processes. loom runs in both call modes: nonblocking (the default:
+# MPI_Iallreduce polled by Wait) and blocking (LOOM_MPI_BLOCKING=1:
+# MPI_Allreduce under a watchdog), raw MPI with malloc's buffers and with
+# page-aligned ones (as Go places loombench's; see rawmpi/allreduce.c for
+# why it matters). All time an iteration as the slowest
+# rank's and report the median over iterations; the programs alternate for
+# ROUNDS rounds so that a noisy machine affects them alike, and the table
+# shows the median over rounds and loom's times relative to raw MPI's.
 #
 # Usage: cmd/loombench/compare_mpi.sh
 # Environment: NPS="2 4", ROUNDS=5, ITERS=20, WARMUP=5.
@@ -26,17 +30,23 @@ for np in ${NPS:-2 4}; do
 	for round in $(seq "${ROUNDS:-5}"); do
 		mpirun "${flags[@]}" -np "$np" "$dir/rawmpi" "$iters" "$warmup" 1048576 67108864 |
 			awk '{print "raw", $3, $4, $5}' >>"$dir/times"
-		mpirun "${flags[@]}" -np "$np" "$dir/loombench" -backend mpi -b 1M -e 64M -f 64 \
-			-iters "$iters" -warmup "$warmup" -check=false |
-			awk -v np="$np" '!/^#/ && NF >= 6 {print "loom", np, $1, $6}' >>"$dir/times"
+		mpirun "${flags[@]}" -np "$np" "$dir/rawmpi" -page "$iters" "$warmup" 1048576 67108864 |
+			awk '{print "rawpage", $3, $4, $5}' >>"$dir/times"
+		for mode in 0 1; do
+			mpirun "${flags[@]}" -x LOOM_MPI_BLOCKING=$mode -np "$np" "$dir/loombench" -backend mpi -b 1M -e 64M -f 64 \
+				-iters "$iters" -warmup "$warmup" -check=false |
+				awk -v np="$np" -v k="loom$mode" '!/^#/ && NF >= 6 {print k, np, $1, $6}' >>"$dir/times"
+		done
 	done
 done
-printf '%-6s %-10s %14s %14s %10s\n' ranks bytes raw_us loom_us loom/raw
+printf '%-6s %-9s %9s %9s %9s %9s %8s %8s %8s %8s\n' ranks bytes raw_us rawpg_us nb_us block_us nb/raw blk/raw nb/rawpg blk/rawpg
 for np in ${NPS:-2 4}; do
 	for bytes in 1048576 67108864; do
 		med() { awk -v k="$1" -v np="$np" -v b="$bytes" '$1 == k && $2 == np && $3 == b {print $4}' "$dir/times" | sort -g |
 			awk '{a[NR] = $1} END {if (NR == 0) print "nan"; else if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
-		raw=$(med raw) loom=$(med loom)
-		printf '%-6s %-10s %14s %14s %10s\n' "$np" "$bytes" "$raw" "$loom" "$(awk -v l="$loom" -v r="$raw" 'BEGIN {printf "%.2f", l / r}')"
+		ratio() { awk -v l="$1" -v r="$2" 'BEGIN {printf "%.2f", l / r}'; }
+		raw=$(med raw) pg=$(med rawpage) nb=$(med loom0) blk=$(med loom1)
+		printf '%-6s %-9s %9s %9s %9s %9s %8s %8s %8s %8s\n' "$np" "$bytes" "$raw" "$pg" "$nb" "$blk" \
+			"$(ratio "$nb" "$raw")" "$(ratio "$blk" "$raw")" "$(ratio "$nb" "$pg")" "$(ratio "$blk" "$pg")"
 	done
 done

@@ -24,7 +24,7 @@ func (c *Comm) fingerprintStep(fp comm.Fingerprint, invalid error, color, key in
 		all := scratch(e * c.size)
 		checkwire.PutFingerprint(mine, c.size, fp, invalid, color, key)
 		w.use(mine, all)
-		if err := ok(C.MPI_Iallgather(ptr(mine), C.int(e), C.loom_byte(), ptr(all), C.int(e), C.loom_byte(), c.h, w.newReq()), "MPI_Iallgather (consistency check)"); err != nil {
+		if err := ok(C.loom_allgather(ptr(mine), C.int(e), C.loom_byte(), ptr(all), C.int(e), C.loom_byte(), c.h, w.newReq()), w.mpiName("Allgather")+" (consistency check)"); err != nil {
 			return err
 		}
 		verdict := func(w *work) error {
@@ -64,7 +64,7 @@ func (c *Comm) countsStep(invalid error) step {
 		sb := int64Bytes(sendBuf)
 		gb := int64Bytes(got)
 		w.use(sb, gb)
-		if err := ok(C.MPI_Ialltoall(ptr(sb), 1, C.loom_int64(), ptr(gb), 1, C.loom_int64(), c.h, w.newReq()), "MPI_Ialltoall (alltoallv counts)"); err != nil {
+		if err := ok(C.loom_alltoall(ptr(sb), 1, C.loom_int64(), ptr(gb), 1, C.loom_int64(), c.h, w.newReq()), w.mpiName("Alltoall")+" (alltoallv counts)"); err != nil {
 			return err
 		}
 		flags := make([]C.int, 2) // mine, everyone's
@@ -80,7 +80,7 @@ func (c *Comm) countsStep(invalid error) step {
 			}
 			fb := unsafe.Slice((*byte)(unsafe.Pointer(&flags[0])), 2*int(unsafe.Sizeof(flags[0])))
 			w.use(fb)
-			return ok(C.MPI_Iallreduce(unsafe.Pointer(&flags[0]), unsafe.Pointer(&flags[1]), 1, C.loom_int(), C.loom_bor(), c.h, w.newReq()), "MPI_Iallreduce (alltoallv verdict)")
+			return ok(C.loom_allreduce(unsafe.Pointer(&flags[0]), unsafe.Pointer(&flags[1]), 1, C.loom_int(), C.loom_bor(), c.h, w.newReq()), w.mpiName("Allreduce")+" (alltoallv verdict)")
 		}
 		decide := func(w *work) error {
 			if flags[1] == 0 {
@@ -93,7 +93,7 @@ func (c *Comm) countsStep(invalid error) step {
 			all := scratch(e * p)
 			checkwire.PutCounts(mine, p, call.SendCounts, call.RecvCounts, invalid)
 			w.use(mine, all)
-			if err := ok(C.MPI_Iallgather(ptr(mine), C.int(e), C.loom_byte(), ptr(all), C.int(e), C.loom_byte(), c.h, w.newReq()), "MPI_Iallgather (alltoallv counts)"); err != nil {
+			if err := ok(C.loom_allgather(ptr(mine), C.int(e), C.loom_byte(), ptr(all), C.int(e), C.loom_byte(), c.h, w.newReq()), w.mpiName("Allgather")+" (alltoallv counts)"); err != nil {
 				return err
 			}
 			report := func(w *work) error {

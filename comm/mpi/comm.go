@@ -27,15 +27,21 @@ import (
 // job with MPI_Abort (see WithHardAbort).
 const HardAbortEnv = "LOOM_MPI_HARD_ABORT"
 
+// BlockingEnv, set to 1 or true, makes synchronous calls use MPI's
+// blocking collectives (see WithBlockingCalls).
+const BlockingEnv = "LOOM_MPI_BLOCKING"
+
 // Option configures World (and, through inheritance, every communicator
 // split from it).
 type Option func(*config)
 
 type config struct {
-	opts      comm.Options
-	optsSet   bool
-	hardAbort bool
-	hardSet   bool
+	opts        comm.Options
+	optsSet     bool
+	hardAbort   bool
+	hardSet     bool
+	blocking    bool
+	blockingSet bool
 }
 
 // WithOptions sets the communicator options. Without it,
@@ -53,6 +59,23 @@ func WithHardAbort(on bool) Option {
 	return func(c *config) { c.hardAbort, c.hardSet = on, true }
 }
 
+// WithBlockingCalls makes a synchronous collective (Do, and the comm
+// helpers that call it) use MPI's blocking call (MPI_Allreduce rather than
+// MPI_Iallreduce with polling) whenever no async collective is pending on
+// the communicator and MPI provided MPI_THREAD_MULTIPLE. MPI's blocking
+// collectives use its tuned algorithms and progress without polling, and
+// are faster, most of all at large sizes.
+//
+// The price is recoverability: MPI cannot interrupt a blocking call. A
+// watchdog honours the context, the timeout and aborts (local or a peer's)
+// while the call runs, but it can only mark the communicator aborted,
+// notify the peers, print the error (rank, op, sequence number) on stderr
+// and, if the call still has not returned shortly after, end the whole job
+// with MPI_Abort. Off by default (or per BlockingEnv).
+func WithBlockingCalls(on bool) Option {
+	return func(c *config) { c.blocking, c.blockingSet = on, true }
+}
+
 func configure(opts []Option) (config, error) {
 	var cfg config
 	for _, o := range opts {
@@ -67,13 +90,20 @@ func configure(opts []Option) (config, error) {
 		}
 		cfg.opts = o
 	}
-	if !cfg.hardSet {
-		switch strings.ToLower(strings.TrimSpace(os.Getenv(HardAbortEnv))) {
+	for _, f := range []struct {
+		set bool
+		v   *bool
+		env string
+	}{{cfg.hardSet, &cfg.hardAbort, HardAbortEnv}, {cfg.blockingSet, &cfg.blocking, BlockingEnv}} {
+		if f.set {
+			continue
+		}
+		switch v := os.Getenv(f.env); strings.ToLower(strings.TrimSpace(v)) {
 		case "", "0", "false", "no", "off":
 		case "1", "true", "yes", "on":
-			cfg.hardAbort = true
+			*f.v = true
 		default:
-			return cfg, fmt.Errorf("mpi: %s: want 1 or 0, got %q", HardAbortEnv, os.Getenv(HardAbortEnv))
+			return cfg, fmt.Errorf("mpi: %s: want 1 or 0, got %q", f.env, v)
 		}
 	}
 	cfg.opts = cfg.opts.WithDefaults()
@@ -107,20 +137,25 @@ type Comm struct {
 	driving bool        // a background driver goroutine is running
 	freed   bool
 
-	ctlReq  C.MPI_Request
-	ctlBuf  unsafe.Pointer // C memory, ctlBytes
-	ctlLive bool
+	ctlReq    C.MPI_Request
+	ctlBuf    unsafe.Pointer // C memory, ctlBytes
+	ctlLive   bool
+	ctlPolled time.Time // when progress last looked for a notice
 
 	failure atomic.Pointer[comm.AbortError]
 	failed  chan struct{}
 	once    sync.Once
+
+	// endJob ends the job when a blocking call cannot be interrupted
+	// (see WithBlockingCalls); tests replace it.
+	endJob func(error)
 }
 
 var _ comm.Communicator = (*Comm)(nil)
 
 // newComm wraps the MPI communicator h, which it owns from now on.
 func newComm(h C.MPI_Comm, name string, uid uint64, cfg config) (*Comm, error) {
-	c := &Comm{h: h, name: name, uid: uid, cfg: cfg, failed: make(chan struct{})}
+	c := &Comm{h: h, name: name, uid: uid, cfg: cfg, failed: make(chan struct{}), endJob: endJob}
 	if serialized() {
 		c.mu = &lib.serial
 	} else {
@@ -397,7 +432,7 @@ func (c *Comm) SplitComm(ctx context.Context, color, key int) (*Comm, error) {
 		fp.Site = callerSite()
 	}
 	w.steps = append(w.steps, c.fingerprintStep(fp, nil, color, key))
-	c.enqueue(w)
+	c.enqueue(w, false)
 	if err := w.Wait(ctx); err != nil {
 		return nil, err
 	}

@@ -21,7 +21,7 @@
 //
 // # Mapping
 //
-// Every operation is a nonblocking MPI call (MPI_Iallreduce, MPI_Ibcast,
+// By default every operation is a nonblocking MPI call (MPI_Iallreduce, MPI_Ibcast,
 // MPI_Ireduce, MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Igather,
 // MPI_Iscatter, MPI_Ialltoall, MPI_Ialltoallv, MPI_Ibarrier, MPI_Issend,
 // MPI_Irecv); Start issues it and returns a comm.Work, Do is Start then
@@ -35,6 +35,28 @@
 // the communicator's timeout. Async
 // work that nobody waits on is driven by a background goroutine that exists
 // only while such work is pending.
+//
+// # Blocking calls
+//
+// WithBlockingCalls (or LOOM_MPI_BLOCKING=1) makes Do, and so the
+// synchronous comm helpers, call MPI's blocking collectives instead
+// (MPI_Allreduce, ...; Start stays nonblocking): Do first lets the async
+// collectives issued before it post all their steps, so the issue order
+// stays the same on every rank, then blocks in MPI outside the package's
+// lock. MPI never matches a blocking collective with a nonblocking one,
+// so every rank must choose alike; World checks that they do, and that
+// MPI provided MPI_THREAD_MULTIPLE, and fails on every rank otherwise.
+// Which mode is faster depends on the MPI library, the size and the
+// machine (cmd/loombench/compare_mpi.sh measures both against raw MPI).
+//
+// A blocking call cannot be interrupted. A watchdog goroutine watches each
+// one: when the call outlives the timeout, its context ends, or the
+// communicator is aborted meanwhile (Abort, or a peer's notice, which the
+// watchdog polls for every 50 ms), it aborts the communicator and notifies
+// the peers; if the call has still not returned 100 ms later, it prints the
+// error (rank, op, sequence number) on stderr and ends the job with
+// MPI_Abort. A call that does return after an abort fails with the
+// *comm.AbortError.
 //
 // Sends are synchronous (MPI_Issend): a Send completes once the matching
 // Recv has begun, as comm documents. A Recv of a different length than the

@@ -12,6 +12,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/commtest"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/comm/mpi"
 )
 
 // TestMatchesLocal runs every collective on the MPI world and, inside this
@@ -19,9 +20,16 @@ import (
 // inputs (commtest.Fill per rank), and checks that this process's rank gets
 // the same result from both: bit for bit for data movement, min, max and
 // integer reductions, and within a rounding bound for float sums and
-// products (the backends may add in different orders).
+// products (the backends may add in different orders). It does so with
+// nonblocking and with blocking calls.
 func TestMatchesLocal(t *testing.T) {
-	p, r := world.Size(), world.Rank()
+	for _, w := range worlds() {
+		t.Run(w.name, func(t *testing.T) { matchesLocal(t, w.c) })
+	}
+}
+
+func matchesLocal(t *testing.T, mc *mpi.Comm) {
+	p, r := mc.Size(), mc.Rank()
 	const n = 1031
 	for _, dt := range comm.DTypes {
 		for _, op := range []comm.Op{comm.OpAllReduce, comm.OpReduce, comm.OpReduceScatter, comm.OpBroadcast,
@@ -60,7 +68,7 @@ func TestMatchesLocal(t *testing.T) {
 					t.Fatalf("%s: local: %v", name, err)
 				}
 				call := mk(r)
-				err = world.Do(ctx, call)
+				err = mc.Do(ctx, call)
 				cancel()
 				if err != nil {
 					t.Fatalf("%s: mpi: %v", name, err)

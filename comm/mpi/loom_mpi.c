@@ -268,3 +268,36 @@ int loom_test(MPI_Request *req, int *flag) {
 int loom_testall(int n, MPI_Request *reqs, int *flag) {
 	return MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
 }
+
+// ---- collectives, blocking when req is NULL ----
+
+int loom_allreduce(const void *s, void *r, int n, MPI_Datatype dt, MPI_Op op, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Iallreduce(s, r, n, dt, op, c, req) : MPI_Allreduce(s, r, n, dt, op, c);
+}
+int loom_bcast(void *b, int n, MPI_Datatype dt, int root, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Ibcast(b, n, dt, root, c, req) : MPI_Bcast(b, n, dt, root, c);
+}
+int loom_reduce(const void *s, void *r, int n, MPI_Datatype dt, MPI_Op op, int root, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Ireduce(s, r, n, dt, op, root, c, req) : MPI_Reduce(s, r, n, dt, op, root, c);
+}
+int loom_allgather(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Iallgather(s, sn, sdt, r, rn, rdt, c, req) : MPI_Allgather(s, sn, sdt, r, rn, rdt, c);
+}
+int loom_reduce_scatter_block(const void *s, void *r, int n, MPI_Datatype dt, MPI_Op op, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Ireduce_scatter_block(s, r, n, dt, op, c, req) : MPI_Reduce_scatter_block(s, r, n, dt, op, c);
+}
+int loom_gather(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, int root, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Igather(s, sn, sdt, r, rn, rdt, root, c, req) : MPI_Gather(s, sn, sdt, r, rn, rdt, root, c);
+}
+int loom_scatter(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, int root, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Iscatter(s, sn, sdt, r, rn, rdt, root, c, req) : MPI_Scatter(s, sn, sdt, r, rn, rdt, root, c);
+}
+int loom_alltoall(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Ialltoall(s, sn, sdt, r, rn, rdt, c, req) : MPI_Alltoall(s, sn, sdt, r, rn, rdt, c);
+}
+int loom_alltoallv(const void *s, const int *sc, const int *sd, MPI_Datatype sdt, void *r, const int *rc, const int *rd, MPI_Datatype rdt, MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Ialltoallv(s, sc, sd, sdt, r, rc, rd, rdt, c, req) : MPI_Alltoallv(s, sc, sd, sdt, r, rc, rd, rdt, c);
+}
+int loom_barrier(MPI_Comm c, MPI_Request *req) {
+	return req ? MPI_Ibarrier(c, req) : MPI_Barrier(c);
+}

@@ -48,6 +48,20 @@ unsigned short loom_f32_to_bf16(float f);
 unsigned short loom_f32_to_f16(float f);
 float loom_f16_to_f32(unsigned short h);
 
+// The collectives, each in one function for both forms: with req non-NULL
+// the nonblocking call (MPI_Iallreduce...) that posts req, with req NULL
+// the blocking one (MPI_Allreduce...), so that one issuing path serves both.
+int loom_allreduce(const void *s, void *r, int n, MPI_Datatype dt, MPI_Op op, MPI_Comm c, MPI_Request *req);
+int loom_bcast(void *b, int n, MPI_Datatype dt, int root, MPI_Comm c, MPI_Request *req);
+int loom_reduce(const void *s, void *r, int n, MPI_Datatype dt, MPI_Op op, int root, MPI_Comm c, MPI_Request *req);
+int loom_allgather(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, MPI_Comm c, MPI_Request *req);
+int loom_reduce_scatter_block(const void *s, void *r, int n, MPI_Datatype dt, MPI_Op op, MPI_Comm c, MPI_Request *req);
+int loom_gather(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, int root, MPI_Comm c, MPI_Request *req);
+int loom_scatter(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, int root, MPI_Comm c, MPI_Request *req);
+int loom_alltoall(const void *s, int sn, MPI_Datatype sdt, void *r, int rn, MPI_Datatype rdt, MPI_Comm c, MPI_Request *req);
+int loom_alltoallv(const void *s, const int *sc, const int *sd, MPI_Datatype sdt, void *r, const int *rc, const int *rd, MPI_Datatype rdt, MPI_Comm c, MPI_Request *req);
+int loom_barrier(MPI_Comm c, MPI_Request *req);
+
 int loom_error_string(int code, char *buf, int len);
 int loom_test(MPI_Request *req, int *flag);
 int loom_testall(int n, MPI_Request *reqs, int *flag);

@@ -172,8 +172,9 @@ func AbortJob(code int) {
 // World returns a new communicator over every process of the MPI job: a
 // duplicate of MPI_COMM_WORLD, with rank and size read from MPI. It
 // initialises MPI first if needed. It is collective: every process calls
-// it, the same number of times. Without WithOptions, the options come from
-// comm.OptionsFromEnv.
+// it, the same number of times, and with the same WithBlockingCalls choice
+// (checked: a disagreement is an error on every rank). Without
+// WithOptions, the options come from comm.OptionsFromEnv.
 func World(opts ...Option) (*Comm, error) {
 	if err := Init(); err != nil {
 		return nil, err
@@ -196,6 +197,12 @@ func World(opts ...Option) (*Comm, error) {
 	unlockSerial()
 	if rc != C.loom_success() {
 		return nil, fmt.Errorf("mpi: MPI_Comm_dup(MPI_COMM_WORLD): %w", mpiError(rc))
+	}
+	if err := agreeBlocking(h, cfg.blocking); err != nil {
+		lockSerial()
+		C.MPI_Comm_free(&h)
+		unlockSerial()
+		return nil, fmt.Errorf("mpi: World: %w", err)
 	}
 	name := "world"
 	if n > 1 {

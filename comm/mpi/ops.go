@@ -16,14 +16,18 @@ import (
 	"github.com/b7ea7098/loom/comm/internal/kernel"
 )
 
-// Do implements comm.Communicator: Start, then Wait.
+// Do implements comm.Communicator: Start, then Wait; or, with
+// WithBlockingCalls, a blocking MPI call when it may.
 func (c *Comm) Do(ctx context.Context, call comm.Call) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	w, err := c.start(ctx, call)
+	w, err := c.start(ctx, call, c.cfg.blocking)
 	if err != nil {
 		return err
+	}
+	if w.blocking {
+		return c.runBlocking(w)
 	}
 	return w.Wait(ctx)
 }
@@ -34,7 +38,7 @@ func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	w, err := c.start(ctx, call)
+	w, err := c.start(ctx, call, false)
 	if err != nil {
 		return nil, err
 	}
@@ -46,7 +50,10 @@ func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
 	return w, nil
 }
 
-func (c *Comm) start(ctx context.Context, call comm.Call) (*work, error) {
+// start validates and issues call. With blocking, a collective is
+// returned unissued, marked blocking, for the caller to run
+// (runBlocking).
+func (c *Comm) start(ctx context.Context, call comm.Call, blocking bool) (*work, error) {
 	p2p := call.Op == comm.OpSend || call.Op == comm.OpRecv
 	seq, peer := c.seq+1, -1
 	if p2p {
@@ -94,7 +101,7 @@ func (c *Comm) start(ctx context.Context, call comm.Call) (*work, error) {
 	case invalid == nil:
 		w.steps = append(w.steps, (*work).issue)
 	}
-	c.enqueue(w)
+	c.enqueue(w, blocking && !p2p)
 	return w, nil
 }
 
@@ -204,7 +211,7 @@ func (w *work) issue() error {
 			if inPlace {
 				sp = C.loom_in_place()
 			}
-			return ok(C.MPI_Iallreduce(sp, at(rb, lo), C.int(n), mdt, mop, h, w.newReq()), "MPI_Iallreduce")
+			return ok(C.loom_allreduce(sp, at(rb, lo), C.int(n), mdt, mop, h, w.newReq()), w.mpiName("Allreduce"))
 		})
 	case comm.OpBroadcast:
 		if atRoot && send != nil && comm.HostOverlap(send, recv) != comm.Same {
@@ -212,7 +219,7 @@ func (w *work) issue() error {
 		}
 		w.use(rb)
 		return chunks(recv.Len(), func(lo, n int) error {
-			return ok(C.MPI_Ibcast(at(rb, lo), C.int(n), mdt, root, h, w.newReq()), "MPI_Ibcast")
+			return ok(C.loom_bcast(at(rb, lo), C.int(n), mdt, root, h, w.newReq()), w.mpiName("Bcast"))
 		})
 	case comm.OpReduce:
 		if atRoot {
@@ -230,7 +237,7 @@ func (w *work) issue() error {
 					sp = C.loom_in_place()
 				}
 			}
-			return ok(C.MPI_Ireduce(sp, rp, C.int(n), mdt, mop, root, h, w.newReq()), "MPI_Ireduce")
+			return ok(C.loom_reduce(sp, rp, C.int(n), mdt, mop, root, h, w.newReq()), w.mpiName("Reduce"))
 		})
 	case comm.OpAllGather:
 		n := C.int(send.Len())
@@ -239,7 +246,7 @@ func (w *work) issue() error {
 		if inPlace {
 			sp = C.loom_in_place()
 		}
-		return ok(C.MPI_Iallgather(sp, n, mdt, ptr(rb), n, mdt, h, w.newReq()), "MPI_Iallgather")
+		return ok(C.loom_allgather(sp, n, mdt, ptr(rb), n, mdt, h, w.newReq()), w.mpiName("Allgather"))
 	case comm.OpReduceScatter:
 		n := recv.Len()
 		out := rb
@@ -251,7 +258,7 @@ func (w *work) issue() error {
 		}
 		w.use(sb, out)
 		avg(rb)
-		return ok(C.MPI_Ireduce_scatter_block(ptr(sb), ptr(out), C.int(n), mdt, mop, h, w.newReq()), "MPI_Ireduce_scatter_block")
+		return ok(C.loom_reduce_scatter_block(ptr(sb), ptr(out), C.int(n), mdt, mop, h, w.newReq()), w.mpiName("Reduce_scatter_block"))
 	case comm.OpGather:
 		n := C.int(send.Len())
 		var rp unsafe.Pointer
@@ -260,7 +267,7 @@ func (w *work) issue() error {
 			w.use(rb)
 		}
 		w.use(sb)
-		return ok(C.MPI_Igather(ptr(sb), n, mdt, rp, n, mdt, root, h, w.newReq()), "MPI_Igather")
+		return ok(C.loom_gather(ptr(sb), n, mdt, rp, n, mdt, root, h, w.newReq()), w.mpiName("Gather"))
 	case comm.OpScatter:
 		n := C.int(recv.Len())
 		var sp unsafe.Pointer
@@ -269,11 +276,11 @@ func (w *work) issue() error {
 			w.use(sb)
 		}
 		w.use(rb)
-		return ok(C.MPI_Iscatter(sp, n, mdt, ptr(rb), n, mdt, root, h, w.newReq()), "MPI_Iscatter")
+		return ok(C.loom_scatter(sp, n, mdt, ptr(rb), n, mdt, root, h, w.newReq()), w.mpiName("Scatter"))
 	case comm.OpAllToAll:
 		n := C.int(send.Len() / c.size)
 		w.use(sb, rb)
-		return ok(C.MPI_Ialltoall(ptr(sb), n, mdt, ptr(rb), n, mdt, h, w.newReq()), "MPI_Ialltoall")
+		return ok(C.loom_alltoall(ptr(sb), n, mdt, ptr(rb), n, mdt, h, w.newReq()), w.mpiName("Alltoall"))
 	case comm.OpAllToAllV:
 		p := c.size
 		arr := unsafe.Slice((*C.int)(w.cAlloc(4*p*int(unsafe.Sizeof(C.int(0))))), 4*p)
@@ -286,9 +293,9 @@ func (w *work) issue() error {
 			ro += call.RecvCounts[j]
 		}
 		w.use(sb, rb)
-		return ok(C.MPI_Ialltoallv(ptr(sb), &sc[0], &sd[0], mdt, ptr(rb), &rc[0], &rd[0], mdt, h, w.newReq()), "MPI_Ialltoallv")
+		return ok(C.loom_alltoallv(ptr(sb), &sc[0], &sd[0], mdt, ptr(rb), &rc[0], &rd[0], mdt, h, w.newReq()), w.mpiName("Alltoallv"))
 	case comm.OpBarrier:
-		return ok(C.MPI_Ibarrier(h, w.newReq()), "MPI_Ibarrier")
+		return ok(C.loom_barrier(h, w.newReq()), w.mpiName("Barrier"))
 	case comm.OpSend:
 		w.use(sb)
 		return chunks(send.Len(), func(lo, n int) error {

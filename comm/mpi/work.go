@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"syscall"
 	"time"
 	"unsafe"
@@ -34,6 +35,7 @@ type work struct {
 	peer     int
 	id       uint64
 	deadline time.Time // set when the first step runs
+	blocking bool      // steps make blocking MPI calls (see runBlocking)
 
 	steps  []step
 	reqs   []C.MPI_Request // the current step's requests
@@ -54,6 +56,9 @@ type work struct {
 }
 
 type step func(w *work) error
+
+// ctlPollEvery is how often progress looks for peers' abort notices.
+const ctlPollEvery = time.Millisecond
 
 // Done implements comm.Work.
 func (w *work) Done() <-chan struct{} { return w.done }
@@ -121,12 +126,18 @@ func (c *Comm) newWork(ctx context.Context, call *comm.Call, seq uint64) *work {
 	return w
 }
 
-// enqueue adds a collective to the issue queue and starts it if it may.
-func (c *Comm) enqueue(w *work) {
+// enqueue adds w to its issue queue and starts it if it may. With
+// blocking, w is instead marked blocking, for the caller to run
+// (runBlocking).
+func (c *Comm) enqueue(w *work, blocking bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if e := c.failure.Load(); e != nil {
 		c.finishLocked(w, c.wrap(w.op, w.seq, -1, e))
+		return
+	}
+	if blocking {
+		w.blocking = true
 		return
 	}
 	if w.op == comm.OpSend || w.op == comm.OpRecv {
@@ -143,9 +154,14 @@ func (c *Comm) progressLocked() {
 	if c.failure.Load() != nil || c.freed {
 		return
 	}
-	c.pollCtlLocked()
-	if c.failure.Load() != nil {
-		return
+	// Each MPI_Test runs MPI's whole progress engine once, so testing the
+	// notice receive on every poll would double the cost of a wait.
+	if t := now(); t.Sub(c.ctlPolled) >= ctlPollEvery {
+		c.ctlPolled = t
+		c.pollCtlLocked()
+		if c.failure.Load() != nil {
+			return
+		}
 	}
 	q := c.queue
 	mayIssue := true
@@ -192,6 +208,12 @@ func (c *Comm) advanceLocked(w *work, mayIssue bool) {
 				return
 			}
 			if !done {
+				return
+			}
+			// A peer's abort notice sent before the data that completed w
+			// must still win, though progress polls for notices only now
+			// and then.
+			if c.pollCtlLocked(); c.failure.Load() != nil {
 				return
 			}
 			w.reqs = w.reqs[:0]
@@ -392,10 +414,24 @@ func (c *Comm) drive() {
 	}
 }
 
-// newReq appends a request slot to the current step and returns it.
+// newReq appends a request slot to the current step and returns it; for
+// a blocking work it returns nil, which makes the loom_* collective shims
+// call the blocking form.
 func (w *work) newReq() *C.MPI_Request {
+	if w.blocking {
+		return nil
+	}
 	w.reqs = append(w.reqs, C.loom_request_null())
 	return &w.reqs[len(w.reqs)-1]
+}
+
+// mpiName names the MPI function a step calls for the collective name
+// ("Allreduce"): MPI_Allreduce for a blocking work, else MPI_Iallreduce.
+func (w *work) mpiName(name string) string {
+	if w.blocking {
+		return "MPI_" + name
+	}
+	return "MPI_I" + strings.ToLower(name[:1]) + name[1:]
 }
 
 // use pins the memory of bufs for as long as requests use it.
