@@ -8,11 +8,9 @@ package mpi
 import "C"
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"time"
-	"unsafe"
 
 	"github.com/b7ea7098/loom/comm"
 )
@@ -158,34 +156,4 @@ func (c *Comm) watch(w *work, done <-chan struct{}) {
 func endJob(err error) {
 	fmt.Fprintf(os.Stderr, "%v\nmpi: a blocking MPI call cannot be interrupted; ending the job with MPI_Abort\n", err)
 	C.MPI_Abort(C.loom_comm_world(), 1)
-}
-
-// agreeBlocking checks, collectively on the new communicator h, that
-// every rank chose the same call mode (blocking and nonblocking
-// collectives never match in MPI) and that the blocking mode has
-// MPI_THREAD_MULTIPLE (its watchdog calls MPI while a call blocks). Every
-// rank reaches the same verdict.
-func agreeBlocking(h C.MPI_Comm, blocking bool) error {
-	b := C.int(0)
-	if blocking {
-		b = 1
-	}
-	weak := C.int(0)
-	if blocking && serialized() {
-		weak = 1
-	}
-	v := [3]C.int{b, -b, weak} // max: any blocking, any nonblocking, any weak
-	lockSerial()
-	rc := C.loom_allreduce(C.loom_in_place(), unsafe.Pointer(&v[0]), 3, C.loom_dtype(5), C.loom_op(5, 5), h, nil)
-	unlockSerial()
-	if err := ok(rc, "MPI_Allreduce (blocking-mode agreement)"); err != nil {
-		return err
-	}
-	switch {
-	case v[0] != -v[1]:
-		return fmt.Errorf("%w: ranks disagree on WithBlockingCalls (%s); blocking and nonblocking MPI collectives never match, so every rank must choose alike", comm.ErrInvalid, BlockingEnv)
-	case v[2] != 0:
-		return errors.New("WithBlockingCalls needs MPI_THREAD_MULTIPLE, and MPI provided less on some rank")
-	}
-	return nil
 }

@@ -154,3 +154,24 @@ func TestBlockingAfterAsync(t *testing.T) {
 		}
 	}
 }
+
+// A rank whose configuration is invalid (here a bad LOOM_MPI_BLOCKING)
+// fails World with its own error, and the others fail too, instead of
+// waiting in MPI for it.
+func TestWorldBadConfigOnOneRank(t *testing.T) {
+	needRanks(t, 2)
+	defer sync(t)
+	if world.Rank() == 1 {
+		t.Setenv(mpi.BlockingEnv, "maybe")
+	}
+	c, err := mpi.World()
+	switch {
+	case world.Rank() == 1 && (err == nil || !strings.Contains(err.Error(), `"maybe"`)):
+		t.Errorf("rank 1: got %v, want its own error about %q", err, "maybe")
+	case world.Rank() != 1 && (err == nil || !errors.Is(err, comm.ErrInvalid) || !strings.Contains(err.Error(), "another rank")):
+		t.Errorf("rank %d: got %v, want an ErrInvalid error about another rank's configuration", world.Rank(), err)
+	}
+	if c != nil {
+		c.Free()
+	}
+}

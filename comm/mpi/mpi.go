@@ -16,6 +16,8 @@ import (
 	"strings"
 	"sync"
 	"unsafe"
+
+	"github.com/b7ea7098/loom/comm"
 )
 
 // ThreadLevel is an MPI thread-support level.
@@ -172,17 +174,18 @@ func AbortJob(code int) {
 // World returns a new communicator over every process of the MPI job: a
 // duplicate of MPI_COMM_WORLD, with rank and size read from MPI. It
 // initialises MPI first if needed. It is collective: every process calls
-// it, the same number of times, and with the same WithBlockingCalls choice
-// (checked: a disagreement is an error on every rank). Without
-// WithOptions, the options come from comm.OptionsFromEnv.
+// it, the same number of times, and with the same WithBlockingCalls choice.
+// Both that and each rank's configuration (options, environment) are
+// checked collectively: a disagreement or an invalid configuration on one
+// rank is an error on every rank. Without WithOptions, the options come
+// from comm.OptionsFromEnv.
 func World(opts ...Option) (*Comm, error) {
 	if err := Init(); err != nil {
 		return nil, err
 	}
-	cfg, err := configure(opts)
-	if err != nil {
-		return nil, err
-	}
+	// A configuration error does not return yet: the other ranks are
+	// entering MPI_Comm_dup, and agreeConfig lets every rank fail alike.
+	cfg, cfgErr := configure(opts)
 	lib.mu.Lock()
 	if lib.finalized {
 		lib.mu.Unlock()
@@ -198,10 +201,13 @@ func World(opts ...Option) (*Comm, error) {
 	if rc != C.loom_success() {
 		return nil, fmt.Errorf("mpi: MPI_Comm_dup(MPI_COMM_WORLD): %w", mpiError(rc))
 	}
-	if err := agreeBlocking(h, cfg.blocking); err != nil {
+	if err := agreeConfig(h, cfg.blocking, cfgErr); err != nil {
 		lockSerial()
 		C.MPI_Comm_free(&h)
 		unlockSerial()
+		if err == cfgErr {
+			return nil, err
+		}
 		return nil, fmt.Errorf("mpi: World: %w", err)
 	}
 	name := "world"
@@ -209,6 +215,42 @@ func World(opts ...Option) (*Comm, error) {
 		name = fmt.Sprintf("world%d", n)
 	}
 	return newComm(h, name, hashID(0, "world", uint64(n), 0), cfg)
+}
+
+// agreeConfig checks, collectively on the new communicator h, that every
+// rank configured itself without error (cfgErr, this rank's), chose the
+// same call mode (blocking and nonblocking collectives never match in
+// MPI), and, for the blocking mode, has MPI_THREAD_MULTIPLE (its watchdog
+// calls MPI while a call blocks). Every rank reaches the same verdict,
+// instead of one returning while the others wait for it.
+func agreeConfig(h C.MPI_Comm, blocking bool, cfgErr error) error {
+	flag := func(b bool) C.int {
+		if b {
+			return 1
+		}
+		return 0
+	}
+	b := flag(blocking)
+	// max: any blocking, any nonblocking, any without THREAD_MULTIPLE,
+	// any misconfigured.
+	v := [4]C.int{b, -b, flag(blocking && serialized()), flag(cfgErr != nil)}
+	lockSerial()
+	rc := C.loom_allreduce(C.loom_in_place(), unsafe.Pointer(&v[0]), C.int(len(v)), C.loom_dtype(5), C.loom_op(5, 5), h, nil)
+	unlockSerial()
+	if err := ok(rc, "MPI_Allreduce (configuration agreement)"); err != nil {
+		return err
+	}
+	switch {
+	case cfgErr != nil:
+		return cfgErr
+	case v[3] != 0:
+		return fmt.Errorf("%w: another rank's configuration is invalid (it reports why)", comm.ErrInvalid)
+	case v[0] != -v[1]:
+		return fmt.Errorf("%w: ranks disagree on WithBlockingCalls (%s); blocking and nonblocking MPI collectives never match, so every rank must choose alike", comm.ErrInvalid, BlockingEnv)
+	case v[2] != 0:
+		return errors.New("WithBlockingCalls needs MPI_THREAD_MULTIPLE, and MPI provided less on some rank")
+	}
+	return nil
 }
 
 func lockSerial() {
