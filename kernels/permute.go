@@ -412,6 +412,12 @@ func Unpermute[T Float](out, packed, gates []T, d int, r *Routing) error {
 	if gates != nil && len(gates) != len(r.SlotRow) {
 		return fmt.Errorf("kernels: %s: len(gates) = %d, want %d tokens × %d = %d", op, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
 	}
+	unpermute(out, packedRows[T]{flat: packed, d: d}, gates, d, r)
+	return nil
+}
+
+// unpermute is Unpermute's loop over rows from src.
+func unpermute[T Float](out []T, src packedRows[T], gates []T, d int, r *Routing) {
 	k := r.TopK
 	permForRows(r.Tokens, (k+1)*d*sizeOf[T](), func(lo, hi int) {
 		for t := lo; t < hi; t++ {
@@ -432,10 +438,10 @@ func Unpermute[T Float](out, packed, gates []T, d int, r *Routing) error {
 					g = gates[s]
 				}
 				if x0 == nil {
-					x0, g0 = packed[p*d:p*d+d], g
+					x0, g0 = src.row(p, r.Offsets), g
 					continue
 				}
-				permPair(o, x0, packed[p*d:p*d+d], g0, g, first)
+				permPair(o, x0, src.row(p, r.Offsets), g0, g, first)
 				x0, first = nil, false
 			}
 			switch {
@@ -450,7 +456,6 @@ func Unpermute[T Float](out, packed, gates []T, d int, r *Routing) error {
 			}
 		}
 	})
-	return nil
 }
 
 // UnpermuteBackward is the backward of [Unpermute] for upstream gradient
@@ -511,19 +516,25 @@ func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int,
 		}
 	}
 	if dgates != nil {
-		permForRows(slots, 2*d*sizeOf[T](), func(lo, hi int) {
-			for s := lo; s < hi; s++ {
-				p := int(r.SlotRow[s])
-				if p < 0 {
-					dgates[s] = 0
-					continue
-				}
-				t := s / k
-				dgates[s] = T(permDot(packed[p*d:p*d+d], dout[t*d:t*d+d]))
-			}
-		})
+		gateGrad(dgates, dout, packedRows[T]{flat: packed, d: d}, d, r)
 	}
 	return nil
+}
+
+// gateGrad is UnpermuteBackward's gate gradient over rows from src.
+func gateGrad[T Float](dgates, dout []T, src packedRows[T], d int, r *Routing) {
+	k := r.TopK
+	permForRows(len(r.SlotRow), 2*d*sizeOf[T](), func(lo, hi int) {
+		for s := lo; s < hi; s++ {
+			p := int(r.SlotRow[s])
+			if p < 0 {
+				dgates[s] = 0
+				continue
+			}
+			t := s / k
+			dgates[s] = T(permDot(src.row(p, r.Offsets), dout[t*d:t*d+d]))
+		}
+	})
 }
 
 // permScale sets o[i] = g·x[i]; len(x) >= len(o).

@@ -32,9 +32,12 @@ import (
 // self-sends included: 2·n·K·D·4 bytes per rank forward, twice that with
 // backward) over its median iteration time; dense-GB/s the same bytes over
 // the dense all-to-alls' median (two forward, four with backward, each of
-// n·K·D floats per rank); x-dense their ratio (1 means the MoE path costs
-// no more than a balanced all-to-all of its payload); ns/op the MoE path's
-// median.
+// n·K·D floats per rank, between buffers allocated once); x-dense their
+// ratio (1 means the MoE path costs no more than a balanced all-to-all of
+// its payload); x-dense-alloc the ratio against the same all-to-alls
+// receiving into freshly allocated buffers, as the result of any autograd
+// op is (dispatch's and combine's are, and so are their gradients); ns/op
+// the MoE path's median.
 //
 // The routing is balanced (every expert gets exactly n·K/E slots of every
 // rank, in a random token order) or skewed (Zipf-like: expert e chosen
@@ -69,10 +72,12 @@ func BenchmarkDispatchCombine(b *testing.B) {
 // BenchmarkDispatchCombinePaths compares, in one run, the payload paths
 // dispatch and combine can take, each against the same dense all-to-all
 // (x-dense metrics as in BenchmarkDispatchCombine): x-dense is the default
-// (a Workspace, split by local expert from 64 KiB per call), x-nosplit
-// one all-to-all-v and a regrouping pass on each side, x-alloc the same
-// without a Workspace (every buffer allocated), and x-split the split
-// path even where the default would not take it. Run it as
+// (fused over the ranks' shared memory), x-coll the collective path that
+// MPI and NCCL take (DispatchConfig.Collectives, a Workspace, split by
+// local expert from 64 KiB per call), x-nosplit its one all-to-all-v and a
+// regrouping pass on each side, x-alloc the same without a Workspace
+// (every buffer allocated), and x-split the split path even where the
+// default would not take it. Run it as
 //
 //	go test ./moe -run '^$' -bench DispatchCombinePaths -benchtime 10x
 func BenchmarkDispatchCombinePaths(b *testing.B) {
@@ -86,9 +91,10 @@ func BenchmarkDispatchCombinePaths(b *testing.B) {
 				b.Run(fmt.Sprintf("p=%d/%v/%s", p, bc, benchMode(bwd)), func(b *testing.B) {
 					benchReport(b, p, bc, bwd, []benchPath{
 						{name: "", ws: true},
-						{name: "-nosplit", ws: true, split: -1},
-						{name: "-alloc", split: -1},
-						{name: "-split", ws: true, split: 1},
+						{name: "-coll", ws: true, coll: true},
+						{name: "-nosplit", ws: true, split: -1, coll: true},
+						{name: "-alloc", split: -1, coll: true},
+						{name: "-split", ws: true, split: 1, coll: true},
 					})
 				})
 			}
@@ -103,12 +109,14 @@ func benchMode(bwd bool) string {
 	return "fwd"
 }
 
-// benchPath is one way through dispatch and combine: with or without a
-// Workspace, and its split threshold (0: the default).
+// benchPath is one way through dispatch and combine: fused or by
+// collectives, with or without a Workspace, and its split threshold (0:
+// the default).
 type benchPath struct {
 	name  string // metric suffix
 	ws    bool
 	split int
+	coll  bool // DispatchConfig.Collectives
 }
 
 // benchReport measures the paths against the dense all-to-all and reports
@@ -120,7 +128,7 @@ func benchReport(b *testing.B, p int, bc benchCase, bwd bool, paths []benchPath)
 	if err != nil {
 		b.Fatal(err)
 	}
-	dense := times[len(times)-1]
+	dense, denseAlloc := times[len(times)-2], times[len(times)-1]
 	passes := 2
 	if bwd {
 		passes = 4
@@ -131,6 +139,7 @@ func benchReport(b *testing.B, p int, bc benchCase, bwd bool, paths []benchPath)
 	for i, path := range paths {
 		b.ReportMetric(dense.Seconds()/times[i].Seconds(), "x-dense"+path.name)
 	}
+	b.ReportMetric(denseAlloc.Seconds()/times[0].Seconds(), "x-dense-alloc")
 	b.ReportMetric(float64(times[0].Nanoseconds()), "ns/op")
 }
 
@@ -197,11 +206,12 @@ func (c benchCase) routing(rank int) []int32 {
 }
 
 // benchDispatchCombine returns the median iteration time of every path
-// and, last, of the dense all-to-alls, over rounds rounds of iters
-// iterations of each in turn.
+// and, last, of the dense all-to-alls (into buffers allocated once, then
+// into fresh ones), over rounds rounds of iters iterations of each in
+// turn.
 func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, rounds, iters int) ([]time.Duration, error) {
 	n := rounds * iters
-	variants := len(paths) + 1
+	variants := len(paths) + 2
 	durs := make([][][]time.Duration, variants) // [variant][rank][iteration]
 	for v := range durs {
 		durs[v] = make([][]time.Duration, p)
@@ -273,7 +283,7 @@ func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, roun
 		}
 		fs := make([]func() error, 0, variants)
 		for _, path := range paths {
-			cfg := moe.DispatchConfig{Axis: "ep"}
+			cfg := moe.DispatchConfig{Axis: "ep", Collectives: path.coll}
 			if path.ws {
 				cfg.Workspace = new(moe.Workspace)
 				moe.SetSplitMinBytes(cfg.Workspace, path.split)
@@ -288,14 +298,20 @@ func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, roun
 		}
 		count := bc.n * bc.k * bc.d
 		send, recv := make([]float32, count), make([]float32, count)
-		fs = append(fs, func() error {
-			for range calls {
-				if err := comm.AllToAll(ctx, c, comm.Host(send), comm.Host(recv)); err != nil {
-					return err
+		dense := func(fresh bool) func() error {
+			return func() error {
+				for range calls {
+					if fresh {
+						recv = make([]float32, count)
+					}
+					if err := comm.AllToAll(ctx, c, comm.Host(send), comm.Host(recv)); err != nil {
+						return err
+					}
 				}
+				return nil
 			}
-			return nil
-		})
+		}
+		fs = append(fs, dense(false), dense(true))
 		for round := range rounds {
 			for v, f := range fs {
 				if err := f(); err != nil { // warm-up

@@ -19,7 +19,9 @@ type Timings struct {
 	// zero for a static-capacity dispatch without diagnostics).
 	CountExchange time.Duration
 	// PayloadExchange is the token rows' all-to-all-v's, of dispatch and
-	// of combine (one, or one per local expert; see Dispatch).
+	// of combine (one, or one per local expert; see Dispatch). On the
+	// fused path it is the whole of each pass, permute and weighted sum
+	// included, and Permute and Combine stay zero.
 	PayloadExchange time.Duration
 	// Experts is the experts' compute (Experts.Forward and its backward).
 	Experts time.Duration

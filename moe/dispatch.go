@@ -192,6 +192,13 @@ func dispatchAs[T kernels.Float](ctx context.Context, h *Handle, x *placement.DT
 		return nil, err
 	}
 	st := &h.stats.Forward
+	if h.fused {
+		out, err := fusedDispatch(ctx, h, xd)
+		if err != nil {
+			return nil, err
+		}
+		return placement.NewLocal(h.routed, out)
+	}
 	start := time.Now()
 	var packed []T
 	if h.ranks == 1 {
@@ -241,6 +248,19 @@ func unpermuteAs[T kernels.Float](ctx context.Context, h *Handle, y *placement.D
 	yd, err := localData[T](y, "Combine")
 	if err != nil {
 		return nil, err
+	}
+	if h.fused {
+		// The gates' gradient reads the experts' rows in place: nothing
+		// to keep.
+		what := "combine"
+		if phase == &h.stats.Backward {
+			what = "dispatch backward"
+		}
+		out, err := fusedUnpermute(ctx, h, what, yd, gates, w, phase)
+		if err != nil {
+			return nil, err
+		}
+		return placement.NewLocal(spec, out)
 	}
 	keeping := len(keep) > 0 && keep[0] != nil
 	packed, err := toTokens(ctx, h, yd, w, keeping, phase)
@@ -332,6 +352,9 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 		}
 	}
 	st := &h.stats.Backward
+	if h.fused {
+		return fusedCombineBackwardAs(ctx, cs, places, gd, gates, dgates)
+	}
 	start := time.Now()
 	// The rows' gradient, when y needs one; every rank of the group then
 	// sends it, even with no rows (a nil dpacked asks the kernel for none).
@@ -350,8 +373,42 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 		}
 	}
 	st.Combine += time.Since(start)
-	grads := make([]*placement.DTensor, 1, 2)
+	var dy []T
 	if rowsGrad {
+		var err error
+		if dy, err = toExperts(ctx, h, dpacked, cs.width, st); err != nil {
+			return nil, err
+		}
+	}
+	return combineGrads(cs, places, dy, dgates)
+}
+
+// fusedCombineBackwardAs is combineBackwardAs on the fused path.
+func fusedCombineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, places []placement.Placement, gd, gates, dgates []T) ([]*placement.DTensor, error) {
+	h := cs.h
+	var dy []T
+	if cs.y.RequiresGrad() {
+		dy = make([]T, sum(h.recv)*cs.width)
+	}
+	var y []T
+	if dgates != nil {
+		var err error
+		if y, err = localData[T](cs.y.Data(), "Combine backward"); err != nil {
+			return nil, err
+		}
+	}
+	if err := fusedCombineBackward(ctx, h, gd, gates, y, dy, dgates, cs.width); err != nil {
+		return nil, err
+	}
+	return combineGrads(cs, places, dy, dgates)
+}
+
+// combineGrads lays out the combine's gradients: dy for the rows (nil:
+// none), dgates for the gates (nil: none).
+func combineGrads[T kernels.Float](cs *combineState, places []placement.Placement, dy, dgates []T) ([]*placement.DTensor, error) {
+	h := cs.h
+	grads := make([]*placement.DTensor, 1, 2)
+	if cs.y.RequiresGrad() {
 		rowsPl := h.routed.Placements()
 		for a, p := range places {
 			if !rowsPl[a].IsRouted() {
@@ -359,10 +416,6 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 			}
 		}
 		spec, err := gradSpec(h.routed, cs.width, rowsPl)
-		if err != nil {
-			return nil, err
-		}
-		dy, err := toExperts(ctx, h, dpacked, cs.width, st)
 		if err != nil {
 			return nil, err
 		}

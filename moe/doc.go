@@ -81,6 +81,16 @@
 // backward through the Handle, so the gradient path moves exactly the
 // forward's rows in reverse. Ranks and experts with no rows are ordinary.
 //
+// Where the ranks share one address space (comm.SharedMemory: comm/local's
+// in-process ranks), the rows take a fused path instead of the
+// all-to-all-v's: each pass is one comm.SharedMemory.Share in which an
+// expert's rank gathers its rows straight from the token ranks' inputs
+// and a token's rank sums its rows straight from the experts' outputs
+// (kernels.PermuteExpert, kernels.UnpermuteSegments), so each row moves
+// once, as DeepEP's kernels write into their peers' buffers over NVLink.
+// DispatchConfig.Collectives selects the all-to-all-v path anyway, the one
+// MPI and NCCL communicators take, to test it in process.
+//
 // With a capacity (DispatchConfig.Capacity, or a router that pads to
 // capacity) every expert gets exactly that many rows, padded with zeros,
 // and the count exchange is skipped unless diagnostics are asked for. The

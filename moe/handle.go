@@ -54,6 +54,13 @@ type DispatchConfig struct {
 	// from call to call (see Workspace); nil allocates them every call.
 	// Layer uses one of its own when this is nil.
 	Workspace *Workspace
+	// Collectives moves the payload with all-to-all-v over Axis even where
+	// the ranks share one address space (comm.SharedMemory), where
+	// dispatch and combine otherwise pull rows straight from their peers'
+	// memory (the fused path, see Dispatch). It runs in process the path
+	// that MPI and NCCL communicators take: to test it on a laptop, or to
+	// compare the two.
+	Collectives bool
 }
 
 // Handle is the routing handle of one dispatch: the layout that Dispatch
@@ -84,11 +91,16 @@ type Handle struct {
 	// dispatch.go), and the plan's expert ids are relabelled local-expert
 	// major (label). layout decides it, once the counts are known.
 	split bool
+	// fused: the payload moves by comm.SharedMemory (fused.go), not by
+	// all-to-all-v; decided from the communicator, so the same on every
+	// rank of the axis.
+	fused bool
 
 	plan       kernels.Routing
 	send, recv []int // rows to and from every expert-parallel rank
 	chunks     []int // [P·L]: rows from rank q for local expert l at q·L+l
 	expertRows []int // [L]: rows of each local expert in the routed layout
+	at         []int // [L·P]: first routed row of local expert l's rows from rank q at l·P+q
 
 	stats Stats
 }
@@ -165,6 +177,10 @@ func (h *Handle) ExpertRows() []int {
 // group), the rows are packed by local expert instead and sent in one
 // all-to-all-v per local expert, straight into place (the same for every
 // rank of the group; combine and both backward passes follow suit).
+// Where the ranks share memory (comm.SharedMemory, comm/local) and
+// cfg.Collectives is not set, no all-to-all-v runs: each rank gathers its
+// experts' rows straight from the token ranks' inputs, after checking
+// every rank's counts against every other's.
 //
 // The result is laid out by Handle.Spec: Routed on the token-sharding axes
 // (its rows sit on the rank owning their expert, in data-dependent
@@ -331,6 +347,7 @@ func newHandle(ctx context.Context, op string, x *autograd.Value, r *Routing, cf
 	if h.c, err = m.Comm(ctx, cfg.Axis); err != nil {
 		return nil, fmt.Errorf("%s: communicator of axis %q: %w", op, cfg.Axis, err)
 	}
+	h.fused = h.useFused(cfg)
 	exchange := !static || cfg.Diagnostics
 	var group comm.Communicator
 	if exchange {
@@ -505,6 +522,14 @@ func (h *Handle) layout(op string, experts []int32, gathered [][]int64, epIdx in
 			h.expertRows[j] += c
 		}
 	}
+	h.at = make([]int, l*p)
+	at := 0
+	for j := range l {
+		for q := range p {
+			h.at[j*p+q] = at
+			at += h.chunks[q*l+j]
+		}
+	}
 	for g := range rows {
 		if h.static {
 			rows[g] = p * l * h.capacity
@@ -527,7 +552,7 @@ func (h *Handle) layout(op string, experts []int32, gathered [][]int64, epIdx in
 	for q := range p {
 		groupRows += rows[member(me, q)]
 	}
-	if least := h.ws.splitThreshold(); p > 1 && l > 1 && least >= 0 && groupRows*h.d*h.xs.DType().Size() >= least*l*p {
+	if least := h.ws.splitThreshold(); !h.fused && p > 1 && l > 1 && least >= 0 && groupRows*h.d*h.xs.DType().Size() >= least*l*p {
 		h.split = true
 		relabelled := make([]int32, len(experts))
 		for s, x := range experts {

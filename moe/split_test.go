@@ -67,7 +67,7 @@ func TestDispatchCombineSplit(t *testing.T) {
 						return err
 					}
 					before := countOps(ep, comm.OpAllToAllV)
-					cfg := moe.DispatchConfig{Capacity: tc.capacity, Diagnostics: true, Workspace: new(moe.Workspace)}
+					cfg := moe.DispatchConfig{Capacity: tc.capacity, Diagnostics: true, Workspace: new(moe.Workspace), Collectives: true}
 					if tc.force {
 						moe.SetSplitMinBytes(cfg.Workspace, 1)
 					}

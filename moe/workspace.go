@@ -16,7 +16,9 @@ import "github.com/b7ea7098/loom/kernels"
 // therefore serve every dispatch and combine of a rank (all layers, all
 // steps), as long as no two of them run at once; it is not safe for
 // concurrent use. It keeps the largest buffers it has handed out until it
-// is dropped. The zero value is ready to use; a Layer makes its own.
+// is dropped. The zero value is ready to use; a Layer makes its own. The
+// fused path (ranks sharing memory, see Dispatch) has no intermediate
+// buffers and takes nothing from it.
 type Workspace struct {
 	f32 [2][]float32
 	f64 [2][]float64

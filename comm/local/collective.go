@@ -16,14 +16,14 @@ import (
 // compiled schedule, and depart once no peer still reads this rank's buffers.
 
 // run executes one collective end to end on this rank.
-func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64) error {
+func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64, sh *sharing) error {
 	if e := c.g.err(); e != nil {
 		err := c.wrap(call.Op, seq, -1, e)
 		c.rec.Update(id, comm.Failed, err)
 		return err
 	}
 	c.rec.Update(id, comm.Started, nil)
-	err := c.collective(c.waiter(ctx), seq, call, id)
+	err := c.collective(c.waiter(ctx), seq, call, id, sh)
 	if err != nil {
 		c.rec.Update(id, comm.Failed, err)
 		return err
@@ -32,9 +32,12 @@ func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64) 
 	return nil
 }
 
-func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
+func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64, sh *sharing) error {
 	d := &c.g.slots[c.rank].desc
 	c.post(d, seq, call)
+	if sh != nil {
+		sh.post(d)
+	}
 	c.g.publish(c.rank, progressWord(seq, 0))
 	if err := c.arrive(wt, seq, call.Op); err != nil {
 		return err
@@ -48,7 +51,16 @@ func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64) er
 	if err := c.move(wt, seq, call, id); err != nil {
 		return err
 	}
-	return c.depart(wt, seq, call.Op)
+	var useErr error
+	if sh != nil {
+		useErr = c.use(seq, sh)
+	}
+	err := c.depart(wt, seq, call.Op)
+	d.shared = nil // not kept alive until the next call
+	if err != nil {
+		return err
+	}
+	return useErr
 }
 
 // waiter prepares this rank's waiter for one blocking call.
@@ -177,6 +189,11 @@ func (c *Comm) agree(seq uint64, call *comm.Call) error {
 	for q := range slots {
 		if !slots[q].desc.fp.Matches(slots[0].desc.fp) {
 			mismatch = true
+		}
+	}
+	if !mismatch {
+		if err := agreeSharing(slots); err != nil {
+			return c.wrap(call.Op, seq, -1, err)
 		}
 	}
 	if !mismatch && call.Op != comm.OpBarrier && call.Op != comm.OpSplit {

@@ -24,6 +24,10 @@ type descriptor struct {
 	send, recv, scratch    []byte
 	sendCounts, recvCounts []int
 	color, key             int
+	// sharing marks a Share (a barrier that carries shared); a plain
+	// barrier must not match one.
+	sharing bool
+	shared  any
 }
 
 // Comm is one rank's handle on an in-process communicator. It implements
@@ -49,7 +53,7 @@ type Comm struct {
 	busy  bool
 }
 
-var _ comm.Communicator = (*Comm)(nil)
+var _ comm.SharedMemory = (*Comm)(nil)
 
 func newComm(g *group, rank int) *Comm {
 	spin, yield := time.Duration(0), yieldOversubscribed
@@ -112,12 +116,18 @@ func (c *Comm) Do(ctx context.Context, call comm.Call) error {
 	seq := c.seq
 	c.fillAlgorithm(&call)
 	id := c.rec.Begin(seq, &call, call.Algorithm)
+	return c.issue(ctx, seq, call, id, nil)
+}
+
+// issue runs one blocking collective: inline when the rank's stream is
+// idle, else queued behind its async work.
+func (c *Comm) issue(ctx context.Context, seq uint64, call comm.Call, id uint64, sh *sharing) error {
 	if c.enterInline() {
-		err := c.run(ctx, seq, &call, id)
+		err := c.run(ctx, seq, &call, id, sh)
 		c.leaveInline()
 		return err
 	}
-	t := &task{c: c, ctx: ctx, call: call, seq: seq, id: id, done: make(chan struct{})}
+	t := &task{c: c, ctx: ctx, call: call, seq: seq, id: id, done: make(chan struct{}), share: sh}
 	c.push(t)
 	return t.Wait(ctx)
 }
@@ -161,6 +171,8 @@ type task struct {
 	id   uint64
 	done chan struct{}
 	err  error
+	// share is the Share this task runs, nil for a plain collective.
+	share *sharing
 }
 
 // Done implements comm.Work.
@@ -228,7 +240,7 @@ func (c *Comm) drain() {
 		c.queue[0] = nil
 		c.queue = c.queue[1:]
 		c.mu.Unlock()
-		t.err = c.runSafely(t.ctx, t.seq, &t.call, t.id)
+		t.err = c.runSafely(t.ctx, t.seq, &t.call, t.id, t.share)
 		// Leave the stream idle before the waiter learns the task is done,
 		// so that a call made right after Wait (Split, say) finds it idle.
 		c.mu.Lock()
@@ -246,7 +258,7 @@ func (c *Comm) drain() {
 
 // runSafely is run for the background stream, where a panic would end the
 // process: it becomes the task's error and aborts the communicator.
-func (c *Comm) runSafely(ctx context.Context, seq uint64, call *comm.Call, id uint64) (err error) {
+func (c *Comm) runSafely(ctx context.Context, seq uint64, call *comm.Call, id uint64, sh *sharing) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			e := c.errorf(call.Op, seq, -1, "panic: %v", v)
@@ -255,7 +267,7 @@ func (c *Comm) runSafely(ctx context.Context, seq uint64, call *comm.Call, id ui
 			err = e
 		}
 	}()
-	return c.run(ctx, seq, call, id)
+	return c.run(ctx, seq, call, id, sh)
 }
 
 // quiesce waits until no async work is queued or running and claims the

@@ -1,0 +1,218 @@
+package moe
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/kernels"
+)
+
+// The fused data path, taken where the expert-parallel ranks share one
+// address space (comm.SharedMemory: comm/local's in-process ranks). Each
+// pass is one Share over the ep axis in which every rank publishes a view
+// of its rows and pulls what it needs straight from its peers' views, so
+// that each row moves once, as DeepEP's kernels write straight into their
+// peers' buffers:
+//
+//	dispatch:          the expert's rank gathers its rows from the token
+//	                   ranks' inputs (PermuteExpert), into the routed layout
+//	combine:           the token's rank sums its rows, gate-weighted, from
+//	                   the experts' outputs (UnpermuteSegments)
+//	combine backward:  the expert's rank gathers the gate-scaled gradient
+//	                   rows (PermuteExpert with gates); the token's rank
+//	                   takes the gates' gradient from the experts' saved
+//	                   inputs (GateGradSegments)
+//	dispatch backward: the token's rank sums its rows' gradients
+//	                   (UnpermuteSegments without gates)
+//
+// No send buffer is packed, no received buffer regrouped and no workspace
+// used: against the collective path this saves two full passes over the
+// payload per direction. Every rank checks every rank's counts in every
+// pass, so handles that disagree fail alike on all ranks before any row
+// moves. The time of a fused pass counts as PayloadExchange.
+
+// fusedView is what one rank publishes in a fused pass.
+type fusedView[T kernels.Float] struct {
+	plan   *kernels.Routing // this rank's token slots, expert-major
+	chunks []int            // [P·L]: rows from rank q for local expert l at q·L+l
+	at     []int            // [L·P]: first routed row of local expert l's rows from rank q at l·P+q
+	width  int
+	tokens []T // token-side rows: the dispatched tokens, or the combined tokens' gradient
+	gates  []T // the gates of this rank's slots (nil: weights of 1)
+	routed []T // expert-side rows: the experts' outputs, or the gradient of the dispatched rows
+}
+
+// useFused reports whether dispatches through h take the fused path.
+func (h *Handle) useFused(cfg DispatchConfig) bool {
+	if h.ranks == 1 || cfg.Collectives {
+		return false
+	}
+	_, ok := h.c.(comm.SharedMemory)
+	return ok
+}
+
+// view returns h's view with the given rows.
+func view[T kernels.Float](h *Handle, width int, tokens, gates, routed []T) *fusedView[T] {
+	return &fusedView[T]{plan: &h.plan, chunks: h.chunks, at: h.at, width: width, tokens: tokens, gates: gates, routed: routed}
+}
+
+// share runs one fused pass: it publishes v and runs pull on every rank's
+// views once they have been checked against each other.
+func share[T kernels.Float](ctx context.Context, h *Handle, what string, v *fusedView[T], phase *Timings, pull func(peers []*fusedView[T]) error) error {
+	start := time.Now()
+	sm := h.c.(comm.SharedMemory)
+	err := sm.Share(ctx, v, func(shared []any) error {
+		peers := make([]*fusedView[T], len(shared))
+		for q, s := range shared {
+			p, ok := s.(*fusedView[T])
+			if !ok {
+				return fmt.Errorf("%w: rank %d of axis %q shared %T in the %s, want %T: the ranks run different passes", ErrMismatch, q, h.axis, s, what, v)
+			}
+			peers[q] = p
+		}
+		if err := checkViews(h, peers); err != nil {
+			return err
+		}
+		return pull(peers)
+	})
+	phase.PayloadExchange += time.Since(start)
+	if err != nil {
+		return fmt.Errorf("%s over axis %q (fused): %w", what, h.axis, err)
+	}
+	return nil
+}
+
+// checkViews checks, identically on every rank, that the rows every rank
+// plans to send each expert are the rows the expert's rank expects, and
+// that the row widths agree: the check the collective path's
+// all-to-all-v makes on its counts.
+func checkViews[T kernels.Float](h *Handle, peers []*fusedView[T]) error {
+	p, l := h.ranks, h.local
+	var bad []string
+	for q, v := range peers {
+		if v.width != peers[0].width {
+			bad = append(bad, fmt.Sprintf("rank %d has rows of width %d, rank 0 of width %d", q, v.width, peers[0].width))
+		}
+		if v.plan.Experts != p*l || len(v.chunks) != p*l {
+			bad = append(bad, fmt.Sprintf("rank %d has %d experts", q, v.plan.Experts))
+		}
+	}
+	if bad == nil {
+		for q, src := range peers {
+			for r, dst := range peers {
+				for j := range l {
+					x := r*l + j
+					if n, want := src.plan.Offsets[x+1]-src.plan.Offsets[x], dst.chunks[q*l+j]; n != want {
+						bad = append(bad, fmt.Sprintf("rank %d sends %d rows for expert %d, rank %d expects %d", q, n, x, r, want))
+					}
+				}
+			}
+		}
+	}
+	if bad == nil {
+		return nil
+	}
+	if len(bad) > 4 {
+		bad = append(bad[:4], fmt.Sprintf("and %d more", len(bad)-4))
+	}
+	return fmt.Errorf("%w: the ranks' handles disagree (%s); no row moved", ErrMismatch, strings.Join(bad, "; "))
+}
+
+// chunk returns rows [at, at+n) of width w of buf, or an error when buf is
+// too short (a view that checkViews let through cannot be).
+func chunk[T kernels.Float](buf []T, at, n, w int) ([]T, error) {
+	if at < 0 || n < 0 || (at+n)*w > len(buf) {
+		return nil, fmt.Errorf("rows [%d, %d) of width %d outside a buffer of %d values", at, at+n, w, len(buf))
+	}
+	return buf[at*w : (at+n)*w], nil
+}
+
+// gatherRouted fills routed (this rank's routed layout, rows of width w)
+// with every token rank's rows for this rank's experts: peer q's tokens
+// scaled by its gates when gated.
+func gatherRouted[T kernels.Float](h *Handle, routed []T, w int, gated bool, peers []*fusedView[T]) error {
+	p, l := h.ranks, h.local
+	for j := range l {
+		x := h.rank*l + j
+		for q, v := range peers {
+			dst, err := chunk(routed, h.at[j*p+q], h.chunks[q*l+j], w)
+			if err != nil {
+				return err
+			}
+			var gates []T
+			if gated {
+				gates = v.gates
+			}
+			if err := kernels.PermuteExpert(dst, v.tokens, gates, w, v.plan, x); err != nil {
+				return fmt.Errorf("rows of rank %d for expert %d: %w", q, x, err)
+			}
+		}
+	}
+	return nil
+}
+
+// segments returns, for every expert, this rank's rows of it inside the
+// routed rows of the expert's rank's view.
+func segments[T kernels.Float](h *Handle, w int, peers []*fusedView[T]) ([][]T, error) {
+	p, l := h.ranks, h.local
+	segs := make([][]T, h.e)
+	for x := range segs {
+		q, j := x/l, x%l
+		v := peers[q]
+		seg, err := chunk(v.routed, v.at[j*p+h.rank], h.plan.Offsets[x+1]-h.plan.Offsets[x], w)
+		if err != nil {
+			return nil, fmt.Errorf("rows of expert %d on rank %d: %w", x, q, err)
+		}
+		segs[x] = seg
+	}
+	return segs, nil
+}
+
+// fusedDispatch moves this rank's tokens xd to the experts: the routed
+// rows of this rank's experts, gathered from every rank.
+func fusedDispatch[T kernels.Float](ctx context.Context, h *Handle, xd []T) ([]T, error) {
+	out := make([]T, sum(h.recv)*h.d)
+	err := share(ctx, h, "dispatch", view[T](h, h.d, xd, nil, nil), &h.stats.Forward, func(peers []*fusedView[T]) error {
+		return gatherRouted(h, out, h.d, false, peers)
+	})
+	return out, err
+}
+
+// fusedUnpermute sums every token's rows from the experts' routed rows y
+// (width w), weighted by gates (nil: unweighted).
+func fusedUnpermute[T kernels.Float](ctx context.Context, h *Handle, what string, y, gates []T, w int, phase *Timings) ([]T, error) {
+	out := make([]T, h.n*w)
+	err := share(ctx, h, what, view[T](h, w, nil, nil, y), phase, func(peers []*fusedView[T]) error {
+		segs, err := segments(h, w, peers)
+		if err != nil {
+			return err
+		}
+		return kernels.UnpermuteSegments(out, segs, gates, w, &h.plan)
+	})
+	return out, err
+}
+
+// fusedCombineBackward moves the gate-scaled gradient gd of the combined
+// tokens (width w) to the experts, into dy (nil: not wanted), and computes
+// the gates' gradient into dgates (nil: not wanted) from the experts'
+// rows y that the combine summed.
+func fusedCombineBackward[T kernels.Float](ctx context.Context, h *Handle, gd, gates, y, dy, dgates []T, w int) error {
+	return share(ctx, h, "combine backward", view[T](h, w, gd, gates, y), &h.stats.Backward, func(peers []*fusedView[T]) error {
+		if dy != nil {
+			if err := gatherRouted(h, dy, w, true, peers); err != nil {
+				return err
+			}
+		}
+		if dgates == nil {
+			return nil
+		}
+		segs, err := segments(h, w, peers)
+		if err != nil {
+			return err
+		}
+		return kernels.GateGradSegments(dgates, gd, segs, w, &h.plan)
+	})
+}
