@@ -25,7 +25,7 @@ func Comm(c comm.Communicator, tl *Timeline, rank int) comm.Communicator {
 	if tl == nil || c == nil {
 		return c
 	}
-	if t, ok := c.(*traced); ok && t.tl == tl {
+	if t := tracedOf(c); t != nil && t.tl == tl {
 		return c
 	}
 	if rank < 0 {
@@ -33,7 +33,43 @@ func Comm(c comm.Communicator, tl *Timeline, rank int) comm.Communicator {
 	}
 	key := fmt.Sprintf("root%d", c.Size())
 	g := tl.joinGroup(key, c.Size(), member{pos: c.Rank(), rank: rank}, backendName(c))
-	return &traced{inner: c, tl: tl, rec: c.Recorder(), rank: int32(rank), group: g, key: key}
+	return wrap(&traced{inner: c, tl: tl, rec: c.Recorder(), rank: int32(rank), group: g, key: key})
+}
+
+// wrap returns t, with Share where the wrapped communicator has it, so
+// that wrapping hides no capability (comm.SharedMemory: MoE dispatch's
+// fused path).
+func wrap(t *traced) comm.Communicator {
+	if _, ok := t.inner.(comm.SharedMemory); ok {
+		return &tracedShared{t}
+	}
+	return t
+}
+
+// tracedOf returns the wrapper c is, or nil.
+func tracedOf(c comm.Communicator) *traced {
+	switch t := c.(type) {
+	case *traced:
+		return t
+	case *tracedShared:
+		return t.traced
+	}
+	return nil
+}
+
+// tracedShared is the wrapper of a communicator that implements
+// comm.SharedMemory.
+type tracedShared struct{ *traced }
+
+var _ comm.SharedMemory = (*tracedShared)(nil)
+
+// Share implements comm.SharedMemory. It is recorded as the barrier it
+// runs as, a comm event with the caller blocked throughout (a wait event),
+// use's work included.
+func (t *tracedShared) Share(ctx context.Context, v any, use func(peers []any) error) error {
+	return t.blocking(comm.Call{Op: comm.OpBarrier}, func() error {
+		return t.inner.(comm.SharedMemory).Share(ctx, v, use)
+	})
 }
 
 // backendName returns the communicator's own name when the backend gives
@@ -106,8 +142,14 @@ func (t *traced) template(lane Lane, c *comm.Call, start int64) event {
 // Do implements comm.Communicator. The caller is blocked for the whole
 // call (a wait event); the execution is a comm event.
 func (t *traced) Do(ctx context.Context, c comm.Call) error {
+	return t.blocking(c, func() error { return t.inner.Do(ctx, c) })
+}
+
+// blocking runs call, which blocks its caller throughout, and records it
+// as a comm event and a wait event over the same span.
+func (t *traced) blocking(c comm.Call, call func() error) error {
 	t0 := t.tl.clock()
-	err := t.inner.Do(ctx, c)
+	err := call()
 	t1 := t.tl.clock()
 	e := t.template(LaneComm, &c, t0)
 	w := e
@@ -140,26 +182,19 @@ func (t *traced) Start(ctx context.Context, c comm.Call) (comm.Work, error) {
 // Split implements comm.Communicator. The child is wrapped: its calls are
 // recorded under the same rank, labelled by the child's group.
 func (t *traced) Split(ctx context.Context, color, key int) (comm.Communicator, error) {
-	t0 := t.tl.clock()
-	child, err := t.inner.Split(ctx, color, key)
-	t1 := t.tl.clock()
+	var child comm.Communicator
+	err := t.blocking(comm.Call{Op: comm.OpSplit}, func() (err error) {
+		child, err = t.inner.Split(ctx, color, key)
+		return err
+	})
 	n := t.splits
 	t.splits++
-	call := comm.Call{Op: comm.OpSplit}
-	e := t.template(LaneComm, &call, t0)
-	w := e
-	w.lane, w.end = LaneWait, t1
-	if err != nil {
-		e.flags |= flagFailed
-		w.flags |= flagFailed
-	}
-	t.tl.issue(t.rec, e, t1, t1, true, &w)
 	if err != nil || child == nil {
 		return child, err
 	}
 	ck := fmt.Sprintf("%s/%d.%d", t.key, n, color)
 	g := t.tl.joinGroup(ck, child.Size(), member{key: key, pos: t.inner.Rank(), rank: int(t.rank)}, backendName(child))
-	return &traced{inner: child, tl: t.tl, rec: child.Recorder(), rank: t.rank, group: g, key: ck}, nil
+	return wrap(&traced{inner: child, tl: t.tl, rec: child.Recorder(), rank: t.rank, group: g, key: ck}), nil
 }
 
 // work wraps an async operation's Work.

@@ -424,3 +424,52 @@ func TestConformanceThroughWrapper(t *testing.T) {
 		t.Errorf("%d calls pending after every rank returned", n)
 	}
 }
+
+// TestShareThroughWrapper checks that wrapping keeps comm.SharedMemory
+// where the wrapped communicator has it (the world and its Split children),
+// records a Share as the barrier it runs as, and claims nothing for a
+// communicator without it.
+func TestShareThroughWrapper(t *testing.T) {
+	tl := trace.NewTimeline()
+	err := local.Run(context.Background(), 3, func(ctx context.Context, world comm.Communicator) error {
+		r := world.Rank()
+		c := trace.Comm(world, tl, r)
+		if trace.Comm(c, tl, r) != c {
+			return errors.New("wrapping a traced communicator again wrapped it twice")
+		}
+		child, err := c.Split(ctx, 0, r)
+		if err != nil {
+			return err
+		}
+		for _, x := range []comm.Communicator{c, child} {
+			sm, ok := x.(comm.SharedMemory)
+			if !ok {
+				return fmt.Errorf("traced %T does not implement comm.SharedMemory", x)
+			}
+			var got []any
+			if err := sm.Share(ctx, 10*r, func(peers []any) error { got = peers; return nil }); err != nil {
+				return err
+			}
+			if want := []any{0, 10, 20}; !slices.Equal(got, want) {
+				return fmt.Errorf("rank %d: Share through the wrapper saw %v, want %v", r, got, want)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r := range 3 {
+		got := describe(tl.Events(), r)
+		// The world: split #1, then the Share, barrier #2; the child
+		// (the same ranks): its Share, barrier #1.
+		want := []string{"comm barrier [0,1,2] 1", "comm barrier [0,1,2] 2", "comm split [0,1,2] 1",
+			"wait barrier [0,1,2] 0", "wait barrier [0,1,2] 0", "wait split [0,1,2] 0"}
+		if !slices.Equal(got, want) {
+			t.Errorf("rank %d events\n got %q\nwant %q", r, got, want)
+		}
+	}
+	if _, ok := trace.Comm(&fake{name: "fakeworld", size: 1}, tl, 0).(comm.SharedMemory); ok {
+		t.Error("a traced communicator without Share claims comm.SharedMemory")
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -72,7 +73,7 @@ func TestRun(t *testing.T) {
 	if err := run(context.Background(), args, &out); err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
 	}
-	for _, want := range []string{"step    2", "balance max/mean", "padded", "payload exchange", "send matrix", "largest loss difference", "all-to-all-v"} {
+	for _, want := range []string{"step    2", "balance max/mean", "padded", "payload exchange", "send matrix", "largest loss difference", "MoE payload passes"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}
@@ -90,6 +91,26 @@ func TestRun(t *testing.T) {
 	}
 	if fi, err := os.Stat(tr); err != nil || fi.Size() == 0 {
 		t.Errorf("-trace: %v", err)
+	}
+
+	// -collectives: the all-to-all-v path computes the same losses as
+	// the fused one (the same rows summed in the same order).
+	js2 := filepath.Join(dir, "run2.json")
+	out.Reset()
+	args = []string{"-ep", "2", "-steps", "2", "-every", "1", "-capacity", "1.5", "-threads", "1", "-json", js2, "-collectives"}
+	if err := run(context.Background(), args, &out); err != nil {
+		t.Fatalf("-collectives: %v\n%s", err, out.String())
+	}
+	b, err = os.ReadFile(js2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var coll result
+	if err := json.Unmarshal(b, &coll); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(coll.Losses, res.Losses) {
+		t.Errorf("-collectives losses %v, fused %v", coll.Losses, res.Losses)
 	}
 }
 

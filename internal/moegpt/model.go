@@ -33,6 +33,10 @@ type Options struct {
 	// anyway, so that moe.Stats hold the send matrix
 	// (moe.DispatchConfig.Diagnostics). Ragged dispatches always have it.
 	Diagnostics bool
+	// Collectives moves the token rows by all-to-all-v even where the
+	// ranks share memory (moe.DispatchConfig.Collectives): the path MPI
+	// and NCCL take, run in process.
+	Collectives bool
 }
 
 // Model is the MoE transformer. Its parameters are leaves of one tape
@@ -225,7 +229,7 @@ func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]floa
 			Attn: &parallel.Attention{QKV: qkv, Proj: &parallel.Linear{Weight: p(BlockProjW), Bias: p(BlockProjB)}, Heads: cfg.H},
 			LN2:  ln(BlockParam(l, BlockLN2W), BlockParam(l, BlockLN2B)),
 			MoE: &moe.Layer{Router: router, Experts: experts, Dispatch: moe.DispatchConfig{
-				Axis: opts.EP, Diagnostics: opts.Diagnostics, Workspace: ws,
+				Axis: opts.EP, Diagnostics: opts.Diagnostics, Workspace: ws, Collectives: opts.Collectives,
 			}},
 		})
 	}
