@@ -62,3 +62,30 @@ func ExampleRun_forcedAlgorithm() {
 	})
 	// Output: allreduce ring 8192 completed
 }
+
+// A fused gather through shared memory: every rank publishes its rows and
+// takes row r of every peer straight from the peer's slice, with no send
+// or receive buffer in between. Share returns once every rank has read,
+// so each rank may then reuse its rows.
+func ExampleComm_Share() {
+	got := make([][]float32, 3)
+	err := local.Run(context.Background(), 3, func(ctx context.Context, c comm.Communicator) error {
+		r := c.Rank()
+		rows := []float32{float32(10 * r), float32(10*r + 1), float32(10*r + 2)} // rank r's row j: 10r+j
+		sm, ok := c.(comm.SharedMemory)
+		if !ok {
+			return fmt.Errorf("%T does not share memory", c)
+		}
+		mine := make([]float32, c.Size())
+		err := sm.Share(ctx, rows, func(peers []any) error {
+			for q, p := range peers {
+				mine[q] = p.([]float32)[r] // rank q's row r
+			}
+			return nil
+		})
+		got[r] = mine
+		return err
+	})
+	fmt.Println(got, err)
+	// Output: [[0 10 20] [1 11 21] [2 12 22]] <nil>
+}
