@@ -1,6 +1,7 @@
 package autograd
 
 import (
+	"math"
 	"sync"
 	"unsafe"
 
@@ -10,18 +11,20 @@ import (
 // arena recycles the float buffers a tape uses internally: values an op
 // saves for its backward (LayerNorm statistics, GELU derivatives,
 // attention probabilities) and the gradients backward computes for
-// intermediate values. Both are dead once the tape is cleared, so a
-// training step that records the same ops again reuses them instead of
-// allocating (and the garbage collector clearing) tens of megabytes.
+// intermediate values (scratch). Both are dead once the tape is cleared,
+// so a training step that records the same ops again reuses them instead
+// of allocating (and the garbage collector clearing) tens of megabytes.
 //
-// What the arena hands out never reaches a user: op results (Value.Data),
-// the loss and every leaf's Grad are allocated fresh, and Backward copies a
-// gradient into a leaf rather than keeping the buffer it arrived in. A
-// buffer returns to the free lists either when Backward has consumed it and
-// no pending gradient shares its memory (release), or when the tape is
-// cleared (reset). Free buffers are kept by exact length; lengths not asked
-// for since the last reset are dropped at the next one, so changing shapes
-// do not pile up memory.
+// With WithRecycling the arena also holds op results, whose lifetime the
+// caller ends with Tape.Recycle rather than the tape's clearing: they go
+// back to the free lists there and nowhere else. Without it, op results
+// (Value.Data), the loss and every leaf's Grad are allocated fresh, and in
+// both modes Backward copies a gradient into a leaf rather than keeping
+// the buffer it arrived in. A scratch buffer returns to the free lists
+// either when Backward has consumed it and no pending gradient shares its
+// memory (release), or when the tape is cleared (reset). Free buffers are
+// kept by exact length; lengths not asked for since the last reset are
+// dropped at the next one, so changing shapes do not pile up memory.
 //
 // Each tape has its own arena; the mutex makes the rare use from hook
 // goroutines safe, though a tape itself is single-goroutine.
@@ -31,19 +34,61 @@ type arena struct {
 	free64 map[int][][]float64
 	used   map[int]bool // lengths asked for since the last reset
 	// out maps the first element's address of every buffer handed out
-	// since the last reset to its length and element size.
+	// and not yet returned to its length, element size and kind.
 	out map[unsafe.Pointer]arenaBuf
+	made int // buffers allocated (not reused) since the arena was made
+	// poison makes recycle fill the op results it takes back with NaN, so
+	// that a test reading a recycled value sees it (export_test.go).
+	poison bool
 }
 
-type arenaBuf struct{ n, size int }
+type arenaBuf struct {
+	n, size int
+	result  bool // an op result: returned by recycle only
+}
 
-// getBuf returns a buffer of n elements from t's arena, with arbitrary
-// contents; nil when n is 0.
-func getBuf[T float](t *Tape, n int) []T {
+// alloc says where a local helper puts the block it returns: scratch in
+// the tape's arena (a saved value or an intermediate gradient, dead when
+// the tape is cleared), or an op's result (fresh memory, or arena memory
+// that lives until Recycle on a tape made WithRecycling). The zero alloc
+// is fresh memory.
+type alloc struct {
+	t      *Tape
+	result bool
+}
+
+// scratch is where saved values and intermediate gradients go: t's arena
+// (fresh memory for a nil t).
+func (t *Tape) scratch() alloc { return alloc{t: t} }
+
+// result is where op results go.
+func (t *Tape) result() alloc { return alloc{t: t, result: true} }
+
+// fresh reports whether block returns freshly allocated (zeroed) memory.
+func (a alloc) fresh() bool { return a.t == nil || a.result && !a.t.recycling }
+
+// block returns n elements as a says: zeroed when a.fresh(), with
+// arbitrary contents otherwise.
+func block[T float](a alloc, n int) []T {
+	if a.fresh() {
+		return make([]T, n)
+	}
+	return take[T](&a.t.arena, n, a.result)
+}
+
+// resultBlock is block(t.result(), n), for op results.
+func resultBlock[T float](t *Tape, n int) []T { return block[T](t.result(), n) }
+
+// getBuf returns a scratch buffer of n elements from t's arena, with
+// arbitrary contents; nil when n is 0.
+func getBuf[T float](t *Tape, n int) []T { return take[T](&t.arena, n, false) }
+
+// take returns a buffer of n elements from a, with arbitrary contents,
+// marked as an op result or as scratch; nil when n is 0.
+func take[T float](a *arena, n int, result bool) []T {
 	if n == 0 {
 		return nil
 	}
-	a := &t.arena
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.out == nil {
@@ -62,8 +107,9 @@ func getBuf[T float](t *Tape, n int) []T {
 	}
 	if buf == nil {
 		buf = make([]T, n)
+		a.made++
 	}
-	a.out[unsafe.Pointer(unsafe.SliceData(buf))] = arenaBuf{n: n, size: int(unsafe.Sizeof(z))}
+	a.out[unsafe.Pointer(unsafe.SliceData(buf))] = arenaBuf{n: n, size: int(unsafe.Sizeof(z)), result: result}
 	return buf
 }
 
@@ -84,8 +130,8 @@ func zeroBuf[T float](t *Tape, n int) []T {
 	return b
 }
 
-// putBuf returns a buffer from getBuf to the free lists right away (for
-// temporaries whose last use is over). Other slices are ignored.
+// putBuf returns a scratch buffer from getBuf to the free lists right away
+// (for temporaries whose last use is over). Other slices are ignored.
 func putBuf[T float](t *Tape, buf []T) {
 	if len(buf) == 0 {
 		return
@@ -93,7 +139,9 @@ func putBuf[T float](t *Tape, buf []T) {
 	a := &t.arena
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	a.putLocked(unsafe.Pointer(unsafe.SliceData(buf)))
+	if p := unsafe.Pointer(unsafe.SliceData(buf)); !a.out[p].result {
+		a.putLocked(p)
+	}
 }
 
 // putLocked moves the outstanding buffer starting at p to its free list;
@@ -112,14 +160,22 @@ func (a *arena) putLocked(p unsafe.Pointer) {
 	}
 }
 
-// reset returns every outstanding buffer to the free lists (the tape has
-// been cleared, so nothing uses them) and drops the free buffers of lengths
-// not asked for since the previous reset.
+// reset returns every outstanding scratch buffer to the free lists (the
+// tape has been cleared, so nothing uses them) and drops the free buffers
+// of lengths not asked for since the previous reset, unless nothing at all
+// was. Op results stay out until recycle.
 func (a *arena) reset() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for p := range a.out {
-		a.putLocked(p)
+	for p, b := range a.out {
+		if !b.result {
+			a.putLocked(p)
+		}
+	}
+	if len(a.used) == 0 {
+		// Nothing was asked for since the last reset (a Recycle right
+		// after Backward): no pass ran, so no length has gone out of use.
+		return
 	}
 	for n := range a.free32 {
 		if !a.used[n] {
@@ -132,6 +188,33 @@ func (a *arena) reset() {
 		}
 	}
 	clear(a.used)
+}
+
+// recycle returns every outstanding op result to the free lists (poisoned
+// with NaN first when a.poison is set).
+func (a *arena) recycle() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for p, b := range a.out {
+		if !b.result {
+			continue
+		}
+		if a.poison {
+			switch b.size {
+			case 4:
+				fill(unsafe.Slice((*float32)(p), b.n), float32(math.NaN()))
+			case 8:
+				fill(unsafe.Slice((*float64)(p), b.n), math.NaN())
+			}
+		}
+		a.putLocked(p)
+	}
+}
+
+func fill[T float](s []T, v T) {
+	for i := range s {
+		s[i] = v
+	}
 }
 
 // span is the memory of a tensor's local block: its first element and
@@ -180,8 +263,8 @@ func (a *arena) releaseDead(dead []*placement.DTensor, live map[*Value]*placemen
 			continue
 		}
 		b, ok := a.out[s.p]
-		if !ok || uintptr(b.n*b.size) != s.bytes {
-			continue // not an arena buffer, or a view of part of one
+		if !ok || b.result || uintptr(b.n*b.size) != s.bytes {
+			continue // not scratch, or a view of part of it
 		}
 		shared := false
 		for _, l := range live {
@@ -197,7 +280,7 @@ func (a *arena) releaseDead(dead []*placement.DTensor, live map[*Value]*placemen
 }
 
 // exclusive reports whether v's pending gradient g may be updated in place:
-// g's block is a whole buffer the arena handed out, and no other pending
+// g's block is a whole scratch buffer the arena handed out, and no other pending
 // gradient shares its memory, nor any of the tensors in busy (the gradient
 // the current node consumed and every gradient it returned, which may be
 // views of one another and are still to be accumulated).
@@ -208,7 +291,7 @@ func (a *arena) exclusive(g *placement.DTensor, v *Value, pending map[*Value]*pl
 	if !ok {
 		return false
 	}
-	if b, ok := a.out[s.p]; !ok || uintptr(b.n*b.size) != s.bytes {
+	if b, ok := a.out[s.p]; !ok || b.result || uintptr(b.n*b.size) != s.bytes {
 		return false
 	}
 	for _, x := range busy {

@@ -50,7 +50,10 @@
 // fused op. float64 blocks run plain loops and serve as references.
 //
 // Op results, the loss and leaf gradients are freshly allocated: a user
-// may keep them. What dies with a pass is recycled by the tape instead:
+// may keep them. A tape made WithRecycling takes op results from its
+// arena as well, for a training loop that declares each step's values
+// dead with Tape.Recycle (PoisonRecycled checks that nothing reads them
+// afterwards). What dies with a pass is recycled by every tape:
 // values saved for backward and the gradients of intermediate values come
 // from a per-tape arena, go back to it as soon as Backward has consumed
 // them (unless another pending gradient shares their memory) and in any

@@ -69,18 +69,6 @@ func zip(spec *placement.Spec, x, y *placement.DTensor, f32 func(a, b []float32)
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
 
-// newBlock returns a block of n elements for a result: freshly allocated
-// (zeroed) when t is nil, which is what op results, the loss and leaf
-// gradients need since users may keep them; from t's arena otherwise
-// (arbitrary contents), for saved values and intermediate gradients that
-// die with the tape's pass.
-func newBlock[T float](t *Tape, n int) []T {
-	if t == nil {
-		return make([]T, n)
-	}
-	return getBuf[T](t, n)
-}
-
 // addInto sets out = a + b (float32 on the vector kernel) and returns it.
 func addInto[T float](out, a, b []T) []T {
 	b, out = b[:len(a)], out[:len(a)]
@@ -102,27 +90,18 @@ func mulInto[T float](out, a, b []T) []T {
 	return out
 }
 
-func addT[T float](a, b []T) []T { return addInto(make([]T, len(a)), a, b) }
-
-func mulT[T float](a, b []T) []T { return mulInto(make([]T, len(a)), a, b) }
-
-func add(spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
-	return zip(spec, x, y, addT[float32], addT[float64])
+// add is the element-wise sum, in a block as a says.
+func add(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
+	return zip(spec, x, y,
+		func(u, v []float32) []float32 { return addInto(block[float32](a, len(u)), u, v) },
+		func(u, v []float64) []float64 { return addInto(block[float64](a, len(u)), u, v) })
 }
 
-// addScratch is add with the sum in t's arena (an intermediate gradient).
-func (t *Tape) addScratch(spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
+// mul is the element-wise product, in a block as a says.
+func mul(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
 	return zip(spec, x, y,
-		func(a, b []float32) []float32 { return addInto(getBuf[float32](t, len(a)), a, b) },
-		func(a, b []float64) []float64 { return addInto(getBuf[float64](t, len(a)), a, b) })
-}
-
-// mul is the element-wise product; with a non-nil t the result is in its
-// arena.
-func mul(t *Tape, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
-	return zip(spec, x, y,
-		func(a, b []float32) []float32 { return mulInto(newBlock[float32](t, len(a)), a, b) },
-		func(a, b []float64) []float64 { return mulInto(newBlock[float64](t, len(a)), a, b) })
+		func(u, v []float32) []float32 { return mulInto(block[float32](a, len(u)), u, v) },
+		func(u, v []float64) []float64 { return mulInto(block[float64](a, len(u)), u, v) })
 }
 
 func scaleInto[T float](out, a []T, c T) []T {
@@ -133,14 +112,14 @@ func scaleInto[T float](out, a []T, c T) []T {
 	return out
 }
 
-// scale multiplies the local block of x by c and lays it out by spec; with
-// a non-nil t the result is in its arena.
-func scale(t *Tape, spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
+// scale multiplies the local block of x by c and lays it out by spec, in a
+// block as a says.
+func scale(a alloc, spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
 	switch d := x.LocalData().(type) {
 	case []float32:
-		return placement.NewLocal(spec, scaleInto(newBlock[float32](t, len(d)), d, float32(c)))
+		return placement.NewLocal(spec, scaleInto(block[float32](a, len(d)), d, float32(c)))
 	case []float64:
-		return placement.NewLocal(spec, scaleInto(newBlock[float64](t, len(d)), d, c))
+		return placement.NewLocal(spec, scaleInto(block[float64](a, len(d)), d, c))
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
@@ -244,22 +223,21 @@ func broadcastLocal(t *Tape, spec *placement.Spec, g *placement.DTensor, reduce 
 		if len(d) != want {
 			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
 		}
-		return placement.NewLocal(spec, broadcastT(newBlock[float32](t, prod(shape)), d, shape, reduce))
+		return placement.NewLocal(spec, broadcastT(getBuf[float32](t, prod(shape)), d, shape, reduce))
 	case []float64:
 		if len(d) != want {
 			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
 		}
-		return placement.NewLocal(spec, broadcastT(newBlock[float64](t, prod(shape)), d, shape, reduce))
+		return placement.NewLocal(spec, broadcastT(getBuf[float64](t, prod(shape)), d, shape, reduce))
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", g.LocalData())
 }
 
 // gemm computes op(A)·op(B) for local row-major blocks, where op(A) is m×k
-// and op(B) is k×n, and lays the m×n result out by spec. With a non-nil t
-// the result is in its arena (a gradient of an intermediate value or of a
-// leaf, which Backward copies); with nil it is freshly allocated (an op's
-// result).
-func gemm(t *Tape, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, m, n, k int) (*placement.DTensor, error) {
+// and op(B) is k×n, and lays the m×n result out by spec, in a block as a
+// says: scratch for a gradient (of an intermediate value, or of a leaf,
+// which Backward copies), a result for an op's result.
+func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, m, n, k int) (*placement.DTensor, error) {
 	lda, ldb := k, n
 	if transA {
 		lda = m
@@ -271,13 +249,13 @@ func gemm(t *Tape, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTenso
 	// A fresh result is already zero, so C = A·B + C needs no pass of the
 	// BLAS clearing C (which beta = 0 costs); arena memory needs beta = 0.
 	var beta float32
-	if t == nil {
+	if a.fresh() {
 		beta = 1
 	}
 	switch xd := x.LocalData().(type) {
 	case []float32:
 		yd, _ := y.LocalData().([]float32)
-		c := newBlock[float32](t, m*n)
+		c := block[float32](a, m*n)
 		if k == 0 {
 			clear(c)
 		} else {
@@ -288,7 +266,7 @@ func gemm(t *Tape, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTenso
 		return placement.NewLocal(spec, c)
 	case []float64:
 		yd, _ := y.LocalData().([]float64)
-		c := newBlock[float64](t, m*n)
+		c := block[float64](a, m*n)
 		if k == 0 {
 			clear(c)
 		} else {

@@ -37,11 +37,10 @@ type geluSaved struct {
 	erfs  []float64
 }
 
-// geluForward computes GELU(x) for rows of n values; the result is freshly
-// allocated (the op's result).
+// geluForward computes GELU(x) for rows of n values into a result block.
 func geluForward[T float](t *Tape, rec bool, x []T, n int) ([]T, geluSaved, error) {
 	if x32, ok := as32(x); ok {
-		y := make([]float32, len(x32))
+		y := resultBlock[float32](t, len(x32))
 		var s geluSaved
 		if rec {
 			s.deriv = getBuf[float32](t, len(x32))
@@ -78,11 +77,11 @@ func rowWidth(l, n int) int {
 
 // softmaxForward is softmax (or log-softmax) over dim d of a block of
 // shape; float32 blocks reduced over their last dim run on the row
-// kernels. The result is freshly allocated.
-func softmaxForward[T float](x []T, shape []int, d int, logOut bool) ([]T, error) {
+// kernels. The result is a result block of t.
+func softmaxForward[T float](t *Tape, x []T, shape []int, d int, logOut bool) ([]T, error) {
 	outer, n, inner := splitDim(shape, d)
 	if x32, ok := as32(x); ok && inner == 1 && outer*n == len(x32) {
-		y := make([]float32, len(x32))
+		y := resultBlock[float32](t, len(x32))
 		f := kernels.SoftmaxRows
 		if logOut {
 			f = kernels.LogSoftmaxRows
@@ -122,13 +121,12 @@ type lnSaved struct {
 	xhat       []float64
 }
 
-// lnForward is LayerNorm over rows of n values; the result is freshly
-// allocated.
+// lnForward is LayerNorm over rows of n values into a result block.
 func lnForward[T float](t *Tape, rec bool, x, w, b []T, n int, eps float64) ([]T, lnSaved, error) {
 	if x32, ok := as32(x); ok {
 		w32, _ := as32(w)
 		b32, _ := as32(b)
-		y := make([]float32, len(x32))
+		y := resultBlock[float32](t, len(x32))
 		var s lnSaved
 		if rec && n > 0 {
 			rows := len(x32) / n
@@ -183,14 +181,14 @@ func columnSums[T float](t *Tape, g []T, n int) ([]T, error) {
 }
 
 // gemmBias computes x·wᵀ for the local blocks x [m, k] and w [n, k], plus
-// bias (n values; nil for none) in every row, and lays the freshly
-// allocated m×n result out by spec: Linear's forward. The result is
+// bias (n values; nil for none) in every row, and lays the m×n result (a
+// result block of t) out by spec: Linear's forward. The result is
 // prefilled with the bias rows and the GEMM adds into it (beta = 1), so
 // there is no separate pass adding the bias and no pass of the BLAS
 // clearing C for beta = 0.
-func gemmBias[T float](b *kernels.BLAS, spec *placement.Spec, x, w *placement.DTensor, bias []T, m, n, k int) (*placement.DTensor, error) {
+func gemmBias[T float](t *Tape, b *kernels.BLAS, spec *placement.Spec, x, w *placement.DTensor, bias []T, m, n, k int) (*placement.DTensor, error) {
 	if bias == nil {
-		return gemm(nil, b, spec, x, w, false, true, m, n, k)
+		return gemm(t.result(), b, spec, x, w, false, true, m, n, k)
 	}
 	xd, err := dataOf[T](x)
 	if err != nil {
@@ -200,7 +198,7 @@ func gemmBias[T float](b *kernels.BLAS, spec *placement.Spec, x, w *placement.DT
 	if err != nil {
 		return nil, err
 	}
-	c := make([]T, m*n)
+	c := resultBlock[T](t, m*n)
 	for r := 0; n > 0 && r+n <= len(c); r += n {
 		copy(c[r:r+n], bias)
 	}
@@ -261,11 +259,11 @@ func (t *Tape) records(inputs ...*Value) bool {
 	return t.recording() && slices.ContainsFunc(inputs, (*Value).RequiresGrad)
 }
 
-// causalForward is the causal row softmax of [..., T, T] blocks (tt = T);
-// the result is freshly allocated.
-func causalForward[T float](x []T, tt int) ([]T, error) {
+// causalForward is the causal row softmax of [..., T, T] blocks (tt = T)
+// into a result block of t.
+func causalForward[T float](t *Tape, x []T, tt int) ([]T, error) {
 	if x32, ok := as32(x); ok {
-		y := make([]float32, len(x32))
+		y := resultBlock[float32](t, len(x32))
 		if err := kernels.CausalSoftmax(y, x32, tt, 1); err != nil {
 			return nil, fmt.Errorf("autograd: internal: %w", err)
 		}

@@ -320,13 +320,16 @@ func rowSum[T float](g []T, n int) []T {
 }
 
 // embedFwd gathers rows of a table block holding rows [lo, lo+vl) of d
-// columns each: ids in that range copy their row, others give zero rows
-// (a vocab-parallel rank's share of the lookup).
-func embedFwd[T float](table []T, ids []int64, lo, vl, d int) []T {
-	out := make([]T, len(ids)*d)
+// columns each into a result block of t: ids in that range copy their
+// row, others give zero rows (a vocab-parallel rank's share of the
+// lookup).
+func embedFwd[T float](t *Tape, table []T, ids []int64, lo, vl, d int) []T {
+	out := resultBlock[T](t, len(ids)*d)
 	for i, id := range ids {
 		if r := int(id) - lo; r >= 0 && r < vl {
 			copy(out[i*d:(i+1)*d], table[r*d:(r+1)*d])
+		} else {
+			clear(out[i*d : (i+1)*d])
 		}
 	}
 	return out

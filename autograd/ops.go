@@ -68,7 +68,7 @@ func Add(a, b *Value) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := add(spec, a.data, b.data)
+	out, err := add(t.result(), spec, a.data, b.data)
 	if err != nil {
 		return nil, err
 	}
@@ -90,7 +90,7 @@ func Mul(a, b *Value) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := mul(nil, spec, a.data, b.data)
+	out, err := mul(t.result(), spec, a.data, b.data)
 	if err != nil {
 		return nil, err
 	}
@@ -103,12 +103,12 @@ func Mul(a, b *Value) (*Value, error) {
 		}
 		grads := make([]*placement.DTensor, 2)
 		if needA {
-			if grads[0], err = mul(t, g.Spec(), g, y); err != nil {
+			if grads[0], err = mul(t.scratch(), g.Spec(), g, y); err != nil {
 				return nil, err
 			}
 		}
 		if needB {
-			if grads[1], err = mul(t, g.Spec(), g, x); err != nil {
+			if grads[1], err = mul(t.scratch(), g.Spec(), g, x); err != nil {
 				return nil, err
 			}
 		}
@@ -126,12 +126,12 @@ func Scale(a *Value, c float64) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := scale(nil, spec, a.data, c)
+	out, err := scale(t.result(), spec, a.data, c)
 	if err != nil {
 		return nil, err
 	}
 	return t.record("Scale", out, []*Value{a}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
-		ga, err := scale(t, g.Spec(), g, c)
+		ga, err := scale(t.scratch(), g.Spec(), g, c)
 		return []*placement.DTensor{ga}, err
 	}), nil
 }
@@ -228,7 +228,7 @@ func MatMul(a, b *Value) (*Value, error) {
 		return nil, fmt.Errorf("autograd: MatMul: internal: local blocks %v and %v do not chain", al, bl)
 	}
 	m, k, n := al[0], al[1], bl[1]
-	out, err := gemm(nil, blas, spec, x, y, false, false, m, n, k)
+	out, err := gemm(t.result(), blas, spec, x, y, false, false, m, n, k)
 	if err != nil {
 		return nil, err
 	}
@@ -285,7 +285,7 @@ func MatMul(a, b *Value) (*Value, error) {
 			if err != nil {
 				return nil, err
 			}
-			if grads[0], err = gemm(t, blas, s, g, y, false, true, m, k, n); err != nil {
+			if grads[0], err = gemm(t.scratch(), blas, s, g, y, false, true, m, k, n); err != nil {
 				return nil, err
 			}
 		}
@@ -297,7 +297,7 @@ func MatMul(a, b *Value) (*Value, error) {
 			if err != nil {
 				return nil, err
 			}
-			if grads[1], err = gemm(t, blas, s, x, g, true, false, k, n, m); err != nil {
+			if grads[1], err = gemm(t.scratch(), blas, s, x, g, true, false, k, n, m); err != nil {
 				return nil, err
 			}
 		}

@@ -26,7 +26,7 @@ func Narrow(x *Value, dim, start, length int) (*Value, error) {
 	}
 	full := x.Spec().Shape()[d]
 	lshape := x.data.LocalShape()
-	out, err := mapLocal(spec, x.data, func(v any) any { return narrowAny(nil, v, lshape, d, start, length) })
+	out, err := mapLocal(spec, x.data, func(v any) any { return narrowAny(t.result(), v, lshape, d, start, length) })
 	if err != nil {
 		return nil, err
 	}
@@ -41,7 +41,7 @@ func Narrow(x *Value, dim, start, length int) (*Value, error) {
 			return nil, err
 		}
 		gshape := g.LocalShape()
-		gx, err := mapLocal(s, g, func(v any) any { return padAny(t, v, gshape, d, start, full) })
+		gx, err := mapLocal(s, g, func(v any) any { return padAny(t.scratch(), v, gshape, d, start, full) })
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -94,7 +94,7 @@ func Concat(dim int, xs ...*Value) (*Value, error) {
 		lshapes[i] = x.data.LocalShape()
 		blocks[i] = x.data.LocalData()
 	}
-	out, err := placement.NewLocal(spec, concatAny(blocks, lshapes, d))
+	out, err := placement.NewLocal(spec, concatAny(t.result(), blocks, lshapes, d))
 	if err != nil {
 		return nil, err
 	}
@@ -113,7 +113,7 @@ func Concat(dim int, xs ...*Value) (*Value, error) {
 					return nil, err
 				}
 				o := off
-				if grads[i], err = mapLocal(s, g, func(v any) any { return narrowAny(t, v, gshape, d, o, sizes[i]) }); err != nil {
+				if grads[i], err = mapLocal(s, g, func(v any) any { return narrowAny(t.scratch(), v, gshape, d, o, sizes[i]) }); err != nil {
 					return nil, err
 				}
 			}
@@ -128,52 +128,52 @@ func mapLocal(spec *placement.Spec, x *placement.DTensor, f func(any) any) (*pla
 	return placement.NewLocal(spec, f(x.LocalData()))
 }
 
-// narrowAny and padAny allocate their result in t's arena when t is not
-// nil (a gradient) and freshly otherwise (an op's result).
-func narrowAny(t *Tape, v any, shape []int, d, start, length int) any {
+// narrowAny and padAny put their result in a block as a says (scratch for
+// a gradient, a result for an op's result).
+func narrowAny(a alloc, v any, shape []int, d, start, length int) any {
 	switch x := v.(type) {
 	case []float32:
-		return narrowT(t, x, shape, d, start, length)
+		return narrowT(a, x, shape, d, start, length)
 	case []float64:
-		return narrowT(t, x, shape, d, start, length)
+		return narrowT(a, x, shape, d, start, length)
 	}
 	return v
 }
 
-func padAny(t *Tape, v any, shape []int, d, start, full int) any {
+func padAny(a alloc, v any, shape []int, d, start, full int) any {
 	switch x := v.(type) {
 	case []float32:
-		return padT(t, x, shape, d, start, full)
+		return padT(a, x, shape, d, start, full)
 	case []float64:
-		return padT(t, x, shape, d, start, full)
+		return padT(a, x, shape, d, start, full)
 	}
 	return v
 }
 
-func concatAny(blocks []any, shapes [][]int, d int) any {
+func concatAny(a alloc, blocks []any, shapes [][]int, d int) any {
 	switch blocks[0].(type) {
 	case []float32:
-		return concatT[float32](blocks, shapes, d)
+		return concatT[float32](a, blocks, shapes, d)
 	default:
-		return concatT[float64](blocks, shapes, d)
+		return concatT[float64](a, blocks, shapes, d)
 	}
 }
 
-func narrowT[T float](t *Tape, x []T, shape []int, d, start, length int) []T {
+func narrowT[T float](a alloc, x []T, shape []int, d, start, length int) []T {
 	outer, n, inner := splitDim(shape, d)
-	out := newBlock[T](t, outer*length*inner)
+	out := block[T](a, outer*length*inner)
 	for o := range outer {
 		copy(out[o*length*inner:(o+1)*length*inner], x[(o*n+start)*inner:(o*n+start+length)*inner])
 	}
 	return out
 }
 
-func padT[T float](t *Tape, g []T, shape []int, d, start, full int) []T {
+func padT[T float](a alloc, g []T, shape []int, d, start, full int) []T {
 	outer, n, inner := splitDim(shape, d)
-	out := newBlock[T](t, outer*full*inner)
+	out := block[T](a, outer*full*inner)
 	for o := range outer {
 		row := out[o*full*inner : (o+1)*full*inner]
-		if t != nil { // arena memory: the padding must be cleared
+		if !a.fresh() { // arena memory: the padding must be cleared
 			clear(row[:start*inner])
 			clear(row[(start+n)*inner:])
 		}
@@ -182,13 +182,13 @@ func padT[T float](t *Tape, g []T, shape []int, d, start, full int) []T {
 	return out
 }
 
-func concatT[T float](blocks []any, shapes [][]int, d int) []T {
+func concatT[T float](a alloc, blocks []any, shapes [][]int, d int) []T {
 	outer, _, inner := splitDim(shapes[0], d)
 	total := 0
 	for _, s := range shapes {
 		total += s[d]
 	}
-	out := make([]T, outer*total*inner)
+	out := block[T](a, outer*total*inner)
 	off := 0
 	for i, b := range blocks {
 		x := b.([]T)
@@ -232,7 +232,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 	if bl[r-2] != k || prod(bl[:r-2]) != batch {
 		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v and %v do not chain", op, al, bl)
 	}
-	out, err := bmmLocal(nil, blas, spec, a.data, b.data, false, false, batch, m, n, k)
+	out, err := bmmLocal(t.result(), blas, spec, a.data, b.data, false, false, batch, m, n, k)
 	if err != nil {
 		return nil, err
 	}
@@ -288,7 +288,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 			if err != nil {
 				return nil, err
 			}
-			if grads[0], err = bmmLocal(t, blas, s, g, y, false, true, batch, m, k, n); err != nil {
+			if grads[0], err = bmmLocal(t.scratch(), blas, s, g, y, false, true, batch, m, k, n); err != nil {
 				return nil, err
 			}
 		}
@@ -300,7 +300,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 			if err != nil {
 				return nil, err
 			}
-			if grads[1], err = bmmLocal(t, blas, s, x, g, true, false, batch, k, n, m); err != nil {
+			if grads[1], err = bmmLocal(t.scratch(), blas, s, x, g, true, false, batch, k, n, m); err != nil {
 				return nil, err
 			}
 		}
@@ -310,8 +310,8 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 
 // bmmLocal computes op(A_i)·op(B_i) for every batch index i of row-major
 // local blocks, op(A_i) m×k and op(B_i) k×n, and lays the result out by
-// spec; in t's arena when t is not nil (a gradient).
-func bmmLocal(t *Tape, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
+// spec, in a block as a says (see gemm).
+func bmmLocal(a alloc, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
 	lda, ldb := max(1, k), max(1, n)
 	if transA {
 		lda = max(1, m)
@@ -321,13 +321,13 @@ func bmmLocal(t *Tape, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.D
 	}
 	sa, sb, sc := m*k, k*n, m*n
 	var beta float32 // see gemm: a fresh result is already zero
-	if t == nil {
+	if a.fresh() {
 		beta = 1
 	}
 	switch xd := x.LocalData().(type) {
 	case []float32:
 		yd, _ := y.LocalData().([]float32)
-		c := newBlock[float32](t, batch*sc)
+		c := block[float32](a, batch*sc)
 		if k == 0 {
 			clear(c)
 		} else if m > 0 && n > 0 {
@@ -340,7 +340,7 @@ func bmmLocal(t *Tape, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.D
 		return placement.NewLocal(spec, c)
 	case []float64:
 		yd, _ := y.LocalData().([]float64)
-		c := newBlock[float64](t, batch*sc)
+		c := block[float64](a, batch*sc)
 		if k == 0 {
 			clear(c)
 		} else if m > 0 && n > 0 {
@@ -372,7 +372,7 @@ func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) 
 	}
 	sh := spec.Shape()
 	tt := sh[len(sh)-1]
-	yd, err := causalForward(xd, tt)
+	yd, err := causalForward(t, xd, tt)
 	if err != nil {
 		return nil, err
 	}
@@ -531,7 +531,7 @@ func causalAttentionFused(spec *placement.Spec, q, k, v *Value) (*Value, error) 
 	// P = causal softmax(scale·q·kᵀ), batch blocks of tt×tt; kept for
 	// backward when recorded.
 	probs := getBuf[float32](t, batch*tt*tt)
-	out := make([]float32, batch*tt*dv)
+	out := resultBlock[float32](t, batch*tt*dv)
 	err = kernels.CausalAttentionForward(out, probs, qd, kd, vd, batch, tt, dh, dv, scale)
 	if !rec {
 		putBuf(t, probs)

@@ -102,7 +102,7 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			return nil, fmt.Errorf("autograd: %s: internal: bias block of %d for %d outputs", op, len(bd), n)
 		}
 	}
-	y, err := gemmBias(blas, spec, x.data, w.data, bd, m, n, k)
+	y, err := gemmBias(t, blas, spec, x.data, w.data, bd, m, n, k)
 	if err != nil {
 		return nil, err
 	}
@@ -156,7 +156,7 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			if err != nil {
 				return nil, err
 			}
-			if grads[0], err = gemm(t, blas, s, g, wd, false, false, m, k, n); err != nil {
+			if grads[0], err = gemm(t.scratch(), blas, s, g, wd, false, false, m, k, n); err != nil {
 				return nil, err
 			}
 		}
@@ -168,7 +168,7 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			if err != nil {
 				return nil, err
 			}
-			if grads[1], err = gemm(t, blas, s, g, xd, true, false, n, k, m); err != nil {
+			if grads[1], err = gemm(t.scratch(), blas, s, g, xd, true, false, n, k, m); err != nil {
 				return nil, err
 			}
 		}
@@ -211,7 +211,7 @@ func Permute(x *Value, perm ...int) (*Value, error) {
 	for i, p := range perm {
 		inv[p] = i
 	}
-	out, err := permuteLocal(nil, spec, x.data, perm)
+	out, err := permuteLocal(t.result(), spec, x.data, perm)
 	if err != nil {
 		return nil, err
 	}
@@ -224,7 +224,7 @@ func Permute(x *Value, perm ...int) (*Value, error) {
 		if err != nil {
 			return nil, err
 		}
-		gx, err := permuteLocal(t, s, g, inv)
+		gx, err := permuteLocal(t.scratch(), s, g, inv)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -232,8 +232,8 @@ func Permute(x *Value, perm ...int) (*Value, error) {
 // Transpose returns x with dims d0 and d1 swapped (negative dims count
 // from the end). Sharding rule: TransposeRule. Backward swaps them back.
 func Transpose(x *Value, d0, d1 int) (*Value, error) {
-	if x == nil || x.data == nil {
-		return nil, invalidf("Transpose", "input 0 is nil")
+	if _, err := checkInputs("Transpose", x); err != nil {
+		return nil, err
 	}
 	perm, err := transposePerm(len(x.Spec().Shape()), d0, d1)
 	if err != nil {
@@ -242,22 +242,21 @@ func Transpose(x *Value, d0, d1 int) (*Value, error) {
 	return Permute(x, perm...)
 }
 
-// permuteLocal permutes x's local block; with a non-nil t the result is in
-// its arena (a gradient).
-func permuteLocal(t *Tape, spec *placement.Spec, x *placement.DTensor, perm []int) (*placement.DTensor, error) {
+// permuteLocal permutes x's local block into a block as a says.
+func permuteLocal(a alloc, spec *placement.Spec, x *placement.DTensor, perm []int) (*placement.DTensor, error) {
 	shape := x.LocalShape()
 	if isF32(spec) {
 		d, err := dataOf[float32](x)
 		if err != nil {
 			return nil, err
 		}
-		return placement.NewLocal(spec, permuteT(newBlock[float32](t, len(d)), d, shape, perm))
+		return placement.NewLocal(spec, permuteT(block[float32](a, len(d)), d, shape, perm))
 	}
 	d, err := dataOf[float64](x)
 	if err != nil {
 		return nil, err
 	}
-	return placement.NewLocal(spec, permuteT(newBlock[float64](t, len(d)), d, shape, perm))
+	return placement.NewLocal(spec, permuteT(block[float64](a, len(d)), d, shape, perm))
 }
 
 // Reshape returns x with global shape shape (one entry may be -1). It
@@ -388,7 +387,7 @@ func softmaxOp[T float](t *Tape, op string, x *Value, d int, logOut bool) (*Valu
 		return nil, err
 	}
 	shape := x.data.LocalShape()
-	yd, err := softmaxForward(xd, shape, d, logOut)
+	yd, err := softmaxForward(t, xd, shape, d, logOut)
 	if err != nil {
 		return nil, err
 	}
@@ -546,7 +545,7 @@ func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indi
 	if len(td) != vl*dl || len(ids.data)*dl != prod(spec.LocalShape()) {
 		return nil, fmt.Errorf("autograd: %s: internal: table block %v and %d local ids for a result block %v", op, lb, len(ids.data), spec.LocalShape())
 	}
-	out, err := placement.NewLocal(spec, embedFwd(td, ids.data, lo, vl, dl))
+	out, err := placement.NewLocal(spec, embedFwd(t, td, ids.data, lo, vl, dl))
 	if err != nil {
 		return nil, err
 	}

@@ -49,7 +49,9 @@ type Trainer struct {
 // plan would only add no-op redistributions and the slower vocab-parallel
 // cross-entropy.
 func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[string][]float32, opts TrainOptions) (*Trainer, error) {
-	tape := autograd.NewTape(opts.Tape...)
+	// Step ends each step's values before the next forward pass, so the
+	// tape may reuse their memory.
+	tape := autograd.NewTape(append([]autograd.Option{autograd.WithRecycling()}, opts.Tape...)...)
 	md, err := New(tape, m, cfg, init)
 	if err != nil {
 		return nil, err
@@ -112,6 +114,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[
 // see the same errors to stay in step.
 func (tr *Trainer) Step(ctx context.Context) (step int, loss float64, err error) {
 	b := tr.sampler.Next()
+	tr.tape.Recycle() // the previous step's values are dead
 	if loss, err = tr.step(ctx, b); err != nil {
 		tr.tape.Reset()
 		tr.Model.ZeroGrad()

@@ -45,7 +45,9 @@ type Trainer struct {
 // NewTrainer builds the model from init on m and prepares the DDPs and
 // AdamW (cfg's hyper-parameters). It is collective over m.
 func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][]float32, opts TrainOptions) (*Trainer, error) {
-	tape := autograd.NewTape(opts.Tape...)
+	// Step ends each step's values before the next forward pass, so the
+	// tape may reuse their memory.
+	tape := autograd.NewTape(append([]autograd.Option{autograd.WithRecycling()}, opts.Tape...)...)
 	md, err := New(tape, m, cfg, init, opts.Options)
 	if err != nil {
 		return nil, err
@@ -152,6 +154,7 @@ type StepResult struct {
 // collective that is only for reporting is an all-reduce of 1+2L scalars.
 func (tr *Trainer) Step(ctx context.Context) (*StepResult, error) {
 	b := tr.sampler.Next()
+	tr.Model.tape.Recycle() // the previous step's values are dead
 	res, err := tr.step(ctx, b)
 	if err != nil {
 		return nil, fmt.Errorf("moegpt: step %d: %w", b.Step, err)
