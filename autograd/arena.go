@@ -35,7 +35,7 @@ type arena struct {
 	used   map[int]bool // lengths asked for since the last reset
 	// out maps the first element's address of every buffer handed out
 	// and not yet returned to its length, element size and kind.
-	out map[unsafe.Pointer]arenaBuf
+	out  map[unsafe.Pointer]arenaBuf
 	made int // buffers allocated (not reused) since the arena was made
 	// poison makes recycle fill the op results it takes back with NaN, so
 	// that a test reading a recycled value sees it (export_test.go).
