@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"unsafe"
 
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -123,4 +125,33 @@ func checkCustomGrad(name string, i int, in *Value, g *placement.DTensor) error 
 		return err
 	}
 	return nil
+}
+
+// ResultBlock returns n elements for the local block of an op's result on
+// tape t, for a Custom forward that writes every element: freshly
+// allocated (zeroed) memory or, on a tape made WithRecycling, memory the
+// tape recycles, with arbitrary contents, that lives until the tape's next
+// Recycle. A nil t gives fresh memory. The result is never nil.
+func ResultBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.result(), n) }
+
+// ScratchBlock returns n elements of t's arena, with arbitrary contents,
+// for a gradient a CustomBackward returns or for what a Custom op keeps
+// for its backward: Backward gives a gradient's memory back once it has
+// consumed it, and everything when the tape is cleared, for the next pass
+// to reuse. A nil t gives fresh memory. The result is never nil.
+func ScratchBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.scratch(), n) }
+
+// blockAs is block for any kernels.Float: the arena keeps float32 and
+// float64 blocks, which a type with either underlying type shares.
+func blockAs[T kernels.Float](a alloc, n int) []T {
+	if n == 0 {
+		return []T{} // never nil, like make's
+	}
+	var z T
+	if unsafe.Sizeof(z) == 4 {
+		b := block[float32](a, n)
+		return unsafe.Slice((*T)(unsafe.Pointer(unsafe.SliceData(b))), len(b))
+	}
+	b := block[float64](a, n)
+	return unsafe.Slice((*T)(unsafe.Pointer(unsafe.SliceData(b))), len(b))
 }

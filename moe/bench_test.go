@@ -35,9 +35,10 @@ import (
 // n·K·D floats per rank, between buffers allocated once); x-dense their
 // ratio (1 means the MoE path costs no more than a balanced all-to-all of
 // its payload); x-dense-alloc the ratio against the same all-to-alls
-// receiving into freshly allocated buffers, as the result of any autograd
-// op is (dispatch's and combine's are, and so are their gradients); ns/op
-// the MoE path's median.
+// receiving into freshly allocated buffers; ns/op the MoE path's median.
+// The tape recycles (autograd.WithRecycling, Recycle before every
+// iteration), as a training loop's does, so dispatch's and combine's
+// results and gradients reuse the memory of the previous iteration's.
 //
 // The routing is balanced (every expert gets exactly n·K/E slots of every
 // rank, in a random token order) or skewed (Zipf-like: expert e chosen
@@ -225,7 +226,7 @@ func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, roun
 			return err
 		}
 		rank := c.Rank()
-		tape := autograd.NewTape()
+		tape := autograd.NewTape(autograd.WithRecycling())
 		leaf := func(shape []int, data []float32) (*autograd.Value, error) {
 			spec, err := placement.NewSpec(m, shape, comm.Float32, []placement.Placement{placement.Shard(0)})
 			if err != nil {
@@ -259,6 +260,7 @@ func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, roun
 		}
 		r := &moe.Routing{NumExperts: bc.e, K: bc.k, Experts: bc.routing(rank), Gates: gates}
 		pass := func(cfg moe.DispatchConfig) error {
+			tape.Recycle()
 			rows, h, err := moe.Dispatch(ctx, x, r, cfg)
 			if err != nil {
 				return err

@@ -75,14 +75,14 @@ func (h *Handle) exchangeRows(ctx context.Context, send, recv any, sendRows, rec
 }
 
 // toExperts moves packed send rows of width w to the experts' ranks and
-// groups them by local expert, into a fresh buffer (packed itself on one
-// rank).
-func toExperts[T kernels.Float](ctx context.Context, h *Handle, packed []T, w int, phase *Timings) ([]T, error) {
+// groups them by local expert, into a rowsBlock (packed itself on one
+// rank): the dispatch's result, or with grad set the rows' gradient.
+func toExperts[T kernels.Float](ctx context.Context, h *Handle, packed []T, w int, grad bool, phase *Timings) ([]T, error) {
 	if h.ranks == 1 {
 		return packed, nil // one source rank: already expert-major
 	}
 	if h.split {
-		out := make([]T, sum(h.recv)*w)
+		out := rowsBlock[T](h, sum(h.recv)*w, grad)
 		err := h.splitExchange(ctx, packed, out, w, true, phase)
 		return out, err
 	}
@@ -91,7 +91,7 @@ func toExperts[T kernels.Float](ctx context.Context, h *Handle, packed []T, w in
 		return nil, err
 	}
 	start := time.Now()
-	out := make([]T, len(recvd))
+	out := rowsBlock[T](h, len(recvd), grad)
 	if err := kernels.GroupByExpert(out, recvd, w, h.chunks, h.ranks, h.local); err != nil {
 		return nil, err
 	}
@@ -100,15 +100,16 @@ func toExperts[T kernels.Float](ctx context.Context, h *Handle, packed []T, w in
 }
 
 // toTokens moves routed rows of width w back to the ranks holding their
-// tokens, in the packed order of this rank's slots: into a fresh buffer
-// when keep is set, else into the workspace (routed itself on one rank).
+// tokens, in the packed order of this rank's slots: into the tape's
+// scratch when keep is set (the combine keeps them for its backward), else
+// into the workspace (routed itself on one rank).
 func toTokens[T kernels.Float](ctx context.Context, h *Handle, routed []T, w int, keep bool, phase *Timings) ([]T, error) {
 	if h.ranks == 1 {
 		return routed, nil
 	}
 	var packed []T
 	if keep {
-		packed = make([]T, h.plan.Rows()*w)
+		packed = autograd.ScratchBlock[T](h.tape, h.plan.Rows()*w)
 	} else {
 		packed = wsBuf[T](h.ws, 1, h.plan.Rows()*w)
 	}
@@ -177,6 +178,17 @@ func sum(v []int) int {
 	return s
 }
 
+// rowsBlock returns n elements for rows that leave dispatch or combine:
+// an op's result (recycled with the tape's results) or, with grad set, a
+// gradient (the tape's scratch). Every kernel that fills them writes every
+// element.
+func rowsBlock[T kernels.Float](h *Handle, n int, grad bool) []T {
+	if grad {
+		return autograd.ScratchBlock[T](h.tape, n)
+	}
+	return autograd.ResultBlock[T](h.tape, n)
+}
+
 // dispatchForward permutes this rank's tokens and sends them to the
 // experts.
 func (h *Handle) dispatchForward(ctx context.Context, x *placement.DTensor) (*placement.DTensor, error) {
@@ -202,7 +214,7 @@ func dispatchAs[T kernels.Float](ctx context.Context, h *Handle, x *placement.DT
 	start := time.Now()
 	var packed []T
 	if h.ranks == 1 {
-		packed = make([]T, h.plan.Rows()*h.d) // the result itself
+		packed = rowsBlock[T](h, h.plan.Rows()*h.d, false) // the result itself
 	} else {
 		packed = wsBuf[T](h.ws, 0, h.plan.Rows()*h.d)
 	}
@@ -210,7 +222,7 @@ func dispatchAs[T kernels.Float](ctx context.Context, h *Handle, x *placement.DT
 		return nil, err
 	}
 	st.Permute += time.Since(start)
-	out, err := toExperts(ctx, h, packed, h.d, st)
+	out, err := toExperts(ctx, h, packed, h.d, false, st)
 	if err != nil {
 		return nil, err
 	}
@@ -236,15 +248,16 @@ func (h *Handle) dispatchBackward(ctx context.Context, g *placement.DTensor) (*p
 		return nil, err
 	}
 	if h.xs.DType() == comm.Float32 {
-		return unpermuteAs[float32](ctx, h, g, nil, h.d, spec, &h.stats.Backward, &h.stats.Backward.Permute)
+		return unpermuteAs[float32](ctx, h, g, nil, h.d, spec, true, &h.stats.Backward, &h.stats.Backward.Permute)
 	}
-	return unpermuteAs[float64](ctx, h, g, nil, h.d, spec, &h.stats.Backward, &h.stats.Backward.Permute)
+	return unpermuteAs[float64](ctx, h, g, nil, h.d, spec, true, &h.stats.Backward, &h.stats.Backward.Permute)
 }
 
 // unpermuteAs brings routed rows y (width w) back and sums each token's
-// rows weighted by gates (nil: unweighted), laid out by spec. It returns
-// the packed rows it received through keep, when not nil.
-func unpermuteAs[T kernels.Float](ctx context.Context, h *Handle, y *placement.DTensor, gates []T, w int, spec *placement.Spec, phase *Timings, local *time.Duration, keep ...*[]T) (*placement.DTensor, error) {
+// rows weighted by gates (nil: unweighted), laid out by spec: the
+// combine's result, or with grad set the dispatch's input gradient. It
+// returns the packed rows it received through keep, when not nil.
+func unpermuteAs[T kernels.Float](ctx context.Context, h *Handle, y *placement.DTensor, gates []T, w int, spec *placement.Spec, grad bool, phase *Timings, local *time.Duration, keep ...*[]T) (*placement.DTensor, error) {
 	yd, err := localData[T](y, "Combine")
 	if err != nil {
 		return nil, err
@@ -253,10 +266,10 @@ func unpermuteAs[T kernels.Float](ctx context.Context, h *Handle, y *placement.D
 		// The gates' gradient reads the experts' rows in place: nothing
 		// to keep.
 		what := "combine"
-		if phase == &h.stats.Backward {
+		if grad {
 			what = "dispatch backward"
 		}
-		out, err := fusedUnpermute(ctx, h, what, yd, gates, w, phase)
+		out, err := fusedUnpermute(ctx, h, what, yd, gates, w, grad, phase)
 		if err != nil {
 			return nil, err
 		}
@@ -268,7 +281,7 @@ func unpermuteAs[T kernels.Float](ctx context.Context, h *Handle, y *placement.D
 		return nil, err
 	}
 	start := time.Now()
-	out := make([]T, h.n*w)
+	out := rowsBlock[T](h, h.n*w, grad)
 	if err := kernels.Unpermute(out, packed, gates, w, &h.plan); err != nil {
 		return nil, err
 	}
@@ -312,7 +325,7 @@ func combineAs[T kernels.Float](ctx context.Context, cs *combineState) (*placeme
 	if cs.gates != nil && cs.gates.RequiresGrad() {
 		keep = &packed
 	}
-	out, err := unpermuteAs(ctx, h, cs.y.Data(), gates, cs.width, cs.outSpec, &h.stats.Forward, &h.stats.Forward.Combine, keep)
+	out, err := unpermuteAs(ctx, h, cs.y.Data(), gates, cs.width, cs.outSpec, false, &h.stats.Forward, &h.stats.Forward.Combine, keep)
 	if err != nil {
 		return nil, err
 	}
@@ -347,7 +360,7 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 			return nil, err
 		}
 		if cs.gates.RequiresGrad() {
-			dgates = make([]T, h.n*h.k)
+			dgates = autograd.ScratchBlock[T](h.tape, h.n*h.k)
 			packed, _ = cs.packed.([]T)
 		}
 	}
@@ -363,7 +376,7 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 	switch {
 	case !rowsGrad:
 	case h.ranks == 1:
-		dpacked = make([]T, h.plan.Rows()*cs.width) // the gradient itself
+		dpacked = autograd.ScratchBlock[T](h.tape, h.plan.Rows()*cs.width) // the gradient itself
 	default:
 		dpacked = wsBuf[T](h.ws, 0, h.plan.Rows()*cs.width)
 	}
@@ -376,7 +389,7 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 	var dy []T
 	if rowsGrad {
 		var err error
-		if dy, err = toExperts(ctx, h, dpacked, cs.width, st); err != nil {
+		if dy, err = toExperts(ctx, h, dpacked, cs.width, true, st); err != nil {
 			return nil, err
 		}
 	}
@@ -388,7 +401,7 @@ func fusedCombineBackwardAs[T kernels.Float](ctx context.Context, cs *combineSta
 	h := cs.h
 	var dy []T
 	if cs.y.RequiresGrad() {
-		dy = make([]T, sum(h.recv)*cs.width)
+		dy = autograd.ScratchBlock[T](h.tape, sum(h.recv)*cs.width)
 	}
 	var y []T
 	if dgates != nil {

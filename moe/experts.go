@@ -284,9 +284,12 @@ func expertsForward[T kernels.Float](r *expertRun) (*placement.DTensor, error) {
 	}
 	hd, d := r.x.hd, r.x.d
 	total := len(xs) / max(d, 1)
-	act := make([]T, total*hd)
-	deriv := make([]T, total*hd)
-	out := make([]T, total*d)
+	// The hidden activations live until backward (the tape's scratch);
+	// every kernel below writes all of its output rows.
+	t := r.rows.Tape()
+	act := autograd.ScratchBlock[T](t, total*hd)
+	deriv := autograd.ScratchBlock[T](t, total*hd)
+	out := autograd.ResultBlock[T](t, total*d)
 	off := 0
 	for l, c := range r.h.expertRows {
 		if c == 0 {
@@ -336,13 +339,18 @@ func expertsBackward[T kernels.Float](r *expertRun, g *placement.DTensor) ([]*pl
 	act, _ := r.act.([]T)
 	deriv, _ := r.deriv.([]T)
 	hd, d, l := x.hd, x.d, h.local
-	dx := make([]T, len(xs))
-	dw1, db1 := make([]T, l*hd*d), make([]T, l*hd)
-	dw2, db2 := make([]T, l*d*hd), make([]T, l*d)
+	t := r.rows.Tape()
+	dx := autograd.ScratchBlock[T](t, len(xs))
+	dw1, db1 := autograd.ScratchBlock[T](t, l*hd*d), autograd.ScratchBlock[T](t, l*hd)
+	dw2, db2 := autograd.ScratchBlock[T](t, l*d*hd), autograd.ScratchBlock[T](t, l*d)
 	var du []T
 	off := 0
 	for j, c := range h.expertRows {
-		if c == 0 {
+		if c == 0 { // an expert without rows: zero gradients
+			clear(dw1[j*hd*d : (j+1)*hd*d])
+			clear(db1[j*hd : (j+1)*hd])
+			clear(dw2[j*d*hd : (j+1)*d*hd])
+			clear(db2[j*d : (j+1)*d])
 			continue
 		}
 		xl, gl := xs[off*d:(off+c)*d], gd[off*d:(off+c)*d]

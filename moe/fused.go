@@ -174,7 +174,7 @@ func segments[T kernels.Float](h *Handle, w int, peers []*fusedView[T]) ([][]T, 
 // fusedDispatch moves this rank's tokens xd to the experts: the routed
 // rows of this rank's experts, gathered from every rank.
 func fusedDispatch[T kernels.Float](ctx context.Context, h *Handle, xd []T) ([]T, error) {
-	out := make([]T, sum(h.recv)*h.d)
+	out := rowsBlock[T](h, sum(h.recv)*h.d, false)
 	err := share(ctx, h, "dispatch", view[T](h, h.d, xd, nil, nil), &h.stats.Forward, func(peers []*fusedView[T]) error {
 		return gatherRouted(h, out, h.d, false, peers)
 	})
@@ -182,9 +182,10 @@ func fusedDispatch[T kernels.Float](ctx context.Context, h *Handle, xd []T) ([]T
 }
 
 // fusedUnpermute sums every token's rows from the experts' routed rows y
-// (width w), weighted by gates (nil: unweighted).
-func fusedUnpermute[T kernels.Float](ctx context.Context, h *Handle, what string, y, gates []T, w int, phase *Timings) ([]T, error) {
-	out := make([]T, h.n*w)
+// (width w), weighted by gates (nil: unweighted): the combine's result, or
+// with grad set the dispatch's input gradient.
+func fusedUnpermute[T kernels.Float](ctx context.Context, h *Handle, what string, y, gates []T, w int, grad bool, phase *Timings) ([]T, error) {
+	out := rowsBlock[T](h, h.n*w, grad)
 	err := share(ctx, h, what, view[T](h, w, nil, nil, y), phase, func(peers []*fusedView[T]) error {
 		segs, err := segments(h, w, peers)
 		if err != nil {

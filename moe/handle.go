@@ -86,7 +86,8 @@ type Handle struct {
 	capacity  int // static rows per (source, expert); 0: ragged
 	static    bool
 	c         comm.Communicator
-	ws        *Workspace // nil: allocate
+	ws        *Workspace     // nil: allocate
+	tape      *autograd.Tape // of the dispatched tokens: results and gradients come from it
 	// split: the payload moves in one all-to-all-v per local expert (see
 	// dispatch.go), and the plan's expert ids are relabelled local-expert
 	// major (label). layout decides it, once the counts are known.
@@ -339,7 +340,7 @@ func newHandle(ctx context.Context, op string, x *autograd.Value, r *Routing, cf
 		axis: cfg.Axis, xs: xs, tokenAxes: tokenAxes,
 		n: xs.LocalShape()[0], k: r.K, e: r.NumExperts, d: shape[1],
 		ranks: ranks, rank: rank, local: r.NumExperts / ranks, capacity: capacity, static: static,
-		ws: cfg.Workspace,
+		ws: cfg.Workspace, tape: x.Tape(),
 	}
 	h.stats.init(h)
 	// Communicators: created on first use by a collective Split, so every

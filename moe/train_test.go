@@ -27,12 +27,13 @@ type trainResult struct {
 // tokens and target G rolled by 8·s rows (a new batch each step) and the
 // loss (1/N)·Σ (y − G)² + α·aux + β·zloss. Gradients that are Partial on the
 // token-sharding axes are all-reduced before the update, as data
-// parallelism would.
+// parallelism would. The tape recycles each step's results, poisoned, so
+// that a read of a result after its step would show as NaN.
 func trainMoE(t *testing.T, fx *epFixture, mc epMesh, steps int, lr float64) trainResult {
 	t.Helper()
 	var res trainResult
 	placementtest.Run(t, mc.shape, mc.names, func(ctx context.Context, m *mesh.Mesh) error {
-		tape := autograd.NewTape()
+		tape := autograd.NewTape(autograd.PoisonRecycled())
 		tok := mc.tokenPlaces()
 		wr, err := epValue(tape, m, "Wr", []int{fx.e, fx.d}, replicated(m), fx.wr, true)
 		if err != nil {
@@ -59,6 +60,7 @@ func trainMoE(t *testing.T, fx *epFixture, mc epMesh, steps int, lr float64) tra
 		}
 		var losses []float64
 		for s := range steps {
+			tape.Recycle()
 			x, err := epValue(tape, m, "x", []int{fx.n, fx.d}, tok, roll(fx.x, fx.n, 8*s), false)
 			if err != nil {
 				return err
