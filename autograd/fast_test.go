@@ -698,7 +698,8 @@ func passThrough[T float32 | float64]() LocalFunc[T] {
 }
 
 // TestRecycling: a tape made WithRecycling computes the same losses and
-// gradients as one that allocates, pass after pass; its results outlive
+// gradients as one that allocates, pass after pass, writing each leaf's
+// gradient into the memory ZeroGrad dropped; its results outlive
 // Backward and die at Recycle (Data nil, ops refuse them); after a warm-up
 // pass a steady loop takes every buffer from the arena (nothing is
 // allocated); and Recycle on a tape without the option only resets it.
@@ -710,6 +711,7 @@ func TestRecycling(t *testing.T) {
 		}
 		rec, plain := NewTape(PoisonRecycled()), NewTape()
 		rps, pps := trainParams(t, rec, m), trainParams(t, plain, m)
+		gradAt := make([]*float32, len(rps))
 		var made int
 		for pass := range 5 {
 			// Vary the input so that a stale result would show.
@@ -744,6 +746,12 @@ func TestRecycling(t *testing.T) {
 			for i := range rps {
 				if !slices.Equal(block32(rps[i].Grad()), block32(pps[i].Grad())) {
 					t.Errorf("pass %d: param %d: gradient differs from an allocating tape's", pass, i)
+				}
+				// ZeroGrad kept the memory, and Backward wrote into it.
+				if at := &block32(rps[i].Grad())[0]; pass == 0 {
+					gradAt[i] = at
+				} else if at != gradAt[i] {
+					t.Errorf("pass %d: param %d: the gradient moved to new memory", pass, i)
 				}
 				rps[i].ZeroGrad()
 				pps[i].ZeroGrad()

@@ -28,7 +28,7 @@ func (v *Value) SetGrad(g *placement.DTensor) error {
 		return invalidf(op, "%q: SetGrad called during Backward (from a gradient hook)", v.name)
 	}
 	if g == nil {
-		v.grad = nil
+		v.grad, v.fresh = nil, 0
 		return nil
 	}
 	vs, gs := v.data.Spec(), g.Spec()
@@ -41,6 +41,6 @@ func (v *Value) SetGrad(g *placement.DTensor) error {
 	if !slices.Equal(vs.Mesh().Shape(), gs.Mesh().Shape()) || !slices.Equal(vs.Mesh().Names(), gs.Mesh().Names()) {
 		return invalidf(op, "%q: gradient on mesh %v for a value on mesh %v", v.name, gs.Mesh(), vs.Mesh())
 	}
-	v.grad = g
+	v.grad, v.fresh = g, 0
 	return nil
 }

@@ -38,7 +38,9 @@ func WithBLAS(b *kernels.BLAS) Option { return func(t *Tape) { t.blas = b } }
 // reject it, but a *placement.DTensor taken from it earlier now shares
 // memory with the results of later passes: copy out (or read) whatever
 // must outlive the step before calling Recycle. Leaves (Param, Constant)
-// and their gradients are never recycled. A tape made WithRecycling whose
+// are never recycled; a leaf's gradient is, at ZeroGrad: the next Backward
+// copies the leaf's new gradient into its memory, so a gradient tensor
+// taken before ZeroGrad changes then. A tape made WithRecycling whose
 // Recycle is never called keeps every result it made.
 func WithRecycling() Option { return func(t *Tape) { t.recycling = true } }
 
@@ -216,6 +218,13 @@ type Value struct {
 	name         string
 	hooks        []func(*Value)
 	recycled     bool // its memory went back to the tape (Recycle)
+	// spare is the local block of the gradient ZeroGrad dropped on a
+	// recycling tape, for the next gradient to be copied into.
+	spare any
+	// fresh is the tape generation + 1 in which Backward made grad (0: a
+	// gradient from an earlier pass or from SetGrad); later arrivals in
+	// that pass add into it, as nobody else has seen it yet.
+	fresh uint64
 }
 
 // Param makes a leaf that requires grad (a parameter) named name, holding
@@ -286,7 +295,8 @@ func (v *Value) IsLeaf() bool { return v != nil && v.leaf }
 // Grad returns the gradient accumulated in a leaf by the Backward calls
 // since its last ZeroGrad, or nil if none has arrived. Results of ops do
 // not retain gradients. The returned tensor is owned by the value; later
-// Backward calls replace it rather than modify it.
+// Backward calls replace it rather than modify it, except after ZeroGrad
+// on a tape made WithRecycling.
 func (v *Value) Grad() *placement.DTensor {
 	if v == nil {
 		return nil
@@ -294,11 +304,17 @@ func (v *Value) Grad() *placement.DTensor {
 	return v.grad
 }
 
-// ZeroGrad drops the accumulated gradient.
+// ZeroGrad drops the accumulated gradient. On a tape made WithRecycling
+// the next Backward writes the leaf's gradient into the dropped
+// gradient's memory instead of allocating.
 func (v *Value) ZeroGrad() {
-	if v != nil {
-		v.grad = nil
+	if v == nil {
+		return
 	}
+	if v.grad != nil && v.tape != nil && v.tape.recycling {
+		v.spare = v.grad.LocalData()
+	}
+	v.grad, v.fresh = nil, 0
 }
 
 // OnGradReady registers fn to run during Backward the moment this leaf's
@@ -539,19 +555,51 @@ func fire(v *Value) {
 // so the first one is copied (backward functions may share tensors).
 func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTensor) error {
 	if v.grad == nil {
-		c, err := clone(g)
-		if err != nil {
-			return err
+		c := copyInto(v.spare, g)
+		if c == nil {
+			var err error
+			if c, err = clone(g); err != nil {
+				return err
+			}
 		}
-		v.grad = c
+		v.grad, v.spare, v.fresh = c, nil, t.gen+1
 		return nil
+	}
+	if v.fresh == t.gen+1 && v.grad.Spec().Equal(g.Spec()) {
+		return addInPlace(v.grad, g)
 	}
 	acc, err := t.accumulate(ctx, v.name, v.grad, g, false)
 	if err != nil {
 		return err
 	}
-	v.grad = acc
+	v.grad, v.fresh = acc, t.gen+1
 	return nil
+}
+
+// copyInto copies g's local block into spare and returns it laid out like
+// g, or returns nil when spare is not a block of g's type and length.
+func copyInto(spare any, g *placement.DTensor) *placement.DTensor {
+	var data any
+	switch d := g.LocalData().(type) {
+	case []float32:
+		if s, ok := spare.([]float32); ok && len(s) == len(d) && len(d) > 0 {
+			copy(s, d)
+			data = s
+		}
+	case []float64:
+		if s, ok := spare.([]float64); ok && len(s) == len(d) && len(d) > 0 {
+			copy(s, d)
+			data = s
+		}
+	}
+	if data == nil {
+		return nil
+	}
+	c, err := placement.NewLocal(g.Spec(), data)
+	if err != nil {
+		return nil
+	}
+	return c
 }
 
 // accumulate returns existing + incoming as a new tensor (neither is

@@ -42,6 +42,7 @@ type config struct {
 	cap    int64
 	avg    bool
 	report func(names []string)
+	views  bool
 }
 
 // WithAxis names the data-parallel mesh axis (default "dp").
@@ -55,6 +56,15 @@ func WithFirstBucket(bytes int64) Option { return func(c *config) { c.first = by
 // (default DefaultBucketCap; see ScaledBucketCap for large dp). It must be
 // positive.
 func WithBucketCap(bytes int64) Option { return func(c *config) { c.cap = bytes } }
+
+// GradientAsBucketView makes the reduced gradients DDP installs views of
+// its buckets rather than copies (PyTorch's gradient_as_bucket_view): no
+// pass copies them out, and on a tape made autograd.WithRecycling the next
+// step's Backward writes each gradient straight into its bucket (ZeroGrad
+// keeps the view for it), so the bucket needs no filling either. An
+// installed gradient is then valid only until the next backward pass
+// reaches its bucket: copy it to keep it longer.
+func GradientAsBucketView() Option { return func(c *config) { c.views = true } }
 
 // Average divides every rank's contribution by dp before the sum, for
 // losses that are a per-rank mean over equal local counts. Without it the
@@ -379,7 +389,9 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 		}
 		dst := b.f32[s.off : s.off+s.n]
 		if factor == 1 {
-			copy(dst, src)
+			if len(src) > 0 && &src[0] != &dst[0] { // a bucket view is in place already
+				copy(dst, src)
+			}
 		} else {
 			f := float32(factor)
 			for k, v := range src {
@@ -393,7 +405,9 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 		}
 		dst := b.f64[s.off : s.off+s.n]
 		if factor == 1 {
-			copy(dst, src)
+			if len(src) > 0 && &src[0] != &dst[0] {
+				copy(dst, src)
+			}
 		} else {
 			for k, v := range src {
 				dst[k] = v * factor
@@ -516,9 +530,14 @@ func (d *DDP) install() error {
 		s := d.slots[i]
 		b := d.buckets[s.bucket]
 		var data any
-		if b.f32 != nil {
+		switch {
+		case b.f32 != nil && d.cfg.views:
+			data = b.f32[s.off : s.off+s.n : s.off+s.n]
+		case b.f32 != nil:
 			data = slices.Clone(b.f32[s.off : s.off+s.n])
-		} else {
+		case d.cfg.views:
+			data = b.f64[s.off : s.off+s.n : s.off+s.n]
+		default:
 			data = slices.Clone(b.f64[s.off : s.off+s.n])
 		}
 		g, err := placement.NewLocal(d.out[i], data)

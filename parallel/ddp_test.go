@@ -149,40 +149,59 @@ func TestMatchesSerial(t *testing.T) {
 		{[]int{2, 2}, []string{"dp", "tp"}, 12},
 		{[]int{2, 3}, []string{"tp", "dp"}, 11},
 	} {
-		t.Run(fmt.Sprint(tc.names, tc.shape), func(t *testing.T) {
-			want, err := serialMLPGrads(0, tc.rows)
-			if err != nil {
-				t.Fatal(err)
-			}
-			placementtest.Run(t, tc.shape, tc.names, func(ctx context.Context, m *mesh.Mesh) error {
-				n, err := newMLP(m, false)
+		for _, views := range []bool{false, true} {
+			t.Run(fmt.Sprint(tc.names, tc.shape, " views=", views), func(t *testing.T) {
+				want, err := serialMLPGrads(0, tc.rows)
 				if err != nil {
-					return err
+					t.Fatal(err)
 				}
-				d, err := New(ctx, n.params, WithFirstBucket(8*mlpOut), WithBucketCap(8*mlpOut*mlpHid))
-				if err != nil {
-					return err
-				}
-				if len(d.Buckets()) < 3 {
-					return fmt.Errorf("want several buckets, got %v", d.Buckets())
-				}
-				for step := range 2 { // twice: the state resets between steps
-					if err := n.step(ctx, m, 0, tc.rows); err != nil {
+				placementtest.Run(t, tc.shape, tc.names, func(ctx context.Context, m *mesh.Mesh) error {
+					// Bucket views with a recycling tape: from the second
+					// step on, Backward writes the gradients straight into
+					// the buckets.
+					var tapeOpts []autograd.Option
+					opts := []Option{WithFirstBucket(8 * mlpOut), WithBucketCap(8 * mlpOut * mlpHid)}
+					if views {
+						tapeOpts = append(tapeOpts, autograd.PoisonRecycled())
+						opts = append(opts, GradientAsBucketView())
+					}
+					n, err := newMLP(m, false, tapeOpts...)
+					if err != nil {
 						return err
 					}
-					if err := d.Finish(ctx); err != nil {
+					d, err := New(ctx, n.params, opts...)
+					if err != nil {
 						return err
 					}
-					if err := checkReduced(n.params, want, 1e-12); err != nil {
-						return fmt.Errorf("step %d: %w", step, err)
+					if len(d.Buckets()) < 3 {
+						return fmt.Errorf("want several buckets, got %v", d.Buckets())
 					}
-					for _, p := range n.params {
-						p.ZeroGrad()
+					first := make([]*float64, len(n.params))
+					for step := range 3 { // the state resets between steps
+						n.tape.Recycle()
+						if err := n.step(ctx, m, 0, tc.rows); err != nil {
+							return err
+						}
+						if err := d.Finish(ctx); err != nil {
+							return err
+						}
+						if err := checkReduced(n.params, want, 1e-12); err != nil {
+							return fmt.Errorf("step %d: %w", step, err)
+						}
+						for i, p := range n.params {
+							at := &p.Grad().LocalData().([]float64)[0]
+							if step == 0 {
+								first[i] = at
+							} else if same := at == first[i]; same != views {
+								return fmt.Errorf("step %d: %s: gradient in the first step's memory: %v, want %v", step, p.Name(), same, views)
+							}
+							p.ZeroGrad()
+						}
 					}
-				}
-				return nil
+					return nil
+				})
 			})
-		})
+		}
 	}
 }
 

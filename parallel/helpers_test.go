@@ -41,8 +41,8 @@ func replicated(m *mesh.Mesh, shape []int, seed uint64) (*placement.DTensor, err
 	return placement.FromFull(spec, placementtest.Random(shape, comm.Float64, seed))
 }
 
-func newMLP(m *mesh.Mesh, unused bool) (*mlp, error) {
-	n := &mlp{tape: autograd.NewTape()}
+func newMLP(m *mesh.Mesh, unused bool, opts ...autograd.Option) (*mlp, error) {
+	n := &mlp{tape: autograd.NewTape(opts...)}
 	shapes := []struct {
 		name  string
 		shape []int

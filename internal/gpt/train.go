@@ -88,7 +88,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[
 	if i := slices.Index(names, opts.DP); opts.DP != "" && i >= 0 {
 		tr.places[i] = placement.Shard(0)
 		if m.Shape()[i] > 1 {
-			ddpOpts := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.DP))
+			ddpOpts := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.DP), parallel.GradientAsBucketView())
 			if tr.ddp, err = parallel.New(ctx, md.Params(), ddpOpts...); err != nil {
 				return nil, fmt.Errorf("gpt: trainer: %w", err)
 			}

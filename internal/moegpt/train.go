@@ -60,13 +60,13 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 		return 1
 	}
 	if size(opts.EP) > 1 {
-		o := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.EP))
+		o := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.EP), parallel.GradientAsBucketView())
 		if tr.dense, err = parallel.New(ctx, md.ReplicatedParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", opts.EP, err)
 		}
 	}
 	if size(opts.DP) > 1 {
-		o := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.DP))
+		o := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.DP), parallel.GradientAsBucketView())
 		if tr.experts, err = parallel.New(ctx, md.ExpertParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", opts.DP, err)
 		}
