@@ -52,3 +52,6 @@ func gemm4x16AVX2(c *float32, ldc int, a *float32, sai, sap int, b *float32, ldb
 
 //go:noescape
 func transpose8x8AVX2(dst *float32, ldd int, src *float32, lds int)
+
+//go:noescape
+func adamwAVX2(p, grad, m, v *float32, n int, c *[8]float32)

@@ -690,3 +690,56 @@ TEXT ·transpose8x8AVX2(SB), NOSPLIT, $0-32
 	VMOVUPS Y15, (DI)
 	VZEROUPPER
 	RET
+
+// func adamwAVX2(p, grad, m, v *float32, n int, c *[8]float32)
+// One AdamW update of n elements (a multiple of 8), the operations of
+// adamwGo in its order, eight lanes at a time: no FMA, so every product
+// and sum is rounded to float32 as there. c: decay, β1, 1−β1, β2, 1−β2,
+// sqrt(bc2), step, ε.
+TEXT ·adamwAVX2(SB), NOSPLIT, $0-48
+	MOVQ p+0(FP), DI
+	MOVQ grad+8(FP), SI
+	MOVQ m+16(FP), DX
+	MOVQ v+24(FP), R8
+	MOVQ n+32(FP), CX
+	MOVQ c+40(FP), AX
+	VBROADCASTSS 0(AX), Y8   // decay
+	VBROADCASTSS 4(AX), Y9   // β1
+	VBROADCASTSS 8(AX), Y10  // 1 − β1
+	VBROADCASTSS 12(AX), Y11 // β2
+	VBROADCASTSS 16(AX), Y12 // 1 − β2
+	VBROADCASTSS 20(AX), Y13 // sqrt(bc2)
+	VBROADCASTSS 24(AX), Y14 // step
+	VBROADCASTSS 28(AX), Y15 // ε
+
+adamwloop:
+	CMPQ CX, $8
+	JL   adamwdone
+	VMOVUPS (SI), Y1          // g
+	VMULPS  (DI), Y8, Y0      // p·decay
+	VMULPS  (DX), Y9, Y2      // m·β1
+	VMULPS  Y1, Y10, Y3       // (1−β1)·g
+	VADDPS  Y3, Y2, Y2        // m
+	VMULPS  (R8), Y11, Y4     // v·β2
+	VMULPS  Y1, Y12, Y5       // (1−β2)·g
+	VMULPS  Y1, Y5, Y5        // ((1−β2)·g)·g
+	VADDPS  Y5, Y4, Y4        // v
+	VSQRTPS Y4, Y6            // sqrt(v)
+	VDIVPS  Y13, Y6, Y6       // sqrt(v)/sqrt(bc2)
+	VADDPS  Y15, Y6, Y6       // den
+	VMULPS  Y2, Y14, Y7       // step·m
+	VDIVPS  Y6, Y7, Y7        // step·m/den
+	VADDPS  Y7, Y0, Y0        // p
+	VMOVUPS Y0, (DI)
+	VMOVUPS Y2, (DX)
+	VMOVUPS Y4, (R8)
+	ADDQ $32, DI
+	ADDQ $32, SI
+	ADDQ $32, DX
+	ADDQ $32, R8
+	SUBQ $8, CX
+	JMP  adamwloop
+
+adamwdone:
+	VZEROUPPER
+	RET

@@ -16,6 +16,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -65,22 +66,12 @@ type Float interface{ ~float32 | ~float64 }
 //	den = sqrt(v)/c_bc2 + ε
 //	p   = p + (c_step·m)/den
 //
-// Every intermediate is rounded to T (explicit conversions keep the
-// compiler from fusing multiply-adds).
+// Every intermediate is rounded to T and nothing is fused: it is
+// kernels.AdamW, eight lanes at a time for float32 where the CPU has AVX2.
 func Update[T Float](c AdamWCoeffs, p, g, m, v []T) {
-	cwd, b1, c1, b2, c2 := T(c.Decay), T(c.Beta1), T(c.OneMinusBeta1), T(c.Beta2), T(c.OneMinusBeta2)
-	cbc2, cstep, eps := T(c.SqrtBC2), T(c.Step), T(c.Eps)
 	n := len(p)
-	g, m, v = g[:n], m[:n], v[:n]
-	for i := range n {
-		pi := T(p[i] * cwd)
-		gi := g[i]
-		mi := T(m[i]*b1) + T(c1*gi)
-		vi := T(v[i]*b2) + T(T(c2*gi)*gi)
-		den := T(T(math.Sqrt(float64(vi)))/cbc2) + eps
-		p[i] = pi + T(T(cstep*mi)/den)
-		m[i], v[i] = mi, vi
-	}
+	k := &[8]T{T(c.Decay), T(c.Beta1), T(c.OneMinusBeta1), T(c.Beta2), T(c.OneMinusBeta2), T(c.SqrtBC2), T(c.Step), T(c.Eps)}
+	_ = kernels.AdamW(p, g[:n], m[:n], v[:n], k) // the lengths agree
 }
 
 // AdamW is the AdamW optimizer over a fixed list of autograd leaves
