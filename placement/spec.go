@@ -273,39 +273,65 @@ func (l *layout) axisNames(axes []int) []string {
 }
 
 // meshKey identifies the mesh layout (names, shape, world ranks).
-func (l *layout) meshKey() string {
-	var b strings.Builder
+func (l *layout) meshKey() string { return string(l.appendMeshKey(nil)) }
+
+// appendMeshKey appends the mesh's names, sizes and ranks ("dp=2,tp=2@0..3").
+func (l *layout) appendMeshKey(b []byte) []byte {
 	for i, n := range l.names {
 		if i > 0 {
-			b.WriteByte(',')
+			b = append(b, ',')
 		}
-		fmt.Fprintf(&b, "%s=%d", n, l.mshape[i])
+		b = append(b, n...)
+		b = append(b, '=')
+		b = strconv.AppendInt(b, int64(l.mshape[i]), 10)
 	}
-	b.WriteString("@")
+	b = append(b, '@')
 	if isIota(l.ranks) {
-		fmt.Fprintf(&b, "0..%d", len(l.ranks)-1)
-	} else {
-		for i, r := range l.ranks {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			b.WriteString(strconv.Itoa(r))
-		}
+		b = append(b, "0.."...)
+		return strconv.AppendInt(b, int64(len(l.ranks)-1), 10)
 	}
-	return b.String()
+	return appendInts(b, l.ranks)
 }
 
+// computeKey encodes everything that tells layouts apart (Equal compares
+// keys; plans are cached by them). It is built without fmt: specs are made
+// for every op's result, so this is on the hot path.
 func (l *layout) computeKey() string {
-	var b strings.Builder
-	b.WriteString(l.meshKey())
-	fmt.Fprintf(&b, "|%v|%v|%v|", l.shape, l.dtype, l.places)
+	b := make([]byte, 0, 96)
+	b = l.appendMeshKey(b)
+	b = append(b, '|')
+	b = appendInts(b, l.shape)
+	b = append(b, '|')
+	b = strconv.AppendUint(b, uint64(l.dtype), 10)
+	for _, p := range l.places {
+		b = append(b, '|')
+		b = strconv.AppendUint(b, uint64(p.kind), 10)
+		b = append(b, ':')
+		b = strconv.AppendInt(b, int64(p.dim), 10)
+		b = append(b, ':')
+		b = strconv.AppendInt(b, int64(p.op), 10)
+	}
 	for _, o := range l.order {
-		fmt.Fprintf(&b, "%v", o)
+		b = append(b, '[')
+		b = appendInts(b, o)
+		b = append(b, ']')
 	}
 	if l.rows != nil {
-		fmt.Fprintf(&b, "|rows%v", l.rows)
+		b = append(b, "|rows"...)
+		b = appendInts(b, l.rows)
 	}
-	return b.String()
+	return string(b)
+}
+
+// appendInts appends v comma-separated.
+func appendInts(b []byte, v []int) []byte {
+	for i, x := range v {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendInt(b, int64(x), 10)
+	}
+	return b
 }
 
 func isIota(r []int) bool {
