@@ -336,9 +336,11 @@ func embedFwd[T float](t *Tape, table []T, ids []int64, lo, vl, d int) []T {
 }
 
 // embedBwd scatter-adds the rows of g whose ids lie in [lo, lo+vl) into a
-// zero [vl, d] table-block gradient.
-func embedBwd[T float](g []T, ids []int64, lo, vl, d int) []T {
-	acc := make([]float64, vl*d)
+// zero [vl, d] table-block gradient, in t's arena (accumulated in float64,
+// also arena memory).
+func embedBwd[T float](t *Tape, g []T, ids []int64, lo, vl, d int) []T {
+	acc := zeroBuf[float64](t, vl*d)
+	defer putBuf(t, acc)
 	for i, id := range ids {
 		r := int(id) - lo
 		if r < 0 || r >= vl {
@@ -349,7 +351,11 @@ func embedBwd[T float](g []T, ids []int64, lo, vl, d int) []T {
 			row[k] += float64(g[i*d+k])
 		}
 	}
-	return fromF64[T](acc)
+	out := getBuf[T](t, len(acc))
+	for i, v := range acc {
+		out[i] = T(v)
+	}
+	return out
 }
 
 // ceFwd returns Σ_rows (logsumexp(x_r) − x_r[t_r]) / n over the local rows

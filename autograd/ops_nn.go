@@ -577,7 +577,7 @@ func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indi
 		if len(gd) != len(ids.data)*dl {
 			return nil, fmt.Errorf("autograd: %s: internal: gradient block %v for %d local ids of %d columns", op, g.LocalShape(), len(ids.data), dl)
 		}
-		gt, err := placement.NewLocal(s, embedBwd(gd, ids.data, lo, vl, dl))
+		gt, err := placement.NewLocal(s, embedBwd(t, gd, ids.data, lo, vl, dl))
 		return []*placement.DTensor{gt}, err
 	}), nil
 }
