@@ -27,12 +27,14 @@
 // MPI_Irecv); Start issues it and returns a comm.Work, Do is Start then
 // Wait. Collectives are issued strictly in call order, which MPI requires;
 // a call whose pre-checks (below) are still in flight holds back the calls
-// after it. Wait drives MPI's progress by polling MPI_Test (Open MPI
-// progresses only inside MPI calls): a tight loop for the first 50 µs,
-// then yielding the processor between polls for up to a second, as MPI's
-// own blocking calls do, then sleeping up to a millisecond between polls,
-// so a long wait costs little CPU; all along it honours the context and
-// the communicator's timeout. Async
+// after it. Wait drives MPI's progress (Open MPI progresses only inside
+// MPI calls) as MPI_Wait does, by testing the first pending collective's
+// requests in a loop in C, for up to 2 ms at a time or until an abort
+// notice arrives; between those spins, and for point-to-point work, it
+// polls MPI_Test from Go: a tight loop for the first 50 µs, then yielding
+// the processor between polls for up to a second, then sleeping up to a
+// millisecond between polls, so a long wait costs little CPU; all along
+// it honours the context and the communicator's timeout. Async
 // work that nobody waits on is driven by a background goroutine that exists
 // only while such work is pending.
 //

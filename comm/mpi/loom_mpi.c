@@ -269,6 +269,28 @@ int loom_testall(int n, MPI_Request *reqs, int *flag) {
 	return MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
 }
 
+// loom_testall_for tests reqs until they complete (*flag = 1), the
+// request ctl (not NULL) has a message waiting (*ctlflag = 1; ctl is only
+// looked at, not completed), or usec microseconds pass: MPI_Wait's loop,
+// bounded so that the caller can look at its context in between. Each
+// MPI_Testall runs MPI's progress engine once (which yields the processor
+// when Open MPI runs oversubscribed, as MPI_Wait does).
+int loom_testall_for(int n, MPI_Request *reqs, MPI_Request *ctl, int *flag, int *ctlflag, int usec) {
+	double end = MPI_Wtime() + usec * 1e-6;
+	*ctlflag = 0;
+	for (int i = 1;; i++) {
+		int rc = MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
+		if (rc != MPI_SUCCESS || *flag) return rc;
+		if ((i & 63) == 0) {
+			if (ctl != NULL) {
+				rc = MPI_Request_get_status(*ctl, ctlflag, MPI_STATUS_IGNORE);
+				if (rc != MPI_SUCCESS || *ctlflag) return rc;
+			}
+			if (MPI_Wtime() >= end) return MPI_SUCCESS;
+		}
+	}
+}
+
 // ---- collectives, blocking when req is NULL ----
 
 int loom_allreduce(const void *s, void *r, int n, MPI_Datatype dt, MPI_Op op, MPI_Comm c, MPI_Request *req) {

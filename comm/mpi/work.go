@@ -81,6 +81,9 @@ func (w *work) Wait(ctx context.Context) error {
 		}
 		c.mu.Lock()
 		c.progressLocked()
+		if !w.finished {
+			c.spinLocked()
+		}
 		expired := false
 		if !w.finished {
 			expired = c.expireLocked(w, ctx)
@@ -95,6 +98,47 @@ func (w *work) Wait(ctx context.Context) error {
 		default:
 		}
 		pause(now().Sub(start))
+	}
+}
+
+// spinFor bounds one spinLocked: long enough that MPI's progress engine
+// runs in C for whole collectives of a few MiB, short enough that a
+// cancelled context is noticed promptly. Abort notices end a spin at once.
+const spinFor = 2 * time.Millisecond
+
+// spinLocked drives MPI's progress engine in C, as MPI_Wait does, until
+// the requests of the first pending collective complete, an abort notice
+// arrives or spinFor passes; progressLocked then finishes what completed
+// and picks up the notice. Polling from Go instead (a lock, a cgo call,
+// the clock and a yield per MPI_Test) made a 1 MiB allreduce of two
+// processes 1.2-1.4x raw MPI_Iallreduce+MPI_Wait.
+func (c *Comm) spinLocked() {
+	if c.failure.Load() != nil || c.freed || len(c.queue) == 0 {
+		return
+	}
+	w := c.queue[0]
+	if w.finished || len(w.reqs) == 0 || w.recvWant != nil {
+		return
+	}
+	var flag, ctlFlag C.int
+	n, usec := C.int(len(w.reqs)), C.int(spinFor/time.Microsecond)
+	var rc C.int
+	// &c.ctlReq is written out in the call: cgo then checks the field
+	// alone, not the whole Comm (which holds Go pointers).
+	if c.ctlLive {
+		rc = C.loom_testall_for(n, &w.reqs[0], &c.ctlReq, &flag, &ctlFlag, usec)
+	} else {
+		rc = C.loom_testall_for(n, &w.reqs[0], nil, &flag, &ctlFlag, usec)
+	}
+	if rc != C.loom_success() {
+		c.failLocked(w, fmt.Errorf("MPI_Testall: %w", mpiError(rc)))
+		return
+	}
+	if ctlFlag != 0 {
+		c.pollCtlLocked()
+	}
+	if flag != 0 || ctlFlag != 0 {
+		c.progressLocked()
 	}
 }
 
