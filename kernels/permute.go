@@ -537,13 +537,28 @@ func gateGrad[T Float](dgates, dout []T, src packedRows[T], d int, r *Routing) {
 	})
 }
 
+// The row loops below run eight float32 lanes at a time on AVX2
+// (vec_amd64.s) with the same unfused IEEE operations in the same order,
+// so both paths give the same bits; the portable loops serve float64, the
+// last few elements and CPUs without AVX2.
+
+// vecPrefix returns how many leading elements of o the float32 vector
+// kernels take (a multiple of 8), and o as []float32 when they may.
+func vecPrefix[T Float](o []T) ([]float32, int) {
+	o32, ok := any(o).([]float32)
+	if !ok || !haveVec || len(o) < 8 {
+		return nil, 0
+	}
+	return o32, len(o) &^ 7
+}
+
 // permScale sets o[i] = g·x[i]; len(x) >= len(o).
 func permScale[T Float](o, x []T, g T) {
 	x = x[:len(o)]
 	i := 0
-	for ; i+4 <= len(o); i += 4 {
-		o0, x0 := o[i:i+4:i+4], x[i:i+4:i+4]
-		o0[0], o0[1], o0[2], o0[3] = g*x0[0], g*x0[1], g*x0[2], g*x0[3]
+	if o32, n := vecPrefix(o); n > 0 {
+		scaleF32AVX2(&o32[0], &any(x).([]float32)[0], n, any(g).(float32))
+		i = n
 	}
 	for ; i < len(o); i++ {
 		o[i] = g * x[i]
@@ -554,12 +569,9 @@ func permScale[T Float](o, x []T, g T) {
 func permAxpy[T Float](o, x []T, g T) {
 	x = x[:len(o)]
 	i := 0
-	for ; i+4 <= len(o); i += 4 {
-		o0, x0 := o[i:i+4:i+4], x[i:i+4:i+4]
-		o0[0] += g * x0[0]
-		o0[1] += g * x0[1]
-		o0[2] += g * x0[2]
-		o0[3] += g * x0[3]
+	if o32, n := vecPrefix(o); n > 0 {
+		axpyF32AVX2(&o32[0], &any(x).([]float32)[0], n, any(g).(float32))
+		i = n
 	}
 	for ; i < len(o); i++ {
 		o[i] += g * x[i]
@@ -571,48 +583,31 @@ func permAxpy[T Float](o, x []T, g T) {
 func permPair[T Float](o, x, y []T, a, b T, set bool) {
 	x, y = x[:len(o)], y[:len(o)]
 	i := 0
-	if set {
-		for ; i+4 <= len(o); i += 4 {
-			o0, x0, y0 := o[i:i+4:i+4], x[i:i+4:i+4], y[i:i+4:i+4]
-			o0[0] = a*x0[0] + b*y0[0]
-			o0[1] = a*x0[1] + b*y0[1]
-			o0[2] = a*x0[2] + b*y0[2]
-			o0[3] = a*x0[3] + b*y0[3]
-		}
-		for ; i < len(o); i++ {
-			o[i] = a*x[i] + b*y[i]
-		}
-		return
-	}
-	for ; i+4 <= len(o); i += 4 {
-		o0, x0, y0 := o[i:i+4:i+4], x[i:i+4:i+4], y[i:i+4:i+4]
-		o0[0] += a*x0[0] + b*y0[0]
-		o0[1] += a*x0[1] + b*y0[1]
-		o0[2] += a*x0[2] + b*y0[2]
-		o0[3] += a*x0[3] + b*y0[3]
+	if o32, n := vecPrefix(o); n > 0 {
+		pairF32AVX2(&o32[0], &any(x).([]float32)[0], &any(y).([]float32)[0], n, any(a).(float32), any(b).(float32), set)
+		i = n
 	}
 	for ; i < len(o); i++ {
-		o[i] += a*x[i] + b*y[i]
+		if set {
+			o[i] = a*x[i] + b*y[i]
+		} else {
+			o[i] += a*x[i] + b*y[i]
+		}
 	}
 }
 
-// permDot returns Σ a[i]·b[i] accumulated in float64 over four partial
-// sums.
+// permDot returns Σ a[i]·b[i] accumulated in float64 (float32 rows: the
+// vector dot of vec.go, four lanes then the tail).
 func permDot[T Float](a, b []T) float64 {
 	b = b[:len(a)]
-	var s0, s1, s2, s3 float64
-	i := 0
-	for ; i+4 <= len(a); i += 4 {
-		a0, b0 := a[i:i+4:i+4], b[i:i+4:i+4]
-		s0 += float64(a0[0]) * float64(b0[0])
-		s1 += float64(a0[1]) * float64(b0[1])
-		s2 += float64(a0[2]) * float64(b0[2])
-		s3 += float64(a0[3]) * float64(b0[3])
+	if a32, ok := any(a).([]float32); ok {
+		return dot(a32, any(b).([]float32))
 	}
-	for ; i < len(a); i++ {
-		s0 += float64(a[i]) * float64(b[i])
+	var s float64
+	for i, v := range a {
+		s += float64(v) * float64(b[i])
 	}
-	return (s0 + s1) + (s2 + s3)
+	return s
 }
 
 // ExpertBounds splits experts 0..numExperts−1 into contiguous ranges over

@@ -1,6 +1,7 @@
 package kernels
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -633,6 +634,47 @@ func TestExpertBoundsAndRankSplits(t *testing.T) {
 		}
 		if err := r.RankSplits(splits, []int{0, 3, 7}); err == nil {
 			t.Error("short bounds: no error")
+		}
+	}
+}
+
+// TestPermRowLoopsMatchScalar: the row loops' vector paths give the bits
+// of the plain scalar arithmetic, at every length around the vector width
+// (the tails included), with y aliasing x for permPair.
+func TestPermRowLoopsMatchScalar(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for _, n := range []int{0, 1, 7, 8, 9, 15, 16, 17, 31, 64, 257} {
+		x, y, o := permRand[float32](rng, n), permRand[float32](rng, n), permRand[float32](rng, n)
+		a, b := float32(rng.NormFloat64()), float32(rng.NormFloat64())
+		same := func(what string, got []float32, want func(i int) float32) {
+			t.Helper()
+			for i := range n {
+				if w := want(i); math.Float32bits(got[i]) != math.Float32bits(w) {
+					t.Fatalf("%s, n=%d, [%d]: %v, scalar %v", what, n, i, got[i], w)
+				}
+			}
+		}
+		got := slices.Clone(o)
+		permScale(got, x, a)
+		same("permScale", got, func(i int) float32 { return a * x[i] })
+		got = slices.Clone(o)
+		permAxpy(got, x, a)
+		same("permAxpy", got, func(i int) float32 { return o[i] + a*x[i] })
+		for _, set := range []bool{true, false} {
+			for _, yy := range [][]float32{y, x} {
+				got = slices.Clone(o)
+				permPair(got, x, yy, a, b, set)
+				same(fmt.Sprintf("permPair set=%v", set), got, func(i int) float32 {
+					v := a*x[i] + b*yy[i]
+					if !set {
+						v = o[i] + v
+					}
+					return v
+				})
+			}
+		}
+		if d := permDot(x, y); !permNear(d, permDotAll(x, y), 1e-12, 1e-12) {
+			t.Fatalf("permDot n=%d: %v, want %v", n, d, permDotAll(x, y))
 		}
 	}
 }

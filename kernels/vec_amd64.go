@@ -55,3 +55,12 @@ func transpose8x8AVX2(dst *float32, ldd int, src *float32, lds int)
 
 //go:noescape
 func adamwAVX2(p, grad, m, v *float32, n int, c *[8]float32)
+
+//go:noescape
+func scaleF32AVX2(dst, x *float32, n int, c float32)
+
+//go:noescape
+func axpyF32AVX2(dst, x *float32, n int, c float32)
+
+//go:noescape
+func pairF32AVX2(dst, x, y *float32, n int, a, b float32, set bool)

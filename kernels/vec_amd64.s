@@ -743,3 +743,94 @@ adamwloop:
 adamwdone:
 	VZEROUPPER
 	RET
+
+// func scaleF32AVX2(dst, x *float32, n int, c float32)
+// dst[i] = c·x[i] for i < n (a multiple of 8).
+TEXT ·scaleF32AVX2(SB), NOSPLIT, $0-28
+	MOVQ dst+0(FP), DI
+	MOVQ x+8(FP), SI
+	MOVQ n+16(FP), CX
+	VBROADCASTSS c+24(FP), Y2
+
+scaleloop:
+	CMPQ CX, $8
+	JL   scaledone
+	VMULPS (SI), Y2, Y0
+	VMOVUPS Y0, (DI)
+	ADDQ $32, SI
+	ADDQ $32, DI
+	SUBQ $8, CX
+	JMP  scaleloop
+
+scaledone:
+	VZEROUPPER
+	RET
+
+// func axpyF32AVX2(dst, x *float32, n int, c float32)
+// dst[i] += c·x[i] for i < n (a multiple of 8): a product then a sum, each
+// rounded (no FMA), as the portable loop.
+TEXT ·axpyF32AVX2(SB), NOSPLIT, $0-28
+	MOVQ dst+0(FP), DI
+	MOVQ x+8(FP), SI
+	MOVQ n+16(FP), CX
+	VBROADCASTSS c+24(FP), Y2
+
+axpyloop:
+	CMPQ CX, $8
+	JL   axpydone
+	VMULPS (SI), Y2, Y0
+	VADDPS (DI), Y0, Y0
+	VMOVUPS Y0, (DI)
+	ADDQ $32, SI
+	ADDQ $32, DI
+	SUBQ $8, CX
+	JMP  axpyloop
+
+axpydone:
+	VZEROUPPER
+	RET
+
+// func pairF32AVX2(dst, x, y *float32, n int, a, b float32, set bool)
+// dst[i] = a·x[i] + b·y[i] (set) or dst[i] += (a·x[i] + b·y[i]) for i < n
+// (a multiple of 8), every product and sum rounded as in the portable loop.
+TEXT ·pairF32AVX2(SB), NOSPLIT, $0-41
+	MOVQ dst+0(FP), DI
+	MOVQ x+8(FP), SI
+	MOVQ y+16(FP), DX
+	MOVQ n+24(FP), CX
+	VBROADCASTSS a+32(FP), Y2
+	VBROADCASTSS b+36(FP), Y3
+	MOVBLZX set+40(FP), AX
+	TESTQ AX, AX
+	JZ    pairaddloop
+
+pairsetloop:
+	CMPQ CX, $8
+	JL   pairdone
+	VMULPS (SI), Y2, Y0
+	VMULPS (DX), Y3, Y1
+	VADDPS Y1, Y0, Y0
+	VMOVUPS Y0, (DI)
+	ADDQ $32, SI
+	ADDQ $32, DX
+	ADDQ $32, DI
+	SUBQ $8, CX
+	JMP  pairsetloop
+
+pairaddloop:
+	CMPQ CX, $8
+	JL   pairdone
+	VMULPS (SI), Y2, Y0
+	VMULPS (DX), Y3, Y1
+	VADDPS Y1, Y0, Y0
+	VADDPS (DI), Y0, Y0
+	VMOVUPS Y0, (DI)
+	ADDQ $32, SI
+	ADDQ $32, DX
+	ADDQ $32, DI
+	SUBQ $8, CX
+	JMP  pairaddloop
+
+pairdone:
+	VZEROUPPER
+	RET
