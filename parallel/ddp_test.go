@@ -257,15 +257,42 @@ func TestNoSyncAccumulation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, dp := range []int{2, 3} {
+	for _, tc := range []struct {
+		dp    int
+		views bool
+	}{{2, false}, {3, false}, {2, true}, {3, true}} {
+		dp := tc.dp
 		placementtest.Run(t, []int{dp}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-			n, err := newMLP(m, false)
+			// With bucket views on a recycling tape, the second step
+			// accumulates into gradients that live in the buckets.
+			var tapeOpts []autograd.Option
+			opts := []Option{WithFirstBucket(8), WithBucketCap(8)}
+			if tc.views {
+				tapeOpts = append(tapeOpts, autograd.PoisonRecycled())
+				opts = append(opts, GradientAsBucketView())
+			}
+			n, err := newMLP(m, false, tapeOpts...)
 			if err != nil {
 				return err
 			}
-			d, err := New(ctx, n.params, WithFirstBucket(8), WithBucketCap(8))
+			d, err := New(ctx, n.params, opts...)
 			if err != nil {
 				return err
+			}
+			if tc.views { // a first synchronised step puts the gradients in the buckets
+				if err := n.step(ctx, m, 0, 12); err != nil {
+					return err
+				}
+				if err := d.Finish(ctx); err != nil {
+					return err
+				}
+				if err := checkReduced(n.params, want, 1e-12); err != nil {
+					return fmt.Errorf("first step: %w", err)
+				}
+				for _, p := range n.params {
+					p.ZeroGrad()
+				}
+				n.tape.Recycle()
 			}
 			before := countAllReduce(d.Comm())
 			if err := d.NoSync(func() error { return n.step(ctx, m, 0, 6) }); err != nil {
