@@ -38,7 +38,7 @@ type arena struct {
 	out  map[unsafe.Pointer]arenaBuf
 	made int // buffers allocated (not reused) since the arena was made
 	// poison makes recycle fill the op results it takes back with NaN, so
-	// that a test reading a recycled value sees it (export_test.go).
+	// that a read of a recycled value shows (PoisonRecycled).
 	poison bool
 }
 

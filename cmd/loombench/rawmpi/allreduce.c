@@ -1,7 +1,9 @@
 /*
  * allreduce.c: the raw Open MPI reference for loombench -backend mpi.
  *
- * It times MPI_Allreduce (float32, sum, out of place) exactly as loombench
+ * It times MPI_Allreduce (float32, sum, out of place), or with -nb
+ * MPI_Iallreduce then MPI_Wait (what loom's default, nonblocking call mode
+ * issues), exactly as loombench
  * times an operation: warmup iterations, then timed iterations, each timed
  * on every rank; an iteration counts as the slowest rank's time (an
  * MPI_Allreduce of the times with MPI_MAX after the loop), and the result
@@ -12,7 +14,7 @@
  * Build and run (compare_mpi.sh does both):
  *   mpicc -O2 -o /tmp/rawmpi cmd/loombench/rawmpi/allreduce.c
  *   mpirun -np 4 /tmp/rawmpi 20 5 1048576 67108864
- * Arguments: [-page] iterations, warmup, then sizes in bytes.
+ * Arguments: [-page] [-nb] iterations, warmup, then sizes in bytes.
  *
  * Buffers come from malloc, or with -page on page boundaries, as Go's
  * allocator places large buffers (loombench's among them). The placement
@@ -46,14 +48,19 @@ int main(int argc, char **argv) {
 	int rank, size;
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &size);
-	int page = argc > 1 && strcmp(argv[1], "-page") == 0;
-	if (page) {
-		argv++;
-		argc--;
+	int page = 0, nb = 0;
+	for (; argc > 1 && argv[1][0] == '-'; argv++, argc--) {
+		if (strcmp(argv[1], "-page") == 0) {
+			page = 1;
+		} else if (strcmp(argv[1], "-nb") == 0) {
+			nb = 1;
+		} else {
+			break;
+		}
 	}
 	if (argc < 4) {
 		if (rank == 0)
-			fprintf(stderr, "usage: %s [-page] iters warmup bytes...\n", argv[0]);
+			fprintf(stderr, "usage: %s [-page] [-nb] iters warmup bytes...\n", argv[0]);
 		MPI_Finalize();
 		return 2;
 	}
@@ -76,18 +83,23 @@ int main(int argc, char **argv) {
 		}
 		for (int i = 0; i < n; i++)
 			send[i] = (float)(i % 7);
-		for (int i = 0; i < warmup; i++)
-			MPI_Allreduce(send, recv, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-		for (int i = 0; i < iters; i++) {
+		for (int i = 0; i < warmup + iters; i++) {
 			double t0 = MPI_Wtime();
-			MPI_Allreduce(send, recv, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-			t[i] = MPI_Wtime() - t0;
+			if (nb) {
+				MPI_Request req;
+				MPI_Iallreduce(send, recv, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req);
+				MPI_Wait(&req, MPI_STATUS_IGNORE);
+			} else {
+				MPI_Allreduce(send, recv, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+			}
+			if (i >= warmup)
+				t[i - warmup] = MPI_Wtime() - t0;
 		}
 		MPI_Allreduce(MPI_IN_PLACE, t, iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
 		qsort(t, iters, sizeof(double), cmp);
 		double med = iters % 2 ? t[iters / 2] : (t[iters / 2 - 1] + t[iters / 2]) / 2;
 		if (rank == 0)
-			printf("raw-mpi allreduce %d %ld %.1f\n", size, bytes, med * 1e6);
+			printf("raw-mpi %s %d %ld %.1f\n", nb ? "iallreduce" : "allreduce", size, bytes, med * 1e6);
 		free(send);
 		free(recv);
 	}
