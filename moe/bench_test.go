@@ -350,6 +350,8 @@ func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, roun
 // sink records a scalar loss on y [N, W] (Shard(0) on the one mesh axis)
 // whose value is 0 and whose gradient is zeros laid out like y: it ends
 // the tape without a reduction whose cost would count in the benchmark.
+// The gradient is the tape's scratch, as any op's would be, rather than a
+// fresh allocation that the benchmark would time.
 func sink(m *mesh.Mesh, y *autograd.Value) (*autograd.Value, error) {
 	return autograd.Custom("sink", []*autograd.Value{y},
 		func() (*placement.DTensor, error) {
@@ -360,7 +362,9 @@ func sink(m *mesh.Mesh, y *autograd.Value) (*autograd.Value, error) {
 			return placement.NewLocal(spec, []float32{0})
 		},
 		func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
-			dy, err := placement.NewLocal(y.Spec(), make([]float32, y.Data().Spec().LocalShape()[0]*y.Spec().Shape()[1]))
+			zeros := autograd.ScratchBlock[float32](y.Tape(), y.Data().Spec().LocalShape()[0]*y.Spec().Shape()[1])
+			clear(zeros)
+			dy, err := placement.NewLocal(y.Spec(), zeros)
 			return []*placement.DTensor{dy}, err
 		})
 }
