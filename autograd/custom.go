@@ -131,21 +131,23 @@ func checkCustomGrad(name string, i int, in *Value, g *placement.DTensor) error 
 // tape t, for a Custom forward that writes every element: freshly
 // allocated (zeroed) memory or, on a tape made WithRecycling, memory the
 // tape recycles, with arbitrary contents, that lives until the tape's next
-// Recycle. A nil t gives fresh memory. The result is never nil.
+// Recycle. A nil t gives fresh memory. The result is never nil; n <= 0
+// gives an empty block.
 func ResultBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.result(), n) }
 
 // ScratchBlock returns n elements of t's arena, with arbitrary contents,
 // for a gradient a CustomBackward returns or for what a Custom op keeps
 // for its backward: Backward gives a gradient's memory back once it has
 // consumed it, and everything when the tape is cleared, for the next pass
-// to reuse. A nil t gives fresh memory. The result is never nil.
+// to reuse. A nil t gives fresh memory. The result is never nil; n <= 0
+// gives an empty block.
 func ScratchBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.scratch(), n) }
 
 // blockAs is block for any kernels.Float: the arena keeps float32 and
 // float64 blocks, which a type with either underlying type shares.
 func blockAs[T kernels.Float](a alloc, n int) []T {
-	if n == 0 {
-		return []T{} // never nil, like make's
+	if n <= 0 {
+		return []T{} // never nil, like make's; no panic for n < 0
 	}
 	var z T
 	if unsafe.Sizeof(z) == 4 {

@@ -779,3 +779,30 @@ func TestRecycling(t *testing.T) {
 		return nil
 	})
 }
+
+// TestCustomBlocks: ResultBlock is fresh memory on an ordinary tape and
+// arena memory on a recycling one, ScratchBlock arena memory on both, and
+// neither returns nil or panics for n <= 0 or a nil tape.
+func TestCustomBlocks(t *testing.T) {
+	plain, rec := NewTape(), NewTape(WithRecycling())
+	for _, n := range []int{-1, 0} {
+		if b := ResultBlock[float32](rec, n); b == nil || len(b) != 0 {
+			t.Errorf("ResultBlock(%d) = %v", n, b)
+		}
+		if b := ScratchBlock[float64](nil, n); b == nil || len(b) != 0 {
+			t.Errorf("ScratchBlock(nil, %d) = %v", n, b)
+		}
+	}
+	if b := ResultBlock[float32](plain, 5); len(b) != 5 || overlapsArena(&plain.arena, b) {
+		t.Errorf("an ordinary tape's result block is arena memory")
+	}
+	if b := ResultBlock[float32](rec, 5); len(b) != 5 || !overlapsArena(&rec.arena, b) {
+		t.Errorf("a recycling tape's result block is not arena memory")
+	}
+	if b := ScratchBlock[float32](plain, 5); len(b) != 5 || !overlapsArena(&plain.arena, b) {
+		t.Errorf("a scratch block is not arena memory")
+	}
+	if b := ResultBlock[float32](nil, 3); len(b) != 3 {
+		t.Errorf("ResultBlock(nil tape) = %v", b)
+	}
+}

@@ -18,11 +18,14 @@ import (
 // Every intermediate is rounded to T and nothing is fused, so the vector
 // path (float32 on AVX2: eight lanes of the same IEEE operations) and the
 // portable loop agree bit for bit. It returns an error, before writing
-// anything, when the lengths differ.
+// anything, when the lengths differ or c is nil.
 func AdamW[T Float](p, g, m, v []T, c *[8]T) error {
 	n := len(p)
 	if len(g) != n || len(m) != n || len(v) != n {
 		return fmt.Errorf("kernels: AdamW: lengths p %d, g %d, m %d, v %d differ", n, len(g), len(m), len(v))
+	}
+	if c == nil {
+		return fmt.Errorf("kernels: AdamW: nil coefficients")
 	}
 	i := 0
 	if p32, ok := any(p).([]float32); ok && haveVec && n >= 8 {

@@ -48,6 +48,9 @@ func TestAdamWMatchesPortableLoop(t *testing.T) {
 	if err := AdamW(p, []float32{1}, []float32{0, 0}, []float32{0, 0}, c); err == nil || p[0] != 1 {
 		t.Errorf("mismatched lengths: error %v, p %v", err, p)
 	}
+	if err := AdamW(p, p, p, p, nil); err == nil || p[0] != 1 {
+		t.Errorf("nil coefficients: error %v, p %v", err, p)
+	}
 }
 
 // BenchmarkAdamW compares the vector path with the portable loop on half a
