@@ -53,7 +53,9 @@
 // may keep them. A tape made WithRecycling takes op results from its
 // arena as well, for a training loop that declares each step's values
 // dead with Tape.Recycle (PoisonRecycled checks that nothing reads them
-// afterwards). What dies with a pass is recycled by every tape:
+// afterwards), and writes a leaf's next gradient into the memory ZeroGrad
+// dropped. Custom ops take part through ResultBlock and ScratchBlock. What
+// dies with a pass is recycled by every tape:
 // values saved for backward and the gradients of intermediate values come
 // from a per-tape arena, go back to it as soon as Backward has consumed
 // them (unless another pending gradient shares their memory) and in any
