@@ -744,23 +744,15 @@ func auxFunc[T float32 | float64](rc *routeCall, lr *localRoute, selected []int6
 	for x, c := range selected {
 		w[x] = cfg.AuxCoef * float64(e) * (float64(c) / (nn * float64(rc.k))) / nn
 	}
-	return autograd.LocalFunc[T]{
-		Name:     "moe.Router.aux",
-		In:       [][]placement.Placement{rows},
-		GradIn:   [][]placement.Placement{rows},
-		Out:      sumPl,
-		OutShape: []int{},
-		GradOut:  repPl,
-		Forward: func([]autograd.Block[T]) (autograd.Block[T], error) {
-			total := 0.0
-			for x, v := range lr.pSum {
-				total += w[x] * v
-			}
-			return autograd.Block[T]{Shape: []int{}, Data: []T{T(total)}}, nil
-		},
-		Backward: func(g autograd.Block[T], in []autograd.Block[T], _ autograd.Block[T]) ([]autograd.Block[T], error) {
-			z := in[0].Data
-			gs := float64(g.Data[0])
+	forward := func() float64 {
+		total := 0.0
+		for x, v := range lr.pSum {
+			total += w[x] * v
+		}
+		return total
+	}
+	return scalarLoss("moe.Router.aux", rows, sumPl, repPl, forward,
+		func(z []T, gs float64) []T {
 			dz := make([]T, n*e)
 			p := make([]float64, e)
 			sg := make([]float64, e)
@@ -783,9 +775,8 @@ func auxFunc[T float32 | float64](rc *routeCall, lr *localRoute, selected []int6
 					}
 				}
 			}
-			return []autograd.Block[T]{{Shape: []int{n, e}, Data: dz}}, nil
-		},
-	}
+			return dz
+		})
 }
 
 // zFunc is the local function logits -> β·zloss, this rank's share
@@ -794,23 +785,15 @@ func zFunc[T float32 | float64](rc *routeCall, lr *localRoute, rows, sumPl, repP
 	cfg := rc.r.cfg
 	n, e := rc.n, rc.e
 	c := cfg.ZCoef / float64(rc.nGlobal)
-	return autograd.LocalFunc[T]{
-		Name:     "moe.Router.zloss",
-		In:       [][]placement.Placement{rows},
-		GradIn:   [][]placement.Placement{rows},
-		Out:      sumPl,
-		OutShape: []int{},
-		GradOut:  repPl,
-		Forward: func([]autograd.Block[T]) (autograd.Block[T], error) {
-			total := 0.0
-			for _, l := range lr.lse {
-				total += l * l
-			}
-			return autograd.Block[T]{Shape: []int{}, Data: []T{T(c * total)}}, nil
-		},
-		Backward: func(g autograd.Block[T], in []autograd.Block[T], _ autograd.Block[T]) ([]autograd.Block[T], error) {
-			z := in[0].Data
-			gs := float64(g.Data[0])
+	forward := func() float64 {
+		total := 0.0
+		for _, l := range lr.lse {
+			total += l * l
+		}
+		return c * total
+	}
+	return scalarLoss("moe.Router.zloss", rows, sumPl, repPl, forward,
+		func(z []T, gs float64) []T {
 			dz := make([]T, n*e)
 			for t := range n {
 				l := lr.lse[t]
@@ -819,7 +802,27 @@ func zFunc[T float32 | float64](rc *routeCall, lr *localRoute, rows, sumPl, repP
 					dz[t*e+x] = T(f * math.Exp(float64(z[t*e+x])-l))
 				}
 			}
-			return []autograd.Block[T]{{Shape: []int{n, e}, Data: dz}}, nil
+			return dz
+		})
+}
+
+// scalarLoss is the local function of a router loss: the logits [n, e]
+// (laid out by rows) to this rank's share of a scalar (sumPl; its gradient
+// arrives as repPl). forward returns the share; backward maps the logits
+// z and the scalar's gradient gs to the logits' gradient.
+func scalarLoss[T float32 | float64](name string, rows, sumPl, repPl []placement.Placement, forward func() float64, backward func(z []T, gs float64) []T) autograd.LocalFunc[T] {
+	return autograd.LocalFunc[T]{
+		Name:     name,
+		In:       [][]placement.Placement{rows},
+		GradIn:   [][]placement.Placement{rows},
+		Out:      sumPl,
+		OutShape: []int{},
+		GradOut:  repPl,
+		Forward: func([]autograd.Block[T]) (autograd.Block[T], error) {
+			return autograd.Block[T]{Shape: []int{}, Data: []T{T(forward())}}, nil
+		},
+		Backward: func(g autograd.Block[T], in []autograd.Block[T], _ autograd.Block[T]) ([]autograd.Block[T], error) {
+			return []autograd.Block[T]{{Shape: in[0].Shape, Data: backward(in[0].Data, float64(g.Data[0]))}}, nil
 		},
 	}
 }
