@@ -445,6 +445,13 @@ func TestStoreBootstrapAndAbortNotice(t *testing.T) {
 	if time.Since(start) > 10*time.Second {
 		t.Errorf("the notice took %v", time.Since(start))
 	}
+	// Rank 1's watcher fails the pending call first and then calls
+	// ncclCommAbort, so the call can return before the abort is logged.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if len(f.lines("ncclCommAbort comm="+ptr(comms[1].h))) > 0 {
+			break
+		}
+	}
 	aborted(t, f, comms[1])
 	f.clean(t)
 }
