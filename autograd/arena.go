@@ -1,10 +1,12 @@
 package autograd
 
 import (
+	"context"
 	"math"
 	"sync"
 	"unsafe"
 
+	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -308,4 +310,59 @@ func (a *arena) exclusive(g *placement.DTensor, v *Value, pending map[*Value]*pl
 		}
 	}
 	return true
+}
+
+// planBuffers lets placement's executor take its buffers from t's arena:
+// the redistributed tensor's data as res says, temporaries as scratch that
+// give returns to the free lists once Execute is over.
+type planBuffers struct {
+	t       *Tape
+	res     alloc
+	temps32 [][]float32
+	temps64 [][]float64
+}
+
+var _ placement.Allocator = (*planBuffers)(nil)
+
+func (t *Tape) planBuffers(res alloc) *planBuffers { return &planBuffers{t: t, res: res} }
+
+// Float32 implements placement.Allocator.
+func (b *planBuffers) Float32(n int, result bool) []float32 {
+	if result {
+		return block[float32](b.res, n)
+	}
+	buf := block[float32](b.t.scratch(), n)
+	b.temps32 = append(b.temps32, buf)
+	return buf
+}
+
+// Float64 implements placement.Allocator.
+func (b *planBuffers) Float64(n int, result bool) []float64 {
+	if result {
+		return block[float64](b.res, n)
+	}
+	buf := block[float64](b.t.scratch(), n)
+	b.temps64 = append(b.temps64, buf)
+	return buf
+}
+
+// give returns the temporaries to the free lists.
+func (b *planBuffers) give() {
+	if b.t == nil {
+		return
+	}
+	for _, buf := range b.temps32 {
+		putBuf(b.t, buf)
+	}
+	for _, buf := range b.temps64 {
+		putBuf(b.t, buf)
+	}
+}
+
+// execute runs pl on dt as t.planner.Execute does, with the result in
+// res's memory and temporaries from the arena.
+func (t *Tape) execute(ctx context.Context, pl *placement.Plan, dt *placement.DTensor, dst *mesh.Mesh, res alloc) (*placement.DTensor, error) {
+	b := t.planBuffers(res)
+	defer b.give()
+	return t.planner.Execute(ctx, pl, dt, dst, placement.WithAllocator(b))
 }

@@ -342,7 +342,7 @@ func Redistribute(ctx context.Context, v *Value, dst *placement.Spec) (*Value, e
 		return nil, err
 	}
 	x := v.data
-	y, err := t.planner.Execute(ctx, pl, x, dst.Mesh())
+	y, err := t.execute(ctx, pl, x, dst.Mesh(), t.result())
 	if err != nil {
 		return nil, err
 	}
@@ -356,7 +356,7 @@ func Redistribute(ctx context.Context, v *Value, dst *placement.Spec) (*Value, e
 		if err != nil {
 			return nil, err
 		}
-		gx, err := t.planner.Execute(ctx, back, g, src.Mesh())
+		gx, err := t.execute(ctx, back, g, src.Mesh(), t.scratch())
 		return []*placement.DTensor{gx}, err
 	}), nil
 }

@@ -648,6 +648,6 @@ func (t *Tape) moveLocal(ctx context.Context, dt *placement.DTensor, spec *place
 	if ops := pl.Collectives(); len(ops) > 0 {
 		return nil, ops, nil
 	}
-	out, err := t.planner.Execute(ctx, pl, dt, spec.Mesh())
+	out, err := t.execute(ctx, pl, dt, spec.Mesh(), t.scratch())
 	return out, nil, err
 }

@@ -473,6 +473,8 @@ func cloneLocal(d any) any {
 // with the same parameters in the same order. Parameters without a
 // gradient, or whose gradient already matches, are skipped without
 // communication. Every gradient is checked before any is communicated.
+// The sums are made in place, in the gradient's own memory: a DTensor
+// given to SetGrad and still used elsewhere changes with it.
 func ReduceGrads(ctx context.Context, params []*autograd.Value) error {
 	var todo []*autograd.Value
 	for _, p := range params {
@@ -490,7 +492,9 @@ func ReduceGrads(ctx context.Context, params []*autograd.Value) error {
 		todo = append(todo, p)
 	}
 	for _, p := range todo {
-		r, err := p.Tape().Planner().Redistribute(ctx, p.Grad(), p.Spec())
+		// In place: the gradient's memory is the parameter's own (or its
+		// DDP bucket's), so the reduction allocates nothing.
+		r, err := p.Tape().Planner().Redistribute(ctx, p.Grad(), p.Spec(), placement.ReuseInput())
 		if err != nil {
 			return fmt.Errorf("parallel: ReduceGrads %q: %w", p.Name(), err)
 		}

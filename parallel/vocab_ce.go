@@ -139,8 +139,10 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 		return nil, fmt.Errorf("%w: %s: logits block %v for %d local targets", ErrInvalid, op, lb, nl)
 	}
 
-	// The row maxima over the whole vocab: a constant of the loss.
-	local := make([]T, nl)
+	// The row maxima over the whole vocab: a constant of the loss. Buffers
+	// come from the tape, which reuses them on the next pass.
+	tape := logits.Tape()
+	local := autograd.ScratchBlock[T](tape, nl)
 	for r := range nl {
 		mx := math.Inf(-1)
 		for _, e := range x[r*vl : (r+1)*vl] {
@@ -152,7 +154,7 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 	if err != nil {
 		return nil, fmt.Errorf("parallel: %s: communicator of mesh axis %q: %w", op, vc.axis, err)
 	}
-	rmax := make([]T, nl)
+	rmax := autograd.ScratchBlock[T](tape, nl)
 	if err := comm.AllReduce(ctx, c, comm.Host(local), comm.Host(rmax), comm.Max); err != nil {
 		return nil, fmt.Errorf("parallel: %s: all-reduce(max) of the row maxima over %q: %w", op, vc.axis, err)
 	}
@@ -173,13 +175,13 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 		GradOut:  vc.rows,
 		Forward: func(in []autograd.Block[T]) (autograd.Block[T], error) {
 			x := in[0].Data
-			out := make([]T, 2*nl)
+			out := autograd.ResultBlock[T](tape, 2*nl)
 			for r := range nl {
 				s, err := expShiftRow(nil, x[r*vl:(r+1)*vl], float64(rmax[r]))
 				if err != nil {
 					return autograd.Block[T]{}, err
 				}
-				out[2*r] = T(s)
+				out[2*r], out[2*r+1] = T(s), 0
 				if k, ok := inRange(r); ok {
 					out[2*r+1] = x[r*vl+k]
 				}
@@ -188,7 +190,7 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 		},
 		Backward: func(g autograd.Block[T], in []autograd.Block[T], _ autograd.Block[T]) ([]autograd.Block[T], error) {
 			x := in[0].Data
-			dx := make([]T, len(x))
+			dx := autograd.ScratchBlock[T](tape, len(x))
 			for r := range nl {
 				row := dx[r*vl : (r+1)*vl]
 				if _, err := expShiftRow(row, x[r*vl:(r+1)*vl], float64(rmax[r])); err != nil {
@@ -236,12 +238,14 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 			for r := range nl {
 				total += math.Log(float64(d[2*r])) + float64(rmax[r]) - float64(d[2*r+1])
 			}
-			return autograd.Block[T]{Shape: []int{}, Data: []T{T(total / n)}}, nil
+			out := autograd.ResultBlock[T](tape, 1)
+			out[0] = T(total / n)
+			return autograd.Block[T]{Shape: []int{}, Data: out}, nil
 		},
 		Backward: func(g autograd.Block[T], in []autograd.Block[T], _ autograd.Block[T]) ([]autograd.Block[T], error) {
 			d := in[0].Data
 			c := float64(g.Data[0]) / n
-			out := make([]T, 2*nl)
+			out := autograd.ScratchBlock[T](tape, 2*nl)
 			for r := range nl {
 				out[2*r] = T(c / float64(d[2*r]))
 				out[2*r+1] = T(-c)

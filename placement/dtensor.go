@@ -426,8 +426,8 @@ func Redistribute(ctx context.Context, t *DTensor, dst *Spec) (*DTensor, error) 
 // must cover the same world ranks (a cross-mesh redistribute). Every rank
 // of the mesh must call it with the same arguments; all checks that can be
 // made locally run before any data moves. A nil Planner plans without a
-// cache.
-func (p *Planner) Redistribute(ctx context.Context, t *DTensor, dst *Spec) (*DTensor, error) {
+// cache. The options are Execute's.
+func (p *Planner) Redistribute(ctx context.Context, t *DTensor, dst *Spec, opts ...ExecuteOption) (*DTensor, error) {
 	const op = "Redistribute"
 	if t == nil || dst == nil {
 		return nil, invalidf(op, "nil tensor or destination spec")
@@ -439,14 +439,54 @@ func (p *Planner) Redistribute(ctx context.Context, t *DTensor, dst *Spec) (*DTe
 	if err != nil {
 		return nil, err
 	}
-	return p.Execute(ctx, pl, t, dst.m)
+	return p.Execute(ctx, pl, t, dst.m, opts...)
+}
+
+// Allocator supplies the memory a redistribution writes, so that a caller
+// that recycles buffers (autograd's tape) can keep a training step from
+// allocating. Each method returns at least n elements with arbitrary
+// contents. result reports what the block is for: the data of the tensor
+// Execute returns (it lives as long as that tensor), or a temporary that
+// is dead once Execute returns. Execute may call it from the calling
+// goroutine only.
+type Allocator interface {
+	Float32(n int, result bool) []float32
+	Float64(n int, result bool) []float64
+}
+
+// ExecuteOption configures one Planner.Execute call.
+type ExecuteOption func(*executeConfig)
+
+type executeConfig struct {
+	alloc Allocator
+	reuse bool
+}
+
+// WithAllocator makes Execute take its buffers from a instead of
+// allocating them. Without it every buffer is fresh memory. A cross-mesh
+// step allocates its own buffers either way.
+func WithAllocator(a Allocator) ExecuteOption {
+	return func(c *executeConfig) { c.alloc = a }
+}
+
+// ReuseInput lets Execute write its result over t's local block, so that a
+// reduction such as Partial(sum) -> Replicate all-reduces in place and
+// allocates nothing. The caller gives t up: after the call its data is
+// undefined, and the result may share its memory.
+func ReuseInput() ExecuteOption {
+	return func(c *executeConfig) { c.reuse = true }
 }
 
 // Execute applies a plan to t, which must be laid out as the plan's
 // source; dst is the destination mesh (t's own mesh unless the plan is
 // cross-mesh; nil means t's mesh). Autograd uses it to run backward plans.
-func (p *Planner) Execute(ctx context.Context, pl *Plan, t *DTensor, dst *mesh.Mesh) (*DTensor, error) {
+// The result never shares memory with t, unless ReuseInput says it may.
+func (p *Planner) Execute(ctx context.Context, pl *Plan, t *DTensor, dst *mesh.Mesh, opts ...ExecuteOption) (*DTensor, error) {
 	const op = "Execute"
+	var cfg executeConfig
+	for _, o := range opts {
+		o(&cfg)
+	}
 	if pl == nil || t == nil {
 		return nil, invalidf(op, "nil plan or tensor")
 	}
@@ -470,13 +510,13 @@ func (p *Planner) Execute(ctx context.Context, pl *Plan, t *DTensor, dst *mesh.M
 	spec := &Spec{m: dst, l: pl.dst}
 	switch t.data.(type) {
 	case []float32:
-		b, err := execute(ctx, pl, t.spec.m, dst, blockOf[float32](t))
+		b, err := execute(ctx, pl, t.spec.m, dst, blockOf[float32](t), cfg.alloc, cfg.reuse)
 		if err != nil {
 			return nil, err
 		}
 		return newDTensor(spec, b), nil
 	default:
-		b, err := execute(ctx, pl, t.spec.m, dst, blockOf[float64](t))
+		b, err := execute(ctx, pl, t.spec.m, dst, blockOf[float64](t), cfg.alloc, cfg.reuse)
 		if err != nil {
 			return nil, err
 		}

@@ -81,32 +81,95 @@ func at(n, d, v int) []int {
 }
 
 // execute runs steps on this rank. Steps up to the cross-mesh step (if
-// any) run on src, the rest on dst.
-func execute[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x block[T]) (block[T], error) {
+// any) run on src, the rest on dst. The last step writes its output to a
+// result buffer of al, the others to temporaries. With reuse, x's memory
+// may hold the result (an all-reduce then runs in place).
+func execute[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x block[T], al Allocator, reuse bool) (block[T], error) {
 	m := src
 	shape := pl.src.shape
 	orig := x.data
 	for i := range pl.steps {
 		st := &pl.steps[i]
+		buf := bufs[T]{al: al, last: i == len(pl.steps)-1, orig: orig, reuse: reuse}
 		var err error
 		if st.Kind == StepDirect {
 			x, err = crossExec(ctx, pl, src, dst, x)
 			m = dst
 		} else {
-			x, err = stepExec(ctx, st, shape, m, x)
+			x, err = stepExec(ctx, st, shape, m, x, buf)
 		}
 		if err != nil {
 			return x, fmt.Errorf("placement: step %d (%s): %w", i+1, st, err)
 		}
 	}
-	if len(x.data) > 0 && len(orig) > 0 && &x.data[0] == &orig[0] {
-		x.data = slices.Clone(x.data)
+	if !reuse && sameStart(x.data, orig) {
+		out := bufs[T]{al: al, last: true}.out(len(x.data))
+		copy(out, x.data)
+		x.data = out
 	}
 	return x, nil
 }
 
+// sameStart reports whether a and b are non-empty and start at the same
+// element.
+func sameStart[T any](a, b []T) bool {
+	return len(a) > 0 && len(b) > 0 && &a[0] == &b[0]
+}
+
+// bufs hands out one step's buffers: its output is a result buffer when
+// the step is the plan's last, a temporary otherwise; buffers the step
+// only uses inside itself are temporaries.
+type bufs[T elem] struct {
+	al    Allocator
+	last  bool
+	orig  []T  // the tensor Execute was given
+	reuse bool // orig's memory may hold the result
+}
+
+// overwritable reports whether the step may write its output over data,
+// its input: data is empty, the caller gave up the input's memory, or
+// data is a temporary of an earlier step and the output is a temporary
+// too.
+func (b bufs[T]) overwritable(data []T) bool {
+	switch {
+	case len(data) == 0:
+		return true // nothing to write
+	case sameStart(data, b.orig):
+		return b.reuse
+	}
+	return !b.last
+}
+
+// out returns n elements, with arbitrary contents, for the step's output.
+func (b bufs[T]) out(n int) []T { return alloc[T](b.al, n, b.last) }
+
+// temp returns n elements, with arbitrary contents, used only inside the
+// step.
+func (b bufs[T]) temp(n int) []T { return alloc[T](b.al, n, false) }
+
+// zeroOut is out with every element 0.
+func (b bufs[T]) zeroOut(n int) []T {
+	o := b.out(n)
+	clear(o)
+	return o
+}
+
+// alloc takes n elements from al, or fresh memory when al is nil.
+func alloc[T elem](al Allocator, n int, result bool) []T {
+	if al == nil {
+		return make([]T, n)
+	}
+	var z T
+	switch any(z).(type) {
+	case float32:
+		return any(al.Float32(n, result)).([]T)[:n]
+	default:
+		return any(al.Float64(n, result)).([]T)[:n]
+	}
+}
+
 // stepExec runs one per-axis step.
-func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, x block[T]) (block[T], error) {
+func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, x block[T], buf bufs[T]) (block[T], error) {
 	coord := m.Coord()
 	pre := st.pre
 	a := st.Axis
@@ -130,19 +193,25 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		blk := maxp * rest
 		send := x.data
 		if len(send) != blk {
-			send = make([]T, blk)
+			send = buf.temp(blk) // the padding past x is never read back
 			copy(send, x.data)
 		}
-		recv := make([]T, k*blk)
+		out := block[T]{shape: with(ls, d, par)}
+		direct := blk == 0 || (d == firstNonUnit(out.shape) && par == k*maxp)
+		var recv []T
+		if direct {
+			recv = buf.out(k * blk)
+		} else {
+			recv = buf.temp(k * blk)
+		}
 		if err := comm.AllGather(ctx, c, comm.Host(send), comm.Host(recv)); err != nil {
 			return x, err
 		}
-		out := block[T]{shape: with(ls, d, par)}
-		if blk == 0 || (d == firstNonUnit(out.shape) && par == k*maxp) {
+		if direct {
 			out.data = recv[:prod(out.shape)]
 			return out, nil
 		}
-		out.data = make([]T, prod(out.shape))
+		out.data = buf.out(prod(out.shape))
 		for r := range k {
 			off, sz := chunk(par, k, r)
 			ps := with(ls, d, sz)
@@ -156,13 +225,13 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		maxp := (par + k - 1) / k
 		rest := int(restOf(ls, d))
 		blk := maxp * rest
-		send := make([]T, k*blk)
+		send := buf.temp(k * blk) // the padding of short chunks is never read back
 		for r := range k {
 			off, sz := chunk(par, k, r)
 			ps := with(ls, d, sz)
 			copyBox(send[r*blk:], ps, make([]int, nd), x.data, ls, at(nd, d, off), ps)
 		}
-		recv := make([]T, blk)
+		recv := buf.out(blk)
 		if err := comm.ReduceScatter(ctx, c, comm.Host(send), comm.Host(recv), st.Reduce); err != nil {
 			return x, err
 		}
@@ -172,9 +241,11 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		return out, nil
 
 	case StepAllReduce:
-		out := block[T]{shape: ls, data: slices.Clone(x.data)}
-		b := comm.Host(out.data)
-		if err := comm.AllReduce(ctx, c, b, b, st.Reduce); err != nil {
+		out := block[T]{shape: ls, data: x.data}
+		if !buf.overwritable(x.data) {
+			out.data = buf.out(len(x.data))
+		}
+		if err := comm.AllReduce(ctx, c, comm.Host(x.data), comm.Host(out.data), st.Reduce); err != nil {
 			return x, err
 		}
 		return out, nil
@@ -192,7 +263,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 			_, szI := chunk(parI, k, r)
 			recvCounts[r] = prod(with(with(ls, i, szI), j, myJ))
 		}
-		send := make([]T, len(x.data))
+		send := buf.temp(len(x.data))
 		pos := 0
 		for r := range k {
 			offJ, szJ := chunk(parJ, k, r)
@@ -200,7 +271,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 			copyBox(send[pos:], bs, make([]int, nd), x.data, ls, at(nd, j, offJ), bs)
 			pos += sendCounts[r]
 		}
-		recv := make([]T, sum(recvCounts))
+		recv := buf.temp(sum(recvCounts))
 		var err error
 		if parI%k == 0 && parJ%k == 0 {
 			err = comm.AllToAll(ctx, c, comm.Host(send), comm.Host(recv))
@@ -211,7 +282,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 			return x, err
 		}
 		out := block[T]{shape: with(with(ls, i, parI), j, myJ)}
-		out.data = make([]T, prod(out.shape))
+		out.data = buf.out(prod(out.shape))
 		pos = 0
 		for r := range k {
 			offI, szI := chunk(parI, k, r)
@@ -225,13 +296,18 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		d := st.Dim
 		off, sz := chunk(ls[d], k, me)
 		out := block[T]{shape: with(ls, d, sz)}
-		out.data = make([]T, prod(out.shape))
+		out.data = buf.out(prod(out.shape))
 		copyBox(out.data, out.shape, make([]int, nd), x.data, ls, at(nd, d, off), out.shape)
 		return out, nil
 
 	case StepToPartial:
 		if st.To.op == comm.Sum && me != 0 {
-			return block[T]{shape: ls, data: make([]T, len(x.data))}, nil
+			return block[T]{shape: ls, data: buf.zeroOut(len(x.data))}, nil
+		}
+		if buf.last && !(buf.reuse && sameStart(x.data, buf.orig)) { // x may be a temporary of an earlier step
+			out := buf.out(len(x.data))
+			copy(out, x.data)
+			return block[T]{shape: ls, data: out}, nil
 		}
 		return x, nil
 
@@ -240,7 +316,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		par := parentLen(shape, pre, d, coord)
 		off, _ := chunk(par, k, me)
 		out := block[T]{shape: with(ls, d, par)}
-		out.data = make([]T, prod(out.shape))
+		out.data = buf.zeroOut(prod(out.shape))
 		copyBox(out.data, out.shape, at(nd, d, off), x.data, ls, make([]int, nd), ls)
 		return out, nil
 	}
