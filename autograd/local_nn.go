@@ -3,10 +3,10 @@ package autograd
 import (
 	"fmt"
 	"math"
-	"runtime"
 	"sync"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -36,16 +36,16 @@ func splitDim(shape []int, d int) (outer, n, inner int) {
 const parallelMinChunk = 16384
 
 // parallelRange calls f on contiguous ranges [lo, hi) that cover [0, n),
-// on up to GOMAXPROCS goroutines at once, and waits for them. It is for
+// on up to w goroutines at once, and waits for them. It is for
 // elementwise loops whose iterations are independent; since every element
 // is computed as in a serial loop, the results are bit for bit the same.
-func parallelRange(n int, f func(lo, hi int)) {
-	w := min(runtime.GOMAXPROCS(0), n/parallelMinChunk)
-	if w <= 1 {
+func parallelRange(w kernels.Workers, n int, f func(lo, hi int)) {
+	k := min(w.Count(), n/parallelMinChunk)
+	if k <= 1 {
 		f(0, n)
 		return
 	}
-	chunk := (n + w - 1) / w
+	chunk := (n + k - 1) / k
 	var wg sync.WaitGroup
 	for lo := chunk; lo < n; lo += chunk {
 		hi := min(lo+chunk, n)
@@ -57,10 +57,10 @@ func parallelRange(n int, f func(lo, hi int)) {
 
 // geluFwd is 0.5·x·(1 + erf(x/√2)). It also returns every erf(x/√2), which
 // the backward reuses: erf is the most expensive part of both passes.
-func geluFwd[T float](x []T) (out []T, erfs []float64) {
+func geluFwd[T float](w kernels.Workers, x []T) (out []T, erfs []float64) {
 	out = make([]T, len(x))
 	erfs = make([]float64, len(x))
-	parallelRange(len(x), func(lo, hi int) {
+	parallelRange(w, len(x), func(lo, hi int) {
 		for i, v := range x[lo:hi] {
 			f := float64(v)
 			e := math.Erf(f / math.Sqrt2)
@@ -73,10 +73,10 @@ func geluFwd[T float](x []T) (out []T, erfs []float64) {
 
 // geluBwd is g·GELU'(x), GELU'(x) = Φ(x) + x·φ(x), with Φ(x) = 0.5·(1 +
 // erf(x/√2)) from the forward's erfs.
-func geluBwd[T float](x []T, erfs []float64, g []T) []T {
+func geluBwd[T float](w kernels.Workers, x []T, erfs []float64, g []T) []T {
 	out := make([]T, len(x))
 	c := 1 / math.Sqrt(2*math.Pi)
-	parallelRange(len(x), func(lo, hi int) {
+	parallelRange(w, len(x), func(lo, hi int) {
 		for i, v := range x[lo:hi] {
 			f := float64(v)
 			d := 0.5*(1+erfs[lo+i]) + f*c*math.Exp(-0.5*f*f)

@@ -196,6 +196,17 @@ func (t *Tape) blasOrDefault() (*kernels.BLAS, error) {
 	return t.blas, nil
 }
 
+// workers is the goroutine budget of the tape's row and attention kernels:
+// as many as its BLAS has threads, so that a rank sized to its share of the
+// cores keeps to it outside GEMM too (GOMAXPROCS if no BLAS loads).
+func (t *Tape) workers() kernels.Workers {
+	b, err := t.blasOrDefault()
+	if err != nil {
+		return 0
+	}
+	return kernels.Workers(b.Threads())
+}
+
 // MatMul returns a·b for a [m, k] and b [k, n]. Sharding rule: MatMulRule;
 // a sharded contraction gives Partial(sum) with no communication. Backward:
 // dA = g·bᵀ, dB = aᵀ·g on local blocks, laid out per axis as

@@ -20,7 +20,9 @@ type Option func(*Tape)
 func WithPlanner(p *placement.Planner) Option { return func(t *Tape) { t.planner = p } }
 
 // WithBLAS makes MatMul run on b. Without it the tape uses kernels.Default
-// on first use.
+// on first use. b's thread count (BLAS.Threads) also bounds the goroutines
+// of the tape's other kernels (softmax, GELU, cross-entropy, attention),
+// so a rank given its share of the cores keeps to it throughout.
 func WithBLAS(b *kernels.BLAS) Option { return func(t *Tape) { t.blas = b } }
 
 // WithRecycling makes the tape reuse the memory of op results from one

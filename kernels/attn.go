@@ -109,7 +109,7 @@ func attnCheck(op string, batch, t, dh, dv int, lens map[string][2]int) error {
 // out = probs·v ([t, dv] per block). probs is what
 // CausalAttentionBackward takes. The softmax is CausalSoftmax's, in
 // float64; the products accumulate in float32, like a GEMM.
-func CausalAttentionForward(out, probs, q, k, v []float32, batch, t, dh, dv int, scale float32) error {
+func CausalAttentionForward(w Workers, out, probs, q, k, v []float32, batch, t, dh, dv int, scale float32) error {
 	const op = "CausalAttentionForward"
 	if err := attnCheck(op, batch, t, dh, dv, map[string][2]int{
 		"out": {len(out), batch * t * dv}, "probs": {len(probs), batch * t * t},
@@ -120,7 +120,7 @@ func CausalAttentionForward(out, probs, q, k, v []float32, batch, t, dh, dv int,
 	if t == 0 {
 		return nil
 	}
-	forRows(batch, t*t, func(lo, hi int) {
+	forRows(w, batch, t*t, func(lo, hi int) {
 		kt := make([]float32, dh*t)
 		for b := lo; b < hi; b++ {
 			qb, kb, vb := q[b*t*dh:(b+1)*t*dh], k[b*t*dh:(b+1)*t*dh], v[b*t*dv:(b+1)*t*dv]
@@ -162,7 +162,7 @@ func causalRows(p []float32, t int) {
 // scale·P⊙(g·vᵀ − rowsum(P⊙g·vᵀ)) (CausalSoftmaxBackward's), dq = dS·k and
 // dk = dSᵀ·q. Any of dq, dk and dv may be nil when not wanted; the others
 // are overwritten.
-func CausalAttentionBackward(dq, dk, dv, g, probs, q, k, v []float32, batch, t, dh, dvw int, scale float32) error {
+func CausalAttentionBackward(w Workers, dq, dk, dv, g, probs, q, k, v []float32, batch, t, dh, dvw int, scale float32) error {
 	const op = "CausalAttentionBackward"
 	lens := map[string][2]int{
 		"g": {len(g), batch * t * dvw}, "probs": {len(probs), batch * t * t},
@@ -183,7 +183,7 @@ func CausalAttentionBackward(dq, dk, dv, g, probs, q, k, v []float32, batch, t, 
 	if t == 0 {
 		return nil
 	}
-	forRows(batch, t*t, func(lo, hi int) { attnBackBlocks(dq, dk, dv, g, probs, q, k, v, lo, hi, t, dh, dvw, scale) })
+	forRows(w, batch, t*t, func(lo, hi int) { attnBackBlocks(dq, dk, dv, g, probs, q, k, v, lo, hi, t, dh, dvw, scale) })
 	return nil
 }
 

@@ -100,7 +100,7 @@ func TestCausalAttentionKernels(t *testing.T) {
 			for i := range probs {
 				probs[i] = float32(math.NaN()) // every entry must be written
 			}
-			if err := CausalAttentionForward(out, probs, q, k, v, c.batch, c.t, c.dh, c.dv, scale); err != nil {
+			if err := CausalAttentionForward(0, out, probs, q, k, v, c.batch, c.t, c.dh, c.dv, scale); err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
 			rOut, rP, rDq, rDk, rDv, mOut, mDq, mDk, mDv := refAttention(q, k, v, g, c.batch, c.t, c.dh, c.dv, scale)
@@ -110,7 +110,7 @@ func TestCausalAttentionKernels(t *testing.T) {
 			check(t, name+"_probs", probs, rP, rP, pt)
 			check(t, name+"_out", out, rOut, mOut, pt+float64(c.t+2)*ulp32)
 			dq, dk, dv := make([]float32, len(q)), make([]float32, len(k)), make([]float32, len(v))
-			if err := CausalAttentionBackward(dq, dk, dv, g, probs, q, k, v, c.batch, c.t, c.dh, c.dv, scale); err != nil {
+			if err := CausalAttentionBackward(0, dq, dk, dv, g, probs, q, k, v, c.batch, c.t, c.dh, c.dv, scale); err != nil {
 				t.Fatalf("%s: backward: %v", name, err)
 			}
 			bt := pt + float64(c.t+c.dv+4)*ulp32*2
@@ -119,7 +119,7 @@ func TestCausalAttentionKernels(t *testing.T) {
 			check(t, name+"_dv", dv, rDv, mDv, bt)
 			// Only some gradients.
 			dq2 := make([]float32, len(q))
-			if err := CausalAttentionBackward(dq2, nil, nil, g, probs, q, k, v, c.batch, c.t, c.dh, c.dv, scale); err != nil {
+			if err := CausalAttentionBackward(0, dq2, nil, nil, g, probs, q, k, v, c.batch, c.t, c.dh, c.dv, scale); err != nil {
 				t.Fatal(err)
 			}
 			for i := range dq2 {
@@ -131,13 +131,13 @@ func TestCausalAttentionKernels(t *testing.T) {
 	}
 	// Bad sizes are errors.
 	x := make([]float32, 8)
-	if CausalAttentionForward(x, x, x, x, x, 1, 2, 2, 2, 1) == nil {
+	if CausalAttentionForward(0, x, x, x, x, x, 1, 2, 2, 2, 1) == nil {
 		t.Error("forward accepted probs of the wrong length")
 	}
-	if CausalAttentionBackward(x[:3], nil, nil, x, x[:4], x, x, x, 1, 2, 4, 4, 1) == nil {
+	if CausalAttentionBackward(0, x[:3], nil, nil, x, x[:4], x, x, x, 1, 2, 4, 4, 1) == nil {
 		t.Error("backward accepted dq of the wrong length")
 	}
-	if CausalAttentionForward(x, x, x, x, x, -1, 2, 2, 2, 1) == nil {
+	if CausalAttentionForward(0, x, x, x, x, x, -1, 2, 2, 2, 1) == nil {
 		t.Error("forward accepted a negative batch")
 	}
 }

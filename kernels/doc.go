@@ -63,9 +63,12 @@
 // float64 and transcendentals are evaluated in float64, so each result is
 // rounded to float32 once, as a float64 computation rounded at the end
 // would be, up to summation order. Large calls of the kernels that
-// evaluate exp or erfc split their rows over up to GOMAXPROCS goroutines,
-// each row computed exactly as serially; the memory-bound ones stay on
-// the calling goroutine, where two measured no faster.
+// evaluate exp or erfc (and attention) split their rows over up to as many
+// goroutines as the [Workers] bound they are given, each row computed
+// exactly as serially, so the results do not depend on it; the
+// memory-bound ones stay on the calling goroutine, where two measured no
+// faster. A rank running beside others passes its share of the cores,
+// as it sizes its BLAS with [WithThreads].
 //
 // [CausalAttentionForward] and [CausalAttentionBackward] compute causal
 // scaled-dot-product attention on many small per-head blocks (T×T×Dh,

@@ -18,31 +18,46 @@ import (
 // error and leave the outputs untouched; nothing panics on them.
 //
 // Large calls of the compute-bound kernels (those evaluating exp or erfc)
-// split their rows over up to GOMAXPROCS goroutines; every row is computed
-// exactly as by a serial loop, so the results do not depend on the split.
+// split their rows over up to the goroutines their Workers argument allows;
+// every row is computed exactly as by a serial loop, so the results do not
+// depend on the split.
+
+// Workers bounds the goroutines one kernel call may run on: its caller's
+// share of the cores. A rank of p in-process ranks on c cores passes c/p,
+// as it sizes its BLAS ([WithThreads]); more would make the ranks' kernels
+// compete for the same cores. Zero or less means GOMAXPROCS.
+type Workers int
+
+// Count is the bound as a number of goroutines: w, or GOMAXPROCS for w <= 0.
+func (w Workers) Count() int {
+	if w <= 0 {
+		return runtime.GOMAXPROCS(0)
+	}
+	return int(w)
+}
 
 // rowsMinPerWorker is the fewest elements a goroutine of forRows gets:
 // below it, starting goroutines costs more than it saves.
 const rowsMinPerWorker = 1 << 15
 
 // forRows calls f on ranges [lo, hi) covering rows 0..rows−1 of width n,
-// on up to GOMAXPROCS goroutines (the first range on the caller's), and
-// waits for them.
-func forRows(rows, n int, f func(lo, hi int)) {
-	w := 1
+// on up to w goroutines (the first range on the caller's), and waits for
+// them.
+func forRows(w Workers, rows, n int, f func(lo, hi int)) {
+	k := 1
 	if rows > 1 && n > 0 {
-		w = min(runtime.GOMAXPROCS(0), rows, rows*n/rowsMinPerWorker)
+		k = min(w.Count(), rows, rows*n/rowsMinPerWorker)
 	}
-	if w <= 1 {
+	if k <= 1 {
 		f(0, rows)
 		return
 	}
 	var wg sync.WaitGroup
-	for i := 1; i < w; i++ {
-		lo, hi := i*rows/w, (i+1)*rows/w
+	for i := 1; i < k; i++ {
+		lo, hi := i*rows/k, (i+1)*rows/k
 		wg.Go(func() { f(lo, hi) })
 	}
-	f(0, rows/w)
+	f(0, rows/k)
 	wg.Wait()
 }
 
@@ -82,17 +97,17 @@ func sameLen(op string, l int, names string, lens ...int) error {
 // to the softmax of the same row of src: exp(x − max)/Σ exp(x − max),
 // evaluated as exp(x − logsumexp(x)). dst may alias src. len(dst) must
 // equal len(src), a multiple of n.
-func SoftmaxRows(dst, src []float32, n int) error {
-	return softmaxRows("SoftmaxRows", dst, src, n, false)
+func SoftmaxRows(w Workers, dst, src []float32, n int) error {
+	return softmaxRows(w, "SoftmaxRows", dst, src, n, false)
 }
 
 // LogSoftmaxRows sets every row of dst to the log-softmax of the same row
 // of src: x − logsumexp(x). dst may alias src.
-func LogSoftmaxRows(dst, src []float32, n int) error {
-	return softmaxRows("LogSoftmaxRows", dst, src, n, true)
+func LogSoftmaxRows(w Workers, dst, src []float32, n int) error {
+	return softmaxRows(w, "LogSoftmaxRows", dst, src, n, true)
 }
 
-func softmaxRows(op string, dst, src []float32, n int, logOut bool) error {
+func softmaxRows(w Workers, op string, dst, src []float32, n int, logOut bool) error {
 	rows, err := rowCount(op, len(src), n)
 	if err != nil {
 		return err
@@ -100,7 +115,7 @@ func softmaxRows(op string, dst, src []float32, n int, logOut bool) error {
 	if err := sameLen(op, len(src), "dst and src", len(dst)); err != nil {
 		return err
 	}
-	forRows(rows, n, func(lo, hi int) {
+	forRows(w, rows, n, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			x, y := src[r*n:(r+1)*n], dst[r*n:(r+1)*n]
 			lse := logSumExp(x)
@@ -149,7 +164,7 @@ func softmaxBackRow(dx, y, dy []float32, scale float64) {
 
 // LogSoftmaxRowsBackward maps the gradient dy of y = LogSoftmaxRows(x) to
 // the gradient of x, row by row: dx = dy − exp(y)·Σ dy. dx may alias dy.
-func LogSoftmaxRowsBackward(dx, y, dy []float32, n int) error {
+func LogSoftmaxRowsBackward(w Workers, dx, y, dy []float32, n int) error {
 	const op = "LogSoftmaxRowsBackward"
 	rows, err := rowCount(op, len(y), n)
 	if err != nil {
@@ -158,7 +173,7 @@ func LogSoftmaxRowsBackward(dx, y, dy []float32, n int) error {
 	if err := sameLen(op, len(y), "dx, y and dy", len(dx), len(dy)); err != nil {
 		return err
 	}
-	forRows(rows, n, func(lo, hi int) {
+	forRows(w, rows, n, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			yr, gr, xr := y[r*n:(r+1)*n], dy[r*n:(r+1)*n], dx[r*n:(r+1)*n]
 			s := 0.0
@@ -179,7 +194,7 @@ func LogSoftmaxRowsBackward(dx, y, dy []float32, n int) error {
 // at j > i. scale·src is rounded to float32 before the softmax, as when
 // the scores are scaled by a separate float32 multiply. dst may alias
 // src. len(dst) must equal len(src), a multiple of t·t.
-func CausalSoftmax(dst, src []float32, t int, scale float32) error {
+func CausalSoftmax(w Workers, dst, src []float32, t int, scale float32) error {
 	const op = "CausalSoftmax"
 	if t < 0 {
 		return fmt.Errorf("kernels: %s: negative size %d", op, t)
@@ -191,7 +206,7 @@ func CausalSoftmax(dst, src []float32, t int, scale float32) error {
 	if err := sameLen(op, len(src), "dst and src", len(dst)); err != nil {
 		return err
 	}
-	forRows(blocks, t*t/2, func(lo, hi int) {
+	forRows(w, blocks, t*t/2, func(lo, hi int) {
 		for r := lo * t; r < hi*t; r++ {
 			i := r % t
 			x, y := src[r*t:r*t+i+1], dst[r*t:(r+1)*t]
@@ -376,7 +391,7 @@ func LayerNormBackward(dx, dw, db, dy, x, w []float32, mean, rstd []float64, n i
 // rows of n values (bias, n values, is added to every row in float32; nil
 // means no bias), and, when deriv is not nil, deriv = GELU'(x + bias) =
 // Φ + (x + bias)·φ, which BiasGELUBackward takes. y and deriv may alias x.
-func BiasGELU(y, deriv, x, bias []float32, n int) error {
+func BiasGELU(w Workers, y, deriv, x, bias []float32, n int) error {
 	const op = "BiasGELU"
 	rows, err := rowCount(op, len(x), n)
 	if err != nil {
@@ -391,7 +406,7 @@ func BiasGELU(y, deriv, x, bias []float32, n int) error {
 	if err := optLen(op, n, "bias", bias); err != nil {
 		return err
 	}
-	forRows(rows, n, func(lo, hi int) {
+	forRows(w, rows, n, func(lo, hi int) {
 		ys, xs := y[lo*n:hi*n], x[lo*n:hi*n]
 		var ds []float32
 		if deriv != nil {
@@ -463,7 +478,7 @@ func ColumnSums(out, x []float32, n int) error {
 // summed negative log-likelihood in float64; divide by the row count for
 // the mean. lse, when not nil, receives each row's logsumexp for
 // CrossEntropyRowsBackward. A target outside [0, v) is an error.
-func CrossEntropyRows(lse []float64, logits []float32, targets []int64, v int) (float64, error) {
+func CrossEntropyRows(w Workers, lse []float64, logits []float32, targets []int64, v int) (float64, error) {
 	const op = "CrossEntropyRows"
 	rows, err := ceCheck(op, logits, targets, v)
 	if err != nil {
@@ -473,7 +488,7 @@ func CrossEntropyRows(lse []float64, logits []float32, targets []int64, v int) (
 		return 0, fmt.Errorf("kernels: %s: lse has %d values for %d rows", op, len(lse), rows)
 	}
 	parts := make([]float64, rows)
-	forRows(rows, v, func(lo, hi int) {
+	forRows(w, rows, v, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			x := logits[r*v : (r+1)*v]
 			l := logSumExp(x)
@@ -515,7 +530,7 @@ func ceCheck(op string, logits []float32, targets []int64, v int) (int, error) {
 // CrossEntropyRows returned: the gradient of scale·CrossEntropyRows. With
 // scale = g/N it is the gradient of the mean loss times g. dx may alias
 // logits.
-func CrossEntropyRowsBackward(dx, logits []float32, targets []int64, lse []float64, v int, scale float64) error {
+func CrossEntropyRowsBackward(w Workers, dx, logits []float32, targets []int64, lse []float64, v int, scale float64) error {
 	const op = "CrossEntropyRowsBackward"
 	rows, err := ceCheck(op, logits, targets, v)
 	if err != nil {
@@ -534,7 +549,7 @@ func CrossEntropyRowsBackward(dx, logits []float32, targets []int64, lse []float
 	if fold {
 		logScale = math.Log(math.Abs(scale))
 	}
-	forRows(rows, v, func(lo, hi int) {
+	forRows(w, rows, v, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			x, d := logits[r*v:(r+1)*v], dx[r*v:(r+1)*v]
 			t := targets[r]

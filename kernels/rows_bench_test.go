@@ -35,11 +35,11 @@ func BenchmarkRowKernels(b *testing.B) {
 	}
 	run("LayerNorm", rows*d, func() error { return LayerNorm(yd, mean, rstd, xd, w, bias, d, 1e-5) })
 	run("LayerNormBackward", rows*d, func() error { return LayerNormBackward(yd, dw, db, gd, xd, w, mean, rstd, d) })
-	run("BiasGELU", rows*f, func() error { return BiasGELU(yf, df, xf, nil, f) })
+	run("BiasGELU", rows*f, func() error { return BiasGELU(0, yf, df, xf, nil, f) })
 	run("BiasGELUBackward", rows*f, func() error { return BiasGELUBackward(yf, nil, xf, df, f) })
-	run("CausalSoftmax", blocks*t*t, func() error { return CausalSoftmax(ys, xs, t, 0.17677669) })
+	run("CausalSoftmax", blocks*t*t, func() error { return CausalSoftmax(0, ys, xs, t, 0.17677669) })
 	run("CausalSoftmaxBackward", blocks*t*t, func() error { return CausalSoftmaxBackward(ys, xs, xs, t, 0.17677669) })
-	run("CrossEntropyRows", rows*v, func() error { _, err := CrossEntropyRows(lse, xv, tg, v); return err })
-	run("CrossEntropyRowsBackward", rows*v, func() error { return CrossEntropyRowsBackward(dv, xv, tg, lse, v, 1.0/1024) })
+	run("CrossEntropyRows", rows*v, func() error { _, err := CrossEntropyRows(0, lse, xv, tg, v); return err })
+	run("CrossEntropyRowsBackward", rows*v, func() error { return CrossEntropyRowsBackward(0, dv, xv, tg, lse, v, 1.0/1024) })
 	run("ColumnSums", rows*f, func() error { return ColumnSums(df[:f], xf, f) })
 }

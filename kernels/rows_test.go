@@ -5,6 +5,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"testing"
 )
 
@@ -98,13 +99,13 @@ func TestSoftmaxRows(t *testing.T) {
 				f = LogSoftmaxRows
 			}
 			y := make([]float32, len(x))
-			if err := f(y, x, n); err != nil {
+			if err := f(0, y, x, n); err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
 			check(t, name, y, ref, mag, 2*ulp32)
 			// In place gives the same values.
 			z := slices.Clone(x)
-			if err := f(z, z, n); err != nil {
+			if err := f(0, z, z, n); err != nil {
 				t.Fatal(err)
 			}
 			if !slices.Equal(z, y) {
@@ -116,7 +117,7 @@ func TestSoftmaxRows(t *testing.T) {
 			dx := make([]float32, len(x))
 			b := SoftmaxRowsBackward
 			if logOut {
-				b = LogSoftmaxRowsBackward
+				b = func(dx, y, dy []float32, n int) error { return LogSoftmaxRowsBackward(0, dx, y, dy, n) }
 			}
 			if err := b(dx, y, dy, n); err != nil {
 				t.Fatalf("%s: backward: %v", name, err)
@@ -177,12 +178,12 @@ func TestCausalSoftmax(t *testing.T) {
 			for i := range y {
 				y[i] = float32(math.NaN()) // masked entries must be overwritten with 0
 			}
-			if err := CausalSoftmax(y, x, tt, scale); err != nil {
+			if err := CausalSoftmax(0, y, x, tt, scale); err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
 			check(t, name, y, ref, mag, 2*ulp32)
 			z := slices.Clone(x)
-			if err := CausalSoftmax(z, z, tt, scale); err != nil {
+			if err := CausalSoftmax(0, z, z, tt, scale); err != nil {
 				t.Fatal(err)
 			}
 			if !slices.Equal(z, y) {
@@ -338,7 +339,7 @@ func TestBiasGELU(t *testing.T) {
 				rd[i], md[i] = phi+f*pdf, phi+math.Abs(f*pdf)
 			}
 			y, d := make([]float32, len(x)), make([]float32, len(x))
-			if err := BiasGELU(y, d, x, bias, n); err != nil {
+			if err := BiasGELU(0, y, d, x, bias, n); err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
 			check(t, name, y, ref, mag, 2*ulp32)
@@ -402,7 +403,7 @@ func TestCrossEntropyRows(t *testing.T) {
 				wantMag += math.Abs(lref[r]) + math.Abs(float64(row[tg[r]]))
 			}
 			lse := make([]float64, rows)
-			got, err := CrossEntropyRows(lse, x, tg, v)
+			got, err := CrossEntropyRows(0, lse, x, tg, v)
 			if err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
@@ -410,7 +411,7 @@ func TestCrossEntropyRows(t *testing.T) {
 				t.Errorf("%s: loss %.17g, want %.17g", name, got, want)
 			}
 			dx := make([]float32, len(x))
-			if err := CrossEntropyRowsBackward(dx, x, tg, lse, v, scale); err != nil {
+			if err := CrossEntropyRowsBackward(0, dx, x, tg, lse, v, scale); err != nil {
 				t.Fatalf("%s: backward: %v", name, err)
 			}
 			rb, mb := make([]float64, len(x)), make([]float64, len(x))
@@ -426,7 +427,7 @@ func TestCrossEntropyRows(t *testing.T) {
 			check(t, name+"_backward", dx, rb, mb, 2*ulp32)
 			// In place (dx aliasing the logits) gives the same values.
 			z := slices.Clone(x)
-			if err := CrossEntropyRowsBackward(z, z, tg, lse, v, scale); err != nil {
+			if err := CrossEntropyRowsBackward(0, z, z, tg, lse, v, scale); err != nil {
 				t.Fatal(err)
 			}
 			if !slices.Equal(z, dx) {
@@ -464,28 +465,28 @@ func TestRowKernelErrors(t *testing.T) {
 		name string
 		err  error
 	}{
-		{"softmax not whole rows", SoftmaxRows(out, x, 4)},
-		{"softmax negative n", SoftmaxRows(out, x, -1)},
-		{"softmax width 0", SoftmaxRows(out, x, 0)},
-		{"softmax short dst", SoftmaxRows(out[:3], x, 3)},
+		{"softmax not whole rows", SoftmaxRows(0, out, x, 4)},
+		{"softmax negative n", SoftmaxRows(0, out, x, -1)},
+		{"softmax width 0", SoftmaxRows(0, out, x, 0)},
+		{"softmax short dst", SoftmaxRows(0, out[:3], x, 3)},
 		{"softmax backward short dy", SoftmaxRowsBackward(out, x, x[:3], 3)},
-		{"log-softmax backward short dx", LogSoftmaxRowsBackward(out[:1], x, x, 3)},
-		{"causal not square blocks", CausalSoftmax(out, x, 2, 1)},
-		{"causal negative t", CausalSoftmax(out, x, -2, 1)},
+		{"log-softmax backward short dx", LogSoftmaxRowsBackward(0, out[:1], x, x, 3)},
+		{"causal not square blocks", CausalSoftmax(0, out, x, 2, 1)},
+		{"causal negative t", CausalSoftmax(0, out, x, -2, 1)},
 		{"causal backward short", CausalSoftmaxBackward(out[:4], x[:4], x, 2, 1)},
 		{"layernorm short w", LayerNorm(out, nil, nil, x, x[:2], nil, 3, 1e-5)},
 		{"layernorm mean without rstd", LayerNorm(out, f64, nil, x, nil, nil, 3, 1e-5)},
 		{"layernorm negative eps", LayerNorm(out, nil, nil, x, nil, nil, 3, -1)},
 		{"layernorm backward no stats", LayerNormBackward(out, nil, nil, x, x, nil, nil, nil, 3)},
 		{"layernorm backward short dw", LayerNormBackward(out, out[:2], nil, x, x, nil, f64, f64, 3)},
-		{"gelu short deriv", BiasGELU(out, out[:2], x, nil, 3)},
-		{"gelu short bias", BiasGELU(out, nil, x, x[:2], 3)},
+		{"gelu short deriv", BiasGELU(0, out, out[:2], x, nil, 3)},
+		{"gelu short bias", BiasGELU(0, out, nil, x, x[:2], 3)},
 		{"gelu backward short dx", BiasGELUBackward(out[:2], nil, x, x, 3)},
 		{"column sums short out", ColumnSums(out[:2], x, 3)},
-		{"ce target out of range", func() error { _, err := CrossEntropyRows(nil, x, []int64{0, 3}, 3); return err }()},
-		{"ce negative target", func() error { _, err := CrossEntropyRows(nil, x, []int64{-1, 0}, 3); return err }()},
-		{"ce target count", func() error { _, err := CrossEntropyRows(nil, x, []int64{0}, 3); return err }()},
-		{"ce backward short lse", CrossEntropyRowsBackward(out, x, []int64{0, 1}, f64[:1], 3, 1)},
+		{"ce target out of range", func() error { _, err := CrossEntropyRows(0, nil, x, []int64{0, 3}, 3); return err }()},
+		{"ce negative target", func() error { _, err := CrossEntropyRows(0, nil, x, []int64{-1, 0}, 3); return err }()},
+		{"ce target count", func() error { _, err := CrossEntropyRows(0, nil, x, []int64{0}, 3); return err }()},
+		{"ce backward short lse", CrossEntropyRowsBackward(0, out, x, []int64{0, 1}, f64[:1], 3, 1)},
 	}
 	for _, c := range cases {
 		if c.err == nil {
@@ -634,5 +635,86 @@ func TestExpShift(t *testing.T) {
 	}
 	if _, err := ExpShift(make([]float32, 2), make([]float32, 3), 0); err == nil {
 		t.Error("short dst accepted")
+	}
+}
+
+// TestWorkersBoundTheSplit checks that forRows splits into at most w
+// ranges (GOMAXPROCS for w <= 0), covering every row once.
+func TestWorkersBoundTheSplit(t *testing.T) {
+	const rows, n = 64, rowsMinPerWorker // every row is worth a goroutine
+	for _, w := range []Workers{-1, 0, 1, 2, 3, 7} {
+		var mu sync.Mutex
+		calls, seen := 0, make([]int, rows)
+		forRows(w, rows, n, func(lo, hi int) {
+			mu.Lock()
+			defer mu.Unlock()
+			calls++
+			for r := lo; r < hi; r++ {
+				seen[r]++
+			}
+		})
+		if want := w.Count(); calls != want {
+			t.Errorf("Workers(%d): %d ranges, want %d", w, calls, want)
+		}
+		for r, c := range seen {
+			if c != 1 {
+				t.Fatalf("Workers(%d): row %d covered %d times", w, r, c)
+			}
+		}
+	}
+}
+
+// TestWorkersGiveTheSameBits runs every kernel that splits its rows with
+// 1, 2, 3 and 7 workers on a block large enough to split, and requires the
+// same bits each time.
+func TestWorkersGiveTheSameBits(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 5))
+	const rows, n, tt = 600, 256, 16
+	x := randRows(rng, rows*n, 8)
+	dy := randRows(rng, rows*n, 1)
+	bias := randRows(rng, n, 1)
+	targets := make([]int64, rows)
+	for i := range targets {
+		targets[i] = int64(rng.IntN(n))
+	}
+	batch, dh := rows*n/(tt*tt), 8
+	q, k, v := randRows(rng, batch*tt*dh, 1), randRows(rng, batch*tt*dh, 1), randRows(rng, batch*tt*dh, 1)
+	run := func(w Workers) [][]float32 {
+		var out [][]float32
+		add := func(b []float32, err error) {
+			if err != nil {
+				t.Fatalf("Workers(%d): %v", w, err)
+			}
+			out = append(out, b)
+		}
+		y := make([]float32, len(x))
+		add(y, SoftmaxRows(w, y, x, n))
+		y = make([]float32, len(x))
+		add(y, LogSoftmaxRows(w, y, x, n))
+		dx := make([]float32, len(x))
+		add(dx, LogSoftmaxRowsBackward(w, dx, y, dy, n))
+		y = make([]float32, len(x))
+		add(y, CausalSoftmax(w, y, x, tt, 0.5))
+		y, d := make([]float32, len(x)), make([]float32, len(x))
+		add(y, BiasGELU(w, y, d, x, bias, n))
+		add(d, nil)
+		lse := make([]float64, rows)
+		total, err := CrossEntropyRows(w, lse, x, targets, n)
+		add([]float32{float32(total)}, err)
+		dx = make([]float32, len(x))
+		add(dx, CrossEntropyRowsBackward(w, dx, x, targets, lse, n, 0.25))
+		o, p := make([]float32, len(v)), make([]float32, batch*tt*tt)
+		add(o, CausalAttentionForward(w, o, p, q, k, v, batch, tt, dh, dh, 0.3))
+		dq, dk, dv := make([]float32, len(q)), make([]float32, len(k)), make([]float32, len(v))
+		add(dq, CausalAttentionBackward(w, dq, dk, dv, o, p, q, k, v, batch, tt, dh, dh, 0.3))
+		return append(out, dk, dv)
+	}
+	ref := run(1)
+	for _, w := range []Workers{2, 3, 7} {
+		for i, b := range run(w) {
+			if !slices.Equal(b, ref[i]) {
+				t.Errorf("Workers(%d): output %d differs from one worker's", w, i)
+			}
+		}
 	}
 }

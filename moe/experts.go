@@ -303,7 +303,7 @@ func expertsForward[T kernels.Float](r *expertRun) (*placement.DTensor, error) {
 		if err := gemm(r.blas, false, true, c, hd, d, xl, d, w1l, d, al, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", r.h.rank*r.h.local+l, err)
 		}
-		if err := biasGELU(al, dl, b1[l*hd:(l+1)*hd], hd); err != nil {
+		if err := biasGELU(kernels.Workers(r.blas.Threads()), al, dl, b1[l*hd:(l+1)*hd], hd); err != nil {
 			return nil, err
 		}
 		if err := gemm(r.blas, false, true, c, d, hd, al, hd, w2l, hd, ol, d); err != nil {
@@ -431,12 +431,12 @@ func gemm[T kernels.Float](b *kernels.BLAS, ta, tb bool, m, n, k int, a []T, lda
 }
 
 // biasGELU sets u = GELU(u + bias) in place (rows of n values) and deriv =
-// GELU'(u + bias): kernels.BiasGELU in float32, the same formula in
-// float64.
-func biasGELU[T kernels.Float](u, deriv, bias []T, n int) error {
+// GELU'(u + bias): kernels.BiasGELU (on up to w goroutines) in float32,
+// the same formula in float64.
+func biasGELU[T kernels.Float](w kernels.Workers, u, deriv, bias []T, n int) error {
 	switch uu := any(u).(type) {
 	case []float32:
-		return kernels.BiasGELU(uu, any(deriv).([]float32), uu, any(bias).([]float32), n)
+		return kernels.BiasGELU(w, uu, any(deriv).([]float32), uu, any(bias).([]float32), n)
 	case []float64:
 		dd, bb := any(deriv).([]float64), any(bias).([]float64)
 		for i, v := range uu {
