@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/internal/gpt"
 	"github.com/b7ea7098/loom/internal/tinygpt"
 	"github.com/b7ea7098/loom/kernels"
@@ -123,9 +125,10 @@ func TestParallelLayoutsMatchOneRank(t *testing.T) {
 
 // BenchmarkLayouts trains the tiny GPT on each layout of in-process ranks
 // and reports tokens/s (the median step time after two warm-up steps), with
-// GEMM threads sized so that ranks × threads = CPUs. Run it with -count so
-// that the layouts alternate and a noisy machine affects them alike, and
-// compare medians:
+// GEMM threads sized so that ranks × threads = CPUs; "bind" layouts bind
+// each rank to CPUs of its own (local.WithCPUBinding). Run it with -count
+// so that the layouts alternate and a noisy machine affects them alike,
+// and compare medians:
 //
 //	go test ./tests -run XXX -bench Layouts -benchtime 30x -count 5
 func BenchmarkLayouts(b *testing.B) {
@@ -135,18 +138,36 @@ func BenchmarkLayouts(b *testing.B) {
 		dp, tp  int
 		sp      bool
 		threads int // GEMM threads per rank; 0: CPUs / ranks
-	}{{1, 1, false, 0}, {1, 1, false, 1}, {2, 1, false, 0}, {1, 2, false, 0}, {1, 2, true, 0}, {2, 2, false, 0}} {
+		bind    bool
+	}{
+		{1, 1, false, 0, false}, {1, 1, false, 1, false},
+		{2, 1, false, 0, false}, {2, 1, false, 0, true},
+		{1, 2, false, 0, false}, {1, 2, false, 0, true}, {1, 2, true, 0, false},
+		{2, 2, false, 0, false},
+	} {
+		ranks := l.dp * l.tp
 		threads := l.threads
 		if threads == 0 {
-			threads = max(1, runtime.NumCPU()/(l.dp*l.tp))
+			threads = max(1, runtime.NumCPU()/ranks)
 		}
-		b.Run(fmt.Sprintf("dp=%d,tp=%d,sp=%v,threads=%d", l.dp, l.tp, l.sp, threads), func(b *testing.B) {
+		name := fmt.Sprintf("dp=%d,tp=%d,sp=%v,threads=%d", l.dp, l.tp, l.sp, threads)
+		if l.bind {
+			name += ",bind"
+		}
+		b.Run(name, func(b *testing.B) {
+			if l.bind && ranks > runtime.NumCPU() {
+				b.Skipf("%d ranks cannot be bound to %d CPUs", ranks, runtime.NumCPU())
+			}
 			bl, err := kernels.Load(kernels.WithThreads(threads))
 			if err != nil {
 				b.Fatal(err)
 			}
 			var tokensPerS float64
-			err = placementtest.Simulate(context.Background(), []int{l.dp, l.tp}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+			err = local.Run(context.Background(), ranks, func(ctx context.Context, c comm.Communicator) error {
+				m, err := mesh.New(c, []int{l.dp, l.tp}, []string{"dp", "tp"})
+				if err != nil {
+					return err
+				}
 				tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{DP: "dp", TP: "tp", SP: l.sp, Tape: []autograd.Option{autograd.WithBLAS(bl)}})
 				if err != nil {
 					return err
@@ -166,7 +187,7 @@ func BenchmarkLayouts(b *testing.B) {
 					tokensPerS = float64(cfg.B*cfg.T) / steps[len(steps)/2].Seconds()
 				}
 				return nil
-			})
+			}, local.WithCPUBinding(l.bind))
 			if err != nil {
 				b.Fatal(err)
 			}

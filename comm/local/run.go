@@ -27,8 +27,9 @@ import (
 type Option func(*config)
 
 type config struct {
-	opts    comm.Options
-	optsSet bool
+	opts          comm.Options
+	optsSet       bool
+	bind, bindSet bool // Run only
 }
 
 // WithOptions sets the communicator options. Without it, comm.OptionsFromEnv
@@ -104,14 +105,31 @@ func (wd *World) Abort(rank int, cause error) {
 // RankFunc is the body one rank runs.
 type RankFunc func(ctx context.Context, c comm.Communicator) error
 
-// Run runs fn on p ranks, each in its own goroutine with its handle on a
-// fresh world communicator, and returns the ranks' errors joined (each
-// prefixed with its rank). When a rank returns an error or panics, the world
+// Run runs fn on p ranks, each in its own goroutine (bound to CPUs of its
+// own with WithCPUBinding) with its handle on a fresh world communicator,
+// and returns the ranks' errors joined (each prefixed with its rank). When a rank returns an error or panics, the world
 // is aborted and the shared context cancelled, so every other rank's
 // pending and later calls fail at once with an error naming it; when a rank
 // returns early without error, calls that wait for it fail with
 // ErrRankLeft.
 func Run(ctx context.Context, p int, fn RankFunc, opts ...Option) error {
+	var cfg config
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if !cfg.bindSet {
+		var err error
+		if cfg.bind, err = bindingFromEnv(); err != nil {
+			return err
+		}
+	}
+	var shares [][]int
+	if cfg.bind && p >= 1 {
+		var err error
+		if shares, err = cpuShares(p); err != nil {
+			return err
+		}
+	}
 	wd, err := NewWorld(p, opts...)
 	if err != nil {
 		return err
@@ -124,7 +142,18 @@ func Run(ctx context.Context, p int, fn RankFunc, opts ...Option) error {
 		wg.Add(1)
 		go func(r int) {
 			defer wg.Done()
-			err := runRank(ctx, wd.Comm(r), fn)
+			var err error
+			if shares != nil {
+				var unbind func()
+				if unbind, err = bindThread(shares[r]); err == nil {
+					defer unbind()
+				} else {
+					err = fmt.Errorf("binding to CPUs %v: %w", shares[r], err)
+				}
+			}
+			if err == nil {
+				err = runRank(ctx, wd.Comm(r), fn)
+			}
 			if err != nil {
 				// Abort before leaving, so peers report the cause, not
 				// merely that this rank left.

@@ -362,7 +362,7 @@ func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o 
 		params = full
 		fmt.Fprintf(out, "%d steps in %v\n", o.steps, elapsed.Round(time.Millisecond))
 		return nil
-	})
+	}, o.RunOptions()...)
 	if err != nil {
 		return nil, nil, err
 	}

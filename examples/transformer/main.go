@@ -244,7 +244,7 @@ func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o
 			fmt.Fprintf(out, "%d steps in %v\n", o.steps, elapsed.Round(time.Millisecond))
 		}
 		return nil
-	})
+	}, o.RunOptions()...)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -22,6 +22,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/trace"
 )
@@ -39,6 +40,8 @@ type Flags struct {
 	TraceSteps int
 	// JSONPath is -json: where to write the run's summary, empty for none.
 	JSONPath string
+	// Bind is -bind: bind each rank to CPUs of its own.
+	Bind bool
 }
 
 // Register defines the flags on fs, storing their values in f.
@@ -47,6 +50,16 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.StringVar(&f.TracePath, "trace", "", "write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file")
 	fs.IntVar(&f.TraceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
 	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
+	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
+}
+
+// RunOptions are the local.Run options the flags ask for: CPU binding with
+// -bind, else whatever local.BindEnv says.
+func (f Flags) RunOptions() []local.Option {
+	if f.Bind {
+		return []local.Option{local.WithCPUBinding(true)}
+	}
+	return nil
 }
 
 // Threads returns the GEMM threads per rank: override when it is
