@@ -2,6 +2,7 @@ package kernels
 
 import (
 	"sync"
+	"unsafe"
 )
 
 // The pure-Go GEMM follows the Goto/BLIS structure: C is cut into nc-wide
@@ -12,10 +13,13 @@ import (
 // micro-kernel's loads unit-stride and independent of the transposes and
 // leading dimensions. Blocks of rows of C are shared out to goroutines.
 //
-// The micro-kernel is 4×2, unrolled twice along k. Wider tiles (4×4, 4×3)
-// measured slower: Go's amd64 backend has 16 scalar float registers and
-// schedules all products of an iteration before the additions, so larger
-// tiles spill accumulators to the stack.
+// The portable micro-kernel is 4×2, unrolled twice along k. Wider tiles
+// (4×4, 4×3) measured slower: Go's amd64 backend has 16 scalar float
+// registers and schedules all products of an iteration before the
+// additions, so larger tiles spill accumulators to the stack. float32 on
+// CPUs with AVX2 and FMA runs a 6×16 assembly micro-kernel instead (the
+// BLIS Haswell shape: twelve vector accumulators), with blocks sized for
+// its panels.
 const (
 	mr = 4
 	nr = 2
@@ -25,8 +29,13 @@ const (
 type float interface{ ~float32 | ~float64 }
 
 // blocking holds cache block sizes (in elements): mc×kc of A lives in L2,
-// kc×nr of B in L1, kc×nc of B in L3.
-type blocking struct{ mc, kc, nc int }
+// kc×nr of B in L1, kc×nc of B in L3; and the micro-kernel's tile, mr×nr,
+// with vec set for the float32 assembly kernel.
+type blocking struct {
+	mc, kc, nc int
+	mr, nr     int
+	vec        bool
+}
 
 // goGEMM is the pure-Go backend's per-BLAS state: the goroutine bound, block
 // sizes, and pools of packing buffers (*[]float32 and *[]float64) reused
@@ -42,9 +51,19 @@ func newGoGEMM(threads int) *goGEMM {
 	return &goGEMM{
 		threads: max(1, threads),
 		parMin:  64 * 64 * 64,
-		blk32:   blocking{mc: 128, kc: 256, nc: 4096},
-		blk64:   blocking{mc: 96, kc: 192, nc: 2048},
+		blk32:   blocking32(),
+		blk64:   blocking{mc: 96, kc: 192, nc: 2048, mr: mr, nr: nr},
 	}
+}
+
+// blocking32 is the float32 blocking: for the 6×16 vector kernel, a
+// 144×256 block of A (144 KiB, in a 512 KiB L2) and 256×16 micro-panels of
+// B (16 KiB, in L1).
+func blocking32() blocking {
+	if haveVec {
+		return blocking{mc: 144, kc: 256, nc: 4096, mr: 6, nr: 16, vec: true}
+	}
+	return blocking{mc: 128, kc: 256, nc: 4096, mr: mr, nr: nr}
 }
 
 func getBuf[T float](p *sync.Pool, n int) *[]T {
@@ -78,7 +97,7 @@ func gemmGo[T float](g *goGEMM, pool *sync.Pool, blk blocking, transA, transB bo
 	}
 
 	workers := g.threads
-	if float64(m)*float64(n)*float64(k) < float64(g.parMin) || m < 2*mr {
+	if float64(m)*float64(n)*float64(k) < float64(g.parMin) || m < 2*blk.mr {
 		workers = 1
 	}
 	kc := min(blk.kc, k)
@@ -89,16 +108,16 @@ func gemmGo[T float](g *goGEMM, pool *sync.Pool, blk blocking, transA, transB bo
 		// Make the number of row blocks a multiple of the worker count, so
 		// that the static split is balanced.
 		nBlocks = ceilDiv(nBlocks, workers) * workers
-		mc = ceilDiv(ceilDiv(m, nBlocks), mr) * mr
+		mc = ceilDiv(ceilDiv(m, nBlocks), blk.mr) * blk.mr
 		nBlocks = ceilDiv(m, mc)
 		workers = min(workers, nBlocks)
 	}
 
-	bbuf := getBuf[T](pool, ceilDiv(nc, nr)*nr*kc)
+	bbuf := getBuf[T](pool, ceilDiv(nc, blk.nr)*blk.nr*kc)
 	defer pool.Put(bbuf)
 	abufs := make([]*[]T, workers)
 	for w := range abufs {
-		abufs[w] = getBuf[T](pool, ceilDiv(mc, mr)*mr*kc)
+		abufs[w] = getBuf[T](pool, ceilDiv(mc, blk.mr)*blk.mr*kc)
 	}
 	defer func() {
 		for _, p := range abufs {
@@ -111,16 +130,16 @@ func gemmGo[T float](g *goGEMM, pool *sync.Pool, blk blocking, transA, transB bo
 		for pc := 0; pc < k; pc += kc {
 			kcb := min(kc, k-pc)
 			bp := *bbuf
-			parallelRange(workers, ceilDiv(ncb, nr), func(_, lo, hi int) {
-				packB(bp, transB, b, ldb, pc, kcb, jc, ncb, lo, hi)
+			parallelRange(workers, ceilDiv(ncb, blk.nr), func(_, lo, hi int) {
+				packB(bp, blk.nr, transB, b, ldb, pc, kcb, jc, ncb, lo, hi)
 			})
 			parallelRange(workers, nBlocks, func(w, lo, hi int) {
 				ap := *abufs[w]
 				for ib := lo; ib < hi; ib++ {
 					ic := ib * mc
 					mcb := min(mc, m-ic)
-					packA(ap, transA, a, lda, ic, mcb, pc, kcb, alpha)
-					macroKernel(mcb, ncb, kcb, ap, bp, c[ic*ldc+jc:], ldc)
+					packA(ap, blk.mr, transA, a, lda, ic, mcb, pc, kcb, alpha)
+					macroKernel(blk, mcb, ncb, kcb, ap, bp, c[ic*ldc+jc:], ldc)
 				}
 			})
 		}
@@ -147,13 +166,46 @@ func parallelRange(workers, n int, f func(w, lo, hi int)) {
 // packA packs alpha*op(A)[ic:ic+mcb, pc:pc+kcb] into dst as mr-tall
 // micro-panels: panel r holds, for each p, the mr values of rows
 // r*mr..r*mr+mr-1 in column p; rows past mcb are zero.
-func packA[T float](dst []T, transA bool, a []T, lda, ic, mcb, pc, kcb int, alpha T) {
+func packA[T float](dst []T, mr int, transA bool, a []T, lda, ic, mcb, pc, kcb int, alpha T) {
+	if transA && mr == 6 {
+		// The vector kernel's panels from rows of A: read each row of A
+		// once, left to right, writing its 6-value pieces into the panels.
+		full := mcb / 6
+		for p := range kcb {
+			row := a[(pc+p)*lda+ic:][:mcb:mcb]
+			for r := range full {
+				src := row[r*6:][:6:6]
+				d := dst[(r*kcb+p)*6:][:6:6]
+				d[0], d[1], d[2] = alpha*src[0], alpha*src[1], alpha*src[2]
+				d[3], d[4], d[5] = alpha*src[3], alpha*src[4], alpha*src[5]
+			}
+		}
+		if full*6 == mcb {
+			return
+		}
+		ic, mcb = ic+full*6, mcb-full*6 // the partial panel, below
+		dst = dst[full*6*kcb:]
+	}
 	for r := 0; r*mr < mcb; r++ {
 		pan := dst[r*mr*kcb : (r+1)*mr*kcb]
 		rows := min(mr, mcb-r*mr)
 		i0 := ic + r*mr
 		if rows < mr {
 			clear(pan)
+		}
+		if !transA && rows == 6 && mr == 6 { // the vector kernel's panels, unrolled
+			r0 := a[i0*lda+pc:][:kcb:kcb]
+			r1 := a[(i0+1)*lda+pc:][:kcb:kcb]
+			r2 := a[(i0+2)*lda+pc:][:kcb:kcb]
+			r3 := a[(i0+3)*lda+pc:][:kcb:kcb]
+			r4 := a[(i0+4)*lda+pc:][:kcb:kcb]
+			r5 := a[(i0+5)*lda+pc:][:kcb:kcb]
+			for p := range kcb {
+				d := pan[p*6:][:6:6]
+				d[0], d[1], d[2] = alpha*r0[p], alpha*r1[p], alpha*r2[p]
+				d[3], d[4], d[5] = alpha*r3[p], alpha*r4[p], alpha*r5[p]
+			}
+			continue
 		}
 		if !transA {
 			for ii := range rows {
@@ -178,7 +230,17 @@ func packA[T float](dst []T, transA bool, a []T, lda, ic, mcb, pc, kcb int, alph
 // packB packs micro-panels lo..hi-1 of op(B)[pc:pc+kcb, jc:jc+ncb] into dst:
 // panel q holds, for each p, the nr values of columns q*nr..q*nr+nr-1 in row
 // p; columns past ncb are zero.
-func packB[T float](dst []T, transB bool, b []T, ldb, pc, kcb, jc, ncb, lo, hi int) {
+func packB[T float](dst []T, nr int, transB bool, b []T, ldb, pc, kcb, jc, ncb, lo, hi int) {
+	if !transB && nr == 16 && unsafe.Sizeof(T(0)) == 4 {
+		// The vector kernel's float32 panels: read each row of B once,
+		// left to right, in typed 64-byte moves; the last panel may be
+		// partial.
+		full := min(hi, ncb/16)
+		if full > lo {
+			packRows16(asFloat32(dst[lo*16*kcb:]), asFloat32(b[pc*ldb+jc+lo*16:]), ldb, kcb, full-lo)
+		}
+		lo = max(lo, full)
+	}
 	for q := lo; q < hi; q++ {
 		pan := dst[q*nr*kcb : (q+1)*nr*kcb]
 		cols := min(nr, ncb-q*nr)
@@ -205,9 +267,11 @@ func packB[T float](dst []T, transB bool, b []T, ldb, pc, kcb, jc, ncb, lo, hi i
 }
 
 // macroKernel adds the packed mcb×kcb block times the packed kcb×ncb panel
-// into C (c starts at the block's top-left element).
-func macroKernel[T float](mcb, ncb, kcb int, ap, bp []T, c []T, ldc int) {
-	var tmp [mr * nr]T
+// into C (c starts at the block's top-left element), one blk.mr×blk.nr
+// tile at a time; partial tiles at the edges go through a scratch tile.
+func macroKernel[T float](blk blocking, mcb, ncb, kcb int, ap, bp []T, c []T, ldc int) {
+	mr, nr := blk.mr, blk.nr
+	var tmp [6 * 16]T
 	for jr := 0; jr < ncb; jr += nr {
 		nrb := min(nr, ncb-jr)
 		bpan := bp[jr*kcb : (jr+nr)*kcb]
@@ -215,11 +279,11 @@ func macroKernel[T float](mcb, ncb, kcb int, ap, bp []T, c []T, ldc int) {
 			mrb := min(mr, mcb-ir)
 			apan := ap[ir*kcb : (ir+mr)*kcb]
 			if mrb == mr && nrb == nr {
-				microKernel(kcb, apan, bpan, c[ir*ldc+jr:], ldc)
+				tile(blk, kcb, apan, bpan, c[ir*ldc+jr:], ldc)
 				continue
 			}
 			clear(tmp[:])
-			microKernel(kcb, apan, bpan, tmp[:], nr)
+			tile(blk, kcb, apan, bpan, tmp[:], nr)
 			for i := range mrb {
 				row := c[(ir+i)*ldc+jr : (ir+i)*ldc+jr+nrb]
 				for j := range row {
@@ -228,6 +292,19 @@ func macroKernel[T float](mcb, ncb, kcb int, ap, bp []T, c []T, ldc int) {
 			}
 		}
 	}
+}
+
+// tile adds one packed mr×kc A panel times one packed kc×nr B panel into
+// the tile of c with row stride ldc, on blk's micro-kernel.
+func tile[T float](blk blocking, kc int, a, b, c []T, ldc int) {
+	if blk.vec {
+		// blk.vec is only set for float32 (blocking32), and the slices
+		// hold whole panels and a whole tile (checked below).
+		_, _, _ = a[6*kc-1], b[16*kc-1], c[5*ldc+15]
+		sgemm6x16AVX2(kc, (*float32)(unsafe.Pointer(&a[0])), (*float32)(unsafe.Pointer(&b[0])), (*float32)(unsafe.Pointer(&c[0])), ldc)
+		return
+	}
+	microKernel(kc, a, b, c, ldc)
 }
 
 // microKernel adds the product of an mr×kc packed A panel and a kc×nr packed
@@ -286,4 +363,22 @@ func microKernel[T float](kc int, a, b, c []T, ldc int) {
 	r = c[3*ldc : 3*ldc+nr : 3*ldc+nr]
 	r[0] += c30
 	r[1] += c31
+}
+
+// packRows16 packs panels 16-wide column blocks of rows rows of src (row
+// stride ld) into dst: panel q holds, for each row p, the 16 values
+// src[p·ld + 16q :][:16], and panels follow each other.
+func packRows16(dst, src []float32, ld, rows, panels int) {
+	for p := range rows {
+		row := src[p*ld:]
+		for q := range panels {
+			*(*[16]float32)(dst[(q*rows+p)*16:]) = *(*[16]float32)(row[q*16:])
+		}
+	}
+}
+
+// asFloat32 views s as []float32; T must be 4 bytes wide (float32 or a
+// type based on it).
+func asFloat32[T float](s []T) []float32 {
+	return unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(s))), len(s))
 }

@@ -15,7 +15,9 @@ type backendUnderTest struct {
 }
 
 // goBackends returns the pure-Go GEMM in configurations that cover its code
-// paths: serial, parallel, and tiny block sizes (many jc/pc/ic blocks).
+// paths: serial, parallel, and tiny block sizes (many jc/pc/ic blocks and
+// partial tiles), the latter with float32's own micro-kernel (the vector
+// one where the CPU has it) and with the portable one.
 func goBackends(t testing.TB) []backendUnderTest {
 	mk := func(threads int) *BLAS {
 		b, err := Load(WithLibrary("go"), WithThreads(threads))
@@ -24,12 +26,15 @@ func goBackends(t testing.TB) []backendUnderTest {
 		}
 		return b
 	}
-	serial, par, tiny := mk(1), mk(2), mk(3)
+	serial, par, tiny, scalar := mk(1), mk(2), mk(3), mk(2)
 	par.gog.parMin = 1
 	tiny.gog.parMin = 1
-	tiny.gog.blk32 = blocking{mc: 8, kc: 5, nc: 6}
-	tiny.gog.blk64 = blocking{mc: 12, kc: 7, nc: 4}
-	return []backendUnderTest{{"go-serial", serial}, {"go-parallel", par}, {"go-tiny-blocks", tiny}}
+	tiny.gog.blk32 = blocking32()
+	tiny.gog.blk32.mc, tiny.gog.blk32.kc, tiny.gog.blk32.nc = 8, 5, 20
+	tiny.gog.blk64 = blocking{mc: 12, kc: 7, nc: 4, mr: mr, nr: nr}
+	scalar.gog.parMin = 1
+	scalar.gog.blk32 = blocking{mc: 8, kc: 5, nc: 6, mr: mr, nr: nr}
+	return []backendUnderTest{{"go-serial", serial}, {"go-parallel", par}, {"go-tiny-blocks", tiny}, {"go-tiny-blocks-portable", scalar}}
 }
 
 // libBackend loads the named library family, or skips naming what is missing.

@@ -64,3 +64,9 @@ func axpyF32AVX2(dst, x *float32, n int, c float32)
 
 //go:noescape
 func pairF32AVX2(dst, x, y *float32, n int, a, b float32, set bool)
+
+// sgemm6x16AVX2 adds a packed 6×kc panel of A times a packed kc×16 panel
+// of B into the 6×16 tile at c (row stride ldc elements); gemm_amd64.s.
+//
+//go:noescape
+func sgemm6x16AVX2(kc int, a, b, c *float32, ldc int)

@@ -29,3 +29,5 @@ func adamwAVX2(p, grad, m, v *float32, n int, c *[8]float32)        { panic("unr
 func scaleF32AVX2(dst, x *float32, n int, c float32)                { panic("unreachable") }
 func axpyF32AVX2(dst, x *float32, n int, c float32)                 { panic("unreachable") }
 func pairF32AVX2(dst, x, y *float32, n int, a, b float32, set bool) { panic("unreachable") }
+
+func sgemm6x16AVX2(kc int, a, b, c *float32, ldc int) { panic("unreachable") }
