@@ -328,21 +328,21 @@ func (t *Tape) planBuffers(res alloc) *planBuffers { return &planBuffers{t: t, r
 
 // Float32 implements placement.Allocator.
 func (b *planBuffers) Float32(n int, result bool) []float32 {
-	if result {
-		return block[float32](b.res, n)
-	}
-	buf := block[float32](b.t.scratch(), n)
-	b.temps32 = append(b.temps32, buf)
-	return buf
+	return planBlock(b, &b.temps32, n, result)
 }
 
 // Float64 implements placement.Allocator.
 func (b *planBuffers) Float64(n int, result bool) []float64 {
+	return planBlock(b, &b.temps64, n, result)
+}
+
+// planBlock is a result block as b.res says, or scratch kept in temps.
+func planBlock[T float](b *planBuffers, temps *[][]T, n int, result bool) []T {
 	if result {
-		return block[float64](b.res, n)
+		return block[T](b.res, n)
 	}
-	buf := block[float64](b.t.scratch(), n)
-	b.temps64 = append(b.temps64, buf)
+	buf := block[T](b.t.scratch(), n)
+	*temps = append(*temps, buf)
 	return buf
 }
 
