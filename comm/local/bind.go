@@ -6,8 +6,10 @@ import (
 	"strings"
 )
 
-// BindEnv turns CPU binding on for Run when no WithCPUBinding option is
-// given: "1", "true" or "cores" binds, "", "0", "false" or "none" does not.
+// BindEnv turns CPU binding on for every Run given no WithCPUBinding
+// option: "1", "true" or "auto" binds the ranks of each Run whose ranks fit
+// on the CPUs and leaves larger runs unbound; "", "0", "false" or "none"
+// binds nothing.
 const BindEnv = "LOOM_BIND"
 
 // WithCPUBinding makes Run bind each rank to CPUs of its own, as mpirun's
@@ -16,28 +18,38 @@ const BindEnv = "LOOM_BIND"
 // process may use (rank r of p on c CPUs gets CPUs r·c/p to (r+1)·c/p − 1).
 // Otherwise the Go scheduler moves a rank's goroutine between threads and
 // the kernel moves threads between cores, so a rank keeps losing its
-// caches; bound, each rank keeps its core. A dp=2 training step of the
-// tiny GPT on two cores runs about 6% faster bound (BenchmarkLayouts).
-// Goroutines a rank starts are not bound, and a rank that blocks often
-// (many small collectives, as tensor parallelism has) can lose more in
-// thread hand-offs than it gains.
+// caches; bound, each rank keeps its core. Goroutines a rank starts are
+// not bound. A bound rank waiting for a peer polls instead of yielding
+// (a locked goroutine's yield hands its thread's P to another thread and
+// back), then parks.
 //
-// Binding needs at least as many CPUs as ranks and thread affinity (Linux):
-// otherwise Run fails before any rank starts. NewWorld ignores the option.
-// Without it Run reads BindEnv.
+// On the tiny GPT with two ranks on two cores (BenchmarkLayouts), binding
+// made data-parallel steps 3-6% faster and tensor-parallel ones, which
+// block on many small collectives, no faster or slower by as much; hence
+// it is off by default.
+//
+// WithCPUBinding(true) needs at least as many CPUs as ranks and thread
+// affinity (Linux): otherwise Run fails before any rank starts.
+// WithCPUBinding(false) turns binding off whatever BindEnv says. NewWorld
+// ignores the option.
 func WithCPUBinding(on bool) Option {
 	return func(c *config) { c.bind, c.bindSet = on, true }
 }
 
-// bindingFromEnv parses BindEnv.
-func bindingFromEnv() (bool, error) {
+// binding is whether Run binds its p ranks: as WithCPUBinding says, else
+// as BindEnv says (then only where they fit).
+func (c *config) binding(p int) (bool, error) {
+	if c.bindSet {
+		return c.bind, nil
+	}
 	switch v := strings.ToLower(strings.TrimSpace(os.Getenv(BindEnv))); v {
 	case "", "0", "false", "none":
 		return false, nil
-	case "1", "true", "cores":
-		return true, nil
+	case "1", "true", "auto":
+		cpus, err := usableCPUs()
+		return err == nil && p <= len(cpus), nil
 	default:
-		return false, fmt.Errorf("local: %s=%q: want 1, true or cores to bind ranks to CPUs, or 0, false or none", BindEnv, v)
+		return false, fmt.Errorf("local: %s=%q: want 1, true or auto to bind ranks to CPUs where they fit, or 0, false or none", BindEnv, v)
 	}
 }
 

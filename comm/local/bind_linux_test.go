@@ -71,7 +71,8 @@ func TestCPUBinding(t *testing.T) {
 }
 
 // TestCPUBindingRefused checks that binding more ranks than CPUs, or a bad
-// BindEnv, fails before any rank runs.
+// BindEnv, fails before any rank runs, and that BindEnv binds the runs
+// whose ranks fit and runs larger ones unbound.
 func TestCPUBindingRefused(t *testing.T) {
 	n := len(threadCPUs(t))
 	var runs atomic.Int32
@@ -84,14 +85,25 @@ func TestCPUBindingRefused(t *testing.T) {
 	if err := Run(context.Background(), 1, fn); err == nil || !strings.Contains(err.Error(), BindEnv) {
 		t.Errorf("%s=sometimes: err = %v, want one naming %s", BindEnv, err, BindEnv)
 	}
-	t.Setenv(BindEnv, "cores")
-	if err := Run(context.Background(), n+1, fn); err == nil {
-		t.Errorf("%s=cores with %d ranks on %d CPUs: no error", BindEnv, n+1, n)
-	}
 	if runs.Load() != 0 {
 		t.Error("a rank ran although binding was refused")
 	}
-	if err := Run(context.Background(), n+1, fn, WithCPUBinding(false)); err != nil || int(runs.Load()) != n+1 {
-		t.Errorf("WithCPUBinding(false) must override %s: err = %v, %d of %d ranks ran", BindEnv, err, runs.Load(), n+1)
+	// The environment binds where the ranks fit and leaves larger runs be.
+	t.Setenv(BindEnv, "1")
+	if err := Run(context.Background(), n+1, fn); err != nil || int(runs.Load()) != n+1 {
+		t.Errorf("%s=1 with %d ranks on %d CPUs: err = %v, %d ranks ran; want an unbound run", BindEnv, n+1, n, err, runs.Load())
+	}
+	var bound atomic.Int32
+	err = Run(context.Background(), n, func(context.Context, comm.Communicator) error {
+		if cpus, err := usableCPUs(); err == nil && len(cpus) == 1 {
+			bound.Add(1)
+		}
+		return nil
+	})
+	if err != nil || int(bound.Load()) != n {
+		t.Errorf("%s=1 with %d ranks on %d CPUs: err = %v, %d ranks bound to one CPU, want all", BindEnv, n, n, err, bound.Load())
+	}
+	if err := Run(context.Background(), n, fn, WithCPUBinding(false)); err != nil {
+		t.Errorf("WithCPUBinding(false) with %s=1: %v", BindEnv, err)
 	}
 }

@@ -57,7 +57,10 @@ var _ comm.SharedMemory = (*Comm)(nil)
 
 func newComm(g *group, rank int) *Comm {
 	spin, yield := time.Duration(0), yieldOversubscribed
-	if g.size <= g.w.cores {
+	switch {
+	case g.w.bound:
+		spin, yield = spinFor+yieldFor, 0
+	case g.size <= g.w.cores:
 		spin, yield = spinFor, yieldFor
 	}
 	return &Comm{

@@ -30,6 +30,7 @@ type world struct {
 	opts  comm.Options
 	model *comm.CostModel
 	cores int
+	bound bool // every rank runs on CPUs of its own (WithCPUBinding)
 
 	failure atomic.Pointer[comm.AbortError]
 	failed  chan struct{}
@@ -150,7 +151,10 @@ func (g *group) publish(r int, word uint64) {
 // microsecond, so a rank polls for spinFor; then it yields, for yieldFor
 // when every rank has a core (a peer sharing this P runs at once) or
 // yieldOversubscribed when ranks outnumber cores (others need the core);
-// longer waits park, so an idle rank gives its core back.
+// longer waits park, so an idle rank gives its core back. A rank bound to
+// its own CPUs polls for spinFor+yieldFor instead and never yields: its
+// goroutine is locked to its thread, so every yield would hand its P to
+// another thread and back.
 const (
 	spinFor             = 2 * time.Microsecond
 	yieldFor            = time.Millisecond
@@ -164,7 +168,7 @@ type waiter struct {
 	ctx      context.Context
 	deadline time.Time
 	spin     time.Duration // polling before yielding; 0 when ranks outnumber cores
-	yield    time.Duration // yielding before parking
+	yield    time.Duration // yielding before parking; 0 for bound ranks
 	timer    *time.Timer   // reused across parks (Go 1.23 timers need no draining)
 }
 
@@ -201,7 +205,7 @@ func (wt *waiter) until(peer int, word uint64) error {
 		}
 	}
 	ready := func() bool { return s.progress.Load() >= word }
-	for i := 1; ; i++ {
+	for i := 1; wt.yield > 0; i++ {
 		runtime.Gosched()
 		if ready() {
 			return nil

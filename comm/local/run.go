@@ -30,6 +30,7 @@ type config struct {
 	opts          comm.Options
 	optsSet       bool
 	bind, bindSet bool // Run only
+	bound         bool // set by Run when it binds the ranks
 }
 
 // WithOptions sets the communicator options. Without it, comm.OptionsFromEnv
@@ -70,7 +71,7 @@ func NewWorld(p int, opts ...Option) (*World, error) {
 		return nil, fmt.Errorf("local: invalid cost model %+v", *model)
 	}
 	w := &world{
-		opts: o, model: model, cores: runtime.GOMAXPROCS(0), failed: make(chan struct{}),
+		opts: o, model: model, cores: runtime.GOMAXPROCS(0), bound: cfg.bound, failed: make(chan struct{}),
 		left: make([]atomic.Bool, p), leftCh: make(chan struct{}),
 	}
 	ranks := make([]int, p)
@@ -117,18 +118,18 @@ func Run(ctx context.Context, p int, fn RankFunc, opts ...Option) error {
 	for _, o := range opts {
 		o(&cfg)
 	}
-	if !cfg.bindSet {
-		var err error
-		if cfg.bind, err = bindingFromEnv(); err != nil {
-			return err
-		}
+	bind, err := cfg.binding(p)
+	if err != nil {
+		return err
 	}
 	var shares [][]int
-	if cfg.bind && p >= 1 {
-		var err error
+	if bind && p >= 1 {
 		if shares, err = cpuShares(p); err != nil {
 			return err
 		}
+	}
+	if shares != nil {
+		opts = append(opts[:len(opts):len(opts)], func(c *config) { c.bound = true })
 	}
 	wd, err := NewWorld(p, opts...)
 	if err != nil {
