@@ -175,7 +175,12 @@ func (b *BLAS) Path() string {
 // it describes the kernel.
 func (b *BLAS) Config() string {
 	if b == nil || b.backend == BackendGo {
-		return fmt.Sprintf("pure-go %dx%d micro-kernel, %d goroutines", mr, nr, b.goThreads())
+		blk := blocking32()
+		kind := "portable"
+		if blk.vec {
+			kind = "AVX2+FMA"
+		}
+		return fmt.Sprintf("pure-go, float32 %dx%d %s micro-kernel, %d goroutines", blk.mr, blk.nr, kind, b.goThreads())
 	}
 	return b.conf
 }
