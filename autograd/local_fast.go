@@ -45,12 +45,12 @@ func geluForward[T float](t *Tape, rec bool, x []T, n int) ([]T, geluSaved, erro
 		if rec {
 			s.deriv = getBuf[float32](t, len(x32))
 		}
-		if err := kernels.BiasGELU(t.workers(), y, s.deriv, x32, nil, rowWidth(len(x32), n)); err != nil {
+		if err := kernels.BiasGELU(t.Workers(), y, s.deriv, x32, nil, rowWidth(len(x32), n)); err != nil {
 			return nil, s, fmt.Errorf("autograd: internal: %w", err)
 		}
 		return from32[T](y), s, nil
 	}
-	y, erfs := geluFwd(t.workers(), x)
+	y, erfs := geluFwd(t.Workers(), x)
 	return y, geluSaved{erfs: erfs}, nil
 }
 
@@ -63,7 +63,7 @@ func geluBackward[T float](t *Tape, x []T, s geluSaved, g []T, n int) ([]T, erro
 		}
 		return from32[T](dx), nil
 	}
-	return geluBwd(t.workers(), x, s.erfs, g), nil
+	return geluBwd(t.Workers(), x, s.erfs, g), nil
 }
 
 // rowWidth is n when it divides l into whole rows, else l (one row): the
@@ -86,7 +86,7 @@ func softmaxForward[T float](t *Tape, x []T, shape []int, d int, logOut bool) ([
 		if logOut {
 			f = kernels.LogSoftmaxRows
 		}
-		if err := f(t.workers(), y, x32, n); err != nil {
+		if err := f(t.Workers(), y, x32, n); err != nil {
 			return nil, fmt.Errorf("autograd: internal: %w", err)
 		}
 		return from32[T](y), nil
@@ -105,7 +105,7 @@ func softmaxBackward[T float](t *Tape, y, g []T, shape []int, d int, logOut bool
 		f := kernels.SoftmaxRowsBackward // memory-bound: one goroutine
 		if logOut {
 			f = func(dx, y, dy []float32, n int) error {
-				return kernels.LogSoftmaxRowsBackward(t.workers(), dx, y, dy, n)
+				return kernels.LogSoftmaxRowsBackward(t.Workers(), dx, y, dy, n)
 			}
 		}
 		if err := f(dx, y32, g32, n); err != nil {
@@ -233,7 +233,7 @@ func ceForward[T float](t *Tape, rec bool, x []T, tg []int64, v, n int) (T, ceSa
 		if rec {
 			s.lse = getBuf[float64](t, len(tg))
 		}
-		total, err := kernels.CrossEntropyRows(t.workers(), s.lse, x32, tg, v)
+		total, err := kernels.CrossEntropyRows(t.Workers(), s.lse, x32, tg, v)
 		if err != nil {
 			return 0, s, fmt.Errorf("autograd: internal: %w", err)
 		}
@@ -247,7 +247,7 @@ func ceForward[T float](t *Tape, rec bool, x []T, tg []int64, v, n int) (T, ceSa
 func ceBackward[T float](t *Tape, x []T, tg []int64, s ceSaved, v, n int, g float64) ([]T, error) {
 	if x32, ok := as32(x); ok {
 		dx := getBuf[float32](t, len(x32))
-		if err := kernels.CrossEntropyRowsBackward(t.workers(), dx, x32, tg, s.lse, v, g/float64(n)); err != nil {
+		if err := kernels.CrossEntropyRowsBackward(t.Workers(), dx, x32, tg, s.lse, v, g/float64(n)); err != nil {
 			return nil, fmt.Errorf("autograd: internal: %w", err)
 		}
 		return from32[T](dx), nil
@@ -266,7 +266,7 @@ func (t *Tape) records(inputs ...*Value) bool {
 func causalForward[T float](t *Tape, x []T, tt int) ([]T, error) {
 	if x32, ok := as32(x); ok {
 		y := resultBlock[float32](t, len(x32))
-		if err := kernels.CausalSoftmax(t.workers(), y, x32, tt, 1); err != nil {
+		if err := kernels.CausalSoftmax(t.Workers(), y, x32, tt, 1); err != nil {
 			return nil, fmt.Errorf("autograd: internal: %w", err)
 		}
 		return from32[T](y), nil

@@ -196,10 +196,14 @@ func (t *Tape) blasOrDefault() (*kernels.BLAS, error) {
 	return t.blas, nil
 }
 
-// workers is the goroutine budget of the tape's row and attention kernels:
-// as many as its BLAS has threads, so that a rank sized to its share of the
-// cores keeps to it outside GEMM too (GOMAXPROCS if no BLAS loads).
-func (t *Tape) workers() kernels.Workers {
+// Workers is the goroutine budget of the tape's kernels: as many as its
+// BLAS has threads, so that a rank sized to its share of the cores keeps to
+// it outside GEMM too (GOMAXPROCS if no BLAS loads). Custom ops pass it to
+// the kernels they call.
+func (t *Tape) Workers() kernels.Workers {
+	if t == nil {
+		return 0
+	}
 	b, err := t.blasOrDefault()
 	if err != nil {
 		return 0

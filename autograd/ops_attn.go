@@ -532,7 +532,7 @@ func causalAttentionFused(spec *placement.Spec, q, k, v *Value) (*Value, error) 
 	// backward when recorded.
 	probs := getBuf[float32](t, batch*tt*tt)
 	out := resultBlock[float32](t, batch*tt*dv)
-	err = kernels.CausalAttentionForward(t.workers(), out, probs, qd, kd, vd, batch, tt, dh, dv, scale)
+	err = kernels.CausalAttentionForward(t.Workers(), out, probs, qd, kd, vd, batch, tt, dh, dv, scale)
 	if !rec {
 		putBuf(t, probs)
 	}
@@ -570,7 +570,7 @@ func causalAttentionFused(spec *placement.Spec, q, k, v *Value) (*Value, error) 
 		if needV {
 			dvv = getBuf[float32](t, len(vd))
 		}
-		if err := kernels.CausalAttentionBackward(t.workers(), dq, dk, dvv, gd, probs, qd, kd, vd, batch, tt, dh, dv, scale); err != nil {
+		if err := kernels.CausalAttentionBackward(t.Workers(), dq, dk, dvv, gd, probs, qd, kd, vd, batch, tt, dh, dv, scale); err != nil {
 			return nil, fmt.Errorf("autograd: %s: internal: %w", op, err)
 		}
 		grads := make([]*placement.DTensor, 3)

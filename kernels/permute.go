@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"runtime"
 	"sync"
 	"unsafe"
 )
@@ -32,9 +31,10 @@ import (
 //
 // Every kernel reuses caller-provided buffers and does not allocate. Row
 // moves are copy() calls; bad lengths return an error and leave every
-// output untouched. Large calls split their rows over up to GOMAXPROCS
-// goroutines; each row is computed exactly as by a serial loop, so results
-// do not depend on the split.
+// output untouched. Large calls split their rows over up to
+// Routing.Workers goroutines (GroupByExpert and GroupByRank, which take no
+// Routing, over GOMAXPROCS); each row is computed exactly as by a serial
+// loop, so results do not depend on the split.
 
 // Float is the element type of the permute kernels.
 type Float interface{ ~float32 | ~float64 }
@@ -51,32 +51,23 @@ type ExpertIndex interface{ ~int | ~int32 | ~int64 }
 const permMinBytesPerWorker = 2 << 20
 
 // permForRows calls f on ranges [lo, hi) covering rows 0..rows−1, each row
-// moving rowBytes bytes, on up to GOMAXPROCS goroutines (the first range on
-// the caller's), and waits for them.
-func permForRows(rows, rowBytes int, f func(lo, hi int)) {
-	permForRowsN(0, rows, rowBytes, f)
-}
-
-// permForRowsN is permForRows with at most workers goroutines (0:
-// GOMAXPROCS).
-func permForRowsN(workers, rows, rowBytes int, f func(lo, hi int)) {
-	if workers <= 0 {
-		workers = runtime.GOMAXPROCS(0)
-	}
-	w := 1
+// moving rowBytes bytes, on up to w goroutines (the first range on the
+// caller's), and waits for them.
+func permForRows(w Workers, rows, rowBytes int, f func(lo, hi int)) {
+	k := 1
 	if rows > 1 && rowBytes > 0 {
-		w = min(workers, rows, int(min(int64(rows)*int64(rowBytes)/permMinBytesPerWorker, math.MaxInt32)))
+		k = min(w.Count(), rows, int(min(int64(rows)*int64(rowBytes)/permMinBytesPerWorker, math.MaxInt32)))
 	}
-	if w <= 1 {
+	if k <= 1 {
 		f(0, rows)
 		return
 	}
 	var wg sync.WaitGroup
-	for i := 1; i < w; i++ {
-		lo, hi := i*rows/w, (i+1)*rows/w
+	for i := 1; i < k; i++ {
+		lo, hi := i*rows/k, (i+1)*rows/k
 		wg.Go(func() { f(lo, hi) })
 	}
-	f(0, rows/w)
+	f(0, rows/k)
 	wg.Wait()
 }
 
@@ -112,6 +103,11 @@ type Routing struct {
 	// Unrouted counts slots whose expert is −1; Dropped counts slots
 	// beyond their expert's capacity; Padded counts pad rows.
 	Unrouted, Dropped, Padded int
+
+	// Workers bounds the goroutines of the kernels given this Routing: the
+	// caller's share of the cores (see [Workers]; 0 means GOMAXPROCS).
+	// PlanRouting keeps it.
+	Workers Workers
 
 	cursor []int
 }
@@ -235,7 +231,7 @@ func PlanRouting[I ExpertIndex](r *Routing, experts []I, k, numExperts, capacity
 		Tokens: len(experts) / k, TopK: k, Experts: ne, Capacity: capacity,
 		Counts: counts, Routed: routed, Offsets: offsets, RowSlot: rowSlot, SlotRow: slotRow,
 		Unrouted: unrouted, Dropped: dropped, Padded: padded,
-		cursor: cursor,
+		Workers: r.Workers, cursor: cursor,
 	}
 	return nil
 }
@@ -316,7 +312,7 @@ func Permute[T Float](out, x []T, d int, r *Routing) error {
 	if err := errors.Join(permLen(op, "x", len(x), r.Tokens, d), permLen(op, "out", len(out), r.Rows(), d)); err != nil {
 		return err
 	}
-	gatherRows(out, x, r.RowSlot, r.TopK, d)
+	gatherRows(r.Workers, out, x, r.RowSlot, r.TopK, d)
 	return nil
 }
 
@@ -336,7 +332,7 @@ func PermuteSlots[T Float](out, v []T, d int, r *Routing) error {
 	if err := errors.Join(permLen(op, "v", len(v), len(r.SlotRow), d), permLen(op, "out", len(out), r.Rows(), d)); err != nil {
 		return err
 	}
-	gatherRows(out, v, r.RowSlot, 1, d)
+	gatherRows(r.Workers, out, v, r.RowSlot, 1, d)
 	return nil
 }
 
@@ -356,14 +352,14 @@ func UnpermuteSlots[T Float](v, packed []T, d int, r *Routing) error {
 	if err := errors.Join(permLen(op, "v", len(v), len(r.SlotRow), d), permLen(op, "packed", len(packed), r.Rows(), d)); err != nil {
 		return err
 	}
-	gatherRows(v, packed, r.SlotRow, 1, d)
+	gatherRows(r.Workers, v, packed, r.SlotRow, 1, d)
 	return nil
 }
 
 // gatherRows sets row i of dst to row idx[i]/div of src, or to zero when
 // idx[i] < 0.
-func gatherRows[T Float](dst, src []T, idx []int32, div, d int) {
-	permForRows(len(idx), 2*d*sizeOf[T](), func(lo, hi int) {
+func gatherRows[T Float](w Workers, dst, src []T, idx []int32, div, d int) {
+	permForRows(w, len(idx), 2*d*sizeOf[T](), func(lo, hi int) {
 		gatherRange(dst, src, idx, div, d, lo, hi)
 	})
 }
@@ -419,7 +415,7 @@ func Unpermute[T Float](out, packed, gates []T, d int, r *Routing) error {
 // unpermute is Unpermute's loop over rows from src.
 func unpermute[T Float](out []T, src packedRows[T], gates []T, d int, r *Routing) {
 	k := r.TopK
-	permForRows(r.Tokens, (k+1)*d*sizeOf[T](), func(lo, hi int) {
+	permForRows(r.Workers, r.Tokens, (k+1)*d*sizeOf[T](), func(lo, hi int) {
 		for t := lo; t < hi; t++ {
 			// Live slots are taken two at a time, so that o is read and
 			// written once per pair: o = g₀x₀ + g₁x₁, then o += g₂x₂ + g₃x₃,
@@ -499,9 +495,9 @@ func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int,
 	k := r.TopK
 	if dpacked != nil {
 		if gates == nil {
-			gatherRows(dpacked, dout, r.RowSlot, k, d)
+			gatherRows(r.Workers, dpacked, dout, r.RowSlot, k, d)
 		} else {
-			permForRows(len(r.RowSlot), 2*d*sizeOf[T](), func(lo, hi int) {
+			permForRows(r.Workers, len(r.RowSlot), 2*d*sizeOf[T](), func(lo, hi int) {
 				for p := lo; p < hi; p++ {
 					o := dpacked[p*d : p*d+d]
 					s := int(r.RowSlot[p])
@@ -524,7 +520,7 @@ func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int,
 // gateGrad is UnpermuteBackward's gate gradient over rows from src.
 func gateGrad[T Float](dgates, dout []T, src packedRows[T], d int, r *Routing) {
 	k := r.TopK
-	permForRows(len(r.SlotRow), 2*d*sizeOf[T](), func(lo, hi int) {
+	permForRows(r.Workers, len(r.SlotRow), 2*d*sizeOf[T](), func(lo, hi int) {
 		for s := lo; s < hi; s++ {
 			p := int(r.SlotRow[s])
 			if p < 0 {
@@ -741,6 +737,6 @@ func groupChunks[T Float](op string, dst, src []T, d int, counts []int, ranks, l
 			}
 		}
 	}
-	permForRows(ranks, 2*total*d*sizeOf[T]()/max(ranks, 1), move)
+	permForRows(0, ranks, 2*total*d*sizeOf[T]()/max(ranks, 1), move)
 	return nil
 }

@@ -127,7 +127,7 @@ func BenchmarkPermuteWorkers(b *testing.B) {
 			b.Run(fmt.Sprintf("%v/workers=%d", s, w), func(b *testing.B) {
 				b.SetBytes(int64(bytes))
 				for b.Loop() {
-					permForRowsN(w, m, 2*d*4+permMinBytesPerWorker, func(lo, hi int) {
+					permForRows(Workers(w), m, 2*d*4+permMinBytesPerWorker, func(lo, hi int) {
 						gatherRange(packed, x, r.RowSlot, s.k, d, lo, hi)
 					})
 				}

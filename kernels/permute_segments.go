@@ -86,10 +86,10 @@ func PermuteExpert[T Float](out, x, gates []T, d int, r *Routing, e int) error {
 	}
 	k := r.TopK
 	if gates == nil {
-		gatherRows(out, x, idx, k, d)
+		gatherRows(r.Workers, out, x, idx, k, d)
 		return nil
 	}
-	permForRows(len(idx), 2*d*sizeOf[T](), func(lo, hi int) {
+	permForRows(r.Workers, len(idx), 2*d*sizeOf[T](), func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			o := out[i*d : i*d+d]
 			s := int(idx[i])

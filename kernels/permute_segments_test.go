@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"math"
 	"math/rand/v2"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -377,12 +376,12 @@ func TestGateGradSegmentsMatchesUnpermuteBackward(t *testing.T) {
 }
 
 // segWorkers is the number of goroutines permForRows uses for rows rows of
-// rowBytes bytes.
-func segWorkers(rows, rowBytes int) int {
+// rowBytes bytes under the bound w.
+func segWorkers(w Workers, rows, rowBytes int) int {
 	if rows <= 1 || rowBytes <= 0 {
 		return 1
 	}
-	return min(runtime.GOMAXPROCS(0), rows, rows*rowBytes/permMinBytesPerWorker)
+	return min(w.Count(), rows, rows*rowBytes/permMinBytesPerWorker)
 }
 
 // TestSegmentKernelsParallel runs every segmented kernel on routings large
@@ -393,10 +392,6 @@ func TestSegmentKernelsParallel(t *testing.T) {
 	if testing.Short() {
 		t.Skip("moves tens of MiB")
 	}
-	// At least 4 goroutines even on a small machine, so that ranges have
-	// uneven bounds.
-	old := runtime.GOMAXPROCS(max(4, runtime.GOMAXPROCS(0)))
-	t.Cleanup(func() { runtime.GOMAXPROCS(old) })
 
 	const n, k, e = 4096, 2, 4
 	rng := rand.New(rand.NewPCG(13, 14))
@@ -410,8 +405,13 @@ func TestSegmentKernelsParallel(t *testing.T) {
 		}
 	}
 	for _, capa := range []int{0, 3300, 2200} { // dropless, padded, dropping
-		var r Routing
+		// 4 goroutines even on a small machine, so that ranges have uneven
+		// bounds; PlanRouting keeps the bound.
+		r := Routing{Workers: 4}
 		must(t, PlanRouting(&r, ids, k, e, capa))
+		if r.Workers != 4 {
+			t.Fatalf("PlanRouting reset Workers to %d", r.Workers)
+		}
 		if capa == 3300 && (r.Padded == 0 || r.Dropped != 0) || capa == 2200 && r.Dropped == 0 {
 			t.Fatalf("capacity %d: %d padded, %d dropped", capa, r.Padded, r.Dropped)
 		}
@@ -436,13 +436,13 @@ func TestSegmentKernelsParallel(t *testing.T) {
 		} {
 			t.Run(typ.name+"/capacity-"+strconv.Itoa(capa), func(t *testing.T) {
 				d, sz := typ.d, typ.size
-				if w := segWorkers(r.Offsets[1]-r.Offsets[0], 2*d*sz); w < 2 {
+				if w := segWorkers(r.Workers, r.Offsets[1]-r.Offsets[0], 2*d*sz); w < 2 {
 					t.Fatalf("PermuteExpert(expert 0) would run on %d goroutine(s)", w)
 				}
-				if w := segWorkers(r.Tokens, (k+1)*d*sz); w < 2 {
+				if w := segWorkers(r.Workers, r.Tokens, (k+1)*d*sz); w < 2 {
 					t.Fatalf("UnpermuteSegments would run on %d goroutine(s)", w)
 				}
-				if w := segWorkers(len(r.SlotRow), 2*d*sz); w < 2 {
+				if w := segWorkers(r.Workers, len(r.SlotRow), 2*d*sz); w < 2 {
 					t.Fatalf("GateGradSegments would run on %d goroutine(s)", w)
 				}
 				typ.check(t, rng, &r, d)

@@ -638,28 +638,40 @@ func TestExpShift(t *testing.T) {
 	}
 }
 
-// TestWorkersBoundTheSplit checks that forRows splits into at most w
-// ranges (GOMAXPROCS for w <= 0), covering every row once.
+// TestWorkersBoundTheSplit checks that forRows and permForRows split into
+// w ranges (GOMAXPROCS for w <= 0) when every row is worth a goroutine,
+// covering every row once.
 func TestWorkersBoundTheSplit(t *testing.T) {
-	const rows, n = 64, rowsMinPerWorker // every row is worth a goroutine
-	for _, w := range []Workers{-1, 0, 1, 2, 3, 7} {
-		var mu sync.Mutex
-		calls, seen := 0, make([]int, rows)
-		forRows(w, rows, n, func(lo, hi int) {
-			mu.Lock()
-			defer mu.Unlock()
-			calls++
-			for r := lo; r < hi; r++ {
-				seen[r]++
-			}
-		})
-		if want := w.Count(); calls != want {
-			t.Errorf("Workers(%d): %d ranges, want %d", w, calls, want)
+	const rows = 64
+	splits := map[string]func(w Workers, f func(lo, hi int)){
+		"forRows":     func(w Workers, f func(lo, hi int)) { forRows(w, rows, rowsMinPerWorker, f) },
+		"permForRows": func(w Workers, f func(lo, hi int)) { permForRows(w, rows, permMinBytesPerWorker, f) },
+	}
+	for name, split := range splits {
+		for _, w := range []Workers{-1, 0, 1, 2, 3, 7} {
+			checkSplit(t, name, w, rows, split)
 		}
-		for r, c := range seen {
-			if c != 1 {
-				t.Fatalf("Workers(%d): row %d covered %d times", w, r, c)
-			}
+	}
+}
+
+func checkSplit(t *testing.T, name string, w Workers, rows int, split func(w Workers, f func(lo, hi int))) {
+	t.Helper()
+	var mu sync.Mutex
+	calls, seen := 0, make([]int, rows)
+	split(w, func(lo, hi int) {
+		mu.Lock()
+		defer mu.Unlock()
+		calls++
+		for r := lo; r < hi; r++ {
+			seen[r]++
+		}
+	})
+	if want := w.Count(); calls != want {
+		t.Errorf("%s, Workers(%d): %d ranges, want %d", name, w, calls, want)
+	}
+	for r, c := range seen {
+		if c != 1 {
+			t.Fatalf("%s, Workers(%d): row %d covered %d times", name, w, r, c)
 		}
 	}
 }

@@ -366,6 +366,7 @@ func newHandle(ctx context.Context, op string, x *autograd.Value, r *Routing, cf
 	case len(r.Experts) != h.n*r.K:
 		localErr = bad("routing of %d slots for %d local tokens × K = %d", len(r.Experts), h.n, r.K)
 	default:
+		h.plan.Workers = h.tape.Workers()
 		if err := kernels.PlanRouting(&h.plan, r.Experts, r.K, r.NumExperts, capacity); err != nil {
 			localErr = bad("%v", err)
 		}
