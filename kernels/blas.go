@@ -175,12 +175,12 @@ func (b *BLAS) Path() string {
 // it describes the kernel.
 func (b *BLAS) Config() string {
 	if b == nil || b.backend == BackendGo {
-		blk := blocking32()
+		b32, b64 := blocking32(), blocking64()
 		kind := "portable"
-		if blk.vec {
+		if b32.vec {
 			kind = "AVX2+FMA"
 		}
-		return fmt.Sprintf("pure-go, float32 %dx%d %s micro-kernel, %d goroutines", blk.mr, blk.nr, kind, b.goThreads())
+		return fmt.Sprintf("pure-go, %s micro-kernels %dx%d (float32) and %dx%d (float64), %d goroutines", kind, b32.mr, b32.nr, b64.mr, b64.nr, b.goThreads())
 	}
 	return b.conf
 }

@@ -16,10 +16,10 @@ import (
 // The portable micro-kernel is 4×2, unrolled twice along k. Wider tiles
 // (4×4, 4×3) measured slower: Go's amd64 backend has 16 scalar float
 // registers and schedules all products of an iteration before the
-// additions, so larger tiles spill accumulators to the stack. float32 on
-// CPUs with AVX2 and FMA runs a 6×16 assembly micro-kernel instead (the
-// BLIS Haswell shape: twelve vector accumulators), with blocks sized for
-// its panels.
+// additions, so larger tiles spill accumulators to the stack. On CPUs with
+// AVX2 and FMA, float32 runs a 6×16 assembly micro-kernel instead and
+// float64 a 6×8 one (the BLIS Haswell shapes: twelve vector
+// accumulators), with blocks sized for their panels.
 const (
 	mr = 4
 	nr = 2
@@ -30,7 +30,7 @@ type float interface{ ~float32 | ~float64 }
 
 // blocking holds cache block sizes (in elements): mc×kc of A lives in L2,
 // kc×nr of B in L1, kc×nc of B in L3; and the micro-kernel's tile, mr×nr,
-// with vec set for the float32 assembly kernel.
+// with vec set for the assembly kernels (6×16 float32, 6×8 float64).
 type blocking struct {
 	mc, kc, nc int
 	mr, nr     int
@@ -52,8 +52,17 @@ func newGoGEMM(threads int) *goGEMM {
 		threads: max(1, threads),
 		parMin:  64 * 64 * 64,
 		blk32:   blocking32(),
-		blk64:   blocking{mc: 96, kc: 192, nc: 2048, mr: mr, nr: nr},
+		blk64:   blocking64(),
 	}
+}
+
+// blocking64 is the float64 blocking: for the 6×8 vector kernel, the same
+// bytes per block as float32's (72×256 of A, 256×8 panels of B).
+func blocking64() blocking {
+	if haveVec {
+		return blocking{mc: 72, kc: 256, nc: 4096, mr: 6, nr: 8, vec: true}
+	}
+	return blocking{mc: 96, kc: 192, nc: 2048, mr: mr, nr: nr}
 }
 
 // blocking32 is the float32 blocking: for the 6×16 vector kernel, a
@@ -231,13 +240,18 @@ func packA[T float](dst []T, mr int, transA bool, a []T, lda, ic, mcb, pc, kcb i
 // panel q holds, for each p, the nr values of columns q*nr..q*nr+nr-1 in row
 // p; columns past ncb are zero.
 func packB[T float](dst []T, nr int, transB bool, b []T, ldb, pc, kcb, jc, ncb, lo, hi int) {
-	if !transB && nr == 16 && unsafe.Sizeof(T(0)) == 4 {
-		// The vector kernel's float32 panels: read each row of B once,
-		// left to right, in typed 64-byte moves; the last panel may be
-		// partial.
-		full := min(hi, ncb/16)
+	if !transB && nr*int(unsafe.Sizeof(T(0))) == 64 {
+		// The vector kernels' panels (16 float32 or 8 float64): read each
+		// row of B once, left to right, in typed 64-byte moves; the last
+		// panel may be partial.
+		full := min(hi, ncb/nr)
 		if full > lo {
-			packRows16(asFloat32(dst[lo*16*kcb:]), asFloat32(b[pc*ldb+jc+lo*16:]), ldb, kcb, full-lo)
+			d, src := dst[lo*nr*kcb:], b[pc*ldb+jc+lo*nr:]
+			if nr == 16 {
+				packRows16(asFloat32(d), asFloat32(src), ldb, kcb, full-lo)
+			} else {
+				packRows8(asFloat64(d), asFloat64(src), ldb, kcb, full-lo)
+			}
 		}
 		lo = max(lo, full)
 	}
@@ -298,10 +312,14 @@ func macroKernel[T float](blk blocking, mcb, ncb, kcb int, ap, bp []T, c []T, ld
 // the tile of c with row stride ldc, on blk's micro-kernel.
 func tile[T float](blk blocking, kc int, a, b, c []T, ldc int) {
 	if blk.vec {
-		// blk.vec is only set for float32 (blocking32), and the slices
-		// hold whole panels and a whole tile (checked below).
-		_, _, _ = a[6*kc-1], b[16*kc-1], c[5*ldc+15]
-		sgemm6x16AVX2(kc, (*float32)(unsafe.Pointer(&a[0])), (*float32)(unsafe.Pointer(&b[0])), (*float32)(unsafe.Pointer(&c[0])), ldc)
+		// The slices hold whole panels and a whole tile (checked here);
+		// T is float32 or float64, as its size says.
+		_, _, _ = a[6*kc-1], b[blk.nr*kc-1], c[5*ldc+blk.nr-1]
+		if unsafe.Sizeof(T(0)) == 4 {
+			sgemm6x16AVX2(kc, (*float32)(unsafe.Pointer(&a[0])), (*float32)(unsafe.Pointer(&b[0])), (*float32)(unsafe.Pointer(&c[0])), ldc)
+		} else {
+			dgemm6x8AVX2(kc, (*float64)(unsafe.Pointer(&a[0])), (*float64)(unsafe.Pointer(&b[0])), (*float64)(unsafe.Pointer(&c[0])), ldc)
+		}
 		return
 	}
 	microKernel(kc, a, b, c, ldc)
@@ -375,6 +393,21 @@ func packRows16(dst, src []float32, ld, rows, panels int) {
 			*(*[16]float32)(dst[(q*rows+p)*16:]) = *(*[16]float32)(row[q*16:])
 		}
 	}
+}
+
+// packRows8 is packRows16 for 8-wide float64 panels.
+func packRows8(dst, src []float64, ld, rows, panels int) {
+	for p := range rows {
+		row := src[p*ld:]
+		for q := range panels {
+			*(*[8]float64)(dst[(q*rows+p)*8:]) = *(*[8]float64)(row[q*8:])
+		}
+	}
+}
+
+// asFloat64 views s as []float64; T must be 8 bytes wide.
+func asFloat64[T float](s []T) []float64 {
+	return unsafe.Slice((*float64)(unsafe.Pointer(unsafe.SliceData(s))), len(s))
 }
 
 // asFloat32 views s as []float32; T must be 4 bytes wide (float32 or a

@@ -31,9 +31,11 @@ func goBackends(t testing.TB) []backendUnderTest {
 	tiny.gog.parMin = 1
 	tiny.gog.blk32 = blocking32()
 	tiny.gog.blk32.mc, tiny.gog.blk32.kc, tiny.gog.blk32.nc = 8, 5, 20
-	tiny.gog.blk64 = blocking{mc: 12, kc: 7, nc: 4, mr: mr, nr: nr}
+	tiny.gog.blk64 = blocking64()
+	tiny.gog.blk64.mc, tiny.gog.blk64.kc, tiny.gog.blk64.nc = 12, 7, 12
 	scalar.gog.parMin = 1
 	scalar.gog.blk32 = blocking{mc: 8, kc: 5, nc: 6, mr: mr, nr: nr}
+	scalar.gog.blk64 = blocking{mc: 12, kc: 7, nc: 4, mr: mr, nr: nr}
 	return []backendUnderTest{{"go-serial", serial}, {"go-parallel", par}, {"go-tiny-blocks", tiny}, {"go-tiny-blocks-portable", scalar}}
 }
 

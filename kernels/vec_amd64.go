@@ -70,3 +70,9 @@ func pairF32AVX2(dst, x, y *float32, n int, a, b float32, set bool)
 //
 //go:noescape
 func sgemm6x16AVX2(kc int, a, b, c *float32, ldc int)
+
+// dgemm6x8AVX2 adds a packed 6×kc panel of A times a packed kc×8 panel of
+// B into the 6×8 tile at c (row stride ldc elements); gemm_amd64.s.
+//
+//go:noescape
+func dgemm6x8AVX2(kc int, a, b, c *float64, ldc int)

@@ -31,3 +31,5 @@ func axpyF32AVX2(dst, x *float32, n int, c float32)                 { panic("unr
 func pairF32AVX2(dst, x, y *float32, n int, a, b float32, set bool) { panic("unreachable") }
 
 func sgemm6x16AVX2(kc int, a, b, c *float32, ldc int) { panic("unreachable") }
+
+func dgemm6x8AVX2(kc int, a, b, c *float64, ldc int) { panic("unreachable") }
