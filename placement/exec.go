@@ -88,9 +88,10 @@ func execute[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x block
 	m := src
 	shape := pl.src.shape
 	orig := x.data
+	var short error // an allocator's short buffer, reported after the step
 	for i := range pl.steps {
 		st := &pl.steps[i]
-		buf := bufs[T]{al: al, last: i == len(pl.steps)-1, orig: orig, reuse: reuse}
+		buf := bufs[T]{al: al, last: i == len(pl.steps)-1, orig: orig, reuse: reuse, short: &short}
 		var err error
 		if st.Kind == StepDirect {
 			x, err = crossExec(ctx, pl, src, dst, x)
@@ -98,12 +99,18 @@ func execute[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x block
 		} else {
 			x, err = stepExec(ctx, st, shape, m, x, buf)
 		}
+		if err == nil {
+			err = short
+		}
 		if err != nil {
 			return x, fmt.Errorf("placement: step %d (%s): %w", i+1, st, err)
 		}
 	}
 	if !reuse && sameStart(x.data, orig) {
-		out := bufs[T]{al: al, last: true}.out(len(x.data))
+		out := bufs[T]{al: al, last: true, short: &short}.out(len(x.data))
+		if short != nil {
+			return x, fmt.Errorf("placement: %w", short)
+		}
 		copy(out, x.data)
 		x.data = out
 	}
@@ -122,8 +129,9 @@ func sameStart[T any](a, b []T) bool {
 type bufs[T elem] struct {
 	al    Allocator
 	last  bool
-	orig  []T  // the tensor Execute was given
-	reuse bool // orig's memory may hold the result
+	orig  []T    // the tensor Execute was given
+	reuse bool   // orig's memory may hold the result
+	short *error // set when al returns fewer elements than asked for
 }
 
 // overwritable reports whether the step may write its output over data,
@@ -141,11 +149,25 @@ func (b bufs[T]) overwritable(data []T) bool {
 }
 
 // out returns n elements, with arbitrary contents, for the step's output.
-func (b bufs[T]) out(n int) []T { return alloc[T](b.al, n, b.last) }
+func (b bufs[T]) out(n int) []T { return b.take(n, b.last) }
 
 // temp returns n elements, with arbitrary contents, used only inside the
 // step.
-func (b bufs[T]) temp(n int) []T { return alloc[T](b.al, n, false) }
+func (b bufs[T]) temp(n int) []T { return b.take(n, false) }
+
+// take is n elements of b.al. An allocator that returns fewer is a bug of
+// the caller's: the step goes on in fresh memory (the collective must still
+// match its peers') and Execute then fails with b.short.
+func (b bufs[T]) take(n int, result bool) []T {
+	buf := alloc[T](b.al, n, result)
+	if len(buf) < n {
+		if *b.short == nil {
+			*b.short = fmt.Errorf("%w: the Allocator returned %d elements for %d", ErrInvalid, len(buf), n)
+		}
+		return make([]T, n)
+	}
+	return buf[:n]
+}
 
 // zeroOut is out with every element 0.
 func (b bufs[T]) zeroOut(n int) []T {
@@ -154,7 +176,8 @@ func (b bufs[T]) zeroOut(n int) []T {
 	return o
 }
 
-// alloc takes n elements from al, or fresh memory when al is nil.
+// alloc asks al for n elements (it may return fewer: see bufs.take), or
+// makes them when al is nil.
 func alloc[T elem](al Allocator, n int, result bool) []T {
 	if al == nil {
 		return make([]T, n)
@@ -162,9 +185,9 @@ func alloc[T elem](al Allocator, n int, result bool) []T {
 	var z T
 	switch any(z).(type) {
 	case float32:
-		return any(al.Float32(n, result)).([]T)[:n]
+		return any(al.Float32(n, result)).([]T)
 	default:
-		return any(al.Float64(n, result)).([]T)[:n]
+		return any(al.Float64(n, result)).([]T)
 	}
 }
 

@@ -2,6 +2,7 @@ package placement_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"testing"
@@ -216,4 +217,42 @@ func onlyReductions(src, dst *placement.Spec) bool {
 		}
 	}
 	return some
+}
+
+// shortAllocator returns one element fewer than asked for.
+type shortAllocator struct{}
+
+func (shortAllocator) Float32(n int, _ bool) []float32 { return make([]float32, max(n-1, 0)) }
+func (shortAllocator) Float64(n int, _ bool) []float64 { return make([]float64, max(n-1, 0)) }
+
+// TestExecuteShortAllocator checks that an allocator returning too little
+// fails Execute with ErrInvalid on the rank that uses it, without a panic
+// and without leaving its peers waiting.
+func TestExecuteShortAllocator(t *testing.T) {
+	placementtest.Run(t, []int{2}, []string{"a"}, func(ctx context.Context, m *mesh.Mesh) error {
+		src, err := placement.NewSpec(m, []int{4, 3}, comm.Float32, []placement.Placement{S0})
+		if err != nil {
+			return err
+		}
+		dst, err := placement.NewSpec(m, []int{4, 3}, comm.Float32, []placement.Placement{R})
+		if err != nil {
+			return err
+		}
+		in, err := placementtest.Distribute(src, placementtest.Random(src.Shape(), src.DType(), 1), 2)
+		if err != nil {
+			return err
+		}
+		var opts []placement.ExecuteOption
+		if m.Rank() == 0 {
+			opts = append(opts, placement.WithAllocator(shortAllocator{}))
+		}
+		_, err = placement.NewPlanner(nil).Redistribute(ctx, in, dst, opts...)
+		switch {
+		case m.Rank() == 0 && !errors.Is(err, placement.ErrInvalid):
+			return fmt.Errorf("rank 0, short allocator: err = %v, want ErrInvalid", err)
+		case m.Rank() != 0 && err != nil:
+			return fmt.Errorf("rank %d: %w", m.Rank(), err)
+		}
+		return nil
+	})
 }
