@@ -34,8 +34,13 @@ import (
 // the dense all-to-alls' median (two forward, four with backward, each of
 // n·K·D floats per rank, between buffers allocated once); x-dense their
 // ratio (1 means the MoE path costs no more than a balanced all-to-all of
-// its payload); x-dense-alloc the ratio against the same all-to-alls
-// receiving into freshly allocated buffers; ns/op the MoE path's median.
+// its payload); x-chained the ratio against the same all-to-alls chained,
+// each sending what the one before it received (as combine sends what
+// dispatch delivered, so that every row a rank sends was written by
+// another core since the rank last sent it, where the plain dense loop
+// sends a buffer no core writes); x-dense-alloc the ratio against the
+// plain all-to-alls receiving into freshly allocated buffers; ns/op the
+// MoE path's median.
 // The tape recycles (autograd.WithRecycling, Recycle before every
 // iteration), as a training loop's does, so dispatch's and combine's
 // results and gradients reuse the memory of the previous iteration's.
@@ -129,7 +134,8 @@ func benchReport(b *testing.B, p int, bc benchCase, bwd bool, paths []benchPath)
 	if err != nil {
 		b.Fatal(err)
 	}
-	dense, denseAlloc := times[len(times)-2], times[len(times)-1]
+	chained, dense, denseAlloc := times[len(times)-3], times[len(times)-2], times[len(times)-1]
+	b.ReportMetric(chained.Seconds()/times[0].Seconds(), "x-chained")
 	passes := 2
 	if bwd {
 		passes = 4
@@ -207,12 +213,12 @@ func (c benchCase) routing(rank int) []int32 {
 }
 
 // benchDispatchCombine returns the median iteration time of every path
-// and, last, of the dense all-to-alls (into buffers allocated once, then
-// into fresh ones), over rounds rounds of iters iterations of each in
-// turn.
+// and, last, of the dense all-to-alls (chained, between buffers allocated
+// once, then into fresh ones), over rounds rounds of iters iterations of
+// each in turn.
 func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, rounds, iters int) ([]time.Duration, error) {
 	n := rounds * iters
-	variants := len(paths) + 2
+	variants := len(paths) + 3
 	durs := make([][][]time.Duration, variants) // [variant][rank][iteration]
 	for v := range durs {
 		durs[v] = make([][]time.Duration, p)
@@ -313,7 +319,19 @@ func benchDispatchCombine(p int, bc benchCase, bwd bool, paths []benchPath, roun
 				return nil
 			}
 		}
-		fs = append(fs, dense(false), dense(true))
+		// chained: each all-to-all sends what the previous one received
+		// (on every rank, from the peers), as combine sends what dispatch
+		// delivered: the rows cross cores as the MoE path's do.
+		chained := func() error {
+			for range calls {
+				if err := comm.AllToAll(ctx, c, comm.Host(send), comm.Host(recv)); err != nil {
+					return err
+				}
+				send, recv = recv, send
+			}
+			return nil
+		}
+		fs = append(fs, chained, dense(false), dense(true))
 		for round := range rounds {
 			for v, f := range fs {
 				if err := f(); err != nil { // warm-up
