@@ -108,7 +108,8 @@ func BenchmarkTrainStep(b *testing.B) {
 // length) on one rank from init per iteration, and reports tokens/s, the
 // rate of the step's matrix products (tinygpt.Config.TrainFLOPs over the
 // whole step time: a lower bound on the GEMM rate) and that rate as a
-// percentage of the CPU's estimated single-precision peak. The BLAS is
+// percentage of the estimated single-precision peak of the cores GEMM
+// may use (the BLAS's thread count, at most the CPU count). The BLAS is
 // kernels.Default() (LOOM_BLAS=go|openblas|blis chooses it); its name and
 // the peak's derivation are logged.
 //
@@ -119,7 +120,10 @@ func BenchmarkTrain200(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	// The peak of the cores the run computes on: a 1-thread run is held
+	// to one core's.
 	peak := kernels.EstimatePeak()
+	peak.Cores = min(peak.Cores, max(1, bl.Threads()))
 	b.Logf("BLAS %s, %s, %d threads; peak %s", bl.Name(), bl.Config(), bl.Threads(), peak)
 	init := gpt.RandomInit(cfg, 1)
 	var elapsed float64
