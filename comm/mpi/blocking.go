@@ -43,8 +43,8 @@ func (c *Comm) runBlocking(w *work) error {
 	start := now()
 	c.mu.Lock()
 	// A call that would block forever because a peer has aborted fails
-	// here instead, if the notice has arrived.
-	c.pollCtlLocked()
+	// here instead, if the notice has arrived and been looked for.
+	c.noticesLocked()
 	for !w.finished {
 		c.progressLocked()
 		if e := c.failure.Load(); e != nil {

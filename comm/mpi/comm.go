@@ -304,10 +304,17 @@ func (c *Comm) pollCtlLocked() {
 	if C.MPI_Test(&c.ctlReq, &flag, &st) != C.loom_success() || flag == 0 {
 		return
 	}
+	c.noticeLocked(&st)
+}
+
+// noticeLocked handles the completed notice receive, whose status is st:
+// it aborts the communicator with the peer's cause, or reposts the
+// receive for a notice meant for an earlier communicator.
+func (c *Comm) noticeLocked(st *C.MPI_Status) {
 	c.ctlLive = false
 	b := unsafe.Slice((*byte)(c.ctlBuf), ctlBytes)
 	var count C.int
-	C.MPI_Get_count(&st, C.loom_byte(), &count)
+	C.MPI_Get_count(st, C.loom_byte(), &count)
 	if count < 12 || binary.LittleEndian.Uint64(b) != c.uid {
 		// A notice for an earlier communicator that had this context id.
 		_ = c.postCtlLocked()

@@ -2,6 +2,8 @@
 
 #include "loom_mpi.h"
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 int loom_init_thread(int *provided) {
 	return MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, provided);
@@ -269,25 +271,75 @@ int loom_testall(int n, MPI_Request *reqs, int *flag) {
 	return MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
 }
 
-// loom_testall_for tests reqs until they complete (*flag = 1), the
-// request ctl (not NULL) has a message waiting (*ctlflag = 1; ctl is only
-// looked at, not completed), or usec microseconds pass: MPI_Wait's loop,
-// bounded so that the caller can look at its context in between. Each
-// MPI_Testall runs MPI's progress engine once (which yields the processor
-// when Open MPI runs oversubscribed, as MPI_Wait does).
-int loom_testall_for(int n, MPI_Request *reqs, MPI_Request *ctl, int *flag, int *ctlflag, int usec) {
-	double end = MPI_Wtime() + usec * 1e-6;
+// loom_testall_ctl is one pass of MPI's progress engine over reqs and,
+// when ctl is not NULL, the notice receive *ctl: MPI_Testsome over both,
+// so that a notice that arrived with the data is seen with it and no
+// second pass (which would yield the processor when Open MPI runs
+// oversubscribed) is needed to look for one. *flag = 1 when every one of
+// reqs has completed (completed requests become MPI_REQUEST_NULL, as
+// MPI_Testsome leaves them); *ctlflag = 1 when *ctl has, its status then
+// in *st and *ctl MPI_REQUEST_NULL.
+int loom_testall_ctl(int n, MPI_Request *reqs, MPI_Request *ctl, int *flag, int *ctlflag, MPI_Status *st) {
 	*ctlflag = 0;
-	for (int i = 1;; i++) {
-		int rc = MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
-		if (rc != MPI_SUCCESS || *flag) return rc;
-		if ((i & 63) == 0) {
-			if (ctl != NULL) {
-				rc = MPI_Request_get_status(*ctl, ctlflag, MPI_STATUS_IGNORE);
-				if (rc != MPI_SUCCESS || *ctlflag) return rc;
-			}
-			if (MPI_Wtime() >= end) return MPI_SUCCESS;
+	if (ctl == NULL || *ctl == MPI_REQUEST_NULL) {
+		return MPI_Testall(n, reqs, flag, MPI_STATUSES_IGNORE);
+	}
+	enum { small = 8 };
+	MPI_Request rs[small + 1];
+	int idx[small + 1];
+	MPI_Status sts[small + 1];
+	MPI_Request *all = rs;
+	int *done = idx;
+	MPI_Status *stat = sts;
+	if (n > small) {
+		all = malloc((n + 1) * sizeof *all);
+		done = malloc((n + 1) * sizeof *done);
+		stat = malloc((n + 1) * sizeof *stat);
+		if (all == NULL || done == NULL || stat == NULL) {
+			free(all);
+			free(done);
+			free(stat);
+			return MPI_ERR_NO_MEM;
 		}
+	}
+	memcpy(all, reqs, n * sizeof *all);
+	all[n] = *ctl;
+	int out = 0;
+	int rc = MPI_Testsome(n + 1, all, &out, done, stat);
+	memcpy(reqs, all, n * sizeof *all);
+	*ctl = all[n];
+	if (out != MPI_UNDEFINED) {
+		for (int i = 0; i < out; i++) {
+			if (done[i] == n) {
+				*ctlflag = 1;
+				*st = stat[i];
+			}
+		}
+	}
+	*flag = 1;
+	for (int i = 0; i < n; i++) {
+		if (reqs[i] != MPI_REQUEST_NULL) *flag = 0;
+	}
+	if (all != rs) {
+		free(all);
+		free(done);
+		free(stat);
+	}
+	return rc;
+}
+
+// loom_testall_for runs loom_testall_ctl until reqs complete (*flag = 1),
+// the notice receive completes (*ctlflag = 1, as loom_testall_ctl), or
+// usec microseconds pass: MPI_Wait's loop, bounded so that the caller can
+// look at its context in between. Each pass runs MPI's progress engine
+// once (which yields the processor when Open MPI runs oversubscribed, as
+// MPI_Wait does).
+int loom_testall_for(int n, MPI_Request *reqs, MPI_Request *ctl, int *flag, int *ctlflag, MPI_Status *st, int usec) {
+	double end = MPI_Wtime() + usec * 1e-6;
+	for (int i = 1;; i++) {
+		int rc = loom_testall_ctl(n, reqs, ctl, flag, ctlflag, st);
+		if (rc != MPI_SUCCESS || *flag || *ctlflag) return rc;
+		if ((i & 63) == 0 && MPI_Wtime() >= end) return MPI_SUCCESS;
 	}
 }
 

@@ -65,6 +65,7 @@ int loom_barrier(MPI_Comm c, MPI_Request *req);
 int loom_error_string(int code, char *buf, int len);
 int loom_test(MPI_Request *req, int *flag);
 int loom_testall(int n, MPI_Request *reqs, int *flag);
-int loom_testall_for(int n, MPI_Request *reqs, MPI_Request *ctl, int *flag, int *ctlflag, int usec);
+int loom_testall_ctl(int n, MPI_Request *reqs, MPI_Request *ctl, int *flag, int *ctlflag, MPI_Status *st);
+int loom_testall_for(int n, MPI_Request *reqs, MPI_Request *ctl, int *flag, int *ctlflag, MPI_Status *st, int usec);
 
 #endif
