@@ -58,14 +58,16 @@ type work struct {
 
 type step func(w *work) error
 
-// ctlPollEvery is how often a rank looks for peers' abort notices. Each
-// look is an MPI_Test, which runs MPI's whole progress engine once and,
-// with more ranks than cores, yields the core to another process (Open
-// MPI's mpi_yield_when_idle): looking before every call cost a blocking
-// 1 MiB allreduce of 4 ranks on 2 cores 8-15% of its time. A notice waits
-// at most this long; it only hastens a failure that the timeout and the
-// blocking watchdog also report.
-const ctlPollEvery = 10 * time.Millisecond
+// ctlPollEvery is how often a rank looks for peers' abort notices when
+// no test of its requests does (loom_testall_ctl looks at every one): in
+// blocking mode, and between calls. Each look is an MPI_Test, which runs
+// MPI's whole progress engine once and, with more ranks than cores,
+// yields the core to another process (Open MPI's mpi_yield_when_idle);
+// the collective then waits for that rank. Looking before every blocking
+// call cost a 1 MiB allreduce of 4 ranks on 2 cores 8-15% of its time.
+// A notice only hastens a failure that the timeout reports anyway, so it
+// is looked for as often as a blocking call's watchdog looks (watchPoll).
+const ctlPollEvery = watchPoll
 
 // noticesLocked looks for a peer's abort notice (pollCtlLocked) if it
 // has not looked for ctlPollEvery.
