@@ -336,7 +336,9 @@ func TestSplitsLargeMessages(t *testing.T) {
 	defer c.Free()
 	ctx := context.Background()
 	p, r := c.Size(), c.Rank()
-	const n = 3500
+	// 11 pieces: more requests in one step than loom_testall_ctl keeps on
+	// its stack.
+	const n = 10500
 	x := make([]float64, n)
 	for i := range x {
 		x[i] = float64(r*n + i)
