@@ -149,6 +149,8 @@ type Comm struct {
 	// endJob ends the job when a blocking call cannot be interrupted
 	// (see WithBlockingCalls); tests replace it.
 	endJob func(error)
+
+	sentry sentry // hands long blocking calls to a watchdog
 }
 
 var _ comm.Communicator = (*Comm)(nil)
