@@ -52,7 +52,9 @@
 // machine (cmd/loombench/compare_mpi.sh measures both against raw MPI).
 //
 // A blocking call cannot be interrupted. A watchdog goroutine watches each
-// one: when the call outlives the timeout, its context ends, or the
+// one that runs longer than 5-10 ms (a sentry goroutine per communicator
+// looks every 5 ms while blocking calls are made, so that short calls pay
+// for no timer): when the call outlives the timeout, its context ends, or the
 // communicator is aborted meanwhile (Abort, or a peer's notice, which the
 // watchdog polls for every 50 ms), it aborts the communicator and notifies
 // the peers; if the call has still not returned 100 ms later, it prints the
