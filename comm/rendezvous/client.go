@@ -161,6 +161,13 @@ func (c *Client) connect(ctx context.Context) (*session, error) {
 	if err != nil {
 		s.fail(err)
 		<-s.readerDone
+		// The first failure is the cause. A reader that met garbage has
+		// failed the session and closed the connection, and the ping's
+		// write may then fail with a closed-connection error that says
+		// nothing (and that Dial would retry).
+		s.mu.Lock()
+		err = s.err
+		s.mu.Unlock()
 		return nil, err
 	}
 	return s, nil
