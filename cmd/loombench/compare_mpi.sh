@@ -17,17 +17,31 @@
 # oversubscribed, unbound.
 #
 # Usage: cmd/loombench/compare_mpi.sh
-# Environment: NPS="2 4", ROUNDS=5, ITERS=20, WARMUP=5.
+# Environment: NPS="2 4", ROUNDS=5, ITERS=20, WARMUP=5; LOOMBENCH, a
+# loombench built elsewhere with `go build -tags mpi` (for a machine
+# without Go), and RAWMPI, a prebuilt rawmpi/allreduce.c, instead of
+# building them here.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-for tool in go mpicc mpirun nproc; do
+need=(mpirun nproc)
+[ -n "${LOOMBENCH:-}" ] || need+=(go)
+[ -n "${RAWMPI:-}" ] || need+=(mpicc)
+for tool in "${need[@]}"; do
 	command -v "$tool" >/dev/null || { echo "compare_mpi.sh: $tool not found (apt-get install -y openmpi-bin libopenmpi-dev)" >&2; exit 2; }
 done
 dir="$(mktemp -d)"
 trap 'rm -rf "$dir"' EXIT
-mpicc -O2 -o "$dir/rawmpi" cmd/loombench/rawmpi/allreduce.c
-go build -tags mpi -o "$dir/loombench" ./cmd/loombench
+if [ -n "${RAWMPI:-}" ]; then
+	cp "$RAWMPI" "$dir/rawmpi"
+else
+	mpicc -O2 -o "$dir/rawmpi" cmd/loombench/rawmpi/allreduce.c
+fi
+if [ -n "${LOOMBENCH:-}" ]; then
+	cp "$LOOMBENCH" "$dir/loombench"
+else
+	go build -tags mpi -o "$dir/loombench" ./cmd/loombench
+fi
 iters=${ITERS:-20} warmup=${WARMUP:-5}
 : >"$dir/times"
 for np in ${NPS:-2 4}; do
