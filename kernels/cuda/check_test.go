@@ -182,6 +182,21 @@ func checkMoETyped[T kernels.Float](t *testing.T, c *Context, m *MoE, dt DType, 
 			must(t, m.UnpermuteBackward(dt, outDP, Buffer{}, ddout, Buffer{}, Buffer{}, d, dr))
 			sameVec(t, "UnpermuteBackward dpacked without gates", host[T](t, c, outDP, rows*d), wantDP, 0)
 
+			// One element past an allocation's start, no pointer allows
+			// 16-byte accesses: the element-wise kernels run instead.
+			es := dt.Size()
+			skew := func(b Buffer) Buffer { return Buffer{Ptr: b.Ptr + DevicePtr(es), Bytes: b.Bytes - es} }
+			outS, packedS, doutS := devGarbage[T](t, c, n*d+1), devGarbage[T](t, c, rows*d+1), devGarbage[T](t, c, n*d+1)
+			must(t, CopyToDevice(c, skew(packedS), packed))
+			must(t, CopyToDevice(c, skew(doutS), dout))
+			must(t, kernels.Unpermute(wantT, packed, gates, d, &r))
+			must(t, m.Unpermute(dt, skew(outS), skew(packedS), dgates, d, dr))
+			sameVec(t, "Unpermute at an odd address", host[T](t, c, skew(outS), n*d), wantT, rel)
+			must(t, kernels.UnpermuteBackward(wantDP, wantDG, dout, packed, gates, d, &r))
+			must(t, m.UnpermuteBackward(dt, outDP, outDG, skew(doutS), skew(packedS), dgates, d, dr))
+			sameVec(t, "UnpermuteBackward dpacked at an odd address", host[T](t, c, outDP, rows*d), wantDP, 0)
+			sameVec(t, "UnpermuteBackward dgates at an odd address", host[T](t, c, outDG, n*k), wantDG, rel)
+
 			// Expert-parallel regrouping of the packed rows, seen as
 			// received from 2 ranks with e/2 local experts.
 			if tc.e%2 == 0 && rows > 0 {

@@ -251,27 +251,29 @@ func TestLaunchGeometry(t *testing.T) {
 		rows, words int
 		grid, block Dim3
 	}{
-		{1, 1, Dim3{X: 1}, Dim3{X: 32, Y: 8}},
-		{100, 1, Dim3{X: 13}, Dim3{X: 32, Y: 8}},
+		{1, 1, Dim3{X: 1}, Dim3{X: 1, Y: 256}},
+		{100, 1, Dim3{X: 1}, Dim3{X: 1, Y: 256}},
+		{100, 16, Dim3{X: 7}, Dim3{X: 16, Y: 16}},
 		{100, 33, Dim3{X: 25}, Dim3{X: 64, Y: 4}},
 		{100, 256, Dim3{X: 100}, Dim3{X: 256, Y: 1}},
 		{10, 5000, Dim3{X: 10}, Dim3{X: 256, Y: 1}},
 		{1 << 30, 1024, Dim3{X: 65535}, Dim3{X: 256, Y: 1}},
+		{0, 0, Dim3{X: 1}, Dim3{X: 1, Y: 256}},
 	} {
 		g, b := rowLaunch(c.rows, c.words)
 		if g != c.grid || b != c.block {
 			t.Errorf("rowLaunch(%d, %d) = %v, %v, want %v, %v", c.rows, c.words, g, b, c.grid, c.block)
 		}
-		if b.X*max(b.Y, 1) > 256 {
+		if b.X*max(b.Y, 1) != 256 {
 			t.Errorf("rowLaunch(%d, %d): %d threads", c.rows, c.words, b.X*b.Y)
 		}
 	}
-	for _, c := range []struct{ slots, d, grid, block int }{
-		{10, 1, 10, 32}, {10, 33, 10, 64}, {10, 200, 10, 256}, {1 << 20, 4096, 65535, 256}, {0, 4, 1, 32},
+	for _, c := range []struct{ slots, grid int }{
+		{0, 1}, {1, 1}, {8, 1}, {9, 2}, {1 << 20, 65535},
 	} {
-		g, b := reduceLaunch(c.slots, c.d)
-		if int(g.X) != c.grid || int(b.X) != c.block || b.X&(b.X-1) != 0 {
-			t.Errorf("reduceLaunch(%d, %d) = %v, %v", c.slots, c.d, g, b)
+		g, b := warpLaunch(c.slots)
+		if int(g.X) != c.grid || b != (Dim3{X: 256}) {
+			t.Errorf("warpLaunch(%d) = %v, %v, want %d blocks of 256", c.slots, g, b, c.grid)
 		}
 	}
 	for _, c := range []struct {

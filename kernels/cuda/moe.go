@@ -314,24 +314,36 @@ func GroupIndex(counts []int, ranks, local int, toExpert bool) ([]int32, error) 
 }
 
 // rowLaunch returns the 2-D block and the grid for rows rows of words
-// elements: threadIdx.x over a row (a multiple of 32 up to 256),
-// threadIdx.y over rows (256 threads a block), at most 65535 blocks (the
-// kernels stride over the rest).
+// words: threadIdx.x over a row (the power of two that covers it, up to
+// 256), threadIdx.y over rows (256 threads a block), at most 65535 blocks
+// (the kernels stride over the rest). Rows narrower than a warp share
+// one, so that short rows keep every lane busy.
 func rowLaunch(rows, words int) (grid, block Dim3) {
-	bx := min(256, (max(words, 1)+31)/32*32)
-	by := max(1, 256/bx)
+	bx := 1
+	for bx < 256 && bx < words {
+		bx *= 2
+	}
+	by := 256 / bx
 	g := min((rows+by-1)/by, 65535)
 	return Dim3{X: uint32(max(g, 1))}, Dim3{X: uint32(bx), Y: uint32(by)}
 }
 
-// reduceLaunch returns the 1-D block (a power of two from 32 to 256) and
-// grid of the gate-gradient kernel: one block per slot.
-func reduceLaunch(slots, d int) (grid, block Dim3) {
-	bx := 32
-	for bx < 256 && bx < d {
-		bx *= 2
+// warpLaunch returns the 1-D block (8 warps) and the grid of the
+// gate-gradient kernel, which gives each slot a warp: at most 65535
+// blocks (the kernel strides over the rest).
+func warpLaunch(slots int) (grid, block Dim3) {
+	const warps = 8
+	return Dim3{X: uint32(max(min((slots+warps-1)/warps, 65535), 1))}, Dim3{X: 32 * warps}
+}
+
+// vector returns whether rows of d elements of size es at ptrs can move in
+// 16-byte words, and the elements a thread then handles at once (16/es,
+// else 1).
+func vector(es, d int, ptrs ...DevicePtr) (wide bool, elems int) {
+	if wordSize(d*es, ptrs...) == 16 {
+		return true, 16 / es
 	}
-	return Dim3{X: uint32(max(min(slots, 65535), 1))}, Dim3{X: uint32(bx)}
+	return false, 1
 }
 
 // wordSize returns the widest copy word (16, 8, 4 or 1 bytes) that divides
@@ -479,11 +491,12 @@ func (m *MoE) Unpermute(t DType, out, packed, gates Buffer, d int, r *DeviceRout
 	if r.Tokens == 0 || d == 0 {
 		return nil
 	}
-	f, err := m.fn(map[DType]string{Float32: kUnpermuteF32, Float64: kUnpermuteF64}[t])
+	wide, v := vector(es, d, out.Ptr, packed.Ptr)
+	f, err := m.fn(typedKernel(kUnpermute, t, wide))
 	if err != nil {
 		return err
 	}
-	grid, block := rowLaunch(r.Tokens, d)
+	grid, block := rowLaunch(r.Tokens, d/v)
 	if err := m.ctx.Launch(f, grid, block, 0, out, packed, gates, r.SlotRow, int32(r.TopK), int64(r.Tokens), int64(d)); err != nil {
 		return fmt.Errorf("cuda: %s: %w", op, err)
 	}
@@ -516,21 +529,23 @@ func (m *MoE) UnpermuteBackward(t DType, dpacked, dgates, dout, packed, gates Bu
 		return err
 	}
 	if dpacked.Ptr != 0 && r.Rows > 0 && d > 0 {
-		f, err := m.fn(map[DType]string{Float32: kScaleGatherF32, Float64: kScaleGatherF64}[t])
+		wide, v := vector(es, d, dpacked.Ptr, dout.Ptr)
+		f, err := m.fn(typedKernel(kScaleGather, t, wide))
 		if err != nil {
 			return err
 		}
-		grid, block := rowLaunch(r.Rows, d)
+		grid, block := rowLaunch(r.Rows, d/v)
 		if err := m.ctx.Launch(f, grid, block, 0, dpacked, dout, gates, r.RowSlot, int32(r.TopK), int64(r.Rows), int64(d)); err != nil {
 			return fmt.Errorf("cuda: %s: %w", op, err)
 		}
 	}
 	if dgates.Ptr != 0 && slots > 0 {
-		f, err := m.fn(map[DType]string{Float32: kGateGradF32, Float64: kGateGradF64}[t])
+		wide, _ := vector(es, d, packed.Ptr, dout.Ptr)
+		f, err := m.fn(typedKernel(kGateGrad, t, wide))
 		if err != nil {
 			return err
 		}
-		grid, block := reduceLaunch(slots, d)
+		grid, block := warpLaunch(slots)
 		if err := m.ctx.Launch(f, grid, block, 0, dgates, packed, dout, r.SlotRow, int32(r.TopK), int64(slots), int64(d)); err != nil {
 			return fmt.Errorf("cuda: %s: %w", op, err)
 		}

@@ -36,72 +36,95 @@ __device__ __forceinline__ void loom_gather(W *__restrict__ dst, const W *__rest
   }
 }
 
+// V elements of T moved as one load or store: a float4 or double2 where a
+// row's width and its pointers allow 16-byte accesses (V = 16/sizeof(T)),
+// else the element itself (V = 1).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) loom_vec {
+  T v[V];
+};
+
 // Row t of out becomes sum_j gate[t*k+j] * packed[slotRow[t*k+j]] over the
 // live slots, in slot order (zero when none is live); gates == 0 weights
-// every slot by 1.
-template <typename T>
+// every slot by 1. d is a multiple of V.
+template <typename T, int V>
 __device__ __forceinline__ void loom_unpermute(T *__restrict__ out, const T *__restrict__ packed,
                                                const T *__restrict__ gates, const int *__restrict__ slotRow,
                                                int k, i64 tokens, i64 d) {
+  typedef loom_vec<T, V> Vec;
+  const i64 words = d / V;
+  const Vec *in = (const Vec *)packed;
   for (i64 t = (i64)blockIdx.x * blockDim.y + threadIdx.y; t < tokens; t += (i64)gridDim.x * blockDim.y) {
     const int *sr = slotRow + t * k;
-    for (i64 i = threadIdx.x; i < d; i += blockDim.x) {
-      T acc = T(0);
+    Vec *o = (Vec *)out + t * words;
+    for (i64 i = threadIdx.x; i < words; i += blockDim.x) {
+      Vec acc;
+      for (int c = 0; c < V; ++c) acc.v[c] = T(0);
       for (int j = 0; j < k; ++j) {
         int p = sr[j];
         if (p >= 0) {
           T g = gates ? gates[t * k + j] : T(1);
-          acc += g * packed[(i64)p * d + i];
+          Vec x = in[(i64)p * words + i];
+          for (int c = 0; c < V; ++c) acc.v[c] += g * x.v[c];
         }
       }
-      out[t * d + i] = acc;
+      o[i] = acc;
     }
   }
 }
 
 // Packed row r of dpacked becomes gates[s] * dout[s/k] for s = rowSlot[r],
-// or zeros for a pad row; gates == 0 weights by 1.
-template <typename T>
+// or zeros for a pad row; gates == 0 weights by 1. d is a multiple of V.
+template <typename T, int V>
 __device__ __forceinline__ void loom_scale_gather(T *__restrict__ dpacked, const T *__restrict__ dout,
                                                   const T *__restrict__ gates, const int *__restrict__ rowSlot,
                                                   int k, i64 rows, i64 d) {
+  typedef loom_vec<T, V> Vec;
+  const i64 words = d / V;
   for (i64 r = (i64)blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += (i64)gridDim.x * blockDim.y) {
     int s = rowSlot[r];
-    T *o = dpacked + r * d;
+    Vec *o = (Vec *)dpacked + r * words;
     if (s < 0) {
-      for (i64 i = threadIdx.x; i < d; i += blockDim.x) o[i] = T(0);
+      Vec z{};
+      for (i64 i = threadIdx.x; i < words; i += blockDim.x) o[i] = z;
       continue;
     }
     T g = gates ? gates[s] : T(1);
-    const T *in = dout + (i64)(s / k) * d;
-    for (i64 i = threadIdx.x; i < d; i += blockDim.x) o[i] = g * in[i];
+    const Vec *in = (const Vec *)dout + (i64)(s / k) * words;
+    for (i64 i = threadIdx.x; i < words; i += blockDim.x) {
+      Vec x = in[i];
+      for (int c = 0; c < V; ++c) x.v[c] *= g;
+      o[i] = x;
+    }
   }
 }
 
 // dgates[s] becomes <packed[slotRow[s]], dout[s/k]>, accumulated in
-// double, or 0 for a dead slot. One block (1-D, blockDim.x a power of two
-// <= 256) per slot.
-template <typename T>
+// double, or 0 for a dead slot. One warp per slot (1-D blocks of whole
+// warps): each lane sums a strided part of the row, then the warp adds
+// the lanes' sums by shuffles. Every lane of a warp takes the same slots,
+// so the full-mask shuffles always meet. d is a multiple of V.
+template <typename T, int V>
 __device__ __forceinline__ void loom_gate_grad(T *__restrict__ dgates, const T *__restrict__ packed,
                                                const T *__restrict__ dout, const int *__restrict__ slotRow,
                                                int k, i64 slots, i64 d) {
-  __shared__ double sh[256];
-  for (i64 s = blockIdx.x; s < slots; s += gridDim.x) {
+  typedef loom_vec<T, V> Vec;
+  const i64 words = d / V;
+  const unsigned lane = threadIdx.x & 31u;
+  const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+  for (i64 s = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; s < slots; s += warps) {
     int p = slotRow[s];
     double acc = 0.0;
     if (p >= 0) {
-      const T *a = packed + (i64)p * d;
-      const T *b = dout + (s / k) * d;
-      for (i64 i = threadIdx.x; i < d; i += blockDim.x) acc += (double)a[i] * (double)b[i];
+      const Vec *a = (const Vec *)packed + (i64)p * words;
+      const Vec *b = (const Vec *)dout + (s / k) * words;
+      for (i64 i = lane; i < words; i += 32) {
+        Vec x = a[i], y = b[i];
+        for (int c = 0; c < V; ++c) acc += (double)x.v[c] * (double)y.v[c];
+      }
     }
-    sh[threadIdx.x] = acc;
-    __syncthreads();
-    for (unsigned w = blockDim.x / 2; w > 0; w >>= 1) {
-      if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) dgates[s] = (T)sh[0];
-    __syncthreads();
+    for (unsigned off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) dgates[s] = (T)acc;
   }
 }
 
@@ -115,18 +138,22 @@ LOOM_GATHER(loom_gather_w8, loom_w8)
 LOOM_GATHER(loom_gather_w4, loom_w4)
 LOOM_GATHER(loom_gather_w1, loom_w1)
 
-#define LOOM_TYPED(SUFFIX, T)                                                                            \
+// Each typed kernel is defined for an element type and a vector width:
+// SUFFIX is f32 and f64 (V = 1), f32x4 and f64x2 (16-byte accesses).
+#define LOOM_TYPED(SUFFIX, T, V)                                                                         \
   extern "C" __global__ void loom_unpermute_##SUFFIX(T *out, const T *packed, const T *gates,            \
                                                      const int *slotRow, int k, i64 tokens, i64 d) {     \
-    loom_unpermute<T>(out, packed, gates, slotRow, k, tokens, d);                                        \
+    loom_unpermute<T, V>(out, packed, gates, slotRow, k, tokens, d);                                     \
   }                                                                                                      \
   extern "C" __global__ void loom_scale_gather_##SUFFIX(T *dpacked, const T *dout, const T *gates,       \
                                                         const int *rowSlot, int k, i64 rows, i64 d) {    \
-    loom_scale_gather<T>(dpacked, dout, gates, rowSlot, k, rows, d);                                     \
+    loom_scale_gather<T, V>(dpacked, dout, gates, rowSlot, k, rows, d);                                  \
   }                                                                                                      \
   extern "C" __global__ void loom_gate_grad_##SUFFIX(T *dgates, const T *packed, const T *dout,          \
                                                      const int *slotRow, int k, i64 slots, i64 d) {      \
-    loom_gate_grad<T>(dgates, packed, dout, slotRow, k, slots, d);                                       \
+    loom_gate_grad<T, V>(dgates, packed, dout, slotRow, k, slots, d);                                    \
   }
-LOOM_TYPED(f32, float)
-LOOM_TYPED(f64, double)
+LOOM_TYPED(f32, float, 1)
+LOOM_TYPED(f64, double, 1)
+LOOM_TYPED(f32x4, float, 4)
+LOOM_TYPED(f64x2, double, 2)

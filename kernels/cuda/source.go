@@ -2,7 +2,7 @@ package cuda
 
 import (
 	_ "embed"
-	"slices"
+	"strconv"
 )
 
 //go:embed permute.cu
@@ -13,25 +13,41 @@ var permuteSource string
 // headers; every kernel is extern "C", so its name needs no lowering.
 func Source() string { return permuteSource }
 
-// Kernel names in [Source].
+// The row-gather kernels in [Source], by the size of the word they copy.
 const (
-	kGatherW16      = "loom_gather_w16"
-	kGatherW8       = "loom_gather_w8"
-	kGatherW4       = "loom_gather_w4"
-	kGatherW1       = "loom_gather_w1"
-	kUnpermuteF32   = "loom_unpermute_f32"
-	kUnpermuteF64   = "loom_unpermute_f64"
-	kScaleGatherF32 = "loom_scale_gather_f32"
-	kScaleGatherF64 = "loom_scale_gather_f64"
-	kGateGradF32    = "loom_gate_grad_f32"
-	kGateGradF64    = "loom_gate_grad_f64"
+	kGatherW16 = "loom_gather_w16"
+	kGatherW8  = "loom_gather_w8"
+	kGatherW4  = "loom_gather_w4"
+	kGatherW1  = "loom_gather_w1"
 )
+
+// The typed kernels in [Source]: each is defined for float32 and float64,
+// element by element and with 16-byte accesses (see [typedKernel]).
+const (
+	kUnpermute   = "unpermute"
+	kScaleGather = "scale_gather"
+	kGateGrad    = "gate_grad"
+)
+
+// typedKernel returns the name of kind's kernel for t: loom_<kind>_f32 or
+// _f64, or with wide (16-byte loads and stores, for rows whose width and
+// pointers allow them) loom_<kind>_f32x4 or _f64x2.
+func typedKernel(kind string, t DType, wide bool) string {
+	name := "loom_" + kind + "_f" + strconv.Itoa(8*t.Size())
+	if wide {
+		name += "x" + strconv.Itoa(16/t.Size())
+	}
+	return name
+}
 
 // KernelNames returns the extern "C" kernels of [Source] that [NewMoE]
 // looks up.
 func KernelNames() []string {
-	return slices.Clone([]string{
-		kGatherW16, kGatherW8, kGatherW4, kGatherW1,
-		kUnpermuteF32, kUnpermuteF64, kScaleGatherF32, kScaleGatherF64, kGateGradF32, kGateGradF64,
-	})
+	names := []string{kGatherW16, kGatherW8, kGatherW4, kGatherW1}
+	for _, kind := range []string{kUnpermute, kScaleGather, kGateGrad} {
+		for _, t := range []DType{Float32, Float64} {
+			names = append(names, typedKernel(kind, t, false), typedKernel(kind, t, true))
+		}
+	}
+	return names
 }

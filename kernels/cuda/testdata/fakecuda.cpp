@@ -6,8 +6,9 @@
 // it exports the driver and NVRTC entry points package cuda binds. "Device"
 // memory is host memory; cuLaunchKernel runs the real kernels of
 // permute.cu on the CPU: blocks one after another, and the threads of a
-// block one after another, or as real threads meeting at a barrier in
-// __syncthreads for the kernels that use it. So a Go test exercises the
+// block one after another, or, for the kernels whose warps exchange values
+// (__shfl_down_sync), as real threads, each warp's lanes meeting at a
+// barrier of their own in every shuffle. So a Go test exercises the
 // whole path (dlopen, symbol binding, argument packing, launch geometry,
 // size checks, error reporting) and the kernels' results.
 
@@ -28,15 +29,34 @@ struct loom_dim3 {
 };
 static thread_local loom_dim3 threadIdx;
 static loom_dim3 blockIdx, blockDim, gridDim;
-static std::barrier<> *loom_bar;
+
+// One warp of a kernel that shuffles: its 32 lanes run as threads.
+struct loom_warp {
+  std::barrier<> bar{32};
+  unsigned long long value[32];
+};
+static thread_local loom_warp *loom_this_warp;
+
+// __shfl_down_sync returns lane+off's v (its own past the last lane), as
+// on the GPU: every lane publishes v, the warp meets, each reads, and the
+// warp meets again before a lane may publish its next value.
+template <typename V>
+static V __shfl_down_sync(unsigned mask, V v, unsigned off) {
+  static_assert(sizeof(V) <= sizeof(unsigned long long));
+  if (mask != 0xffffffffu || !loom_this_warp) std::abort();
+  loom_warp *w = loom_this_warp;
+  unsigned lane = threadIdx.x & 31u;
+  std::memcpy(&w->value[lane], &v, sizeof v);
+  w->bar.arrive_and_wait();
+  V r = v;
+  if (lane + off < 32) std::memcpy(&r, &w->value[lane + off], sizeof r);
+  w->bar.arrive_and_wait();
+  return r;
+}
 
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static
-static inline void __syncthreads() {
-  if (loom_bar) loom_bar->arrive_and_wait();
-}
 
 #include "permute.cu"
 
@@ -107,7 +127,7 @@ CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { std::memset((
 // A "function" is a thunk that unpacks kernelParams and runs one thread.
 struct fake_fn {
   void (*thread)(void **params);
-  bool sync;  // uses __syncthreads: run the block's threads concurrently
+  bool warps;  // shuffles: run the block's threads concurrently, by warps
 };
 
 #define P(i, T) (*(T *)params[i])
@@ -119,24 +139,22 @@ static void th_gather1(void **params) { loom_gather_w1(P(0, void *), P(1, void *
   static void th_##K(void **params) {                                                                 \
     loom_##K(P(0, T *), P(1, T *), P(2, T *), P(3, int *), P(4, int), P(5, i64), P(6, i64));         \
   }
-TYPED(unpermute_f32, float)
-TYPED(unpermute_f64, double)
-TYPED(scale_gather_f32, float)
-TYPED(scale_gather_f64, double)
-TYPED(gate_grad_f32, float)
-TYPED(gate_grad_f64, double)
+#define TYPED_ALL(SUFFIX, T) TYPED(unpermute_##SUFFIX, T) TYPED(scale_gather_##SUFFIX, T) TYPED(gate_grad_##SUFFIX, T)
+TYPED_ALL(f32, float)
+TYPED_ALL(f64, double)
+TYPED_ALL(f32x4, float)
+TYPED_ALL(f64x2, double)
 
 static std::map<std::string, fake_fn> fns = {
     {"loom_gather_w16", {th_gather16, false}},
     {"loom_gather_w8", {th_gather8, false}},
     {"loom_gather_w4", {th_gather4, false}},
     {"loom_gather_w1", {th_gather1, false}},
-    {"loom_unpermute_f32", {th_unpermute_f32, false}},
-    {"loom_unpermute_f64", {th_unpermute_f64, false}},
-    {"loom_scale_gather_f32", {th_scale_gather_f32, false}},
-    {"loom_scale_gather_f64", {th_scale_gather_f64, false}},
-    {"loom_gate_grad_f32", {th_gate_grad_f32, true}},
-    {"loom_gate_grad_f64", {th_gate_grad_f64, true}},
+#define FNS(SUFFIX)                                                                                   \
+  {"loom_unpermute_" #SUFFIX, {th_unpermute_##SUFFIX, false}},                                        \
+      {"loom_scale_gather_" #SUFFIX, {th_scale_gather_##SUFFIX, false}},                              \
+      {"loom_gate_grad_" #SUFFIX, {th_gate_grad_##SUFFIX, true}}
+    FNS(f32), FNS(f64), FNS(f32x4), FNS(f64x2),
 };
 
 CUresult cuModuleLoadData(void **mod, const void *image) {
@@ -159,13 +177,13 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
   if (!fn || !params || extra) return 1;
   if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0) return 1;
   if ((unsigned long long)bx * by * bz > 1024 || gy > 65535 || gz > 65535 || by > 1024 || bz > 64) return 1;
-  if (fn->sync && (by != 1 || bz != 1 || bx > 256 || (bx & (bx - 1)))) return 1;
+  if (fn->warps && (by != 1 || bz != 1 || bx % 32 != 0)) return 1;
   launches++;
   gridDim = {gx, gy, gz};
   blockDim = {bx, by, bz};
   for (unsigned b = 0; b < gx; b++) {
     blockIdx = {b, 0, 0};
-    if (!fn->sync) {
+    if (!fn->warps) {
       for (unsigned y = 0; y < by; y++)
         for (unsigned x = 0; x < bx; x++) {
           threadIdx = {x, y, 0};
@@ -173,16 +191,15 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
         }
       continue;
     }
-    std::barrier<> bar(bx);
-    loom_bar = &bar;
+    std::vector<loom_warp> warps(bx / 32);
     std::vector<std::thread> ts;
     for (unsigned x = 0; x < bx; x++)
-      ts.emplace_back([=] {
+      ts.emplace_back([=, &warps] {
         threadIdx = {x, 0, 0};
+        loom_this_warp = &warps[x / 32];
         fn->thread(params);
       });
     for (auto &t : ts) t.join();
-    loom_bar = nullptr;
   }
   return 0;
 }
