@@ -1,8 +1,9 @@
 // loom MoE permute kernels, compiled at run time by NVRTC (no headers).
 //
 // Rows are processed by 2-D blocks: threadIdx.x walks the elements (or
-// words) of a row, threadIdx.y picks one of blockDim.y rows, and the grid
-// strides over rows. Index maps are int32; -1 marks a pad row or a dead
+// 16-byte words) of a row, threadIdx.y picks one of blockDim.y rows, and
+// the grid strides over rows; the gate gradient instead gives each slot a
+// warp of a 1-D block. Index maps are int32; -1 marks a pad row or a dead
 // slot, exactly as in package kernels' Routing.
 
 typedef long long i64;
