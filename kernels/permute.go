@@ -465,7 +465,9 @@ func unpermute[T Float](out []T, src packedRows[T], gates []T, d int, r *Routing
 //     for each live slot, accumulated in float64, and zero for a slot that
 //     is not routed or was dropped. It needs packed, the combine's input.
 //
-// packed may be nil when dgates is; gates may be nil (weights of 1).
+// packed may be nil when dgates is; gates may be nil (weights of 1). Both
+// outputs come from one pass over the packed rows, which reads each slot's
+// dout row once for the two.
 func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int, r *Routing) error {
 	const op = "UnpermuteBackward"
 	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
@@ -483,7 +485,7 @@ func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int,
 	if gates != nil {
 		errs = append(errs, permLen(op, "gates", len(gates), slots, 1))
 	}
-	if dpacked != nil {
+	if dpacked != nil || dgates != nil {
 		errs = append(errs, r.checkRowSlot(op))
 	}
 	if dgates != nil {
@@ -492,43 +494,52 @@ func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int,
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	k := r.TopK
-	if dpacked != nil {
-		if gates == nil {
-			gatherRows(r.Workers, dpacked, dout, r.RowSlot, k, d)
-		} else {
-			permForRows(r.Workers, len(r.RowSlot), 2*d*sizeOf[T](), func(lo, hi int) {
-				for p := lo; p < hi; p++ {
-					o := dpacked[p*d : p*d+d]
-					s := int(r.RowSlot[p])
-					if s < 0 {
-						clear(o)
-						continue
-					}
-					t := s / k
-					permScale(o, dout[t*d:t*d+d], gates[s])
-				}
-			})
+	if dgates != nil {
+		// Slots without a packed row get no gradient from the row pass.
+		for s, p := range r.SlotRow {
+			if p < 0 {
+				dgates[s] = 0
+			}
 		}
 	}
-	if dgates != nil {
-		gateGrad(dgates, dout, packedRows[T]{flat: packed, d: d}, d, r)
-	}
+	unpermuteBackwardRows(r.Workers, dpacked, dgates, dout, packed, gates, r.RowSlot, r.TopK, d)
 	return nil
 }
 
-// gateGrad is UnpermuteBackward's gate gradient over rows from src.
-func gateGrad[T Float](dgates, dout []T, src packedRows[T], d int, r *Routing) {
-	k := r.TopK
-	permForRows(r.Workers, len(r.SlotRow), 2*d*sizeOf[T](), func(lo, hi int) {
-		for s := lo; s < hi; s++ {
-			p := int(r.SlotRow[s])
-			if p < 0 {
-				dgates[s] = 0
+// unpermuteBackwardRows runs UnpermuteBackward over the packed rows whose
+// slots are idx, in one pass: row i of dpacked (nil: skip) gets
+// gates[s]·dout[s/K] for its slot s = idx[i] (zero for a pad row), and
+// dgates[s] (nil: skip) ⟨row i of packed, dout[s/K]⟩, reading each dout row
+// once for both. Pad rows leave dgates alone.
+func unpermuteBackwardRows[T Float](w Workers, dpacked, dgates, dout, packed, gates []T, idx []int32, k, d int) {
+	if dgates == nil && gates == nil {
+		if dpacked != nil {
+			gatherRows(w, dpacked, dout, idx, k, d)
+		}
+		return
+	}
+	permForRows(w, len(idx), 3*d*sizeOf[T](), func(lo, hi int) {
+		var o, y []T
+		for i := lo; i < hi; i++ {
+			if dpacked != nil {
+				o = dpacked[i*d : i*d+d]
+			}
+			s := int(idx[i])
+			if s < 0 {
+				clear(o)
 				continue
 			}
+			if dgates != nil {
+				y = packed[i*d : i*d+d]
+			}
+			g := T(1)
+			if gates != nil {
+				g = gates[s]
+			}
 			t := s / k
-			dgates[s] = T(permDot(src.row(p, r.Offsets), dout[t*d:t*d+d]))
+			if dot := permScaleDot(o, dout[t*d:t*d+d], y, g); dgates != nil {
+				dgates[s] = T(dot)
+			}
 		}
 	})
 }
@@ -592,16 +603,35 @@ func permPair[T Float](o, x, y []T, a, b T, set bool) {
 	}
 }
 
-// permDot returns Σ a[i]·b[i] accumulated in float64 (float32 rows: the
-// vector dot of vec.go, four lanes then the tail).
-func permDot[T Float](a, b []T) float64 {
-	b = b[:len(a)]
-	if a32, ok := any(a).([]float32); ok {
-		return dot(a32, any(b).([]float32))
+// permScaleDot sets o[i] = g·x[i] unless o is nil, and returns
+// Σ x[i]·y[i] accumulated in float64, or 0 when y is nil: the gate-scaled
+// gather and the gate gradient of one slot in one pass over x. Float32 rows
+// take scaleDotF32AVX2 for their first multiple of 8 (whose sum order is
+// its own, the same whether or not o is set) and the portable loop for the
+// rest.
+func permScaleDot[T Float](o, x, y []T, g T) float64 {
+	if y == nil {
+		if o != nil {
+			permScale(o, x, g)
+		}
+		return 0
 	}
+	y = y[:len(x)]
 	var s float64
-	for i, v := range a {
-		s += float64(v) * float64(b[i])
+	i := 0
+	if x32, n := vecPrefix(x); n > 0 {
+		var dst *float32
+		if o != nil {
+			dst = &any(o).([]float32)[0]
+		}
+		s = scaleDotF32AVX2(dst, &x32[0], &any(y).([]float32)[0], n, any(g).(float32), o != nil)
+		i = n
+	}
+	for ; i < len(x); i++ {
+		if o != nil {
+			o[i] = g * x[i]
+		}
+		s += float64(x[i]) * float64(y[i])
 	}
 	return s
 }

@@ -11,8 +11,10 @@ import (
 // its own. With ranks that share memory (comm.SharedMemory), an expert's
 // rank gathers its rows straight from the token ranks' inputs
 // ([PermuteExpert]), and a token rank combines straight from the experts'
-// outputs ([UnpermuteSegments], [GateGradSegments]): each row moves once,
-// with no send buffer packed and no received buffer regrouped.
+// outputs ([UnpermuteSegments]); in the combine's backward the expert's
+// rank gathers the gate-scaled gradient rows and computes its slots' gate
+// gradient against the rows it holds ([UnpermuteBackwardExpert]). Each row
+// moves once, with no send buffer packed and no received buffer regrouped.
 
 // packedRows locates packed rows of width d: in one buffer (flat), or in
 // segs, where segs[e] holds expert e's rows [Offsets[e], Offsets[e+1]).
@@ -54,54 +56,75 @@ func checkSegments[T Float](op string, segs [][]T, d int, r *Routing) error {
 	return errors.Join(errs...)
 }
 
-// PermuteExpert is expert e's part of [Permute], optionally gate-scaled:
-// row i of out (out holds the r.Offsets[e+1] − r.Offsets[e] packed rows of
-// expert e, width d) becomes gates[s] · x[s/K] for the slot s =
-// RowSlot[Offsets[e]+i], or zero for a pad row; nil gates weight every row
-// by 1. Over every expert with nil gates it is Permute; with gates it is
-// the gate-scaled gather of [UnpermuteBackward] (the combine's adjoint).
-// len(x) must be r.Tokens·d and len(gates) n·K when not nil; out must not
-// overlap x.
-func PermuteExpert[T Float](out, x, gates []T, d int, r *Routing, e int) error {
+// PermuteExpert is expert e's part of [Permute]: row i of out (out holds
+// the r.Offsets[e+1] − r.Offsets[e] packed rows of expert e, width d)
+// becomes x[s/K] for the slot s = RowSlot[Offsets[e]+i], or zero for a pad
+// row. Over every expert it is Permute. len(x) must be r.Tokens·d; out
+// must not overlap x.
+func PermuteExpert[T Float](out, x []T, d int, r *Routing, e int) error {
 	const op = "PermuteExpert"
-	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
+	idx, err := expertSlots(op, r, d, e)
+	if err != nil {
 		return err
 	}
-	if e < 0 || e >= r.Experts {
-		return fmt.Errorf("kernels: %s: expert %d of %d", op, e, r.Experts)
+	if err := errors.Join(permLen(op, "x", len(x), r.Tokens, d), permLen(op, "out", len(out), len(idx), d)); err != nil {
+		return err
 	}
-	lo, hi := r.Offsets[e], r.Offsets[e+1]
-	if lo < 0 || lo > hi || hi > len(r.RowSlot) {
-		return fmt.Errorf("kernels: %s: Routing.Offsets[%d:%d] = [%d, %d] outside its %d rows; was it changed after PlanRouting?", op, e, e+2, lo, hi, len(r.RowSlot))
+	gatherRows(r.Workers, out, x, idx, r.TopK, d)
+	return nil
+}
+
+// UnpermuteBackwardExpert is expert e's part of [UnpermuteBackward], for
+// an expert's rank that holds expert e's rows while dout and the gates
+// live with the tokens: dpacked (nil to skip) and packed hold expert e's
+// r.Offsets[e+1] − r.Offsets[e] packed rows of width d. Row i of dpacked
+// becomes gates[s]·dout[s/K] for its slot s = RowSlot[Offsets[e]+i] (zero
+// for a pad row), and dgates[s] (nil to skip; n·K values)
+// ⟨row i of packed, dout[s/K]⟩, in one pass and with the bits
+// UnpermuteBackward gives; entries of dgates for other experts' slots and
+// for slots that are not routed or were dropped are left as they are.
+// gates may be nil (weights of 1); packed may be nil when dgates is.
+func UnpermuteBackwardExpert[T Float](dpacked, dgates, dout, packed, gates []T, d int, r *Routing, e int) error {
+	const op = "UnpermuteBackwardExpert"
+	idx, err := expertSlots(op, r, d, e)
+	if err != nil {
+		return err
 	}
-	idx := r.RowSlot[lo:hi]
-	var errs []error
-	errs = append(errs, permIdxCheck(op, "RowSlot", idx, len(r.SlotRow)),
-		permLen(op, "x", len(x), r.Tokens, d), permLen(op, "out", len(out), hi-lo, d))
+	errs := []error{permLen(op, "dout", len(dout), r.Tokens, d)}
+	if dpacked != nil {
+		errs = append(errs, permLen(op, "dpacked", len(dpacked), len(idx), d))
+	}
+	if dgates != nil {
+		errs = append(errs, permLen(op, "dgates", len(dgates), len(r.SlotRow), 1), permLen(op, "packed", len(packed), len(idx), d))
+	}
 	if gates != nil {
 		errs = append(errs, permLen(op, "gates", len(gates), len(r.SlotRow), 1))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	k := r.TopK
-	if gates == nil {
-		gatherRows(r.Workers, out, x, idx, k, d)
-		return nil
-	}
-	permForRows(r.Workers, len(idx), 2*d*sizeOf[T](), func(lo, hi int) {
-		for i := lo; i < hi; i++ {
-			o := out[i*d : i*d+d]
-			s := int(idx[i])
-			if s < 0 {
-				clear(o)
-				continue
-			}
-			t := s / k
-			permScale(o, x[t*d:t*d+d], gates[s])
-		}
-	})
+	unpermuteBackwardRows(r.Workers, dpacked, dgates, dout, packed, gates, idx, r.TopK, d)
 	return nil
+}
+
+// expertSlots checks r, d and e and returns the slots of expert e's packed
+// rows (RowSlot[Offsets[e]:Offsets[e+1]]), each checked.
+func expertSlots(op string, r *Routing, d, e int) ([]int32, error) {
+	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
+		return nil, err
+	}
+	if e < 0 || e >= r.Experts {
+		return nil, fmt.Errorf("kernels: %s: expert %d of %d", op, e, r.Experts)
+	}
+	lo, hi := r.Offsets[e], r.Offsets[e+1]
+	if lo < 0 || lo > hi || hi > len(r.RowSlot) {
+		return nil, fmt.Errorf("kernels: %s: Routing.Offsets[%d:%d] = [%d, %d] outside its %d rows; was it changed after PlanRouting?", op, e, e+2, lo, hi, len(r.RowSlot))
+	}
+	idx := r.RowSlot[lo:hi]
+	if err := permIdxCheck(op, "RowSlot", idx, len(r.SlotRow)); err != nil {
+		return nil, err
+	}
+	return idx, nil
 }
 
 // UnpermuteSegments is [Unpermute] with the packed rows in per-expert
@@ -120,23 +143,5 @@ func UnpermuteSegments[T Float](out []T, segs [][]T, gates []T, d int, r *Routin
 		return fmt.Errorf("kernels: %s: len(gates) = %d, want %d tokens × %d = %d", op, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
 	}
 	unpermute(out, packedRows[T]{segs: segs, d: d}, gates, d, r)
-	return nil
-}
-
-// GateGradSegments is the gate gradient of [UnpermuteBackward] with the
-// combine's packed input in per-expert segments (as for
-// [UnpermuteSegments]): dgates[s] = ⟨packed row of slot s, dout[s/K]⟩,
-// accumulated in float64, or zero for a slot that is not routed or was
-// dropped. len(dgates) must be n·K and len(dout) r.Tokens·d.
-func GateGradSegments[T Float](dgates, dout []T, segs [][]T, d int, r *Routing) error {
-	const op = "GateGradSegments"
-	if err := errors.Join(r.check(op), permWidth(op, d)); err != nil {
-		return err
-	}
-	if err := errors.Join(r.checkSlotRow(op), checkSegments(op, segs, d, r),
-		permLen(op, "dgates", len(dgates), len(r.SlotRow), 1), permLen(op, "dout", len(dout), r.Tokens, d)); err != nil {
-		return err
-	}
-	gateGrad(dgates, dout, packedRows[T]{segs: segs, d: d}, d, r)
 	return nil
 }

@@ -2,6 +2,7 @@ package kernels
 
 import (
 	"bytes"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -12,10 +13,10 @@ import (
 )
 
 // The segmented kernels are checked bit for bit against the flat ones they
-// claim to equal: PermuteExpert over every expert against Permute (nil
-// gates) and against UnpermuteBackward's gate-scaled dpacked, and
-// UnpermuteSegments / GateGradSegments on per-expert copies of a packed
-// buffer against Unpermute / UnpermuteBackward on the buffer itself.
+// claim to equal: PermuteExpert over every expert against Permute,
+// UnpermuteBackwardExpert over every expert against UnpermuteBackward, and
+// UnpermuteSegments on per-expert copies of a packed buffer against
+// Unpermute on the buffer itself.
 // Buffers start as NaN, and every separately allocated slice carries NaN
 // past its length (within its capacity), so that a row left unwritten, a
 // write past a slice's end or a read from the wrong segment shows.
@@ -245,7 +246,7 @@ func segClone[T Float](segs [][]T) [][]T {
 // permuteExperts calls PermuteExpert for every expert, in a random order,
 // each into a separately allocated out (nil for every other empty expert),
 // and returns the outputs concatenated.
-func permuteExperts[T Float](t *testing.T, rng *rand.Rand, x, gates []T, d int, r *Routing) []T {
+func permuteExperts[T Float](t *testing.T, rng *rand.Rand, x []T, d int, r *Routing) []T {
 	t.Helper()
 	outs := make([][]T, r.Experts)
 	for _, e := range rng.Perm(r.Experts) {
@@ -255,7 +256,7 @@ func permuteExperts[T Float](t *testing.T, rng *rand.Rand, x, gates []T, d int, 
 		} else {
 			outs[e] = segAlloc[T](rows*d, d)
 		}
-		if err := PermuteExpert(outs[e], x, gates, d, r, e); err != nil {
+		if err := PermuteExpert(outs[e], x, d, r, e); err != nil {
 			t.Fatalf("PermuteExpert(expert %d): %v", e, err)
 		}
 		if outs[e] != nil && !segTailIntact(outs[e]) {
@@ -265,22 +266,26 @@ func permuteExperts[T Float](t *testing.T, rng *rand.Rand, x, gates []T, d int, 
 	return slices.Concat(outs...)
 }
 
-// checkPermuteExpert: PermuteExpert over every expert, nil gates, is
-// Permute (and the reference), pad rows zero.
+// checkPermuteExpert: PermuteExpert over every expert is Permute (and the
+// reference), pad rows zero.
 func checkPermuteExpert[T Float](t *testing.T, rng *rand.Rand, r *Routing, d int) {
 	x := permRand[T](rng, r.Tokens*d)
 	xc := slices.Clone(x)
 	want := segNaNs[T](r.Rows() * d)
 	must(t, Permute(want, x, d, r))
 	segEqual(t, "Permute against the reference", want, refPermute(x, d, r.RowSlot, r.TopK))
-	got := permuteExperts(t, rng, x, nil, d, r)
-	segEqual(t, "PermuteExpert (nil gates) against Permute", got, want)
+	got := permuteExperts(t, rng, x, d, r)
+	segEqual(t, "PermuteExpert against Permute", got, want)
 	segEqual(t, "x after PermuteExpert", x, xc)
 }
 
-// checkPermuteExpertGated: PermuteExpert over every expert with gates is
-// UnpermuteBackward's dpacked.
-func checkPermuteExpertGated[T Float](t *testing.T, rng *rand.Rand, r *Routing, d int) {
+// checkUnpermuteBackwardExpert: UnpermuteBackwardExpert over every expert,
+// in a random order, each expert's rows in buffers of their own, is
+// UnpermuteBackward bit for bit: dpacked alone, dgates alone and both,
+// with and without gates. Pad rows are zero, and the dgates of slots
+// without a row are left as they were.
+func checkUnpermuteBackwardExpert[T Float](t *testing.T, rng *rand.Rand, r *Routing, d int) {
+	packed := segPacked[T](rng, r, d)
 	dout := permRand[T](rng, r.Tokens*d)
 	gates := permRand[T](rng, r.Tokens*r.TopK)
 	if len(gates) > 0 {
@@ -288,18 +293,69 @@ func checkPermuteExpertGated[T Float](t *testing.T, rng *rand.Rand, r *Routing, 
 		gates[len(gates)-1] = 0
 	}
 	dc, gc := slices.Clone(dout), slices.Clone(gates)
-	want := segNaNs[T](r.Rows() * d)
-	must(t, UnpermuteBackward(want, nil, dout, nil, gates, d, r))
-	got := permuteExperts(t, rng, dout, gates, d, r)
-	segEqual(t, "PermuteExpert (gates) against UnpermuteBackward's dpacked", got, want)
-	segEqual(t, "x after PermuteExpert", dout, dc)
-	segEqual(t, "gates after PermuteExpert", gates, gc)
-	// Every row of a pad row or of a zero gate is zero.
-	for p, s := range r.RowSlot {
-		if s < 0 && slices.ContainsFunc(got[p*d:p*d+d], func(v T) bool { return segBits(v) != 0 }) {
-			t.Fatalf("pad row %d = %v, want +0", p, got[p*d:p*d+d])
+	for _, g := range [][]T{nil, gates} {
+		for _, want := range []struct{ rows, grads bool }{{true, false}, {false, true}, {true, true}} {
+			var wantRows, wantGrads []T
+			if want.rows {
+				wantRows = segNaNs[T](r.Rows() * d)
+			}
+			if want.grads {
+				wantGrads = segNaNs[T](r.Tokens * r.TopK)
+			}
+			must(t, UnpermuteBackward(wantRows, wantGrads, dout, packed, g, d, r))
+			segs := segCopies(packed, d, r)
+			before := segClone(segs)
+			rows := make([][]T, r.Experts)
+			var grads []T
+			if want.grads {
+				grads = segAlloc[T](r.Tokens*r.TopK, 1)
+			}
+			for _, e := range rng.Perm(r.Experts) {
+				var seg []T
+				if want.rows {
+					rows[e] = segAlloc[T]((r.Offsets[e+1]-r.Offsets[e])*d, d)
+				}
+				if want.grads {
+					seg = segs[e]
+				}
+				if err := UnpermuteBackwardExpert(rows[e], grads, dout, seg, g, d, r, e); err != nil {
+					t.Fatalf("UnpermuteBackwardExpert(expert %d): %v", e, err)
+				}
+				if rows[e] != nil && !segTailIntact(rows[e]) {
+					t.Fatalf("UnpermuteBackwardExpert(expert %d) wrote past len(dpacked)", e)
+				}
+			}
+			what := fmt.Sprintf("UnpermuteBackwardExpert (gates %v, rows %v, grads %v)", g != nil, want.rows, want.grads)
+			if want.rows {
+				got := slices.Concat(rows...)
+				segEqual(t, what+": dpacked against UnpermuteBackward's", got, wantRows)
+				for p, s := range r.RowSlot {
+					if s < 0 && slices.ContainsFunc(got[p*d:p*d+d], func(v T) bool { return segBits(v) != 0 }) {
+						t.Fatalf("%s: pad row %d = %v, want +0", what, p, got[p*d:p*d+d])
+					}
+				}
+			}
+			if want.grads {
+				if !segTailIntact(grads) {
+					t.Fatalf("%s wrote past len(dgates)", what)
+				}
+				for s, p := range r.SlotRow {
+					if p < 0 {
+						if grads[s] == grads[s] {
+							t.Fatalf("%s: dgates[%d] of a slot without a row = %v, want it left alone", what, s, grads[s])
+						}
+						grads[s] = wantGrads[s]
+					}
+				}
+				segEqual(t, what+": dgates against UnpermuteBackward's", grads, wantGrads)
+			}
+			for e := range before {
+				segEqual(t, what+": segment after the call", segs[e], before[e])
+			}
 		}
 	}
+	segEqual(t, "dout after UnpermuteBackwardExpert", dout, dc)
+	segEqual(t, "gates after UnpermuteBackwardExpert", gates, gc)
 }
 
 // checkUnpermuteSegments: UnpermuteSegments on copied (and on aliased)
@@ -331,48 +387,16 @@ func checkUnpermuteSegments[T Float](t *testing.T, rng *rand.Rand, r *Routing, d
 	}
 }
 
-// checkGateGradSegments: GateGradSegments on copied (and on aliased)
-// segments is UnpermuteBackward's dgates.
-func checkGateGradSegments[T Float](t *testing.T, rng *rand.Rand, r *Routing, d int) {
-	packed := segPacked[T](rng, r, d)
-	dout := permRand[T](rng, r.Tokens*d)
-	gates := permRand[T](rng, r.Tokens*r.TopK)
-	want := segNaNs[T](r.Tokens * r.TopK)
-	must(t, UnpermuteBackward(nil, want, dout, packed, gates, d, r))
-	if slices.ContainsFunc(want, func(v T) bool { return v != v }) {
-		t.Fatalf("UnpermuteBackward's dgates read a pad row: %v", want)
-	}
-	for _, cut := range []struct {
-		name string
-		segs [][]T
-	}{{"copied", segCopies(packed, d, r)}, {"views", segViews(packed, d, r)}} {
-		before := segClone(cut.segs)
-		got := segAlloc[T](r.Tokens*r.TopK, 1)
-		must(t, GateGradSegments(got, dout, cut.segs, d, r))
-		segEqual(t, "GateGradSegments ("+cut.name+" segments) against UnpermuteBackward's dgates", got, want)
-		if !segTailIntact(got) {
-			t.Fatalf("GateGradSegments (%s segments) wrote past len(dgates)", cut.name)
-		}
-		for e := range before {
-			segEqual(t, "segment after GateGradSegments", cut.segs[e], before[e])
-		}
-	}
-}
-
 func TestPermuteExpertMatchesPermute(t *testing.T) {
 	forSegTypes(t, checkPermuteExpert[float32], checkPermuteExpert[float64])
 }
 
-func TestPermuteExpertGatedMatchesUnpermuteBackward(t *testing.T) {
-	forSegTypes(t, checkPermuteExpertGated[float32], checkPermuteExpertGated[float64])
+func TestUnpermuteBackwardExpertMatchesUnpermuteBackward(t *testing.T) {
+	forSegTypes(t, checkUnpermuteBackwardExpert[float32], checkUnpermuteBackwardExpert[float64])
 }
 
 func TestUnpermuteSegmentsMatchesUnpermute(t *testing.T) {
 	forSegTypes(t, checkUnpermuteSegments[float32], checkUnpermuteSegments[float64])
-}
-
-func TestGateGradSegmentsMatchesUnpermuteBackward(t *testing.T) {
-	forSegTypes(t, checkGateGradSegments[float32], checkGateGradSegments[float64])
 }
 
 // segWorkers is the number of goroutines permForRows uses for rows rows of
@@ -423,15 +447,13 @@ func TestSegmentKernelsParallel(t *testing.T) {
 		}{
 			{"float32", 256, 4, func(t *testing.T, rng *rand.Rand, r *Routing, d int) {
 				checkPermuteExpert[float32](t, rng, r, d)
-				checkPermuteExpertGated[float32](t, rng, r, d)
+				checkUnpermuteBackwardExpert[float32](t, rng, r, d)
 				checkUnpermuteSegments[float32](t, rng, r, d)
-				checkGateGradSegments[float32](t, rng, r, d)
 			}},
 			{"float64", 128, 8, func(t *testing.T, rng *rand.Rand, r *Routing, d int) {
 				checkPermuteExpert[float64](t, rng, r, d)
-				checkPermuteExpertGated[float64](t, rng, r, d)
+				checkUnpermuteBackwardExpert[float64](t, rng, r, d)
 				checkUnpermuteSegments[float64](t, rng, r, d)
-				checkGateGradSegments[float64](t, rng, r, d)
 			}},
 		} {
 			t.Run(typ.name+"/capacity-"+strconv.Itoa(capa), func(t *testing.T) {
@@ -442,8 +464,8 @@ func TestSegmentKernelsParallel(t *testing.T) {
 				if w := segWorkers(r.Workers, r.Tokens, (k+1)*d*sz); w < 2 {
 					t.Fatalf("UnpermuteSegments would run on %d goroutine(s)", w)
 				}
-				if w := segWorkers(r.Workers, len(r.SlotRow), 2*d*sz); w < 2 {
-					t.Fatalf("GateGradSegments would run on %d goroutine(s)", w)
+				if w := segWorkers(r.Workers, r.Offsets[1]-r.Offsets[0], 3*d*sz); w < 2 {
+					t.Fatalf("UnpermuteBackwardExpert(expert 0) would run on %d goroutine(s)", w)
 				}
 				typ.check(t, rng, &r, d)
 			})
@@ -488,39 +510,37 @@ func TestSegmentKernelsErrors(t *testing.T) {
 		run  func() (error, [][]float32)
 		want string
 	}
-	pe := func(out, x, gates []float32, d int, r *Routing, e int) func() (error, [][]float32) {
-		return func() (error, [][]float32) { return PermuteExpert(out, x, gates, d, r, e), [][]float32{out} }
+	pe := func(out, x []float32, d int, r *Routing, e int) func() (error, [][]float32) {
+		return func() (error, [][]float32) { return PermuteExpert(out, x, d, r, e), [][]float32{out} }
+	}
+	ube := func(dpacked, dgates, dout, packed, gates []float32, d int, r *Routing, e int) func() (error, [][]float32) {
+		return func() (error, [][]float32) {
+			return UnpermuteBackwardExpert(dpacked, dgates, dout, packed, gates, d, r, e), [][]float32{dpacked, dgates, packed}
+		}
 	}
 	us := func(out []float32, segs [][]float32, gates []float32, d int, r *Routing) func() (error, [][]float32) {
 		return func() (error, [][]float32) {
 			return UnpermuteSegments(out, segs, gates, d, r), append([][]float32{out}, segs...)
 		}
 	}
-	gg := func(dgates, dout []float32, segs [][]float32, d int, r *Routing) func() (error, [][]float32) {
-		return func() (error, [][]float32) {
-			return GateGradSegments(dgates, dout, segs, d, r), append([][]float32{dgates}, segs...)
-		}
-	}
 	calls := []call{
 		// PermuteExpert.
-		{"PermuteExpert/expert-minus-one", pe(fill(0), x, nil, d, &r, -1), "expert -1 of 3"},
-		{"PermuteExpert/expert-E", pe(fill(0), x, nil, d, &r, 3), "expert 3 of 3"},
-		{"PermuteExpert/short-out", pe(fill(5), x, nil, d, &r, 0), "len(out) = 5, want 3 rows × 2 = 6"},
-		{"PermuteExpert/long-out", pe(fill(8), x, gates, d, &r, 2), "len(out) = 8, want 2 rows × 2 = 4"},
-		{"PermuteExpert/out-for-empty-expert", pe(fill(2), x, nil, d, &r, 1), "len(out) = 2, want 0 rows"},
-		{"PermuteExpert/short-x", pe(fill(6), x[:5], nil, d, &r, 0), "len(x) = 5, want 3 rows × 2 = 6"},
-		{"PermuteExpert/short-gates", pe(fill(6), x, gates[:5], d, &r, 0), "len(gates) = 5, want 6 rows × 1 = 6"},
-		{"PermuteExpert/empty-gates", pe(fill(6), x, []float32{}, d, &r, 0), "len(gates) = 0"},
-		{"PermuteExpert/negative-d", pe(fill(6), x, nil, -1, &r, 0), "negative row width -1"},
-		{"PermuteExpert/unplanned", pe(fill(6), x, nil, d, unplanned, 0), "not planned"},
-		{"PermuteExpert/zero-routing", pe(fill(6), x, nil, d, &Routing{}, 0), "not planned"},
-		{"PermuteExpert/nil-routing", pe(fill(6), x, nil, d, nil, 0), "nil Routing"},
-		{"PermuteExpert/corrupt-RowSlot-high", pe(fill(6), x, nil, d, cutBad(func(b *Routing) { b.RowSlot[1] = 99 }), 0), "Routing.RowSlot"},
-		{"PermuteExpert/corrupt-RowSlot-slots", pe(fill(6), x, nil, d, cutBad(func(b *Routing) { b.RowSlot[2] = 6 }), 0), "Routing.RowSlot"},
-		{"PermuteExpert/corrupt-RowSlot-low", pe(fill(4), x, gates[:6], d, cutBad(func(b *Routing) { b.RowSlot[4] = -5 }), 2), "Routing.RowSlot"},
-		{"PermuteExpert/corrupt-Offsets-past-rows", pe(fill(6), x, nil, d, cutBad(func(b *Routing) { b.Offsets[1] = 9; b.Offsets[2] = 9 }), 1), "Routing.Offsets"},
-		{"PermuteExpert/corrupt-Offsets-descending", pe(fill(0), x, nil, d, cutBad(func(b *Routing) { b.Offsets[1] = 4 }), 1), "Routing.Offsets"},
-		{"PermuteExpert/corrupt-Offsets-negative", pe(fill(6), x, nil, d, cutBad(func(b *Routing) { b.Offsets[0] = -1 }), 0), "Routing.Offsets"},
+		{"PermuteExpert/expert-minus-one", pe(fill(0), x, d, &r, -1), "expert -1 of 3"},
+		{"PermuteExpert/expert-E", pe(fill(0), x, d, &r, 3), "expert 3 of 3"},
+		{"PermuteExpert/short-out", pe(fill(5), x, d, &r, 0), "len(out) = 5, want 3 rows × 2 = 6"},
+		{"PermuteExpert/long-out", pe(fill(8), x, d, &r, 2), "len(out) = 8, want 2 rows × 2 = 4"},
+		{"PermuteExpert/out-for-empty-expert", pe(fill(2), x, d, &r, 1), "len(out) = 2, want 0 rows"},
+		{"PermuteExpert/short-x", pe(fill(6), x[:5], d, &r, 0), "len(x) = 5, want 3 rows × 2 = 6"},
+		{"PermuteExpert/negative-d", pe(fill(6), x, -1, &r, 0), "negative row width -1"},
+		{"PermuteExpert/unplanned", pe(fill(6), x, d, unplanned, 0), "not planned"},
+		{"PermuteExpert/zero-routing", pe(fill(6), x, d, &Routing{}, 0), "not planned"},
+		{"PermuteExpert/nil-routing", pe(fill(6), x, d, nil, 0), "nil Routing"},
+		{"PermuteExpert/corrupt-RowSlot-high", pe(fill(6), x, d, cutBad(func(b *Routing) { b.RowSlot[1] = 99 }), 0), "Routing.RowSlot"},
+		{"PermuteExpert/corrupt-RowSlot-slots", pe(fill(6), x, d, cutBad(func(b *Routing) { b.RowSlot[2] = 6 }), 0), "Routing.RowSlot"},
+		{"PermuteExpert/corrupt-RowSlot-low", pe(fill(4), x, d, cutBad(func(b *Routing) { b.RowSlot[4] = -5 }), 2), "Routing.RowSlot"},
+		{"PermuteExpert/corrupt-Offsets-past-rows", pe(fill(6), x, d, cutBad(func(b *Routing) { b.Offsets[1] = 9; b.Offsets[2] = 9 }), 1), "Routing.Offsets"},
+		{"PermuteExpert/corrupt-Offsets-descending", pe(fill(0), x, d, cutBad(func(b *Routing) { b.Offsets[1] = 4 }), 1), "Routing.Offsets"},
+		{"PermuteExpert/corrupt-Offsets-negative", pe(fill(6), x, d, cutBad(func(b *Routing) { b.Offsets[0] = -1 }), 0), "Routing.Offsets"},
 
 		// UnpermuteSegments.
 		{"UnpermuteSegments/too-few-segments", us(fill(6), segs()[:2], nil, d, &r), "2 segments, want one per expert (3)"},
@@ -542,19 +562,22 @@ func TestSegmentKernelsErrors(t *testing.T) {
 		{"UnpermuteSegments/corrupt-Offsets-start-d0", us(fill(0), [][]float32{nil, nil, nil}, nil, 0, cutBad(func(b *Routing) { b.Offsets[0] = 1 })), "Routing.Offsets"},
 		{"UnpermuteSegments/corrupt-Offsets-descending-d0", us(fill(0), [][]float32{nil, nil, nil}, nil, 0, cutBad(func(b *Routing) { b.Offsets[1] = 4 })), "Routing.Offsets"},
 
-		// GateGradSegments.
-		{"GateGradSegments/too-few-segments", gg(fill(6), x, segs()[:1], d, &r), "1 segments, want one per expert (3)"},
-		{"GateGradSegments/too-many-segments", gg(fill(6), x, append(segs(), fill(0)), d, &r), "4 segments, want one per expert (3)"},
-		{"GateGradSegments/long-segment", gg(fill(6), x, [][]float32{fill(8), fill(0), fill(4)}, d, &r), "len(segs[0]) = 8, want 3 rows × 2 = 6"},
-		{"GateGradSegments/short-dgates", gg(fill(5), x, segs(), d, &r), "len(dgates) = 5, want 6 rows × 1 = 6"},
-		{"GateGradSegments/nil-dgates", gg(nil, x, segs(), d, &r), "len(dgates) = 0"},
-		{"GateGradSegments/short-dout", gg(fill(6), x[:5], segs(), d, &r), "len(dout) = 5, want 3 rows × 2 = 6"},
-		{"GateGradSegments/negative-d", gg(fill(6), x, segs(), -1, &r), "negative row width -1"},
-		{"GateGradSegments/unplanned", gg(fill(6), x, segs(), d, unplanned), "not planned"},
-		{"GateGradSegments/nil-routing", gg(fill(6), x, segs(), d, nil), "nil Routing"},
-		{"GateGradSegments/corrupt-SlotRow", gg(fill(6), x, segs(), d, cutBad(func(b *Routing) { b.SlotRow[0] = 77 })), "Routing.SlotRow"},
-		{"GateGradSegments/corrupt-Offsets-start", gg(fill(6), x, [][]float32{fill(4), fill(0), fill(4)}, d, cutBad(func(b *Routing) { b.Offsets[0] = 1 })), "Routing.Offsets"},
-		{"GateGradSegments/corrupt-Offsets-start-d0", gg(fill(6), nil, [][]float32{nil, nil, nil}, 0, cutBad(func(b *Routing) { b.Offsets[0] = 1 })), "Routing.Offsets"},
+		// UnpermuteBackwardExpert.
+		{"UnpermuteBackwardExpert/expert-minus-one", ube(fill(6), fill(6), x, fill(6), nil, d, &r, -1), "expert -1 of 3"},
+		{"UnpermuteBackwardExpert/expert-E", ube(fill(4), fill(6), x, fill(4), nil, d, &r, 3), "expert 3 of 3"},
+		{"UnpermuteBackwardExpert/short-dpacked", ube(fill(5), nil, x, nil, gates, d, &r, 0), "len(dpacked) = 5, want 3 rows × 2 = 6"},
+		{"UnpermuteBackwardExpert/dpacked-for-empty-expert", ube(fill(2), nil, x, nil, nil, d, &r, 1), "len(dpacked) = 2, want 0 rows"},
+		{"UnpermuteBackwardExpert/short-dgates", ube(nil, fill(5), x, fill(6), nil, d, &r, 0), "len(dgates) = 5, want 6 rows × 1 = 6"},
+		{"UnpermuteBackwardExpert/empty-dgates", ube(nil, []float32{}, x, fill(6), nil, d, &r, 0), "len(dgates) = 0"},
+		{"UnpermuteBackwardExpert/long-packed", ube(nil, fill(6), x, fill(8), nil, d, &r, 2), "len(packed) = 8, want 2 rows × 2 = 4"},
+		{"UnpermuteBackwardExpert/no-packed", ube(fill(6), fill(6), x, nil, nil, d, &r, 0), "len(packed) = 0, want 3 rows × 2 = 6"},
+		{"UnpermuteBackwardExpert/short-dout", ube(fill(6), fill(6), x[:5], fill(6), nil, d, &r, 0), "len(dout) = 5, want 3 rows × 2 = 6"},
+		{"UnpermuteBackwardExpert/short-gates", ube(fill(6), nil, x, nil, gates[:5], d, &r, 0), "len(gates) = 5, want 6 rows × 1 = 6"},
+		{"UnpermuteBackwardExpert/negative-d", ube(fill(6), fill(6), x, fill(6), nil, -1, &r, 0), "negative row width -1"},
+		{"UnpermuteBackwardExpert/unplanned", ube(fill(6), fill(6), x, fill(6), nil, d, unplanned, 0), "not planned"},
+		{"UnpermuteBackwardExpert/nil-routing", ube(fill(6), fill(6), x, fill(6), nil, d, nil, 0), "nil Routing"},
+		{"UnpermuteBackwardExpert/corrupt-RowSlot", ube(fill(6), fill(6), x, fill(6), nil, d, cutBad(func(b *Routing) { b.RowSlot[0] = 77 }), 0), "Routing.RowSlot"},
+		{"UnpermuteBackwardExpert/corrupt-Offsets-past-rows", ube(nil, fill(6), x, fill(14), nil, d, cutBad(func(b *Routing) { b.Offsets[2] = 9 }), 2), "Routing.Offsets"},
 	}
 	for _, c := range calls {
 		t.Run(c.name, func(t *testing.T) {
@@ -583,7 +606,7 @@ func TestSegmentKernelsErrors(t *testing.T) {
 	// The same Routing still works after the bad calls (they changed
 	// nothing in it).
 	out := fill(3 * d)
-	must(t, PermuteExpert(out, x, nil, d, &r, 0))
+	must(t, PermuteExpert(out, x, d, &r, 0))
 	if want := refPermute(x, d, r.RowSlot, 2)[:3*d]; !slices.Equal(out, want) {
 		t.Fatalf("PermuteExpert after errors = %v, want %v", out, want)
 	}

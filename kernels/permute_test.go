@@ -125,6 +125,42 @@ func permDotAll[T Float](a, b []T) float64 {
 	return s
 }
 
+// scaleDotOrder is Σ x[i]·y[i] summed in the order permScaleDot documents
+// for float32 rows on AVX2 (four accumulators of four lanes over the
+// first multiple of 8, then the rest in turn), or in turn throughout
+// without AVX2.
+func scaleDotOrder(x, y []float32) float64 {
+	i, s := 0, 0.0
+	if haveVec && len(x) >= 8 {
+		var acc [4][4]float64
+		n := len(x) &^ 7
+		for ; i+16 <= n; i += 16 {
+			for c := range 4 {
+				for l := range 4 {
+					acc[c][l] += float64(x[i+4*c+l]) * float64(y[i+4*c+l])
+				}
+			}
+		}
+		if i < n {
+			for c := range 2 {
+				for l := range 4 {
+					acc[c][l] += float64(x[i+4*c+l]) * float64(y[i+4*c+l])
+				}
+			}
+			i += 8
+		}
+		var lane [4]float64
+		for l := range 4 {
+			lane[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l])
+		}
+		s = (lane[0] + lane[2]) + (lane[1] + lane[3])
+	}
+	for ; i < len(x); i++ {
+		s += float64(x[i]) * float64(y[i])
+	}
+	return s
+}
+
 // permNear reports whether a and b agree to rel·(|a|+|b|) + abs.
 func permNear(a, b, rel, abs float64) bool {
 	return math.Abs(a-b) <= rel*(math.Abs(a)+math.Abs(b))+abs
@@ -673,8 +709,34 @@ func TestPermRowLoopsMatchScalar(t *testing.T) {
 				})
 			}
 		}
-		if d := permDot(x, y); !permNear(d, permDotAll(x, y), 1e-12, 1e-12) {
-			t.Fatalf("permDot n=%d: %v, want %v", n, d, permDotAll(x, y))
+		// Values of 60 binades, whose float64 sums round differently in
+		// almost any other order: a lane or accumulator mixed up shows.
+		wide := func() []float32 {
+			v := make([]float32, n)
+			for i := range v {
+				v[i] = float32(math.Ldexp(rng.NormFloat64(), rng.IntN(60)-30))
+			}
+			return v
+		}
+		wx, wy := wide(), wide()
+		for _, store := range []bool{false, true} {
+			var got []float32
+			if store {
+				got = slices.Clone(o)
+			}
+			dot := permScaleDot(got, wx, wy, a)
+			if want := scaleDotOrder(wx, wy); math.Float64bits(dot) != math.Float64bits(want) {
+				t.Fatalf("permScaleDot store=%v, n=%d: %v, want %v in the kernel's order", store, n, dot, want)
+			}
+			if !permNear(dot, permDotAll(wx, wy), 1e-6, 0) {
+				t.Fatalf("permScaleDot store=%v, n=%d: %v, want about %v", store, n, dot, permDotAll(wx, wy))
+			}
+			if store {
+				same("permScaleDot", got, func(i int) float32 { return a * wx[i] })
+			}
+		}
+		if dot := permScaleDot(nil, x, nil, a); dot != 0 {
+			t.Fatalf("permScaleDot without y = %v, want 0", dot)
 		}
 	}
 }

@@ -60,6 +60,9 @@ func adamwAVX2(p, grad, m, v *float32, n int, c *[8]float32)
 func scaleF32AVX2(dst, x *float32, n int, c float32)
 
 //go:noescape
+func scaleDotF32AVX2(dst, x, y *float32, n int, c float32, store bool) float64
+
+//go:noescape
 func axpyF32AVX2(dst, x *float32, n int, c float32)
 
 //go:noescape

@@ -834,3 +834,74 @@ pairaddloop:
 pairdone:
 	VZEROUPPER
 	RET
+
+// func scaleDotF32AVX2(dst, x, y *float32, n int, c float32, store bool) float64
+// Returns Σ x[i]·y[i] for i < n (a multiple of 8), each product exact in
+// float64 and summed in four float64 accumulators of four lanes (element i
+// into accumulator (i/4) mod 4, the last eight of an odd number of eights
+// into the first two), then (a0+a1)+(a2+a3) and the lanes pairwise; with
+// store it also sets dst[i] = g·x[i] (one rounding, as scaleF32AVX2), in
+// the same pass. Four chains keep the float64 adds from bounding the speed.
+TEXT ·scaleDotF32AVX2(SB), NOSPLIT, $0-48
+	MOVQ dst+0(FP), DI
+	MOVQ x+8(FP), SI
+	MOVQ y+16(FP), DX
+	MOVQ n+24(FP), CX
+	VBROADCASTSS c+32(FP), Y7
+	MOVBLZX store+36(FP), BX
+	VXORPD Y4, Y4, Y4
+	VXORPD Y5, Y5, Y5
+	VXORPD Y6, Y6, Y6
+	VXORPD Y8, Y8, Y8
+
+sdloop16:
+	CMPQ CX, $16
+	JL   sdtail8
+	VCVTPS2PD (SI), Y0
+	VCVTPS2PD (DX), Y1
+	VFMADD231PD Y1, Y0, Y4
+	VCVTPS2PD 16(SI), Y0
+	VCVTPS2PD 16(DX), Y1
+	VFMADD231PD Y1, Y0, Y5
+	VCVTPS2PD 32(SI), Y0
+	VCVTPS2PD 32(DX), Y1
+	VFMADD231PD Y1, Y0, Y6
+	VCVTPS2PD 48(SI), Y0
+	VCVTPS2PD 48(DX), Y1
+	VFMADD231PD Y1, Y0, Y8
+	TESTQ BX, BX
+	JZ    sdnext16
+	VMULPS (SI), Y7, Y2
+	VMULPS 32(SI), Y7, Y3
+	VMOVUPS Y2, (DI)
+	VMOVUPS Y3, 32(DI)
+
+sdnext16:
+	ADDQ $64, SI
+	ADDQ $64, DX
+	ADDQ $64, DI
+	SUBQ $16, CX
+	JMP  sdloop16
+
+sdtail8:
+	CMPQ CX, $8
+	JL   sddone
+	VCVTPS2PD (SI), Y0
+	VCVTPS2PD (DX), Y1
+	VFMADD231PD Y1, Y0, Y4
+	VCVTPS2PD 16(SI), Y0
+	VCVTPS2PD 16(DX), Y1
+	VFMADD231PD Y1, Y0, Y5
+	TESTQ BX, BX
+	JZ    sddone
+	VMULPS (SI), Y7, Y2
+	VMOVUPS Y2, (DI)
+
+sddone:
+	VADDPD Y5, Y4, Y4
+	VADDPD Y8, Y6, Y6
+	VADDPD Y6, Y4, Y4
+	HSUM4(Y4, X4, Y1, X1)
+	VZEROUPPER
+	MOVSD X4, ret+40(FP)
+	RET

@@ -27,6 +27,9 @@ func gemm4x16AVX2(c *float32, ldc int, a *float32, sai, sap int, b *float32, ldb
 func transpose8x8AVX2(dst *float32, ldd int, src *float32, lds int) { panic("unreachable") }
 func adamwAVX2(p, grad, m, v *float32, n int, c *[8]float32)        { panic("unreachable") }
 func scaleF32AVX2(dst, x *float32, n int, c float32)                { panic("unreachable") }
+func scaleDotF32AVX2(dst, x, y *float32, n int, c float32, store bool) float64 {
+	panic("unreachable")
+}
 func axpyF32AVX2(dst, x *float32, n int, c float32)                 { panic("unreachable") }
 func pairF32AVX2(dst, x, y *float32, n int, a, b float32, set bool) { panic("unreachable") }
 

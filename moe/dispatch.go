@@ -403,12 +403,11 @@ func fusedCombineBackwardAs[T kernels.Float](ctx context.Context, cs *combineSta
 	if cs.y.RequiresGrad() {
 		dy = autograd.ScratchBlock[T](h.tape, sum(h.recv)*cs.width)
 	}
-	var y []T
-	if dgates != nil {
-		var err error
-		if y, err = localData[T](cs.y.Data(), "Combine backward"); err != nil {
-			return nil, err
-		}
+	// The rows the combine summed: this rank computes the gate gradient
+	// of every slot its experts hold, whichever rank wants it.
+	y, err := localData[T](cs.y.Data(), "Combine backward")
+	if err != nil {
+		return nil, err
 	}
 	if err := fusedCombineBackward(ctx, h, gd, gates, y, dy, dgates, cs.width); err != nil {
 		return nil, err

@@ -22,17 +22,20 @@ import (
 //	combine:           the token's rank sums its rows, gate-weighted, from
 //	                   the experts' outputs (UnpermuteSegments)
 //	combine backward:  the expert's rank gathers the gate-scaled gradient
-//	                   rows (PermuteExpert with gates); the token's rank
-//	                   takes the gates' gradient from the experts' saved
-//	                   inputs (GateGradSegments)
+//	                   rows and, in the same pass over each gradient row,
+//	                   computes its slots' gate gradient against the rows
+//	                   it holds, which it writes into the token rank's
+//	                   gate gradient (UnpermuteBackwardExpert)
 //	dispatch backward: the token's rank sums its rows' gradients
 //	                   (UnpermuteSegments without gates)
 //
 // No send buffer is packed, no received buffer regrouped and no workspace
 // used: against the collective path this saves two full passes over the
-// payload per direction. Every rank checks every rank's counts in every
-// pass, so handles that disagree fail alike on all ranks before any row
-// moves. The time of a fused pass counts as PayloadExchange.
+// payload per direction. Every rank checks every rank's counts and buffer
+// lengths in every pass, so handles that disagree fail alike on all ranks
+// before any row moves; after that check no kernel can fail, which the
+// combine's backward relies on, since there one rank writes into another's
+// gate gradient. The time of a fused pass counts as PayloadExchange.
 
 // fusedView is what one rank publishes in a fused pass.
 type fusedView[T kernels.Float] struct {
@@ -42,6 +45,7 @@ type fusedView[T kernels.Float] struct {
 	width  int
 	tokens []T // token-side rows: the dispatched tokens, or the combined tokens' gradient
 	gates  []T // the gates of this rank's slots (nil: weights of 1)
+	dgates []T // the gates' gradient, which the experts' ranks fill (nil: not wanted)
 	routed []T // expert-side rows: the experts' outputs, or the gradient of the dispatched rows
 }
 
@@ -54,9 +58,9 @@ func (h *Handle) useFused(cfg DispatchConfig) bool {
 	return ok
 }
 
-// view returns h's view with the given rows.
-func view[T kernels.Float](h *Handle, width int, tokens, gates, routed []T) *fusedView[T] {
-	return &fusedView[T]{plan: &h.plan, chunks: h.chunks, at: h.at, width: width, tokens: tokens, gates: gates, routed: routed}
+// view returns h's view of rows of the given width.
+func view[T kernels.Float](h *Handle, width int) *fusedView[T] {
+	return &fusedView[T]{plan: &h.plan, chunks: h.chunks, at: h.at, width: width}
 }
 
 // share runs one fused pass: it publishes v and runs pull on every rank's
@@ -101,6 +105,9 @@ func checkViews[T kernels.Float](h *Handle, peers []*fusedView[T]) error {
 		}
 	}
 	if bad == nil {
+		bad = checkBuffers(h, peers)
+	}
+	if bad == nil {
 		for q, src := range peers {
 			for r, dst := range peers {
 				for j := range l {
@@ -121,6 +128,30 @@ func checkViews[T kernels.Float](h *Handle, peers []*fusedView[T]) error {
 	return fmt.Errorf("%w: the ranks' handles disagree (%s); no row moved", ErrMismatch, strings.Join(bad, "; "))
 }
 
+// checkBuffers checks that every view's buffers hold what its plan says
+// (token rows, one gate per slot, the routed rows its peers expect), so
+// that the kernels of a pass cannot fail on one rank only.
+func checkBuffers[T kernels.Float](h *Handle, peers []*fusedView[T]) []string {
+	var bad []string
+	for q, v := range peers {
+		slots := v.plan.Tokens * v.plan.TopK
+		routed := 0
+		for _, c := range v.chunks {
+			routed += c
+		}
+		for _, b := range []struct {
+			name string
+			buf  []T
+			want int
+		}{{"token rows", v.tokens, v.plan.Tokens * v.width}, {"gates", v.gates, slots}, {"gate gradient", v.dgates, slots}, {"routed rows", v.routed, routed * v.width}} {
+			if b.buf != nil && len(b.buf) != b.want {
+				bad = append(bad, fmt.Sprintf("rank %d shares %d values of %s, want %d", q, len(b.buf), b.name, b.want))
+			}
+		}
+	}
+	return bad
+}
+
 // chunk returns rows [at, at+n) of width w of buf, or an error when buf is
 // too short (a view that checkViews let through cannot be).
 func chunk[T kernels.Float](buf []T, at, n, w int) ([]T, error) {
@@ -131,22 +162,25 @@ func chunk[T kernels.Float](buf []T, at, n, w int) ([]T, error) {
 }
 
 // gatherRouted fills routed (this rank's routed layout, rows of width w)
-// with every token rank's rows for this rank's experts: peer q's tokens
-// scaled by its gates when gated.
-func gatherRouted[T kernels.Float](h *Handle, routed []T, w int, gated bool, peers []*fusedView[T]) error {
-	p, l := h.ranks, h.local
-	for j := range l {
-		x := h.rank*l + j
+// with every token rank's rows for this rank's experts.
+func gatherRouted[T kernels.Float](h *Handle, routed []T, w int, peers []*fusedView[T]) error {
+	return forExpertChunks(h, peers, func(j, q, x int, v *fusedView[T]) error {
+		dst, err := chunk(routed, h.at[j*h.ranks+q], h.chunks[q*h.local+j], w)
+		if err != nil {
+			return err
+		}
+		return kernels.PermuteExpert(dst, v.tokens, w, v.plan, x)
+	})
+}
+
+// forExpertChunks calls f for every local expert j (global id x) of this
+// rank and every token rank q, with q's view: once for each chunk of the
+// routed layout, in layout order.
+func forExpertChunks[T kernels.Float](h *Handle, peers []*fusedView[T], f func(j, q, x int, v *fusedView[T]) error) error {
+	for j := range h.local {
+		x := h.rank*h.local + j
 		for q, v := range peers {
-			dst, err := chunk(routed, h.at[j*p+q], h.chunks[q*l+j], w)
-			if err != nil {
-				return err
-			}
-			var gates []T
-			if gated {
-				gates = v.gates
-			}
-			if err := kernels.PermuteExpert(dst, v.tokens, gates, w, v.plan, x); err != nil {
+			if err := f(j, q, x, v); err != nil {
 				return fmt.Errorf("rows of rank %d for expert %d: %w", q, x, err)
 			}
 		}
@@ -175,8 +209,10 @@ func segments[T kernels.Float](h *Handle, w int, peers []*fusedView[T]) ([][]T, 
 // rows of this rank's experts, gathered from every rank.
 func fusedDispatch[T kernels.Float](ctx context.Context, h *Handle, xd []T) ([]T, error) {
 	out := rowsBlock[T](h, sum(h.recv)*h.d, false)
-	err := share(ctx, h, "dispatch", view[T](h, h.d, xd, nil, nil), &h.stats.Forward, func(peers []*fusedView[T]) error {
-		return gatherRouted(h, out, h.d, false, peers)
+	v := view[T](h, h.d)
+	v.tokens = xd
+	err := share(ctx, h, "dispatch", v, &h.stats.Forward, func(peers []*fusedView[T]) error {
+		return gatherRouted(h, out, h.d, peers)
 	})
 	return out, err
 }
@@ -186,7 +222,9 @@ func fusedDispatch[T kernels.Float](ctx context.Context, h *Handle, xd []T) ([]T
 // with grad set the dispatch's input gradient.
 func fusedUnpermute[T kernels.Float](ctx context.Context, h *Handle, what string, y, gates []T, w int, grad bool, phase *Timings) ([]T, error) {
 	out := rowsBlock[T](h, h.n*w, grad)
-	err := share(ctx, h, what, view[T](h, w, nil, nil, y), phase, func(peers []*fusedView[T]) error {
+	v := view[T](h, w)
+	v.routed = y
+	err := share(ctx, h, what, v, phase, func(peers []*fusedView[T]) error {
 		segs, err := segments(h, w, peers)
 		if err != nil {
 			return err
@@ -198,22 +236,41 @@ func fusedUnpermute[T kernels.Float](ctx context.Context, h *Handle, what string
 
 // fusedCombineBackward moves the gate-scaled gradient gd of the combined
 // tokens (width w) to the experts, into dy (nil: not wanted), and computes
-// the gates' gradient into dgates (nil: not wanted) from the experts'
-// rows y that the combine summed.
+// the gates' gradient into dgates (nil: not wanted) from the experts' rows
+// y that the combine summed. Each expert's rank does both for its rows in
+// one pass (kernels.UnpermuteBackwardExpert): it reads a token's gradient
+// row once, from the token's rank, for the scaled row it keeps and for the
+// dot product with the row it holds, whose result it writes into the
+// token rank's dgates. Slots without a row (not routed, or dropped) get 0
+// from their own rank, before the pass; every other slot is written by
+// exactly one rank, the owner of its expert.
 func fusedCombineBackward[T kernels.Float](ctx context.Context, h *Handle, gd, gates, y, dy, dgates []T, w int) error {
-	return share(ctx, h, "combine backward", view[T](h, w, gd, gates, y), &h.stats.Backward, func(peers []*fusedView[T]) error {
-		if dy != nil {
-			if err := gatherRouted(h, dy, w, true, peers); err != nil {
-				return err
+	for s, p := range h.plan.SlotRow {
+		if p < 0 && dgates != nil {
+			dgates[s] = 0
+		}
+	}
+	v := view[T](h, w)
+	v.tokens, v.gates, v.dgates = gd, gates, dgates
+	return share(ctx, h, "combine backward", v, &h.stats.Backward, func(peers []*fusedView[T]) error {
+		return forExpertChunks(h, peers, func(j, q, x int, v *fusedView[T]) error {
+			if dy == nil && v.dgates == nil {
+				return nil
 			}
-		}
-		if dgates == nil {
-			return nil
-		}
-		segs, err := segments(h, w, peers)
-		if err != nil {
-			return err
-		}
-		return kernels.GateGradSegments(dgates, gd, segs, w, &h.plan)
+			at, n := h.at[j*h.ranks+q], h.chunks[q*h.local+j]
+			var rows, held []T
+			var err error
+			if dy != nil {
+				if rows, err = chunk(dy, at, n, w); err != nil {
+					return err
+				}
+			}
+			if v.dgates != nil {
+				if held, err = chunk(y, at, n, w); err != nil {
+					return err
+				}
+			}
+			return kernels.UnpermuteBackwardExpert(rows, v.dgates, v.tokens, held, v.gates, w, v.plan, x)
+		})
 	})
 }
