@@ -51,7 +51,9 @@ func checkSegments[T Float](op string, segs [][]T, d int, r *Routing) error {
 	}
 	var errs []error
 	for e, seg := range segs {
-		errs = append(errs, permLen(op, fmt.Sprintf("segs[%d]", e), len(seg), r.Offsets[e+1]-r.Offsets[e], d))
+		if rows := r.Offsets[e+1] - r.Offsets[e]; len(seg) != rows*d { // named only on error: this runs every call
+			errs = append(errs, permLen(op, fmt.Sprintf("segs[%d]", e), len(seg), rows, d))
+		}
 	}
 	return errors.Join(errs...)
 }

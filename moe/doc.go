@@ -88,6 +88,10 @@
 // and a token's rank sums its rows straight from the experts' outputs
 // (kernels.PermuteExpert, kernels.UnpermuteSegments), so each row moves
 // once, as DeepEP's kernels write into their peers' buffers over NVLink.
+// In the combine's backward the expert's rank gathers the gate-scaled
+// gradient rows and, in the same pass, computes the gates' gradient
+// against the rows it holds, writing it into the token rank's buffer
+// (kernels.UnpermuteBackwardExpert).
 // DispatchConfig.Collectives selects the all-to-all-v path anyway, the one
 // MPI and NCCL communicators take, to test it in process.
 //
