@@ -360,7 +360,15 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 			return nil, err
 		}
 		if cs.gates.RequiresGrad() {
-			dgates = autograd.ScratchBlock[T](h.tape, h.n*h.k)
+			if h.fused {
+				// The experts' ranks write into it (fused.go). After a
+				// failed pass a late peer may still be writing, so it
+				// must be memory the tape never hands out again: the
+				// garbage collector's (n·K values, little to allocate).
+				dgates = make([]T, h.n*h.k)
+			} else {
+				dgates = autograd.ScratchBlock[T](h.tape, h.n*h.k)
+			}
 			packed, _ = cs.packed.([]T)
 		}
 	}

@@ -243,7 +243,8 @@ func fusedUnpermute[T kernels.Float](ctx context.Context, h *Handle, what string
 // dot product with the row it holds, whose result it writes into the
 // token rank's dgates. Slots without a row (not routed, or dropped) get 0
 // from their own rank, before the pass; every other slot is written by
-// exactly one rank, the owner of its expert.
+// exactly one rank, the owner of its expert. Since peers write into it,
+// dgates must be memory that is not handed out again if the pass fails.
 func fusedCombineBackward[T kernels.Float](ctx context.Context, h *Handle, gd, gates, y, dy, dgates []T, w int) error {
 	for s, p := range h.plan.SlotRow {
 		if p < 0 && dgates != nil {
