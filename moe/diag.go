@@ -10,6 +10,14 @@ import (
 // Timings splits the wall-clock time of one MoE layer pass on this rank.
 // Each field sums every call of its kind through one handle.
 type Timings struct {
+	// Wait is the time this rank spent at a barrier over the
+	// expert-parallel axis before each combine, combine backward and
+	// dispatch backward, waiting for the group's slowest rank to arrive:
+	// what imbalance costs (experts with more rows, ranks sharing a
+	// core), measured only with DispatchConfig.Diagnostics, which adds
+	// those barriers. Without them the wait falls into the pass's first
+	// exchange (PayloadExchange), where it looks like slow communication.
+	Wait time.Duration
 	// Permute is the local row movement of dispatch: the expert-major
 	// pack of the token copies and the regrouping by local expert after
 	// the all-to-all (in backward: dispatch's backward, the regrouping by
@@ -33,7 +41,7 @@ type Timings struct {
 
 // Total is the sum of the fields.
 func (t Timings) Total() time.Duration {
-	return t.Permute + t.CountExchange + t.PayloadExchange + t.Experts + t.Combine
+	return t.Wait + t.Permute + t.CountExchange + t.PayloadExchange + t.Experts + t.Combine
 }
 
 // Stats are the diagnostics of one dispatch, from the counts the dispatch
@@ -153,8 +161,8 @@ func (s Stats) String() string {
 		name string
 		t    Timings
 	}{{"forward", s.Forward}, {"backward", s.Backward}} {
-		fmt.Fprintf(&b, "\n  %s: permute %v, counts %v, payload %v, experts %v, combine %v",
-			t.name, t.t.Permute, t.t.CountExchange, t.t.PayloadExchange, t.t.Experts, t.t.Combine)
+		fmt.Fprintf(&b, "\n  %s: wait %v, permute %v, counts %v, payload %v, experts %v, combine %v",
+			t.name, t.t.Wait, t.t.Permute, t.t.CountExchange, t.t.PayloadExchange, t.t.Experts, t.t.Combine)
 	}
 	return b.String()
 }

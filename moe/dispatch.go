@@ -48,6 +48,25 @@ func localData[T kernels.Float](dt *placement.DTensor, what string) ([]T, error)
 	return d, nil
 }
 
+// wait, with DispatchConfig.Diagnostics, blocks at a barrier over the
+// expert-parallel axis until every rank of the group has arrived, and
+// counts the time as phase.Wait: called first in the combine and both
+// backward passes, it absorbs the skew that the experts' (or the rest of
+// the model's) uneven work left, which the pass's exchange would
+// otherwise absorb.
+func (h *Handle) wait(ctx context.Context, phase *Timings) error {
+	if !h.diag || h.ranks == 1 {
+		return nil
+	}
+	start := time.Now()
+	err := comm.Barrier(ctx, h.c)
+	phase.Wait += time.Since(start)
+	if err != nil {
+		return fmt.Errorf("diagnostics barrier over axis %q: %w", h.axis, err)
+	}
+	return nil
+}
+
 // exchange runs the payload all-to-all-v over the expert-parallel axis:
 // sendRows[q] rows of width w go to rank q, recvRows[q] come from it.
 func (h *Handle) exchangeRows(ctx context.Context, send, recv any, sendRows, recvRows []int, w int, phase *Timings) error {
@@ -262,6 +281,9 @@ func unpermuteAs[T kernels.Float](ctx context.Context, h *Handle, y *placement.D
 	if err != nil {
 		return nil, err
 	}
+	if err := h.wait(ctx, phase); err != nil {
+		return nil, err
+	}
 	if h.fused {
 		// The gates' gradient reads the experts' rows in place: nothing
 		// to keep.
@@ -352,6 +374,9 @@ func combineBackwardAs[T kernels.Float](ctx context.Context, cs *combineState, g
 	}
 	gd, err := localData[T](g, "Combine backward")
 	if err != nil {
+		return nil, err
+	}
+	if err := h.wait(ctx, &h.stats.Backward); err != nil {
 		return nil, err
 	}
 	var gates, dgates, packed []T

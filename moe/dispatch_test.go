@@ -615,6 +615,21 @@ func TestDispatchMismatch(t *testing.T) {
 			want: []string{"K=1", "no token row moved"},
 			is:   moe.ErrMismatch,
 		},
+		{
+			// Diagnostics adds barriers to later passes, so ranks must
+			// agree on it before any of them runs.
+			name: "ranks disagree on Diagnostics",
+			run: func(ctx context.Context, m *mesh.Mesh, tape *autograd.Tape, x, gates *autograd.Value) error {
+				r, err := epLocalRouting(c, x.Spec(), m, gates)
+				if err != nil {
+					return err
+				}
+				_, _, err = moe.Dispatch(ctx, x, r, moe.DispatchConfig{Axis: "ep", Diagnostics: m.Rank() == 1, Collectives: collectives})
+				return err
+			},
+			want: []string{"diagnostics=0", "diagnostics=1", "no token row moved"},
+			is:   moe.ErrMismatch,
+		},
 	}
 	for _, tc := range cases {
 		for _, collectives = range []bool{true, false} {
@@ -663,6 +678,114 @@ func TestDispatchMismatch(t *testing.T) {
 					if !errors.Is(errs[1], moe.ErrInvalid) || !strings.Contains(errs[1].Error(), "expert 4") {
 						t.Errorf("rank 1: %v, want ErrInvalid naming expert 4", errs[1])
 					}
+				}
+			})
+		}
+	}
+}
+
+// TestDiagnosticsWait: with DispatchConfig.Diagnostics, the time a rank
+// waits for a slower one before the combine and both backward passes is
+// Timings.Wait, on both payload paths; without it Wait stays zero. Rank 1
+// sleeps before each of those passes, standing in for experts with more
+// rows.
+func TestDiagnosticsWait(t *testing.T) {
+	const e, delay = 4, 40 * time.Millisecond
+	c := epRandom(8, 2, e, 2, 2, routeRandom(8, e, 2, 31, 0), 32)
+	for _, collectives := range []bool{false, true} {
+		for _, diag := range []bool{true, false} {
+			t.Run(fmt.Sprintf("collectives=%v/diagnostics=%v", collectives, diag), func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				stats := make([]moe.Stats, 2)
+				err := placementtest.Simulate(ctx, []int{2}, []string{"ep"}, func(ctx context.Context, m *mesh.Mesh) error {
+					tape := autograd.NewTape()
+					x, err := epValue(tape, m, "x", []int{c.n, c.d}, []placement.Placement{placement.Shard(0)}, c.x, true)
+					if err != nil {
+						return err
+					}
+					gates, err := epValue(tape, m, "gates", []int{c.n, c.k}, []placement.Placement{placement.Shard(0)}, c.gates, true)
+					if err != nil {
+						return err
+					}
+					r, err := epLocalRouting(c, x.Spec(), m, gates)
+					if err != nil {
+						return err
+					}
+					rows, h, err := moe.Dispatch(ctx, x, r, moe.DispatchConfig{Axis: "ep", Diagnostics: diag, Collectives: collectives})
+					if err != nil {
+						return err
+					}
+					slow := func() {
+						if m.Rank() == 1 {
+							time.Sleep(delay)
+						}
+					}
+					// The sleeps before the backward passes: in the sink's
+					// backward (before the combine's) and in the rows'
+					// (before the dispatch's).
+					rows, err = autograd.Custom("slow", []*autograd.Value{rows},
+						func() (*placement.DTensor, error) { return rows.Data(), nil },
+						func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+							slow()
+							return []*placement.DTensor{g}, nil
+						})
+					if err != nil {
+						return err
+					}
+					slow()
+					y, err := moe.Combine(ctx, rows, h, gates)
+					if err != nil {
+						return err
+					}
+					loss, err := autograd.Custom("slow-sink", []*autograd.Value{y},
+						func() (*placement.DTensor, error) {
+							spec, err := placement.NewSpec(m, []int{}, comm.Float64, []placement.Placement{placement.Partial(comm.Sum)})
+							if err != nil {
+								return nil, err
+							}
+							return placement.NewLocal(spec, []float64{0})
+						},
+						func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+							slow()
+							ones := make([]float64, y.Data().Spec().LocalShape()[0]*c.d)
+							for i := range ones {
+								ones[i] = 1
+							}
+							dy, err := placement.NewLocal(y.Spec(), ones)
+							return []*placement.DTensor{dy}, err
+						})
+					if err != nil {
+						return err
+					}
+					if err := tape.Backward(ctx, loss); err != nil {
+						return err
+					}
+					stats[m.Rank()] = h.Stats()
+					return nil
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				fast := stats[0]
+				if !diag {
+					for r, s := range stats {
+						if s.Forward.Wait != 0 || s.Backward.Wait != 0 {
+							t.Errorf("rank %d: Wait %v forward, %v backward without diagnostics", r, s.Forward.Wait, s.Backward.Wait)
+						}
+					}
+					return
+				}
+				// Rank 0 waits for rank 1 before the combine (forward) and
+				// before both backward passes; rank 1 arrives last each time.
+				if fast.Forward.Wait < delay/2 || fast.Backward.Wait < delay {
+					t.Errorf("rank 0: Wait %v forward, %v backward; want about %v and %v", fast.Forward.Wait, fast.Backward.Wait, delay, 2*delay)
+				}
+				if slow := stats[1]; slow.Forward.Wait+slow.Backward.Wait > fast.Forward.Wait+fast.Backward.Wait/2 {
+					t.Errorf("rank 1 arrives last, yet waited %v forward and %v backward (rank 0: %v, %v)", slow.Forward.Wait, slow.Backward.Wait, fast.Forward.Wait, fast.Backward.Wait)
+				}
+				if fast.Forward.Total() < fast.Forward.Wait {
+					t.Errorf("Total %v leaves out Wait %v", fast.Forward.Total(), fast.Forward.Wait)
 				}
 			})
 		}

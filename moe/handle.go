@@ -47,7 +47,12 @@ type DispatchConfig struct {
 	// anyway (the one all-gather the ragged layout always does), so that
 	// Stats hold the send matrix and tokens per expert of the whole
 	// expert-parallel group and every rank checks the others' arguments
-	// before the payload moves. Ragged dispatches always have them.
+	// before the payload moves; ragged dispatches always have them. It
+	// also adds a barrier over Axis before the combine and both backward
+	// passes, timed as Timings.Wait, which separates the cost of
+	// imbalance from the exchanges' own (a few microseconds a barrier on
+	// comm/local). Every rank must set it alike; the count exchange checks
+	// that it does.
 	Diagnostics bool
 	// Workspace, when not nil, supplies the buffers the rows pass through
 	// inside this dispatch, its combine and their backward passes, reused
@@ -92,6 +97,9 @@ type Handle struct {
 	// dispatch.go), and the plan's expert ids are relabelled local-expert
 	// major (label). layout decides it, once the counts are known.
 	split bool
+	// diag: DispatchConfig.Diagnostics, so every later pass starts with a
+	// barrier timed as Timings.Wait (wait).
+	diag bool
 	// fused: the payload moves by comm.SharedMemory (fused.go), not by
 	// all-to-all-v; decided from the communicator, so the same on every
 	// rank of the axis.
@@ -192,9 +200,9 @@ func (h *Handle) ExpertRows() []int {
 // copies' gradients, laid out like x.
 //
 // In the ragged layout the ranks first exchange their per-expert counts:
-// one all-gather of E+10 int64 per rank over the token-sharding axes
+// one all-gather of E+11 int64 per rank over the token-sharding axes
 // (mesh.Mesh.Group), which also checks that every rank was called with
-// the same experts, slots, width, capacity and dtype, and that no rank
+// the same experts, slots, width, capacity, dtype and Diagnostics, and that no rank
 // rejected its own routing, before any token row moves: a disagreement is
 // an ErrMismatch error on every rank. The static-capacity layout
 // (DispatchConfig.Capacity) skips the exchange unless Diagnostics is set.
@@ -340,7 +348,7 @@ func newHandle(ctx context.Context, op string, x *autograd.Value, r *Routing, cf
 		axis: cfg.Axis, xs: xs, tokenAxes: tokenAxes,
 		n: xs.LocalShape()[0], k: r.K, e: r.NumExperts, d: shape[1],
 		ranks: ranks, rank: rank, local: r.NumExperts / ranks, capacity: capacity, static: static,
-		ws: cfg.Workspace, tape: x.Tape(),
+		ws: cfg.Workspace, tape: x.Tape(), diag: cfg.Diagnostics,
 	}
 	h.stats.init(h)
 	// Communicators: created on first use by a collective Split, so every
@@ -398,6 +406,7 @@ const (
 	hdrCapacity
 	hdrStatic
 	hdrDType
+	hdrDiag
 	hdrLen
 )
 
@@ -409,6 +418,9 @@ func (h *Handle) exchange(ctx context.Context, op string, group comm.Communicato
 	msg[hdrExperts], msg[hdrK], msg[hdrWidth], msg[hdrCapacity], msg[hdrDType] = int64(e), int64(h.k), int64(h.d), int64(h.capacity), int64(dt)
 	if static {
 		msg[hdrStatic] = 1
+	}
+	if h.diag {
+		msg[hdrDiag] = 1
 	}
 	if localErr != nil {
 		msg[hdrStatus] = 1
@@ -433,8 +445,8 @@ func (h *Handle) exchange(ctx context.Context, op string, group comm.Communicato
 			rejected = append(rejected, fmt.Sprint(g))
 		}
 		if !slices.Equal(rows[g][1:hdrLen], msg[1:hdrLen]) {
-			differ = append(differ, fmt.Sprintf("rank %d has E=%d K=%d D=%d capacity=%d static=%d dtype=%v", g,
-				rows[g][hdrExperts], rows[g][hdrK], rows[g][hdrWidth], rows[g][hdrCapacity], rows[g][hdrStatic], comm.DType(rows[g][hdrDType])))
+			differ = append(differ, fmt.Sprintf("rank %d has E=%d K=%d D=%d capacity=%d static=%d dtype=%v diagnostics=%d", g,
+				rows[g][hdrExperts], rows[g][hdrK], rows[g][hdrWidth], rows[g][hdrCapacity], rows[g][hdrStatic], comm.DType(rows[g][hdrDType]), rows[g][hdrDiag]))
 		}
 	}
 	if localErr != nil {
@@ -444,8 +456,8 @@ func (h *Handle) exchange(ctx context.Context, op string, group comm.Communicato
 		return nil, fmt.Errorf("%s: %w: rank(s) %s of mesh axes %v rejected their routing (see their errors); no token row moved", op, ErrMismatch, strings.Join(rejected, ", "), h.tokenAxes)
 	}
 	if differ != nil {
-		return nil, fmt.Errorf("%s: %w: this rank has E=%d K=%d D=%d capacity=%d static=%d dtype=%v, but %s; no token row moved", op, ErrMismatch,
-			e, h.k, h.d, h.capacity, msg[hdrStatic], dt, strings.Join(differ, "; "))
+		return nil, fmt.Errorf("%s: %w: this rank has E=%d K=%d D=%d capacity=%d static=%d dtype=%v diagnostics=%d, but %s; no token row moved", op, ErrMismatch,
+			e, h.k, h.d, h.capacity, msg[hdrStatic], dt, msg[hdrDiag], strings.Join(differ, "; "))
 	}
 	return rows, nil
 }

@@ -30,7 +30,10 @@
 // payload passes).
 // -diag adds, for the interval's last step, each layer's send-count
 // matrix (rows a rank sends to each rank, within rank 0's ep group),
-// its largest row and column, and the tokens per expert.
+// its largest row and column, and the tokens per expert; it also puts a
+// barrier before the combine and both backward passes and reports the
+// time rank 0 waited there as "wait": what imbalance costs, which
+// otherwise shows up as payload exchange.
 //
 // -capacity 0 is dropless routing (the ragged layout, exact counts
 // exchanged every layer); a positive value is a capacity factor: every
@@ -132,7 +135,7 @@ func parse(args []string, errOut io.Writer) (options, error) {
 	fs.IntVar(&o.every, "every", 10, "print progress every this many steps")
 	fs.Float64Var(&o.capacity, "capacity", 0, "expert capacity factor (0: dropless)")
 	fs.BoolVar(&o.pad, "pad", true, "with -capacity, pad every expert's rows to the capacity (static layout)")
-	fs.BoolVar(&o.diag, "diag", false, "also print the send-count matrix and tokens per expert")
+	fs.BoolVar(&o.diag, "diag", false, "also print the send-count matrix and tokens per expert, and time the wait for the slowest rank (a barrier before each later pass)")
 	fs.IntVar(&o.experts, "experts", 0, "experts per layer (default 8)")
 	fs.IntVar(&o.k, "topk", 0, "experts per token (default 2)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init")
@@ -265,6 +268,7 @@ func (iv *interval) add(r *moegpt.StepResult) {
 }
 
 func addTimings(a, b moe.Timings) moe.Timings {
+	a.Wait += b.Wait
 	a.Permute += b.Permute
 	a.CountExchange += b.CountExchange
 	a.PayloadExchange += b.PayloadExchange
@@ -356,7 +360,7 @@ func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o 
 		res.TokensPerS = trainrun.MedianTokensPerS(tokens, stepTimes)
 		us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 		res.TimeUS = map[string]float64{
-			"permute": us(total.Permute), "count_exchange": us(total.CountExchange),
+			"wait": us(total.Wait), "permute": us(total.Permute), "count_exchange": us(total.CountExchange),
 			"payload_exchange": us(total.PayloadExchange), "experts": us(total.Experts), "combine": us(total.Combine),
 		}
 		params = full
@@ -388,8 +392,12 @@ func report(out io.Writer, r *moegpt.StepResult, iv *interval, wall time.Duratio
 		strings.Join(bal, ", "), strings.Join(drop, " "), strings.Join(pad, " "))
 	t := iv.t
 	ms := func(d time.Duration) string { return fmt.Sprintf("%.1fms", float64(d)/float64(time.Millisecond)) }
-	fmt.Fprintf(out, "           moe time (rank 0, %d step(s), fwd+bwd): permute %s  count exchange %s  payload exchange %s  experts %s  combine %s  = %s of %s\n",
-		iv.steps, ms(t.Permute), ms(t.CountExchange), ms(t.PayloadExchange), ms(t.Experts), ms(t.Combine), ms(t.Total()), ms(wall))
+	wait := ""
+	if diag {
+		wait = "wait " + ms(t.Wait) + "  "
+	}
+	fmt.Fprintf(out, "           moe time (rank 0, %d step(s), fwd+bwd): %spermute %s  count exchange %s  payload exchange %s  experts %s  combine %s  = %s of %s\n",
+		iv.steps, wait, ms(t.Permute), ms(t.CountExchange), ms(t.PayloadExchange), ms(t.Experts), ms(t.Combine), ms(t.Total()), ms(wall))
 	if !diag {
 		return
 	}

@@ -30,8 +30,10 @@ type Options struct {
 	// tape the same one (autograd.WithBLAS).
 	BLAS *kernels.BLAS
 	// Diagnostics asks static-capacity dispatches to exchange their counts
-	// anyway, so that moe.Stats hold the send matrix
-	// (moe.DispatchConfig.Diagnostics). Ragged dispatches always have it.
+	// anyway, so that moe.Stats hold the send matrix (ragged dispatches
+	// always have it), and every dispatch to time the wait for the
+	// slowest rank before its later passes, moe.Timings.Wait
+	// (moe.DispatchConfig.Diagnostics).
 	Diagnostics bool
 	// Collectives moves the token rows by all-to-all-v even where the
 	// ranks share memory (moe.DispatchConfig.Collectives): the path MPI
