@@ -101,7 +101,9 @@
 // Layer puts router, dispatch, experts and combine together, and Stats
 // reports per step the send-count matrix, tokens per expert, the largest
 // row and column, dropped and padded fractions, and the time spent in
-// permute, count exchange, payload exchange, experts and combine.
+// permute, count exchange, payload exchange, experts and combine (with
+// DispatchConfig.Diagnostics also the wait for the slowest rank before
+// each later pass: what imbalance costs).
 //
 // The package holds no mutable global state; a Router's expert bias is
 // the only state it keeps, and the training loop updates it explicitly
