@@ -494,6 +494,9 @@ func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int,
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
+	if dpacked == nil && dgates == nil {
+		return nil // nothing asked for
+	}
 	if dgates != nil {
 		// Slots without a packed row get no gradient from the row pass.
 		for s, p := range r.SlotRow {

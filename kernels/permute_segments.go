@@ -105,6 +105,9 @@ func UnpermuteBackwardExpert[T Float](dpacked, dgates, dout, packed, gates []T, 
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
+	if dpacked == nil && dgates == nil {
+		return nil // nothing asked for
+	}
 	unpermuteBackwardRows(r.Workers, dpacked, dgates, dout, packed, gates, idx, r.TopK, d)
 	return nil
 }

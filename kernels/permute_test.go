@@ -535,6 +535,17 @@ func TestPermuteErrors(t *testing.T) {
 	bad.SlotRow = slices.Clone(r.SlotRow)
 	bad.SlotRow[1] = -5
 	errIs("corrupt SlotRow", Unpermute(x, out, nil, d, &bad), "Routing.SlotRow")
+	bad = r
+	bad.RowSlot = slices.Clone(r.RowSlot)
+	bad.RowSlot[0] = 99
+	errIs("corrupt RowSlot, dgates", UnpermuteBackward(nil, make([]float32, 6), x, out, nil, d, &bad), "Routing.RowSlot")
+	// Nothing asked for: nothing read, whatever the maps hold.
+	if err := UnpermuteBackward(nil, nil, x, nil, make([]float32, 6), d, &bad); err != nil {
+		t.Fatalf("UnpermuteBackward with neither output: %v", err)
+	}
+	if err := UnpermuteBackwardExpert(nil, nil, x, nil, make([]float32, 6), d, &r, 0); err != nil {
+		t.Fatalf("UnpermuteBackwardExpert with neither output: %v", err)
+	}
 }
 
 // refGroup builds the expert-major layout of rank-major chunks by listing

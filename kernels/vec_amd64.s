@@ -840,7 +840,7 @@ pairdone:
 // float64 and summed in four float64 accumulators of four lanes (element i
 // into accumulator (i/4) mod 4, the last eight of an odd number of eights
 // into the first two), then (a0+a1)+(a2+a3) and the lanes pairwise; with
-// store it also sets dst[i] = g·x[i] (one rounding, as scaleF32AVX2), in
+// store it also sets dst[i] = c·x[i] (one rounding, as scaleF32AVX2), in
 // the same pass. Four chains keep the float64 adds from bounding the speed.
 TEXT ·scaleDotF32AVX2(SB), NOSPLIT, $0-48
 	MOVQ dst+0(FP), DI

@@ -246,16 +246,21 @@ func fusedUnpermute[T kernels.Float](ctx context.Context, h *Handle, what string
 // exactly one rank, the owner of its expert. Since peers write into it,
 // dgates must be memory that is not handed out again if the pass fails.
 func fusedCombineBackward[T kernels.Float](ctx context.Context, h *Handle, gd, gates, y, dy, dgates []T, w int) error {
-	for s, p := range h.plan.SlotRow {
-		if p < 0 && dgates != nil {
-			dgates[s] = 0
+	if dgates != nil {
+		for s, p := range h.plan.SlotRow {
+			if p < 0 {
+				dgates[s] = 0
+			}
 		}
 	}
 	v := view[T](h, w)
-	v.tokens, v.gates, v.dgates = gd, gates, dgates
+	// y is shared only so that checkViews checks its length on every
+	// rank: no peer reads it, but a short y failing here alone would
+	// leave the peers' gate gradients short without an error.
+	v.tokens, v.gates, v.dgates, v.routed = gd, gates, dgates, y
 	return share(ctx, h, "combine backward", v, &h.stats.Backward, func(peers []*fusedView[T]) error {
-		return forExpertChunks(h, peers, func(j, q, x int, v *fusedView[T]) error {
-			if dy == nil && v.dgates == nil {
+		return forExpertChunks(h, peers, func(j, q, x int, peer *fusedView[T]) error {
+			if dy == nil && peer.dgates == nil {
 				return nil
 			}
 			at, n := h.at[j*h.ranks+q], h.chunks[q*h.local+j]
@@ -266,12 +271,12 @@ func fusedCombineBackward[T kernels.Float](ctx context.Context, h *Handle, gd, g
 					return err
 				}
 			}
-			if v.dgates != nil {
+			if peer.dgates != nil {
 				if held, err = chunk(y, at, n, w); err != nil {
 					return err
 				}
 			}
-			return kernels.UnpermuteBackwardExpert(rows, v.dgates, v.tokens, held, v.gates, w, v.plan, x)
+			return kernels.UnpermuteBackwardExpert(rows, peer.dgates, peer.tokens, held, peer.gates, w, peer.plan, x)
 		})
 	})
 }

@@ -51,8 +51,11 @@ type DispatchConfig struct {
 	// also adds a barrier over Axis before the combine and both backward
 	// passes, timed as Timings.Wait, which separates the cost of
 	// imbalance from the exchanges' own (a few microseconds a barrier on
-	// comm/local). Every rank must set it alike; the count exchange checks
-	// that it does.
+	// comm/local). Every rank must set it alike. The count exchange checks
+	// that they do; in the static layout a rank without Diagnostics skips
+	// that exchange, so there a disagreement is a mismatch of collectives,
+	// which fails as such (at once on comm/local, by the communicator's
+	// timeout on MPI and NCCL).
 	Diagnostics bool
 	// Workspace, when not nil, supplies the buffers the rows pass through
 	// inside this dispatch, its combine and their backward passes, reused
