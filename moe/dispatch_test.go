@@ -345,15 +345,7 @@ func TestDispatchAdjoint(t *testing.T) {
 					c := epRandom(11, 3, e, 3, 2, routeRandom(11, e, 3, 9, 0.2), 11)
 					placementtest.Run(t, mc.shape, mc.names, func(ctx context.Context, m *mesh.Mesh) error {
 						tape := autograd.NewTape()
-						x, err := epValue(tape, m, "x", []int{c.n, c.d}, mc.tokenPlaces(), c.x, true)
-						if err != nil {
-							return err
-						}
-						gates, err := epValue(tape, m, "gates", []int{c.n, c.k}, mc.tokenPlaces(), c.gates, false)
-						if err != nil {
-							return err
-						}
-						r, err := epLocalRouting(c, x.Spec(), m, gates)
+						x, gates, r, err := epInputs(tape, m, c, mc.tokenPlaces(), false)
 						if err != nil {
 							return err
 						}
@@ -700,15 +692,7 @@ func TestDiagnosticsWait(t *testing.T) {
 				stats := make([]moe.Stats, 2)
 				err := placementtest.Simulate(ctx, []int{2}, []string{"ep"}, func(ctx context.Context, m *mesh.Mesh) error {
 					tape := autograd.NewTape()
-					x, err := epValue(tape, m, "x", []int{c.n, c.d}, []placement.Placement{placement.Shard(0)}, c.x, true)
-					if err != nil {
-						return err
-					}
-					gates, err := epValue(tape, m, "gates", []int{c.n, c.k}, []placement.Placement{placement.Shard(0)}, c.gates, true)
-					if err != nil {
-						return err
-					}
-					r, err := epLocalRouting(c, x.Spec(), m, gates)
+					x, gates, r, err := epInputs(tape, m, c, []placement.Placement{placement.Shard(0)}, true)
 					if err != nil {
 						return err
 					}

@@ -305,6 +305,20 @@ func epRandom(n, d, e, k, hd int, experts []int32, seed uint64) epCase {
 	}
 }
 
+// epInputs records c's tokens [n, D] (a parameter) and gates [n, K] (a
+// parameter when gatesGrad) on tape, both laid out by places, and returns
+// them with this rank's Routing of the tokens.
+func epInputs(tape *autograd.Tape, m *mesh.Mesh, c epCase, places []placement.Placement, gatesGrad bool) (x, gates *autograd.Value, r *moe.Routing, err error) {
+	if x, err = epValue(tape, m, "x", []int{c.n, c.d}, places, c.x, true); err != nil {
+		return nil, nil, nil, err
+	}
+	if gates, err = epValue(tape, m, "gates", []int{c.n, c.k}, places, c.gates, gatesGrad); err != nil {
+		return nil, nil, nil, err
+	}
+	r, err = epLocalRouting(c, x.Spec(), m, gates)
+	return x, gates, r, err
+}
+
 // epLocalRouting builds this rank's Routing from the global slots: the
 // rank's tokens are its Shard(0) box of x's spec; gates is a value laid out
 // like the tokens.
