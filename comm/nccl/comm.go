@@ -112,10 +112,13 @@ type Comm struct {
 	queue   []*work // issued, not finished, in issue order
 	batch   []*work // point-to-point work not yet issued to NCCL
 	orphans []*work // failed while device work may still use their memory
+	doomed  []*work // to fail, with their own cause, once the abort is done
 	events  []uintptr
 	driving bool
 	closed  bool
 	gone    bool // ncclCommAbort or ncclCommDestroy has freed h
+	// aborted: ncclCommAbort has returned and pending work has failed.
+	aborted bool
 
 	failure   atomic.Pointer[comm.AbortError]
 	failed    chan struct{}
@@ -336,11 +339,19 @@ func (c *Comm) Abort(cause error) {
 	c.abort(&comm.AbortError{Rank: c.rank, Cause: cause}, true, false)
 }
 
-// abort marks the communicator failed with e, fails pending work, aborts
-// the NCCL communicator and, with notify, tells the peers. issueHeld says
-// whether the caller holds issueMu.
+// abort marks the communicator failed with e, aborts the NCCL
+// communicator, then fails pending work and, with notify, tells the peers.
+// issueHeld says whether the caller holds issueMu. Pending work fails only
+// after ncclCommAbort has returned, so that whoever sees an operation fail
+// may rely on NCCL having stopped with its buffers.
 func (c *Comm) abort(e *comm.AbortError, notify, issueHeld bool) {
-	if !c.markFailed(e) {
+	first := false
+	c.failOnce.Do(func() {
+		first = true
+		c.failure.Store(e)
+		close(c.failed)
+	})
+	if !first {
 		return
 	}
 	if !issueHeld && !c.cfg.nccl.Blocking {
@@ -352,33 +363,43 @@ func (c *Comm) abort(e *comm.AbortError, notify, issueHeld bool) {
 	// In blocking mode a call may be stuck inside NCCL holding issueMu;
 	// ncclCommAbort from another thread is NCCL's way to unblock it.
 	c.ncclAbort()
+	c.failPending(e)
 	if notify && c.store != nil {
 		go c.notify(e.Cause)
 	}
 }
 
-// markFailed records the first failure and fails every pending operation
-// with it; it reports whether e was the first.
-func (c *Comm) markFailed(e *comm.AbortError) bool {
-	first := false
-	c.failOnce.Do(func() {
-		first = true
-		c.failure.Store(e)
-		close(c.failed)
-	})
-	if !first {
-		return false
-	}
+// failPending fails every pending operation: the doomed with their own
+// causes, the rest with e.
+func (c *Comm) failPending(e *comm.AbortError) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	for _, w := range c.doomed {
+		c.abandonLocked(w, w.cause)
+	}
 	for _, w := range c.queue {
-		c.abandonLocked(w, c.wrap(w.op, w.seq, w.peer, e))
+		c.abandonLocked(w, e)
 	}
 	for _, w := range c.batch {
-		c.finishLocked(w, c.wrap(w.op, w.seq, w.peer, e))
+		_ = c.finishLocked(w, e)
 	}
-	c.queue, c.batch = nil, nil
-	return true
+	c.doomed, c.queue, c.batch = nil, nil, nil
+	c.aborted = true
+}
+
+// fail fails w with err and aborts the communicator. Unless the abort is
+// already done, w fails with the other pending work once it is.
+func (c *Comm) fail(w *work, err *comm.Error, issueHeld bool) {
+	c.mu.Lock()
+	switch {
+	case c.aborted:
+		c.abandonLocked(w, err)
+	case !w.finished && w.cause == nil:
+		w.cause = err
+		c.doomed = append(c.doomed, w)
+	}
+	c.mu.Unlock()
+	c.abort(&comm.AbortError{Rank: c.rank, Cause: err}, true, issueHeld)
 }
 
 // ncclAbort calls ncclCommAbort once.

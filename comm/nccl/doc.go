@@ -91,7 +91,9 @@
 // cancelled context or a timeout fails the call with a *comm.Error naming
 // this rank, the operation, its sequence number and the peer, and aborts
 // the communicator: ncclCommAbort, which also stops its kernels, and every
-// pending and later call fails with a *comm.AbortError. A timeout also
+// pending and later call fails with a *comm.AbortError. Pending work fails
+// only after ncclCommAbort has returned: a Wait or Done that reports the
+// failure comes after NCCL has let go of the buffers. A timeout also
 // dumps the flight recorder to comm.Options.DumpDir. A communicator made
 // with NewComm also watches key+"/abort" in the store and posts there when
 // it aborts, so that an abort on one rank promptly fails the others even

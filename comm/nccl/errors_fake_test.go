@@ -309,7 +309,9 @@ func TestTimeoutAndPeerFailure(t *testing.T) {
 }
 
 // TestAsyncErrorWhileWaiting: an asynchronous error that appears while a
-// call is waiting fails it, naming the pending operation, and aborts.
+// call is waiting fails it, naming the pending operation, and aborts. The
+// background driver finds the error; the wait must not return before its
+// ncclCommAbort has, however long that takes.
 func TestAsyncErrorWhileWaiting(t *testing.T) {
 	f := useFake(t)
 	l := f.load(t)
@@ -326,8 +328,13 @@ func TestAsyncErrorWhileWaiting(t *testing.T) {
 		t.Fatal("completed without rank 1")
 	case <-time.After(50 * time.Millisecond):
 	}
+	f.abortDelay(int32((30 * time.Millisecond).Microseconds()))
 	f.setAsync(0, int32(SystemError))
 	defer f.setAsync(-1, 0)
+	<-wk.Done()
+	if n := len(f.lines("ncclCommAbort comm=" + ptr(c0.h))); n != 1 {
+		t.Errorf("Done closed with ncclCommAbort called %d times, want 1", n)
+	}
 	err = wk.Wait(ctx)
 	if !errors.Is(err, SystemError) || !errors.Is(err, comm.ErrAborted) || !strings.Contains(err.Error(), "broadcast #1") {
 		t.Errorf("err = %v", err)

@@ -37,6 +37,7 @@ type fake struct {
 	setVersion  func(v int32)
 	setSettle   func(n int32)
 	setAbortPro func(on int32)
+	abortDelay  func(us int32)
 	fail        func(fn string, rc, count int32)
 	setAsync    func(rank, rc int32)
 	setLastErr  func(s string)
@@ -86,7 +87,8 @@ func buildFake() (*fake, error) {
 	if err := dl.Bind([]dynlib.Symbol{
 		{Name: "fake_log_len", Fn: &f.logLen}, {Name: "fake_log_copy", Fn: &f.logCopy}, {Name: "fake_log_clear", Fn: &f.logClear},
 		{Name: "fake_reset", Fn: &f.reset}, {Name: "fake_set_version", Fn: &f.setVersion}, {Name: "fake_set_settle_polls", Fn: &f.setSettle},
-		{Name: "fake_set_abort_propagates", Fn: &f.setAbortPro}, {Name: "fake_fail", Fn: &f.fail}, {Name: "fake_set_async", Fn: &f.setAsync},
+		{Name: "fake_set_abort_propagates", Fn: &f.setAbortPro},
+		{Name: "fake_set_abort_delay", Fn: &f.abortDelay}, {Name: "fake_fail", Fn: &f.fail}, {Name: "fake_set_async", Fn: &f.setAsync},
 		{Name: "fake_set_last_error", Fn: &f.setLastErr}, {Name: "fake_live", Fn: &f.live}, {Name: "fake_cfg_sizeof", Fn: &f.cfgSizeof},
 		{Name: "fake_cfg_offsetof", Fn: &f.cfgOffsetof}, {Name: "fake_async_polls", Fn: &f.asyncPolls},
 	}); err != nil {

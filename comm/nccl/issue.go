@@ -163,10 +163,7 @@ func (c *Comm) start(ctx context.Context, call comm.Call, async bool) (*work, er
 func (c *Comm) issue(ctx context.Context, w *work, plan *stagePlan) error {
 	fail := func(err error) error {
 		e := c.wrap(w.op, w.seq, w.peer, err)
-		c.mu.Lock()
-		_ = c.finishLocked(w, e)
-		c.mu.Unlock()
-		c.abort(&comm.AbortError{Rank: c.rank, Cause: e}, true, true)
+		c.fail(w, e, true)
 		return e
 	}
 	if err := c.stage(w, plan); err != nil {
@@ -202,14 +199,21 @@ func (c *Comm) record(w *work) error {
 		}
 	}
 	if err != nil {
-		e := c.wrap(w.op, w.seq, w.peer, err)
-		c.abandonLocked(w, e)
 		c.mu.Unlock()
-		c.abort(&comm.AbortError{Rank: c.rank, Cause: e}, true, true)
+		e := c.wrap(w.op, w.seq, w.peer, err)
+		c.fail(w, e, true)
 		return e
 	}
 	w.event = ev
 	w.issued = true
+	if c.aborted {
+		// A blocking-mode abort from another thread came between the
+		// issue and now: nothing will complete w.
+		e := c.wrap(w.op, w.seq, w.peer, c.failure.Load())
+		c.abandonLocked(w, e)
+		c.mu.Unlock()
+		return e
+	}
 	c.queue = append(c.queue, w)
 	c.mu.Unlock()
 	return nil
@@ -407,8 +411,13 @@ func (c *Comm) startP2P(ctx context.Context, call *comm.Call, plan *stagePlan) (
 		return nil, e
 	}
 	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.aborted {
+		e := c.wrap(w.op, w.seq, w.peer, c.failure.Load())
+		_ = c.finishLocked(w, e)
+		return nil, e
+	}
 	c.batch = append(c.batch, w)
-	c.mu.Unlock()
 	return w, nil
 }
 
@@ -534,17 +543,9 @@ func (c *Comm) groupTyped(ctx context.Context, batch []*work, ops []p2pOp) error
 // failBatch fails every work of a batch that NCCL rejected and aborts the
 // communicator (issueMu held).
 func (c *Comm) failBatch(batch []*work, err error) {
-	var first error
-	c.mu.Lock()
 	for _, w := range batch {
-		e := c.wrap(w.op, w.seq, w.peer, err)
-		if first == nil {
-			first = e
-		}
-		c.abandonLocked(w, e)
+		c.fail(w, c.wrap(w.op, w.seq, w.peer, err), true)
 	}
-	c.mu.Unlock()
-	c.abort(&comm.AbortError{Rank: c.rank, Cause: first}, true, true)
 }
 
 // exchange allgathers len(mine) bytes from every rank through NCCL (for
@@ -587,17 +588,17 @@ func (c *Comm) exchange(ctx context.Context, op comm.Op, seq uint64, mine []byte
 		default:
 		}
 		var cause error
-		if err := ctx.Err(); err != nil {
+		if e := c.failure.Load(); e != nil {
+			// Another thread is aborting and needs issueMu to finish.
+			cause = e
+		} else if err := ctx.Err(); err != nil {
 			cause = fmt.Errorf("%w during the cross-rank check (context: %w)", errCancelled, err)
 		} else if time.Now().After(w.deadline) {
 			cause = c.timeoutCause(w)
 		}
 		if cause != nil {
 			e := c.wrap(op, seq, -1, cause)
-			c.mu.Lock()
-			c.abandonLocked(w, e)
-			c.mu.Unlock()
-			c.abort(&comm.AbortError{Rank: c.rank, Cause: e}, true, true)
+			c.fail(w, e, true)
 			return nil, e
 		}
 		pause(time.Since(start))

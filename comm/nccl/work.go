@@ -93,6 +93,7 @@ type work struct {
 	done     chan struct{}
 	err      error
 	finished bool
+	cause    *comm.Error // set when w is doomed: its error once the abort is done
 }
 
 // newWork creates (and, unless internal, records) a work for call at seq.
@@ -138,31 +139,41 @@ func (w *work) Wait(ctx context.Context) error {
 		c.flushFor(ctx, w)
 	}
 	start := time.Now()
+	expired := false
 	for {
 		select {
 		case <-w.done:
 			return w.err
 		default:
 		}
-		c.mu.Lock()
-		err := c.progressLocked()
-		c.mu.Unlock()
-		if err != nil {
-			c.abort(&comm.AbortError{Rank: c.rank, Cause: err}, true, false)
-			continue
+		if c.failure.Load() == nil {
+			c.mu.Lock()
+			err := c.progressLocked()
+			c.mu.Unlock()
+			if err != nil {
+				c.abort(&comm.AbortError{Rank: c.rank, Cause: err}, true, false)
+				continue
+			}
 		}
+		// Once the communicator has failed, w fails when the abort is
+		// done; the context and the timeout still bound the wait.
 		select {
 		case <-w.done:
 			return w.err
 		default:
 		}
-		if err := ctx.Err(); err != nil {
-			c.expire(w, fmt.Errorf("%w while waiting (context: %w)", errCancelled, err))
-			continue
-		}
-		if time.Now().After(w.deadline) {
-			c.expire(w, c.timeoutCause(w))
-			continue
+		if !expired {
+			var cause error
+			if err := ctx.Err(); err != nil {
+				cause = fmt.Errorf("%w while waiting (context: %w)", errCancelled, err)
+			} else if time.Now().After(w.deadline) {
+				cause = c.timeoutCause(w)
+			}
+			if cause != nil {
+				expired = true
+				c.expire(w, cause)
+				continue
+			}
 		}
 		pause(time.Since(start))
 	}
@@ -175,11 +186,7 @@ func (c *Comm) timeoutCause(w *work) error {
 
 // expire fails w with cause and aborts the communicator.
 func (c *Comm) expire(w *work, cause error) {
-	e := c.wrap(w.op, w.seq, w.peer, cause)
-	c.mu.Lock()
-	c.abandonLocked(w, e)
-	c.mu.Unlock()
-	c.abort(&comm.AbortError{Rank: c.rank, Cause: e}, true, false)
+	c.fail(w, c.wrap(w.op, w.seq, w.peer, cause), false)
 }
 
 // progressLocked completes the issued works whose events have fired, in
@@ -194,6 +201,9 @@ func (c *Comm) progressLocked() error {
 	for _, w := range c.queue {
 		if w.finished {
 			continue
+		}
+		if w.cause != nil {
+			break // doomed: it fails when the abort is done
 		}
 		if w.event != 0 {
 			done, err := query(c.dev, "cuEventQuery", func() int32 { return c.lib.cu.eventQuery(w.event) })

@@ -53,6 +53,7 @@ static int fake_version_ = 22803;
 static int fake_ndev = 8;
 static int fake_settle_polls = 2;
 static int fake_abort_propagates = 1;
+static int fake_abort_delay_us;
 static char last_error[512];
 
 struct inject { char name[64]; int rc; int count; };
@@ -64,6 +65,9 @@ static int async_rank = -2, async_rc;
 EXPORT void fake_set_version(int v) { pthread_mutex_lock(&mu); fake_version_ = v; pthread_mutex_unlock(&mu); }
 EXPORT void fake_set_settle_polls(int n) { pthread_mutex_lock(&mu); fake_settle_polls = n; pthread_mutex_unlock(&mu); }
 EXPORT void fake_set_abort_propagates(int on) { pthread_mutex_lock(&mu); fake_abort_propagates = on; pthread_mutex_unlock(&mu); }
+// fake_set_abort_delay makes ncclCommAbort take us microseconds before it
+// does anything, as a real abort that stops kernels takes a while.
+EXPORT void fake_set_abort_delay(int us) { pthread_mutex_lock(&mu); fake_abort_delay_us = us; pthread_mutex_unlock(&mu); }
 
 // fake_fail makes the next count calls of fn (count < 0: every call) return rc.
 EXPORT void fake_fail(const char *fn, int rc, int count) {
@@ -1363,6 +1367,13 @@ static void cancel_parts(struct comm *c) {
 }
 
 EXPORT ncclResult_t ncclCommAbort(void *h) {
+  pthread_mutex_lock(&mu);
+  int delay = fake_abort_delay_us;
+  pthread_mutex_unlock(&mu);
+  if (delay > 0) {
+    struct timespec ts = {delay / 1000000, (long)(delay % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+  }
   LOCK;
   logf_("ncclCommAbort comm=0x%lx", PTR(h));
   struct comm *c = find_comm((uintptr_t)h);
@@ -1425,6 +1436,7 @@ EXPORT void fake_reset(void) {
   fake_version_ = 22803;
   fake_settle_polls = 2;
   fake_abort_propagates = 1;
+  fake_abort_delay_us = 0;
   last_error[0] = 0;
   async_polls = 0;
   UNLOCK;
