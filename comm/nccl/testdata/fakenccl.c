@@ -630,20 +630,28 @@ static void execute(struct op *o) {
 }
 
 // progress executes every op whose parts are all enqueued and unblocked,
-// until nothing changes.
+// until nothing changes. An executed op leaves the ops list, which would
+// otherwise grow with every call and make each call cost more than the
+// last; nothing can join it again, and its parts stay allocated because
+// stream entries point at them.
 static void progress(void) {
   int changed = 1;
   while (changed) {
     changed = 0;
-    for (struct op *o = ops; o; o = o->next) {
-      if (o->executed || o->dead || o->nreg < o->nparts) continue;
-      int ok = 1;
+    for (struct op **pp = &ops; *pp;) {
+      struct op *o = *pp;
+      int ok = !o->dead && o->nreg == o->nparts;
       for (int i = 0; i < o->nparts && ok; i++) ok = ready_part(&o->parts[i]);
-      if (!ok) continue;
+      if (!ok) {
+        pp = &o->next;
+        continue;
+      }
       execute(o);
       o->executed = 1;
       for (int i = 0; i < o->nparts; i++) o->parts[i].done = 1;
       changed = 1;
+      *pp = o->next;
+      o->next = NULL;
     }
   }
   pthread_cond_broadcast(&cv);
