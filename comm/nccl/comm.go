@@ -388,8 +388,9 @@ func (c *Comm) failPending(e *comm.AbortError) {
 }
 
 // fail fails w with err and aborts the communicator. Unless the abort is
-// already done, w fails with the other pending work once it is.
-func (c *Comm) fail(w *work, err *comm.Error, issueHeld bool) {
+// already done, w fails with the other pending work once it is. It returns
+// the error w fails with: err, or the one it had already failed with.
+func (c *Comm) fail(w *work, err *comm.Error, issueHeld bool) error {
 	c.mu.Lock()
 	switch {
 	case c.aborted:
@@ -398,8 +399,15 @@ func (c *Comm) fail(w *work, err *comm.Error, issueHeld bool) {
 		w.cause = err
 		c.doomed = append(c.doomed, w)
 	}
+	var werr error
+	if w.finished {
+		werr = w.err
+	} else {
+		werr = w.cause
+	}
 	c.mu.Unlock()
 	c.abort(&comm.AbortError{Rank: c.rank, Cause: err}, true, issueHeld)
+	return werr
 }
 
 // ncclAbort calls ncclCommAbort once.

@@ -93,7 +93,10 @@
 // the communicator: ncclCommAbort, which also stops its kernels, and every
 // pending and later call fails with a *comm.AbortError. Pending work fails
 // only after ncclCommAbort has returned: a Wait or Done that reports the
-// failure comes after NCCL has let go of the buffers. A timeout also
+// failure comes after NCCL has let go of the buffers, except a Wait whose
+// context ends, or whose operation times out, while another goroutine's
+// abort is still running (what bounds a wait is its context and the
+// timeout, never an abort). A timeout also
 // dumps the flight recorder to comm.Options.DumpDir. A communicator made
 // with NewComm also watches key+"/abort" in the store and posts there when
 // it aborts, so that an abort on one rank promptly fails the others even

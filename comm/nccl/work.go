@@ -139,7 +139,6 @@ func (w *work) Wait(ctx context.Context) error {
 		c.flushFor(ctx, w)
 	}
 	start := time.Now()
-	expired := false
 	for {
 		select {
 		case <-w.done:
@@ -162,17 +161,21 @@ func (w *work) Wait(ctx context.Context) error {
 			return w.err
 		default:
 		}
-		if !expired {
-			var cause error
-			if err := ctx.Err(); err != nil {
-				cause = fmt.Errorf("%w while waiting (context: %w)", errCancelled, err)
-			} else if time.Now().After(w.deadline) {
-				cause = c.timeoutCause(w)
-			}
-			if cause != nil {
-				expired = true
-				c.expire(w, cause)
-				continue
+		var cause error
+		if err := ctx.Err(); err != nil {
+			cause = fmt.Errorf("%w while waiting (context: %w)", errCancelled, err)
+		} else if time.Now().After(w.deadline) {
+			cause = c.timeoutCause(w)
+		}
+		if cause != nil {
+			err := c.expire(w, cause)
+			select {
+			case <-w.done:
+				return w.err
+			default:
+				// Another goroutine's abort is still running: the context
+				// and the timeout bound this wait, not that abort.
+				return err
 			}
 		}
 		pause(time.Since(start))
@@ -184,9 +187,10 @@ func (c *Comm) timeoutCause(w *work) error {
 		comm.ErrTimeout, c.cfg.opts.Timeout, c.dump(w.seq))
 }
 
-// expire fails w with cause and aborts the communicator.
-func (c *Comm) expire(w *work, cause error) {
-	c.fail(w, c.wrap(w.op, w.seq, w.peer, cause), false)
+// expire fails w with cause and aborts the communicator; it returns the
+// error w fails with.
+func (c *Comm) expire(w *work, cause error) error {
+	return c.fail(w, c.wrap(w.op, w.seq, w.peer, cause), false)
 }
 
 // progressLocked completes the issued works whose events have fired, in
