@@ -117,11 +117,13 @@ type Comm struct {
 	driving bool
 	closed  bool
 	gone    bool // ncclCommAbort or ncclCommDestroy has freed h
-	// aborted: ncclCommAbort has returned and pending work has failed.
+	// aborted: the abort is done (ncclCommAbort has returned, unless Close
+	// had freed the communicator first) and pending work has failed.
 	aborted bool
 
 	failure   atomic.Pointer[comm.AbortError]
 	failed    chan struct{}
+	abortDone chan struct{} // closed with aborted set
 	failOnce  sync.Once
 	stopWatch context.CancelFunc
 }
@@ -200,7 +202,7 @@ func NewCommFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int
 
 func newFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int, cfg commConfig, store Store, key string) (*Comm, error) {
 	l := dev.lib
-	c := &Comm{lib: l, dev: dev, rank: rank, size: size, name: cfg.name, cfg: cfg, store: store, key: key, failed: make(chan struct{})}
+	c := &Comm{lib: l, dev: dev, rank: rank, size: size, name: cfg.name, cfg: cfg, store: store, key: key, failed: make(chan struct{}), abortDone: make(chan struct{})}
 	fail := func(err error) (*Comm, error) {
 		c.pin.Unpin()
 		return nil, fmt.Errorf("nccl: creating communicator %q (rank %d of %d): %w", c.name, rank, size, err)
@@ -385,6 +387,24 @@ func (c *Comm) failPending(e *comm.AbortError) {
 	}
 	c.doomed, c.queue, c.batch = nil, nil, nil
 	c.aborted = true
+	close(c.abortDone)
+}
+
+// awaitAbort waits, once the communicator has failed, until its abort is
+// done, so that a call failing because of another goroutine's abort
+// returns after NCCL has stopped using the call's buffers. The context and
+// the communicator's timeout bound the wait.
+func (c *Comm) awaitAbort(ctx context.Context) {
+	if c.failure.Load() == nil {
+		return
+	}
+	t := time.NewTimer(c.cfg.opts.Timeout)
+	defer t.Stop()
+	select {
+	case <-c.abortDone:
+	case <-ctx.Done():
+	case <-t.C:
+	}
 }
 
 // fail fails w with err and aborts the communicator. Unless the abort is
@@ -505,7 +525,9 @@ func (c *Comm) finalize() error {
 	if rc != int32(Success) && rc != int32(InProgress) {
 		err = l.ncclError("ncclCommFinalize", rc, c.h)
 	} else {
-		err = settle(context.Background(), l, c.h, "ncclCommFinalize", time.Now().Add(c.cfg.opts.Timeout), nil)
+		// An abort from another goroutine waits for issueMu, which Close
+		// holds: give up for it.
+		err = settle(context.Background(), l, c.h, "ncclCommFinalize", time.Now().Add(c.cfg.opts.Timeout), c.Err)
 	}
 	if err != nil {
 		_ = c.dev.run(func() error { _ = l.nc.commAbort(c.h); return nil })
@@ -566,6 +588,14 @@ func (c *Comm) SplitComm(ctx context.Context, color, key int) (*Comm, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
+	nc, err := c.split(ctx, color, key)
+	if err != nil {
+		c.awaitAbort(ctx)
+	}
+	return nc, err
+}
+
+func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 	c.issueMu.Lock()
 	defer c.issueMu.Unlock()
 	if err := c.usable(comm.OpSplit, c.seq+1, -1); err != nil {
@@ -579,6 +609,9 @@ func (c *Comm) SplitComm(ctx context.Context, color, key int) (*Comm, error) {
 		return nil, c.errorf(comm.OpSplit, c.seq+1, -1, "%w: color %d or key %d does not fit a C int", comm.ErrInvalid, color, key)
 	}
 	c.flushLocked(ctx)
+	if err := c.usable(comm.OpSplit, c.seq+1, -1); err != nil {
+		return nil, err // the flush failed and aborted
+	}
 	call := comm.Call{Op: comm.OpSplit}
 	seq := c.seq + 1
 	if c.cfg.opts.ConsistencyCheck {
@@ -625,7 +658,7 @@ func (c *Comm) SplitComm(ctx context.Context, color, key int) (*Comm, error) {
 		return nil, nil
 	}
 	suffix := fmt.Sprintf("/split%d.c%d", seq, color)
-	nc := &Comm{lib: c.lib, dev: c.dev, h: newh, name: c.name + suffix, cfg: c.cfg, failed: make(chan struct{})}
+	nc := &Comm{lib: c.lib, dev: c.dev, h: newh, name: c.name + suffix, cfg: c.cfg, failed: make(chan struct{}), abortDone: make(chan struct{})}
 	if c.store != nil {
 		nc.store, nc.key = c.store, c.key+suffix
 	}

@@ -92,11 +92,12 @@
 // this rank, the operation, its sequence number and the peer, and aborts
 // the communicator: ncclCommAbort, which also stops its kernels, and every
 // pending and later call fails with a *comm.AbortError. Pending work fails
-// only after ncclCommAbort has returned: a Wait or Done that reports the
-// failure comes after NCCL has let go of the buffers, except a Wait whose
-// context ends, or whose operation times out, while another goroutine's
-// abort is still running (what bounds a wait is its context and the
-// timeout, never an abort). A timeout also
+// only after ncclCommAbort has returned, and a call that another
+// goroutine's abort fails (Start, Do, Flush, Split) returns only then too:
+// whoever sees the failure may rely on NCCL's kernels having stopped with
+// the buffers. Waiting for another goroutine's abort ends, though, when the
+// caller's context does or the operation's time is up; the call then
+// returns its own cause. A timeout also
 // dumps the flight recorder to comm.Options.DumpDir. A communicator made
 // with NewComm also watches key+"/abort" in the store and posts there when
 // it aborts, so that an abort on one rank promptly fails the others even

@@ -342,48 +342,6 @@ func TestAsyncErrorWhileWaiting(t *testing.T) {
 	aborted(t, f, c0)
 }
 
-// TestWaitBoundedDuringAbort: a wait whose context ends while another
-// goroutine's abort is still inside ncclCommAbort returns then, with its
-// own cause; the work fails once the abort is done.
-func TestWaitBoundedDuringAbort(t *testing.T) {
-	f := useFake(t)
-	l := f.load(t)
-	w := newWorld(t, l, 2)
-	defer w.close()
-	c0 := w.comms[0]
-	wk, err := comm.BroadcastAsync(context.Background(), c0, comm.Host([]int64{5}), 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const abortTime = 400 * time.Millisecond
-	f.abortDelay(int32(abortTime.Microseconds()))
-	f.setAsync(0, int32(SystemError))
-	defer f.setAsync(-1, 0)
-	for c0.Err() == nil { // the driver finds the error, then aborts
-		time.Sleep(time.Millisecond)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	err = wk.Wait(ctx)
-	if took := time.Since(start); took > abortTime/2 {
-		t.Errorf("Wait returned after %v: it waited for the abort, not its context", took)
-	}
-	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "broadcast #1") {
-		t.Errorf("err = %v, want the context's deadline, naming broadcast #1", err)
-	}
-	select {
-	case <-wk.Done():
-		t.Error("the work failed before ncclCommAbort returned")
-	default:
-	}
-	<-wk.Done()
-	if got := wk.Wait(context.Background()); got == nil || got.Error() != err.Error() {
-		t.Errorf("after the abort the work failed with %v, want what Wait returned: %v", got, err)
-	}
-	aborted(t, f, c0)
-}
-
 // TestCancel: cancelling the context of a wait aborts the communicator.
 func TestCancel(t *testing.T) {
 	f := useFake(t)

@@ -76,6 +76,7 @@ func (c *Comm) Do(ctx context.Context, call comm.Call) error {
 	}
 	w, err := c.start(ctx, call, false)
 	if err != nil {
+		c.awaitAbort(ctx)
 		return err
 	}
 	return w.Wait(ctx)
@@ -93,6 +94,7 @@ func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
 	}
 	w, err := c.start(ctx, call, true)
 	if err != nil {
+		c.awaitAbort(ctx)
 		return nil, err
 	}
 	return w, nil
@@ -132,6 +134,9 @@ func (c *Comm) start(ctx context.Context, call comm.Call, async bool) (*work, er
 		return c.startP2P(ctx, &call, plan)
 	}
 	c.flushLocked(ctx)
+	if err := c.usable(call.Op, seq, -1); err != nil {
+		return nil, err // the flush failed and aborted
+	}
 	if c.cfg.opts.ConsistencyCheck {
 		if err := c.checkFingerprint(ctx, seq, &call, invalid, 0, 0); err != nil {
 			return nil, err
@@ -428,9 +433,13 @@ func (c *Comm) Flush(ctx context.Context) error {
 		ctx = context.Background()
 	}
 	c.issueMu.Lock()
-	defer c.issueMu.Unlock()
 	c.flushLocked(ctx)
-	return c.Err()
+	c.issueMu.Unlock()
+	err := c.Err()
+	if err != nil {
+		c.awaitAbort(ctx)
+	}
+	return err
 }
 
 // flushFor flushes the batch if w is still in it.
@@ -438,8 +447,8 @@ func (c *Comm) flushFor(ctx context.Context, w *work) {
 	c.mu.Lock()
 	waiting := !w.issued && !w.finished
 	c.mu.Unlock()
-	if !waiting {
-		return
+	if !waiting || c.failure.Load() != nil {
+		return // nothing to flush, or the abort fails the batch
 	}
 	c.issueMu.Lock()
 	c.flushLocked(ctx)
@@ -486,12 +495,17 @@ func (c *Comm) flushLocked(ctx context.Context) {
 		c.failBatch(batch, err)
 		return
 	}
-	for _, w := range batch {
+	for i, w := range batch {
 		if w.recorded {
 			c.rec.Update(w.id, comm.Started, nil)
 		}
 		if c.record(w) != nil {
-			return // record aborted the communicator, failing the rest
+			// The communicator is aborted: the rest of the batch, given to
+			// NCCL but in no queue, fails with it.
+			for _, rest := range batch[i+1:] {
+				c.fail(rest, c.wrap(rest.op, rest.seq, rest.peer, c.failure.Load()), true)
+			}
+			return
 		}
 	}
 	c.mu.Lock()

@@ -261,8 +261,8 @@ func pending(ws []*work) []*work {
 func (c *Comm) expiredLocked() (*work, error) {
 	t := time.Now()
 	for _, w := range c.queue {
-		if w.finished {
-			continue
+		if w.finished || w.cause != nil {
+			continue // done, or doomed: the abort fails it
 		}
 		if err := w.ctx.Err(); err != nil {
 			return w, fmt.Errorf("%w (context: %w)", errCancelled, err)
