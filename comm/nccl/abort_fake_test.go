@@ -18,87 +18,86 @@ import (
 // for another goroutine's abort outlives its context. The fake's abort
 // delay stands for a real abort that takes a while to stop the kernels.
 
-// TestWaitBoundedDuringAbort: a wait whose context ends while another
-// goroutine's abort is still inside ncclCommAbort returns then, with its
-// own cause; the work fails once the abort is done.
-func TestWaitBoundedDuringAbort(t *testing.T) {
+// rank0 returns the fake and rank 0 of a new two-rank world, which is
+// closed when the test ends; rank 1 issues nothing.
+func rank0(t *testing.T) (*fake, *Comm) {
+	t.Helper()
 	f := useFake(t)
-	l := f.load(t)
-	w := newWorld(t, l, 2)
-	defer w.close()
-	c0 := w.comms[0]
-	wk, err := comm.BroadcastAsync(context.Background(), c0, comm.Host([]int64{5}), 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const abortTime = 400 * time.Millisecond
-	f.abortDelay(int32(abortTime.Microseconds()))
-	f.setAsync(0, int32(SystemError))
-	defer f.setAsync(-1, 0)
-	for c0.Err() == nil { // the driver finds the error, then aborts
-		time.Sleep(time.Millisecond)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	err = wk.Wait(ctx)
-	if took := time.Since(start); took > abortTime/2 {
-		t.Errorf("Wait returned after %v: it waited for the abort, not its context", took)
-	}
-	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "broadcast #1") {
-		t.Errorf("err = %v, want the context's deadline, naming broadcast #1", err)
-	}
-	select {
-	case <-wk.Done():
-		t.Error("the work failed before ncclCommAbort returned")
-	default:
-	}
-	<-wk.Done()
-	if got := wk.Wait(context.Background()); got == nil || got.Error() != err.Error() {
-		t.Errorf("after the abort the work failed with %v, want what Wait returned: %v", got, err)
-	}
-	aborted(t, f, c0)
+	w := newWorld(t, f.load(t), 2)
+	t.Cleanup(func() { _ = w.close() })
+	return f, w.comms[0]
 }
 
-// TestP2PWaitBoundedDuringAbort: a wait on a send not yet given to NCCL
-// does not flush while another goroutine aborts, and its context bounds it.
-func TestP2PWaitBoundedDuringAbort(t *testing.T) {
-	f := useFake(t)
-	l := f.load(t)
-	w := newWorld(t, l, 2)
-	defer w.close()
-	c0 := w.comms[0]
-	wk, err := comm.SendAsync(context.Background(), c0, comm.Host([]float32{1}), 1, 0)
-	if err != nil {
-		t.Fatal(err)
+// TestWaitBoundedDuringAbort: a wait whose context ends while another
+// goroutine's abort is still inside ncclCommAbort returns then, with its
+// own cause, and does not flush pending sends meanwhile; the work fails,
+// with that cause, once the abort is done.
+func TestWaitBoundedDuringAbort(t *testing.T) {
+	cases := []struct {
+		name  string
+		start func(c *Comm) (comm.Work, error)
+		abort func(f *fake, c *Comm) // starts another goroutine's abort
+		op    string
+	}{
+		{
+			name: "async error found by the driver",
+			start: func(c *Comm) (comm.Work, error) {
+				return comm.BroadcastAsync(context.Background(), c, comm.Host([]int64{5}), 0)
+			},
+			abort: func(f *fake, c *Comm) { f.setAsync(0, int32(SystemError)) },
+			op:    "broadcast #1",
+		},
+		{
+			name: "send not yet flushed, Abort",
+			start: func(c *Comm) (comm.Work, error) {
+				return comm.SendAsync(context.Background(), c, comm.Host([]float32{1}), 1, 0)
+			},
+			abort: func(f *fake, c *Comm) { go c.Abort(errors.New("elsewhere")) },
+			op:    "send #1",
+		},
 	}
-	const abortTime = 400 * time.Millisecond
-	f.abortDelay(int32(abortTime.Microseconds()))
-	go c0.Abort(errors.New("elsewhere"))
-	for c0.Err() == nil {
-		time.Sleep(time.Millisecond)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			f, c0 := rank0(t)
+			wk, err := tc.start(c0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			const abortTime = 400 * time.Millisecond
+			f.abortDelay(int32(abortTime.Microseconds()))
+			defer f.setAsync(-1, 0)
+			tc.abort(f, c0)
+			for c0.Err() == nil { // the failure is recorded before the abort starts
+				time.Sleep(time.Millisecond)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+			defer cancel()
+			start := time.Now()
+			err = wk.Wait(ctx)
+			if took := time.Since(start); took > abortTime/2 {
+				t.Errorf("Wait returned after %v: it waited for the abort, not its context", took)
+			}
+			if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), tc.op) {
+				t.Errorf("err = %v, want the context's deadline, naming %s", err, tc.op)
+			}
+			select {
+			case <-wk.Done():
+				t.Error("the work failed before ncclCommAbort returned")
+			default:
+			}
+			<-wk.Done()
+			if got := wk.Wait(context.Background()); got == nil || got.Error() != err.Error() {
+				t.Errorf("after the abort the work failed with %v, want what Wait returned: %v", got, err)
+			}
+			aborted(t, f, c0)
+		})
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-	defer cancel()
-	start := time.Now()
-	err = wk.Wait(ctx)
-	if took := time.Since(start); took > abortTime/2 {
-		t.Errorf("Wait returned after %v: it waited for the abort, not its context", took)
-	}
-	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "send #1") {
-		t.Errorf("err = %v, want the context's deadline, naming send #1", err)
-	}
-	<-wk.Done()
 }
 
 // TestCallFailsAfterAbort: a collective that another goroutine's abort
 // fails while NCCL is still settling it returns only after ncclCommAbort.
 func TestCallFailsAfterAbort(t *testing.T) {
-	f := useFake(t)
-	l := f.load(t)
-	w := newWorld(t, l, 2)
-	defer w.close()
-	c0 := w.comms[0]
+	f, c0 := rank0(t)
 	f.setSettle(1 << 30) // the collective stays in progress
 	defer f.setSettle(2)
 	f.abortDelay(int32((200 * time.Millisecond).Microseconds()))
@@ -119,11 +118,7 @@ func TestCallFailsAfterAbort(t *testing.T) {
 // TestFlushFailureFailsWholeBatch: when the event after a flushed group
 // cannot be recorded, every work of the group fails, not only the first.
 func TestFlushFailureFailsWholeBatch(t *testing.T) {
-	f := useFake(t)
-	l := f.load(t)
-	w := newWorld(t, l, 2)
-	defer w.close()
-	c0 := w.comms[0]
+	f, c0 := rank0(t)
 	ctx := context.Background()
 	var works []comm.Work
 	for tag := range 3 {
@@ -154,11 +149,7 @@ func TestFlushFailureFailsWholeBatch(t *testing.T) {
 // batched sends fails, aborting the communicator, fails without calling
 // NCCL on the freed communicator.
 func TestCollectiveAfterFailedFlush(t *testing.T) {
-	f := useFake(t)
-	l := f.load(t)
-	w := newWorld(t, l, 2)
-	defer w.close()
-	c0 := w.comms[0]
+	f, c0 := rank0(t)
 	ctx := context.Background()
 	if _, err := comm.SendAsync(ctx, c0, comm.Host([]float32{1}), 1, 0); err != nil {
 		t.Fatal(err)
@@ -175,11 +166,7 @@ func TestCollectiveAfterFailedFlush(t *testing.T) {
 // goroutine's abort runs is left to that abort; the background driver
 // does not spin on it meanwhile.
 func TestDriverIdleWhileAborting(t *testing.T) {
-	f := useFake(t)
-	l := f.load(t)
-	w := newWorld(t, l, 2)
-	defer w.close()
-	c0 := w.comms[0]
+	f, c0 := rank0(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	wk, err := comm.BroadcastAsync(ctx, c0, comm.Host([]int64{5}), 0) // rank 1 never joins
 	if err != nil {
