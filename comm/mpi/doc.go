@@ -116,9 +116,12 @@
 // recorder dumped to comm.Options.DumpDir when set), and the communicator
 // is marked aborted: every pending and later call on it fails fast with a
 // *comm.AbortError. The operation itself stays posted in MPI, with its
-// buffers kept alive. Abort and timeouts also send a small notice to every
-// peer on a reserved tag, so the peers' pending and later calls fail too,
-// naming the rank that aborted.
+// buffers kept alive. MPI may still read or write them, and no MPI call
+// stops it (where comm/nccl's ncclCommAbort does), so a failed
+// operation's buffers must not be reused for anything that matters.
+// Abort and timeouts also send a small notice to every peer on a reserved
+// tag, so the peers' pending and later calls fail too, naming the rank
+// that aborted.
 //
 // What really ends a stuck job is MPI_Abort: call AbortJob, or configure
 // WithHardAbort (or LOOM_MPI_HARD_ABORT=1) so that Abort and timeouts call
