@@ -595,6 +595,8 @@ func (c *Comm) SplitComm(ctx context.Context, color, key int) (*Comm, error) {
 	return nc, err
 }
 
+// split is SplitComm under issueMu; SplitComm waits, after it has let go,
+// for an abort that failed it.
 func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 	c.issueMu.Lock()
 	defer c.issueMu.Unlock()
