@@ -109,7 +109,7 @@ type Routing struct {
 	// PlanRouting keeps it.
 	Workers Workers
 
-	cursor []int
+	scratch []int // PlanRouting's, kept for the next plan
 }
 
 // Rows returns the number of packed rows, Offsets[E] (0 for a Routing that
@@ -166,25 +166,18 @@ func PlanRouting[I ExpertIndex](r *Routing, experts []I, k, numExperts, capacity
 	case capacity > 0 && int64(capacity)*int64(numExperts) > math.MaxInt32:
 		return fmt.Errorf("kernels: %s: %d experts × capacity %d rows exceed the int32 row map", op, numExperts, capacity)
 	}
-	e64 := int64(numExperts)
-	for s, e := range experts {
-		if int64(e) < -1 || int64(e) >= e64 {
-			return fmt.Errorf("kernels: %s: slot %d (token %d, choice %d) has expert %d, want -1 or [0, %d)",
-				op, s, s/k, s%k, int64(e), numExperts)
-		}
-	}
-
 	ne := numExperts
-	routed := grow(r.Routed, ne)
-	clear(routed)
-	unrouted := 0
-	for _, e := range experts {
-		if e < 0 {
-			unrouted++
-			continue
-		}
-		routed[e]++
+	// scratch is r's own: hist while counting, then cursor and end. r's
+	// exported slices are written only once every id is known to be good.
+	scratch := grow(r.scratch, 2*ne+1)
+	hist := scratch[:ne+1]
+	if s := countExperts(hist, experts); s >= 0 {
+		return fmt.Errorf("kernels: %s: slot %d (token %d, choice %d) has expert %d, want -1 or [0, %d)",
+			op, s, s/k, s%k, int64(experts[s]), numExperts)
 	}
+	unrouted := hist[0]
+	routed := grow(r.Routed, ne)
+	copy(routed, hist[1:])
 	counts := grow(r.Counts, ne)
 	offsets := grow(r.Offsets, ne+1)
 	dropped, padded := 0, 0
@@ -204,22 +197,11 @@ func PlanRouting[I ExpertIndex](r *Routing, experts []I, k, numExperts, capacity
 	rows := offsets[ne]
 	rowSlot := grow(r.RowSlot, rows)
 	slotRow := grow(r.SlotRow, len(experts))
-	cursor := grow(r.cursor, ne)
-	copy(cursor, offsets[:ne])
-	for s, e := range experts {
-		if e < 0 {
-			slotRow[s] = -1
-			continue
-		}
-		p := cursor[e]
-		if p >= offsets[e]+counts[e] {
-			slotRow[s] = -1
-			continue
-		}
-		cursor[e] = p + 1
-		rowSlot[p] = int32(s)
-		slotRow[s] = int32(p)
+	cursor, end := scratch[:ne], scratch[ne:2*ne]
+	for e := range ne {
+		cursor[e], end[e] = offsets[e], offsets[e]+counts[e]
 	}
+	placeSlots(rowSlot, slotRow, cursor, end, experts)
 	if padded > 0 {
 		for e := range ne {
 			for p := offsets[e] + counts[e]; p < offsets[e+1]; p++ {
@@ -231,9 +213,52 @@ func PlanRouting[I ExpertIndex](r *Routing, experts []I, k, numExperts, capacity
 		Tokens: len(experts) / k, TopK: k, Experts: ne, Capacity: capacity,
 		Counts: counts, Routed: routed, Offsets: offsets, RowSlot: rowSlot, SlotRow: slotRow,
 		Unrouted: unrouted, Dropped: dropped, Padded: padded,
-		Workers: r.Workers, cursor: cursor,
+		Workers: r.Workers, scratch: scratch,
 	}
 	return nil
+}
+
+// countExperts counts every slot of experts into hist[e+1] (hist[0]: the
+// slots with id −1) and returns the first slot whose id is outside
+// [−1, len(hist)−1), or −1 when every id is good. It is a loop of its own,
+// as is placeSlots, so that the compiler keeps its variables in registers.
+//
+//go:noinline
+func countExperts[I ExpertIndex](hist []int, experts []I) int {
+	clear(hist)
+	n := uint64(len(hist))
+	for s, e := range experts {
+		i := uint64(int64(e) + 1) // −1 → 0; below −1 wraps past n
+		if i >= n {
+			return s
+		}
+		hist[i]++
+	}
+	return -1
+}
+
+// placeSlots gives every routed slot of experts the next row of its
+// expert, in slot order: cursor[e] is expert e's next row and end[e] the
+// end of the rows it keeps. A slot with id −1 or past its expert's end
+// gets row −1.
+//
+//go:noinline
+func placeSlots[I ExpertIndex](rowSlot, slotRow []int32, cursor, end []int, experts []I) {
+	slotRow = slotRow[:len(experts)]
+	for s, e := range experts {
+		if e < 0 {
+			slotRow[s] = -1
+			continue
+		}
+		p := cursor[e]
+		if p >= end[e] {
+			slotRow[s] = -1
+			continue
+		}
+		cursor[e] = p + 1
+		rowSlot[p] = int32(s)
+		slotRow[s] = int32(p)
+	}
 }
 
 // check validates that r is a planned layout whose slices agree with its

@@ -88,6 +88,11 @@ func BenchmarkPermute(b *testing.B) {
 		})
 		run("Permute", 2*m*d*f32, func() error { return Permute(packed, x, d, &r) })
 		run("Unpermute", (m+s.n)*d*f32, func() error { return Unpermute(out, packed, gates, d, &r) })
+		segs := make([][]float32, s.e)
+		for e := range segs {
+			segs[e] = packed[r.Offsets[e]*d : r.Offsets[e+1]*d]
+		}
+		run("UnpermuteSegments", (m+s.n)*d*f32, func() error { return UnpermuteSegments(out, segs, gates, d, &r) })
 		run("UnpermuteBackward", 4*m*d*f32, func() error { return UnpermuteBackward(dpacked, dgates, out, packed, gates, d, &r) })
 		// Expert-parallel unpack over 8 ranks with e/8 local experts each:
 		// the packed buffer seen as received rank-major chunks.

@@ -257,7 +257,13 @@ func TestPlanRoutingErrors(t *testing.T) {
 	if err := PlanRouting(&r, []int32{0, 1, 2, 0}, 2, 3, 0); err != nil {
 		t.Fatal(err)
 	}
-	before := slices.Clone(r.RowSlot)
+	before := Routing{RowSlot: slices.Clone(r.RowSlot), SlotRow: slices.Clone(r.SlotRow), Routed: slices.Clone(r.Routed),
+		Counts: slices.Clone(r.Counts), Offsets: slices.Clone(r.Offsets), TopK: r.TopK}
+	unchanged := func() bool {
+		return slices.Equal(r.RowSlot, before.RowSlot) && slices.Equal(r.SlotRow, before.SlotRow) &&
+			slices.Equal(r.Routed, before.Routed) && slices.Equal(r.Counts, before.Counts) &&
+			slices.Equal(r.Offsets, before.Offsets) && r.TopK == before.TopK
+	}
 	for _, c := range []struct {
 		name          string
 		ids           []int32
@@ -276,8 +282,19 @@ func TestPlanRoutingErrors(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), c.wantSubstring) {
 			t.Errorf("%s: err = %v, want it to mention %q", c.name, err, c.wantSubstring)
 		}
-		if !slices.Equal(r.RowSlot, before) || r.TopK != 2 {
+		if !unchanged() {
 			t.Errorf("%s: Routing changed on error", c.name)
+		}
+	}
+	// Ids of the widest index type at both ends: the range check must not
+	// wrap around.
+	for _, id := range []int64{math.MaxInt64, math.MinInt64, -2} {
+		err := PlanRouting(&r, []int64{0, id}, 2, 3, 0)
+		if want := fmt.Sprintf("has expert %d", id); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("id %d: err = %v, want it to mention %q", id, err, want)
+		}
+		if !unchanged() {
+			t.Errorf("id %d: Routing changed on error", id)
 		}
 	}
 	if err := PlanRouting[int32](nil, nil, 1, 1, 0); err == nil {
