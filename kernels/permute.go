@@ -437,8 +437,18 @@ func Unpermute[T Float](out, packed, gates []T, d int, r *Routing) error {
 	return nil
 }
 
-// unpermute is Unpermute's loop over rows from src.
+// unpermute is Unpermute's loop over rows from src: unpermuteF32 for
+// float32, unpermuteGo otherwise.
 func unpermute[T Float](out []T, src packedRows[T], gates []T, d int, r *Routing) {
+	if o32, ok := any(out).([]float32); ok {
+		unpermuteF32(o32, any(src).(packedRows[float32]), any(gates).([]float32), d, r)
+		return
+	}
+	unpermuteGo(out, src, gates, d, r)
+}
+
+// unpermuteGo is unpermute's portable loop.
+func unpermuteGo[T Float](out []T, src packedRows[T], gates []T, d int, r *Routing) {
 	k := r.TopK
 	permForRows(r.Workers, r.Tokens, (k+1)*d*sizeOf[T](), func(lo, hi int) {
 		for t := lo; t < hi; t++ {
@@ -538,7 +548,8 @@ func UnpermuteBackward[T Float](dpacked, dgates, dout, packed, gates []T, d int,
 // slots are idx, in one pass: row i of dpacked (nil: skip) gets
 // gates[s]·dout[s/K] for its slot s = idx[i] (zero for a pad row), and
 // dgates[s] (nil: skip) ⟨row i of packed, dout[s/K]⟩, reading each dout row
-// once for both. Pad rows leave dgates alone.
+// once for both. Pad rows leave dgates alone. Its loop is
+// unpermuteBackwardF32 for float32 and unpermuteBackwardGo otherwise.
 func unpermuteBackwardRows[T Float](w Workers, dpacked, dgates, dout, packed, gates []T, idx []int32, k, d int) {
 	if dgates == nil && gates == nil {
 		if dpacked != nil {
@@ -546,6 +557,15 @@ func unpermuteBackwardRows[T Float](w Workers, dpacked, dgates, dout, packed, ga
 		}
 		return
 	}
+	if dout32, ok := any(dout).([]float32); ok {
+		unpermuteBackwardF32(w, any(dpacked).([]float32), any(dgates).([]float32), dout32, any(packed).([]float32), any(gates).([]float32), idx, k, d)
+		return
+	}
+	unpermuteBackwardGo(w, dpacked, dgates, dout, packed, gates, idx, k, d)
+}
+
+// unpermuteBackwardGo is unpermuteBackwardRows's portable loop.
+func unpermuteBackwardGo[T Float](w Workers, dpacked, dgates, dout, packed, gates []T, idx []int32, k, d int) {
 	permForRows(w, len(idx), 3*d*sizeOf[T](), func(lo, hi int) {
 		var o, y []T
 		for i := lo; i < hi; i++ {
@@ -565,37 +585,21 @@ func unpermuteBackwardRows[T Float](w Workers, dpacked, dgates, dout, packed, ga
 				g = gates[s]
 			}
 			t := s / k
-			if dot := permScaleDot(o, dout[t*d:t*d+d], y, g); dgates != nil {
+			if dot := permScaleDot(o, dout[t*d:t*d+d], y, g, 0); dgates != nil {
 				dgates[s] = T(dot)
 			}
 		}
 	})
 }
 
-// The row loops below run eight float32 lanes at a time on AVX2
-// (vec_amd64.s) with the same unfused IEEE operations in the same order,
-// so both paths give the same bits; the portable loops serve float64, the
-// last few elements and CPUs without AVX2.
-
-// vecPrefix returns how many leading elements of o the float32 vector
-// kernels take (a multiple of 8), and o as []float32 when they may.
-func vecPrefix[T Float](o []T) ([]float32, int) {
-	o32, ok := any(o).([]float32)
-	if !ok || !haveVec || len(o) < 8 {
-		return nil, 0
-	}
-	return o32, len(o) &^ 7
-}
+// The row primitives of the generic loops: portable, element by element.
+// Float32 rows go through the vector kernels in permute_f32.go, which use
+// these for their last len mod 8 elements.
 
 // permScale sets o[i] = g·x[i]; len(x) >= len(o).
 func permScale[T Float](o, x []T, g T) {
 	x = x[:len(o)]
-	i := 0
-	if o32, n := vecPrefix(o); n > 0 {
-		scaleF32AVX2(&o32[0], &any(x).([]float32)[0], n, any(g).(float32))
-		i = n
-	}
-	for ; i < len(o); i++ {
+	for i := range o {
 		o[i] = g * x[i]
 	}
 }
@@ -603,12 +607,7 @@ func permScale[T Float](o, x []T, g T) {
 // permAxpy sets o[i] += g·x[i]; len(x) >= len(o).
 func permAxpy[T Float](o, x []T, g T) {
 	x = x[:len(o)]
-	i := 0
-	if o32, n := vecPrefix(o); n > 0 {
-		axpyF32AVX2(&o32[0], &any(x).([]float32)[0], n, any(g).(float32))
-		i = n
-	}
-	for ; i < len(o); i++ {
+	for i := range o {
 		o[i] += g * x[i]
 	}
 }
@@ -617,12 +616,7 @@ func permAxpy[T Float](o, x []T, g T) {
 // len(x), len(y) >= len(o). x is never nil here, y may alias x.
 func permPair[T Float](o, x, y []T, a, b T, set bool) {
 	x, y = x[:len(o)], y[:len(o)]
-	i := 0
-	if o32, n := vecPrefix(o); n > 0 {
-		pairF32AVX2(&o32[0], &any(x).([]float32)[0], &any(y).([]float32)[0], n, any(a).(float32), any(b).(float32), set)
-		i = n
-	}
-	for ; i < len(o); i++ {
+	for i := range o {
 		if set {
 			o[i] = a*x[i] + b*y[i]
 		} else {
@@ -631,31 +625,19 @@ func permPair[T Float](o, x, y []T, a, b T, set bool) {
 	}
 }
 
-// permScaleDot sets o[i] = g·x[i] unless o is nil, and returns
-// Σ x[i]·y[i] accumulated in float64, or 0 when y is nil: the gate-scaled
-// gather and the gate gradient of one slot in one pass over x. Float32 rows
-// take scaleDotF32AVX2 for their first multiple of 8 (whose sum order is
-// its own, the same whether or not o is set) and the portable loop for the
-// rest.
-func permScaleDot[T Float](o, x, y []T, g T) float64 {
+// permScaleDot sets o[i] = g·x[i] unless o is nil, and returns s plus
+// Σ x[i]·y[i], each product exact in float64 and added in turn, or s when
+// y is nil: the gate-scaled gather and the gate gradient of one slot in
+// one pass over x.
+func permScaleDot[T Float](o, x, y []T, g T, s float64) float64 {
 	if y == nil {
 		if o != nil {
 			permScale(o, x, g)
 		}
-		return 0
+		return s
 	}
 	y = y[:len(x)]
-	var s float64
-	i := 0
-	if x32, n := vecPrefix(x); n > 0 {
-		var dst *float32
-		if o != nil {
-			dst = &any(o).([]float32)[0]
-		}
-		s = scaleDotF32AVX2(dst, &x32[0], &any(y).([]float32)[0], n, any(g).(float32), o != nil)
-		i = n
-	}
-	for ; i < len(x); i++ {
+	for i := range x {
 		if o != nil {
 			o[i] = g * x[i]
 		}

@@ -17,11 +17,13 @@ import (
 // moves once, with no send buffer packed and no received buffer regrouped.
 
 // packedRows locates packed rows of width d: in one buffer (flat), or in
-// segs, where segs[e] holds expert e's rows [Offsets[e], Offsets[e+1]).
+// segs, where segs[e] holds expert e's rows [Offsets[e], Offsets[e+1]) and
+// owner[p] is the expert whose segment holds row p.
 type packedRows[T Float] struct {
-	flat []T
-	segs [][]T
-	d    int
+	flat  []T
+	segs  [][]T
+	owner []int32
+	d     int
 }
 
 // row returns packed row p; offsets are the Routing's.
@@ -30,19 +32,31 @@ func (s packedRows[T]) row(p int, offsets []int) []T {
 	if s.segs == nil {
 		return s.flat[p*d : p*d+d]
 	}
-	// The last expert whose rows start at or before p: empty experts
-	// share their offset with the next one and are skipped.
-	e := sort.SearchInts(offsets, p+1) - 1
+	e := s.owner[p]
 	i := p - offsets[e]
 	return s.segs[e][i*d : i*d+d]
 }
 
+// rowOwners returns, for every packed row of r, the expert that owns it.
+// One pass of sequential stores: a search of Offsets for every row
+// mispredicts its branches on routed (random) rows, which costs more than
+// moving a row of 256 float32 (BenchmarkPermute's UnpermuteSegments).
+func rowOwners(r *Routing) []int32 {
+	owner := make([]int32, r.Rows())
+	for e := range r.Experts {
+		seg := owner[r.Offsets[e]:r.Offsets[e+1]]
+		for i := range seg {
+			seg[i] = int32(e)
+		}
+	}
+	return owner
+}
+
 // checkSegments checks that segs holds every expert's packed rows.
 func checkSegments[T Float](op string, segs [][]T, d int, r *Routing) error {
-	// packedRows.row searches Offsets for a row's expert: a hand-changed
-	// Offsets that does not start at 0 would index segs[-1]. The segment
-	// lengths below check only differences of Offsets (and nothing at all
-	// when d = 0).
+	// rowOwners needs Offsets to ascend from 0 within the row map (the
+	// segment lengths below check only differences of Offsets, and
+	// nothing at all when d = 0).
 	if r.Offsets[0] != 0 || !sort.IntsAreSorted(r.Offsets) {
 		return fmt.Errorf("kernels: %s: Routing.Offsets does not ascend from 0; was it changed after PlanRouting?", op)
 	}
@@ -147,6 +161,6 @@ func UnpermuteSegments[T Float](out []T, segs [][]T, gates []T, d int, r *Routin
 	if gates != nil && len(gates) != len(r.SlotRow) {
 		return fmt.Errorf("kernels: %s: len(gates) = %d, want %d tokens × %d = %d", op, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
 	}
-	unpermute(out, packedRows[T]{segs: segs, d: d}, gates, d, r)
+	unpermute(out, packedRows[T]{segs: segs, owner: rowOwners(r), d: d}, gates, d, r)
 	return nil
 }

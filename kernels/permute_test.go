@@ -125,7 +125,7 @@ func permDotAll[T Float](a, b []T) float64 {
 	return s
 }
 
-// scaleDotOrder is Σ x[i]·y[i] summed in the order permScaleDot documents
+// scaleDotOrder is Σ x[i]·y[i] summed in the order scaleDotF32 documents
 // for float32 rows on AVX2 (four accumulators of four lanes over the
 // first multiple of 8, then the rest in turn), or in turn throughout
 // without AVX2.
@@ -702,14 +702,14 @@ func TestExpertBoundsAndRankSplits(t *testing.T) {
 	}
 }
 
-// TestPermRowLoopsMatchScalar: the row loops' vector paths give the bits
-// of the plain scalar arithmetic, at every length around the vector width
-// (the tails included), with y aliasing x for permPair.
+// TestPermRowLoopsMatchScalar: the float32 row primitives (vector kernels
+// and portable tails) give the bits of the plain scalar arithmetic, at
+// every length around the vector width.
 func TestPermRowLoopsMatchScalar(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	for _, n := range []int{0, 1, 7, 8, 9, 15, 16, 17, 31, 64, 257} {
-		x, y, o := permRand[float32](rng, n), permRand[float32](rng, n), permRand[float32](rng, n)
-		a, b := float32(rng.NormFloat64()), float32(rng.NormFloat64())
+		x, o := permRand[float32](rng, n), permRand[float32](rng, n)
+		a := float32(rng.NormFloat64())
 		same := func(what string, got []float32, want func(i int) float32) {
 			t.Helper()
 			for i := range n {
@@ -719,52 +719,114 @@ func TestPermRowLoopsMatchScalar(t *testing.T) {
 			}
 		}
 		got := slices.Clone(o)
-		permScale(got, x, a)
-		same("permScale", got, func(i int) float32 { return a * x[i] })
+		scaleF32(got, x, a)
+		same("scaleF32", got, func(i int) float32 { return a * x[i] })
 		got = slices.Clone(o)
-		permAxpy(got, x, a)
-		same("permAxpy", got, func(i int) float32 { return o[i] + a*x[i] })
-		for _, set := range []bool{true, false} {
-			for _, yy := range [][]float32{y, x} {
-				got = slices.Clone(o)
-				permPair(got, x, yy, a, b, set)
-				same(fmt.Sprintf("permPair set=%v", set), got, func(i int) float32 {
-					v := a*x[i] + b*yy[i]
-					if !set {
-						v = o[i] + v
-					}
-					return v
-				})
+		axpyF32(got, x, a)
+		same("axpyF32", got, func(i int) float32 { return o[i] + a*x[i] })
+	}
+}
+
+// TestScaleDotOrder: the vector kernel sums in the order scaleDotOrder
+// spells out, and UnpermuteBackward adds a row's last len mod 8 products
+// to the vector sum in turn. Both are checked where the order shows: in
+// float64 for the kernel (values of 60 binades, which round differently in
+// almost any other order), and in a gate gradient whose tail cancels the
+// vector sum, which only the documented order leaves at 1.
+func TestScaleDotOrder(t *testing.T) {
+	if !haveVec {
+		t.Skip("no AVX2: the portable loop sums in turn throughout")
+	}
+	rng := rand.New(rand.NewPCG(7, 8))
+	for _, n := range []int{8, 16, 24, 32, 64, 256} {
+		x, y := make([]float32, n), make([]float32, n)
+		for i := range x {
+			x[i] = float32(math.Ldexp(rng.NormFloat64(), rng.IntN(60)-30))
+			y[i] = float32(math.Ldexp(rng.NormFloat64(), rng.IntN(60)-30))
+		}
+		for _, store := range []bool{false, true} {
+			o := make([]float32, n)
+			var dst *float32
+			if store {
+				dst = &o[0]
+			}
+			got := scaleDotF32AVX2(dst, &x[0], &y[0], n, 3, store)
+			if want := scaleDotOrder(x, y); math.Float64bits(got) != math.Float64bits(want) {
+				t.Fatalf("n=%d store=%v: %v, want %v in the documented order", n, store, got, want)
 			}
 		}
+	}
+	// One token, one slot, a row of 10: the vector part sums to 2⁶⁰ and the
+	// tail's products are −2⁶⁰ and 1: (2⁶⁰ − 2⁶⁰) + 1 = 1, where adding the
+	// tail's own sum (−2⁶⁰ + 1 = −2⁶⁰ in float64) would give 0.
+	const d = 10
+	dout := []float32{0x1p60, 0, 0, 0, 0, 0, 0, 0, -0x1p60, 1}
+	packed := []float32{1, 0, 0, 0, 0, 0, 0, 0, 1, 1}
+	var r Routing
+	must(t, PlanRouting(&r, []int32{0}, 1, 1, 0))
+	dgates := make([]float32, 1)
+	must(t, UnpermuteBackward(nil, dgates, dout, packed, nil, d, &r))
+	if dgates[0] != 1 {
+		t.Fatalf("gate gradient %v, want 1: the tail was not added to the vector sum in turn", dgates[0])
+	}
+}
+
+// TestFloat32LoopsMatchPortable: the float32 loops of Unpermute and
+// UnpermuteBackward give the portable loops' bits (the gate gradient: the
+// sum in the order scaleDotF32AVX2 documents), at every row width around
+// the vector width, with two pairs and an odd slot (K = 5), dropped slots,
+// pad rows, gates and none.
+func TestFloat32LoopsMatchPortable(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	const n, k, e, capa = 40, 5, 5, 30
+	ids := make([]int32, n*k)
+	for i := range ids {
+		ids[i] = int32(rng.IntN(e+1)) - 1 // some slots unrouted
+	}
+	var r Routing
+	must(t, PlanRouting(&r, ids, k, e, capa)) // some slots dropped, some rows pad
+	for _, d := range []int{1, 7, 8, 9, 15, 16, 17, 31, 64, 257} {
 		// Values of 60 binades, whose float64 sums round differently in
 		// almost any other order: a lane or accumulator mixed up shows.
-		wide := func() []float32 {
-			v := make([]float32, n)
+		wide := func(m int) []float32 {
+			v := make([]float32, m)
 			for i := range v {
 				v[i] = float32(math.Ldexp(rng.NormFloat64(), rng.IntN(60)-30))
 			}
 			return v
 		}
-		wx, wy := wide(), wide()
-		for _, store := range []bool{false, true} {
-			var got []float32
-			if store {
-				got = slices.Clone(o)
+		packed, dout, gates := wide(r.Rows()*d), wide(n*d), wide(n*k)
+		for _, g := range [][]float32{gates, nil} {
+			src := packedRows[float32]{flat: packed, d: d}
+			want, got := make([]float32, n*d), make([]float32, n*d)
+			unpermuteGo(want, src, g, d, &r)
+			unpermuteF32(got, src, g, d, &r)
+			for i := range want {
+				if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+					t.Fatalf("Unpermute d=%d gates=%v: [%d] = %v, portable %v", d, g != nil, i, got[i], want[i])
+				}
 			}
-			dot := permScaleDot(got, wx, wy, a)
-			if want := scaleDotOrder(wx, wy); math.Float64bits(dot) != math.Float64bits(want) {
-				t.Fatalf("permScaleDot store=%v, n=%d: %v, want %v in the kernel's order", store, n, dot, want)
+			// Pad rows are cleared: start from values.
+			wantRows, gotRows, gotRowsOnly := wide(r.Rows()*d), wide(r.Rows()*d), wide(r.Rows()*d)
+			gotDg := make([]float32, n*k)
+			unpermuteBackwardGo(1, wantRows, nil, dout, packed, g, r.RowSlot, k, d)
+			unpermuteBackwardF32(1, gotRows, gotDg, dout, packed, g, r.RowSlot, k, d)
+			unpermuteBackwardF32(1, gotRowsOnly, nil, dout, packed, g, r.RowSlot, k, d)
+			for i := range wantRows {
+				if math.Float32bits(gotRows[i]) != math.Float32bits(wantRows[i]) || math.Float32bits(gotRowsOnly[i]) != math.Float32bits(wantRows[i]) {
+					t.Fatalf("UnpermuteBackward d=%d gates=%v: row value [%d] = %v (%v without the gate gradient), portable %v", d, g != nil, i, gotRows[i], gotRowsOnly[i], wantRows[i])
+				}
 			}
-			if !permNear(dot, permDotAll(wx, wy), 1e-6, 0) {
-				t.Fatalf("permScaleDot store=%v, n=%d: %v, want about %v", store, n, dot, permDotAll(wx, wy))
+			for p, s := range r.RowSlot {
+				if s < 0 {
+					continue
+				}
+				t0 := int(s) / k
+				want := float32(scaleDotOrder(dout[t0*d:t0*d+d], packed[p*d:p*d+d]))
+				if math.Float32bits(gotDg[s]) != math.Float32bits(want) {
+					t.Fatalf("UnpermuteBackward d=%d: gate gradient of slot %d = %v, want %v in the kernel's order", d, s, gotDg[s], want)
+				}
 			}
-			if store {
-				same("permScaleDot", got, func(i int) float32 { return a * wx[i] })
-			}
-		}
-		if dot := permScaleDot(nil, x, nil, a); dot != 0 {
-			t.Fatalf("permScaleDot without y = %v, want 0", dot)
 		}
 	}
 }
