@@ -6,12 +6,12 @@ package kernels
 // every element type, reached them only through type assertions and a
 // wrapper call per row: at 512 tokens of 256 float32 in cache, one worker,
 // Unpermute took 45–51 µs that way and takes 40–42 µs here (the two timed
-// in turn in one process). The
-// vector kernels run the same unfused IEEE operations in the same order as
-// the portable loops, which take the last len mod 8 elements of a row and
-// whole rows on CPUs without AVX2, so Unpermute gives the same bits either
-// way (TestFloat32LoopsMatchPortable); the gate gradient's sums take the
-// order of scaleDotF32AVX2 over the first multiple of 8.
+// in turn in one process). The vector kernels run the same unfused IEEE
+// operations in the same order as the portable loops, which take the last
+// len mod 8 elements of a row and whole rows on CPUs without AVX2, so
+// Unpermute gives the same bits either way
+// (TestFloat32LoopsMatchPortable); the gate gradient's sums take the order
+// of scaleDotF32AVX2 over the first multiple of 8 (TestScaleDotOrder).
 
 // vecLen returns how many leading elements of a row of n the vector
 // kernels take: a multiple of 8, or 0 without AVX2.
