@@ -1,5 +1,5 @@
 // Package autograd is tape-based reverse-mode differentiation over
-// distributed tensors (DESIGN.md §4). Values and gradients are
+// distributed tensors (docs/design.md §4). Values and gradients are
 // placement.DTensors; every op has a sharding rule; no op inserts a
 // collective the caller did not ask for.
 //

@@ -16,7 +16,7 @@ type Block[T float32 | float64] struct {
 	Data  []T
 }
 
-// LocalFunc is loom's local escape hatch (DESIGN.md §4): a computation on
+// LocalFunc is loom's local escape hatch (docs/design.md §4): a computation on
 // this rank's local blocks, wrapped as an op with declared input, output
 // and gradient placements. It is PyTorch's local_map with two differences:
 // inputs are checked against their declared placements, never

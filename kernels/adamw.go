@@ -7,7 +7,7 @@ import (
 
 // AdamW applies one AdamW update in place to parameters p with gradient g
 // and moments m and v (all of one length), in T's precision, in the order
-// of PyTorch's float32 kernel (TINY_GPT.md §4):
+// of PyTorch's float32 kernel (reference/TINY_GPT.md §4):
 //
 //	p   = p·c[0]                      (decoupled decay: 1 − lr·wd)
 //	m   = m·c[1] + c[2]·g             (β1, 1 − β1)

@@ -5,7 +5,7 @@ import (
 	"testing"
 )
 
-// stepGEMM is one GEMM of a tiny-GPT training step (TINY_GPT.md §1: B·T =
+// stepGEMM is one GEMM of a tiny-GPT training step (reference/TINY_GPT.md §1: B·T =
 // 1024 rows, D = 128, F = 512, V = 256): C[m×n] = op(A)·op(B) with op(A)
 // m×k and op(B) k×n.
 type stepGEMM struct {

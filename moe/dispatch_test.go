@@ -331,7 +331,7 @@ func dotRows(rows *autograd.Value, w *placement.DTensor) (*autograd.Value, error
 		})
 }
 
-// TestDispatchAdjoint is the dot-product test of DESIGN.md §3 for both
+// TestDispatchAdjoint is the dot-product test of docs/design.md §3 for both
 // moves: ⟨Dispatch(x), y⟩ = ⟨x, Dispatchᵀ(y)⟩ with Dispatchᵀ from
 // autograd's backward, which must also equal the unweighted Combine of y;
 // and ⟨Combine(y, g), G⟩ = ⟨y, Combineᵀ(G)⟩. Pairings of Routed values use

@@ -1,4 +1,4 @@
-// Package moe is loom's mixture-of-experts layer (DESIGN.md §1, §3): the
+// Package moe is loom's mixture-of-experts layer (docs/design.md §1, §3): the
 // router, the Routed dispatch and combine that move token rows to the ranks
 // owning their experts and back, grouped experts, and the load-balancing
 // losses.
@@ -34,7 +34,7 @@
 // limit) and, for sigmoid scores, P uses σ(z_t) normalised to sum to 1
 // over the experts (as Megatron does). Gradients reach Wr and x through the gates (the renormalisation
 // and the score function), through P_e and through the log-sum-exp, exactly
-// as in ../shared/reference/MOE_LAYER.md §4; the choice of experts and the
+// as in reference/MOE_LAYER.md §4; the choice of experts and the
 // counts carry no gradient.
 //
 // # Distribution
@@ -59,7 +59,7 @@
 // The router computes in the dtype of x and Wr, float32 or float64 (the
 // only dtypes of loom's local tensors), so it never runs below float32:
 // float32 inputs give the float32 arithmetic of the reference
-// (MOE_LAYER.md), float64 inputs Megatron's router_dtype fp64. Scores are
+// (reference/MOE_LAYER.md), float64 inputs Megatron's router_dtype fp64. Scores are
 // rounded to that dtype before selection, as the reference selects on
 // float32 probabilities; sums (softmax denominators, log-sum-exp, the
 // losses) accumulate in float64.

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
-	"path/filepath"
 	"slices"
 	"testing"
 
@@ -17,10 +15,9 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/placement"
-	"github.com/b7ea7098/loom/safetensors"
 )
 
-// epFixture is moe_layer.safetensors (MOE_LAYER.md §5), everything the
+// epFixture is moe_layer.safetensors (reference/MOE_LAYER.md §5), everything the
 // expert-parallel tests compare with.
 type epFixture struct {
 	n, d, e, k, hd              int
@@ -32,23 +29,10 @@ type epFixture struct {
 	dx, dwr, dw1, db1, dw2, db2 []float32
 }
 
-// epLoadFixture reads the fixture from ../shared/reference beside the
-// repository (or $LOOM_REFERENCE_DIR) and skips when it is absent.
+// epLoadFixture reads the embedded MoE reference fixture.
 func epLoadFixture(t *testing.T) *epFixture {
 	t.Helper()
-	dir := os.Getenv("LOOM_REFERENCE_DIR")
-	if dir == "" {
-		dir = filepath.Join("..", "..", "shared", "reference")
-	}
-	path := filepath.Join(dir, "moe_layer.safetensors")
-	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
-		t.Skipf("the MoE reference fixture is absent (%s): %v", path, err)
-	}
-	f, err := safetensors.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	f := moe.OpenMoEReference(t)
 	f32 := func(name string) []float32 {
 		ts, err := f.Tensor(name)
 		if err != nil {
@@ -80,7 +64,7 @@ func epLoadFixture(t *testing.T) *epFixture {
 		t.Fatal(err)
 	}
 	if !slices.Equal(info.Shape, []int{fx.e, fx.hd, fx.d}) || len(fx.x) != fx.n*fx.d || len(topk) != fx.n*fx.k {
-		t.Fatalf("fixture sizes differ from MOE_LAYER.md §1 (W1 %v)", info.Shape)
+		t.Fatalf("fixture sizes differ from reference/MOE_LAYER.md §1 (W1 %v)", info.Shape)
 	}
 	return fx
 }

@@ -14,7 +14,7 @@ import (
 //	out     = Experts.Forward(rows, h)       # each local expert on its rows
 //	y       = Combine(out, h, routing.Gates) # back to the tokens, gate-weighted
 //
-// which is MOE_LAYER.md's layer when the router is configured as there
+// which is reference/MOE_LAYER.md's layer when the router is configured as there
 // (K = 2, Renormalize, AuxCoef 0.01, ZCoef 0.001). The tokens x [N, D] are
 // Shard(0) on the token-sharding axes (which must include the
 // expert-parallel axis) and Replicate elsewhere; y has x's layout. The

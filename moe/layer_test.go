@@ -29,7 +29,7 @@ var epParityMeshes = []epMesh{
 	{"ep=2,tp=2", []int{2, 2}, []string{"ep", "tp"}},
 }
 
-// epTol are MOE_LAYER.md §8's tolerances.
+// epTol are reference/MOE_LAYER.md §8's tolerances.
 const (
 	tolGate = 1e-6 // gate_w, max abs
 	tolY    = 1e-5 // y, relative L2
@@ -37,7 +37,7 @@ const (
 	tolGrad = 1e-4 // every gradient, relative L2
 )
 
-// TestLayerParity is MOE_LAYER.md §8 end to end: the Router, Dispatch,
+// TestLayerParity is reference/MOE_LAYER.md §8 end to end: the Router, Dispatch,
 // the Experts and Combine, on every mesh of epParityMeshes, against the
 // PyTorch fixture: routing (exactly), gates, y, aux, zloss, L, and the
 // gradients of x, Wr, W1, b1, W2 and b2.
@@ -199,7 +199,7 @@ func float32Experts(tape *autograd.Tape, m *mesh.Mesh, fx *epFixture) (*moe.Expe
 // TestFixtureRoutingParity checks dispatch, experts and combine alone
 // against the fixture, routing by its topk_idx and weighting by its gate_w
 // (a constant): y and the experts' gradients of Σ y·G do not depend on the
-// router, so they must match MOE_LAYER.md §8 whoever routes.
+// router, so they must match reference/MOE_LAYER.md §8 whoever routes.
 func TestFixtureRoutingParity(t *testing.T) {
 	fx := epLoadFixture(t)
 	for _, mc := range epParityMeshes {

@@ -22,7 +22,7 @@ const sigmoidEps = 1e-20
 // RouterConfig configures a Router. Megatron-Core's names for the same
 // options are given in parentheses. The zero value (with K set) is a
 // dropless softmax top-K router without renormalisation or losses; the
-// reference layer of MOE_LAYER.md is {K: 2, Renormalize: true, AuxCoef:
+// reference layer of reference/MOE_LAYER.md is {K: 2, Renormalize: true, AuxCoef:
 // 0.01, ZCoef: 0.001}.
 type RouterConfig struct {
 	// K is the number of experts per token, 1 ≤ K ≤ E (moe_router_topk).
@@ -664,7 +664,7 @@ func (rc *routeCall) paddedSlots() (int64, error) {
 
 // gatesFunc is the local function logits [N, E] -> gates [N, K]; its
 // backward goes through the renormalisation and the score function
-// (MOE_LAYER.md §4).
+// (reference/MOE_LAYER.md §4).
 func gatesFunc[T float32 | float64](rc *routeCall, lr *localRoute, rows []placement.Placement) autograd.LocalFunc[T] {
 	cfg := rc.r.cfg
 	n, e, k := rc.n, rc.e, rc.k

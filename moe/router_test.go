@@ -1,12 +1,13 @@
 package moe
 
 import (
+	"bytes"
 	"context"
-	"errors"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"math"
-	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"testing"
@@ -18,6 +19,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
+	"github.com/b7ea7098/loom/reference"
 	"github.com/b7ea7098/loom/safetensors"
 )
 
@@ -41,23 +43,10 @@ type moeFixture struct {
 	gradX, gradWr       []float32
 }
 
-// loadMoEFixture reads the MoE reference fixture beside the repository
-// (../shared/reference, or $LOOM_REFERENCE_DIR) and skips when it is absent.
+// loadMoEFixture reads the embedded MoE reference fixture.
 func loadMoEFixture(t *testing.T) *moeFixture {
 	t.Helper()
-	dir := os.Getenv("LOOM_REFERENCE_DIR")
-	if dir == "" {
-		dir = filepath.Join("..", "..", "shared", "reference")
-	}
-	path := filepath.Join(dir, "moe_layer.safetensors")
-	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
-		t.Skipf("the MoE reference fixture is absent (%s): %v", path, err)
-	}
-	f, err := safetensors.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	f := openMoEReference(t)
 	f32 := func(name string) []float32 {
 		ts, err := f.Tensor(name)
 		if err != nil {
@@ -427,7 +416,7 @@ func fixtureConfig(fx *moeFixture) RouterConfig {
 }
 
 // TestRouterFixture checks the router against PyTorch's numbers on one rank
-// (MOE_LAYER.md §8), including ∂L/∂Wr and ∂L/∂x of the whole layer, the
+// (reference/MOE_LAYER.md §8), including ∂L/∂Wr and ∂L/∂x of the whole layer, the
 // experts' terms computed here in float64 from the fixture's weights.
 func TestRouterFixture(t *testing.T) {
 	fx := loadMoEFixture(t)
@@ -533,4 +522,33 @@ func TestRouterShardedFixture(t *testing.T) {
 			}
 		})
 	}
+}
+
+// openMoEReference opens the embedded moe_layer.safetensors after checking
+// it against the SHA-256 that moe_layer.json records.
+func openMoEReference(t *testing.T) *safetensors.File {
+	t.Helper()
+	data, err := reference.ReadFile(reference.MoESafetensors)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := reference.ReadFile(reference.MoEJSON)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		SHA256 string `json:"safetensors_sha256"`
+	}
+	if err := json.Unmarshal(raw, &doc); err != nil {
+		t.Fatal(err)
+	}
+	if s := sha256.Sum256(data); hex.EncodeToString(s[:]) != doc.SHA256 {
+		t.Fatalf("%s does not match the SHA-256 in %s", reference.MoESafetensors, reference.MoEJSON)
+	}
+	f, err := safetensors.Read(bytes.NewReader(data), int64(len(data)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
 }

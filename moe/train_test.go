@@ -23,7 +23,7 @@ type trainResult struct {
 }
 
 // trainMoE trains the fixture's MoE layer (dropless, the router of
-// MOE_LAYER.md) for steps SGD steps on mesh mc: step s uses the fixture's
+// reference/MOE_LAYER.md) for steps SGD steps on mesh mc: step s uses the fixture's
 // tokens and target G rolled by 8·s rows (a new batch each step) and the
 // loss (1/N)·Σ (y − G)² + α·aux + β·zloss. Gradients that are Partial on the
 // token-sharding axes are all-reduced before the update, as data

@@ -21,7 +21,7 @@ import (
 )
 
 // AdamWCoeffs are the scalar coefficients of one AdamW step (PyTorch 1.13
-// semantics, TINY_GPT.md §4), computed in float64. Update rounds each of
+// semantics, reference/TINY_GPT.md §4), computed in float64. Update rounds each of
 // them once to the element type and then does every tensor operation in
 // that type.
 type AdamWCoeffs struct {
@@ -58,7 +58,7 @@ type Float interface{ ~float32 | ~float64 }
 // Update applies one AdamW step element-wise to parameters p with gradient
 // g and moments m and v (all the same length; p, m and v are updated in
 // place). Each coefficient is rounded once to T; then, in T arithmetic and
-// in this order (TINY_GPT.md §4's bit-exact recipe):
+// in this order (reference/TINY_GPT.md §4's bit-exact recipe):
 //
 //	p   = p·c_wd
 //	m   = m·β1 + c1·g

@@ -1,4 +1,4 @@
-// Package parallel holds loom's parallelism modules (DESIGN.md §5), built on
+// Package parallel holds loom's parallelism modules (docs/design.md §5), built on
 // autograd's gradient hooks and the placement and comm packages. It starts
 // with DDP, data parallelism with replicated parameters, and tensor and
 // sequence parallelism of modules written in global terms.

@@ -1,5 +1,5 @@
 // Package placement describes distributed tensors on a DeviceMesh and moves
-// them between layouts (DESIGN.md §3).
+// them between layouts (docs/design.md §3).
 //
 // A Spec is one global tensor laid out on a mesh: the mesh, the global
 // shape, the dtype (float32 or float64) and one Placement per mesh axis:
@@ -59,7 +59,7 @@
 // Planner.Backward turns a forward plan into the plan that moves a gradient
 // from the placement it arrives in (by default the destination with
 // Partial -> Replicate) to the forward source's gradient placement (the
-// source with Partial -> Replicate). This yields the table of DESIGN.md §3:
+// source with Partial -> Replicate). This yields the table of docs/design.md §3:
 // all-gather <-> local chunk or reduce-scatter, all-reduce -> identity,
 // reduce-scatter -> all-gather, all-to-all(i->j) -> all-to-all(j->i),
 // chunk -> all-gather, R->P(sum) -> identity, S->P(sum) -> chunk. Inner

@@ -43,7 +43,7 @@ func GradSpec(s *Spec) (*Spec, error) {
 }
 
 // Backward returns the plan that moves a gradient from the placement it
-// arrives in to the forward source's gradient placement (DESIGN.md §3: a
+// arrives in to the forward source's gradient placement (docs/design.md §3: a
 // gradient is itself a DTensor; the gradient of a Partial source is
 // Replicate). grad is the spec the gradient arrives in on the forward
 // destination's mesh; nil means the default, GradSpec of the destination

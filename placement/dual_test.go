@@ -130,7 +130,7 @@ func TestAdjointAll(t *testing.T) {
 }
 
 // TestBackwardDuals asserts the backward plan of every row of the
-// DESIGN.md §3 table on a 1-D mesh, and runs the adjoint test on it.
+// docs/design.md §3 table on a 1-D mesh, and runs the adjoint test on it.
 func TestBackwardDuals(t *testing.T) {
 	cases := []struct {
 		name     string

@@ -9,7 +9,7 @@ import (
 // Kind is the kind of a Placement.
 type Kind uint8
 
-// The placement kinds of DESIGN.md §3.
+// The placement kinds of docs/design.md §3.
 const (
 	// KindReplicate: every rank on the axis holds the whole value.
 	KindReplicate Kind = iota + 1

@@ -394,7 +394,7 @@ func removable(cur, want *state, a int) int {
 	return p.dim
 }
 
-// planAxes is the greedy per-axis planner (see DESIGN.md §3 and DTensor's
+// planAxes is the greedy per-axis planner (see docs/design.md §3 and DTensor's
 // greedy planner). Each round takes the first applicable move of:
 //  1. local moves that reach the target on an axis: R->S chunk (when the
 //     shard order allows it), R->P, and S->P(sum);

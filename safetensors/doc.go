@@ -24,7 +24,7 @@
 //
 // # Checksums
 //
-// loom writes checksums into every file (DESIGN.md §7). The "__metadata__"
+// loom writes checksums into every file (docs/design.md §7). The "__metadata__"
 // entry [ChecksumKey] ("loom.sha256") holds a JSON object, encoded as a
 // string, that maps every tensor name to the lowercase hex SHA-256 of that
 // tensor's data bytes, for example

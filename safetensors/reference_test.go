@@ -1,33 +1,29 @@
 package safetensors
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"math"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/b7ea7098/loom/reference"
 )
 
-// referenceDir is the shared fixture folder, which sits beside the
-// repository.
-const referenceDir = "../../shared/reference"
-
+// openReference opens the embedded reference fixture name ("tiny_gpt" or
+// "moe_layer") after checking its tensor file against the SHA-256 its JSON
+// records, and returns the file and the JSON's keys.
 func openReference(t *testing.T, name string) (*File, map[string]json.RawMessage) {
 	t.Helper()
-	if _, err := os.Stat(referenceDir); os.IsNotExist(err) {
-		t.Skipf("reference folder %s is absent", referenceDir)
-	}
-	path := filepath.Join(referenceDir, name+".safetensors")
-	f, err := Open(path)
+	data, err := reference.ReadFile(name + ".safetensors")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { f.Close() })
-	raw, err := os.ReadFile(filepath.Join(referenceDir, name+".json"))
+	raw, err := reference.ReadFile(name + ".json")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,13 +35,14 @@ func openReference(t *testing.T, name string) (*File, map[string]json.RawMessage
 	if err := json.Unmarshal(doc["safetensors_sha256"], &wantSum); err != nil {
 		t.Fatal(err)
 	}
-	data, err := os.ReadFile(path)
+	if s := sha256.Sum256(data); hex.EncodeToString(s[:]) != wantSum {
+		t.Fatalf("%s.safetensors does not match safetensors_sha256 in %s.json", name, name)
+	}
+	f, err := Read(bytes.NewReader(data), int64(len(data)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s := sha256.Sum256(data); hex.EncodeToString(s[:]) != wantSum {
-		t.Fatalf("%s does not match safetensors_sha256 in %s.json", path, name)
-	}
+	t.Cleanup(func() { f.Close() })
 	return f, doc
 }
 
@@ -75,7 +72,7 @@ func TestReferenceTinyGPT(t *testing.T) {
 		t.Fatalf("param_order has %d entries, want 29", len(order))
 	}
 
-	// TINY_GPT.md §5.1: x1, y1 (I64 [16, 64]) and init/grad1/after1 for
+	// reference/TINY_GPT.md §5.1: x1, y1 (I64 [16, 64]) and init/grad1/after1 for
 	// each of the 29 parameters: 89 tensors.
 	want := []string{"x1", "y1"}
 	for _, prefix := range []string{"init.", "grad1.", "after1."} {
@@ -109,7 +106,7 @@ func TestReferenceTinyGPT(t *testing.T) {
 				t.Errorf("%s%s: %s %v, want F32 %v", prefix, p, in.DType, in.Shape, shapes[p])
 			}
 			if w, ok := doc31[p]; ok && !slices.Equal(in.Shape, w) {
-				t.Errorf("%s%s: shape %v, TINY_GPT.md says %v", prefix, p, in.Shape, w)
+				t.Errorf("%s%s: shape %v, reference/TINY_GPT.md says %v", prefix, p, in.Shape, w)
 			}
 		}
 		init, err := f.Tensor("init." + p)
@@ -136,7 +133,7 @@ func TestReferenceTinyGPT(t *testing.T) {
 		}
 	}
 	if params != 470528 {
-		t.Errorf("%d parameters, TINY_GPT.md says 470528", params)
+		t.Errorf("%d parameters, reference/TINY_GPT.md says 470528", params)
 	}
 
 	// Batch 1: bytes, and y is x shifted by one position.
@@ -164,7 +161,7 @@ func TestReferenceTinyGPT(t *testing.T) {
 		}
 	}
 	if len(distinct) != 36 {
-		t.Errorf("x1 has %d distinct bytes, TINY_GPT.md says 36", len(distinct))
+		t.Errorf("x1 has %d distinct bytes, reference/TINY_GPT.md says 36", len(distinct))
 	}
 	// The 220 unused rows of wte get an exactly zero gradient.
 	g, _ := f.Tensor("grad1.wte")
@@ -208,14 +205,14 @@ func TestReferenceMoELayer(t *testing.T) {
 	if got := f.Names(); len(got) != 22 || !slices.Equal(got, want) {
 		t.Fatalf("Names() = %q, want the 22 tensors %q", got, want)
 	}
-	// MOE_LAYER.md §2 and §5 (N=64, D=32, E=8, k=2, Hd=64), scalars as [1].
+	// reference/MOE_LAYER.md §2 and §5 (N=64, D=32, E=8, k=2, Hd=64), scalars as [1].
 	docShapes := map[string][]int{
 		"x": {64, 32}, "Wr": {8, 32}, "W1": {8, 64, 32}, "b1": {8, 64}, "W2": {8, 32, 64},
 		"b2": {8, 32}, "topk_idx": {64, 2}, "tokens_per_expert": {8}, "aux": {1}, "L": {1},
 	}
 	for name, shape := range docShapes {
 		if in, _ := f.Info(name); !slices.Equal(in.Shape, shape) {
-			t.Errorf("%s: shape %v, MOE_LAYER.md says %v", name, in.Shape, shape)
+			t.Errorf("%s: shape %v, reference/MOE_LAYER.md says %v", name, in.Shape, shape)
 		}
 	}
 	tpe, _ := f.Tensor("tokens_per_expert")

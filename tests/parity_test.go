@@ -1,11 +1,10 @@
 // Package tests holds end-to-end checks that span several packages: here,
-// PyTorch parity of the tiny GPT (../shared/reference/TINY_GPT.md §7,
+// PyTorch parity of the tiny GPT (reference/TINY_GPT.md §7,
 // tests 1–5) on a 1-rank mesh.
 package tests
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -13,12 +12,11 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
-	"github.com/b7ea7098/loom/internal/gpt"
-	"github.com/b7ea7098/loom/internal/tinygpt"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/placement/placementtest"
-	"github.com/b7ea7098/loom/safetensors"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // reference is the loaded fixture: the JSON and every tensor of the
@@ -32,14 +30,11 @@ type reference struct {
 	after1 map[string][]float32
 }
 
-// loadReference loads the fixture, or skips the test when the reference
-// folder is absent.
+// loadReference loads the embedded fixture; a missing or damaged one fails
+// the test.
 func loadReference(t *testing.T) *reference {
 	t.Helper()
-	fx, err := tinygpt.LoadDefaultFixture()
-	if errors.Is(err, tinygpt.ErrNoFixture) {
-		t.Skipf("PyTorch parity needs ../shared/reference (tiny_gpt.json, tiny_gpt.safetensors) beside the module, or %s: %v", tinygpt.ReferenceDirEnv, err)
-	}
+	fx, err := tinygpt.LoadFixture()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,7 +42,7 @@ func loadReference(t *testing.T) *reference {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := safetensors.Open(fx.SafetensorsPath())
+	f, err := fx.Tensors()
 	if err != nil {
 		t.Fatal(err)
 	}

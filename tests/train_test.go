@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
-	"github.com/b7ea7098/loom/internal/gpt"
-	"github.com/b7ea7098/loom/internal/tinygpt"
+	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement/placementtest"

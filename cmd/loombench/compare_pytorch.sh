@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compares loom's single-rank training speed with PyTorch 1.13's on this
 # machine, both at one thread: the tiny GPT of
-# ../shared/reference/TINY_GPT.md trained for its 200 steps, in tokens/s
+# reference/TINY_GPT.md trained for its 200 steps, in tokens/s
 # over the whole run. PyTorch runs pytorch/tiny_gpt.py (Debian's
 # python3-torch 1.13.1, whose BLAS is the system libblas.so.3, OpenBLAS
 # where installed; the script checks its loss curve against the
@@ -14,8 +14,8 @@
 # ratio to PyTorch.
 #
 # Usage: cmd/loombench/compare_pytorch.sh
-# Environment: ROUNDS=5, PYTHON=/usr/bin/python3,
-# LOOM_REFERENCE_DIR (default ../shared/reference beside the repository).
+# Environment: ROUNDS=5, PYTHON=/usr/bin/python3. The reference is the
+# repository's reference/ folder.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"

@@ -86,7 +86,7 @@ func (r row) format(ceiling float64) string {
 	return b.String() + "\n"
 }
 
-// csvHeader is the column list of DESIGN.md §8.
+// csvHeader is the column list of docs/design.md §8.
 var csvHeader = []string{"impl", "op", "variant", "nranks", "bytes", "iters", "time_us", "min_us", "algbw_GBps", "busbw_GBps", "note"}
 
 // csvRecords returns the CSV records of a row, one per cell.

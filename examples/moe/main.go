@@ -69,8 +69,8 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
-	"github.com/b7ea7098/loom/internal/moegpt"
-	"github.com/b7ea7098/loom/internal/trainrun"
+	"github.com/b7ea7098/loom/models/moegpt"
+	"github.com/b7ea7098/loom/train"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/trace"
@@ -95,7 +95,7 @@ type options struct {
 	seed         uint64
 	compare      bool
 	collectives  bool
-	trainrun.Flags
+	train.Flags
 }
 
 // result is what -json writes.
@@ -208,7 +208,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), cfg.B, cfg.T, o.dp, o.ep, o.steps)
 	init := moegpt.RandomInit(cfg, o.seed)
 
-	res, params, err := train(ctx, cfg, init, o, out)
+	res, params, err := trainLayout(ctx, cfg, init, o, out)
 	if err != nil {
 		return err
 	}
@@ -218,7 +218,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 		one := o
 		one.dp, one.ep, one.TracePath = 1, 1, ""
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.steps)
-		ref, refParams, err := train(ctx, cfg, init, one, io.Discard)
+		ref, refParams, err := trainLayout(ctx, cfg, init, one, io.Discard)
 		if err != nil {
 			return fmt.Errorf("one-rank run: %w", err)
 		}
@@ -246,7 +246,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 			fmt.Fprintln(out, "(the capacity limit applies to each rank's tokens, so it drops other slots than on one rank: the runs differ by more than rounding)")
 		}
 	}
-	if err := trainrun.WriteJSON(o.JSONPath, res); err != nil {
+	if err := train.WriteJSON(o.JSONPath, res); err != nil {
 		return fmt.Errorf("-json: %w", err)
 	}
 	return nil
@@ -277,12 +277,12 @@ func addTimings(a, b moe.Timings) moe.Timings {
 	return a
 }
 
-// train runs o.steps steps on a dp × ep mesh and returns the results and
+// trainLayout runs o.steps steps on a dp × ep mesh and returns the results and
 // the final parameters. Rank 0 prints progress to out.
-func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
+func trainLayout(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
 	ranks := o.dp * o.ep
 	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor, Steps: o.steps}
-	blas, err := trainrun.LoadBLAS(out, o.Threads, ranks)
+	blas, err := train.LoadBLAS(out, o.Threads, ranks)
 	if err != nil {
 		return nil, nil, fmt.Errorf("GEMM library: %w", err)
 	}
@@ -291,7 +291,7 @@ func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o 
 		params map[string][]float32
 	)
 	tokens := float64(cfg.B * cfg.T)
-	tracer := trainrun.NewTracer(o.TracePath, o.steps, o.TraceSteps)
+	tracer := train.NewTracer(o.TracePath, o.steps, o.TraceSteps)
 	err = local.Run(ctx, ranks, func(ctx context.Context, c comm.Communicator) error {
 		rt := tracer.Rank(c)
 		m, err := mesh.New(rt.Comm(), []int{o.dp, o.ep}, []string{"dp", "ep"})
@@ -357,7 +357,7 @@ func train(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o 
 		}
 		last := rs[len(rs)-1]
 		res.FinalLoss, res.FinalCE = last.Loss, last.CE
-		res.TokensPerS = trainrun.MedianTokensPerS(tokens, stepTimes)
+		res.TokensPerS = train.MedianTokensPerS(tokens, stepTimes)
 		us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 		res.TimeUS = map[string]float64{
 			"wait": us(total.Wait), "permute": us(total.Permute), "count_exchange": us(total.CountExchange),
@@ -417,7 +417,7 @@ func report(out io.Writer, r *moegpt.StepResult, iv *interval, wall time.Duratio
 // time of the MoE payload passes (all-to-all-v's, or the fused path's
 // shared-memory passes, recorded as barriers), which run inside the
 // dispatch and combine ops, so nothing hides them.
-func writeTrace(out io.Writer, tracer *trainrun.Tracer, o options) error {
+func writeTrace(out io.Writer, tracer *train.Tracer, o options) error {
 	events, err := tracer.Write(out)
 	if err != nil {
 		return fmt.Errorf("-trace: %w", err)
@@ -426,8 +426,8 @@ func writeTrace(out io.Writer, tracer *trainrun.Tracer, o options) error {
 		return nil
 	}
 	for rank := range o.dp * o.ep {
-		ar := trainrun.Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllReduce })
-		payload := trainrun.Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllToAllV || e.Op == comm.OpBarrier })
+		ar := train.Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllReduce })
+		payload := train.Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllToAllV || e.Op == comm.OpBarrier })
 		fmt.Fprintf(out, "rank %d: all-reduce %v, %.0f%% hidden behind compute; MoE payload passes %v\n", rank,
 			ar.Comm.Round(time.Microsecond), 100*ar.Fraction(), payload.Comm.Round(time.Microsecond))
 	}

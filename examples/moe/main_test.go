@@ -11,8 +11,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/b7ea7098/loom/internal/moegpt"
-	"github.com/b7ea7098/loom/internal/trainrun"
+	"github.com/b7ea7098/loom/models/moegpt"
+	"github.com/b7ea7098/loom/train"
 )
 
 // tiny is a configuration that trains a few steps in milliseconds.
@@ -32,8 +32,8 @@ func TestTrains(t *testing.T) {
 	const steps = 12
 	var ref *result
 	for _, l := range []struct{ dp, ep int }{{1, 1}, {1, 2}, {2, 2}} {
-		o := options{dp: l.dp, ep: l.ep, steps: steps, every: steps, Flags: trainrun.Flags{Threads: 1, TraceSteps: 1}}
-		res, params, err := train(ctx, tiny(), moegpt.RandomInit(tiny(), 3), o, io.Discard)
+		o := options{dp: l.dp, ep: l.ep, steps: steps, every: steps, Flags: train.Flags{Threads: 1, TraceSteps: 1}}
+		res, params, err := trainLayout(ctx, tiny(), moegpt.RandomInit(tiny(), 3), o, io.Discard)
 		if err != nil {
 			t.Fatalf("dp=%d ep=%d: %v", l.dp, l.ep, err)
 		}

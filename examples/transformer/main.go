@@ -1,13 +1,12 @@
-// Command transformer trains the tiny GPT of TINY_GPT.md with tensor and
+// Command transformer trains the tiny GPT of reference/TINY_GPT.md with tensor and
 // data parallelism: dp × tp in-process ranks (goroutines exchanging data
 // through shared memory), the batch sharded over dp with DDP's overlapped
 // gradient all-reduce, the model sharded over tp by gpt.Plan (optionally
 // with sequence parallelism).
 //
 // It starts from the reference's initial parameters
-// (../shared/reference/tiny_gpt.safetensors) and prints the loss next to
-// PyTorch's every 20 steps, with tokens/s. Without the reference folder it
-// starts from a random init and prints the loss alone.
+// (reference/tiny_gpt.safetensors, embedded in the binary) and prints the
+// loss next to PyTorch's every 20 steps, with tokens/s.
 //
 // Usage:
 //
@@ -38,11 +37,11 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
-	"github.com/b7ea7098/loom/internal/gpt"
-	"github.com/b7ea7098/loom/internal/tinygpt"
-	"github.com/b7ea7098/loom/internal/trainrun"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/trace"
+	"github.com/b7ea7098/loom/train"
 )
 
 func main() {
@@ -59,7 +58,7 @@ type options struct {
 	sp           bool
 	steps, every int
 	compare      bool
-	trainrun.Flags
+	train.Flags
 }
 
 // result is what -json writes.
@@ -114,13 +113,10 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if o.steps == 0 {
 		o.steps = cfg.Steps
 	}
-	if fx == nil {
-		fmt.Fprintf(out, "no reference folder (%v): random init, no PyTorch curve to compare with\n", tinygpt.ErrNoFixture)
-	}
 	fmt.Fprintf(out, "tiny GPT (V=%d D=%d H=%d L=%d F=%d, batch %d×%d) on dp=%d × tp=%d in-process ranks, sp=%v, %d steps\n",
 		cfg.V, cfg.D, cfg.H, cfg.L, cfg.F, cfg.B, cfg.T, o.dp, o.tp, o.sp, o.steps)
 
-	res, params, err := train(ctx, cfg, init, o, fx, out)
+	res, params, err := trainLayout(ctx, cfg, init, o, fx, out)
 	if err != nil {
 		return err
 	}
@@ -131,7 +127,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		one.dp, one.tp, one.sp = 1, 1, false
 		one.TracePath = "" // keep the trace of the layout asked for
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.steps)
-		ref, refParams, err := train(ctx, cfg, init, one, nil, io.Discard)
+		ref, refParams, err := trainLayout(ctx, cfg, init, one, nil, io.Discard)
 		if err != nil {
 			return fmt.Errorf("one-rank run: %w", err)
 		}
@@ -148,17 +144,12 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		fmt.Fprintf(out, "largest loss difference %.3g, largest parameter difference %.3g; one rank: %.0f tokens/s (this layout %.2f×)\n",
 			dl, dp, ref.TokensPerS, res.TokensPerS/ref.TokensPerS)
 	}
-	return trainrun.WriteJSON(o.JSONPath, res)
+	return train.WriteJSON(o.JSONPath, res)
 }
 
-// setup loads the reference's configuration and initial parameters, or
-// falls back to the default configuration and a random init.
+// setup loads the reference's configuration and initial parameters.
 func setup() (tinygpt.Config, map[string][]float32, *tinygpt.Fixture, error) {
-	fx, err := tinygpt.LoadDefaultFixture()
-	if errors.Is(err, tinygpt.ErrNoFixture) {
-		cfg := tinygpt.Default()
-		return cfg, gpt.RandomInit(cfg, 1), nil, nil
-	}
+	fx, err := tinygpt.LoadFixture()
 	if err != nil {
 		return tinygpt.Config{}, nil, nil, err
 	}
@@ -173,11 +164,11 @@ func setup() (tinygpt.Config, map[string][]float32, *tinygpt.Fixture, error) {
 	return cfg, init, fx, nil
 }
 
-// train runs o.steps steps on a dp × tp mesh and returns the losses, the
+// trainLayout runs o.steps steps on a dp × tp mesh and returns the losses, the
 // throughput and the final parameters. Rank 0 prints progress to out.
-func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture, out io.Writer) (*result, map[string][]float32, error) {
+func trainLayout(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture, out io.Writer) (*result, map[string][]float32, error) {
 	res := &result{DP: o.dp, TP: o.tp, SP: o.sp, Steps: o.steps}
-	blas, err := trainrun.LoadBLAS(out, o.Threads, o.dp*o.tp)
+	blas, err := train.LoadBLAS(out, o.Threads, o.dp*o.tp)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -186,7 +177,7 @@ func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o
 		params map[string][]float32
 	)
 	tokens := float64(cfg.B * cfg.T)
-	tracer := trainrun.NewTracer(o.TracePath, o.steps, o.TraceSteps)
+	tracer := train.NewTracer(o.TracePath, o.steps, o.TraceSteps)
 	err = local.Run(ctx, o.dp*o.tp, func(ctx context.Context, c comm.Communicator) error {
 		rt := tracer.Rank(c)
 		m, err := mesh.New(rt.Comm(), []int{o.dp, o.tp}, []string{"dp", "tp"})
@@ -239,7 +230,7 @@ func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o
 			defer mu.Unlock()
 			res.Losses = losses
 			res.FinalLoss = losses[len(losses)-1]
-			res.TokensPerS = trainrun.MedianTokensPerS(tokens, stepTimes)
+			res.TokensPerS = train.MedianTokensPerS(tokens, stepTimes)
 			params = full
 			fmt.Fprintf(out, "%d steps in %v\n", o.steps, elapsed.Round(time.Millisecond))
 		}
@@ -256,7 +247,7 @@ func train(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o
 
 // writeTrace writes the Chrome trace and reports, per rank, how much of the
 // data-parallel all-reduce time was hidden behind compute.
-func writeTrace(out io.Writer, tracer *trainrun.Tracer, o options) error {
+func writeTrace(out io.Writer, tracer *train.Tracer, o options) error {
 	events, err := tracer.Write(out)
 	if err != nil || !tracer.Enabled() || o.dp < 2 {
 		return err
@@ -265,7 +256,7 @@ func writeTrace(out io.Writer, tracer *trainrun.Tracer, o options) error {
 		group := dpGroup(rank, o.dp, o.tp)
 		// The gradient buckets; DDP's int32 presence flags, reduced after
 		// backward, are not part of the overlap.
-		s := trainrun.Overlap(events, rank, func(e trace.Event) bool {
+		s := train.Overlap(events, rank, func(e trace.Event) bool {
 			return e.Op == comm.OpAllReduce && e.Group == group && e.DType != comm.Int32
 		})
 		fmt.Fprintf(out, "rank %d: dp all-reduce %v, %.0f%% hidden behind compute\n", rank, s.Comm.Round(time.Microsecond), 100*s.Fraction())

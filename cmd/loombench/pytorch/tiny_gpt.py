@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The tiny GPT of ../shared/reference/TINY_GPT.md in PyTorch, for measuring
+"""The tiny GPT of reference/TINY_GPT.md in PyTorch, for measuring
 PyTorch's training speed on the machine loom runs on.
 
 It implements the spec's data generator, model and AdamW, starts from the
@@ -97,7 +97,7 @@ def read_safetensors(path, prefix):
 
 
 class GPT(torch.nn.Module):
-    """Pre-LayerNorm GPT exactly as TINY_GPT.md §3 describes it."""
+    """Pre-LayerNorm GPT exactly as reference/TINY_GPT.md §3 describes it."""
 
     def __init__(self, cfg, params, order):
         super().__init__()
@@ -157,7 +157,7 @@ def run(cfg, ref, init, text):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--reference", default=os.environ.get("LOOM_REFERENCE_DIR", os.path.join(here, "../../../../shared/reference")))
+    ap.add_argument("--reference", default=os.path.join(here, "..", "..", "..", "reference"), help="the folder of tiny_gpt.json (default: the repository's reference/)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (intra-op threads)")
     ap.add_argument("--runs", type=int, default=1, help="200-step runs, each from the fixture's init")
     args = ap.parse_args()
@@ -172,7 +172,7 @@ def main():
     for i in range(args.runs):
         secs, step_s, curve = run(cfg, ref, init, text)
         # The computation must be the reference's: its step-1 loss and its
-        # curve, within the tolerances TINY_GPT.md §7 gives loom.
+        # curve, within the tolerances reference/TINY_GPT.md §7 gives loom.
         if abs(curve[1] - ref["loss_step1"]) > tol["loss_step1_rel"] * ref["loss_step1"]:
             sys.exit(f"step-1 loss {curve[1]!r}, reference {ref['loss_step1']!r}: not the reference model")
         worst = 0.0

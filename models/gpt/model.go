@@ -1,0 +1,455 @@
+// Package gpt is the tiny pre-LayerNorm GPT of
+// reference/TINY_GPT.md §3 on loom's autograd: a Model holds the
+// parameters (tinygpt.Config.Params, in param_order) as autograd leaves and
+// Forward records the loss of one batch on the model's tape.
+//
+// Everything runs in the parameters' dtype (float32 for the reference).
+// New lays every parameter out Replicate on every mesh axis; Plan, applied
+// with parallel.Parallelize, shards them for tensor (and sequence)
+// parallelism. The token ids may be Replicate or sharded on the batch dim
+// (data parallelism); the loss is then Partial(sum) on the batch-sharding
+// axes and the parameter gradients Partial(sum) there as well.
+package gpt
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/reference/tinygpt"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// Model is the tiny GPT of reference/TINY_GPT.md §3: token and position embeddings,
+// L pre-LN transformer blocks, a final LayerNorm and an untied lm_head
+// without bias. It is a tree of parallel modules written in global terms:
+// parallel.Parallelize (with Plan) lays it out for tensor and sequence
+// parallelism without changing its code. Its parameters are leaves of one
+// tape (the tape given to New).
+type Model struct {
+	parallel.Hooks
+	cfg    tinygpt.Config
+	tape   *autograd.Tape
+	mesh   *mesh.Mesh
+	order  map[string]int // parameter name -> index in param_order
+	WTE    *parallel.Embedding
+	WPE    *parallel.Embedding
+	Blocks []*Block
+	LNF    *parallel.LayerNorm
+	LMHead *parallel.Linear
+	h      blocks // the "h" container: its hooks run around the blocks
+}
+
+// Block is one pre-LN transformer block: h += attn(ln1(h)); h +=
+// mlp(ln2(h)).
+type Block struct {
+	parallel.Hooks
+	LN1, LN2 *parallel.LayerNorm
+	Attn     *parallel.Attention
+	MLP      *parallel.MLP
+}
+
+// Children returns ln1, attn, ln2 and mlp.
+func (b *Block) Children() []parallel.Child {
+	return []parallel.Child{{Name: "ln1", Module: b.LN1}, {Name: "attn", Module: b.Attn}, {Name: "ln2", Module: b.LN2}, {Name: "mlp", Module: b.MLP}}
+}
+
+// Forward runs the block on h [B, T, D].
+func (b *Block) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value, error) {
+	h, err := b.Input(ctx, h)
+	if err != nil {
+		return nil, err
+	}
+	for _, sub := range []struct {
+		ln *parallel.LayerNorm
+		f  func(context.Context, *autograd.Value) (*autograd.Value, error)
+	}{{b.LN1, b.Attn.Forward}, {b.LN2, b.MLP.Forward}} {
+		a, err := sub.ln.Forward(ctx, h)
+		if err != nil {
+			return nil, err
+		}
+		o, err := sub.f(ctx, a)
+		if err != nil {
+			return nil, err
+		}
+		if h, err = autograd.Add(h, o); err != nil {
+			return nil, fmt.Errorf("residual: %w", err)
+		}
+	}
+	return b.Output(ctx, h)
+}
+
+// blocks is the "h" container: its children are named 0 … L−1. Forward
+// runs its input hooks before the first block and its output hooks after
+// the last.
+type blocks struct {
+	parallel.Hooks
+	list []*Block
+}
+
+func (bs *blocks) Children() []parallel.Child {
+	out := make([]parallel.Child, len(bs.list))
+	for i, b := range bs.list {
+		out[i] = parallel.Child{Name: strconv.Itoa(i), Module: b}
+	}
+	return out
+}
+
+// Children returns wte, wpe, h (the blocks, named h.0 … h.L−1), ln_f and
+// lm_head: module paths that, followed by the parameter's own suffix, are
+// the parameter names of reference/TINY_GPT.md.
+func (md *Model) Children() []parallel.Child {
+	md.h.list = md.Blocks
+	return []parallel.Child{
+		{Name: "wte", Module: md.WTE},
+		{Name: "wpe", Module: md.WPE},
+		{Name: "h", Module: &md.h},
+		{Name: "ln_f", Module: md.LNF},
+		{Name: "lm_head", Module: md.LMHead},
+	}
+}
+
+// New builds the model for cfg on tape and mesh m from init, which maps
+// every parameter name of cfg.Params() to its row-major float32 data (for
+// parity, the fixture's init.* tensors). Each parameter becomes a leaf
+// (tape.Param) laid out Replicate on every mesh axis; its data is copied.
+// Missing, surplus or wrongly sized entries are errors.
+func New(tape *autograd.Tape, m *mesh.Mesh, cfg tinygpt.Config, init map[string][]float32) (*Model, error) {
+	if tape == nil || m == nil {
+		return nil, errors.New("gpt: New: nil tape or mesh")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("gpt: %w", err)
+	}
+	ps := cfg.Params()
+	md := &Model{cfg: cfg, tape: tape, mesh: m, order: make(map[string]int, len(ps))}
+	rep := make([]placement.Placement, m.NDim())
+	for i := range rep {
+		rep[i] = placement.Replicate()
+	}
+	byName := make(map[string]*autograd.Value, len(ps))
+	var errs []error
+	for i, p := range ps {
+		md.order[p.Name] = i
+		data, ok := init[p.Name]
+		if !ok {
+			errs = append(errs, fmt.Errorf("gpt: New: no initial value for %q", p.Name))
+			continue
+		}
+		if len(data) != p.Numel() {
+			errs = append(errs, fmt.Errorf("gpt: New: %q has %d values, shape %v needs %d", p.Name, len(data), p.Shape, p.Numel()))
+			continue
+		}
+		spec, err := placement.NewSpec(m, p.Shape, comm.Float32, rep)
+		if err != nil {
+			return nil, fmt.Errorf("gpt: New: %q: %w", p.Name, err)
+		}
+		dt, err := placement.NewLocal(spec, append([]float32(nil), data...))
+		if err != nil {
+			return nil, fmt.Errorf("gpt: New: %q: %w", p.Name, err)
+		}
+		if byName[p.Name], err = tape.Param(p.Name, dt); err != nil {
+			return nil, fmt.Errorf("gpt: New: %w", err)
+		}
+	}
+	for name := range init {
+		if _, ok := md.order[name]; !ok {
+			errs = append(errs, fmt.Errorf("gpt: New: initial value for unknown parameter %q", name))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	ln := func(w, b string) *parallel.LayerNorm {
+		return &parallel.LayerNorm{Weight: byName[w], Bias: byName[b], Eps: cfg.LNEps}
+	}
+	lin := func(w, b string) *parallel.Linear {
+		return &parallel.Linear{Weight: byName[w], Bias: byName[b]}
+	}
+	md.WTE = &parallel.Embedding{Table: byName[tinygpt.ParamWTE]}
+	md.WPE = &parallel.Embedding{Table: byName[tinygpt.ParamWPE]}
+	for l := range cfg.L {
+		p := func(suffix string) string { return tinygpt.BlockParam(l, suffix) }
+		qkv := lin(p(tinygpt.BlockQKVW), p(tinygpt.BlockQKVB))
+		qkv.Chunks = 3
+		md.Blocks = append(md.Blocks, &Block{
+			LN1:  ln(p(tinygpt.BlockLN1W), p(tinygpt.BlockLN1B)),
+			Attn: &parallel.Attention{QKV: qkv, Proj: lin(p(tinygpt.BlockAttnProjW), p(tinygpt.BlockAttnProjB)), Heads: cfg.H},
+			LN2:  ln(p(tinygpt.BlockLN2W), p(tinygpt.BlockLN2B)),
+			MLP:  &parallel.MLP{FC: lin(p(tinygpt.BlockFCW), p(tinygpt.BlockFCB)), Proj: lin(p(tinygpt.BlockMLPProjW), p(tinygpt.BlockMLPProjB))},
+		})
+	}
+	md.LNF = ln(tinygpt.ParamLNFW, tinygpt.ParamLNFB)
+	md.LMHead = &parallel.Linear{Weight: byName[tinygpt.ParamLMHead]}
+	return md, nil
+}
+
+// Plan is the tensor-parallel plan of the model (Megatron's layout):
+// vocab-parallel token embedding, colwise q|k|v (by heads) and MLP fc,
+// rowwise attention and MLP projections, and a colwise lm_head whose
+// vocab-sharded logits go to a cross-entropy that never gathers them.
+// With sp, activations outside the tensor-parallel regions are sharded on
+// the sequence dim (LayerNorms run on sequence shards; the regions are
+// entered by an all-gather and left by a reduce-scatter), and ReduceGrads
+// must sum the LayerNorm gradients over the axis after backward.
+func Plan(sp bool) parallel.Plan {
+	if !sp {
+		return parallel.Plan{
+			{Pattern: "wte", Style: parallel.RowwiseParallel{}},
+			{Pattern: "h.*.attn.qkv", Style: parallel.ColwiseParallel{}},
+			{Pattern: "h.*.attn.proj", Style: parallel.RowwiseParallel{}},
+			{Pattern: "h.*.mlp.fc", Style: parallel.ColwiseParallel{}},
+			{Pattern: "h.*.mlp.proj", Style: parallel.RowwiseParallel{}},
+			{Pattern: "lm_head", Style: parallel.ColwiseParallel{}},
+		}
+	}
+	seq := placement.Shard(1)
+	return parallel.Plan{
+		{Pattern: "wte", Style: parallel.RowwiseParallel{Output: seq}},
+		{Pattern: "wpe", Style: parallel.PrepareOutput{Layout: seq}},
+		{Pattern: "h.*.ln1", Style: parallel.SequenceParallel{}},
+		{Pattern: "h.*.attn.qkv", Style: parallel.ColwiseParallel{}},
+		{Pattern: "h.*.attn.proj", Style: parallel.RowwiseParallel{Output: seq}},
+		{Pattern: "h.*.ln2", Style: parallel.SequenceParallel{}},
+		{Pattern: "h.*.mlp.fc", Style: parallel.ColwiseParallel{}},
+		{Pattern: "h.*.mlp.proj", Style: parallel.RowwiseParallel{Output: seq}},
+		{Pattern: "ln_f", Style: parallel.SequenceParallel{}},
+		{Pattern: "lm_head", Style: parallel.ColwiseParallel{}},
+	}
+}
+
+// Config returns the model's configuration.
+func (md *Model) Config() tinygpt.Config { return md.cfg }
+
+// Tape returns the tape the parameters live on; Forward records on it.
+func (md *Model) Tape() *autograd.Tape { return md.tape }
+
+// Mesh returns the mesh the parameters are laid out on.
+func (md *Model) Mesh() *mesh.Mesh { return md.mesh }
+
+// Params returns the parameter leaves in param_order (the current leaves:
+// Parallelize replaces the ones it reshards).
+func (md *Model) Params() []*autograd.Value {
+	ps, err := parallel.Params(md)
+	if err != nil {
+		return nil
+	}
+	slices.SortFunc(ps, func(a, b *autograd.Value) int { return md.order[a.Name()] - md.order[b.Name()] })
+	return ps
+}
+
+// Names returns the parameter names in param_order.
+func (md *Model) Names() []string {
+	ps := md.Params()
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = p.Name()
+	}
+	return names
+}
+
+// Param returns the leaf of the parameter called name, or nil.
+func (md *Model) Param(name string) *autograd.Value {
+	for _, p := range md.Params() {
+		if p.Name() == name {
+			return p
+		}
+	}
+	return nil
+}
+
+// ZeroGrad drops every parameter's accumulated gradient.
+func (md *Model) ZeroGrad() {
+	for _, p := range md.Params() {
+		p.ZeroGrad()
+	}
+}
+
+// Inputs lays out a batch's token ids and targets ([B, T] each) on the
+// model's mesh with the given placements (nil: Replicate on every axis),
+// ready for Forward. Each rank keeps its block; nothing is communicated.
+func (md *Model) Inputs(b tinygpt.Batch, places []placement.Placement) (x, y *autograd.Indices, err error) {
+	if places == nil {
+		places = make([]placement.Placement, md.mesh.NDim())
+		for i := range places {
+			places[i] = placement.Replicate()
+		}
+	}
+	shape := []int{b.B, b.T}
+	if x, err = autograd.IndicesFromFull(md.mesh, shape, places, b.X); err != nil {
+		return nil, nil, fmt.Errorf("gpt: inputs: %w", err)
+	}
+	if y, err = autograd.IndicesFromFull(md.mesh, shape, places, b.Y); err != nil {
+		return nil, nil, fmt.Errorf("gpt: targets: %w", err)
+	}
+	return x, y, nil
+}
+
+// Forward records the model on tape (which must be the tape given to New)
+// for token ids x [B, T] (T ≤ cfg.T) and returns the mean cross-entropy
+// over all B·T positions against the targets y, laid out like x (shape
+// [B, T] or [B·T]). It implements reference/TINY_GPT.md §3.2:
+//
+//	h = wte[x] + wpe[t]
+//	per block: h += proj(attn(LN1(h))); h += mlp.proj(GELU(fc(LN2(h))))
+//	loss = CE(LN_f(h) · lm_headᵀ, y)
+//
+// The fused qkv output splits into q, k and v blocks of D channels, each
+// split into H heads of Dh = D/H contiguous channels; attention is causal
+// with scale 1/sqrt(Dh); GELU is the erf form; LayerNorm uses the biased
+// variance and cfg.LNEps. Logits sharded on the vocab dim (a colwise
+// lm_head) go to parallel.VocabParallelCrossEntropy on that axis; the
+// only communication is what the modules' styles asked for.
+func (md *Model) Forward(ctx context.Context, tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
+	loss, err := md.forward(ctx, tape, x, y)
+	if err != nil {
+		return nil, fmt.Errorf("gpt: Forward: %w", err)
+	}
+	return loss, nil
+}
+
+func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
+	if tape != md.tape {
+		return nil, errors.New("the tape is not the one the model's parameters live on")
+	}
+	if x == nil || y == nil {
+		return nil, errors.New("nil ids or targets")
+	}
+	xs := x.Shape()
+	if len(xs) != 2 {
+		return nil, fmt.Errorf("ids have shape %v; want [B, T]", xs)
+	}
+	B, T := xs[0], xs[1]
+	if T < 1 || T > md.cfg.T {
+		return nil, fmt.Errorf("sequence length %d outside [1, %d]", T, md.cfg.T)
+	}
+	switch ys := y.Shape(); {
+	case len(ys) == 2 && ys[0] == B && ys[1] == T, len(ys) == 1 && ys[0] == B*T:
+	default:
+		return nil, fmt.Errorf("targets have shape %v for ids %v", ys, xs)
+	}
+
+	// Position ids t, laid out like x.
+	pos := make([]int64, B*T)
+	for i := range pos {
+		pos[i] = int64(i % T)
+	}
+	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, orderOpts(x)...)
+	if err != nil {
+		return nil, fmt.Errorf("position ids: %w", err)
+	}
+	tok, err := md.WTE.Forward(ctx, x)
+	if err != nil {
+		return nil, err
+	}
+	pe, err := md.WPE.Forward(ctx, posIdx)
+	if err != nil {
+		return nil, err
+	}
+	h, err := autograd.Add(tok, pe)
+	if err != nil {
+		return nil, err
+	}
+	if h, err = md.h.Input(ctx, h); err != nil {
+		return nil, fmt.Errorf("blocks' input: %w", err)
+	}
+	for l, b := range md.Blocks {
+		if h, err = b.Forward(ctx, h); err != nil {
+			return nil, fmt.Errorf("block %d: %w", l, err)
+		}
+	}
+	if h, err = md.h.Output(ctx, h); err != nil {
+		return nil, fmt.Errorf("blocks' output: %w", err)
+	}
+	if h, err = md.LNF.Forward(ctx, h); err != nil {
+		return nil, err
+	}
+	logits, err := md.LMHead.Forward(ctx, h)
+	if err != nil {
+		return nil, err
+	}
+	if logits, err = autograd.Reshape(logits, B*T, md.cfg.V); err != nil {
+		return nil, err
+	}
+	tgt := y
+	if len(y.Shape()) == 2 {
+		if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), orderOpts(y)...); err != nil {
+			return nil, fmt.Errorf("targets: %w", err)
+		}
+	}
+	// Logits sharded on the vocab dim need the cross-entropy that reduces
+	// over that axis.
+	names := md.mesh.Names()
+	for a, p := range logits.Spec().Placements() {
+		if p.Dim() == 1 {
+			return parallel.VocabParallelCrossEntropy(ctx, logits, tgt, names[a])
+		}
+	}
+	return autograd.CrossEntropy(logits, tgt)
+}
+
+// orderOpts keeps the shard order of dim 0 (a batch dim sharded by several
+// axes) when ids are re-laid out.
+func orderOpts(ix *autograd.Indices) []placement.SpecOption {
+	var opts []placement.SpecOption
+	for d := range ix.Shape() {
+		if o := ix.Order(d); len(o) > 1 {
+			opts = append(opts, placement.WithOrder(d, o...))
+		}
+	}
+	return opts
+}
+
+// Loss is a convenience for a scalar loss value: its local block as a
+// float64 (on a 1-rank mesh, or where the loss is Replicate, the global
+// loss; where it is Partial(sum), this rank's share).
+func Loss(v *autograd.Value) (float64, error) {
+	if v == nil || v.Data() == nil {
+		return math.NaN(), errors.New("gpt: Loss: nil value")
+	}
+	switch d := v.Data().LocalData().(type) {
+	case []float32:
+		if len(d) == 1 {
+			return float64(d[0]), nil
+		}
+	case []float64:
+		if len(d) == 1 {
+			return d[0], nil
+		}
+	}
+	return math.NaN(), fmt.Errorf("gpt: Loss: %v is not a scalar block", v.Data())
+}
+
+// RandomInit returns initial values for every parameter of cfg following
+// the §3.1 init column: N(0, InitStd²) from a PCG seeded with seed for the
+// normal ones (in param_order), ones for LayerNorm weights and zeros for
+// biases. It is for training runs and benchmarks of one's own; parity runs
+// load the fixture's init.* tensors instead, since the reference's PyTorch
+// stream is not part of the spec.
+func RandomInit(cfg tinygpt.Config, seed uint64) map[string][]float32 {
+	rng := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15))
+	out := make(map[string][]float32)
+	for _, p := range cfg.Params() {
+		d := make([]float32, p.Numel())
+		switch p.Init {
+		case tinygpt.InitNormal:
+			for i := range d {
+				d[i] = float32(rng.NormFloat64() * cfg.InitStd)
+			}
+		case tinygpt.InitOnes:
+			for i := range d {
+				d[i] = 1
+			}
+		}
+		out[p.Name] = d
+	}
+	return out
+}

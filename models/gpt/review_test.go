@@ -1,0 +1,121 @@
+package gpt_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/placement"
+	"github.com/b7ea7098/loom/placement/placementtest"
+)
+
+// The batch dim sharded over both mesh axes in (b, a) order reaches
+// CrossEntropy with the targets in the same order as the logits.
+func TestForwardKeepsANestedBatchOrder(t *testing.T) {
+	c := small()
+	b := randomBatch(c, 5)
+	placementtest.Run(t, []int{2, 2}, []string{"a", "b"}, func(ctx context.Context, m *mesh.Mesh) error {
+		tape := autograd.NewTape()
+		md, err := gpt.New(tape, m, c, gpt.RandomInit(c, 1))
+		if err != nil {
+			return err
+		}
+		s0 := placement.Shard(0)
+		places := []placement.Placement{s0, s0}
+		x, err := autograd.IndicesFromFull(m, []int{b.B, b.T}, places, b.X, placement.WithOrder(0, "b", "a"))
+		if err != nil {
+			return err
+		}
+		y, err := autograd.IndicesFromFull(m, []int{b.B, b.T}, places, b.Y, placement.WithOrder(0, "b", "a"))
+		if err != nil {
+			return err
+		}
+		if _, err := md.Forward(ctx, tape, x, y); err != nil {
+			return fmt.Errorf("Forward with x and y laid out alike: %v", err)
+		}
+		return nil
+	})
+}
+
+func TestNilIndicesDoNotPanic(t *testing.T) {
+	defer func() {
+		if r := recover(); r != nil {
+			t.Fatalf("panic: %v", r)
+		}
+	}()
+	var ix *autograd.Indices
+	if ix.Shape() != nil || ix.Placements() != nil || ix.String() != "indices (invalid)" {
+		t.Error("nil Indices accessors")
+	}
+	zero := &autograd.Indices{}
+	if zero.LocalShape() != nil || zero.Order(0) != nil {
+		t.Error("zero Indices accessors")
+	}
+}
+
+// NewTrainer rejects, before any communication, an axis name the mesh
+// lacks (a misspelt dp axis would silently replicate the work), one axis
+// named twice, and layouts Forward cannot run (heads or batch rows that do
+// not split over the ranks).
+func TestNewTrainerRejectsBadLayouts(t *testing.T) {
+	c := small() // H=2, B=4
+	placementtest.Run(t, []int{1, 3}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		for want, o := range map[string]gpt.TrainOptions{
+			`no axis "data"`:    {DP: "data", TP: "tp"},
+			`no axis "model"`:   {DP: "dp", TP: "model"},
+			"both data and":     {DP: "tp", TP: "tp"},
+			"heads do not":      {DP: "dp", TP: "tp"},
+			"rows does not":     {DP: "tp"},
+			"needs a tensor-pa": {DP: "dp", SP: true},
+		} {
+			_, err := gpt.NewTrainer(ctx, m, c, gpt.RandomInit(c, 1), o)
+			if err == nil || !strings.Contains(err.Error(), want) {
+				return fmt.Errorf("%+v: got %v, want an error mentioning %q", o, err, want)
+			}
+		}
+		return nil
+	})
+}
+
+// A plan rule for the "h" container reaches hooks that Forward runs.
+func TestBlocksContainerHooksRun(t *testing.T) {
+	c := small()
+	placementtest.Run(t, []int{1}, []string{"tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		tape := autograd.NewTape()
+		md, err := gpt.New(tape, m, c, gpt.RandomInit(c, 1))
+		if err != nil {
+			return err
+		}
+		n := 0
+		if err := parallel.Parallelize(ctx, md, "tp", parallel.Plan{{Pattern: "h", Style: countInputs{&n}}}); err != nil {
+			return err
+		}
+		x, y, err := md.Inputs(randomBatch(c, 2), nil)
+		if err != nil {
+			return err
+		}
+		if _, err := md.Forward(ctx, tape, x, y); err != nil {
+			return err
+		}
+		tape.Reset()
+		if n != 1 {
+			return fmt.Errorf("the h container's input hook ran %d times, want 1", n)
+		}
+		return nil
+	})
+}
+
+type countInputs struct{ n *int }
+
+func (s countInputs) Apply(_ context.Context, m parallel.Module, _ string) error {
+	m.Boundary().OnInput(func(_ context.Context, v *autograd.Value) (*autograd.Value, error) {
+		*s.n++
+		return v, nil
+	})
+	return nil
+}

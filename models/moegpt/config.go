@@ -1,0 +1,269 @@
+// Package moegpt is a small GPT-like transformer whose MLPs are
+// mixture-of-experts layers (moe.Layer), written once in global terms and
+// trained with expert parallelism (EP) over an ("dp", "ep") mesh.
+//
+// The model is a byte-level pre-LayerNorm transformer: token and position
+// embeddings, L blocks of h += attn(LN1(h)); h += moe(LN2(h)), a final
+// LayerNorm and an untied lm_head. Its data are the synthetic corpus and
+// batch sampler of internal/tinygpt (reference/TINY_GPT.md §2), so every layout trains
+// on exactly the batches one rank would.
+//
+// # Layout
+//
+// The batch rows (and so the tokens) are sharded over the data-parallel and
+// expert-parallel axes together, Shard(0) on both in mesh-axis order. The
+// embeddings, norms, attention and router weights are Replicate on every
+// axis; their gradients come out of backward Partial(sum) on both axes.
+// The experts' parameters are Shard(0) on the expert-parallel axis (rank r
+// of P holds experts [r·E/P, (r+1)·E/P)) and Replicate on the
+// data-parallel axis, so their gradients are Partial(sum) on dp only.
+//
+// Trainer reduces them as Megatron-Core does with its data-parallel and
+// expert-data-parallel groups: one DDP over the expert-parallel axis for
+// the replicated parameters (bucketed all-reduces overlapping backward;
+// that axis holds most of their ranks in the default ep-heavy layout), one
+// DDP over the data-parallel axis for the expert parameters, and
+// parallel.ReduceGrads for what is left (the replicated parameters' sum
+// over dp, when dp > 1). AdamW then updates every rank's blocks.
+//
+// The loss is the mean cross-entropy over all B·T positions plus every
+// layer's load-balancing loss (RouterConfig.AuxCoef) and router z-loss
+// (ZCoef), each Partial(sum) on the token-sharding axes.
+package moegpt
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strconv"
+
+	"github.com/b7ea7098/loom/reference/tinygpt"
+)
+
+// Config is the model, data and optimizer configuration.
+type Config struct {
+	// V is the vocabulary (byte values in [0, V), at least
+	// tinygpt.MinVocab); D the model width; H the attention heads (D/H
+	// channels each); L the blocks; T the sequence length; B the
+	// sequences per step (the global batch).
+	V, D, H, L, T, B int
+	// E is the number of experts per layer, K the experts per token and
+	// Hd the hidden width of each expert MLP.
+	E, K, Hd int
+
+	// CapacityFactor limits every expert to ⌈CapacityFactor·n·K/E⌉ of a
+	// rank's n tokens (RouterConfig.CapacityFactor); 0 is dropless.
+	CapacityFactor float64
+	// Pad pads every expert's rows to the capacity, the static layout
+	// (RouterConfig.PadToCapacity); it needs a CapacityFactor.
+	Pad bool
+	// AuxCoef and ZCoef are the coefficients of the load-balancing loss
+	// and the router z-loss (0 turns a loss off).
+	AuxCoef, ZCoef float64
+
+	// LR, WD, Beta1, Beta2 and Eps are AdamW's hyper-parameters.
+	LR, WD, Beta1, Beta2, Eps float64
+	// InitStd is the standard deviation of the normal initialisation;
+	// LNEps the LayerNorm epsilon.
+	InitStd, LNEps float64
+
+	// CorpusLen, CorpusSeed and BatchSeed define the data (reference/TINY_GPT.md
+	// §2.2, §2.3).
+	CorpusLen             int
+	CorpusSeed, BatchSeed uint32
+}
+
+// Default is a small configuration that trains in seconds per hundred
+// steps on a laptop: D=64, H=4, L=2, E=8 experts of width 128, top-2
+// routing with reference/MOE_LAYER.md's losses (α = 0.01, β = 0.001), 16 sequences
+// of 64 bytes, and the tiny GPT's corpus and optimizer.
+func Default() Config {
+	d := tinygpt.Default()
+	return Config{
+		V: d.V, D: 64, H: 4, L: 2, T: 64, B: 16,
+		E: 8, K: 2, Hd: 128,
+		AuxCoef: 0.01, ZCoef: 0.001,
+		LR: d.LR, WD: d.WD, Beta1: d.Beta1, Beta2: d.Beta2, Eps: d.Eps,
+		InitStd: d.InitStd, LNEps: d.LNEps,
+		CorpusLen: d.CorpusLen, CorpusSeed: d.CorpusSeed, BatchSeed: d.BatchSeed,
+	}
+}
+
+// Data returns the tinygpt configuration that describes the same corpus,
+// batches and shapes (F is the expert width; Steps is 1, unused), for
+// tinygpt.Corpus and tinygpt.NewSampler.
+func (c Config) Data() tinygpt.Config {
+	return tinygpt.Config{
+		V: c.V, D: c.D, H: c.H, L: c.L, F: c.Hd, T: c.T, B: c.B,
+		CorpusLen: c.CorpusLen, CorpusSeed: c.CorpusSeed, BatchSeed: c.BatchSeed,
+		LR: c.LR, WD: c.WD, Beta1: c.Beta1, Beta2: c.Beta2, Eps: c.Eps,
+		Steps: 1, InitStd: c.InitStd, LNEps: c.LNEps,
+	}
+}
+
+// Validate reports every problem of c at once, joined with errors.Join,
+// or nil.
+func (c Config) Validate() error {
+	var errs []error
+	if err := c.Data().Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("moegpt: config: "+format, args...))
+	}
+	if c.L < 1 {
+		bad("L=%d: the model needs at least one block", c.L)
+	}
+	if c.E < 1 || c.K < 1 || c.K > c.E {
+		bad("E=%d experts and K=%d per token: want 1 ≤ K ≤ E", c.E, c.K)
+	}
+	if c.Hd < 1 {
+		bad("Hd=%d must be positive", c.Hd)
+	}
+	for _, f := range []struct {
+		name string
+		v    float64
+	}{{"capacity factor", c.CapacityFactor}, {"aux coefficient", c.AuxCoef}, {"z coefficient", c.ZCoef}, {"init std", c.InitStd}} {
+		if math.IsNaN(f.v) || math.IsInf(f.v, 0) || f.v < 0 {
+			bad("%s %v must be finite and not negative", f.name, f.v)
+		}
+	}
+	if c.Pad && c.CapacityFactor == 0 {
+		bad("padding to capacity needs a capacity factor")
+	}
+	return errors.Join(errs...)
+}
+
+// Init is how a parameter starts.
+type Init int
+
+const (
+	// InitNormal draws from N(0, InitStd²).
+	InitNormal Init = iota
+	// InitZeros starts at zero (biases).
+	InitZeros
+	// InitOnes starts at one (LayerNorm weights).
+	InitOnes
+)
+
+// Param describes one parameter tensor.
+type Param struct {
+	// Name is the parameter's name, e.g. "h.0.moe.W1".
+	Name string
+	// Shape is its global shape.
+	Shape []int
+	// Init is how RandomInit fills it.
+	Init Init
+	// Expert marks the expert parameters (Shard(0) on the
+	// expert-parallel axis); the others are replicated.
+	Expert bool
+}
+
+// Numel is the number of scalars of p.
+func (p Param) Numel() int {
+	n := 1
+	for _, s := range p.Shape {
+		n *= s
+	}
+	return n
+}
+
+// Parameter name suffixes of a block; BlockParam prefixes them with
+// "h.{l}.".
+const (
+	BlockLN1W     = "ln1.weight"
+	BlockLN1B     = "ln1.bias"
+	BlockQKVW     = "attn.qkv.weight"
+	BlockQKVB     = "attn.qkv.bias"
+	BlockProjW    = "attn.proj.weight"
+	BlockProjB    = "attn.proj.bias"
+	BlockLN2W     = "ln2.weight"
+	BlockLN2B     = "ln2.bias"
+	BlockRouterW  = "moe.router.weight"
+	BlockExpertW1 = "moe.W1"
+	BlockExpertB1 = "moe.b1"
+	BlockExpertW2 = "moe.W2"
+	BlockExpertB2 = "moe.b2"
+)
+
+// Names of the parameters outside the blocks.
+const (
+	ParamWTE    = "wte"
+	ParamWPE    = "wpe"
+	ParamLNFW   = "ln_f.weight"
+	ParamLNFB   = "ln_f.bias"
+	ParamLMHead = "lm_head.weight"
+)
+
+// BlockParam returns the full name of block l's parameter suffix, e.g.
+// BlockParam(1, BlockExpertW1) = "h.1.moe.W1".
+func BlockParam(l int, suffix string) string { return "h." + strconv.Itoa(l) + "." + suffix }
+
+// Params returns every parameter of the model in its fixed order: wte,
+// wpe, each block's LayerNorms, attention, router and experts, then ln_f
+// and lm_head.
+func (c Config) Params() []Param {
+	ps := []Param{
+		{Name: ParamWTE, Shape: []int{c.V, c.D}},
+		{Name: ParamWPE, Shape: []int{c.T, c.D}},
+	}
+	for l := range c.L {
+		p := func(suffix string, init Init, expert bool, shape ...int) Param {
+			return Param{Name: BlockParam(l, suffix), Shape: shape, Init: init, Expert: expert}
+		}
+		ps = append(ps,
+			p(BlockLN1W, InitOnes, false, c.D),
+			p(BlockLN1B, InitZeros, false, c.D),
+			p(BlockQKVW, InitNormal, false, 3*c.D, c.D),
+			p(BlockQKVB, InitZeros, false, 3*c.D),
+			p(BlockProjW, InitNormal, false, c.D, c.D),
+			p(BlockProjB, InitZeros, false, c.D),
+			p(BlockLN2W, InitOnes, false, c.D),
+			p(BlockLN2B, InitZeros, false, c.D),
+			p(BlockRouterW, InitNormal, false, c.E, c.D),
+			p(BlockExpertW1, InitNormal, true, c.E, c.Hd, c.D),
+			p(BlockExpertB1, InitZeros, true, c.E, c.Hd),
+			p(BlockExpertW2, InitNormal, true, c.E, c.D, c.Hd),
+			p(BlockExpertB2, InitZeros, true, c.E, c.D),
+		)
+	}
+	return append(ps,
+		Param{Name: ParamLNFW, Shape: []int{c.D}, Init: InitOnes},
+		Param{Name: ParamLNFB, Shape: []int{c.D}, Init: InitZeros},
+		Param{Name: ParamLMHead, Shape: []int{c.V, c.D}},
+	)
+}
+
+// NumParams is the total number of scalar parameters.
+func (c Config) NumParams() int {
+	n := 0
+	for _, p := range c.Params() {
+		n += p.Numel()
+	}
+	return n
+}
+
+// RandomInit returns the full initial value of every parameter of c,
+// row-major: N(0, InitStd²) from a PCG seeded with seed for the normal
+// ones (drawn in parameter order), ones and zeros for the others. Every
+// rank computes the same values, so any layout starts from the same model.
+func RandomInit(c Config, seed uint64) map[string][]float32 {
+	rng := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15))
+	out := make(map[string][]float32)
+	for _, p := range c.Params() {
+		d := make([]float32, p.Numel())
+		switch p.Init {
+		case InitNormal:
+			for i := range d {
+				d[i] = float32(rng.NormFloat64() * c.InitStd)
+			}
+		case InitOnes:
+			for i := range d {
+				d[i] = 1
+			}
+		}
+		out[p.Name] = d
+	}
+	return out
+}

@@ -1,0 +1,259 @@
+// Package train is the plumbing that the example training programs
+// (examples/transformer and examples/moe) share around their model: the
+// -threads, -trace, -trace-steps and -json flags, one BLAS whose thread
+// pool the in-process ranks share, a trace of the last steps of a run with
+// the part of the communication hidden behind compute, the median-step
+// throughput and the JSON summary.
+package train
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/trace"
+)
+
+// Flags are the command-line flags common to the example training
+// programs.
+type Flags struct {
+	// Threads is -threads: GEMM threads per rank, 0 for the CPUs shared
+	// among the ranks (see Threads).
+	Threads int
+	// TracePath is -trace: where to write the Chrome trace, empty for no
+	// trace.
+	TracePath string
+	// TraceSteps is -trace-steps: how many of the last steps to trace.
+	TraceSteps int
+	// JSONPath is -json: where to write the run's summary, empty for none.
+	JSONPath string
+	// Bind is -bind: bind each rank to CPUs of its own.
+	Bind bool
+}
+
+// Register defines the flags on fs, storing their values in f.
+func (f *Flags) Register(fs *flag.FlagSet) {
+	fs.IntVar(&f.Threads, "threads", 0, "GEMM threads per rank (default: the CPUs shared among the ranks)")
+	fs.StringVar(&f.TracePath, "trace", "", "write a Chrome trace (Perfetto, chrome://tracing) of every rank to this file")
+	fs.IntVar(&f.TraceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
+	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
+	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
+}
+
+// RunOptions are the local.Run options the flags ask for: CPU binding with
+// -bind, else whatever local.BindEnv says.
+func (f Flags) RunOptions() []local.Option {
+	if f.Bind {
+		return []local.Option{local.WithCPUBinding(true)}
+	}
+	return nil
+}
+
+// Threads returns the GEMM threads per rank: override when it is
+// positive, otherwise cpus shared among ranks, at least 1.
+func Threads(override, ranks, cpus int) int {
+	if override > 0 {
+		return override
+	}
+	return max(1, cpus/max(1, ranks))
+}
+
+// LoadBLAS loads the BLAS that ranks in-process ranks share, its thread
+// pool sized by Threads(threads, ranks, runtime.NumCPU()) so that ranks ×
+// threads ≈ CPUs (an oversubscribed or shared pool serialises the ranks'
+// GEMMs), and prints its configuration to out.
+func LoadBLAS(out io.Writer, threads, ranks int) (*kernels.BLAS, error) {
+	blas, err := kernels.Load(kernels.WithThreads(Threads(threads, ranks, runtime.NumCPU())))
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(out, "GEMM: %s, %d thread(s) per rank\n", blas.Config(), blas.Threads())
+	return blas, nil
+}
+
+// MedianTokensPerS returns tokens over the median of the step times (robust
+// to a noisy machine's outliers), or 0 without steps. It sorts stepTimes.
+func MedianTokensPerS(tokens float64, stepTimes []time.Duration) float64 {
+	if len(stepTimes) == 0 {
+		return 0
+	}
+	slices.Sort(stepTimes)
+	return tokens / stepTimes[len(stepTimes)/2].Seconds()
+}
+
+// WriteJSON writes v, indented, to path; an empty path writes nothing.
+func WriteJSON(path string, v any) error {
+	if path == "" {
+		return nil
+	}
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
+// StepSpan prefixes the name of the trace span of each training step.
+const StepSpan = "step "
+
+// Tracer traces the last steps of a run of every rank on one timeline.
+// A Tracer made without a path traces nothing, at no cost.
+type Tracer struct {
+	tl          *trace.Timeline // nil: not tracing
+	path        string
+	steps, last int
+}
+
+// NewTracer returns a Tracer that writes to path the last of steps
+// training steps, or one that traces nothing when path is empty.
+func NewTracer(path string, steps, last int) *Tracer {
+	t := &Tracer{path: path, steps: steps, last: last}
+	if path != "" {
+		t.tl = trace.NewTimeline()
+	}
+	return t
+}
+
+// Enabled reports whether t traces.
+func (t *Tracer) Enabled() bool { return t.tl != nil }
+
+// FirstTraced is the 1-based number of the first traced step.
+func (t *Tracer) FirstTraced() int { return max(1, t.steps-t.last+1) }
+
+// Rank returns the tracing of c's rank; call it in the rank's goroutine
+// before building anything on c, and use Comm in place of c.
+func (t *Tracer) Rank(c comm.Communicator) *RankTracer {
+	rank := c.Rank()
+	return &RankTracer{t: t, rank: rank, c: trace.Comm(c, t.tl, rank)}
+}
+
+// RankTracer is the tracing of one rank: its traced communicator, its tape
+// observer and its step spans.
+type RankTracer struct {
+	t       *Tracer
+	rank    int
+	c       comm.Communicator
+	tracing atomic.Bool
+}
+
+// Comm returns the rank's communicator, traced when the Tracer traces.
+func (r *RankTracer) Comm() comm.Communicator { return r.c }
+
+// Observer returns the tape observer that records the rank's ops from the
+// first traced step on, or nil when the Tracer traces nothing.
+func (r *RankTracer) Observer() autograd.Observer {
+	if r.t.tl == nil {
+		return nil
+	}
+	observe := r.t.tl.TapeObserver(r.rank)
+	return func(op, phase string, start, end time.Time) {
+		if r.tracing.Load() {
+			observe(op, phase, start, end)
+		}
+	}
+}
+
+// Tape returns opts with the rank's observer added when the Tracer traces.
+func (r *RankTracer) Tape(opts ...autograd.Option) []autograd.Option {
+	if obs := r.Observer(); obs != nil {
+		opts = append(opts, autograd.WithObserver(obs))
+	}
+	return opts
+}
+
+// BeginStep opens the span of step i+1 (i counts from 0); End it when the
+// step is done. Before the first traced step every rank must call it: all
+// arrive, rank 0 drops what was recorded so far, and all start together,
+// so that only the last steps are kept.
+func (r *RankTracer) BeginStep(ctx context.Context, i int) (trace.Span, error) {
+	if r.t.tl != nil && i+1 == r.t.FirstTraced() {
+		if err := comm.Barrier(ctx, r.c); err != nil {
+			return trace.Span{}, err
+		}
+		if r.rank == 0 {
+			r.t.tl.Reset()
+		}
+		if err := comm.Barrier(ctx, r.c); err != nil {
+			return trace.Span{}, err
+		}
+		r.tracing.Store(true)
+	}
+	return r.t.tl.Begin(r.rank, fmt.Sprintf("%s%d", StepSpan, i+1)), nil
+}
+
+// Write writes the Chrome trace to the Tracer's path, says so on out and
+// returns the recorded events, for Overlap. A Tracer that traces nothing
+// writes nothing and returns no events.
+func (t *Tracer) Write(out io.Writer) ([]trace.Event, error) {
+	if t.tl == nil {
+		return nil, nil
+	}
+	if err := t.tl.WriteChromeFile(t.path); err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(out, "trace of the last %d step(s) written to %s (open it at https://ui.perfetto.dev or chrome://tracing)\n", min(t.last, t.steps), t.path)
+	return t.tl.Events(), nil
+}
+
+// Overlap measures the union of rank's comm events that isComm accepts and
+// the part of it during which the rank computed (tape ops and hooks). The
+// step spans are left out of the compute: they cover the whole step,
+// communication included, and would make everything look hidden.
+func Overlap(events []trace.Event, rank int, isComm func(trace.Event) bool) trace.OverlapStats {
+	var commIv, compIv [][2]time.Duration
+	for _, e := range events {
+		switch {
+		case e.Rank != rank:
+		case e.Lane == trace.LaneComm && isComm(e):
+			commIv = append(commIv, [2]time.Duration{e.Start, e.End})
+		case e.Lane == trace.LaneCompute && !strings.HasPrefix(e.Name, StepSpan):
+			compIv = append(compIv, [2]time.Duration{e.Start, e.End})
+		}
+	}
+	c, k := union(commIv), union(compIv)
+	var s trace.OverlapStats
+	for _, v := range c {
+		s.Comm += v[1] - v[0]
+	}
+	for i, j := 0, 0; i < len(c) && j < len(k); {
+		if lo, hi := max(c[i][0], k[j][0]), min(c[i][1], k[j][1]); hi > lo {
+			s.Hidden += hi - lo
+		}
+		if c[i][1] < k[j][1] {
+			i++
+		} else {
+			j++
+		}
+	}
+	return s
+}
+
+// union merges intervals into sorted disjoint ones, dropping empty ones.
+func union(iv [][2]time.Duration) [][2]time.Duration {
+	slices.SortFunc(iv, func(a, b [2]time.Duration) int { return cmp.Compare(a[0], b[0]) })
+	var out [][2]time.Duration
+	for _, v := range iv {
+		if v[1] <= v[0] {
+			continue
+		}
+		if n := len(out); n > 0 && v[0] <= out[n-1][1] {
+			out[n-1][1] = max(out[n-1][1], v[1])
+			continue
+		}
+		out = append(out, v)
+	}
+	return out
+}

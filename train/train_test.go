@@ -1,0 +1,247 @@
+package train
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/trace"
+)
+
+func TestThreads(t *testing.T) {
+	for _, c := range []struct {
+		override, ranks, cpus, want int
+	}{
+		{0, 4, 16, 4},
+		{0, 3, 16, 5},
+		{0, 32, 16, 1},
+		{0, 1, 1, 1},
+		{0, 0, 8, 8},
+		{7, 4, 16, 7},
+		{1, 1, 64, 1},
+	} {
+		if got := Threads(c.override, c.ranks, c.cpus); got != c.want {
+			t.Errorf("Threads(%d, %d, %d) = %d, want %d", c.override, c.ranks, c.cpus, got, c.want)
+		}
+	}
+}
+
+func TestMedianTokensPerS(t *testing.T) {
+	ms := func(n ...int) []time.Duration {
+		d := make([]time.Duration, len(n))
+		for i, v := range n {
+			d[i] = time.Duration(v) * time.Millisecond
+		}
+		return d
+	}
+	for _, c := range []struct {
+		name   string
+		tokens float64
+		steps  []time.Duration
+		want   float64
+	}{
+		{"none", 100, nil, 0},
+		{"one", 100, ms(50), 2000},
+		{"odd, outliers", 100, ms(900, 10, 20, 1, 10), 10000},
+		{"even takes the upper middle", 100, ms(40, 10, 20, 30), 100 / 0.03},
+	} {
+		if got := MedianTokensPerS(c.tokens, c.steps); got != c.want {
+			t.Errorf("%s: %v tokens/s, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+func TestFlags(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want Flags
+	}{
+		{nil, Flags{TraceSteps: 3}},
+		{[]string{"-threads", "2", "-trace", "t.json", "-trace-steps", "1", "-json", "r.json"},
+			Flags{Threads: 2, TracePath: "t.json", TraceSteps: 1, JSONPath: "r.json"}},
+	} {
+		var f Flags
+		fs := flag.NewFlagSet("test", flag.ContinueOnError)
+		f.Register(fs)
+		if err := fs.Parse(c.args); err != nil || f != c.want {
+			t.Errorf("%q: %+v, %v; want %+v", c.args, f, err, c.want)
+		}
+	}
+}
+
+func TestWriteJSON(t *testing.T) {
+	if err := WriteJSON("", map[string]int{"a": 1}); err != nil {
+		t.Errorf("empty path: %v", err)
+	}
+	path := filepath.Join(t.TempDir(), "run.json")
+	if err := WriteJSON(path, map[string]int{"a": 1}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil || string(b) != "{\n  \"a\": 1\n}\n" {
+		t.Errorf("wrote %q, %v", b, err)
+	}
+	if err := WriteJSON(path, func() {}); err == nil {
+		t.Error("a func was encoded")
+	}
+}
+
+func TestOverlap(t *testing.T) {
+	us := func(n int) time.Duration { return time.Duration(n) * time.Microsecond }
+	ev := func(rank int, lane trace.Lane, name string, op comm.Op, lo, hi int) trace.Event {
+		return trace.Event{Rank: rank, Lane: lane, Name: name, Op: op, Start: us(lo), End: us(hi)}
+	}
+	ar := func(e trace.Event) bool { return e.Op == comm.OpAllReduce }
+	for _, c := range []struct {
+		name         string
+		events       []trace.Event
+		comm, hidden time.Duration
+	}{
+		{"nothing", nil, 0, 0},
+		{"exposed", []trace.Event{ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 0, 10)}, us(10), 0},
+		{"half hidden", []trace.Event{
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 0, 10),
+			ev(0, trace.LaneCompute, "Linear", 0, 5, 20),
+		}, us(10), us(5)},
+		{"step spans are not compute", []trace.Event{
+			ev(0, trace.LaneCompute, StepSpan+"1", 0, 0, 100),
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 10, 20),
+		}, us(10), 0},
+		{"overlapping spans count once", []trace.Event{
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 0, 10),
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 5, 15),
+			ev(0, trace.LaneCompute, "Linear", 0, 2, 4),
+			ev(0, trace.LaneCompute, "Linear", 0, 3, 8),
+			ev(0, trace.LaneCompute, "Add", 0, 12, 30),
+		}, us(15), us(9)},
+		{"other ranks, ops and lanes", []trace.Event{
+			ev(1, trace.LaneComm, "allreduce", comm.OpAllReduce, 0, 10),
+			ev(0, trace.LaneComm, "alltoallv", comm.OpAllToAllV, 0, 10),
+			ev(0, trace.LaneWait, "allreduce", comm.OpAllReduce, 0, 10),
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 20, 30),
+			ev(1, trace.LaneCompute, "Linear", 0, 20, 30),
+		}, us(10), 0},
+	} {
+		s := Overlap(c.events, 0, ar)
+		if s.Comm != c.comm || s.Hidden != c.hidden {
+			t.Errorf("%s: comm %v hidden %v, want %v and %v", c.name, s.Comm, s.Hidden, c.comm, c.hidden)
+		}
+	}
+}
+
+// TestTracer runs steps on an in-process mesh of two ranks, each step an
+// all-reduce inside a tape op, and checks that only the last steps are
+// kept, that the trace is written and that the all-reduces are hidden.
+func TestTracer(t *testing.T) {
+	const ranks, steps = 2, 4
+	for _, c := range []struct {
+		name  string
+		trace bool
+		last  int
+		kept  int // steps kept in the trace
+	}{
+		{"off", false, 2, 0},
+		{"last one", true, 1, 1},
+		{"last two", true, 2, 2},
+		{"all", true, steps, steps},
+		{"more than run", true, steps + 3, steps},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			path := ""
+			if c.trace {
+				path = filepath.Join(t.TempDir(), "trace.json")
+			}
+			tracer := NewTracer(path, steps, c.last)
+			if tracer.Enabled() != c.trace {
+				t.Fatalf("Enabled() = %v", tracer.Enabled())
+			}
+			err := local.Run(context.Background(), ranks, func(ctx context.Context, cm comm.Communicator) error {
+				rt := tracer.Rank(cm)
+				observe := rt.Observer()
+				if (observe != nil) != c.trace || (len(rt.Tape()) == 1) != c.trace {
+					return fmt.Errorf("observer %v, %d tape options with tracing %v", observe != nil, len(rt.Tape()), c.trace)
+				}
+				for i := range steps {
+					span, err := rt.BeginStep(ctx, i)
+					if err != nil {
+						return err
+					}
+					t0 := time.Now()
+					buf := comm.Host([]float32{1, 2})
+					if err := comm.AllReduce(ctx, rt.Comm(), buf, buf, comm.Sum); err != nil {
+						return err
+					}
+					if observe != nil {
+						observe(fmt.Sprintf("op%d", i+1), "forward", t0, time.Now())
+					}
+					span.End()
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out bytes.Buffer
+			events, err := tracer.Write(&out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !c.trace {
+				if out.Len() != 0 || events != nil {
+					t.Errorf("no trace asked for, wrote %q and %d events", out.String(), len(events))
+				}
+				return
+			}
+			if want := fmt.Sprintf("trace of the last %d step(s) written to %s", c.kept, path); !strings.Contains(out.String(), want) {
+				t.Errorf("output %q lacks %q", out.String(), want)
+			}
+			b, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var chrome struct {
+				TraceEvents []json.RawMessage `json:"traceEvents"`
+			}
+			if err := json.Unmarshal(b, &chrome); err != nil || len(chrome.TraceEvents) == 0 {
+				t.Errorf("trace file: %d events, %v", len(chrome.TraceEvents), err)
+			}
+			for rank := range ranks {
+				var ops, stepSpans []string
+				for _, e := range events {
+					if e.Rank == rank && e.Lane == trace.LaneCompute {
+						if e.Cat == "" {
+							stepSpans = append(stepSpans, e.Name)
+						} else {
+							ops = append(ops, e.Name)
+						}
+					}
+				}
+				var wantOps, wantSpans []string
+				for s := steps - c.kept + 1; s <= steps; s++ {
+					wantOps = append(wantOps, fmt.Sprintf("op%d", s))
+					wantSpans = append(wantSpans, fmt.Sprintf("%s%d", StepSpan, s))
+				}
+				if strings.Join(ops, ",") != strings.Join(wantOps, ",") || strings.Join(stepSpans, ",") != strings.Join(wantSpans, ",") {
+					t.Errorf("rank %d: ops %v and step spans %v, want %v and %v", rank, ops, stepSpans, wantOps, wantSpans)
+				}
+				s := Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllReduce })
+				if s.Comm <= 0 || s.Hidden != s.Comm {
+					t.Errorf("rank %d: all-reduce %v, %v hidden; want all of it", rank, s.Comm, s.Hidden)
+				}
+			}
+		})
+	}
+	if _, err := NewTracer(filepath.Join(t.TempDir(), "missing", "trace.json"), 1, 1).Write(io.Discard); err == nil {
+		t.Error("wrote into a missing folder")
+	}
+}
