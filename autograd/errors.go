@@ -3,6 +3,8 @@ package autograd
 import (
 	"errors"
 	"fmt"
+
+	"github.com/b7ea7098/loom"
 )
 
 // Sentinel errors; test for them with errors.Is. Errors from the placement
@@ -11,7 +13,7 @@ var (
 	// ErrInvalid: the arguments were rejected before any data moved (a nil
 	// value, values from different tapes, mismatched shapes or dtypes, a
 	// loss that is not a scalar, a value from a tape pass already cleared).
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
 	// ErrRule: an op's sharding rule rejects its input placements. The
 	// message names the mismatch and the placements that would work.
 	ErrRule = errors.New("sharding rule")

@@ -4,21 +4,23 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/b7ea7098/loom"
 )
 
 // Sentinel errors; test for them with errors.Is.
 var (
 	// ErrInvalid: a call's arguments were rejected before any data moved.
-	ErrInvalid = errors.New("invalid call")
+	ErrInvalid = loom.NewSentinel("invalid call", loom.ErrInvalid)
 	// ErrTimeout: a blocking call outlived the communicator's timeout.
 	ErrTimeout = errors.New("timed out")
 	// ErrAborted: the communicator was aborted, by this rank or another.
 	ErrAborted = errors.New("communicator aborted")
 	// ErrMismatch: ranks issued different collectives at the same sequence number.
-	ErrMismatch = errors.New("collective mismatch")
+	ErrMismatch = loom.NewSentinel("collective mismatch", loom.ErrMismatch)
 	// ErrUnsupported: the backend cannot do what was asked (an algorithm that
 	// does not apply, device memory on a host backend).
-	ErrUnsupported = errors.New("unsupported")
+	ErrUnsupported = loom.NewSentinel("unsupported", loom.ErrUnsupported)
 )
 
 // Error is the error every blocking call returns: it names the rank that saw

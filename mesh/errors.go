@@ -1,9 +1,10 @@
 package mesh
 
 import (
-	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/b7ea7098/loom"
 )
 
 // Sentinel errors; test for them with errors.Is.
@@ -11,10 +12,10 @@ var (
 	// ErrInvalid: the arguments of a call were rejected (bad shape, bad or
 	// duplicate axis names, coordinates or ranks out of range). Every
 	// argument error of this package matches it, unknown axes included.
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
 	// ErrUnknownAxis: an axis name is not one of the mesh's axes. Errors
 	// that match it also match ErrInvalid.
-	ErrUnknownAxis = errors.New("unknown axis")
+	ErrUnknownAxis = loom.NewSentinel("unknown axis", loom.ErrInvalid)
 )
 
 // invalidf returns an error for operation op that wraps ErrInvalid.

@@ -110,10 +110,10 @@
 // (Router.UpdateExpertBias).
 package moe
 
-import "errors"
+import "github.com/b7ea7098/loom"
 
 // ErrInvalid marks arguments rejected before any data moved: a bad
 // configuration, a nil router or value, shapes or placements that do not
 // fit, counts of the wrong length. Test for it with errors.Is; errors from
 // autograd, placement and comm are wrapped unchanged beside it.
-var ErrInvalid = errors.New("moe: invalid argument")
+var ErrInvalid = loom.NewSentinel("moe: invalid argument", loom.ErrInvalid)

@@ -2,12 +2,12 @@ package moe
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"strings"
 	"time"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/kernels"
@@ -19,7 +19,7 @@ import (
 // own arguments were rejected, found by the count exchange before any token
 // row moves. Every rank of the exchange returns it. Test for it with
 // errors.Is.
-var ErrMismatch = errors.New("moe: ranks disagree")
+var ErrMismatch = loom.NewSentinel("moe: ranks disagree", loom.ErrMismatch)
 
 // DispatchConfig configures Dispatch.
 type DispatchConfig struct {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/placement"
@@ -23,7 +24,7 @@ const (
 // ErrInvalid is wrapped by errors about arguments or misuse (a parameter
 // that is not a leaf, not Replicate on the dp axis, a gradient laid out in
 // a way DDP cannot reduce, Finish inside NoSync).
-var ErrInvalid = errors.New("parallel: invalid argument")
+var ErrInvalid = loom.NewSentinel("parallel: invalid argument", loom.ErrInvalid)
 
 // ScaledBucketCap returns a bucket cap for dp data-parallel ranks:
 // max(DefaultBucketCap, dp·1 MiB), so that each bucket's all-reduce stays

@@ -1,8 +1,9 @@
 package placement
 
 import (
-	"errors"
 	"fmt"
+
+	"github.com/b7ea7098/loom"
 )
 
 // Sentinel errors; test for them with errors.Is.
@@ -10,16 +11,16 @@ var (
 	// ErrInvalid: the arguments were rejected before any data moved (a bad
 	// shape or placement, a tensor on another mesh, a plan applied to the
 	// wrong tensor).
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
 	// ErrMismatch: ranks disagree about something they must agree on (the
 	// global shape, dtype or placements of a tensor built from local
 	// pieces). Every rank returns it, before any tensor data moves.
-	ErrMismatch = errors.New("ranks disagree")
+	ErrMismatch = loom.NewSentinel("ranks disagree", loom.ErrMismatch)
 	// ErrUnsupported: the request is well formed but outside what this
 	// package does (redistributing Routed placements, which the moe
 	// package's dispatch and combine move; the plan-only backward of
 	// Partial(max|min), which ExtremumGrad computes from forward values).
-	ErrUnsupported = errors.New("unsupported")
+	ErrUnsupported = loom.NewSentinel("unsupported", loom.ErrUnsupported)
 )
 
 // invalidf returns an error for operation op that wraps ErrInvalid.

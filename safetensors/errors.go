@@ -3,6 +3,8 @@ package safetensors
 import (
 	"errors"
 	"strconv"
+
+	"github.com/b7ea7098/loom"
 )
 
 // Sentinel errors. Every error this package returns for bad input is an
@@ -17,7 +19,7 @@ var (
 	ErrNotFound = errors.New("no such tensor")
 	// ErrInvalid marks a tensor, metadata map or conversion that cannot be
 	// written or performed: a bad name, dtype, shape or data length.
-	ErrInvalid = errors.New("invalid tensor")
+	ErrInvalid = loom.NewSentinel("invalid tensor", loom.ErrInvalid)
 )
 
 // Error describes one problem with a file, a tensor or a write request.

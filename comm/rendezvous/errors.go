@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/b7ea7098/loom"
 )
 
 // Sentinel causes; test for them with errors.Is.
@@ -24,7 +26,7 @@ var (
 	// ErrProtocol: a peer sent bytes that do not follow the protocol.
 	ErrProtocol = errors.New("protocol error")
 	// ErrInvalid: a call's arguments were rejected before anything was sent.
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
 )
 
 // Error is the error every Client call returns. It names the operation,

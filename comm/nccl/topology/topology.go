@@ -26,6 +26,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/b7ea7098/loom"
 )
 
 // ErrUnavailable is matched by Discover's error when NVML cannot be used.
@@ -33,7 +35,7 @@ var ErrUnavailable = errors.New("topology: NVML not available")
 
 // ErrInvalid is matched by errors about bad arguments (shapes, bus ids,
 // matrices).
-var ErrInvalid = errors.New("topology: invalid argument")
+var ErrInvalid = loom.NewSentinel("topology: invalid argument", loom.ErrInvalid)
 
 // Path is how two GPUs reach each other over PCIe, from NVML's
 // nvmlGpuTopologyLevel_t (the PIX/PXB/PHB/NODE/SYS of nvidia-smi topo),
