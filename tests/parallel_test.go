@@ -14,11 +14,11 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
-	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/placement/placementtest"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // run trains steps steps of the tiny GPT on a dp × tp mesh of in-process

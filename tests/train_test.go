@@ -8,11 +8,11 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
-	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/placement/placementtest"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // Test 6: 200 training steps from init.*; the loss at every step of the

@@ -69,11 +69,11 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
-	"github.com/b7ea7098/loom/models/moegpt"
-	"github.com/b7ea7098/loom/train"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/trace"
+	"github.com/b7ea7098/loom/train"
 )
 
 func main() {

@@ -22,10 +22,10 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // Model is the tiny GPT of reference/TINY_GPT.md §3: token and position embeddings,

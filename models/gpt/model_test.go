@@ -8,11 +8,11 @@ import (
 	"testing"
 
 	"github.com/b7ea7098/loom/autograd"
-	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // small is a configuration small enough for quick tests.

@@ -7,8 +7,8 @@ import (
 	"testing"
 
 	"github.com/b7ea7098/loom/autograd"
-	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"

@@ -10,12 +10,12 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // Options says how New lays the model out.

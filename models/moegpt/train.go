@@ -8,11 +8,11 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // TrainOptions says how a Trainer lays the model out.

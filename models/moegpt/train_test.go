@@ -5,8 +5,8 @@ import (
 	"math"
 	"testing"
 
-	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
