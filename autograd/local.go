@@ -3,11 +3,19 @@ package autograd
 import (
 	"fmt"
 	"slices"
+	"sync"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
+
+// Helpers shared by the ops' local kernels, which work on row-major local
+// blocks and accumulate reductions in float64. Float32 blocks take the
+// fused kernels of package kernels where one exists (as32 and from32 let
+// generic code pick them); the tape's BLAS and worker bound size them.
+// rec (Tape.records) says whether an op is recorded, so that values for
+// its backward are saved only then, in the tape's arena.
 
 // float is the element type of local blocks.
 type float interface{ float32 | float64 }
@@ -49,236 +57,6 @@ func clone(dt *placement.DTensor) (*placement.DTensor, error) {
 	return nil, fmt.Errorf("autograd: local data of type %T", dt.LocalData())
 }
 
-// zip applies f element-wise to the local blocks of x and y (same length
-// and dtype) and lays the result out by spec.
-func zip(spec *placement.Spec, x, y *placement.DTensor, f32 func(a, b []float32) []float32, f64 func(a, b []float64) []float64) (*placement.DTensor, error) {
-	switch xd := x.LocalData().(type) {
-	case []float32:
-		yd, ok := y.LocalData().([]float32)
-		if !ok || len(yd) != len(xd) {
-			return nil, fmt.Errorf("autograd: internal: local blocks %v and %v do not match", x.LocalShape(), y.LocalShape())
-		}
-		return placement.NewLocal(spec, f32(xd, yd))
-	case []float64:
-		yd, ok := y.LocalData().([]float64)
-		if !ok || len(yd) != len(xd) {
-			return nil, fmt.Errorf("autograd: internal: local blocks %v and %v do not match", x.LocalShape(), y.LocalShape())
-		}
-		return placement.NewLocal(spec, f64(xd, yd))
-	}
-	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
-}
-
-// addInto sets out = a + b (float32 on the vector kernel) and returns it.
-func addInto[T float](out, a, b []T) []T {
-	b, out = b[:len(a)], out[:len(a)]
-	if o32, ok := any(out).([]float32); ok {
-		_ = kernels.Add(o32, any(a).([]float32), any(b).([]float32)) // lengths match
-		return out
-	}
-	for i, v := range a {
-		out[i] = v + b[i]
-	}
-	return out
-}
-
-func mulInto[T float](out, a, b []T) []T {
-	b, out = b[:len(a)], out[:len(a)]
-	for i, v := range a {
-		out[i] = v * b[i]
-	}
-	return out
-}
-
-// add is the element-wise sum, in a block as a says.
-func add(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
-	return zip(spec, x, y,
-		func(u, v []float32) []float32 { return addInto(block[float32](a, len(u)), u, v) },
-		func(u, v []float64) []float64 { return addInto(block[float64](a, len(u)), u, v) })
-}
-
-// mul is the element-wise product, in a block as a says.
-func mul(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
-	return zip(spec, x, y,
-		func(u, v []float32) []float32 { return mulInto(block[float32](a, len(u)), u, v) },
-		func(u, v []float64) []float64 { return mulInto(block[float64](a, len(u)), u, v) })
-}
-
-func scaleInto[T float](out, a []T, c T) []T {
-	out = out[:len(a)]
-	for i, v := range a {
-		out[i] = v * c
-	}
-	return out
-}
-
-// scale multiplies the local block of x by c and lays it out by spec, in a
-// block as a says.
-func scale(a alloc, spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
-	switch d := x.LocalData().(type) {
-	case []float32:
-		return placement.NewLocal(spec, scaleInto(block[float32](a, len(d)), d, float32(c)))
-	case []float64:
-		return placement.NewLocal(spec, scaleInto(block[float64](a, len(d)), d, c))
-	}
-	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
-}
-
-// reduceIndex returns, for a row-major array of shape, the strides that map
-// each element to its position in the array with the reduced dims removed
-// (stride 0 on reduced dims).
-func reduceIndex(shape []int, reduce []bool) []int {
-	st := make([]int, len(shape))
-	s := 1
-	for d := len(shape) - 1; d >= 0; d-- {
-		if reduce[d] {
-			continue
-		}
-		st[d] = s
-		s *= shape[d]
-	}
-	return st
-}
-
-// forEach calls f(i, j) for every element i of a row-major array of shape,
-// with j its index under the strides st.
-func forEach(shape, st []int, f func(i, j int)) {
-	n := prod(shape)
-	if n == 0 {
-		return
-	}
-	idx := make([]int, len(shape))
-	j := 0
-	for i := range n {
-		f(i, j)
-		for d := len(shape) - 1; d >= 0; d-- {
-			idx[d]++
-			j += st[d]
-			if idx[d] < shape[d] {
-				break
-			}
-			j -= st[d] * shape[d]
-			idx[d] = 0
-		}
-	}
-}
-
-func sumT[T float](x []T, shape []int, reduce []bool) []T {
-	if !slices.Contains(reduce, false) { // every dim: one total, in the same order
-		var s T
-		for _, v := range x {
-			s += v
-		}
-		return []T{s}
-	}
-	st := reduceIndex(shape, reduce)
-	n := 1
-	for d, s := range shape {
-		if !reduce[d] {
-			n *= s
-		}
-	}
-	out := make([]T, n)
-	forEach(shape, st, func(i, j int) { out[j] += x[i] })
-	return out
-}
-
-func broadcastT[T float](out, g []T, shape []int, reduce []bool) []T {
-	if !slices.Contains(reduce, false) && len(g) == 1 { // a scalar everywhere
-		for i := range out {
-			out[i] = g[0]
-		}
-		return out
-	}
-	st := reduceIndex(shape, reduce)
-	forEach(shape, st, func(i, j int) { out[i] = g[j] })
-	return out
-}
-
-// sumLocal sums x's local block over the reduced dims; spec is the
-// result's layout.
-func sumLocal(spec *placement.Spec, x *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
-	shape := x.LocalShape()
-	switch d := x.LocalData().(type) {
-	case []float32:
-		return placement.NewLocal(spec, sumT(d, shape, reduce))
-	case []float64:
-		return placement.NewLocal(spec, sumT(d, shape, reduce))
-	}
-	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
-}
-
-// broadcastLocal expands g's local block over the reduced dims of spec's
-// local shape into t's arena (a gradient); spec is the result's layout.
-func broadcastLocal(t *Tape, spec *placement.Spec, g *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
-	shape := spec.LocalShape()
-	want := 1
-	for d, s := range shape {
-		if !reduce[d] {
-			want *= s
-		}
-	}
-	switch d := g.LocalData().(type) {
-	case []float32:
-		if len(d) != want {
-			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
-		}
-		return placement.NewLocal(spec, broadcastT(getBuf[float32](t, prod(shape)), d, shape, reduce))
-	case []float64:
-		if len(d) != want {
-			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
-		}
-		return placement.NewLocal(spec, broadcastT(getBuf[float64](t, prod(shape)), d, shape, reduce))
-	}
-	return nil, fmt.Errorf("autograd: local data of type %T", g.LocalData())
-}
-
-// gemm computes op(A)·op(B) for local row-major blocks, where op(A) is m×k
-// and op(B) is k×n, and lays the m×n result out by spec, in a block as a
-// says: scratch for a gradient (of an intermediate value, or of a leaf,
-// which Backward copies), a result for an op's result.
-func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, m, n, k int) (*placement.DTensor, error) {
-	lda, ldb := k, n
-	if transA {
-		lda = m
-	}
-	if transB {
-		ldb = k
-	}
-	lda, ldb = max(1, lda), max(1, ldb)
-	// A fresh result is already zero, so C = A·B + C needs no pass of the
-	// BLAS clearing C (which beta = 0 costs); arena memory needs beta = 0.
-	var beta float32
-	if a.fresh() {
-		beta = 1
-	}
-	switch xd := x.LocalData().(type) {
-	case []float32:
-		yd, _ := y.LocalData().([]float32)
-		c := block[float32](a, m*n)
-		if k == 0 {
-			clear(c)
-		} else {
-			if err := b.Sgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, beta, c, max(1, n)); err != nil {
-				return nil, fmt.Errorf("autograd: internal: %w", err)
-			}
-		}
-		return placement.NewLocal(spec, c)
-	case []float64:
-		yd, _ := y.LocalData().([]float64)
-		c := block[float64](a, m*n)
-		if k == 0 {
-			clear(c)
-		} else {
-			if err := b.Dgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, float64(beta), c, max(1, n)); err != nil {
-				return nil, fmt.Errorf("autograd: internal: %w", err)
-			}
-		}
-		return placement.NewLocal(spec, c)
-	}
-	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
-}
-
 // addInPlace adds y's local block into x's (same length and dtype).
 func addInPlace(x, y *placement.DTensor) error {
 	switch xd := x.LocalData().(type) {
@@ -294,4 +72,104 @@ func addInPlace(x, y *placement.DTensor) error {
 		}
 	}
 	return fmt.Errorf("autograd: internal: local blocks %v and %v do not match", x.LocalShape(), y.LocalShape())
+}
+
+// dataOf returns dt's local block as a []T.
+func dataOf[T float](dt *placement.DTensor) ([]T, error) {
+	d, ok := dt.LocalData().([]T)
+	if !ok {
+		var z T
+		return nil, fmt.Errorf("autograd: internal: local data of type %T, want []%T", dt.LocalData(), z)
+	}
+	return d, nil
+}
+
+// isF32 reports whether spec holds float32.
+func isF32(s *placement.Spec) bool { return s.DType() == comm.Float32 }
+
+// splitDim returns the sizes before, at and after dim d of shape.
+func splitDim(shape []int, d int) (outer, n, inner int) {
+	return prod(shape[:d]), shape[d], prod(shape[d+1:])
+}
+
+// fromF64 converts a float64 accumulator (nil stays nil).
+func fromF64[T float](a []float64) []T {
+	if a == nil {
+		return nil
+	}
+	out := make([]T, len(a))
+	for i, v := range a {
+		out[i] = T(v)
+	}
+	return out
+}
+
+// as32 reports whether T is float32 and converts x.
+func as32[T float](x []T) ([]float32, bool) {
+	v, ok := any(x).([]float32)
+	return v, ok
+}
+
+// from32 converts back a []float32 known to be a []T.
+func from32[T float](x []float32) []T {
+	v, _ := any(x).([]T)
+	return v
+}
+
+// parallelMinChunk is the fewest elements parallelRange gives one
+// goroutine: below it the start-up cost outweighs the work.
+const parallelMinChunk = 16384
+
+// parallelRange calls f on contiguous ranges [lo, hi) that cover [0, n),
+// on up to w goroutines at once, and waits for them. It is for
+// elementwise loops whose iterations are independent; since every element
+// is computed as in a serial loop, the results are bit for bit the same.
+func parallelRange(w kernels.Workers, n int, f func(lo, hi int)) {
+	k := min(w.Count(), n/parallelMinChunk)
+	if k <= 1 {
+		f(0, n)
+		return
+	}
+	chunk := (n + k - 1) / k
+	var wg sync.WaitGroup
+	for lo := chunk; lo < n; lo += chunk {
+		hi := min(lo+chunk, n)
+		wg.Go(func() { f(lo, hi) })
+	}
+	f(0, min(chunk, n))
+	wg.Wait()
+}
+
+// records reports whether an op on inputs will be recorded (its backward
+// may run), so that it needs to save values for it.
+func (t *Tape) records(inputs ...*Value) bool {
+	return t.recording() && slices.ContainsFunc(inputs, (*Value).RequiresGrad)
+}
+
+// blasOrDefault returns the tape's BLAS, loading kernels.Default on first
+// use.
+func (t *Tape) blasOrDefault() (*kernels.BLAS, error) {
+	if t.blas == nil {
+		b, err := kernels.Default()
+		if err != nil {
+			return nil, fmt.Errorf("autograd: MatMul: %w", err)
+		}
+		t.blas = b
+	}
+	return t.blas, nil
+}
+
+// Workers is the goroutine budget of the tape's kernels: as many as its
+// BLAS has threads, so that a rank sized to its share of the cores keeps to
+// it outside GEMM too (GOMAXPROCS if no BLAS loads). Custom ops pass it to
+// the kernels they call.
+func (t *Tape) Workers() kernels.Workers {
+	if t == nil {
+		return 0
+	}
+	b, err := t.blasOrDefault()
+	if err != nil {
+		return 0
+	}
+	return kernels.Workers(b.Threads())
 }

@@ -22,10 +22,10 @@ import (
 func AdamW[T Float](p, g, m, v []T, c *[8]T) error {
 	n := len(p)
 	if len(g) != n || len(m) != n || len(v) != n {
-		return fmt.Errorf("kernels: AdamW: lengths p %d, g %d, m %d, v %d differ", n, len(g), len(m), len(v))
+		return fmt.Errorf("kernels: AdamW: %w: lengths p %d, g %d, m %d, v %d differ", ErrInvalid, n, len(g), len(m), len(v))
 	}
 	if c == nil {
-		return fmt.Errorf("kernels: AdamW: nil coefficients")
+		return fmt.Errorf("kernels: AdamW: %w: nil coefficients", ErrInvalid)
 	}
 	i := 0
 	if p32, ok := any(p).([]float32); ok && haveVec && n >= 8 {

@@ -91,11 +91,11 @@ func transposeInto(dst, src []float32, rows, cols int) {
 // attnCheck validates the block sizes of the attention kernels.
 func attnCheck(op string, batch, t, dh, dv int, lens map[string][2]int) error {
 	if batch < 0 || t < 0 || dh < 0 || dv < 0 {
-		return fmt.Errorf("kernels: %s: negative size (batch %d, t %d, dh %d, dv %d)", op, batch, t, dh, dv)
+		return fmt.Errorf("kernels: %s: %w: negative size (batch %d, t %d, dh %d, dv %d)", op, ErrInvalid, batch, t, dh, dv)
 	}
 	for name, l := range lens {
 		if l[0] != l[1] {
-			return fmt.Errorf("kernels: %s: %s has %d values, want %d for batch %d, t %d, dh %d, dv %d", op, name, l[0], l[1], batch, t, dh, dv)
+			return fmt.Errorf("kernels: %s: %w: %s has %d values, want %d for batch %d, t %d, dh %d, dv %d", op, ErrInvalid, name, l[0], l[1], batch, t, dh, dv)
 		}
 	}
 	return nil

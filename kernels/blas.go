@@ -1,7 +1,6 @@
 package kernels
 
 import (
-	"errors"
 	"fmt"
 	"math"
 	"runtime"
@@ -220,7 +219,7 @@ func (b *BLAS) Tried() []string {
 // dimensions or too-short slices return an error and leave C untouched.
 func (b *BLAS) Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, bm []float32, ldb int, beta float32, c []float32, ldc int) error {
 	if b == nil {
-		return errors.New("kernels: Sgemm on nil *BLAS")
+		return fmt.Errorf("kernels: Sgemm: %w: nil *BLAS", ErrInvalid)
 	}
 	if err := checkGemm(transA, transB, m, n, k, len(a), lda, len(bm), ldb, len(c), ldc); err != nil {
 		return fmt.Errorf("kernels: Sgemm: %w", err)
@@ -239,7 +238,7 @@ func (b *BLAS) Sgemm(transA, transB bool, m, n, k int, alpha float32, a []float3
 // Dgemm is [BLAS.Sgemm] in float64 (cblas_dgemm).
 func (b *BLAS) Dgemm(transA, transB bool, m, n, k int, alpha float64, a []float64, lda int, bm []float64, ldb int, beta float64, c []float64, ldc int) error {
 	if b == nil {
-		return errors.New("kernels: Dgemm on nil *BLAS")
+		return fmt.Errorf("kernels: Dgemm: %w: nil *BLAS", ErrInvalid)
 	}
 	if err := checkGemm(transA, transB, m, n, k, len(a), lda, len(bm), ldb, len(c), ldc); err != nil {
 		return fmt.Errorf("kernels: Dgemm: %w", err)
@@ -271,7 +270,7 @@ func fitsInt32(v ...int) bool {
 // slice lengths that C cannot check.
 func checkGemm(transA, transB bool, m, n, k, la, lda, lb, ldb, lc, ldc int) error {
 	if m < 0 || n < 0 || k < 0 {
-		return fmt.Errorf("negative dimension m=%d n=%d k=%d", m, n, k)
+		return fmt.Errorf("%w: negative dimension m=%d n=%d k=%d", ErrInvalid, m, n, k)
 	}
 	aRows, aCols := m, k
 	if transA {
@@ -282,22 +281,22 @@ func checkGemm(transA, transB bool, m, n, k, la, lda, lb, ldb, lc, ldc int) erro
 		bRows, bCols = n, k
 	}
 	if lda < max(1, aCols) {
-		return fmt.Errorf("lda=%d < max(1, %d)", lda, aCols)
+		return fmt.Errorf("%w: lda=%d < max(1, %d)", ErrInvalid, lda, aCols)
 	}
 	if ldb < max(1, bCols) {
-		return fmt.Errorf("ldb=%d < max(1, %d)", ldb, bCols)
+		return fmt.Errorf("%w: ldb=%d < max(1, %d)", ErrInvalid, ldb, bCols)
 	}
 	if ldc < max(1, n) {
-		return fmt.Errorf("ldc=%d < max(1, %d)", ldc, n)
+		return fmt.Errorf("%w: ldc=%d < max(1, %d)", ErrInvalid, ldc, n)
 	}
 	if need, ok := needLen(aRows, aCols, lda); !ok || la < need {
-		return fmt.Errorf("len(a)=%d < %d needed for %dx%d with lda=%d", la, need, aRows, aCols, lda)
+		return fmt.Errorf("%w: len(a)=%d < %d needed for %dx%d with lda=%d", ErrInvalid, la, need, aRows, aCols, lda)
 	}
 	if need, ok := needLen(bRows, bCols, ldb); !ok || lb < need {
-		return fmt.Errorf("len(b)=%d < %d needed for %dx%d with ldb=%d", lb, need, bRows, bCols, ldb)
+		return fmt.Errorf("%w: len(b)=%d < %d needed for %dx%d with ldb=%d", ErrInvalid, lb, need, bRows, bCols, ldb)
 	}
 	if need, ok := needLen(m, n, ldc); !ok || lc < need {
-		return fmt.Errorf("len(c)=%d < %d needed for %dx%d with ldc=%d", lc, need, m, n, ldc)
+		return fmt.Errorf("%w: len(c)=%d < %d needed for %dx%d with ldc=%d", ErrInvalid, lc, need, m, n, ldc)
 	}
 	return nil
 }

@@ -96,3 +96,10 @@
 // FMA units per core for AVX2 (see [Peak]); BenchmarkSgemm reports each
 // GEMM shape of a training step in GFLOP/s and as a percentage of it.
 package kernels
+
+import "github.com/b7ea7098/loom"
+
+// ErrInvalid marks arguments a kernel rejected before touching any data:
+// lengths or sizes that do not agree, negative sizes, indices out of
+// range, a nil receiver. errors.Is(err, loom.ErrInvalid) matches it too.
+var ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)

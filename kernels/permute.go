@@ -152,19 +152,19 @@ func PlanRouting[I ExpertIndex](r *Routing, experts []I, k, numExperts, capacity
 	const op = "PlanRouting"
 	switch {
 	case r == nil:
-		return fmt.Errorf("kernels: %s: nil Routing", op)
+		return fmt.Errorf("kernels: %s: %w: nil Routing", op, ErrInvalid)
 	case k < 1:
-		return fmt.Errorf("kernels: %s: top-k %d, want >= 1", op, k)
+		return fmt.Errorf("kernels: %s: %w: top-k %d, want >= 1", op, ErrInvalid, k)
 	case numExperts < 1:
-		return fmt.Errorf("kernels: %s: %d experts, want >= 1", op, numExperts)
+		return fmt.Errorf("kernels: %s: %w: %d experts, want >= 1", op, ErrInvalid, numExperts)
 	case capacity < 0:
-		return fmt.Errorf("kernels: %s: negative capacity %d", op, capacity)
+		return fmt.Errorf("kernels: %s: %w: negative capacity %d", op, ErrInvalid, capacity)
 	case len(experts)%k != 0:
-		return fmt.Errorf("kernels: %s: %d expert ids are not whole tokens of %d slots", op, len(experts), k)
+		return fmt.Errorf("kernels: %s: %w: %d expert ids are not whole tokens of %d slots", op, ErrInvalid, len(experts), k)
 	case len(experts) > math.MaxInt32:
-		return fmt.Errorf("kernels: %s: %d slots exceed the int32 row map", op, len(experts))
+		return fmt.Errorf("kernels: %s: %w: %d slots exceed the int32 row map", op, ErrInvalid, len(experts))
 	case capacity > 0 && int64(capacity)*int64(numExperts) > math.MaxInt32:
-		return fmt.Errorf("kernels: %s: %d experts × capacity %d rows exceed the int32 row map", op, numExperts, capacity)
+		return fmt.Errorf("kernels: %s: %w: %d experts × capacity %d rows exceed the int32 row map", op, ErrInvalid, numExperts, capacity)
 	}
 	ne := numExperts
 	// scratch is r's own: hist while counting, then cursor and end. r's
@@ -172,8 +172,8 @@ func PlanRouting[I ExpertIndex](r *Routing, experts []I, k, numExperts, capacity
 	scratch := grow(r.scratch, 2*ne+1)
 	hist := scratch[:ne+1]
 	if s := countExperts(hist, experts); s >= 0 {
-		return fmt.Errorf("kernels: %s: slot %d (token %d, choice %d) has expert %d, want -1 or [0, %d)",
-			op, s, s/k, s%k, int64(experts[s]), numExperts)
+		return fmt.Errorf("kernels: %s: %w: slot %d (token %d, choice %d) has expert %d, want -1 or [0, %d)",
+			op, ErrInvalid, s, s/k, s%k, int64(experts[s]), numExperts)
 	}
 	unrouted := hist[0]
 	routed := grow(r.Routed, ne)
@@ -265,12 +265,12 @@ func placeSlots[I ExpertIndex](rowSlot, slotRow []int32, cursor, end []int, expe
 // sizes, so that the kernels can trust it.
 func (r *Routing) check(op string) error {
 	if r == nil {
-		return fmt.Errorf("kernels: %s: nil Routing", op)
+		return fmt.Errorf("kernels: %s: %w: nil Routing", op, ErrInvalid)
 	}
 	if r.TopK < 1 || r.Experts < 1 || len(r.Offsets) != r.Experts+1 || len(r.Counts) != r.Experts ||
 		len(r.SlotRow) != r.Tokens*r.TopK || len(r.RowSlot) != r.Offsets[r.Experts] {
-		return fmt.Errorf("kernels: %s: Routing is not planned (tokens %d, top-k %d, experts %d, %d offsets, %d row map, %d slot map); call PlanRouting",
-			op, r.Tokens, r.TopK, r.Experts, len(r.Offsets), len(r.RowSlot), len(r.SlotRow))
+		return fmt.Errorf("kernels: %s: %w: Routing is not planned (tokens %d, top-k %d, experts %d, %d offsets, %d row map, %d slot map); call PlanRouting",
+			op, ErrInvalid, r.Tokens, r.TopK, r.Experts, len(r.Offsets), len(r.RowSlot), len(r.SlotRow))
 	}
 	return nil
 }
@@ -294,7 +294,7 @@ func permIdxCheck(op, name string, idx []int32, limit int) error {
 		hi = max(hi, v)
 	}
 	if lo < -1 || int(hi) >= limit {
-		return fmt.Errorf("kernels: %s: Routing.%s holds entries in [%d, %d], want -1 or [0, %d); was it changed after PlanRouting?", op, name, lo, hi, limit)
+		return fmt.Errorf("kernels: %s: %w: Routing.%s holds entries in [%d, %d], want -1 or [0, %d); was it changed after PlanRouting?", op, ErrInvalid, name, lo, hi, limit)
 	}
 	return nil
 }
@@ -302,7 +302,7 @@ func permIdxCheck(op, name string, idx []int32, limit int) error {
 // permLen checks that buf holds rows rows of width d.
 func permLen(op, name string, l, rows, d int) error {
 	if l != rows*d {
-		return fmt.Errorf("kernels: %s: len(%s) = %d, want %d rows × %d = %d", op, name, l, rows, d, rows*d)
+		return fmt.Errorf("kernels: %s: %w: len(%s) = %d, want %d rows × %d = %d", op, ErrInvalid, name, l, rows, d, rows*d)
 	}
 	return nil
 }
@@ -310,7 +310,7 @@ func permLen(op, name string, l, rows, d int) error {
 // permWidth checks the row width.
 func permWidth(op string, d int) error {
 	if d < 0 {
-		return fmt.Errorf("kernels: %s: negative row width %d", op, d)
+		return fmt.Errorf("kernels: %s: %w: negative row width %d", op, ErrInvalid, d)
 	}
 	return nil
 }
@@ -431,7 +431,7 @@ func Unpermute[T Float](out, packed, gates []T, d int, r *Routing) error {
 		return err
 	}
 	if gates != nil && len(gates) != len(r.SlotRow) {
-		return fmt.Errorf("kernels: %s: len(gates) = %d, want %d tokens × %d = %d", op, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
+		return fmt.Errorf("kernels: %s: %w: len(gates) = %d, want %d tokens × %d = %d", op, ErrInvalid, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
 	}
 	unpermute(out, packedRows[T]{flat: packed, d: d}, gates, d, r)
 	return nil
@@ -653,7 +653,7 @@ func permScaleDot[T Float](o, x, y []T, g T, s float64) float64 {
 // ranks < 1.
 func ExpertBounds(numExperts, ranks int) ([]int, error) {
 	if numExperts < 0 || ranks < 1 {
-		return nil, fmt.Errorf("kernels: ExpertBounds: %d experts over %d ranks, want experts >= 0 and ranks >= 1", numExperts, ranks)
+		return nil, fmt.Errorf("kernels: ExpertBounds: %w: %d experts over %d ranks, want experts >= 0 and ranks >= 1", ErrInvalid, numExperts, ranks)
 	}
 	chunk := (numExperts + ranks - 1) / ranks
 	b := make([]int, ranks+1)
@@ -676,11 +676,11 @@ func (r *Routing) RankSplits(dst, bounds []int) error {
 		return err
 	}
 	if len(bounds) != len(dst)+1 || len(bounds) < 2 || bounds[0] != 0 || bounds[len(bounds)-1] != r.Experts {
-		return fmt.Errorf("kernels: %s: bounds %v for %d ranks, want %d ascending entries from 0 to %d", op, bounds, len(dst), len(dst)+1, r.Experts)
+		return fmt.Errorf("kernels: %s: %w: bounds %v for %d ranks, want %d ascending entries from 0 to %d", op, ErrInvalid, bounds, len(dst), len(dst)+1, r.Experts)
 	}
 	for q := range dst {
 		if bounds[q+1] < bounds[q] {
-			return fmt.Errorf("kernels: %s: bounds %v are not ascending", op, bounds)
+			return fmt.Errorf("kernels: %s: %w: bounds %v are not ascending", op, ErrInvalid, bounds)
 		}
 	}
 	for q := range dst {
@@ -693,12 +693,12 @@ func (r *Routing) RankSplits(dst, bounds []int) error {
 // GroupByExpert and returns the total row count.
 func chunkCheck(op string, counts []int, ranks, local int) (int, error) {
 	if ranks < 0 || local < 0 || len(counts) != ranks*local {
-		return 0, fmt.Errorf("kernels: %s: %d counts for %d ranks × %d local experts", op, len(counts), ranks, local)
+		return 0, fmt.Errorf("kernels: %s: %w: %d counts for %d ranks × %d local experts", op, ErrInvalid, len(counts), ranks, local)
 	}
 	total := 0
 	for i, c := range counts {
 		if c < 0 {
-			return 0, fmt.Errorf("kernels: %s: counts[%d] (rank %d, local expert %d) = %d is negative", op, i, i/local, i%local, c)
+			return 0, fmt.Errorf("kernels: %s: %w: counts[%d] (rank %d, local expert %d) = %d is negative", op, ErrInvalid, i, i/local, i%local, c)
 		}
 		total += c
 	}

@@ -58,10 +58,10 @@ func checkSegments[T Float](op string, segs [][]T, d int, r *Routing) error {
 	// segment lengths below check only differences of Offsets, and
 	// nothing at all when d = 0).
 	if r.Offsets[0] != 0 || !sort.IntsAreSorted(r.Offsets) {
-		return fmt.Errorf("kernels: %s: Routing.Offsets does not ascend from 0; was it changed after PlanRouting?", op)
+		return fmt.Errorf("kernels: %s: %w: Routing.Offsets does not ascend from 0; was it changed after PlanRouting?", op, ErrInvalid)
 	}
 	if len(segs) != r.Experts {
-		return fmt.Errorf("kernels: %s: %d segments, want one per expert (%d)", op, len(segs), r.Experts)
+		return fmt.Errorf("kernels: %s: %w: %d segments, want one per expert (%d)", op, ErrInvalid, len(segs), r.Experts)
 	}
 	var errs []error
 	for e, seg := range segs {
@@ -133,11 +133,11 @@ func expertSlots(op string, r *Routing, d, e int) ([]int32, error) {
 		return nil, err
 	}
 	if e < 0 || e >= r.Experts {
-		return nil, fmt.Errorf("kernels: %s: expert %d of %d", op, e, r.Experts)
+		return nil, fmt.Errorf("kernels: %s: %w: expert %d of %d", op, ErrInvalid, e, r.Experts)
 	}
 	lo, hi := r.Offsets[e], r.Offsets[e+1]
 	if lo < 0 || lo > hi || hi > len(r.RowSlot) {
-		return nil, fmt.Errorf("kernels: %s: Routing.Offsets[%d:%d] = [%d, %d] outside its %d rows; was it changed after PlanRouting?", op, e, e+2, lo, hi, len(r.RowSlot))
+		return nil, fmt.Errorf("kernels: %s: %w: Routing.Offsets[%d:%d] = [%d, %d] outside its %d rows; was it changed after PlanRouting?", op, ErrInvalid, e, e+2, lo, hi, len(r.RowSlot))
 	}
 	idx := r.RowSlot[lo:hi]
 	if err := permIdxCheck(op, "RowSlot", idx, len(r.SlotRow)); err != nil {
@@ -159,7 +159,7 @@ func UnpermuteSegments[T Float](out []T, segs [][]T, gates []T, d int, r *Routin
 		return err
 	}
 	if gates != nil && len(gates) != len(r.SlotRow) {
-		return fmt.Errorf("kernels: %s: len(gates) = %d, want %d tokens × %d = %d", op, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
+		return fmt.Errorf("kernels: %s: %w: len(gates) = %d, want %d tokens × %d = %d", op, ErrInvalid, len(gates), r.Tokens, r.TopK, len(r.SlotRow))
 	}
 	unpermute(out, packedRows[T]{segs: segs, owner: rowOwners(r), d: d}, gates, d, r)
 	return nil

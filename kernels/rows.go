@@ -71,14 +71,14 @@ func serialRows(rows int, f func(lo, hi int)) { f(0, rows) }
 func rowCount(op string, l, n int) (int, error) {
 	switch {
 	case n < 0:
-		return 0, fmt.Errorf("kernels: %s: negative row width %d", op, n)
+		return 0, fmt.Errorf("kernels: %s: %w: negative row width %d", op, ErrInvalid, n)
 	case n == 0:
 		if l != 0 {
-			return 0, fmt.Errorf("kernels: %s: %d elements in rows of width 0", op, l)
+			return 0, fmt.Errorf("kernels: %s: %w: %d elements in rows of width 0", op, ErrInvalid, l)
 		}
 		return 0, nil
 	case l%n != 0:
-		return 0, fmt.Errorf("kernels: %s: %d elements are not whole rows of width %d", op, l, n)
+		return 0, fmt.Errorf("kernels: %s: %w: %d elements are not whole rows of width %d", op, ErrInvalid, l, n)
 	}
 	return l / n, nil
 }
@@ -87,7 +87,7 @@ func rowCount(op string, l, n int) (int, error) {
 func sameLen(op string, l int, names string, lens ...int) error {
 	for _, v := range lens {
 		if v != l {
-			return fmt.Errorf("kernels: %s: %s have lengths %v, want %d each", op, names, lens, l)
+			return fmt.Errorf("kernels: %s: %w: %s have lengths %v, want %d each", op, ErrInvalid, names, lens, l)
 		}
 	}
 	return nil
@@ -197,7 +197,7 @@ func LogSoftmaxRowsBackward(w Workers, dx, y, dy []float32, n int) error {
 func CausalSoftmax(w Workers, dst, src []float32, t int, scale float32) error {
 	const op = "CausalSoftmax"
 	if t < 0 {
-		return fmt.Errorf("kernels: %s: negative size %d", op, t)
+		return fmt.Errorf("kernels: %s: %w: negative size %d", op, ErrInvalid, t)
 	}
 	blocks, err := rowCount(op, len(src), t*t)
 	if err != nil {
@@ -229,7 +229,7 @@ func CausalSoftmax(w Workers, dst, src []float32, t int, scale float32) error {
 func CausalSoftmaxBackward(dx, y, dy []float32, t int, scale float32) error {
 	const op = "CausalSoftmaxBackward"
 	if t < 0 {
-		return fmt.Errorf("kernels: %s: negative size %d", op, t)
+		return fmt.Errorf("kernels: %s: %w: negative size %d", op, ErrInvalid, t)
 	}
 	blocks, err := rowCount(op, len(y), t*t)
 	if err != nil {
@@ -270,7 +270,7 @@ func LayerNorm(y []float32, mean, rstd []float64, x, w, b []float32, n int, eps 
 		return err
 	}
 	if !(eps >= 0) {
-		return fmt.Errorf("kernels: %s: eps %v must be non-negative", op, eps)
+		return fmt.Errorf("kernels: %s: %w: eps %v must be non-negative", op, ErrInvalid, eps)
 	}
 	if n == 0 {
 		return nil // no values: nothing to normalise, whatever the row count
@@ -313,7 +313,7 @@ func LayerNorm(y []float32, mean, rstd []float64, x, w, b []float32, n int, eps 
 func optLen(op string, n int, names string, s ...[]float32) error {
 	for _, v := range s {
 		if v != nil && len(v) != n {
-			return fmt.Errorf("kernels: %s: %s must have %d values each (or be nil); got %d", op, names, n, len(v))
+			return fmt.Errorf("kernels: %s: %w: %s must have %d values each (or be nil); got %d", op, ErrInvalid, names, n, len(v))
 		}
 	}
 	return nil
@@ -322,7 +322,7 @@ func optLen(op string, n int, names string, s ...[]float32) error {
 // optLen64 checks that the float64 slices are both nil or both of length n.
 func optLen64(op string, n int, names string, a, b []float64) error {
 	if (a == nil) != (b == nil) || (a != nil && (len(a) != n || len(b) != n)) {
-		return fmt.Errorf("kernels: %s: %s must both be nil or both have %d values; got lengths %d and %d", op, names, n, len(a), len(b))
+		return fmt.Errorf("kernels: %s: %w: %s must both be nil or both have %d values; got lengths %d and %d", op, ErrInvalid, names, n, len(a), len(b))
 	}
 	return nil
 }
@@ -343,7 +343,7 @@ func LayerNormBackward(dx, dw, db, dy, x, w []float32, mean, rstd []float64, n i
 		return err
 	}
 	if dx != nil && len(dx) != len(x) {
-		return fmt.Errorf("kernels: %s: dx has %d values, x %d", op, len(dx), len(x))
+		return fmt.Errorf("kernels: %s: %w: dx has %d values, x %d", op, ErrInvalid, len(dx), len(x))
 	}
 	if err := optLen(op, n, "w, dw and db", w, dw, db); err != nil {
 		return err
@@ -352,7 +352,7 @@ func LayerNormBackward(dx, dw, db, dy, x, w []float32, mean, rstd []float64, n i
 		return nil
 	}
 	if mean == nil {
-		return fmt.Errorf("kernels: %s: nil mean and rstd", op)
+		return fmt.Errorf("kernels: %s: %w: nil mean and rstd", op, ErrInvalid)
 	}
 	if err := optLen64(op, rows, "mean and rstd", mean, rstd); err != nil {
 		return err
@@ -401,7 +401,7 @@ func BiasGELU(w Workers, y, deriv, x, bias []float32, n int) error {
 		return err
 	}
 	if deriv != nil && len(deriv) != len(x) {
-		return fmt.Errorf("kernels: %s: deriv has %d values, x %d", op, len(deriv), len(x))
+		return fmt.Errorf("kernels: %s: %w: deriv has %d values, x %d", op, ErrInvalid, len(deriv), len(x))
 	}
 	if err := optLen(op, n, "bias", bias); err != nil {
 		return err
@@ -467,7 +467,7 @@ func ColumnSums(out, x []float32, n int) error {
 		return err
 	}
 	if len(out) != n {
-		return fmt.Errorf("kernels: %s: out has %d values for rows of %d", op, len(out), n)
+		return fmt.Errorf("kernels: %s: %w: out has %d values for rows of %d", op, ErrInvalid, len(out), n)
 	}
 	colSums(out, x, n)
 	return nil
@@ -485,7 +485,7 @@ func CrossEntropyRows(w Workers, lse []float64, logits []float32, targets []int6
 		return 0, err
 	}
 	if lse != nil && len(lse) != rows {
-		return 0, fmt.Errorf("kernels: %s: lse has %d values for %d rows", op, len(lse), rows)
+		return 0, fmt.Errorf("kernels: %s: %w: lse has %d values for %d rows", op, ErrInvalid, len(lse), rows)
 	}
 	parts := make([]float64, rows)
 	forRows(w, rows, v, func(lo, hi int) {
@@ -515,11 +515,11 @@ func ceCheck(op string, logits []float32, targets []int64, v int) (int, error) {
 		rows = len(targets)
 	}
 	if len(targets) != rows {
-		return 0, fmt.Errorf("kernels: %s: %d targets for %d rows of %d logits", op, len(targets), rows, v)
+		return 0, fmt.Errorf("kernels: %s: %w: %d targets for %d rows of %d logits", op, ErrInvalid, len(targets), rows, v)
 	}
 	for r, t := range targets {
 		if t < 0 || t >= int64(v) {
-			return 0, fmt.Errorf("kernels: %s: target %d of row %d outside [0, %d)", op, t, r, v)
+			return 0, fmt.Errorf("kernels: %s: %w: target %d of row %d outside [0, %d)", op, ErrInvalid, t, r, v)
 		}
 	}
 	return rows, nil
@@ -540,7 +540,7 @@ func CrossEntropyRowsBackward(w Workers, dx, logits []float32, targets []int64, 
 		return err
 	}
 	if len(lse) != rows {
-		return fmt.Errorf("kernels: %s: lse has %d values for %d rows", op, len(lse), rows)
+		return fmt.Errorf("kernels: %s: %w: lse has %d values for %d rows", op, ErrInvalid, len(lse), rows)
 	}
 	// scale·exp(x − l) = ±exp(x − (l − log|scale|)): one rounding, with
 	// the scale folded into the shift.
@@ -576,7 +576,7 @@ func CrossEntropyRowsBackward(w Workers, dx, logits []float32, targets []int64, 
 // must have the same length.
 func Add(dst, a, b []float32) error {
 	if len(a) != len(dst) || len(b) != len(dst) {
-		return fmt.Errorf("kernels: Add: lengths %d, %d and %d differ", len(dst), len(a), len(b))
+		return fmt.Errorf("kernels: Add: %w: lengths %d, %d and %d differ", ErrInvalid, len(dst), len(a), len(b))
 	}
 	addF32(dst, a, b)
 	return nil
@@ -586,7 +586,7 @@ func Add(dst, a, b []float32) error {
 // must have the same length.
 func Mul(dst, a, b []float32) error {
 	if len(a) != len(dst) || len(b) != len(dst) {
-		return fmt.Errorf("kernels: Mul: lengths %d, %d and %d differ", len(dst), len(a), len(b))
+		return fmt.Errorf("kernels: Mul: %w: lengths %d, %d and %d differ", ErrInvalid, len(dst), len(a), len(b))
 	}
 	mulF32(dst, a, b)
 	return nil

@@ -263,7 +263,7 @@ func softBack(dx, y, dy []float32, s, scale float64) {
 // may be nil (only the sum); otherwise it needs len(src) elements.
 func ExpShift(dst, src []float32, shift float64) (float64, error) {
 	if dst != nil && len(dst) < len(src) {
-		return 0, fmt.Errorf("kernels: ExpShift: dst has %d elements for %d inputs", len(dst), len(src))
+		return 0, fmt.Errorf("kernels: ExpShift: %w: dst has %d elements for %d inputs", ErrInvalid, len(dst), len(src))
 	}
 	return expShift(dst, src, shift), nil
 }

@@ -155,14 +155,6 @@ func f64[T float32 | float64](v []T) []float64 {
 	return out
 }
 
-func f32s(v []float64) []float32 {
-	out := make([]float32, len(v))
-	for i, x := range v {
-		out[i] = float32(x)
-	}
-	return out
-}
-
 // relL2 is ‖got − want‖ / ‖want‖ (‖got‖ when want is zero).
 func relL2(got, want []float64) float64 {
 	if len(got) != len(want) {

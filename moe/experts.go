@@ -64,10 +64,10 @@ func NewExperts(axis string, w1, b1, w2, b2 *autograd.Value) (*Experts, error) {
 	e, hd, d := s1[0], s1[1], s1[2]
 	want := [][]int{{e, hd, d}, {e, hd}, {e, d, hd}, {e, d}}
 	m := w1.Spec().Mesh()
-	if !slices.Contains(m.Names(), axis) {
+	p, err := m.AxisSize(axis)
+	if err != nil {
 		return bad("expert-parallel axis %q is not an axis of the mesh %v", axis, m)
 	}
-	p, _ := m.AxisSize(axis)
 	if e%p != 0 {
 		return bad("%d experts do not divide over the %d ranks of axis %q", e, p, axis)
 	}

@@ -516,7 +516,11 @@ func (h *Handle) layout(op string, experts []int32, gathered [][]int64, epIdx in
 	}
 	me := 0
 	for i, ax := range h.tokenAxes {
-		c, _ := h.xs.Mesh().Local(ax)
+		c, err := h.xs.Mesh().Local(ax)
+		if err != nil {
+			// tokenAxes come from this mesh's names, so this is a bug.
+			return fmt.Errorf("%s: token axis %q: %w", op, ax, err)
+		}
 		me = me*sizes[i] + c
 	}
 	kept := func(g, x int) int { return int(gathered[g][hdrLen+x]) }

@@ -49,7 +49,7 @@ func trainMoE(t *testing.T, fx *epFixture, mc epMesh, steps int, lr float64) tra
 		}
 		layer := &moe.Layer{Router: router, Experts: experts}
 		params := layer.OwnParams()
-		opt, err := optim.NewSGD(params, optim.SGDConfig{LR: lr})
+		opt, err := optim.NewSGD(params, lr)
 		if err != nil {
 			return err
 		}

@@ -1,12 +1,3 @@
-// Package optim holds optimizers that update autograd leaves in place, one
-// local block at a time: on every rank each parameter's local block is
-// updated from the matching local block of its gradient, so the same code
-// serves replicated parameters (every rank updates its full copy) and
-// sharded ones (FSDP: every rank updates its shard). No optimizer
-// communicates; gradients must already be reduced (not Partial). The
-// optimizers are AdamW and SGD (PyTorch semantics). ClipGradNorm, global
-// gradient-norm clipping, is the one function here that communicates:
-// one all-reduce of a scalar per set of mesh axes that shard gradients.
 package optim
 
 import (
@@ -68,10 +59,17 @@ type Float interface{ ~float32 | ~float64 }
 //
 // Every intermediate is rounded to T and nothing is fused: it is
 // kernels.AdamW, eight lanes at a time for float32 where the CPU has AVX2.
-func Update[T Float](c AdamWCoeffs, p, g, m, v []T) {
-	n := len(p)
+// Slices of different lengths are an error wrapping ErrInvalid, and
+// nothing is updated.
+func Update[T Float](c AdamWCoeffs, p, g, m, v []T) error {
+	if len(g) != len(p) || len(m) != len(p) || len(v) != len(p) {
+		return fmt.Errorf("optim: Update: %w: lengths p %d, g %d, m %d, v %d differ", ErrInvalid, len(p), len(g), len(m), len(v))
+	}
 	k := &[8]T{T(c.Decay), T(c.Beta1), T(c.OneMinusBeta1), T(c.Beta2), T(c.OneMinusBeta2), T(c.SqrtBC2), T(c.Step), T(c.Eps)}
-	_ = kernels.AdamW(p, g[:n], m[:n], v[:n], k) // the lengths agree
+	if err := kernels.AdamW(p, g, m, v, k); err != nil {
+		return fmt.Errorf("optim: Update: %w", err)
+	}
+	return nil
 }
 
 // AdamW is the AdamW optimizer over a fixed list of autograd leaves
@@ -83,9 +81,10 @@ func Update[T Float](c AdamWCoeffs, p, g, m, v []T) {
 // parameter has a gradient (a parameter with no gradient is skipped
 // entirely, like PyTorch's grad None).
 type AdamW struct {
-	// LR, WD, Beta1, Beta2 and Eps are the hyper-parameters; they may be
-	// changed between steps.
-	LR, WD, Beta1, Beta2, Eps float64
+	// LR, WeightDecay, Beta1, Beta2 and Eps are the hyper-parameters, as
+	// set by NewAdamW's options; they may be changed between steps (a
+	// learning-rate schedule sets LR), and Step checks them again.
+	LR, WeightDecay, Beta1, Beta2, Eps float64
 
 	params []*autograd.Value
 	state  []adamState
@@ -96,38 +95,35 @@ type adamState struct {
 	t    int
 }
 
+// adamWOptions are the options NewAdamW takes.
+var adamWOptions = []string{"LR", "Betas", "Eps", "WeightDecay"}
+
 // NewAdamW returns an AdamW optimizer for params (leaves that require
-// grad, each listed once). Float32 and float64 parameters are supported.
-func NewAdamW(params []*autograd.Value, lr, wd, beta1, beta2, eps float64) (*AdamW, error) {
-	seen := map[*autograd.Value]bool{}
-	for i, p := range params {
-		switch {
-		case p == nil || p.Data() == nil:
-			return nil, fmt.Errorf("optim: AdamW: parameter %d is nil", i)
-		case !p.IsLeaf() || !p.RequiresGrad():
-			return nil, fmt.Errorf("optim: AdamW: %q (parameter %d) is not a leaf that requires grad", p.Name(), i)
-		case seen[p]:
-			return nil, fmt.Errorf("optim: AdamW: %q (parameter %d) is listed twice", p.Name(), i)
-		}
-		seen[p] = true
-		switch p.Data().LocalData().(type) {
-		case []float32, []float64:
-		default:
-			return nil, fmt.Errorf("optim: AdamW: %q holds %T", p.Name(), p.Data().LocalData())
-		}
-	}
-	if err := checkHyper(lr, wd, beta1, beta2, eps); err != nil {
+// grad, each listed once, holding float32 or float64) with PyTorch 1.13's
+// defaults unless opts say otherwise: LR 1e-3, Betas (0.9, 0.999), Eps
+// 1e-8, WeightDecay 0.01. Errors wrap ErrInvalid: a bad parameter list,
+// an option AdamW does not take, or invalid hyper-parameters (a negative
+// or non-finite learning rate or weight decay, a beta outside [0, 1), an
+// ε that is not > 0 and finite).
+func NewAdamW(params []*autograd.Value, opts ...Option) (*AdamW, error) {
+	const op = "NewAdamW"
+	if err := checkParams(op, params); err != nil {
 		return nil, err
 	}
-	return &AdamW{
-		LR: lr, WD: wd, Beta1: beta1, Beta2: beta2, Eps: eps,
+	c, err := newConfig(op, config{lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weightDecay: 0.01}, adamWOptions, opts)
+	if err != nil {
+		return nil, err
+	}
+	o := &AdamW{
+		LR: c.lr, WeightDecay: c.weightDecay, Beta1: c.beta1, Beta2: c.beta2, Eps: c.eps,
 		params: slices.Clone(params),
 		state:  make([]adamState, len(params)),
-	}, nil
+	}
+	if err := o.check(op); err != nil {
+		return nil, err
+	}
+	return o, nil
 }
-
-// Params returns the parameters, in the order given to NewAdamW.
-func (o *AdamW) Params() []*autograd.Value { return slices.Clone(o.params) }
 
 // StepCount returns how many updates parameter i has received, or -1 if i
 // is out of range.
@@ -145,17 +141,18 @@ func (o *AdamW) StepCount(i int) int {
 // local block must line up with the parameter's: on every mesh axis of
 // size > 1 either both are sharded on the same dim or neither is, and the
 // gradient is not Partial (reduce it first, e.g. DDP's all-reduce). It
-// checks every parameter before updating any.
+// checks the hyper-parameters and every parameter before updating any;
+// errors wrap ErrInvalid, and on an error nothing has changed.
 func (o *AdamW) Step() error {
-	// The hyper-parameters may change between steps: check them again.
-	if err := checkHyper(o.LR, o.WD, o.Beta1, o.Beta2, o.Eps); err != nil {
+	const op = "AdamW.Step"
+	if err := o.check(op); err != nil {
 		return err
 	}
 	var errs []error
 	for _, p := range o.params {
 		if g := p.Grad(); g != nil {
 			if err := lineUp(p.Data(), g); err != nil {
-				errs = append(errs, fmt.Errorf("optim: AdamW: %q: %w", p.Name(), err))
+				errs = append(errs, fmt.Errorf("optim: %s: %w: %q: %w", op, ErrInvalid, p.Name(), err))
 			}
 		}
 	}
@@ -168,29 +165,37 @@ func (o *AdamW) Step() error {
 			continue
 		}
 		st := &o.state[i]
-		st.t++
-		c := Coefficients(o.LR, o.WD, o.Beta1, o.Beta2, o.Eps, st.t)
+		c := Coefficients(o.LR, o.WeightDecay, o.Beta1, o.Beta2, o.Eps, st.t+1)
+		var err error
 		switch pd := p.Data().LocalData().(type) {
 		case []float32:
 			if st.m == nil {
 				st.m, st.v = make([]float32, len(pd)), make([]float32, len(pd))
 			}
-			Update(c, pd, g.LocalData().([]float32), st.m.([]float32), st.v.([]float32))
+			err = Update(c, pd, g.LocalData().([]float32), st.m.([]float32), st.v.([]float32))
 		case []float64:
 			if st.m == nil {
 				st.m, st.v = make([]float64, len(pd)), make([]float64, len(pd))
 			}
-			Update(c, pd, g.LocalData().([]float64), st.m.([]float64), st.v.([]float64))
+			err = Update(c, pd, g.LocalData().([]float64), st.m.([]float64), st.v.([]float64))
 		}
+		if err != nil {
+			// lineUp checked the blocks' shapes, so this is a bug, not bad
+			// input; earlier parameters are already updated.
+			return fmt.Errorf("optim: %s: %q: %w", op, p.Name(), err)
+		}
+		st.t++
 	}
 	return nil
 }
 
-// checkHyper rejects hyper-parameters that would turn parameters into NaN
-// or Inf.
-func checkHyper(lr, wd, beta1, beta2, eps float64) error {
-	if !(lr > 0) || !(wd >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) || !(eps > 0) {
-		return fmt.Errorf("optim: AdamW: invalid hyper-parameters lr=%v wd=%v betas=(%v, %v) eps=%v", lr, wd, beta1, beta2, eps)
+// check rejects hyper-parameters that torch.optim.AdamW rejects, and
+// those that would turn parameters into NaN or Inf (non-finite values,
+// ε = 0).
+func (o *AdamW) check(op string) error {
+	lr, wd, beta1, beta2, eps := o.LR, o.WeightDecay, o.Beta1, o.Beta2, o.Eps
+	if !finite(lr, wd, beta1, beta2, eps) || !(lr >= 0) || !(wd >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) || !(eps > 0) {
+		return fmt.Errorf("optim: %s: %w: invalid hyper-parameters lr=%v weight_decay=%v betas=(%v, %v) eps=%v (want lr ≥ 0, weight_decay ≥ 0, betas in [0, 1), eps > 0, all finite)", op, ErrInvalid, lr, wd, beta1, beta2, eps)
 	}
 	return nil
 }

@@ -2,10 +2,12 @@ package optim_test
 
 import (
 	"context"
+	"errors"
 	"math"
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
@@ -42,8 +44,12 @@ func TestUpdateMatchesFloat64Reference(t *testing.T) {
 		for i := range ps {
 			g32[i], g64[i] = float32(gs[i][step]), gs[i][step]
 		}
-		optim.Update(c, p32, g32, m32, v32)
-		optim.Update(c, p64, g64, m64, v64)
+		if err := optim.Update(c, p32, g32, m32, v32); err != nil {
+			t.Fatal(err)
+		}
+		if err := optim.Update(c, p64, g64, m64, v64); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for i, p := range ps {
 		want := adamRef(p, gs[i], lr, wd, b1, b2, eps)
@@ -83,7 +89,7 @@ func TestStepSkipsParamsWithoutGradient(t *testing.T) {
 		rep := []placement.Placement{placement.Replicate()}
 		a := param(t, tape, m, "a", rep, []float32{1, 2})
 		b := param(t, tape, m, "b", rep, []float32{3, 4})
-		opt, err := optim.NewAdamW([]*autograd.Value{a, b}, 0.1, 0.01, 0.9, 0.999, 1e-8)
+		opt, err := optim.NewAdamW([]*autograd.Value{a, b}, optim.LR(0.1), optim.WeightDecay(0.01), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
 		if err != nil {
 			return err
 		}
@@ -144,7 +150,7 @@ func TestStepRejectsPartialGradient(t *testing.T) {
 		if err := tape.Backward(ctx, loss); err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW([]*autograd.Value{w}, 0.1, 0, 0.9, 0.999, 1e-8)
+		opt, err := optim.NewAdamW([]*autograd.Value{w}, optim.LR(0.1), optim.WeightDecay(0), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
 		if err != nil {
 			return err
 		}
@@ -158,23 +164,106 @@ func TestStepRejectsPartialGradient(t *testing.T) {
 	})
 }
 
+// TestNewAdamWRejects: a bad parameter list, invalid hyper-parameters and
+// options AdamW does not take are ErrInvalid, naming the problem.
 func TestNewAdamWRejects(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
 		a := param(t, tape, m, "a", []placement.Placement{placement.Replicate()}, []float32{1})
-		if _, err := optim.NewAdamW([]*autograd.Value{a, a}, 0.1, 0, 0.9, 0.999, 1e-8); err == nil {
-			t.Error("duplicate parameter accepted")
-		}
-		if _, err := optim.NewAdamW([]*autograd.Value{a}, 0.1, 0, 1, 0.999, 1e-8); err == nil {
-			t.Error("beta1 = 1 accepted")
-		}
 		c, err := tape.Constant(a.Data())
 		if err != nil {
 			return err
 		}
-		if _, err := optim.NewAdamW([]*autograd.Value{c}, 0.1, 0, 0.9, 0.999, 1e-8); err == nil {
-			t.Error("constant accepted")
+		for _, tc := range []struct {
+			name   string
+			params []*autograd.Value
+			opts   []optim.Option
+			text   string
+		}{
+			{"duplicate", []*autograd.Value{a, a}, nil, "listed twice"},
+			{"constant", []*autograd.Value{c}, nil, "not a leaf that requires grad"},
+			{"nil parameter", []*autograd.Value{nil}, nil, "parameter 0 is nil"},
+			{"beta1 = 1", []*autograd.Value{a}, []optim.Option{optim.Betas(1, 0.999)}, "betas=(1, 0.999)"},
+			{"negative beta2", []*autograd.Value{a}, []optim.Option{optim.Betas(0.9, -0.1)}, "betas=(0.9, -0.1)"},
+			{"negative lr", []*autograd.Value{a}, []optim.Option{optim.LR(-1)}, "lr=-1"},
+			{"infinite lr", []*autograd.Value{a}, []optim.Option{optim.LR(math.Inf(1))}, "lr=+Inf"},
+			{"nan weight decay", []*autograd.Value{a}, []optim.Option{optim.WeightDecay(math.NaN())}, "weight_decay=NaN"},
+			{"zero eps", []*autograd.Value{a}, []optim.Option{optim.Eps(0)}, "eps=0"},
+			{"momentum", []*autograd.Value{a}, []optim.Option{optim.Momentum(0.9)}, "option Momentum does not apply"},
+			{"maximize", []*autograd.Value{a}, []optim.Option{optim.Maximize()}, "option Maximize does not apply"},
+			{"nil option", []*autograd.Value{a}, []optim.Option{nil}, "nil option"},
+		} {
+			_, err := optim.NewAdamW(tc.params, tc.opts...)
+			if !errors.Is(err, optim.ErrInvalid) || !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), tc.text) {
+				t.Errorf("%s: %v, want ErrInvalid containing %q", tc.name, err, tc.text)
+			}
 		}
 		return nil
 	})
+}
+
+// TestOptimizerDefaults: without options the optimizers take
+// torch.optim's defaults (PyTorch 1.13), options override them, and a
+// learning rate of 0 (the start of a warm-up) is valid.
+func TestOptimizerDefaults(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		tape := autograd.NewTape()
+		a := param(t, tape, m, "a", []placement.Placement{placement.Replicate()}, []float32{1})
+		adam, err := optim.NewAdamW([]*autograd.Value{a})
+		if err != nil {
+			return err
+		}
+		if got, want := [5]float64{adam.LR, adam.Beta1, adam.Beta2, adam.Eps, adam.WeightDecay}, [5]float64{1e-3, 0.9, 0.999, 1e-8, 0.01}; got != want {
+			t.Errorf("AdamW defaults (lr, beta1, beta2, eps, weight_decay) = %v, want %v", got, want)
+		}
+		adam, err = optim.NewAdamW([]*autograd.Value{a}, optim.LR(0), optim.Betas(0.8, 0.99), optim.Eps(1e-6), optim.WeightDecay(0), optim.LR(0.5))
+		if err != nil {
+			return err
+		}
+		if got, want := [5]float64{adam.LR, adam.Beta1, adam.Beta2, adam.Eps, adam.WeightDecay}, [5]float64{0.5, 0.8, 0.99, 1e-6, 0}; got != want {
+			t.Errorf("AdamW with options = %v, want %v (the last LR wins)", got, want)
+		}
+		if _, err := optim.NewAdamW([]*autograd.Value{a}, optim.LR(0)); err != nil {
+			t.Errorf("AdamW with lr 0: %v", err)
+		}
+		sgd, err := optim.NewSGD([]*autograd.Value{a}, 0.1)
+		if err != nil {
+			return err
+		}
+		if sgd.LR != 0.1 || sgd.Momentum != 0 || sgd.Dampening != 0 || sgd.WeightDecay != 0 || sgd.Nesterov || sgd.Maximize {
+			t.Errorf("SGD defaults: %+v", *sgd)
+		}
+		sgd, err = optim.NewSGD([]*autograd.Value{a}, 0, optim.Momentum(0.9), optim.Nesterov(), optim.WeightDecay(0.1), optim.Maximize())
+		if err != nil {
+			return err
+		}
+		if sgd.LR != 0 || sgd.Momentum != 0.9 || sgd.Dampening != 0 || sgd.WeightDecay != 0.1 || !sgd.Nesterov || !sgd.Maximize {
+			t.Errorf("SGD with options: %+v", *sgd)
+		}
+		for _, o := range []optim.Option{optim.LR(0.1), optim.Betas(0.9, 0.99), optim.Eps(1e-8)} {
+			if _, err := optim.NewSGD([]*autograd.Value{a}, 0.1, o); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), "does not apply") {
+				t.Errorf("SGD with an AdamW option: %v", err)
+			}
+		}
+		return nil
+	})
+}
+
+// TestUpdateRejectsLengths: slices of different lengths are ErrInvalid
+// and nothing is updated.
+func TestUpdateRejectsLengths(t *testing.T) {
+	c := optim.Coefficients(0.1, 0.01, 0.9, 0.999, 1e-8, 1)
+	p := []float32{1, 2}
+	for name, s := range map[string][4][]float32{
+		"short g": {p, {1}, {0, 0}, {0, 0}},
+		"long m":  {p, {1, 1}, {0, 0, 0}, {0, 0}},
+		"short v": {p, {1, 1}, {0, 0}, {0}},
+	} {
+		if err := optim.Update(c, s[0], s[1], s[2], s[3]); !errors.Is(err, optim.ErrInvalid) {
+			t.Errorf("%s: %v, want ErrInvalid", name, err)
+		}
+		if p[0] != 1 || p[1] != 2 {
+			t.Fatalf("%s: a rejected Update changed p to %v", name, p)
+		}
+	}
 }

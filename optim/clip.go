@@ -63,7 +63,8 @@ const clipEps = 1e-6
 // it first (DDP's all-reduce, FSDP's reduce-scatter). Errors also for a
 // NaN or negative maxNorm, a bad NormType, or (with ErrorIfNonfinite) a
 // non-finite norm; all checks but the last run before any communication,
-// and no gradient changes on an error.
+// and no gradient changes on an error. Bad arguments wrap ErrInvalid, a
+// non-finite norm ErrNonfinite (a training loop may skip that step).
 func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64, opts ...ClipOption) (float64, error) {
 	cfg := clipConfig{normType: 2}
 	for _, o := range opts {
@@ -73,10 +74,10 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 	}
 	p := cfg.normType
 	if math.IsNaN(maxNorm) || maxNorm < 0 {
-		return 0, fmt.Errorf("optim: ClipGradNorm: invalid maxNorm %v (want ≥ 0)", maxNorm)
+		return 0, fmt.Errorf("optim: ClipGradNorm: %w: maxNorm %v (want ≥ 0)", ErrInvalid, maxNorm)
 	}
 	if !(p > 0) || math.IsInf(p, -1) {
-		return 0, fmt.Errorf("optim: ClipGradNorm: invalid norm type %v (want p > 0 or +Inf)", p)
+		return 0, fmt.Errorf("optim: ClipGradNorm: %w: norm type %v (want p > 0 or +Inf)", ErrInvalid, p)
 	}
 	inf := math.IsInf(p, 1)
 
@@ -87,7 +88,7 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 	)
 	for i, v := range params {
 		if v == nil {
-			return 0, fmt.Errorf("optim: ClipGradNorm: parameter %d is nil", i)
+			return 0, fmt.Errorf("optim: ClipGradNorm: %w: parameter %d is nil", ErrInvalid, i)
 		}
 		g := v.Grad()
 		if g == nil {
@@ -97,11 +98,11 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 		if m == nil {
 			m = s.Mesh()
 		} else if err := sameMesh(m, s.Mesh()); err != nil {
-			return 0, fmt.Errorf("optim: ClipGradNorm: the gradient of %q: %w", v.Name(), err)
+			return 0, fmt.Errorf("optim: ClipGradNorm: %w: the gradient of %q: %w", ErrInvalid, v.Name(), err)
 		}
 		mask, err := shardMask(s)
 		if err != nil {
-			return 0, fmt.Errorf("optim: ClipGradNorm: the gradient of %q: %w", v.Name(), err)
+			return 0, fmt.Errorf("optim: ClipGradNorm: %w: the gradient of %q: %w", ErrInvalid, v.Name(), err)
 		}
 		var part float64
 		switch d := g.LocalData().(type) {
@@ -110,7 +111,7 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 		case []float64:
 			part = localNorm(d, p)
 		default:
-			return 0, fmt.Errorf("optim: ClipGradNorm: the gradient of %q holds %T", v.Name(), g.LocalData())
+			return 0, fmt.Errorf("optim: ClipGradNorm: %w: the gradient of %q holds %T; want float32 or float64", ErrInvalid, v.Name(), g.LocalData())
 		}
 		if prev, ok := acc[mask]; !ok {
 			acc[mask] = part
@@ -183,7 +184,7 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 		norm = math.Pow(total, 1/p)
 	}
 	if cfg.errNonfinite && (math.IsNaN(norm) || math.IsInf(norm, 0)) {
-		return norm, fmt.Errorf("optim: ClipGradNorm: the total norm of order %v of the gradients is non-finite (%v); nothing was scaled", p, norm)
+		return norm, fmt.Errorf("optim: ClipGradNorm: %w: the total norm of order %v of the gradients is %v; nothing was scaled", ErrNonfinite, p, norm)
 	}
 	coef := maxNorm / (norm + clipEps)
 	if coef >= 1 {

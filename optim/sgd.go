@@ -3,53 +3,10 @@ package optim
 import (
 	"errors"
 	"fmt"
-	"math"
 	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
 )
-
-// SGDConfig holds the hyper-parameters of SGD, with torch.optim.SGD's
-// names and meanings (all dimensionless except LR, the step size in
-// parameter units per gradient unit).
-type SGDConfig struct {
-	// LR is the learning rate (≥ 0).
-	LR float64
-	// Momentum is the momentum factor μ (≥ 0; 0 means no momentum buffer).
-	Momentum float64
-	// Dampening τ scales the gradient added to the momentum buffer by
-	// 1 − τ (not on the first step, where the buffer is the gradient).
-	Dampening float64
-	// WeightDecay λ (≥ 0) is coupled L2 regularisation: λ·p is added to
-	// the gradient before momentum.
-	WeightDecay float64
-	// Nesterov uses Nesterov momentum; it needs Momentum > 0 and
-	// Dampening == 0.
-	Nesterov bool
-	// Maximize ascends the objective instead of descending it.
-	Maximize bool
-}
-
-// check rejects hyper-parameters that torch.optim.SGD rejects, and
-// non-finite ones.
-func (c SGDConfig) check() error {
-	for _, v := range []float64{c.LR, c.Momentum, c.Dampening, c.WeightDecay} {
-		if math.IsNaN(v) || math.IsInf(v, 0) {
-			return fmt.Errorf("optim: SGD: non-finite hyper-parameter in %+v", c)
-		}
-	}
-	switch {
-	case c.LR < 0:
-		return fmt.Errorf("optim: SGD: invalid learning rate %v (want ≥ 0)", c.LR)
-	case c.Momentum < 0:
-		return fmt.Errorf("optim: SGD: invalid momentum %v (want ≥ 0)", c.Momentum)
-	case c.WeightDecay < 0:
-		return fmt.Errorf("optim: SGD: invalid weight decay %v (want ≥ 0)", c.WeightDecay)
-	case c.Nesterov && (c.Momentum <= 0 || c.Dampening != 0):
-		return fmt.Errorf("optim: SGD: Nesterov momentum requires a momentum > 0 and zero dampening (momentum %v, dampening %v)", c.Momentum, c.Dampening)
-	}
-	return nil
-}
 
 // SGD is stochastic gradient descent over a fixed list of autograd leaves
 // with the semantics of PyTorch's torch.optim.SGD (foreach=False). For
@@ -69,31 +26,67 @@ func (c SGDConfig) check() error {
 // decays nor starts. Float32 parameters are updated in float32 arithmetic
 // (each coefficient rounded once), float64 in float64.
 type SGD struct {
-	// SGDConfig holds the hyper-parameters; they may be changed between
-	// steps (Step checks them again).
-	SGDConfig
+	// LR, Momentum, Dampening, WeightDecay, Nesterov and Maximize are the
+	// hyper-parameters, as set by NewSGD; they may be changed between
+	// steps (a learning-rate schedule sets LR), and Step checks them again.
+	LR, Momentum, Dampening, WeightDecay float64
+	Nesterov, Maximize                   bool
 
 	params []*autograd.Value
 	bufs   []any // momentum buffers: nil, []float32 or []float64
 }
 
+// sgdOptions are the options NewSGD takes.
+var sgdOptions = []string{"Momentum", "Dampening", "WeightDecay", "Nesterov", "Maximize"}
+
 // NewSGD returns an SGD optimizer for params (leaves that require grad,
-// each listed once, holding float32 or float64). It returns an error for
-// an invalid parameter list or hyper-parameters (negative learning rate,
-// momentum or weight decay, non-finite values, Nesterov without momentum
-// or with dampening).
-func NewSGD(params []*autograd.Value, cfg SGDConfig) (*SGD, error) {
-	if err := checkParams("SGD", params); err != nil {
+// each listed once, holding float32 or float64) with learning rate lr ≥ 0
+// (required, as in torch.optim.SGD) and PyTorch 1.13's defaults unless
+// opts say otherwise: Momentum 0, Dampening 0, WeightDecay 0, no
+// Nesterov, no Maximize. Errors wrap ErrInvalid: a bad parameter list, an
+// option SGD does not take, or hyper-parameters torch.optim.SGD rejects
+// (negative learning rate, momentum or weight decay; Nesterov without
+// momentum or with dampening) or that are not finite.
+func NewSGD(params []*autograd.Value, lr float64, opts ...Option) (*SGD, error) {
+	const op = "NewSGD"
+	if err := checkParams(op, params); err != nil {
 		return nil, err
 	}
-	if err := cfg.check(); err != nil {
+	c, err := newConfig(op, config{}, sgdOptions, opts)
+	if err != nil {
 		return nil, err
 	}
-	return &SGD{SGDConfig: cfg, params: slices.Clone(params), bufs: make([]any, len(params))}, nil
+	o := &SGD{
+		LR: lr, Momentum: c.momentum, Dampening: c.dampening, WeightDecay: c.weightDecay,
+		Nesterov: c.nesterov, Maximize: c.maximize,
+		params: slices.Clone(params), bufs: make([]any, len(params)),
+	}
+	if err := o.check(op); err != nil {
+		return nil, err
+	}
+	return o, nil
 }
 
-// Params returns the parameters, in the order given to NewSGD.
-func (o *SGD) Params() []*autograd.Value { return slices.Clone(o.params) }
+// check rejects hyper-parameters that torch.optim.SGD rejects, and
+// non-finite ones.
+func (o *SGD) check(op string) error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("optim: %s: %w: "+format, append([]any{op, ErrInvalid}, args...)...)
+	}
+	switch {
+	case !finite(o.LR, o.Momentum, o.Dampening, o.WeightDecay):
+		return bad("non-finite hyper-parameter in lr=%v momentum=%v dampening=%v weight_decay=%v", o.LR, o.Momentum, o.Dampening, o.WeightDecay)
+	case o.LR < 0:
+		return bad("invalid learning rate %v (want ≥ 0)", o.LR)
+	case o.Momentum < 0:
+		return bad("invalid momentum %v (want ≥ 0)", o.Momentum)
+	case o.WeightDecay < 0:
+		return bad("invalid weight decay %v (want ≥ 0)", o.WeightDecay)
+	case o.Nesterov && (o.Momentum <= 0 || o.Dampening != 0):
+		return bad("Nesterov momentum requires a momentum > 0 and zero dampening (momentum %v, dampening %v)", o.Momentum, o.Dampening)
+	}
+	return nil
+}
 
 // HasMomentumBuffer reports whether parameter i has a momentum buffer
 // (it has one after its first update with Momentum ≠ 0); false if i is out
@@ -108,17 +101,18 @@ func (o *SGD) HasMomentumBuffer(i int) bool {
 // with the parameter's (on every mesh axis of size > 1 both sharded on the
 // same dim, in the same shard order, or neither) and must not be Partial:
 // reduce it first (DDP's all-reduce, FSDP's reduce-scatter). Step checks
-// the hyper-parameters and every parameter before updating any; on an
-// error nothing has changed.
+// the hyper-parameters and every parameter before updating any; errors
+// wrap ErrInvalid, and on an error nothing has changed.
 func (o *SGD) Step() error {
-	if err := o.check(); err != nil {
+	const op = "SGD.Step"
+	if err := o.check(op); err != nil {
 		return err
 	}
 	var errs []error
 	for _, p := range o.params {
 		if g := p.Grad(); g != nil {
 			if err := lineUp(p.Data(), g); err != nil {
-				errs = append(errs, fmt.Errorf("optim: SGD: %q: %w", p.Name(), err))
+				errs = append(errs, fmt.Errorf("optim: %s: %w: %q: %w", op, ErrInvalid, p.Name(), err))
 			}
 		}
 	}
@@ -132,9 +126,9 @@ func (o *SGD) Step() error {
 		}
 		switch pd := p.Data().LocalData().(type) {
 		case []float32:
-			o.bufs[i] = sgdUpdate(o.SGDConfig, pd, g.LocalData().([]float32), o.bufs[i])
+			o.bufs[i] = sgdUpdate(o, pd, g.LocalData().([]float32), o.bufs[i])
 		case []float64:
-			o.bufs[i] = sgdUpdate(o.SGDConfig, pd, g.LocalData().([]float64), o.bufs[i])
+			o.bufs[i] = sgdUpdate(o, pd, g.LocalData().([]float64), o.bufs[i])
 		}
 	}
 	return nil
@@ -143,7 +137,7 @@ func (o *SGD) Step() error {
 // sgdUpdate applies one SGD step to p with gradient g and returns the
 // momentum buffer (buf is the previous one: nil before the first step, or
 // a []T of len(p)). Every intermediate is rounded to T.
-func sgdUpdate[T Float](c SGDConfig, p, g []T, buf any) any {
+func sgdUpdate[T Float](c *SGD, p, g []T, buf any) any {
 	n := len(p)
 	g = g[:n]
 	lr, wd, mu, damp := T(c.LR), T(c.WeightDecay), T(c.Momentum), T(1-c.Dampening)
@@ -186,22 +180,22 @@ func sgdUpdate[T Float](c SGDConfig, p, g []T, buf any) any {
 
 // checkParams validates an optimizer's parameter list: non-nil leaves that
 // require grad, each listed once, holding float32 or float64 blocks.
-func checkParams(opt string, params []*autograd.Value) error {
+func checkParams(op string, params []*autograd.Value) error {
 	seen := map[*autograd.Value]bool{}
 	for i, p := range params {
 		switch {
 		case p == nil || p.Data() == nil:
-			return fmt.Errorf("optim: %s: parameter %d is nil", opt, i)
+			return fmt.Errorf("optim: %s: %w: parameter %d is nil", op, ErrInvalid, i)
 		case !p.IsLeaf() || !p.RequiresGrad():
-			return fmt.Errorf("optim: %s: %q (parameter %d) is not a leaf that requires grad", opt, p.Name(), i)
+			return fmt.Errorf("optim: %s: %w: %q (parameter %d) is not a leaf that requires grad", op, ErrInvalid, p.Name(), i)
 		case seen[p]:
-			return fmt.Errorf("optim: %s: %q (parameter %d) is listed twice", opt, p.Name(), i)
+			return fmt.Errorf("optim: %s: %w: %q (parameter %d) is listed twice", op, ErrInvalid, p.Name(), i)
 		}
 		seen[p] = true
 		switch p.Data().LocalData().(type) {
 		case []float32, []float64:
 		default:
-			return fmt.Errorf("optim: %s: %q holds %T", opt, p.Name(), p.Data().LocalData())
+			return fmt.Errorf("optim: %s: %w: %q holds %T; want float32 or float64", op, ErrInvalid, p.Name(), p.Data().LocalData())
 		}
 	}
 	return nil

@@ -2,6 +2,7 @@ package optim_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -17,10 +18,44 @@ import (
 	"gorgonia.org/tensor"
 )
 
+// sgdHyper is one test's SGD hyper-parameters, with torch.optim.SGD's
+// meanings.
+type sgdHyper struct {
+	LR, Momentum, Dampening, WeightDecay float64
+	Nesterov, Maximize                   bool
+}
+
+// opts returns the options that set h's values other than LR (NewSGD's
+// positional argument); defaults are left to NewSGD.
+func (h sgdHyper) opts() []optim.Option {
+	var o []optim.Option
+	if h.Momentum != 0 {
+		o = append(o, optim.Momentum(h.Momentum))
+	}
+	if h.Dampening != 0 {
+		o = append(o, optim.Dampening(h.Dampening))
+	}
+	if h.WeightDecay != 0 {
+		o = append(o, optim.WeightDecay(h.WeightDecay))
+	}
+	if h.Nesterov {
+		o = append(o, optim.Nesterov())
+	}
+	if h.Maximize {
+		o = append(o, optim.Maximize())
+	}
+	return o
+}
+
+// set writes h into o's fields, as a schedule would between steps.
+func (h sgdHyper) set(o *optim.SGD) {
+	o.LR, o.Momentum, o.Dampening, o.WeightDecay, o.Nesterov, o.Maximize = h.LR, h.Momentum, h.Dampening, h.WeightDecay, h.Nesterov, h.Maximize
+}
+
 // sgdRef is torch.optim.SGD's single-tensor update (_single_tensor_sgd)
 // in float64, written as PyTorch's sequence of tensor ops, for one tensor
 // over several steps; a nil gradient skips the step (grad None).
-func sgdRef(c optim.SGDConfig, p0 []float64, grads [][]float64) []float64 {
+func sgdRef(c sgdHyper, p0 []float64, grads [][]float64) []float64 {
 	p := slices.Clone(p0)
 	var buf []float64 // nil until the first step with momentum
 	for _, g := range grads {
@@ -64,15 +99,15 @@ func sgdRef(c optim.SGDConfig, p0 []float64, grads [][]float64) []float64 {
 // sgdConfigs covers every branch of the update.
 var sgdConfigs = []struct {
 	name string
-	cfg  optim.SGDConfig
+	cfg  sgdHyper
 }{
-	{"plain", optim.SGDConfig{LR: 0.1}},
-	{"momentum", optim.SGDConfig{LR: 0.05, Momentum: 0.9}},
-	{"dampening", optim.SGDConfig{LR: 0.05, Momentum: 0.8, Dampening: 0.3}},
-	{"nesterov", optim.SGDConfig{LR: 0.05, Momentum: 0.9, Nesterov: true}},
-	{"weight decay", optim.SGDConfig{LR: 0.1, WeightDecay: 0.01}},
-	{"all", optim.SGDConfig{LR: 0.02, Momentum: 0.7, Dampening: 0.1, WeightDecay: 0.05, Maximize: true}},
-	{"nesterov wd maximize", optim.SGDConfig{LR: 0.02, Momentum: 0.5, WeightDecay: 0.1, Nesterov: true, Maximize: true}},
+	{"plain", sgdHyper{LR: 0.1}},
+	{"momentum", sgdHyper{LR: 0.05, Momentum: 0.9}},
+	{"dampening", sgdHyper{LR: 0.05, Momentum: 0.8, Dampening: 0.3}},
+	{"nesterov", sgdHyper{LR: 0.05, Momentum: 0.9, Nesterov: true}},
+	{"weight decay", sgdHyper{LR: 0.1, WeightDecay: 0.01}},
+	{"all", sgdHyper{LR: 0.02, Momentum: 0.7, Dampening: 0.1, WeightDecay: 0.05, Maximize: true}},
+	{"nesterov wd maximize", sgdHyper{LR: 0.02, Momentum: 0.5, WeightDecay: 0.1, Nesterov: true, Maximize: true}},
 }
 
 // sgdParam is one parameter of a test: its global shape, placements on
@@ -86,7 +121,7 @@ type sgdParam struct {
 // runSGD builds the parameters on m with dtype dt, runs steps SGD steps
 // with fresh gradients each step (none for a skipping parameter at step
 // 1) and compares every parameter's global value with sgdRef.
-func runSGD(t *testing.T, ctx context.Context, m *mesh.Mesh, dt comm.DType, cfg optim.SGDConfig, params []sgdParam, tol float64) error {
+func runSGD(t *testing.T, ctx context.Context, m *mesh.Mesh, dt comm.DType, cfg sgdHyper, params []sgdParam, tol float64) error {
 	const steps = 4
 	tape := autograd.NewTape()
 	vals := make([]*autograd.Value, len(params))
@@ -105,7 +140,7 @@ func runSGD(t *testing.T, ctx context.Context, m *mesh.Mesh, dt comm.DType, cfg 
 		}
 		specs[i] = s
 	}
-	opt, err := optim.NewSGD(vals, cfg)
+	opt, err := optim.NewSGD(vals, cfg.LR, cfg.opts()...)
 	if err != nil {
 		return err
 	}
@@ -225,7 +260,7 @@ func TestSGDSkipKeepsMomentum(t *testing.T) {
 		rep := []placement.Placement{placement.Replicate()}
 		a := param(t, tape, m, "a", rep, []float32{1, 2})
 		b := param(t, tape, m, "b", rep, []float32{3, 4})
-		opt, err := optim.NewSGD([]*autograd.Value{a, b}, optim.SGDConfig{LR: 0.5, Momentum: 0.9, WeightDecay: 0.1})
+		opt, err := optim.NewSGD([]*autograd.Value{a, b}, 0.5, optim.Momentum(0.9), optim.WeightDecay(0.1))
 		if err != nil {
 			return err
 		}
@@ -258,34 +293,34 @@ func TestSGDSkipKeepsMomentum(t *testing.T) {
 func TestSGDRejects(t *testing.T) {
 	for _, c := range []struct {
 		name string
-		cfg  optim.SGDConfig
+		cfg  sgdHyper
 		text string
 	}{
-		{"negative lr", optim.SGDConfig{LR: -1}, "invalid learning rate -1"},
-		{"negative momentum", optim.SGDConfig{LR: 1, Momentum: -0.1}, "invalid momentum"},
-		{"negative wd", optim.SGDConfig{LR: 1, WeightDecay: -0.1}, "invalid weight decay"},
-		{"nan", optim.SGDConfig{LR: math.NaN()}, "non-finite"},
-		{"nesterov no momentum", optim.SGDConfig{LR: 1, Nesterov: true}, "Nesterov momentum requires"},
-		{"nesterov dampening", optim.SGDConfig{LR: 1, Momentum: 0.9, Dampening: 0.1, Nesterov: true}, "zero dampening"},
+		{"negative lr", sgdHyper{LR: -1}, "invalid learning rate -1"},
+		{"negative momentum", sgdHyper{LR: 1, Momentum: -0.1}, "invalid momentum"},
+		{"negative wd", sgdHyper{LR: 1, WeightDecay: -0.1}, "invalid weight decay"},
+		{"nan", sgdHyper{LR: math.NaN()}, "non-finite"},
+		{"nesterov no momentum", sgdHyper{LR: 1, Nesterov: true}, "Nesterov momentum requires"},
+		{"nesterov dampening", sgdHyper{LR: 1, Momentum: 0.9, Dampening: 0.1, Nesterov: true}, "zero dampening"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 				tape := autograd.NewTape()
 				a := param(t, tape, m, "a", []placement.Placement{placement.Replicate()}, []float32{1})
-				if _, err := optim.NewSGD([]*autograd.Value{a}, c.cfg); err == nil || !strings.Contains(err.Error(), c.text) {
+				if _, err := optim.NewSGD([]*autograd.Value{a}, c.cfg.LR, c.cfg.opts()...); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), c.text) {
 					t.Errorf("NewSGD: %v, want an error containing %q", err, c.text)
 				}
-				opt, err := optim.NewSGD([]*autograd.Value{a}, optim.SGDConfig{LR: 1})
+				opt, err := optim.NewSGD([]*autograd.Value{a}, 1)
 				if err != nil {
 					return err
 				}
-				opt.SGDConfig = c.cfg // "may be changed between steps"
+				c.cfg.set(opt) // "may be changed between steps"
 				s, _ := placement.NewSpec(m, []int{1}, comm.Float32, []placement.Placement{placement.Replicate()})
 				g, _ := placement.NewLocal(s, []float32{1})
 				if err := a.SetGrad(g); err != nil {
 					return err
 				}
-				if err := opt.Step(); err == nil || !strings.Contains(err.Error(), c.text) {
+				if err := opt.Step(); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), c.text) {
 					t.Errorf("Step: %v, want an error containing %q", err, c.text)
 				}
 				if got := a.Data().LocalData().([]float32); got[0] != 1 {
@@ -298,14 +333,14 @@ func TestSGDRejects(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
 		a := param(t, tape, m, "a", []placement.Placement{placement.Replicate()}, []float32{1})
-		if _, err := optim.NewSGD([]*autograd.Value{a, a}, optim.SGDConfig{LR: 1}); err == nil || !strings.Contains(err.Error(), "listed twice") {
+		if _, err := optim.NewSGD([]*autograd.Value{a, a}, 1); err == nil || !strings.Contains(err.Error(), "listed twice") {
 			t.Errorf("duplicate parameter: %v", err)
 		}
 		c, _ := tape.Constant(a.Data())
-		if _, err := optim.NewSGD([]*autograd.Value{c}, optim.SGDConfig{LR: 1}); err == nil || !strings.Contains(err.Error(), "not a leaf that requires grad") {
+		if _, err := optim.NewSGD([]*autograd.Value{c}, 1); err == nil || !strings.Contains(err.Error(), "not a leaf that requires grad") {
 			t.Errorf("constant: %v", err)
 		}
-		if _, err := optim.NewSGD([]*autograd.Value{nil}, optim.SGDConfig{LR: 1}); err == nil || !strings.Contains(err.Error(), "parameter 0 is nil") {
+		if _, err := optim.NewSGD([]*autograd.Value{nil}, 1); err == nil || !strings.Contains(err.Error(), "parameter 0 is nil") {
 			t.Errorf("nil parameter: %v", err)
 		}
 		return nil
@@ -343,11 +378,11 @@ func TestSGDRejectsMisalignedGradients(t *testing.T) {
 				if err := good.SetGrad(gg); err != nil {
 					return err
 				}
-				opt, err := optim.NewSGD([]*autograd.Value{good, p}, optim.SGDConfig{LR: 0.1})
+				opt, err := optim.NewSGD([]*autograd.Value{good, p}, 0.1)
 				if err != nil {
 					return err
 				}
-				if err := opt.Step(); err == nil || !strings.Contains(err.Error(), `optim: SGD: "p": `+c.text) {
+				if err := opt.Step(); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), `optim: SGD.Step: invalid argument: "p": `+c.text) {
 					t.Errorf("Step: %v, want %q", err, c.text)
 				}
 				if got := good.Data().LocalData().([]float32); got[0] != 1 {

@@ -357,7 +357,7 @@ func TestUnusedParameter(t *testing.T) {
 			}
 			// The optimizer accepts the reduced gradients and, like serial
 			// training, leaves the unused parameter alone.
-			opt, err := optim.NewAdamW(n.params, 1e-3, 0.1, 0.9, 0.999, 1e-8)
+			opt, err := optim.NewAdamW(n.params, optim.LR(1e-3), optim.WeightDecay(0.1), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
 			if err != nil {
 				return err
 			}
@@ -389,7 +389,7 @@ func TestOptimizerRefusesUnreduced(t *testing.T) {
 		if err := n.step(ctx, m, 0, 12); err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW(n.params, 1e-3, 0.1, 0.9, 0.999, 1e-8)
+		opt, err := optim.NewAdamW(n.params, optim.LR(1e-3), optim.WeightDecay(0.1), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
 		if err != nil {
 			return err
 		}

@@ -125,7 +125,9 @@ func TestParityAdamWOnFixtureGradients(t *testing.T) {
 	for _, p := range cfg.Params() {
 		pv := slices.Clone(ref.init[p.Name])
 		m, v := make([]float32, len(pv)), make([]float32, len(pv))
-		optim.Update(c, pv, ref.grad1[p.Name], m, v)
+		if err := optim.Update(c, pv, ref.grad1[p.Name], m, v); err != nil {
+			t.Fatal(err)
+		}
 		d := maxAbs(pv, ref.after1[p.Name])
 		worst = max(worst, d)
 		for i, x := range pv {
@@ -199,7 +201,7 @@ func runStep(ref *reference) (*stepResult, error) {
 			}
 			res.grads[p.Name()] = slices.Clone(gd)
 		}
-		opt, err := optim.NewAdamW(md.Params(), cfg.LR, cfg.WD, cfg.Beta1, cfg.Beta2, cfg.Eps)
+		opt, err := optim.NewAdamW(md.Params(), optim.LR(cfg.LR), optim.WeightDecay(cfg.WD), optim.Betas(cfg.Beta1, cfg.Beta2), optim.Eps(cfg.Eps))
 		if err != nil {
 			return err
 		}

@@ -74,6 +74,9 @@ func (tl *Timeline) WriteChrome(w io.Writer) error {
 	all = slices.Compact(all)
 	tids := make(map[prow]int, len(all))
 
+	// bufio.Writer's errors are sticky: after the first failed write every
+	// later write and Flush return it, so the writes below that do not
+	// check their error lose nothing; Flush is checked at the end.
 	bw := bufio.NewWriter(w)
 	first := true
 	emit := func(ce *chromeEvent) error {
@@ -240,9 +243,11 @@ func (tl *Timeline) WriteChromeFile(path string) error {
 		return fmt.Errorf("trace: writing %s: %w", path, err)
 	}
 	tmp := f.Name()
+	// Cleanup after a failure drops its own errors: the first error is
+	// the one to report, and a temporary file left behind is harmless.
 	fail := func(err error) error {
-		f.Close()
-		os.Remove(tmp)
+		_ = f.Close()
+		_ = os.Remove(tmp)
 		return fmt.Errorf("trace: writing %s: %w", path, err)
 	}
 	if err := tl.WriteChrome(f); err != nil {
@@ -252,11 +257,11 @@ func (tl *Timeline) WriteChromeFile(path string) error {
 		return fail(err)
 	}
 	if err := f.Close(); err != nil {
-		os.Remove(tmp)
+		_ = os.Remove(tmp) // cleanup, as in fail
 		return fmt.Errorf("trace: writing %s: %w", path, err)
 	}
 	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
+		_ = os.Remove(tmp) // cleanup, as in fail
 		return fmt.Errorf("trace: writing %s: %w", path, err)
 	}
 	return nil

@@ -78,3 +78,9 @@
 // One Timeline should trace one world: groups are identified by the world
 // communicator's size and the sequence of Splits made on it.
 package trace
+
+import "github.com/b7ea7098/loom"
+
+// ErrInvalid marks arguments rejected without recording anything (an
+// invalid Lane); errors.Is(err, loom.ErrInvalid) matches it too.
+var ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)

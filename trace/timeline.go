@@ -194,14 +194,14 @@ func (s Span) End() {
 }
 
 // Record adds a span of the given lane to rank. An end before start is
-// recorded as a zero-length span at start. It returns an error only for an
-// invalid lane.
+// recorded as a zero-length span at start. It returns an error, wrapping
+// ErrInvalid, only for an invalid lane.
 func (tl *Timeline) Record(rank int, lane Lane, name string, start, end time.Time) error {
 	if tl == nil {
 		return nil
 	}
 	if !lane.Valid() {
-		return fmt.Errorf("trace: Record %q on rank %d: invalid lane %d", name, rank, lane)
+		return fmt.Errorf("trace: Record %q on rank %d: %w: lane %d", name, rank, ErrInvalid, lane)
 	}
 	s, e := tl.since(start), tl.since(end)
 	tl.add(event{start: s, end: max(s, e), issued: s, name: name, rank: int32(rank), group: -1, peer: -1, lane: lane})

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -60,8 +61,8 @@ func TestBeginRecordLanes(t *testing.T) {
 	if err := tl.Record(1, trace.LaneWait, "w", tl.Epoch().Add(time.Millisecond), tl.Epoch()); err != nil {
 		t.Fatal(err)
 	}
-	if err := tl.Record(1, trace.Lane(9), "bad", time.Now(), time.Now()); err == nil {
-		t.Error("Record with an invalid lane: no error")
+	if err := tl.Record(1, trace.Lane(9), "bad", time.Now(), time.Now()); !errors.Is(err, trace.ErrInvalid) {
+		t.Errorf("Record with an invalid lane: %v, want ErrInvalid", err)
 	}
 	evs := tl.Events()
 	var got []string

@@ -11,8 +11,8 @@ import (
 const maxLine = 64 << 10
 
 // syncWriter serializes whole writes to one destination, so lines written
-// by different ranks never mix. Write errors are remembered, not returned:
-// a closed terminal must not stop the children.
+// by different ranks never mix. Write errors are dropped: a closed
+// terminal must not stop the children.
 type syncWriter struct {
 	mu sync.Mutex
 	w  io.Writer
@@ -20,7 +20,7 @@ type syncWriter struct {
 
 func (s *syncWriter) write(b []byte) {
 	s.mu.Lock()
-	s.w.Write(b)
+	_, _ = s.w.Write(b) // dropped on purpose, see syncWriter
 	s.mu.Unlock()
 }
 

@@ -76,7 +76,7 @@ func (l *Lib) Open(ordinal int) (*Context, error) {
 		return nil, err
 	}
 	if ordinal < 0 || ordinal > math.MaxInt32 {
-		return nil, fmt.Errorf("cuda: Open: bad device ordinal %d", ordinal)
+		return nil, fmt.Errorf("cuda: Open: %w: bad device ordinal %d", ErrInvalid, ordinal)
 	}
 	what := fmt.Sprintf("opening device %d", ordinal)
 	c := &Context{lib: l, ordinal: ordinal}
@@ -140,12 +140,12 @@ func (c *Context) Close() error {
 // read locks that keep c and its Lib open.
 func (c *Context) do(what string, f func(d *driverFns) error) error {
 	if c == nil {
-		return fmt.Errorf("cuda: %s: nil Context", what)
+		return fmt.Errorf("cuda: %s: %w: nil Context", what, ErrInvalid)
 	}
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	if c.closed {
-		return fmt.Errorf("cuda: %s: Context is closed", what)
+		return fmt.Errorf("cuda: %s: %w: Context is closed", what, ErrInvalid)
 	}
 	c.lib.mu.RLock()
 	defer c.lib.mu.RUnlock()
@@ -165,7 +165,7 @@ func (c *Context) do(what string, f func(d *driverFns) error) error {
 // with [Context.Free]. A zero-byte request returns the zero Buffer.
 func (c *Context) Alloc(bytes int) (Buffer, error) {
 	if bytes < 0 {
-		return Buffer{}, fmt.Errorf("cuda: Alloc: negative size %d", bytes)
+		return Buffer{}, fmt.Errorf("cuda: Alloc: %w: negative size %d", ErrInvalid, bytes)
 	}
 	if bytes == 0 {
 		return Buffer{}, nil
@@ -194,7 +194,7 @@ func (c *Context) Free(b Buffer) error {
 // Zero sets the first bytes bytes of b to zero (cuMemsetD8_v2).
 func (c *Context) Zero(b Buffer, bytes int) error {
 	if bytes < 0 || bytes > b.Bytes {
-		return fmt.Errorf("cuda: Zero: %d bytes of a %d-byte buffer", bytes, b.Bytes)
+		return fmt.Errorf("cuda: Zero: %w: %d bytes of a %d-byte buffer", ErrInvalid, bytes, b.Bytes)
 	}
 	if bytes == 0 {
 		return nil
@@ -208,7 +208,7 @@ func (c *Context) Zero(b Buffer, bytes int) error {
 // (cuMemcpyDtoD_v2), ordered with the kernels launched through c.
 func (c *Context) CopyDtoD(dst, src Buffer, bytes int) error {
 	if bytes < 0 || bytes > dst.Bytes || bytes > src.Bytes {
-		return fmt.Errorf("cuda: CopyDtoD: %d bytes from a %d-byte into a %d-byte buffer", bytes, src.Bytes, dst.Bytes)
+		return fmt.Errorf("cuda: CopyDtoD: %w: %d bytes from a %d-byte into a %d-byte buffer", ErrInvalid, bytes, src.Bytes, dst.Bytes)
 	}
 	if bytes == 0 {
 		return nil
@@ -229,7 +229,7 @@ type Elem interface {
 func CopyToDevice[T Elem](c *Context, dst Buffer, src []T) error {
 	n := len(src) * int(unsafe.Sizeof(*new(T)))
 	if n > dst.Bytes {
-		return fmt.Errorf("cuda: CopyToDevice: %d bytes into a %d-byte buffer", n, dst.Bytes)
+		return fmt.Errorf("cuda: CopyToDevice: %w: %d bytes into a %d-byte buffer", ErrInvalid, n, dst.Bytes)
 	}
 	if n == 0 {
 		return nil
@@ -248,7 +248,7 @@ func CopyToDevice[T Elem](c *Context, dst Buffer, src []T) error {
 func CopyFromDevice[T Elem](c *Context, dst []T, src Buffer) error {
 	n := len(dst) * int(unsafe.Sizeof(*new(T)))
 	if n > src.Bytes {
-		return fmt.Errorf("cuda: CopyFromDevice: %d bytes from a %d-byte buffer", n, src.Bytes)
+		return fmt.Errorf("cuda: CopyFromDevice: %w: %d bytes from a %d-byte buffer", ErrInvalid, n, src.Bytes)
 	}
 	if n == 0 {
 		return nil
@@ -291,7 +291,7 @@ func (f Function) Name() string { return f.name }
 // LoadModule loads a cubin or NUL-terminated PTX image (cuModuleLoadData).
 func (c *Context) LoadModule(image []byte) (*Module, error) {
 	if len(image) == 0 {
-		return nil, fmt.Errorf("cuda: LoadModule: empty image")
+		return nil, fmt.Errorf("cuda: LoadModule: %w: empty image", ErrInvalid)
 	}
 	var mod uintptr
 	err := c.do("LoadModule", func(d *driverFns) error {
@@ -310,7 +310,7 @@ func (m *Module) Function(name string) (Function, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return Function{}, fmt.Errorf("cuda: Function %s: Module is closed", name)
+		return Function{}, fmt.Errorf("cuda: Function %s: %w: Module is closed", name, ErrInvalid)
 	}
 	var fn uintptr
 	err := m.ctx.do("Function", func(d *driverFns) error {
@@ -342,10 +342,10 @@ func (m *Module) Close() error {
 // call.
 func (c *Context) Launch(f Function, grid, block Dim3, sharedBytes int, args ...any) error {
 	if f.fn == 0 {
-		return fmt.Errorf("cuda: Launch: zero Function")
+		return fmt.Errorf("cuda: Launch: %w: zero Function", ErrInvalid)
 	}
 	if sharedBytes < 0 || uint64(sharedBytes) > math.MaxUint32 {
-		return fmt.Errorf("cuda: Launch %s: bad shared memory size %d", f.name, sharedBytes)
+		return fmt.Errorf("cuda: Launch %s: %w: bad shared memory size %d", f.name, ErrInvalid, sharedBytes)
 	}
 	k, err := packArgs(args)
 	if err != nil {
@@ -377,12 +377,15 @@ func (c *Context) Time(f func() error) (time.Duration, error) {
 			return err
 		}
 		if err := c.lib.cuCheck("cuEventCreate", d.cuEventCreate(&end, 0), "timing"); err != nil {
-			_ = d.cuEventDestroy_v2(start)
+			_ = d.cuEventDestroy_v2(start) // cleanup; the create error is the one to report
 			start = 0
 			return err
 		}
 		return c.lib.cuCheck("cuEventRecord", d.cuEventRecord(start, 0), "timing")
 	})
+	// destroy releases the events; a failure to destroy one leaks an
+	// event handle and is not worth failing a timing that succeeded, so its
+	// errors are dropped.
 	destroy := func() {
 		_ = c.do("Time", func(d *driverFns) error {
 			if start != 0 {

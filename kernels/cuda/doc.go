@@ -52,3 +52,19 @@
 // agreement with package kernels' CPU kernels on random data, and bandwidth
 // against cuMemcpyDtoD of the same bytes.
 package cuda
+
+import "github.com/b7ea7098/loom"
+
+// Error kinds of the package's own checks (the driver's and NVRTC's
+// failures are *Error, *CompileError and *LoadError).
+var (
+	// ErrInvalid marks arguments rejected before any driver call: a nil
+	// or closed Lib, Context, Module or MoE, sizes that do not fit their
+	// buffers, kernel arguments of the wrong type, a routing that is not
+	// planned. errors.Is(err, loom.ErrInvalid) matches it too.
+	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
+	// ErrUnsupported marks a well-formed request this setup cannot serve:
+	// a library turned off by its environment variable, a device newer
+	// than every architecture NVRTC can target.
+	ErrUnsupported = loom.NewSentinel("unsupported", loom.ErrUnsupported)
+)

@@ -132,6 +132,9 @@ func TestFakeDriver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if f.Name() != kGatherW4 {
+		t.Errorf("Function.Name() = %q, want %q", f.Name(), kGatherW4)
+	}
 	if err := c.Launch(f, Dim3{X: 1}, Dim3{X: 32}, 0, 5); err == nil || !strings.Contains(err.Error(), "is an int") {
 		t.Errorf("Launch with an int: %v", err)
 	}

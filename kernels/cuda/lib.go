@@ -281,7 +281,7 @@ func Load(opts ...Option) (*Lib, error) {
 	}
 	if l.drv != nil {
 		if err := l.cuCheck("cuInit", l.drv.cuInit(0), "initialising the driver"); err != nil {
-			_ = l.Close()
+			_ = l.Close() // the cuInit error is the one to report
 			return nil, err
 		}
 	}
@@ -324,11 +324,11 @@ func (l *Lib) Close() error {
 func (l *Lib) driver(what string) (*driverFns, error) {
 	switch {
 	case l == nil:
-		return nil, fmt.Errorf("cuda: %s: nil Lib", what)
+		return nil, fmt.Errorf("cuda: %s: %w: nil Lib", what, ErrInvalid)
 	case l.closed:
-		return nil, fmt.Errorf("cuda: %s: Lib is closed", what)
+		return nil, fmt.Errorf("cuda: %s: %w: Lib is closed", what, ErrInvalid)
 	case l.drv == nil:
-		return nil, fmt.Errorf("cuda: %s: the CUDA driver was not loaded (%s=off)", what, DriverEnv)
+		return nil, fmt.Errorf("cuda: %s: %w: the CUDA driver was not loaded (%s=off)", what, ErrUnsupported, DriverEnv)
 	}
 	return l.drv, nil
 }
@@ -338,11 +338,11 @@ func (l *Lib) driver(what string) (*driverFns, error) {
 func (l *Lib) nvrtc(what string) (*nvrtcFns, error) {
 	switch {
 	case l == nil:
-		return nil, fmt.Errorf("cuda: %s: nil Lib", what)
+		return nil, fmt.Errorf("cuda: %s: %w: nil Lib", what, ErrInvalid)
 	case l.closed:
-		return nil, fmt.Errorf("cuda: %s: Lib is closed", what)
+		return nil, fmt.Errorf("cuda: %s: %w: Lib is closed", what, ErrInvalid)
 	case l.rtc == nil:
-		return nil, fmt.Errorf("cuda: %s: NVRTC was not loaded (%s=off)", what, NVRTCEnv)
+		return nil, fmt.Errorf("cuda: %s: %w: NVRTC was not loaded (%s=off)", what, ErrUnsupported, NVRTCEnv)
 	}
 	return l.rtc, nil
 }

@@ -51,7 +51,7 @@ func (t DType) String() string {
 // nothing at or below cc.
 func ChooseArch(cc int, supported []int) (arch int, ptx bool, err error) {
 	if cc <= 0 {
-		return 0, false, fmt.Errorf("cuda: ChooseArch: bad compute capability %d", cc)
+		return 0, false, fmt.Errorf("cuda: ChooseArch: %w: bad compute capability %d", ErrInvalid, cc)
 	}
 	if len(supported) == 0 {
 		return cc, false, nil
@@ -73,7 +73,7 @@ func ChooseArch(cc int, supported []int) (arch int, ptx bool, err error) {
 	if best > 0 {
 		return best, true, nil
 	}
-	return 0, false, fmt.Errorf("cuda: ChooseArch: NVRTC supports architectures %v, none at or below the device's %d", supported, cc)
+	return 0, false, fmt.Errorf("cuda: ChooseArch: %w: NVRTC supports architectures %v, none at or below the device's %d", ErrUnsupported, supported, cc)
 }
 
 // MoE holds the compiled permute kernels of [Source] loaded on one
@@ -95,7 +95,7 @@ type MoE struct {
 // and loads it on c.
 func NewMoE(c *Context) (*MoE, error) {
 	if c == nil {
-		return nil, fmt.Errorf("cuda: NewMoE: nil Context")
+		return nil, fmt.Errorf("cuda: NewMoE: %w: nil Context", ErrInvalid)
 	}
 	archs, err := c.lib.SupportedArchs()
 	if err != nil {
@@ -117,7 +117,7 @@ func NewMoE(c *Context) (*MoE, error) {
 	for _, n := range KernelNames() {
 		f, err := mod.Function(n)
 		if err != nil {
-			_ = mod.Close()
+			_ = mod.Close() // cleanup; the lookup error is the one to report
 			return nil, fmt.Errorf("cuda: NewMoE: %w", err)
 		}
 		m.fns[n] = f
@@ -143,12 +143,12 @@ func (m *MoE) Close() error {
 // fn returns kernel name, or an error when m is closed.
 func (m *MoE) fn(name string) (Function, error) {
 	if m == nil {
-		return Function{}, fmt.Errorf("cuda: %s: nil MoE", name)
+		return Function{}, fmt.Errorf("cuda: %s: %w: nil MoE", name, ErrInvalid)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return Function{}, fmt.Errorf("cuda: %s: MoE is closed", name)
+		return Function{}, fmt.Errorf("cuda: %s: %w: MoE is closed", name, ErrInvalid)
 	}
 	return m.fns[name], nil
 }
@@ -169,12 +169,12 @@ type DeviceRouting struct {
 // entry is in range (so that no kernel can read outside its buffers).
 func (m *MoE) Upload(r *kernels.Routing) (*DeviceRouting, error) {
 	if r == nil {
-		return nil, fmt.Errorf("cuda: Upload: nil Routing")
+		return nil, fmt.Errorf("cuda: Upload: %w: nil Routing", ErrInvalid)
 	}
 	slots, rows := len(r.SlotRow), len(r.RowSlot)
 	if r.TopK < 1 || slots != r.Tokens*r.TopK || rows != r.Rows() {
-		return nil, fmt.Errorf("cuda: Upload: Routing is not planned (tokens %d, top-k %d, %d rows, %d slot map, %d row map)",
-			r.Tokens, r.TopK, r.Rows(), slots, rows)
+		return nil, fmt.Errorf("cuda: Upload: %w: Routing is not planned (tokens %d, top-k %d, %d rows, %d slot map, %d row map)",
+			ErrInvalid, r.Tokens, r.TopK, r.Rows(), slots, rows)
 	}
 	if err := checkIndex("Upload: RowSlot", r.RowSlot, slots); err != nil {
 		return nil, err
@@ -188,7 +188,7 @@ func (m *MoE) Upload(r *kernels.Routing) (*DeviceRouting, error) {
 		return nil, fmt.Errorf("cuda: Upload: %w", err)
 	}
 	if d.SlotRow, err = uploadInt32(m.ctx, r.SlotRow); err != nil {
-		_ = m.ctx.Free(d.RowSlot)
+		_ = m.ctx.Free(d.RowSlot) // cleanup; the upload error is the one to report
 		return nil, fmt.Errorf("cuda: Upload: %w", err)
 	}
 	return d, nil
@@ -212,7 +212,7 @@ func (d *DeviceRouting) Free() error {
 func checkIndex(what string, idx []int32, limit int) error {
 	for i, v := range idx {
 		if v < -1 || int(v) >= limit {
-			return fmt.Errorf("cuda: %s[%d] = %d, want -1 or [0, %d)", what, i, v, limit)
+			return fmt.Errorf("cuda: %s[%d]: %w: %d, want -1 or [0, %d)", what, i, ErrInvalid, v, limit)
 		}
 	}
 	return nil
@@ -225,7 +225,7 @@ func uploadInt32(c *Context, idx []int32) (Buffer, error) {
 		return Buffer{}, err
 	}
 	if err := CopyToDevice(c, b, idx); err != nil {
-		_ = c.Free(b)
+		_ = c.Free(b) // cleanup; the copy error is the one to report
 		return Buffer{}, err
 	}
 	return b, nil
@@ -274,17 +274,17 @@ func (r *RowMap) Free() error {
 // the inverse, as [kernels.GroupByRank].
 func GroupIndex(counts []int, ranks, local int, toExpert bool) ([]int32, error) {
 	if ranks < 0 || local < 0 || len(counts) != ranks*local {
-		return nil, fmt.Errorf("cuda: GroupIndex: %d counts for %d ranks × %d local experts", len(counts), ranks, local)
+		return nil, fmt.Errorf("cuda: GroupIndex: %w: %d counts for %d ranks × %d local experts", ErrInvalid, len(counts), ranks, local)
 	}
 	total := 0
 	for i, c := range counts {
 		if c < 0 {
-			return nil, fmt.Errorf("cuda: GroupIndex: counts[%d] = %d is negative", i, c)
+			return nil, fmt.Errorf("cuda: GroupIndex: %w: counts[%d] = %d is negative", ErrInvalid, i, c)
 		}
 		total += c
 	}
 	if total > math.MaxInt32 {
-		return nil, fmt.Errorf("cuda: GroupIndex: %d rows exceed int32", total)
+		return nil, fmt.Errorf("cuda: GroupIndex: %w: %d rows exceed int32", ErrInvalid, total)
 	}
 	// rankStart[q·local+l]: rank-major offset of chunk (q, l);
 	// expertStart likewise in the expert-major layout.
@@ -364,7 +364,7 @@ func wordSize(rowBytes int, ptrs ...DevicePtr) int {
 // need checks that buffer name holds at least n bytes.
 func need(op, name string, b Buffer, n int) error {
 	if b.Bytes < n || (n > 0 && b.Ptr == 0) {
-		return fmt.Errorf("cuda: %s: %s holds %d bytes at %#x, need %d", op, name, b.Bytes, b.Ptr, n)
+		return fmt.Errorf("cuda: %s: %w: %s holds %d bytes at %#x, need %d", op, ErrInvalid, name, b.Bytes, b.Ptr, n)
 	}
 	return nil
 }
@@ -396,10 +396,10 @@ func (m *MoE) gather(op string, dst, src, idx Buffer, rows, div, rowBytes int) e
 func (m *MoE) Gather(dst, src Buffer, rowBytes int, rm *RowMap) error {
 	const op = "Gather"
 	if rm == nil || rm.ctx == nil {
-		return fmt.Errorf("cuda: %s: nil or freed RowMap", op)
+		return fmt.Errorf("cuda: %s: %w: nil or freed RowMap", op, ErrInvalid)
 	}
 	if rowBytes < 0 {
-		return fmt.Errorf("cuda: %s: negative row size %d", op, rowBytes)
+		return fmt.Errorf("cuda: %s: %w: negative row size %d", op, ErrInvalid, rowBytes)
 	}
 	if err := firstErr(need(op, "dst", dst, rm.Rows*rowBytes), need(op, "src", src, rm.SrcRows*rowBytes)); err != nil {
 		return err
@@ -420,11 +420,11 @@ func firstErr(errs ...error) error {
 func typed(op string, t DType, d int, r *DeviceRouting) (int, error) {
 	switch {
 	case t.Size() == 0:
-		return 0, fmt.Errorf("cuda: %s: unknown %v", op, t)
+		return 0, fmt.Errorf("cuda: %s: %w: unknown %v", op, ErrInvalid, t)
 	case d < 0:
-		return 0, fmt.Errorf("cuda: %s: negative row width %d", op, d)
+		return 0, fmt.Errorf("cuda: %s: %w: negative row width %d", op, ErrInvalid, d)
 	case r == nil || r.ctx == nil:
-		return 0, fmt.Errorf("cuda: %s: nil or freed DeviceRouting", op)
+		return 0, fmt.Errorf("cuda: %s: %w: nil or freed DeviceRouting", op, ErrInvalid)
 	}
 	return t.Size(), nil
 }

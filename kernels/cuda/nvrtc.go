@@ -104,7 +104,7 @@ func (l *Lib) Compile(src, name string, o CompileOptions) (*Program, error) {
 		return nil, err
 	}
 	if o.Arch <= 0 {
-		return nil, fmt.Errorf("cuda: Compile %s: no target architecture", name)
+		return nil, fmt.Errorf("cuda: Compile %s: %w: no target architecture", name, ErrInvalid)
 	}
 	if r.nvrtcGetCUBIN == nil {
 		o.PTX = true

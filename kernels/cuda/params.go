@@ -48,7 +48,7 @@ type kernelArgs struct {
 // returns an error naming the first argument of any other type.
 func packArgs(args []any) (*kernelArgs, error) {
 	if len(args) > maxKernelArgs {
-		return nil, fmt.Errorf("%d kernel arguments, at most %d", len(args), maxKernelArgs)
+		return nil, fmt.Errorf("%w: %d kernel arguments, at most %d", ErrInvalid, len(args), maxKernelArgs)
 	}
 	k := &kernelArgs{vals: make([]uint64, len(args)), ptrs: make([]unsafe.Pointer, len(args))}
 	for i, a := range args {
@@ -72,9 +72,9 @@ func packArgs(args []any) (*kernelArgs, error) {
 		case Buffer:
 			*(*uint64)(slot) = uint64(v.Ptr)
 		case int:
-			return nil, fmt.Errorf("kernel argument %d is an int (%d): pass int32 for a C int or int64 for a long long", i, v)
+			return nil, fmt.Errorf("%w: kernel argument %d is an int (%d): pass int32 for a C int or int64 for a long long", ErrInvalid, i, v)
 		default:
-			return nil, fmt.Errorf("kernel argument %d has unsupported type %T: want int32, uint32, int64, uint64, float32, float64, DevicePtr or Buffer", i, a)
+			return nil, fmt.Errorf("%w: kernel argument %d has unsupported type %T: want int32, uint32, int64, uint64, float32, float64, DevicePtr or Buffer", ErrInvalid, i, a)
 		}
 	}
 	return k, nil

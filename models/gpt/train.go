@@ -94,7 +94,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[
 			}
 		}
 	}
-	if tr.opt, err = optim.NewAdamW(md.Params(), cfg.LR, cfg.WD, cfg.Beta1, cfg.Beta2, cfg.Eps); err != nil {
+	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(cfg.LR), optim.WeightDecay(cfg.WD), optim.Betas(cfg.Beta1, cfg.Beta2), optim.Eps(cfg.Eps)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	if tr.sampler, err = tinygpt.NewSampler(cfg, tinygpt.Corpus(cfg)); err != nil {

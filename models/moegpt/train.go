@@ -74,7 +74,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	if tr.group, err = m.Group(ctx, md.tokenAxes...); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: communicator of %v: %w", md.tokenAxes, err)
 	}
-	if tr.opt, err = optim.NewAdamW(md.Params(), cfg.LR, cfg.WD, cfg.Beta1, cfg.Beta2, cfg.Eps); err != nil {
+	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(cfg.LR), optim.WeightDecay(cfg.WD), optim.Betas(cfg.Beta1, cfg.Beta2), optim.Eps(cfg.Eps)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)
 	}
 	data := cfg.Data()

@@ -1,0 +1,102 @@
+package optim
+
+import (
+	"fmt"
+	"math"
+	"strings"
+)
+
+// Option configures NewAdamW or NewSGD. Options that mean the same for
+// both (WeightDecay) are shared; giving an optimizer an option it does not
+// take (Momentum to AdamW, Betas to SGD) is an error wrapping ErrInvalid
+// rather than a setting silently ignored. When an option is given twice,
+// the last one wins.
+type Option func(*config)
+
+// config holds every optimizer's hyper-parameters, defaulted by the
+// constructor, plus the set of options given so that a constructor can
+// reject those it does not take.
+type config struct {
+	lr, beta1, beta2, eps, weightDecay float64
+	momentum, dampening                float64
+	nesterov, maximize                 bool
+	given                              []string // option names, in call order
+}
+
+func (c *config) set(name string) { c.given = append(c.given, name) }
+
+// LR sets AdamW's learning rate (default 1e-3, as torch.optim.AdamW), in
+// parameter units per unit of the normalised update. SGD takes its
+// learning rate positionally, as torch.optim.SGD requires one.
+func LR(lr float64) Option { return func(c *config) { c.lr = lr; c.set("LR") } }
+
+// Betas sets AdamW's moment decay rates β1 and β2, each in [0, 1)
+// (default 0.9 and 0.999, as torch.optim.AdamW).
+func Betas(beta1, beta2 float64) Option {
+	return func(c *config) { c.beta1, c.beta2 = beta1, beta2; c.set("Betas") }
+}
+
+// Eps sets AdamW's ε, added to sqrt(v̂) before dividing (default 1e-8, as
+// torch.optim.AdamW). It must be > 0: PyTorch accepts 0, which divides 0
+// by 0 wherever a gradient has always been 0.
+func Eps(eps float64) Option { return func(c *config) { c.eps = eps; c.set("Eps") } }
+
+// WeightDecay sets the weight decay λ ≥ 0. For AdamW it is decoupled:
+// every step first multiplies the parameter by 1 − lr·λ (default 0.01, as
+// torch.optim.AdamW). For SGD it is coupled L2 regularisation: λ·p is
+// added to the gradient before momentum (default 0, as torch.optim.SGD).
+func WeightDecay(wd float64) Option {
+	return func(c *config) { c.weightDecay = wd; c.set("WeightDecay") }
+}
+
+// Momentum sets SGD's momentum factor μ ≥ 0 (default 0: no momentum
+// buffer, as torch.optim.SGD).
+func Momentum(mu float64) Option { return func(c *config) { c.momentum = mu; c.set("Momentum") } }
+
+// Dampening sets SGD's dampening τ: later steps add (1 − τ)·g to the
+// momentum buffer (the first step sets it to g). Default 0, as
+// torch.optim.SGD.
+func Dampening(tau float64) Option {
+	return func(c *config) { c.dampening = tau; c.set("Dampening") }
+}
+
+// Nesterov makes SGD use Nesterov momentum; it needs Momentum > 0 and
+// zero Dampening. Off by default, as torch.optim.SGD.
+func Nesterov() Option { return func(c *config) { c.nesterov = true; c.set("Nesterov") } }
+
+// Maximize makes SGD ascend the objective instead of descending it. Off
+// by default, as torch.optim.SGD.
+func Maximize() Option { return func(c *config) { c.maximize = true; c.set("Maximize") } }
+
+// newConfig applies opts over the defaults d and rejects any option not in
+// takes, naming it.
+func newConfig(op string, d config, takes []string, opts []Option) (config, error) {
+	c := d
+	for _, o := range opts {
+		if o == nil {
+			return c, fmt.Errorf("optim: %s: %w: nil option", op, ErrInvalid)
+		}
+		o(&c)
+	}
+	for _, name := range c.given {
+		ok := false
+		for _, t := range takes {
+			ok = ok || t == name
+		}
+		if !ok {
+			return c, fmt.Errorf("optim: %s: %w: option %s does not apply (it takes %s)", op, ErrInvalid, name, strings.Join(takes, ", "))
+		}
+	}
+	c.given = nil
+	return c, nil
+}
+
+// finite reports whether every v is neither NaN nor infinite.
+func finite(vs ...float64) bool {
+	for _, v := range vs {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return false
+		}
+	}
+	return true
+}
