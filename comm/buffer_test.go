@@ -69,7 +69,7 @@ func TestHostAliasesTheSlice(t *testing.T) {
 }
 
 func TestNewHostBuffer(t *testing.T) {
-	for _, dt := range comm.DTypes {
+	for _, dt := range comm.AllDTypes() {
 		for _, n := range []int{0, 1, 7} {
 			b, err := comm.NewHostBuffer(dt, n)
 			if err != nil {
@@ -233,10 +233,10 @@ func TestTypedViews(t *testing.T) {
 		comm.BFloat16: func(b *comm.HostBuffer) int { return len(b.BFloat16s()) },
 		comm.Float16:  func(b *comm.HostBuffer) int { return len(b.Float16s()) },
 	}
-	if len(views) != len(comm.DTypes) {
+	if len(views) != len(comm.AllDTypes()) {
 		t.Fatal("a dtype has no view in the table")
 	}
-	for _, have := range comm.DTypes {
+	for _, have := range comm.AllDTypes() {
 		for _, n := range []int{0, 5} {
 			b, err := comm.NewHostBuffer(have, n)
 			if err != nil {

@@ -22,8 +22,9 @@ const (
 	Uint8
 )
 
-// DTypes lists every supported element type, in declaration order.
-var DTypes = []DType{Float32, Float64, BFloat16, Float16, Int32, Int64, Uint8}
+// AllDTypes returns every supported element type, in declaration order, in a
+// new slice the caller may keep or modify.
+func AllDTypes() []DType { return []DType{Float32, Float64, BFloat16, Float16, Int32, Int64, Uint8} }
 
 // Size returns the size of one element in bytes, or 0 for an invalid DType.
 func (d DType) Size() int {

@@ -58,13 +58,13 @@ func TestDTypeTable(t *testing.T) {
 		{comm.Int64, 8, "int64", false, []string{"i64"}},
 		{comm.Uint8, 1, "uint8", false, []string{"u8", "byte"}},
 	}
-	if len(tests) != len(comm.DTypes) {
-		t.Fatalf("DTypes has %d entries, table %d", len(comm.DTypes), len(tests))
+	if len(tests) != len(comm.AllDTypes()) {
+		t.Fatalf("DTypes has %d entries, table %d", len(comm.AllDTypes()), len(tests))
 	}
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			if comm.DTypes[i] != tc.dt {
-				t.Errorf("DTypes[%d] = %v, want %v", i, comm.DTypes[i], tc.dt)
+			if comm.AllDTypes()[i] != tc.dt {
+				t.Errorf("DTypes[%d] = %v, want %v", i, comm.AllDTypes()[i], tc.dt)
 			}
 			if got := tc.dt.Size(); got != tc.size {
 				t.Errorf("Size = %d, want %d", got, tc.size)

@@ -188,7 +188,7 @@ func TestGPUCollectivesSize1(t *testing.T) {
 	c := gpuStoreComm(t, d, "gpu/size1")
 	ctx := context.Background()
 	const n = 1031
-	for _, dt := range comm.DTypes {
+	for _, dt := range comm.AllDTypes() {
 		in := commtest.Fill(dt, n, uint64(dt), 0, commtest.Mixed)
 		src, err := d.Upload(in)
 		if err != nil {
@@ -213,7 +213,7 @@ func TestGPUCollectivesSize1(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		for _, op := range comm.ReduceOps {
+		for _, op := range comm.AllReduceOps() {
 			reset()
 			if err := comm.AllReduce(ctx, c, src, dst, op); err != nil {
 				t.Fatalf("allreduce %v %v: %v", dt, op, err)
