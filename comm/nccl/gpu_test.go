@@ -155,12 +155,12 @@ func TestGPUDeviceMemory(t *testing.T) {
 func gpuStoreComm(t *testing.T, d *Device, name string, opts ...Option) *Comm {
 	t.Helper()
 	ctx := context.Background()
-	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0", nil)
+	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { srv.Close() })
-	cl, err := rendezvous.Dial(ctx, srv.Addr(), nil)
+	cl, err := rendezvous.Dial(ctx, srv.Addr())
 	if err != nil {
 		t.Fatal(err)
 	}
