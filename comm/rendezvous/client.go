@@ -267,7 +267,9 @@ func (s *session) fail(err error) {
 	}
 	s.err = err
 	close(s.done)
-	s.conn.Close()
+	// err is what callers see; closing only stops the reader, and a close
+	// error on a failed connection says nothing more.
+	_ = s.conn.Close()
 }
 
 func (s *session) readLoop() {
@@ -315,12 +317,14 @@ func (s *session) write(ctx context.Context, frame []byte) error {
 		return ctxError(ctx)
 	}
 	defer func() { <-s.wsem }()
+	// SetWriteDeadline fails only on a closed connection, and then the
+	// Write below fails and reports it.
 	if dl, ok := ctx.Deadline(); ok {
-		s.conn.SetWriteDeadline(dl)
+		_ = s.conn.SetWriteDeadline(dl)
 	} else {
-		s.conn.SetWriteDeadline(time.Time{})
+		_ = s.conn.SetWriteDeadline(time.Time{})
 	}
-	stop := context.AfterFunc(ctx, func() { s.conn.SetWriteDeadline(time.Unix(1, 0)) })
+	stop := context.AfterFunc(ctx, func() { _ = s.conn.SetWriteDeadline(time.Unix(1, 0)) })
 	_, err := s.conn.Write(frame)
 	stop()
 	if err != nil {
@@ -389,7 +393,8 @@ func (s *session) forget(id uint64) {
 func (s *session) cancelRemote(id uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	s.write(ctx, encodeRequest(request{op: opCancel, id: s.nextID.Add(1), target: id}))
+	// A failed write fails the session, and with it the request to cancel.
+	_ = s.write(ctx, encodeRequest(request{op: opCancel, id: s.nextID.Add(1), target: id}))
 }
 
 // do runs one call: it applies the client timeout, checks the size, gets a

@@ -78,6 +78,7 @@ type Server struct {
 
 	wg        sync.WaitGroup
 	closeOnce sync.Once
+	closeErr  error // the listener's, set before done is closed
 	done      chan struct{}
 }
 
@@ -107,7 +108,8 @@ func Serve(ctx context.Context, ln net.Listener, opts ...ServerOption) *Server {
 	// Registered last: if ctx is already done, Close runs at once, and it
 	// must find the accept loop counted.
 	s.mu.Lock()
-	s.stop = context.AfterFunc(ctx, func() { s.Close() })
+	// Close's error (the listener's) is returned again by the owner's Close.
+	s.stop = context.AfterFunc(ctx, func() { _ = s.Close() })
 	s.mu.Unlock()
 	return s
 }
@@ -121,7 +123,8 @@ func (s *Server) Done() <-chan struct{} { return s.done }
 
 // Close stops the server: it closes the listener and every connection, so
 // clients' pending calls fail promptly with ErrConnLost, and waits for the
-// server's goroutines to end. Close is idempotent and always returns nil.
+// server's goroutines to end. Close is idempotent; every call returns the
+// error, if any, of closing the listener.
 func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		s.mu.Lock()
@@ -131,11 +134,14 @@ func (s *Server) Close() error {
 			stop()
 		}
 		s.cancel()
-		s.ln.Close()
+		s.closeErr = s.ln.Close()
 		s.wg.Wait()
 		close(s.done)
 	})
 	<-s.done
+	if s.closeErr != nil {
+		return fmt.Errorf("rendezvous: Close: %w", s.closeErr)
+	}
 	return nil
 }
 
@@ -182,13 +188,15 @@ type sconn struct {
 func (s *Server) serveConn(c net.Conn) {
 	defer s.wg.Done()
 	ctx, cancel := context.WithCancel(s.ctx)
-	stop := context.AfterFunc(ctx, func() { c.Close() })
+	// Closing a connection is how it is ended, here and below; an error
+	// closing one that is already broken or closed tells nothing.
+	stop := context.AfterFunc(ctx, func() { _ = c.Close() })
 	sc := &sconn{s: s, c: c, pending: make(map[uint64]context.CancelFunc)}
 	var waiters sync.WaitGroup
 	defer func() {
 		stop()
 		cancel()
-		c.Close()
+		_ = c.Close()
 		waiters.Wait()
 	}()
 	br := bufio.NewReader(c)
@@ -224,9 +232,11 @@ func (sc *sconn) reply(status byte, id uint64, payload []byte) {
 	frame := encodeResponse(status, id, payload)
 	sc.wmu.Lock()
 	defer sc.wmu.Unlock()
-	sc.c.SetWriteDeadline(time.Now().Add(sc.s.opts.writeTimeout))
+	// SetWriteDeadline fails only on a closed connection, where Write fails
+	// too; the client sees the connection drop, which is all it can learn.
+	_ = sc.c.SetWriteDeadline(time.Now().Add(sc.s.opts.writeTimeout))
 	if _, err := sc.c.Write(frame); err != nil {
-		sc.c.Close()
+		_ = sc.c.Close()
 	}
 }
 
