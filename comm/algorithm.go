@@ -31,8 +31,11 @@ const (
 	Hierarchical
 )
 
-// Algorithms lists every algorithm except Auto.
-var Algorithms = []Algorithm{Direct, Ring, RecursiveDoubling, HalvingDoubling, Tree, DoubleTree, Hierarchical}
+// AllAlgorithms returns every algorithm except Auto, in declaration order, in a
+// new slice the caller may keep or modify.
+func AllAlgorithms() []Algorithm {
+	return []Algorithm{Direct, Ring, RecursiveDoubling, HalvingDoubling, Tree, DoubleTree, Hierarchical}
+}
 
 var algoNames = []string{"auto", "direct", "ring", "recursive_doubling", "halving_doubling", "tree", "double_tree", "hierarchical"}
 

@@ -6,6 +6,8 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"runtime"
+	"strings"
 	"time"
 )
 
@@ -88,55 +90,92 @@ func (m *CostModel) Estimate(op Op, p int, bytes int64) time.Duration {
 	return time.Duration(t * 1e9)
 }
 
-// CostModelFile is where LoadCostModel and SaveCostModel keep the model:
-// $LOOM_COSTMODEL if set, else loom/costmodel.json in the user cache folder.
+// Settings of the cost-model cache, read by CostModelFile.
+const (
+	// CostModelEnv names the environment variable that says where the
+	// measured cost model is cached: unset or empty means
+	// loom/costmodel.json in the user cache folder, CostModelOff (or "none")
+	// means measure nothing and use BuiltinCostModel, and anything else is
+	// the path of the cache file.
+	CostModelEnv = "LOOM_COSTMODEL"
+	// CostModelOff is the CostModelEnv value that turns measuring off.
+	CostModelOff = "off"
+)
+
+// BuiltinCostModel returns a fixed model of a typical x86-64 server core
+// (about 0.3 µs per handoff, 7 GB/s copies from memory, 30 GB/s within a
+// 32 MiB cache, 20 GB/s for all cores together) with Cores set to
+// GOMAXPROCS. It is used when measuring is off; its algorithm choices are
+// reasonable everywhere and best nowhere. Each call returns a new model.
+func BuiltinCostModel() *CostModel {
+	return &CostModel{
+		Alpha:       3e-7,
+		Switch:      5e-7,
+		Beta:        1.5e-10,
+		Gamma:       1.3e-10,
+		GammaStream: 1e-10,
+		BetaCache:   3e-11,
+		GammaCache:  2e-11,
+		CacheBytes:  32 << 20,
+		Bandwidth:   2e10,
+		Cores:       runtime.GOMAXPROCS(0),
+		Machine:     "builtin",
+	}
+}
+
+// CostModelFile returns the file that caches the measured cost model, as
+// CostModelEnv says: its value when that is a path, else
+// loom/costmodel.json in the user cache folder (os.UserCacheDir: on Linux
+// $XDG_CACHE_HOME or ~/.cache). It returns "" and no error when measuring is
+// off (CostModelEnv is CostModelOff or "none"), and an error when the
+// variable is unset and there is no user cache folder.
 func CostModelFile() (string, error) {
-	if p := os.Getenv("LOOM_COSTMODEL"); p != "" {
+	switch p := os.Getenv(CostModelEnv); {
+	case strings.EqualFold(p, CostModelOff) || strings.EqualFold(p, "none"):
+		return "", nil
+	case p != "":
 		return p, nil
 	}
 	dir, err := os.UserCacheDir()
 	if err != nil {
-		return "", fmt.Errorf("comm: no cache folder for the cost model: %w", err)
+		return "", fmt.Errorf("comm: no cache folder for the cost model (set %s to a file, or to %s): %w", CostModelEnv, CostModelOff, err)
 	}
 	return filepath.Join(dir, "loom", "costmodel.json"), nil
 }
 
-// LoadCostModel reads a cached model measured on machine; it returns an
-// error if there is none, it is unreadable, or it belongs to another machine.
-func LoadCostModel(machine string) (*CostModel, error) {
-	path, err := CostModelFile()
-	if err != nil {
-		return nil, err
-	}
+// LoadCostModel reads the model cached in the file at path, measured on
+// machine; it returns an error if there is none (wrapping fs.ErrNotExist),
+// it is unreadable or invalid, or it belongs to another machine.
+func LoadCostModel(path, machine string) (*CostModel, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("comm: LoadCostModel: %w", err)
 	}
 	var m CostModel
 	if err := json.Unmarshal(data, &m); err != nil {
-		return nil, fmt.Errorf("comm: cost model %s: %w", path, err)
+		return nil, fmt.Errorf("comm: LoadCostModel: %s: %w", path, err)
 	}
-	if m.Machine != machine || !m.Valid() {
-		return nil, fmt.Errorf("comm: cost model %s was measured on %q, not %q", path, m.Machine, machine)
+	if !m.Valid() {
+		return nil, fmt.Errorf("comm: LoadCostModel: %s holds an invalid model", path)
+	}
+	if m.Machine != machine {
+		return nil, fmt.Errorf("comm: LoadCostModel: %s was measured on %q, not %q", path, m.Machine, machine)
 	}
 	return &m, nil
 }
 
-// SaveCostModel writes m to CostModelFile atomically.
-func SaveCostModel(m *CostModel) error {
-	path, err := CostModelFile()
-	if err != nil {
-		return err
-	}
+// SaveCostModel writes m as JSON to the file at path atomically, creating
+// its folder if needed.
+func SaveCostModel(path string, m *CostModel) error {
 	data, err := json.MarshalIndent(m, "", "  ")
 	if err != nil {
-		return err
+		return fmt.Errorf("comm: SaveCostModel: %w", err)
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return fmt.Errorf("comm: saving cost model: %w", err)
+		return fmt.Errorf("comm: SaveCostModel: %w", err)
 	}
 	if err := writeAtomic(path, data); err != nil {
-		return fmt.Errorf("comm: saving cost model: %w", err)
+		return fmt.Errorf("comm: SaveCostModel: %w", err)
 	}
 	return nil
 }

@@ -2,8 +2,9 @@ package comm
 
 import (
 	"fmt"
-	"math"
 	"strings"
+
+	"github.com/b7ea7098/loom/internal/half"
 )
 
 // DType is the element type of a Buffer.
@@ -21,8 +22,9 @@ const (
 	Uint8
 )
 
-// DTypes lists every supported element type, in declaration order.
-var DTypes = []DType{Float32, Float64, BFloat16, Float16, Int32, Int64, Uint8}
+// AllDTypes returns every supported element type, in declaration order, in a
+// new slice the caller may keep or modify.
+func AllDTypes() []DType { return []DType{Float32, Float64, BFloat16, Float16, Int32, Int64, Uint8} }
 
 // Size returns the size of one element in bytes, or 0 for an invalid DType.
 func (d DType) Size() int {
@@ -96,73 +98,17 @@ type BFloat16Bits uint16
 // Float16Bits is one IEEE 754 binary16 value.
 type Float16Bits uint16
 
-// ToBFloat16 rounds f to the nearest bfloat16, ties to even. NaN stays NaN.
-func ToBFloat16(f float32) BFloat16Bits {
-	b := math.Float32bits(f)
-	if b&0x7fffffff > 0x7f800000 { // NaN: keep it quiet and non-zero
-		return BFloat16Bits(b>>16 | 0x40)
-	}
-	rounding := uint32(0x7fff) + (b>>16)&1
-	return BFloat16Bits((b + rounding) >> 16)
-}
+// ToBFloat16 rounds f to the nearest bfloat16, ties to even. A NaN stays a
+// NaN of the same sign, quietened.
+func ToBFloat16(f float32) BFloat16Bits { return BFloat16Bits(half.ToBFloat16(f)) }
 
 // Float32 widens a bfloat16 to float32 exactly.
-func (h BFloat16Bits) Float32() float32 { return math.Float32frombits(uint32(h) << 16) }
+func (h BFloat16Bits) Float32() float32 { return half.BFloat16ToFloat32(uint16(h)) }
 
 // ToFloat16 rounds f to the nearest IEEE binary16, ties to even, with
-// overflow to infinity and gradual underflow to subnormals.
-func ToFloat16(f float32) Float16Bits {
-	b := math.Float32bits(f)
-	sign := uint16(b>>16) & 0x8000
-	exp := int32(b>>23) & 0xff
-	mant := b & 0x7fffff
-	switch {
-	case exp == 0xff: // Inf or NaN
-		if mant != 0 {
-			return Float16Bits(sign | 0x7e00)
-		}
-		return Float16Bits(sign | 0x7c00)
-	case exp > 142: // |f| >= 65520 after rounding: overflow
-		return Float16Bits(sign | 0x7c00)
-	case exp >= 113: // normal half
-		h := uint32(exp-112)<<10 | mant>>13
-		rest := mant & 0x1fff
-		if rest > 0x1000 || (rest == 0x1000 && h&1 == 1) {
-			h++ // may carry into the exponent, which is still correct
-		}
-		return Float16Bits(uint32(sign) | h)
-	case exp >= 102: // subnormal half
-		m := mant | 0x800000
-		shift := uint32(126 - exp)
-		h := m >> shift
-		rest := m & (1<<shift - 1)
-		half := uint32(1) << (shift - 1)
-		if rest > half || (rest == half && h&1 == 1) {
-			h++
-		}
-		return Float16Bits(uint32(sign) | h)
-	}
-	return Float16Bits(sign) // underflow to signed zero
-}
+// overflow to infinity (from 65520 up) and gradual underflow to subnormals.
+// A NaN stays a NaN of the same sign, quietened.
+func ToFloat16(f float32) Float16Bits { return Float16Bits(half.ToFloat16(f)) }
 
 // Float32 widens a binary16 to float32 exactly.
-func (h Float16Bits) Float32() float32 {
-	sign := uint32(h&0x8000) << 16
-	exp := uint32(h>>10) & 0x1f
-	mant := uint32(h & 0x3ff)
-	switch {
-	case exp == 0x1f:
-		return math.Float32frombits(sign | 0x7f800000 | mant<<13)
-	case exp != 0:
-		return math.Float32frombits(sign | (exp+112)<<23 | mant<<13)
-	case mant == 0:
-		return math.Float32frombits(sign)
-	}
-	// Subnormal: normalise.
-	e := uint32(113)
-	for mant&0x400 == 0 {
-		mant <<= 1
-		e--
-	}
-	return math.Float32frombits(sign | e<<23 | (mant&0x3ff)<<13)
-}
+func (h Float16Bits) Float32() float32 { return half.Float16ToFloat32(uint16(h)) }

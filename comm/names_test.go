@@ -11,15 +11,15 @@ import (
 
 func TestReduceOpNames(t *testing.T) {
 	want := []string{"sum", "avg", "prod", "min", "max"}
-	if len(comm.ReduceOps) != len(want) {
-		t.Fatalf("ReduceOps = %v", comm.ReduceOps)
+	if len(comm.AllReduceOps()) != len(want) {
+		t.Fatalf("AllReduceOps = %v", comm.AllReduceOps())
 	}
-	for i, r := range comm.ReduceOps {
+	for i, r := range comm.AllReduceOps() {
 		if !r.Valid() {
 			t.Errorf("%v not Valid", r)
 		}
 		if r.String() != want[i] {
-			t.Errorf("ReduceOps[%d].String() = %q, want %q", i, r.String(), want[i])
+			t.Errorf("AllReduceOps()[%d].String() = %q, want %q", i, r.String(), want[i])
 		}
 		for _, s := range []string{want[i], strings.ToUpper(want[i])} {
 			if got, err := comm.ParseReduceOp(s); err != nil || got != r {
@@ -49,12 +49,12 @@ func TestAlgorithmNames(t *testing.T) {
 		comm.RecursiveDoubling: "recursive_doubling", comm.HalvingDoubling: "halving_doubling",
 		comm.Tree: "tree", comm.DoubleTree: "double_tree", comm.Hierarchical: "hierarchical",
 	}
-	if len(comm.Algorithms) != len(names)-1 {
-		t.Errorf("Algorithms = %v, want every algorithm but auto", comm.Algorithms)
+	if len(comm.AllAlgorithms()) != len(names)-1 {
+		t.Errorf("AllAlgorithms = %v, want every algorithm but auto", comm.AllAlgorithms())
 	}
-	for _, a := range comm.Algorithms {
+	for _, a := range comm.AllAlgorithms() {
 		if a == comm.Auto {
-			t.Error("Algorithms contains auto")
+			t.Error("AllAlgorithms contains auto")
 		}
 	}
 	for a, name := range names {
@@ -270,5 +270,25 @@ func TestAlgorithmOverridesDefaultAppliesWhereItCan(t *testing.T) {
 		if got := o.For(tc.op, onlyAllReduce); got != tc.want {
 			t.Errorf("For(%v) = %v, want %v", tc.op, got, tc.want)
 		}
+	}
+}
+
+// TestListsAreFresh checks that the list functions return a new slice on
+// every call, so that one caller's edit cannot change what another sees.
+func TestListsAreFresh(t *testing.T) {
+	a := comm.AllAlgorithms()
+	a[0] = comm.Auto
+	if comm.AllAlgorithms()[0] != comm.Direct {
+		t.Error("editing AllAlgorithms' result changed the next call's")
+	}
+	d := comm.AllDTypes()
+	d[0] = 0
+	if comm.AllDTypes()[0] != comm.Float32 {
+		t.Error("editing AllDTypes' result changed the next call's")
+	}
+	r := comm.AllReduceOps()
+	r[0] = 0
+	if comm.AllReduceOps()[0] != comm.Sum {
+		t.Error("editing AllReduceOps' result changed the next call's")
 	}
 }

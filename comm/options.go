@@ -24,7 +24,12 @@ const DefaultTimeout = 10 * time.Minute
 // DefaultRecorderSize is the number of operations a flight recorder keeps.
 const DefaultRecorderSize = 2000
 
-// Options configure a communicator; the zero value takes every default.
+// Options are the settings every backend shares, as data: comm/local,
+// comm/mpi and comm/nccl each take one Options value (local.WithOptions,
+// mpi.WithOptions, nccl.WithOptions), fill it from the environment with
+// OptionsFromEnv when none is given, and complete it with WithDefaults. A
+// backend's own optional settings are functional options of its
+// constructor. The zero value takes every default.
 type Options struct {
 	// Timeout bounds each blocking call (0 means DefaultTimeout).
 	Timeout time.Duration
@@ -39,8 +44,9 @@ type Options struct {
 	DumpDir string
 	// Algorithms force algorithms per op (see AlgorithmEnv).
 	Algorithms AlgorithmOverrides
-	// CostModel drives the automatic algorithm choice; nil means the
-	// machine's calibrated model (see LoadOrCalibrate).
+	// CostModel drives the automatic algorithm choice; nil lets the backend
+	// find one (comm/local measures the machine once and caches the result,
+	// see CostModelEnv).
 	CostModel *CostModel
 }
 

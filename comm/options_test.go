@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -208,18 +209,14 @@ func TestCostModelEstimate(t *testing.T) {
 
 func TestCostModelSaveLoad(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "cache", "x.json")
-	t.Setenv("LOOM_COSTMODEL", path)
-	if got, err := comm.CostModelFile(); err != nil || got != path {
-		t.Fatalf("CostModelFile = %q, %v", got, err)
-	}
-	if _, err := comm.LoadCostModel("box-1"); !errors.Is(err, fs.ErrNotExist) {
+	if _, err := comm.LoadCostModel(path, "box-1"); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("loading before saving: %v", err)
 	}
 	m := validModel()
-	if err := comm.SaveCostModel(&m); err != nil {
+	if err := comm.SaveCostModel(path, &m); err != nil {
 		t.Fatal(err)
 	}
-	got, err := comm.LoadCostModel("box-1")
+	got, err := comm.LoadCostModel(path, "box-1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,42 +227,80 @@ func TestCostModelSaveLoad(t *testing.T) {
 	if *got != m {
 		t.Errorf("loaded %+v, want %+v", *got, m)
 	}
-	data, _ := os.ReadFile(path)
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var raw map[string]any
 	if err := json.Unmarshal(data, &raw); err != nil || raw["machine"] != "box-1" || raw["alpha_s"] != 2e-6 {
 		t.Errorf("file content %s (%v)", data, err)
 	}
 
-	if _, err := comm.LoadCostModel("box-2"); err == nil || !strings.Contains(err.Error(), `measured on "box-1", not "box-2"`) {
+	if _, err := comm.LoadCostModel(path, "box-2"); err == nil || !strings.Contains(err.Error(), `measured on "box-1", not "box-2"`) {
 		t.Errorf("loading for another machine: %v", err)
 	}
 
 	bad := validModel()
 	bad.Beta = 0
-	if err := comm.SaveCostModel(&bad); err != nil {
+	if err := comm.SaveCostModel(path, &bad); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := comm.LoadCostModel("box-1"); err == nil {
-		t.Error("an invalid cached model was loaded")
+	if _, err := comm.LoadCostModel(path, "box-1"); err == nil || !strings.Contains(err.Error(), "invalid model") {
+		t.Errorf("an invalid cached model: %v", err)
 	}
 
 	if err := os.WriteFile(path, []byte("{not json"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := comm.LoadCostModel("box-1"); err == nil || !strings.Contains(err.Error(), path) {
+	if _, err := comm.LoadCostModel(path, "box-1"); err == nil || !strings.Contains(err.Error(), path) {
 		t.Errorf("corrupt file: %v", err)
 	}
 
-	// Without LOOM_COSTMODEL the model lives in the user cache folder.
+	// A folder that cannot be created (its parent is a file) fails the save.
+	if err := comm.SaveCostModel(filepath.Join(path, "sub", "y.json"), &m); err == nil {
+		t.Error("saving under a file succeeded")
+	}
+}
+
+func TestCostModelFile(t *testing.T) {
 	cache := t.TempDir()
-	t.Setenv("LOOM_COSTMODEL", "")
 	t.Setenv("XDG_CACHE_HOME", cache)
 	t.Setenv("HOME", cache)
-	p, err := comm.CostModelFile()
-	if err != nil {
-		t.Fatal(err)
+	moved := filepath.Join(t.TempDir(), "model.json")
+	tests := []struct {
+		env  string
+		want string
+	}{
+		{"", filepath.Join(cache, "loom", "costmodel.json")},
+		{moved, moved},
+		{comm.CostModelOff, ""},
+		{"none", ""},
+		{"OFF", ""},
 	}
-	if !strings.HasSuffix(p, filepath.Join("loom", "costmodel.json")) {
-		t.Errorf("default path %q", p)
+	for _, tc := range tests {
+		t.Run(tc.env, func(t *testing.T) {
+			t.Setenv(comm.CostModelEnv, tc.env)
+			got, err := comm.CostModelFile()
+			if err != nil || got != tc.want {
+				t.Errorf("%s=%q: CostModelFile = %q, %v; want %q", comm.CostModelEnv, tc.env, got, err, tc.want)
+			}
+		})
+	}
+	if comm.CostModelEnv != "LOOM_COSTMODEL" {
+		t.Errorf("CostModelEnv = %q: the documented name is LOOM_COSTMODEL", comm.CostModelEnv)
+	}
+}
+
+func TestBuiltinCostModel(t *testing.T) {
+	m := comm.BuiltinCostModel()
+	if !m.Valid() {
+		t.Fatalf("BuiltinCostModel is invalid: %+v", *m)
+	}
+	if m.Cores != runtime.GOMAXPROCS(0) || m.Machine != "builtin" {
+		t.Errorf("Cores=%d Machine=%q, want %d, builtin", m.Cores, m.Machine, runtime.GOMAXPROCS(0))
+	}
+	m.Alpha = 0
+	if comm.BuiltinCostModel().Alpha == 0 {
+		t.Error("editing one BuiltinCostModel changed the next")
 	}
 }

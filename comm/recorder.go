@@ -258,19 +258,21 @@ func writeAtomic(path string, data []byte) error {
 	if err != nil {
 		return err
 	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		os.Remove(f.Name())
+	// fail abandons the temporary file: err is the failure, and closing and
+	// removing the file are only tidying.
+	fail := func(err error) error {
+		_ = f.Close() // a second Close after a failed one only says so
+		_ = os.Remove(f.Name())
 		return err
+	}
+	if _, err := f.Write(data); err != nil {
+		return fail(err)
 	}
 	if err := f.Chmod(0o644); err != nil { // CreateTemp makes files private
-		f.Close()
-		os.Remove(f.Name())
-		return err
+		return fail(err)
 	}
 	if err := f.Close(); err != nil {
-		os.Remove(f.Name())
-		return err
+		return fail(err)
 	}
 	return os.Rename(f.Name(), path)
 }

@@ -18,8 +18,9 @@ const (
 	Max
 )
 
-// ReduceOps lists every ReduceOp in declaration order.
-var ReduceOps = []ReduceOp{Sum, Avg, Prod, Min, Max}
+// AllReduceOps returns every ReduceOp, in declaration order, in a new slice
+// the caller may keep or modify.
+func AllReduceOps() []ReduceOp { return []ReduceOp{Sum, Avg, Prod, Min, Max} }
 
 // Valid reports whether r is a known operator.
 func (r ReduceOp) Valid() bool { return r >= Sum && r <= Max }
@@ -43,7 +44,7 @@ func (r ReduceOp) String() string {
 
 // ParseReduceOp parses an operator name as printed by String.
 func ParseReduceOp(s string) (ReduceOp, error) {
-	for _, r := range ReduceOps {
+	for _, r := range AllReduceOps() {
 		if strings.EqualFold(s, r.String()) {
 			return r, nil
 		}

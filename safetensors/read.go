@@ -62,14 +62,16 @@ func Open(path string) (*File, error) {
 	if err != nil {
 		return nil, err
 	}
+	// fh is read only: closing it after a failure loses nothing, and err
+	// says what failed.
 	st, err := fh.Stat()
 	if err != nil {
-		fh.Close()
+		_ = fh.Close()
 		return nil, err
 	}
 	f, err := Read(fh, st.Size())
 	if err != nil {
-		fh.Close()
+		_ = fh.Close()
 		return nil, withPath(err, path)
 	}
 	f.closer = fh

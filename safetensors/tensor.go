@@ -8,7 +8,7 @@ import (
 	"slices"
 	"unicode/utf8"
 
-	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/half"
 )
 
 // Tensor is one named tensor: its element type, its shape and its raw
@@ -113,11 +113,11 @@ func (t Tensor) Float32s() ([]float32, error) {
 		}
 	case F16:
 		for i := range out {
-			out[i] = comm.Float16Bits(binary.LittleEndian.Uint16(d[2*i:])).Float32()
+			out[i] = half.Float16ToFloat32(binary.LittleEndian.Uint16(d[2*i:]))
 		}
 	case BF16:
 		for i := range out {
-			out[i] = comm.BFloat16Bits(binary.LittleEndian.Uint16(d[2*i:])).Float32()
+			out[i] = half.BFloat16ToFloat32(binary.LittleEndian.Uint16(d[2*i:]))
 		}
 	case F64:
 		for i := range out {
@@ -279,12 +279,12 @@ func (t Tensor) Convert(to DType) (Tensor, error) {
 	case F16:
 		out.Data = make([]byte, 2*len(v))
 		for i, x := range v {
-			binary.LittleEndian.PutUint16(out.Data[2*i:], uint16(comm.ToFloat16(x)))
+			binary.LittleEndian.PutUint16(out.Data[2*i:], half.ToFloat16(x))
 		}
 	case BF16:
 		out.Data = make([]byte, 2*len(v))
 		for i, x := range v {
-			binary.LittleEndian.PutUint16(out.Data[2*i:], uint16(comm.ToBFloat16(x)))
+			binary.LittleEndian.PutUint16(out.Data[2*i:], half.ToBFloat16(x))
 		}
 	}
 	return out, nil

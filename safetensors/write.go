@@ -180,8 +180,9 @@ func atomicWrite(path string, write func(io.Writer) error) (err error) {
 	}
 	defer func() {
 		if err != nil {
-			tmp.Close()
-			os.Remove(tmp.Name())
+			// Abandoning the temporary file is tidying; err is the failure.
+			_ = tmp.Close()
+			_ = os.Remove(tmp.Name())
 			err = fmt.Errorf("safetensors: %s: %w", path, err)
 		}
 	}()
@@ -215,6 +216,6 @@ func syncDir(dir string) {
 	if err != nil {
 		return
 	}
-	_ = d.Sync() // an error leaves nothing to undo: the file itself was synced
-	d.Close()
+	_ = d.Sync()  // an error leaves nothing to undo: the file itself was synced
+	_ = d.Close() // read only: closing loses nothing
 }

@@ -151,6 +151,8 @@ func (l *layout) issue(ctx context.Context, c comm.Communicator) error {
 	}
 	rw, err := comm.RecvAsync(ctx, c, l.call.Recv, l.prev, 0)
 	if err != nil {
+		// Wait so that the send no longer uses its buffer; the receive's
+		// failure is the one to report.
 		_ = sw.Wait(ctx)
 		return err
 	}

@@ -203,8 +203,8 @@ func TestStats(t *testing.T) {
 // TestCheck runs the expected-value logic against a serial simulation of
 // each operation's layout, and makes sure a corrupted output is caught.
 func TestCheck(t *testing.T) {
-	for _, dt := range comm.DTypes {
-		for _, red := range comm.ReduceOps {
+	for _, dt := range comm.AllDTypes() {
+		for _, red := range comm.AllReduceOps() {
 			for _, name := range []string{"allreduce", "allgather", "reducescatter", "broadcast", "reduce", "alltoall", "alltoallv", "sendrecv"} {
 				o := op(t, name)
 				if !o.op.Reduces() && red != comm.Sum {

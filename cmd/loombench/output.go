@@ -129,22 +129,24 @@ func writeCSV(path string, records [][]string) error {
 		return err
 	}
 	tmp := f.Name()
-	if err := writeCSVTo(f, records); err != nil {
-		f.Close()
-		os.Remove(tmp)
+	// fail abandons the temporary file: err is the failure, and removing
+	// the file is only tidying (a leftover is hidden and harmless).
+	fail := func(err error) error {
+		_ = os.Remove(tmp)
 		return err
+	}
+	if err := writeCSVTo(f, records); err != nil {
+		_ = f.Close()
+		return fail(err)
 	}
 	if err := f.Close(); err != nil {
-		os.Remove(tmp)
-		return err
+		return fail(err)
 	}
 	if err := os.Chmod(tmp, 0o644); err != nil {
-		os.Remove(tmp)
-		return err
+		return fail(err)
 	}
 	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
-		return err
+		return fail(err)
 	}
 	return nil
 }
@@ -197,7 +199,7 @@ func (t *tableStats) footer(checked bool) string {
 
 // roundSig rounds x to n significant digits.
 func roundSig(x float64, n int) float64 {
-	v, _ := strconv.ParseFloat(strconv.FormatFloat(x, 'g', n, 64), 64)
+	v, _ := strconv.ParseFloat(strconv.FormatFloat(x, 'g', n, 64), 64) // FormatFloat's output always parses
 	return v
 }
 

@@ -134,7 +134,7 @@ func childMain(mode string, args []string) int {
 	case "rendezvous":
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		c, err := rendezvous.DialEnv(ctx, &rendezvous.ClientOptions{Timeout: 10 * time.Second})
+		c, err := rendezvous.DialEnv(ctx, rendezvous.WithTimeout(10*time.Second))
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 1

@@ -78,7 +78,7 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 
 	srvCtx, stopSrv := context.WithCancel(context.Background())
 	defer stopSrv()
-	srv, err := rendezvous.Listen(srvCtx, net.JoinHostPort(cfg.masterAddr, strconv.Itoa(cfg.masterPort)), nil)
+	srv, err := rendezvous.Listen(srvCtx, net.JoinHostPort(cfg.masterAddr, strconv.Itoa(cfg.masterPort)))
 	if err != nil {
 		logf("cannot start the rendezvous server: %v", err)
 		return 2

@@ -263,7 +263,7 @@ func (h *harness) shortSubset(algos []comm.Algorithm, p, n int, dt comm.DType, r
 func (h *harness) sizedCases(s sizedOp) []*kase {
 	rops := []comm.ReduceOp{0}
 	if s.op.Reduces() {
-		rops = comm.ReduceOps
+		rops = comm.AllReduceOps()
 	}
 	algos := h.algorithms(s.op)
 	var out []*kase
@@ -272,7 +272,7 @@ func (h *harness) sizedCases(s sizedOp) []*kase {
 			continue
 		}
 		for _, n := range h.sizes(p) {
-			for _, dt := range comm.DTypes {
+			for _, dt := range comm.AllDTypes() {
 				for _, rop := range rops {
 					if n == h.large && !h.largeSubset(s, dt, rop) {
 						continue

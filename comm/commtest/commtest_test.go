@@ -22,7 +22,7 @@ func TestConformance(t *testing.T) {
 }
 
 func TestFillDeterministicAndExact(t *testing.T) {
-	for _, dt := range comm.DTypes {
+	for _, dt := range comm.AllDTypes() {
 		for _, kind := range []commtest.ValueKind{commtest.Mixed, commtest.NearOne} {
 			a := commtest.Fill(dt, 4096, 42, 3, kind)
 			b := commtest.Fill(dt, 4096, 42, 3, kind)

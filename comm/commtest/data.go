@@ -162,9 +162,6 @@ var f16Table = sync.OnceValue(func() *[1 << 16]float64 {
 	return &t
 })
 
-// decodeF16 widens an IEEE binary16 bit pattern.
-func decodeF16(h uint16) float64 { return f16Table()[h] }
-
 // widenF16 decodes an IEEE binary16 bit pattern field by field.
 func widenF16(h uint16) float64 {
 	exp := int(h>>10) & 0x1f

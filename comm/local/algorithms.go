@@ -7,9 +7,9 @@ import (
 )
 
 // Algorithms returns the algorithms the local backend can force for op, in
-// the order they are listed in comm.Algorithms. Every one applies to every
-// group size: non-powers of two fold the extra ranks in first, and
-// Hierarchical with a prime size is a single group.
+// the order of comm.AllAlgorithms. Every one applies to every group size:
+// non-powers of two fold the extra ranks in first, and Hierarchical with a
+// prime size is a single group.
 func Algorithms(op comm.Op) []comm.Algorithm {
 	switch op {
 	case comm.OpAllReduce:

@@ -17,22 +17,67 @@ import (
 	"github.com/b7ea7098/loom/comm/internal/kernel"
 )
 
-// MachineModel returns this machine's cost model: the cached one if it was
-// measured here (comm.LoadCostModel), else a fresh measurement, which is
-// then cached. It is computed once per process; it describes the hardware,
-// not program state.
-func MachineModel() *comm.CostModel { return machineModel() }
+// MachineModel returns this machine's cost model, as comm.CostModelEnv
+// says. With it set to comm.CostModelOff it is comm.BuiltinCostModel:
+// nothing is measured, read or written. Otherwise it is the model cached in
+// comm.CostModelFile if that was measured on this machine (same CPU model,
+// OS, architecture and GOMAXPROCS), else a fresh Calibrate, about a second,
+// then written to that file. A process measures once per file: the model
+// describes the hardware, not program state. Each call returns a new copy.
+func MachineModel() *comm.CostModel { return processModels.get(Calibrate) }
 
-var machineModel = sync.OnceValue(func() *comm.CostModel {
-	id := machineID()
-	if m, err := comm.LoadCostModel(id); err == nil {
-		return m
+// processModels is the per-process memory of MachineModel.
+var processModels = &modelCache{byPath: map[string]*comm.CostModel{}}
+
+// modelCache remembers the model of each cache file, so that the second
+// world of a process neither reads the file again nor measures again.
+type modelCache struct {
+	// mu is held while measuring too: two worlds created at once must not
+	// calibrate concurrently, each skewing the other's timings.
+	mu     sync.Mutex
+	byPath map[string]*comm.CostModel
+}
+
+// get returns a copy of the model for the file comm.CostModelFile names,
+// calling calibrate only when there is neither a remembered model nor a
+// cached one for this machine.
+func (c *modelCache) get(calibrate func() *comm.CostModel) *comm.CostModel {
+	path, err := comm.CostModelFile()
+	if err == nil && path == "" {
+		return comm.BuiltinCostModel()
 	}
-	m := Calibrate()
+	// With no cache folder (err != nil) the model is measured, remembered
+	// under "" and not saved.
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	m, ok := c.byPath[path]
+	if !ok {
+		m = loadOrCalibrate(path, calibrate)
+		c.byPath[path] = m
+	}
+	cp := *m
+	return &cp
+}
+
+// loadOrCalibrate reads the model cached at path for this machine, or
+// measures one and saves it there; path "" means measure without saving.
+func loadOrCalibrate(path string, calibrate func() *comm.CostModel) *comm.CostModel {
+	id := machineID()
+	if path != "" {
+		if m, err := comm.LoadCostModel(path, id); err == nil {
+			return m
+		}
+	}
+	m := calibrate()
 	m.Machine = id
-	_ = comm.SaveCostModel(m) // a read-only cache only costs a re-measurement
+	if path != "" && m.Valid() {
+		// Not being able to save (a read-only home, a full disk) costs the
+		// next process a second of re-measurement and nothing else, so it
+		// is not worth failing the world for.
+		_ = comm.SaveCostModel(path, m)
+	}
 	return m
-})
+}
 
 // machineID names the hardware a model was measured on.
 func machineID() string {
@@ -45,7 +90,7 @@ func machineID() string {
 				break
 			}
 		}
-		f.Close()
+		_ = f.Close() // read only: closing loses nothing; no name means unknown-cpu
 	}
 	return fmt.Sprintf("%s/%s/%s/procs=%d", runtime.GOOS, runtime.GOARCH, cpu, runtime.GOMAXPROCS(0))
 }
@@ -106,7 +151,11 @@ func timeCopy(dst, src []byte, reps int) float64 {
 func timeReduce(reduce func(comm.DType, comm.ReduceOp, []byte, ...[]byte) error, dst, a, b []byte, reps int) float64 {
 	t := time.Now()
 	for range reps {
-		_ = reduce(comm.Float32, comm.Sum, dst, a, b)
+		if err := reduce(comm.Float32, comm.Sum, dst, a, b); err != nil {
+			// Cannot happen with Calibrate's buffers; a NaN makes the model
+			// invalid, which NewWorld reports, rather than a wrong choice.
+			return math.NaN()
+		}
 	}
 	return time.Since(t).Seconds() / float64(2*reps*len(dst))
 }

@@ -9,6 +9,27 @@
 // and doubling, binary and double binary trees, a two-level hierarchical
 // form, and direct reads. The algorithm is chosen per call from a cost
 // model measured on the machine, or forced per call or with LOOM_ALGO.
+//
+// # Calibration
+//
+// A world given no cost model (by WithCostModel or comm.Options.CostModel)
+// uses MachineModel. The first time in a process, that reads the file
+// comm.CostModelFile names, by default loom/costmodel.json in the user
+// cache folder ($XDG_CACHE_HOME/loom or ~/.cache/loom on Linux), and uses the
+// model in it if it was measured on the same CPU model, OS, architecture and
+// GOMAXPROCS. Otherwise Calibrate measures, for about a second and with 96
+// MiB of buffers: the latency of a handoff between two spinning goroutines,
+// and between two that share a core (setting GOMAXPROCS to 1 for about a
+// millisecond); one core's copy and float32-sum time per byte from memory,
+// with and without streaming stores, and within the cache; and the copy
+// bandwidth of all cores together. It reads the last-level cache size from
+// sysfs. The model is then written to that file (if it cannot be, the next
+// process measures again) and kept for the rest of the process.
+//
+// The environment variable comm.CostModelEnv (LOOM_COSTMODEL) changes this:
+// a path moves the file; comm.CostModelOff ("off", or "none") turns measuring
+// off: nothing is measured, read or written and comm.BuiltinCostModel is
+// used. WithCostModel(comm.BuiltinCostModel()) does the same for one world.
 package local
 
 import (
@@ -29,6 +50,7 @@ type Option func(*config)
 type config struct {
 	opts          comm.Options
 	optsSet       bool
+	model         *comm.CostModel
 	bind, bindSet bool // Run only
 	bound         bool // set by Run when it binds the ranks
 }
@@ -37,6 +59,13 @@ type config struct {
 // supplies them.
 func WithOptions(o comm.Options) Option {
 	return func(c *config) { c.opts, c.optsSet = o, true }
+}
+
+// WithCostModel sets the model that drives the automatic algorithm choice,
+// in place of comm.Options.CostModel and of MachineModel: nothing is then
+// measured, read or written. A nil m restores the default.
+func WithCostModel(m *comm.CostModel) Option {
+	return func(c *config) { c.model = m }
 }
 
 // World is p in-process ranks sharing one failure domain.
@@ -64,6 +93,9 @@ func NewWorld(p int, opts ...Option) (*World, error) {
 	}
 	o := cfg.opts.WithDefaults()
 	model := o.CostModel
+	if cfg.model != nil {
+		model = cfg.model
+	}
 	if model == nil {
 		model = MachineModel()
 	}

@@ -319,6 +319,9 @@ func (c *Comm) noticeLocked(st *C.MPI_Status) {
 	C.MPI_Get_count(st, C.loom_byte(), &count)
 	if count < 12 || binary.LittleEndian.Uint64(b) != c.uid {
 		// A notice for an earlier communicator that had this context id.
+		// If reposting fails, ctlLive stays false: this rank no longer hears
+		// peers' abort notices, and a peer's failure reaches it as a
+		// timeout instead, which is slower but still an error.
 		_ = c.postCtlLocked()
 		return
 	}

@@ -31,12 +31,12 @@ func TestMatchesLocal(t *testing.T) {
 func matchesLocal(t *testing.T, mc *mpi.Comm) {
 	p, r := mc.Size(), mc.Rank()
 	const n = 1031
-	for _, dt := range comm.DTypes {
+	for _, dt := range comm.AllDTypes() {
 		for _, op := range []comm.Op{comm.OpAllReduce, comm.OpReduce, comm.OpReduceScatter, comm.OpBroadcast,
 			comm.OpAllGather, comm.OpGather, comm.OpScatter, comm.OpAllToAll, comm.OpAllToAllV} {
 			rops := []comm.ReduceOp{0}
 			if op.Reduces() {
-				rops = comm.ReduceOps
+				rops = comm.AllReduceOps()
 			}
 			for _, rop := range rops {
 				name := fmt.Sprintf("%v/%v", op, dt)

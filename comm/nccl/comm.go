@@ -222,16 +222,18 @@ func newFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int, cf
 		return fail(err)
 	}
 	deadline := time.Now().Add(cfg.opts.Timeout)
+	// On a failed init, ncclCommAbort only frees what NCCL allocated; its
+	// result code adds nothing to the init error returned.
 	if rc != int32(Success) && rc != int32(InProgress) {
 		err := l.ncclError("ncclCommInitRankConfig", rc, c.h)
 		if c.h != 0 {
-			_ = l.nc.commAbort(c.h)
+			l.nc.commAbort(c.h)
 		}
 		return fail(err)
 	}
 	if err := settle(ctx, l, c.h, "ncclCommInitRankConfig", deadline, nil); err != nil {
 		if c.h != 0 {
-			_ = l.nc.commAbort(c.h)
+			l.nc.commAbort(c.h)
 		}
 		return fail(err)
 	}
@@ -247,18 +249,23 @@ func newFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int, cf
 func (c *Comm) setup() error {
 	l := c.lib
 	var n, r int32
+	// bad undoes a half-made communicator; what fails while undoing is
+	// joined to err, the reason it is undone.
 	bad := func(err error) error {
 		c.mu.Lock()
 		c.gone = true
 		c.mu.Unlock()
-		_ = l.nc.commAbort(c.h)
+		errs := []error{err}
+		if rc := l.nc.commAbort(c.h); rc != int32(Success) {
+			errs = append(errs, l.ncclError("ncclCommAbort", rc, 0))
+		}
 		if c.ownStream {
-			_ = c.stream.Close()
+			errs = append(errs, c.stream.Close())
 		}
 		if c.barrier != 0 {
-			_ = c.dev.cuda("cuMemFree_v2", func() int32 { return l.cu.memFree(c.barrier) })
+			errs = append(errs, c.dev.cuda("cuMemFree_v2", func() int32 { return l.cu.memFree(c.barrier) }))
 		}
-		return err
+		return errors.Join(errs...)
 	}
 	if rc := l.nc.commCount(c.h, &n); rc != 0 {
 		return bad(l.ncclError("ncclCommCount", rc, c.h))
@@ -383,7 +390,7 @@ func (c *Comm) failPending(e *comm.AbortError) {
 		c.abandonLocked(w, e)
 	}
 	for _, w := range c.batch {
-		_ = c.finishLocked(w, e)
+		_ = c.finishLocked(w, e) // nil: e is not nil, so nothing is copied
 	}
 	c.doomed, c.queue, c.batch = nil, nil, nil
 	c.aborted = true
@@ -409,7 +416,9 @@ func (c *Comm) awaitAbort(ctx context.Context) {
 
 // fail fails w with err and aborts the communicator. Unless the abort is
 // already done, w fails with the other pending work once it is. It returns
-// the error w fails with: err, or the one it had already failed with.
+// the error w fails with: err, or the one it had already failed with. That
+// is w's outcome, not a failure of fail, so callers that need only the
+// effect ignore it.
 func (c *Comm) fail(w *work, err *comm.Error, issueHeld bool) error {
 	c.mu.Lock()
 	switch {
@@ -439,8 +448,11 @@ func (c *Comm) ncclAbort() {
 	}
 	c.gone = true
 	c.mu.Unlock()
+	// Nothing is left to report to: the communicator is failed already, its
+	// cause recorded, and ncclCommAbort frees it whatever it returns. If the
+	// device is closed, NCCL's resources went with the context.
 	_ = c.dev.run(func() error {
-		_ = c.lib.nc.commAbort(c.h)
+		c.lib.nc.commAbort(c.h)
 		return nil
 	})
 }
@@ -449,6 +461,9 @@ func (c *Comm) ncclAbort() {
 func (c *Comm) notify(cause error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	// Best effort: a peer that never reads the notice still fails, by its
+	// own timeout or NCCL's asynchronous error, only later and with a
+	// vaguer cause.
 	_ = c.store.Set(ctx, c.key+"/abort", []byte(strconv.Itoa(c.rank)+"\n"+cause.Error()))
 }
 
@@ -519,25 +534,33 @@ func (c *Comm) Close() error {
 // aborts it instead.
 func (c *Comm) finalize() error {
 	l := c.lib
-	var rc int32
-	_ = c.dev.run(func() error { rc = l.nc.commFinalize(c.h); return nil })
-	var err error
-	if rc != int32(Success) && rc != int32(InProgress) {
-		err = l.ncclError("ncclCommFinalize", rc, c.h)
-	} else {
+	// The device's run error matters here: with the device closed or its
+	// context lost, NCCL was never called and its result code means nothing.
+	err := c.dev.run(func() error {
+		if rc := l.nc.commFinalize(c.h); rc != int32(Success) && rc != int32(InProgress) {
+			return l.ncclError("ncclCommFinalize", rc, c.h)
+		}
+		return nil
+	})
+	if err == nil {
 		// An abort from another goroutine waits for issueMu, which Close
 		// holds: give up for it.
 		err = settle(context.Background(), l, c.h, "ncclCommFinalize", time.Now().Add(c.cfg.opts.Timeout), c.Err)
 	}
 	if err != nil {
-		_ = c.dev.run(func() error { _ = l.nc.commAbort(c.h); return nil })
-		return err
+		return errors.Join(err, c.dev.run(func() error {
+			if rc := l.nc.commAbort(c.h); rc != int32(Success) {
+				return l.ncclError("ncclCommAbort", rc, 0)
+			}
+			return nil
+		}))
 	}
-	_ = c.dev.run(func() error { rc = l.nc.commDestroy(c.h); return nil })
-	if rc != 0 {
-		return l.ncclError("ncclCommDestroy", rc, 0)
-	}
-	return nil
+	return c.dev.run(func() error {
+		if rc := l.nc.commDestroy(c.h); rc != int32(Success) {
+			return l.ncclError("ncclCommDestroy", rc, 0)
+		}
+		return nil
+	})
 }
 
 // releaseLocked frees the stream, barrier word, pooled events and the
@@ -650,7 +673,8 @@ func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 	}
 	if err != nil {
 		if newh != 0 {
-			_ = c.dev.run(func() error { _ = c.lib.nc.commAbort(newh); return nil })
+			// Freeing the half-made child cannot change the error returned.
+			_ = c.dev.run(func() error { c.lib.nc.commAbort(newh); return nil })
 		}
 		c.abort(&comm.AbortError{Rank: c.rank, Cause: c.wrap(comm.OpSplit, seq, -1, err)}, true, true)
 		return fail(err)

@@ -163,16 +163,6 @@ func LayoutFor(version int) (ConfigLayout, error) {
 	return l, nil
 }
 
-// has reports whether the layout has the named field.
-func (l ConfigLayout) has(name string) bool {
-	for _, f := range l.Fields {
-		if f.Name == name {
-			return true
-		}
-	}
-	return false
-}
-
 // setting is one Config field as the encoder sees it.
 type setting struct {
 	goName, cName string

@@ -2,6 +2,7 @@ package nccl
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
@@ -173,8 +174,7 @@ func (d *Device) Upload(src *comm.HostBuffer) (*DeviceBuffer, error) {
 		return nil, err
 	}
 	if err := b.CopyFromHost(src); err != nil {
-		_ = b.Free()
-		return nil, err
+		return nil, errors.Join(err, b.Free())
 	}
 	return b, nil
 }

@@ -8,7 +8,7 @@
 //
 //	lib, err := nccl.Load()                 // or nccl.WithNCCL(path), LOOM_NCCL
 //	dev, err := lib.OpenDevice(localRank)   // retains the primary context
-//	store, err := rendezvous.DialEnv(ctx, nil)
+//	store, err := rendezvous.DialEnv(ctx)
 //	c, err := nccl.NewComm(ctx, dev, store, "job42/world", rank, size)
 //	x, err := dev.Upload(comm.Host(values)) // or pass host buffers directly
 //	err = comm.AllReduce(ctx, c, x, x, comm.Sum)

@@ -399,7 +399,7 @@ func TestStoreBootstrapAndAbortNotice(t *testing.T) {
 	f.setAbortPro(0)
 	l := f.load(t)
 	ctx := context.Background()
-	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0", nil)
+	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -409,7 +409,7 @@ func TestStoreBootstrapAndAbortNotice(t *testing.T) {
 	errs := make(chan error, p)
 	for r := range p {
 		go func() {
-			cl, err := rendezvous.Dial(ctx, srv.Addr(), nil)
+			cl, err := rendezvous.Dial(ctx, srv.Addr())
 			if err != nil {
 				errs <- err
 				return

@@ -12,7 +12,6 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"unsafe"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/internal/dynlib"
@@ -264,12 +263,4 @@ func (w *world) close() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// bytesOf views a slice's memory.
-func bytesOf[T any](s []T) []byte {
-	if len(s) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(&s[0])), len(s)*int(unsafe.Sizeof(s[0])))
 }

@@ -155,12 +155,12 @@ func TestGPUDeviceMemory(t *testing.T) {
 func gpuStoreComm(t *testing.T, d *Device, name string, opts ...Option) *Comm {
 	t.Helper()
 	ctx := context.Background()
-	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0", nil)
+	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { srv.Close() })
-	cl, err := rendezvous.Dial(ctx, srv.Addr(), nil)
+	cl, err := rendezvous.Dial(ctx, srv.Addr())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +188,7 @@ func TestGPUCollectivesSize1(t *testing.T) {
 	c := gpuStoreComm(t, d, "gpu/size1")
 	ctx := context.Background()
 	const n = 1031
-	for _, dt := range comm.DTypes {
+	for _, dt := range comm.AllDTypes() {
 		in := commtest.Fill(dt, n, uint64(dt), 0, commtest.Mixed)
 		src, err := d.Upload(in)
 		if err != nil {
@@ -213,7 +213,7 @@ func TestGPUCollectivesSize1(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		for _, op := range comm.ReduceOps {
+		for _, op := range comm.AllReduceOps() {
 			reset()
 			if err := comm.AllReduce(ctx, c, src, dst, op); err != nil {
 				t.Fatalf("allreduce %v %v: %v", dt, op, err)

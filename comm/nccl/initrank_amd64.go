@@ -3,6 +3,7 @@
 package nccl
 
 import (
+	"errors"
 	"fmt"
 	"syscall"
 	"unsafe"
@@ -77,8 +78,7 @@ func stubInit(target uintptr) (initRankFunc, error) {
 	}
 	copy(mem, code)
 	if err := syscall.Mprotect(mem, syscall.PROT_READ|syscall.PROT_EXEC); err != nil {
-		_ = syscall.Munmap(mem)
-		return nil, fmt.Errorf("making the ncclCommInitRankConfig stub executable: %w", err)
+		return nil, errors.Join(fmt.Errorf("making the ncclCommInitRankConfig stub executable: %w", err), syscall.Munmap(mem))
 	}
 	var stub func(fn uintptr, comm *uintptr, nranks int32, id *UniqueID, rank int32, cfg unsafe.Pointer) int32
 	purego.RegisterFunc(&stub, uintptr(unsafe.Pointer(&mem[0])))

@@ -411,7 +411,7 @@ func (c *Comm) startP2P(ctx context.Context, call *comm.Call, plan *stagePlan) (
 	if err := c.stage(w, plan); err != nil {
 		e := c.wrap(w.op, w.seq, w.peer, err)
 		c.mu.Lock()
-		_ = c.finishLocked(w, e)
+		_ = c.finishLocked(w, e) // nil: e is not nil, so nothing is copied
 		c.mu.Unlock()
 		return nil, e
 	}
@@ -419,7 +419,7 @@ func (c *Comm) startP2P(ctx context.Context, call *comm.Call, plan *stagePlan) (
 	defer c.mu.Unlock()
 	if c.aborted {
 		e := c.wrap(w.op, w.seq, w.peer, c.failure.Load())
-		_ = c.finishLocked(w, e)
+		_ = c.finishLocked(w, e) // nil: e is not nil, so nothing is copied
 		return nil, e
 	}
 	c.batch = append(c.batch, w)
@@ -541,7 +541,7 @@ func (c *Comm) groupTyped(ctx context.Context, batch []*work, ops []p2pOp) error
 			}
 			if r != int32(Success) && r != int32(InProgress) {
 				rc = r
-				_ = nc.groupEnd()
+				_ = nc.groupEnd() // leave the group; its operations are abandoned
 				return nil
 			}
 		}

@@ -276,7 +276,8 @@ func (c *Comm) expiredLocked() (*work, error) {
 
 // finishLocked completes w: with err nil it copies staged results to the
 // host (a failure there is returned, and fails w), frees its staging
-// memory and records it; with err it fails w. It returns the copy error.
+// memory and records it; with err it fails w. It returns the copy error,
+// so always nil when err is not nil.
 func (c *Comm) finishLocked(w *work, err error) error {
 	if w.finished {
 		return nil
@@ -329,6 +330,9 @@ func (c *Comm) closeLocked(w *work, err error) {
 func (c *Comm) releaseWorkLocked(w *work) {
 	for _, p := range w.scratch {
 		ptr := p
+		// w's outcome is decided already. A failed free leaks the block
+		// until the context is released; it fails only with a broken
+		// context, which the next collective reports.
 		_ = c.dev.cuda("cuMemFree_v2", func() int32 { return c.lib.cu.memFree(ptr) })
 	}
 	w.scratch = nil

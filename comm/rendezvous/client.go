@@ -13,39 +13,67 @@ import (
 	"time"
 )
 
-// ClientOptions tunes a Client. The zero value (or nil) gives the defaults.
-type ClientOptions struct {
-	// Timeout bounds every call, on top of its context (default 5 min;
-	// negative: no bound other than the context).
-	Timeout time.Duration
-	// DialTimeout bounds Dial, all retries included (default 30 s), and
-	// each single connection attempt a later call makes after a break.
-	DialTimeout time.Duration
-	// RetryInterval is the first pause between Dial's attempts; it doubles
-	// up to 1 s (default 50 ms).
-	RetryInterval time.Duration
-	// MaxFrame is the largest frame sent or accepted (default DefaultMaxFrame).
-	MaxFrame int
+// ClientOption is an optional setting of Dial and DialEnv.
+type ClientOption func(*clientConfig)
+
+// clientConfig holds a Client's settings, defaults filled in.
+type clientConfig struct {
+	timeout       time.Duration // <= 0: no bound other than the context
+	dialTimeout   time.Duration
+	retryInterval time.Duration
+	maxFrame      int
 }
 
-func (o *ClientOptions) withDefaults() ClientOptions {
-	var v ClientOptions
-	if o != nil {
-		v = *o
+func newClientConfig(opts []ClientOption) clientConfig {
+	c := clientConfig{
+		timeout:       5 * time.Minute,
+		dialTimeout:   30 * time.Second,
+		retryInterval: 50 * time.Millisecond,
+		maxFrame:      DefaultMaxFrame,
 	}
-	if v.Timeout == 0 {
-		v.Timeout = 5 * time.Minute
+	for _, o := range opts {
+		if o != nil {
+			o(&c)
+		}
 	}
-	if v.DialTimeout <= 0 {
-		v.DialTimeout = 30 * time.Second
+	return c
+}
+
+// WithTimeout bounds every call, on top of its context (default 5 min). A d
+// of zero or less leaves the context as the only bound.
+func WithTimeout(d time.Duration) ClientOption {
+	return func(c *clientConfig) { c.timeout = d }
+}
+
+// WithDialTimeout bounds Dial, all retries included, and each single
+// connection attempt a later call makes after a break (default 30 s). A d of
+// zero or less keeps the default.
+func WithDialTimeout(d time.Duration) ClientOption {
+	return func(c *clientConfig) {
+		if d > 0 {
+			c.dialTimeout = d
+		}
 	}
-	if v.RetryInterval <= 0 {
-		v.RetryInterval = 50 * time.Millisecond
+}
+
+// WithRetryInterval sets the first pause between Dial's attempts; it doubles
+// up to 1 s (default 50 ms). A d of zero or less keeps the default.
+func WithRetryInterval(d time.Duration) ClientOption {
+	return func(c *clientConfig) {
+		if d > 0 {
+			c.retryInterval = d
+		}
 	}
-	if v.MaxFrame <= 0 {
-		v.MaxFrame = DefaultMaxFrame
+}
+
+// WithClientMaxFrame sets the largest frame the client sends or accepts, in
+// bytes (default DefaultMaxFrame). An n of zero or less keeps the default.
+func WithClientMaxFrame(n int) ClientOption {
+	return func(c *clientConfig) {
+		if n > 0 {
+			c.maxFrame = n
+		}
 	}
-	return v
 }
 
 // serverTimeoutMargin is added to the time limit a blocking request carries.
@@ -56,7 +84,7 @@ const serverTimeoutMargin = 100 * time.Millisecond
 // package documentation for what happens when the connection breaks.
 type Client struct {
 	addr string
-	opts ClientOptions
+	opts clientConfig
 
 	dialSem chan struct{} // serializes reconnection; a context can abandon the wait
 	mu      sync.Mutex    // guards sess and closed
@@ -80,13 +108,14 @@ type session struct {
 
 // Dial connects to the server at addr, retrying failed attempts (refused
 // connections while the server starts, for instance) until ctx is done or
-// opts.DialTimeout passes, and checks that the server speaks this protocol.
-func Dial(ctx context.Context, addr string, opts *ClientOptions) (*Client, error) {
-	c := &Client{addr: addr, opts: opts.withDefaults(), dialSem: make(chan struct{}, 1)}
-	dctx, cancel := context.WithTimeoutCause(ctx, c.opts.DialTimeout,
-		&timeoutError{what: fmt.Sprintf("dial timeout %v", c.opts.DialTimeout)})
+// the dial timeout (WithDialTimeout) passes, and checks that the server
+// speaks this protocol.
+func Dial(ctx context.Context, addr string, opts ...ClientOption) (*Client, error) {
+	c := &Client{addr: addr, opts: newClientConfig(opts), dialSem: make(chan struct{}, 1)}
+	dctx, cancel := context.WithTimeoutCause(ctx, c.opts.dialTimeout,
+		&timeoutError{what: fmt.Sprintf("dial timeout %v", c.opts.dialTimeout)})
 	defer cancel()
-	pause := c.opts.RetryInterval
+	pause := c.opts.retryInterval
 	attempts := 0
 	for {
 		attempts++
@@ -142,7 +171,7 @@ func (c *Client) connect(ctx context.Context) (*session, error) {
 	}
 	s := &session{
 		conn:       conn,
-		maxFrame:   c.opts.MaxFrame,
+		maxFrame:   c.opts.maxFrame,
 		wsem:       make(chan struct{}, 1),
 		pending:    make(map[uint64]chan response),
 		done:       make(chan struct{}),
@@ -201,7 +230,7 @@ func (c *Client) session(ctx context.Context) (*session, error) {
 	if s != nil && !s.failed() {
 		return s, nil
 	}
-	dctx, cancel := context.WithTimeout(ctx, c.opts.DialTimeout)
+	dctx, cancel := context.WithTimeout(ctx, c.opts.dialTimeout)
 	defer cancel()
 	ns, err := c.connect(dctx)
 	if err != nil {
@@ -238,7 +267,9 @@ func (s *session) fail(err error) {
 	}
 	s.err = err
 	close(s.done)
-	s.conn.Close()
+	// err is what callers see; closing only stops the reader, and a close
+	// error on a failed connection says nothing more.
+	_ = s.conn.Close()
 }
 
 func (s *session) readLoop() {
@@ -286,12 +317,14 @@ func (s *session) write(ctx context.Context, frame []byte) error {
 		return ctxError(ctx)
 	}
 	defer func() { <-s.wsem }()
+	// SetWriteDeadline fails only on a closed connection, and then the
+	// Write below fails and reports it.
 	if dl, ok := ctx.Deadline(); ok {
-		s.conn.SetWriteDeadline(dl)
+		_ = s.conn.SetWriteDeadline(dl)
 	} else {
-		s.conn.SetWriteDeadline(time.Time{})
+		_ = s.conn.SetWriteDeadline(time.Time{})
 	}
-	stop := context.AfterFunc(ctx, func() { s.conn.SetWriteDeadline(time.Unix(1, 0)) })
+	stop := context.AfterFunc(ctx, func() { _ = s.conn.SetWriteDeadline(time.Unix(1, 0)) })
 	_, err := s.conn.Write(frame)
 	stop()
 	if err != nil {
@@ -360,7 +393,8 @@ func (s *session) forget(id uint64) {
 func (s *session) cancelRemote(id uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	s.write(ctx, encodeRequest(request{op: opCancel, id: s.nextID.Add(1), target: id}))
+	// A failed write fails the session, and with it the request to cancel.
+	_ = s.write(ctx, encodeRequest(request{op: opCancel, id: s.nextID.Add(1), target: id}))
 }
 
 // do runs one call: it applies the client timeout, checks the size, gets a
@@ -370,12 +404,12 @@ func (c *Client) do(ctx context.Context, op, key string, req request) (response,
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	if n := requestSize(req); n > c.opts.MaxFrame {
-		return response{}, wrap(fmt.Errorf("%w: request of %d bytes, limit %d", ErrFrameTooLarge, n, c.opts.MaxFrame))
+	if n := requestSize(req); n > c.opts.maxFrame {
+		return response{}, wrap(fmt.Errorf("%w: request of %d bytes, limit %d", ErrFrameTooLarge, n, c.opts.maxFrame))
 	}
-	if c.opts.Timeout > 0 {
+	if c.opts.timeout > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, c.opts.Timeout, clientTimeout(c.opts.Timeout))
+		ctx, cancel = context.WithTimeoutCause(ctx, c.opts.timeout, clientTimeout(c.opts.timeout))
 		defer cancel()
 	}
 	if ctx.Err() != nil {
@@ -463,10 +497,10 @@ func (c *Client) Barrier(ctx context.Context, name string, n int) error {
 	if n < 1 {
 		return &Error{Op: "barrier", Key: name, Addr: c.addr, Err: fmt.Errorf("%w: n = %d, want >= 1", ErrInvalid, n)}
 	}
-	if c.opts.Timeout > 0 {
+	if c.opts.timeout > 0 {
 		// One bound for the whole barrier, not one per step.
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, c.opts.Timeout, clientTimeout(c.opts.Timeout))
+		ctx, cancel = context.WithTimeoutCause(ctx, c.opts.timeout, clientTimeout(c.opts.timeout))
 		defer cancel()
 	}
 	countKey := "barrier/" + name + "/count"

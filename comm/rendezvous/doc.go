@@ -12,7 +12,7 @@
 // # Errors and time limits
 //
 // Every client call honours its context and the client's per-call timeout
-// ([ClientOptions.Timeout]); blocking requests carry their remaining time to
+// ([WithTimeout]); blocking requests carry their remaining time to
 // the server, which gives up on them too. Every error is an [*Error] naming
 // the operation, the key and the server address. Test causes with
 // errors.Is: [ErrTimeout] (the client timeout, a context deadline or the
@@ -25,7 +25,7 @@
 //
 // A Client holds one TCP connection and multiplexes all calls over it, so
 // many goroutines may share one Client. [Dial] retries refused or failed
-// connections until [ClientOptions.DialTimeout] passes. When an established
+// connections until the dial timeout ([WithDialTimeout]) passes. When an established
 // connection breaks, every pending call fails with [ErrConnLost]; calls are
 // never retried automatically, since Add is not idempotent and the server
 // may have applied the request. The next call after a break makes one fresh

@@ -20,10 +20,10 @@ func EnvAddr() (string, error) {
 
 // DialEnv dials the server at EnvAddr: the rendezvous server cmd/loomrun
 // runs for the processes it starts.
-func DialEnv(ctx context.Context, opts *ClientOptions) (*Client, error) {
+func DialEnv(ctx context.Context, opts ...ClientOption) (*Client, error) {
 	addr, err := EnvAddr()
 	if err != nil {
 		return nil, err
 	}
-	return Dial(ctx, addr, opts)
+	return Dial(ctx, addr, opts...)
 }

@@ -16,7 +16,7 @@ func Example() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 
-	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0", nil)
+	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0")
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -30,7 +30,7 @@ func Example() {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c, err := rendezvous.Dial(ctx, srv.Addr(), &rendezvous.ClientOptions{Timeout: 5 * time.Second})
+			c, err := rendezvous.Dial(ctx, srv.Addr(), rendezvous.WithTimeout(5*time.Second))
 			if err != nil {
 				fmt.Println(err)
 				return

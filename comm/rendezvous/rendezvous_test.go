@@ -35,9 +35,9 @@ func checkLeaks(t *testing.T) {
 	})
 }
 
-func startServer(t *testing.T, opts *ServerOptions) *Server {
+func startServer(t *testing.T, opts ...ServerOption) *Server {
 	t.Helper()
-	s, err := Listen(context.Background(), "127.0.0.1:0", opts)
+	s, err := Listen(context.Background(), "127.0.0.1:0", opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,11 +45,11 @@ func startServer(t *testing.T, opts *ServerOptions) *Server {
 	return s
 }
 
-func dial(t *testing.T, addr string, opts *ClientOptions) *Client {
+func dial(t *testing.T, addr string, opts ...ClientOption) *Client {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := Dial(ctx, addr, opts)
+	c, err := Dial(ctx, addr, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,8 +75,8 @@ func within(t *testing.T, d time.Duration, what string, f func()) {
 
 func TestBasicOps(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
-	c := dial(t, s.Addr(), nil)
+	s := startServer(t)
+	c := dial(t, s.Addr())
 	ctx := testCtx(t)
 
 	if err := c.Set(ctx, "a", []byte("1")); err != nil {
@@ -138,13 +138,13 @@ func TestBasicOps(t *testing.T) {
 
 func TestConcurrentManyKeys(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
+	s := startServer(t)
 	ctx := testCtx(t)
 	const clients, perClient, keys = 4, 16, 40
 	var wg sync.WaitGroup
 	errs := make(chan error, clients*perClient)
 	for ci := 0; ci < clients; ci++ {
-		c := dial(t, s.Addr(), nil)
+		c := dial(t, s.Addr())
 		for g := 0; g < perClient; g++ {
 			wg.Add(1)
 			go func() {
@@ -183,9 +183,9 @@ func TestConcurrentManyKeys(t *testing.T) {
 
 func TestGetBlocksUntilSet(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
-	reader := dial(t, s.Addr(), nil)
-	writer := dial(t, s.Addr(), nil)
+	s := startServer(t)
+	reader := dial(t, s.Addr())
+	writer := dial(t, s.Addr())
 	ctx := testCtx(t)
 
 	got := make(chan string, 2)
@@ -238,7 +238,7 @@ func TestGetBlocksUntilSet(t *testing.T) {
 
 func TestAddAtomic(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
+	s := startServer(t)
 	ctx := testCtx(t)
 	const clients, perClient, adds = 4, 8, 50
 	total := clients * perClient * adds
@@ -246,7 +246,7 @@ func TestAddAtomic(t *testing.T) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for ci := 0; ci < clients; ci++ {
-		c := dial(t, s.Addr(), nil)
+		c := dial(t, s.Addr())
 		for g := 0; g < perClient; g++ {
 			wg.Add(1)
 			go func() {
@@ -272,7 +272,7 @@ func TestAddAtomic(t *testing.T) {
 			t.Fatalf("value %d returned %d times, want once", v, seen[v])
 		}
 	}
-	c := dial(t, s.Addr(), nil)
+	c := dial(t, s.Addr())
 	if v, err := c.Get(ctx, "counter"); err != nil || string(v) != fmt.Sprint(total) {
 		t.Fatalf("final counter %q, %v; want %d", v, err, total)
 	}
@@ -298,8 +298,8 @@ func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
 
 func TestTimeout(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
-	c := dial(t, s.Addr(), &ClientOptions{Timeout: 150 * time.Millisecond})
+	s := startServer(t)
+	c := dial(t, s.Addr(), WithTimeout(150*time.Millisecond))
 	var err error
 	within(t, 2*time.Second, "get with a 150ms client timeout", func() {
 		_, err = c.Get(context.Background(), "never")
@@ -331,8 +331,8 @@ func TestTimeout(t *testing.T) {
 
 func TestContextCancel(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
-	c := dial(t, s.Addr(), &ClientOptions{Timeout: -1}) // no client timeout: only cancel ends it
+	s := startServer(t)
+	c := dial(t, s.Addr(), WithTimeout(0)) // no client timeout: only cancel ends it
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
 	go func() {
@@ -359,13 +359,13 @@ func TestContextCancel(t *testing.T) {
 
 func TestServerShutdownWhileWaiting(t *testing.T) {
 	checkLeaks(t)
-	s, err := Listen(context.Background(), "127.0.0.1:0", nil)
+	s, err := Listen(context.Background(), "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	addr := s.Addr()
-	c1 := dial(t, addr, &ClientOptions{Timeout: -1})
-	c2 := dial(t, addr, &ClientOptions{Timeout: -1})
+	c1 := dial(t, addr, WithTimeout(0))
+	c2 := dial(t, addr, WithTimeout(0))
 	const waiters = 10
 	errc := make(chan error, 2*waiters)
 	for i := 0; i < waiters; i++ {
@@ -398,11 +398,11 @@ func TestServerShutdownWhileWaiting(t *testing.T) {
 func TestServerContextDone(t *testing.T) {
 	checkLeaks(t)
 	ctx, cancel := context.WithCancel(context.Background())
-	s, err := Listen(ctx, "127.0.0.1:0", nil)
+	s, err := Listen(ctx, "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := dial(t, s.Addr(), &ClientOptions{Timeout: -1})
+	c := dial(t, s.Addr(), WithTimeout(0))
 	errc := make(chan error, 1)
 	go func() { _, err := c.Get(context.Background(), "k"); errc <- err }()
 	waitUntil(t, 2*time.Second, "waiter registered", func() bool { return serverWaits(s) == 1 })
@@ -424,8 +424,8 @@ func TestServerContextDone(t *testing.T) {
 
 func TestClientClose(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
-	c, err := Dial(context.Background(), s.Addr(), nil)
+	s := startServer(t)
+	c, err := Dial(context.Background(), s.Addr())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -451,12 +451,12 @@ func TestClientClose(t *testing.T) {
 
 func TestReconnect(t *testing.T) {
 	checkLeaks(t)
-	s1, err := Listen(context.Background(), "127.0.0.1:0", nil)
+	s1, err := Listen(context.Background(), "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	addr := s1.Addr()
-	c := dial(t, addr, nil)
+	c := dial(t, addr)
 	ctx := testCtx(t)
 	if err := c.Set(ctx, "old", []byte("1")); err != nil {
 		t.Fatal(err)
@@ -470,7 +470,7 @@ func TestReconnect(t *testing.T) {
 	})
 	// A new server on the same address: the next call reconnects. The old
 	// store is gone.
-	s2, err := Listen(context.Background(), addr, nil)
+	s2, err := Listen(context.Background(), addr)
 	if err != nil {
 		t.Skipf("cannot listen again on %s: %v", addr, err)
 	}
@@ -504,11 +504,11 @@ func TestDialRetries(t *testing.T) {
 	}
 	res := make(chan result, 1)
 	go func() {
-		c, err := Dial(context.Background(), addr, &ClientOptions{DialTimeout: 5 * time.Second, RetryInterval: 10 * time.Millisecond})
+		c, err := Dial(context.Background(), addr, WithDialTimeout(5*time.Second), WithRetryInterval(10*time.Millisecond))
 		res <- result{c, err}
 	}()
 	time.Sleep(150 * time.Millisecond)
-	s, err := Listen(context.Background(), addr, nil)
+	s, err := Listen(context.Background(), addr)
 	if err != nil {
 		r := <-res
 		if r.c != nil {
@@ -536,7 +536,7 @@ func TestDialTimeout(t *testing.T) {
 	addr := ln.Addr().String()
 	ln.Close()
 	within(t, 2*time.Second, "dial with 200ms timeout", func() {
-		_, err = Dial(context.Background(), addr, &ClientOptions{DialTimeout: 200 * time.Millisecond, RetryInterval: 10 * time.Millisecond})
+		_, err = Dial(context.Background(), addr, WithDialTimeout(200*time.Millisecond), WithRetryInterval(10*time.Millisecond))
 	})
 	var e *Error
 	if !errors.Is(err, ErrTimeout) || !errors.As(err, &e) || e.Op != "dial" || e.Addr != addr {
@@ -562,7 +562,7 @@ func TestDialTimeout(t *testing.T) {
 		}
 	}()
 	within(t, 2*time.Second, "dial to a silent server", func() {
-		_, err = Dial(context.Background(), ln.Addr().String(), &ClientOptions{DialTimeout: 200 * time.Millisecond})
+		_, err = Dial(context.Background(), ln.Addr().String(), WithDialTimeout(200*time.Millisecond))
 	})
 	if !errors.Is(err, ErrTimeout) {
 		t.Errorf("silent server: %v, want a timeout", err)
@@ -577,14 +577,14 @@ func TestDialTimeout(t *testing.T) {
 
 func TestBarrier(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
+	s := startServer(t)
 	ctx := testCtx(t)
 	const n = 6
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	passed := 0
 	for i := 0; i < n; i++ {
-		c := dial(t, s.Addr(), nil)
+		c := dial(t, s.Addr())
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -609,7 +609,7 @@ func TestBarrier(t *testing.T) {
 	if passed != n {
 		t.Fatalf("%d of %d passed", passed, n)
 	}
-	c := dial(t, s.Addr(), &ClientOptions{Timeout: 100 * time.Millisecond})
+	c := dial(t, s.Addr(), WithTimeout(100*time.Millisecond))
 	if err := c.Barrier(ctx, "b0", n); err == nil || !strings.Contains(err.Error(), "single-use") {
 		t.Errorf("reused barrier: %v", err)
 	}
@@ -623,8 +623,8 @@ func TestBarrier(t *testing.T) {
 
 func TestOversizeRequestRejectedByClient(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
-	c := dial(t, s.Addr(), &ClientOptions{MaxFrame: 1024})
+	s := startServer(t)
+	c := dial(t, s.Addr(), WithClientMaxFrame(1024))
 	err := c.Set(context.Background(), "k", make([]byte, 2000))
 	if !errors.Is(err, ErrFrameTooLarge) {
 		t.Errorf("err = %v, want ErrFrameTooLarge", err)
@@ -636,8 +636,8 @@ func TestOversizeRequestRejectedByClient(t *testing.T) {
 
 func TestMaxPending(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, &ServerOptions{MaxPending: 2})
-	c := dial(t, s.Addr(), &ClientOptions{Timeout: -1})
+	s := startServer(t, WithMaxPending(2))
+	c := dial(t, s.Addr(), WithTimeout(0))
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	for i := 0; i < 2; i++ {
@@ -702,7 +702,7 @@ func (r *rawConn) closed() {
 
 func TestMalformedFrames(t *testing.T) {
 	checkLeaks(t)
-	s := startServer(t, nil)
+	s := startServer(t)
 	frame := func(body []byte) []byte {
 		return append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
 	}
@@ -785,7 +785,7 @@ func TestMalformedFrames(t *testing.T) {
 		r.c.Close()
 	})
 	// After all of that the server still serves well-behaved clients.
-	c := dial(t, s.Addr(), nil)
+	c := dial(t, s.Addr())
 	if err := c.Set(context.Background(), "still", []byte("ok")); err != nil {
 		t.Fatal(err)
 	}
@@ -812,7 +812,7 @@ func TestClientRejectsGarbageServer(t *testing.T) {
 		io.Copy(io.Discard, c)
 	}()
 	within(t, 500*time.Millisecond, "dial to a garbage server (no retries)", func() {
-		_, err = Dial(context.Background(), ln.Addr().String(), &ClientOptions{DialTimeout: 5 * time.Second})
+		_, err = Dial(context.Background(), ln.Addr().String(), WithDialTimeout(5*time.Second))
 	})
 	if !errors.Is(err, ErrFrameTooLarge) {
 		t.Fatalf("dial to a garbage server: %v, want ErrFrameTooLarge", err)
@@ -823,7 +823,7 @@ func TestListenWithDoneContext(t *testing.T) {
 	checkLeaks(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	s, err := Listen(context.Background(), "127.0.0.1:0", nil)
+	s, err := Listen(context.Background(), "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -832,7 +832,7 @@ func TestListenWithDoneContext(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s = Serve(ctx, ln, nil)
+	s = Serve(ctx, ln)
 	select {
 	case <-s.Done():
 	case <-time.After(2 * time.Second):

@@ -11,33 +11,56 @@ import (
 	"time"
 )
 
-// ServerOptions tunes a Server. The zero value (or nil) gives the defaults.
-type ServerOptions struct {
-	// MaxFrame is the largest frame body accepted (default DefaultMaxFrame).
-	MaxFrame int
-	// MaxPending bounds the blocking requests (get, wait) in flight on one
-	// connection (default 4096); more are answered with an error.
-	MaxPending int
-	// WriteTimeout bounds writing one response; a client that does not
-	// read for this long is disconnected (default 30 s).
-	WriteTimeout time.Duration
+// ServerOption is an optional setting of Listen and Serve.
+type ServerOption func(*serverConfig)
+
+// serverConfig holds a Server's settings, defaults filled in.
+type serverConfig struct {
+	maxFrame     int
+	maxPending   int
+	writeTimeout time.Duration
 }
 
-func (o *ServerOptions) withDefaults() ServerOptions {
-	var v ServerOptions
-	if o != nil {
-		v = *o
+func newServerConfig(opts []ServerOption) serverConfig {
+	c := serverConfig{maxFrame: DefaultMaxFrame, maxPending: 4096, writeTimeout: 30 * time.Second}
+	for _, o := range opts {
+		if o != nil {
+			o(&c)
+		}
 	}
-	if v.MaxFrame <= 0 {
-		v.MaxFrame = DefaultMaxFrame
+	return c
+}
+
+// WithServerMaxFrame sets the largest frame body the server accepts, in
+// bytes (default DefaultMaxFrame). An n of zero or less keeps the default.
+func WithServerMaxFrame(n int) ServerOption {
+	return func(c *serverConfig) {
+		if n > 0 {
+			c.maxFrame = n
+		}
 	}
-	if v.MaxPending <= 0 {
-		v.MaxPending = 4096
+}
+
+// WithMaxPending bounds the blocking requests (get, wait) in flight on one
+// connection (default 4096); more are answered with an error. An n of zero
+// or less keeps the default.
+func WithMaxPending(n int) ServerOption {
+	return func(c *serverConfig) {
+		if n > 0 {
+			c.maxPending = n
+		}
 	}
-	if v.WriteTimeout <= 0 {
-		v.WriteTimeout = 30 * time.Second
+}
+
+// WithWriteTimeout bounds writing one response: a client that does not read
+// for this long is disconnected (default 30 s). A d of zero or less keeps
+// the default.
+func WithWriteTimeout(d time.Duration) ServerOption {
+	return func(c *serverConfig) {
+		if d > 0 {
+			c.writeTimeout = d
+		}
 	}
-	return v
 }
 
 // Server is a rendezvous store serving clients over TCP. It serves every
@@ -45,7 +68,7 @@ func (o *ServerOptions) withDefaults() ServerOptions {
 // Listen or Serve is done. A Server's methods are safe for concurrent use.
 type Server struct {
 	ln     net.Listener
-	opts   ServerOptions
+	opts   serverConfig
 	ctx    context.Context
 	cancel context.CancelFunc
 	stop   func() bool // stops the parent-context watcher; guarded by mu
@@ -55,26 +78,27 @@ type Server struct {
 
 	wg        sync.WaitGroup
 	closeOnce sync.Once
+	closeErr  error // the listener's, set before done is closed
 	done      chan struct{}
 }
 
 // Listen listens on the TCP address addr ("127.0.0.1:0" picks a free port)
 // and serves in the background until Close is called or ctx is done.
-func Listen(ctx context.Context, addr string, opts *ServerOptions) (*Server, error) {
+func Listen(ctx context.Context, addr string, opts ...ServerOption) (*Server, error) {
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("rendezvous: listen on %s: %w", addr, err)
 	}
-	return Serve(ctx, ln, opts), nil
+	return Serve(ctx, ln, opts...), nil
 }
 
 // Serve serves on ln in the background until Close is called or ctx is
 // done. The Server owns ln and closes it.
-func Serve(ctx context.Context, ln net.Listener, opts *ServerOptions) *Server {
+func Serve(ctx context.Context, ln net.Listener, opts ...ServerOption) *Server {
 	s := &Server{
 		ln:   ln,
-		opts: opts.withDefaults(),
+		opts: newServerConfig(opts),
 		st:   newStore(),
 		done: make(chan struct{}),
 	}
@@ -84,7 +108,8 @@ func Serve(ctx context.Context, ln net.Listener, opts *ServerOptions) *Server {
 	// Registered last: if ctx is already done, Close runs at once, and it
 	// must find the accept loop counted.
 	s.mu.Lock()
-	s.stop = context.AfterFunc(ctx, func() { s.Close() })
+	// Close's error (the listener's) is returned again by the owner's Close.
+	s.stop = context.AfterFunc(ctx, func() { _ = s.Close() })
 	s.mu.Unlock()
 	return s
 }
@@ -98,7 +123,8 @@ func (s *Server) Done() <-chan struct{} { return s.done }
 
 // Close stops the server: it closes the listener and every connection, so
 // clients' pending calls fail promptly with ErrConnLost, and waits for the
-// server's goroutines to end. Close is idempotent and always returns nil.
+// server's goroutines to end. Close is idempotent; every call returns the
+// error, if any, of closing the listener.
 func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		s.mu.Lock()
@@ -108,11 +134,14 @@ func (s *Server) Close() error {
 			stop()
 		}
 		s.cancel()
-		s.ln.Close()
+		s.closeErr = s.ln.Close()
 		s.wg.Wait()
 		close(s.done)
 	})
 	<-s.done
+	if s.closeErr != nil {
+		return fmt.Errorf("rendezvous: Close: %w", s.closeErr)
+	}
 	return nil
 }
 
@@ -159,18 +188,20 @@ type sconn struct {
 func (s *Server) serveConn(c net.Conn) {
 	defer s.wg.Done()
 	ctx, cancel := context.WithCancel(s.ctx)
-	stop := context.AfterFunc(ctx, func() { c.Close() })
+	// Closing a connection is how it is ended, here and below; an error
+	// closing one that is already broken or closed tells nothing.
+	stop := context.AfterFunc(ctx, func() { _ = c.Close() })
 	sc := &sconn{s: s, c: c, pending: make(map[uint64]context.CancelFunc)}
 	var waiters sync.WaitGroup
 	defer func() {
 		stop()
 		cancel()
-		c.Close()
+		_ = c.Close()
 		waiters.Wait()
 	}()
 	br := bufio.NewReader(c)
 	for {
-		body, err := readFrame(br, s.opts.MaxFrame)
+		body, err := readFrame(br, s.opts.maxFrame)
 		if err != nil {
 			if errors.Is(err, ErrFrameTooLarge) || errors.Is(err, ErrProtocol) {
 				sc.reply(statusError, 0, []byte(err.Error()))
@@ -201,9 +232,11 @@ func (sc *sconn) reply(status byte, id uint64, payload []byte) {
 	frame := encodeResponse(status, id, payload)
 	sc.wmu.Lock()
 	defer sc.wmu.Unlock()
-	sc.c.SetWriteDeadline(time.Now().Add(sc.s.opts.WriteTimeout))
+	// SetWriteDeadline fails only on a closed connection, where Write fails
+	// too; the client sees the connection drop, which is all it can learn.
+	_ = sc.c.SetWriteDeadline(time.Now().Add(sc.s.opts.writeTimeout))
 	if _, err := sc.c.Write(frame); err != nil {
-		sc.c.Close()
+		_ = sc.c.Close()
 	}
 }
 
@@ -274,9 +307,9 @@ func (sc *sconn) startBlocking(ctx context.Context, wg *sync.WaitGroup, req requ
 	}
 
 	sc.mu.Lock()
-	if len(sc.pending) >= sc.s.opts.MaxPending {
+	if len(sc.pending) >= sc.s.opts.maxPending {
 		sc.mu.Unlock()
-		sc.reply(statusError, req.id, []byte(fmt.Sprintf("too many pending requests on this connection (limit %d)", sc.s.opts.MaxPending)))
+		sc.reply(statusError, req.id, []byte(fmt.Sprintf("too many pending requests on this connection (limit %d)", sc.s.opts.maxPending)))
 		return
 	}
 	if _, dup := sc.pending[req.id]; dup || req.id == 0 {

@@ -15,8 +15,8 @@ import (
 // destination aliasing each source in turn.
 func TestReduceMatchesReference(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 11))
-	for _, dt := range comm.DTypes {
-		for _, op := range comm.ReduceOps {
+	for _, dt := range comm.AllDTypes() {
+		for _, op := range comm.AllReduceOps() {
 			sizes := []int{0, 1, 7, 8, 33, 2*block + 5}
 			if (dt == comm.Float32 || dt == comm.Float64) && op == comm.Sum {
 				sizes = append(sizes, StreamBytes/dt.Size()+13) // the streaming path
@@ -67,7 +67,7 @@ func TestReduceMatchesReference(t *testing.T) {
 }
 
 func TestScale(t *testing.T) {
-	for _, dt := range comm.DTypes {
+	for _, dt := range comm.AllDTypes() {
 		in := []float64{6, 12, 18, 100}
 		b := encode(dt, in)
 		Scale(dt, b, 3)

@@ -1,17 +1,12 @@
 package topology
 
 import (
-	"fmt"
 	"os"
 	"strings"
 )
 
 // nvmlPath returns the library NVMLEnv names, or "".
 func nvmlPath() string { return strings.TrimSpace(os.Getenv(NVMLEnv)) }
-
-func unavailable(goos string) error {
-	return fmt.Errorf("%w: this build (%s, without cgo) cannot load NVML", ErrUnavailable, goos)
-}
 
 // nvlinksBetween counts the NVLink links between two GPUs: direct links
 // from a to b (NVML reports each link on both ends; a's count is used),

@@ -26,6 +26,7 @@ func Discover() (*Topology, error) {
 	if ret := lib.Init(); ret != nvml.SUCCESS {
 		return nil, fmt.Errorf("%w: nvmlInit: %s", ErrUnavailable, errorString(lib, ret))
 	}
+	// Shutdown only releases NVML; what was read stands whatever it returns.
 	defer lib.Shutdown()
 	n, ret := lib.DeviceGetCount()
 	if ret != nvml.SUCCESS {
@@ -53,6 +54,7 @@ func Discover() (*Topology, error) {
 		if ret != nvml.SUCCESS {
 			return nil, fmt.Errorf("topology: GPU %d: nvmlDeviceGetPciInfo: %s", i, errorString(lib, ret))
 		}
+		// An id NormalizeBusID cannot parse is kept as NVML wrote it.
 		if d.BusID, _ = NormalizeBusID(cString(pci.BusId[:])); d.BusID == "" {
 			d.BusID = cString(pci.BusId[:])
 		}
