@@ -2,9 +2,12 @@ package moegpt_test
 
 import (
 	"context"
+	"errors"
 	"math"
+	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -26,7 +29,7 @@ func train(t *testing.T, cfg moegpt.Config, dp, ep, steps int) []*moegpt.StepRes
 	init := moegpt.RandomInit(cfg, 7)
 	var out []*moegpt.StepResult
 	placementtest.Run(t, []int{dp, ep}, []string{"dp", "ep"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, moegpt.TrainOptions{Options: moegpt.Options{DP: "dp", EP: "ep"}})
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithModel(moegpt.WithDataParallel("dp")))
 		if err != nil {
 			return err
 		}
@@ -118,5 +121,30 @@ func TestConfigValidate(t *testing.T) {
 	c.K, c.Pad = 9, true
 	if err := c.Validate(); err == nil {
 		t.Fatal("K > E and padding without capacity accepted")
+	}
+}
+
+// TestCheckLayout: layouts that do not split the experts or the batch are
+// rejected with a message naming the values that would work.
+func TestCheckLayout(t *testing.T) {
+	c := moegpt.Default() // E=8, B=16
+	for _, tc := range []struct {
+		dp, ep int
+		want   string // empty: accepted
+	}{
+		{1, 4, ""},
+		{2, 8, ""},
+		{1, 3, "ep (3) must divide the experts (8); ep can be 1, 2, 4 or 8"},
+		{3, 1, "dp × ep (3 × 1) must divide the batch (16 sequences)"},
+		{4, 8, "dp × ep (4 × 8) must divide the batch"},
+		{0, 1, "must be at least 1"},
+	} {
+		err := c.CheckLayout(tc.dp, tc.ep)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("dp=%d ep=%d: %v", tc.dp, tc.ep, err)
+		case tc.want != "" && (!errors.Is(err, moegpt.ErrConfig) || !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("dp=%d ep=%d: %v; want ErrConfig with %q", tc.dp, tc.ep, err, tc.want)
+		}
 	}
 }
