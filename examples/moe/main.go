@@ -287,6 +287,7 @@ type rank struct {
 	params *map[string][]float32
 }
 
+// Step implements train.Stepper.
 func (r *rank) Step(ctx context.Context) (*moegpt.StepResult, error) {
 	res, err := r.tr.Step(ctx)
 	if err == nil && r.rank0 {
@@ -295,6 +296,7 @@ func (r *rank) Step(ctx context.Context) (*moegpt.StepResult, error) {
 	return res, err
 }
 
+// Finish implements train.Finisher.
 func (r *rank) Finish(ctx context.Context) error {
 	full, err := r.tr.Full(ctx)
 	if err == nil && r.rank0 {

@@ -160,11 +160,13 @@ type rank struct {
 	params *map[string][]float32
 }
 
+// Step implements train.Stepper.
 func (r *rank) Step(ctx context.Context) (float64, error) {
 	_, loss, err := r.tr.Step(ctx)
 	return loss, err
 }
 
+// Finish implements train.Finisher.
 func (r *rank) Finish(ctx context.Context) error {
 	full, err := r.tr.Full(ctx)
 	if err == nil && r.rank0 {

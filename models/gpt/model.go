@@ -102,6 +102,7 @@ type blocks struct {
 	list []*Block
 }
 
+// Children returns the blocks, named 0 … L−1.
 func (bs *blocks) Children() []parallel.Child {
 	out := make([]parallel.Child, len(bs.list))
 	for i, b := range bs.list {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -125,4 +126,37 @@ func (s countInputs) Apply(_ context.Context, m parallel.Module, _ string) error
 		return v, nil
 	})
 	return nil
+}
+
+// WithDDP reaches the trainer's DDP: tiny buckets (one per parameter)
+// reduce the same sums as the default ones, so the losses are equal.
+func TestTrainerDDPOptions(t *testing.T) {
+	c := small()
+	losses := func(opts ...gpt.TrainOption) []float64 {
+		var out []float64
+		placementtest.Run(t, []int{2}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+			opts := append([]gpt.TrainOption{gpt.WithRun(c), gpt.WithDataParallel("dp"), gpt.WithModel(gpt.WithSeed(2))}, opts...)
+			tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(c), opts...)
+			if err != nil {
+				return err
+			}
+			var ls []float64
+			for range 3 {
+				_, l, err := tr.Step(ctx)
+				if err != nil {
+					return err
+				}
+				ls = append(ls, l)
+			}
+			if m.Rank() == 0 {
+				out = ls
+			}
+			return nil
+		})
+		return out
+	}
+	def, tiny := losses(), losses(gpt.WithDDP(parallel.WithFirstBucket(4), parallel.WithBucketCap(4)))
+	if len(def) != 3 || !slices.Equal(def, tiny) {
+		t.Errorf("losses with default buckets %v, with one bucket per parameter %v", def, tiny)
+	}
 }

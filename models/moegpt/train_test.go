@@ -10,6 +10,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/moegpt"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -24,12 +25,12 @@ func tiny() moegpt.Config {
 
 // train runs steps steps of cfg on a dp × ep mesh and returns rank 0's
 // results.
-func train(t *testing.T, cfg moegpt.Config, dp, ep, steps int) []*moegpt.StepResult {
+func train(t *testing.T, cfg moegpt.Config, dp, ep, steps int, opts ...moegpt.TrainOption) []*moegpt.StepResult {
 	t.Helper()
 	init := moegpt.RandomInit(cfg, 7)
 	var out []*moegpt.StepResult
 	placementtest.Run(t, []int{dp, ep}, []string{"dp", "ep"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithModel(moegpt.WithDataParallel("dp")))
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", append(opts, moegpt.WithModel(moegpt.WithDataParallel("dp")))...)
 		if err != nil {
 			return err
 		}
@@ -65,8 +66,11 @@ func TestLayoutsMatchOneRank(t *testing.T) {
 	if len(ref) != steps {
 		t.Fatalf("one rank: %d results", len(ref))
 	}
-	for _, l := range []struct{ dp, ep int }{{1, 2}, {2, 2}} {
-		got := train(t, cfg, l.dp, l.ep, steps)
+	for _, l := range []struct {
+		dp, ep int
+		opts   []moegpt.TrainOption
+	}{{1, 2, nil}, {2, 2, nil}, {2, 2, []moegpt.TrainOption{moegpt.WithDDP(parallel.WithFirstBucket(64), parallel.WithBucketCap(64))}}} {
+		got := train(t, cfg, l.dp, l.ep, steps, l.opts...)
 		if len(got) != steps {
 			t.Fatalf("dp=%d ep=%d: %d results", l.dp, l.ep, len(got))
 		}
