@@ -38,7 +38,9 @@
 // OnGradReady registers a hook on a leaf that fires during Backward the
 // moment the leaf's gradient for the pass is final: right after the
 // backward of the earliest recorded op that uses it, before any op recorded
-// earlier is differentiated. DDP and FSDP start their communication there.
+// earlier is differentiated. The hook gets the context given to Backward
+// and may return an error, which stops Backward. DDP and FSDP start their
+// communication there.
 //
 // # Local compute and memory
 //

@@ -45,10 +45,11 @@ func Example() {
 		if err != nil {
 			return err
 		}
-		err = w.OnGradReady(func(v *autograd.Value) {
+		err = w.OnGradReady(func(_ context.Context, v *autograd.Value) error {
 			if m.Rank() == 0 {
 				fmt.Println("gradient of", v.Name(), "ready:", v.Grad().Spec().Placements())
 			}
+			return nil
 		})
 		if err != nil {
 			return err

@@ -490,7 +490,7 @@ func TestArenaNeverAliasesUserData(t *testing.T) {
 			return err
 		}
 		var hooked []*placement.DTensor
-		if err := ps[3].OnGradReady(func(v *Value) { hooked = append(hooked, v.Grad()) }); err != nil {
+		if err := ps[3].OnGradReady(func(_ context.Context, v *Value) error { hooked = append(hooked, v.Grad()); return nil }); err != nil {
 			return err
 		}
 		step := func() (loss, mid *Value, grads []*placement.DTensor) {

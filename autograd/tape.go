@@ -218,7 +218,7 @@ type Value struct {
 	leaf         bool
 	node         *node
 	name         string
-	hooks        []func(*Value)
+	hooks        []GradHook
 	recycled     bool // its memory went back to the tape (Recycle)
 	// spare is the local block of the gradient ZeroGrad dropped on a
 	// recycling tape, for the next gradient to be copied into.
@@ -319,6 +319,14 @@ func (v *Value) ZeroGrad() {
 	v.grad, v.fresh = nil, 0
 }
 
+// GradHook is a gradient-ready hook (OnGradReady). It runs during
+// Backward with Backward's context and the leaf whose gradient is final. A
+// non-nil error stops Backward, which returns it wrapped with the leaf's
+// name; since Backward is collective, a hook should fail only where every
+// rank fails alike (a broken communicator, a cancelled context) and report
+// a rank-local problem later instead (DDP reports it at Finish).
+type GradHook func(ctx context.Context, v *Value) error
+
 // OnGradReady registers fn to run during Backward the moment this leaf's
 // gradient for that pass is final: right after the backward of the
 // earliest recorded op that uses it, before the backward of any op
@@ -327,8 +335,9 @@ func (v *Value) ZeroGrad() {
 // and sees Grad() with every pass accumulated so far. Hooks of leaves
 // finalised by the same op fire in the order the leaves appear among that
 // op's inputs; hooks of one leaf fire in registration order. Hooks run with
-// recording off. Only leaves that require grad take hooks.
-func (v *Value) OnGradReady(fn func(v *Value)) error {
+// recording off, with the context given to Backward; the first error stops
+// Backward (see GradHook). Only leaves that require grad take hooks.
+func (v *Value) OnGradReady(fn GradHook) error {
 	if fn == nil || v == nil {
 		return invalidf("OnGradReady", "nil hook or value")
 	}
@@ -400,6 +409,10 @@ func (t *Tape) record(op string, out *placement.DTensor, inputs []*Value, back b
 // zeroes the rest, Replicate -> Shard takes the local chunk); otherwise
 // Backward fails with ErrGradPlacement naming both placements.
 //
+// Gradient-ready hooks (OnGradReady) run with ctx as their leaves'
+// gradients become final; the first hook error stops Backward and is
+// returned wrapped.
+//
 // Backward clears the tape whether or not it succeeds. On an error some
 // leaves may hold partial gradients for the pass: ZeroGrad before retrying.
 func (t *Tape) Backward(ctx context.Context, loss *Value) error {
@@ -446,8 +459,7 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 		if err := t.accumulateLeaf(ctx, loss, seed); err != nil {
 			return err
 		}
-		fire(loss)
-		return nil
+		return fire(ctx, loss)
 	}
 
 	// finalAt[i] lists the leaves whose earliest consumer is node i, in
@@ -527,30 +539,38 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 		}
 		for _, leaf := range finalAt[i] {
 			if got[leaf] {
-				fire(leaf)
+				if err := fire(ctx, leaf); err != nil {
+					return err
+				}
 			}
 		}
 	}
 	return nil
 }
 
-// fire runs a leaf's hooks.
-func fire(v *Value) {
+// fire runs a leaf's hooks with Backward's context; the first error stops
+// them and Backward.
+func fire(ctx context.Context, v *Value) error {
 	if v.tape.trace != nil {
 		v.tape.trace("ready " + v.name)
 	}
+	if len(v.hooks) == 0 {
+		return nil
+	}
 	obs := v.tape.observe
-	if obs == nil || len(v.hooks) == 0 {
-		for _, h := range v.hooks {
-			h(v)
-		}
-		return
+	var start time.Time
+	if obs != nil {
+		start = time.Now()
 	}
-	start := time.Now()
 	for _, h := range v.hooks {
-		h(v)
+		if err := h(ctx, v); err != nil {
+			return fmt.Errorf("autograd: Backward: gradient hook of %q: %w", v.name, err)
+		}
 	}
-	obs(v.name, PhaseHooks, start, time.Now())
+	if obs != nil {
+		obs(v.name, PhaseHooks, start, time.Now())
+	}
+	return nil
 }
 
 // accumulateLeaf adds g into a leaf's gradient; the leaf owns its gradient,

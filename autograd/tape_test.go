@@ -39,7 +39,7 @@ func TestAccumulation(t *testing.T) {
 			return err
 		}
 		fired := 0
-		if err := w.OnGradReady(func(v *Value) {
+		if err := w.OnGradReady(func(_ context.Context, v *Value) error {
 			fired++
 			// Inside a hook: no recording, no nested Backward.
 			if s, err := Sum(v); err != nil || s.RequiresGrad() {
@@ -48,6 +48,7 @@ func TestAccumulation(t *testing.T) {
 			if err := tp.Backward(ctx, v); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "from a gradient hook") {
 				t.Errorf("Backward in a hook: %v", err)
 			}
+			return nil
 		}); err != nil {
 			return err
 		}
@@ -305,16 +306,17 @@ func TestHooks(t *testing.T) {
 		w2, _ := mk("w2", []int{3, 2}, pl{R}, 3)
 		unused, _ := mk("unused", []int{2}, pl{R}, 4)
 		for _, v := range []*Value{x, w1, w2, unused} {
-			if err := v.OnGradReady(func(v *Value) { events = append(events, "hook "+v.Name()) }); err != nil {
+			if err := v.OnGradReady(func(_ context.Context, v *Value) error { events = append(events, "hook "+v.Name()); return nil }); err != nil {
 				return err
 			}
 		}
 		// A second hook on w1 runs after the first.
-		if err := w1.OnGradReady(func(v *Value) {
+		if err := w1.OnGradReady(func(_ context.Context, v *Value) error {
 			if v.Grad() == nil {
 				t.Errorf("hook saw no gradient")
 			}
 			events = append(events, "hook2 w1")
+			return nil
 		}); err != nil {
 			return err
 		}
@@ -373,7 +375,7 @@ func TestHooks(t *testing.T) {
 			t.Errorf("nil hook: %v", err)
 		}
 		c, _ := tp.Constant(unused.Data())
-		if err := c.OnGradReady(func(*Value) {}); !errors.Is(err, ErrInvalid) {
+		if err := c.OnGradReady(func(context.Context, *Value) error { return nil }); !errors.Is(err, ErrInvalid) {
 			t.Errorf("hook on a constant: %v", err)
 		}
 		return nil
@@ -443,7 +445,9 @@ func TestBackwardErrors(t *testing.T) {
 		}
 		sp, _ := tp.Param("scalar", sc)
 		fired := 0
-		_ = sp.OnGradReady(func(*Value) { fired++ })
+		if err := sp.OnGradReady(func(context.Context, *Value) error { fired++; return nil }); err != nil {
+			return err
+		}
 		if err := tp.Backward(ctx, sp); err != nil {
 			return err
 		}
@@ -506,7 +510,7 @@ func TestNilSafety(t *testing.T) {
 		t.Errorf("nil value accessors")
 	}
 	v.ZeroGrad()
-	if err := v.OnGradReady(func(*Value) {}); !errors.Is(err, ErrInvalid) {
+	if err := v.OnGradReady(func(context.Context, *Value) error { return nil }); !errors.Is(err, ErrInvalid) {
 		t.Errorf("nil value hook: %v", err)
 	}
 	if (&Value{}).Spec() != nil {
@@ -528,4 +532,66 @@ func TestNilSafety(t *testing.T) {
 			t.Errorf("%s with nil input: %v", name, err)
 		}
 	}
+}
+
+// TestHookContextAndError: a hook gets Backward's context, and its error
+// stops Backward (the earlier op's leaf never fires) with the leaf named.
+func TestHookContextAndError(t *testing.T) {
+	type key struct{}
+	simulate(t, []int{1}, func(ctx context.Context, m *mesh.Mesh) error {
+		tp := NewTape()
+		mk := func(name string, seed uint64) (*Value, error) {
+			d, err := random(m, []int{2, 2}, pl{R}, seed)
+			if err != nil {
+				return nil, err
+			}
+			return tp.Param(name, d)
+		}
+		w1, err := mk("w1", 1)
+		if err != nil {
+			return err
+		}
+		w2, err := mk("w2", 2)
+		if err != nil {
+			return err
+		}
+		boom := errors.New("boom")
+		var seen any
+		if err := w2.OnGradReady(func(ctx context.Context, _ *Value) error {
+			seen = ctx.Value(key{})
+			return boom
+		}); err != nil {
+			return err
+		}
+		fired1 := false
+		if err := w1.OnGradReady(func(context.Context, *Value) error { fired1 = true; return nil }); err != nil {
+			return err
+		}
+		h, err := MatMul(w1, w1) // op 0: w1's earliest use
+		if err != nil {
+			return err
+		}
+		h, err = MatMul(h, w2) // op 1: w2 is final after it
+		if err != nil {
+			return err
+		}
+		l, err := Sum(h)
+		if err != nil {
+			return err
+		}
+		err = tp.Backward(context.WithValue(ctx, key{}, "caller"), l)
+		if !errors.Is(err, boom) || !strings.Contains(err.Error(), `"w2"`) {
+			t.Errorf("Backward with a failing hook: %v; want boom naming w2", err)
+		}
+		if seen != "caller" {
+			t.Errorf("the hook saw context value %v, want the caller's", seen)
+		}
+		if fired1 {
+			t.Error("w1's hook fired after w2's hook failed")
+		}
+		if tp.Len() != 0 {
+			t.Errorf("the tape holds %d ops after a failed Backward", tp.Len())
+		}
+		return nil
+	})
 }

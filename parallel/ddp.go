@@ -116,7 +116,6 @@ type slot struct {
 // ZeroGrad. Micro-batches before the last run inside NoSync.
 type DDP struct {
 	cfg     config
-	ctx     context.Context
 	params  []*autograd.Value
 	names   []string
 	c       comm.Communicator
@@ -141,8 +140,9 @@ type DDP struct {
 // grad, float32 or float64, on one mesh, and Replicate on the dp axis (any
 // layout on other axes: DDP reduces local blocks, which are the same size
 // on every rank of a dp group). It is collective over the mesh (it may
-// create the dp communicator). ctx is the context of the all-reduces issued
-// from the hooks during backward; Finish waits on its own context.
+// create the dp communicator, under ctx). The all-reduces issued from the
+// hooks during backward run under the context given to Tape.Backward;
+// Finish and Discard wait under their own.
 func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, error) {
 	cfg := config{axis: "dp", first: DefaultFirstBucket, cap: DefaultBucketCap}
 	for _, o := range opts {
@@ -196,7 +196,7 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 		return nil, err
 	}
 	d := &DDP{
-		cfg: cfg, ctx: ctx, params: slices.Clone(params), names: names, c: c,
+		cfg: cfg, params: slices.Clone(params), names: names, c: c,
 		axis: axis, dp: c.Size(), coord: coord,
 		slots: make([]slot, len(params)), filled: make([]bool, len(params)), has: make([]int32, len(params)),
 		out: make([]*placement.Spec, len(params)), scale: 1,
@@ -215,7 +215,7 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 		d.buckets = append(d.buckets, b)
 	}
 	for i, p := range d.params {
-		if err := p.OnGradReady(func(*autograd.Value) { d.ready(i) }); err != nil {
+		if err := p.OnGradReady(func(ctx context.Context, _ *autograd.Value) error { return d.ready(ctx, i) }); err != nil {
 			return nil, err
 		}
 	}
@@ -297,20 +297,24 @@ func (d *DDP) NoSync(fn func() error) error {
 // at the last Finish (in parameter order).
 func (d *DDP) Unused() []string { return slices.Clone(d.unused) }
 
-// ready is the gradient hook of parameter i.
-func (d *DDP) ready(i int) {
+// ready is the gradient hook of parameter i. It returns only the error of
+// launching an all-reduce (a broken communicator or a cancelled context,
+// which every rank sees), so that Backward stops; a problem of this rank's
+// gradient is kept for Finish instead, since stopping one rank's backward
+// would leave its peers waiting in the collectives that follow.
+func (d *DDP) ready(ctx context.Context, i int) error {
 	if d.noSync > 0 {
-		return
+		return nil
 	}
 	if d.trace != nil {
 		d.trace("ready " + d.names[i])
 	}
 	if d.filled[i] {
 		d.fail(fmt.Errorf("%w: the gradient of %q arrived twice before Finish (run the earlier micro-batches inside NoSync)", ErrInvalid, d.names[i]))
-		return
+		return nil
 	}
 	d.fill(i, d.params[i].Grad())
-	d.launchReady()
+	return d.launchReady(ctx)
 }
 
 // fail keeps the first error of the step; Finish returns it.
@@ -422,16 +426,22 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 }
 
 // launchReady launches, in bucket order, every complete bucket whose
-// predecessors are launched.
-func (d *DDP) launchReady() {
+// predecessors are launched, and returns the first launch error.
+func (d *DDP) launchReady(ctx context.Context) error {
 	for d.next < len(d.buckets) && d.buckets[d.next].ready == len(d.buckets[d.next].params) {
-		d.launch(d.buckets[d.next])
+		b := d.buckets[d.next]
 		d.next++
+		if err := d.launch(ctx, b); err != nil {
+			return err
+		}
 	}
+	return nil
 }
 
-// launch issues a bucket's in-place all-reduce.
-func (d *DDP) launch(b *bucket) {
+// launch issues a bucket's in-place all-reduce under ctx. A launch error
+// is also kept for Finish (or Discard), which returns the step's first
+// error.
+func (d *DDP) launch(ctx context.Context, b *bucket) error {
 	if d.trace != nil {
 		d.trace(fmt.Sprintf("launch %d", slices.Index(d.buckets, b)))
 	}
@@ -441,12 +451,14 @@ func (d *DDP) launch(b *bucket) {
 	} else {
 		buf = comm.Host(b.f64)
 	}
-	w, err := comm.AllReduceAsync(d.ctx, d.c, buf, buf, comm.Sum)
+	w, err := comm.AllReduceAsync(ctx, d.c, buf, buf, comm.Sum)
 	if err != nil {
-		d.fail(fmt.Errorf("parallel: DDP all-reduce of a %d-element bucket: %w", b.elems, err))
-		return
+		err = fmt.Errorf("parallel: DDP all-reduce of a %d-element bucket: %w", b.elems, err)
+		d.fail(err)
+		return err
 	}
 	b.work = w
+	return nil
 }
 
 // Finish completes the step's gradient reduction: it launches, in order,
@@ -491,7 +503,9 @@ func (d *DDP) complete(ctx context.Context) error {
 				d.fill(i, d.params[i].Grad())
 			}
 		}
-		d.launch(b)
+		// A launch error is kept in d.err, returned below; the later
+		// buckets are still issued so that every rank's sequence matches.
+		_ = d.launch(ctx, b)
 	}
 	var errs []error
 	for _, b := range d.buckets {

@@ -422,7 +422,7 @@ func TestLaunchDuringBackward(t *testing.T) {
 		issued := -1
 		// Registered before New, so it runs before DDP's hook on w1,
 		// which is the last gradient backward finalises.
-		if err := n.params[0].OnGradReady(func(*autograd.Value) {}); err != nil {
+		if err := n.params[0].OnGradReady(func(context.Context, *autograd.Value) error { return nil }); err != nil {
 			return err
 		}
 		d, err := New(ctx, n.params, WithFirstBucket(8), WithBucketCap(8))
@@ -432,7 +432,10 @@ func TestLaunchDuringBackward(t *testing.T) {
 		var events []string
 		d.trace = func(e string) { events = append(events, e) }
 		before := countAllReduce(d.Comm())
-		if err := n.params[0].OnGradReady(func(*autograd.Value) { issued = countAllReduce(d.Comm()) - before }); err != nil {
+		if err := n.params[0].OnGradReady(func(context.Context, *autograd.Value) error {
+			issued = countAllReduce(d.Comm()) - before
+			return nil
+		}); err != nil {
 			return err
 		}
 		if err := n.step(ctx, m, 0, 12); err != nil {

@@ -71,6 +71,33 @@
 // Discard, which completes the step's collectives without installing
 // anything (peers that call Finish are matched), then ZeroGrad and retry.
 //
+// # Building a model
+//
+// NewLinear, NewEmbedding, NewLayerNorm, NewAttention and NewMLP make
+// modules with fresh parameters on a tape, Replicate on every axis of a
+// mesh: the dims are positional, the rest are LayerOptions (WithName,
+// WithBias, WithInit, WithBiasInit, WithDType, WithEps). An Init fills a
+// parameter the same way on every rank: Normal(std, seed) draws from a
+// seeded generator shared by every copy of it (so the construction order
+// fixes the values), Zeros, Ones, Values (one parameter's given values) or
+// ByName (given values by parameter name, e.g. a checkpoint). Weights
+// default to N(0, 0.02²) seeded by the parameter's name, LayerNorm weights
+// to ones, biases to zeros.
+//
+// # Paths and names
+//
+// A model is a tree: each module's Children are named, and a module's path
+// is its ancestors' names joined with dots from the root, which has path ""
+// (a GPT's first MLP fc: "h.0.mlp.fc", where "h" is the block list, "0"
+// the first block, "mlp" its MLP and "fc" the MLP's first Linear). Plan
+// patterns match those paths, segment by segment, "*" matching any one
+// segment ("h.*.mlp.fc"). The built-in modules' child names are fixed:
+// Attention has "qkv" and "proj", MLP has "fc" and "proj"; Linear,
+// Embedding and LayerNorm are leaves. Parameter names are separate from
+// paths: the constructors name them <path>.weight and <path>.bias (an
+// Embedding's table <path>) when given the module's path with WithName,
+// which keeps them aligned with PyTorch's state_dict keys.
+//
 // # Tensor and sequence parallelism
 //
 // A model is a tree of Modules (Linear, Embedding, LayerNorm, Attention,

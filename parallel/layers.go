@@ -15,6 +15,11 @@ import (
 // rank holds matching slices of q, k and v. A chunk-sharded weight is stored
 // [Chunks, out/Chunks, in] (bias [Chunks, out/Chunks]); its row-major data is
 // the fused [out, in] weight's.
+//
+// A Linear is a leaf of the module tree (no children). NewLinear names its
+// parameters "<name>.weight" and "<name>.bias", name being the module's
+// path; Plan patterns match the path ("h.*.mlp.fc"), not the parameter
+// names. ColwiseParallel and RowwiseParallel apply to it.
 type Linear struct {
 	Hooks
 	Weight *autograd.Value
@@ -122,7 +127,9 @@ func chunk(v *autograd.Value, c int) (*autograd.Value, error) {
 	return r, nil
 }
 
-// Embedding looks up rows of Table [V, D] by token ids.
+// Embedding looks up rows of Table [V, D] by token ids. It is a leaf
+// module; NewEmbedding names the table by the module's path itself ("wte").
+// RowwiseParallel on it is vocab parallelism (the table Shard(0)).
 type Embedding struct {
 	Hooks
 	Table *autograd.Value
@@ -151,7 +158,9 @@ func (e *Embedding) Forward(ctx context.Context, ids *autograd.Indices) (*autogr
 }
 
 // LayerNorm normalises over the last dim with the biased variance and
-// epsilon Eps, then scales by Weight and shifts by Bias (both [D]).
+// epsilon Eps, then scales by Weight and shifts by Bias (both [D]). It is a
+// leaf module; NewLayerNorm names its parameters "<name>.weight" and
+// "<name>.bias". SequenceParallel applies to it.
 type LayerNorm struct {
 	Hooks
 	Weight, Bias *autograd.Value
@@ -188,6 +197,11 @@ func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.V
 // D] with Heads heads of D/Heads channels. Heads are a tensor dim, so
 // sharding QKV colwise and Proj rowwise shards the heads (tensor
 // parallelism): each rank then attends with its own heads only.
+//
+// Its children are "qkv" (QKV) and "proj" (Proj), so the Megatron plan for
+// an attention module at path p is {p + ".qkv": ColwiseParallel{}, p +
+// ".proj": RowwiseParallel{}}, which needs Heads divisible by the axis
+// size. NewAttention builds it.
 type Attention struct {
 	Hooks
 	QKV, Proj *Linear
@@ -252,7 +266,10 @@ func (a *Attention) Forward(ctx context.Context, x *autograd.Value) (*autograd.V
 	return o, nil
 }
 
-// MLP is proj(GELU(fc(x))) with the exact (erf) GELU.
+// MLP is proj(GELU(fc(x))) with the exact (erf) GELU. Its children are
+// "fc" (FC) and "proj" (Proj): the Megatron plan for an MLP at path p is
+// {p + ".fc": ColwiseParallel{}, p + ".proj": RowwiseParallel{}}. NewMLP
+// builds it.
 type MLP struct {
 	Hooks
 	FC, Proj *Linear

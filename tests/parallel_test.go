@@ -21,6 +21,16 @@ import (
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
+// trainOptions trains on cfg's data from init on the "dp" × "tp" mesh,
+// with sequence parallelism if sp.
+func trainOptions(cfg tinygpt.Config, init map[string][]float32, sp bool) []gpt.TrainOption {
+	opts := []gpt.TrainOption{gpt.WithRun(cfg), gpt.WithModel(gpt.WithParams(init)), gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp")}
+	if sp {
+		opts = append(opts, gpt.WithSequenceParallel())
+	}
+	return opts
+}
+
 // run trains steps steps of the tiny GPT on a dp × tp mesh of in-process
 // ranks and returns the losses and the final parameters (gathered).
 func run(t *testing.T, cfg tinygpt.Config, init map[string][]float32, dp, tp int, sp bool, steps int) ([]float64, map[string][]float32) {
@@ -31,7 +41,7 @@ func run(t *testing.T, cfg tinygpt.Config, init map[string][]float32, dp, tp int
 		params map[string][]float32
 	)
 	err := placementtest.Simulate(context.Background(), []int{dp, tp}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{DP: "dp", TP: "tp", SP: sp})
+		tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), trainOptions(cfg, init, sp)...)
 		if err != nil {
 			return err
 		}
@@ -78,7 +88,7 @@ func run(t *testing.T, cfg tinygpt.Config, init map[string][]float32, dp, tp int
 func TestParallelLayoutsMatchOneRank(t *testing.T) {
 	const steps = 20
 	cfg := tinygpt.Default()
-	init := gpt.RandomInit(cfg, 3)
+	init := gpt.RandomInit(gpt.FromReference(cfg), 3)
 	want, wantParams := run(t, cfg, init, 1, 1, false, steps)
 	cases := []struct {
 		dp, tp int
@@ -133,7 +143,7 @@ func TestParallelLayoutsMatchOneRank(t *testing.T) {
 //	go test ./tests -run XXX -bench Layouts -benchtime 30x -count 5
 func BenchmarkLayouts(b *testing.B) {
 	cfg := tinygpt.Default()
-	init := gpt.RandomInit(cfg, 1)
+	init := gpt.RandomInit(gpt.FromReference(cfg), 1)
 	for _, l := range []struct {
 		dp, tp  int
 		sp      bool
@@ -168,7 +178,7 @@ func BenchmarkLayouts(b *testing.B) {
 				if err != nil {
 					return err
 				}
-				tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{DP: "dp", TP: "tp", SP: l.sp, Tape: []autograd.Option{autograd.WithBLAS(bl)}})
+				tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), append(trainOptions(cfg, init, l.sp), gpt.WithTape(autograd.WithBLAS(bl)))...)
 				if err != nil {
 					return err
 				}

@@ -170,7 +170,7 @@ func runStep(ref *reference) (*stepResult, error) {
 	res := &stepResult{grads: map[string][]float32{}, after: map[string][]float32{}}
 	err = placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
-		md, err := gpt.New(tape, m, cfg, ref.init)
+		md, err := gpt.New(tape, m, gpt.FromReference(cfg), gpt.WithParams(ref.init))
 		if err != nil {
 			return err
 		}

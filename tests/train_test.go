@@ -26,7 +26,7 @@ func TestParityTraining(t *testing.T) {
 	losses := make([]float64, 0, cfg.Steps)
 	start := time.Now()
 	err := placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := gpt.NewTrainer(ctx, m, cfg, ref.init, gpt.TrainOptions{})
+		tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), gpt.WithRun(cfg), gpt.WithModel(gpt.WithParams(ref.init)))
 		if err != nil {
 			return err
 		}
@@ -81,7 +81,7 @@ func BenchmarkTrainStep(b *testing.B) {
 	}
 	b.Logf("BLAS %s, %s, %d threads", bl.Name(), bl.Config(), bl.Threads())
 	err = placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := gpt.NewTrainer(ctx, m, cfg, gpt.RandomInit(cfg, 1), gpt.TrainOptions{})
+		tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), gpt.WithModel(gpt.WithSeed(1)))
 		if err != nil {
 			return err
 		}
@@ -125,11 +125,11 @@ func BenchmarkTrain200(b *testing.B) {
 	peak := kernels.EstimatePeak()
 	peak.Cores = min(peak.Cores, max(1, bl.Threads()))
 	b.Logf("BLAS %s, %s, %d threads; peak %s", bl.Name(), bl.Config(), bl.Threads(), peak)
-	init := gpt.RandomInit(cfg, 1)
+	init := gpt.RandomInit(gpt.FromReference(cfg), 1)
 	var elapsed float64
 	for b.Loop() {
 		err := placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-			tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{Tape: []autograd.Option{autograd.WithBLAS(bl)}})
+			tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), gpt.WithModel(gpt.WithParams(init)), gpt.WithTape(autograd.WithBLAS(bl)))
 			if err != nil {
 				return err
 			}

@@ -174,7 +174,7 @@ func TestTapeObserver(t *testing.T) {
 			return err
 		}
 		hooked := 0
-		if err := w.OnGradReady(func(*autograd.Value) { hooked++ }); err != nil {
+		if err := w.OnGradReady(func(context.Context, *autograd.Value) error { hooked++; return nil }); err != nil {
 			return err
 		}
 		y, err := autograd.Linear(x, w, nil)

@@ -1,9 +1,15 @@
-// Package train is the plumbing that the example training programs
-// (examples/transformer and examples/moe) share around their model: the
-// -threads, -trace, -trace-steps and -json flags, one BLAS whose thread
-// pool the in-process ranks share, a trace of the last steps of a run with
-// the part of the communication hidden behind compute, the median-step
-// throughput and the JSON summary.
+// Package train is the training loop that the example programs
+// (examples/transformer and examples/moe) share, public so that a program
+// of one's own can copy it: Run starts in-process ranks (comm/local),
+// builds each rank's Stepper, runs and times the steps, reports rank 0's
+// progress, traces the last steps and returns rank 0's results with the
+// median throughput. Loop describes the run and checks it before any rank
+// starts; Flags are the common command-line flags (-threads, -bind,
+// -trace, -trace-steps, -json) and Loop.RegisterLoop adds -steps and
+// -every. The pieces Run is made of are public too: one BLAS whose thread
+// pool the ranks share (LoadBLAS), the Tracer with the part of the
+// communication hidden behind compute (Overlap), the median-step
+// throughput and the JSON summary (WriteJSON).
 package train
 
 import (

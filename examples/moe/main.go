@@ -8,7 +8,7 @@
 // or with -collectives by one all-to-all-v each way, as across processes.
 // Attention, embedding, norm and router weights are replicated; their
 // gradients are all-reduced over ep by DDP (overlapping backward) and
-// over dp, the experts' over dp. The model is internal/moegpt
+// over dp, the experts' over dp. The model is models/moegpt
 // (D=64, H=4, L=2, E=8 experts of width 128, top-2, 16 sequences of 64
 // bytes of the tiny GPT's corpus), trained with AdamW from a random init.
 //
@@ -63,12 +63,9 @@ import (
 	"os"
 	"os/signal"
 	"strings"
-	"sync"
 	"time"
 
-	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/moe"
@@ -86,16 +83,15 @@ func main() {
 }
 
 type options struct {
-	dp, ep       int
-	steps, every int
-	capacity     float64
-	pad          bool
-	diag         bool
-	experts, k   int
-	seed         uint64
-	compare      bool
-	collectives  bool
-	train.Flags
+	dp, ep      int
+	capacity    float64
+	pad         bool
+	diag        bool
+	experts, k  int
+	seed        uint64
+	compare     bool
+	collectives bool
+	loop        train.Loop
 }
 
 // result is what -json writes.
@@ -125,42 +121,50 @@ type result struct {
 	ParamDiff *float64 `json:"compare_param_diff,omitempty"`
 }
 
-func parse(args []string, errOut io.Writer) (options, error) {
+// parse reads the flags and checks them and the layout, so that a bad one
+// fails once, before any rank starts.
+func parse(args []string, errOut io.Writer) (options, moegpt.Config, error) {
 	var o options
 	fs := flag.NewFlagSet("moe", flag.ContinueOnError)
 	fs.SetOutput(errOut)
 	fs.IntVar(&o.dp, "dp", 1, "data-parallel ranks (the batch is sharded over dp × ep)")
 	fs.IntVar(&o.ep, "ep", 4, "expert-parallel ranks (each owns experts/ep experts)")
-	fs.IntVar(&o.steps, "steps", 100, "training steps")
-	fs.IntVar(&o.every, "every", 10, "print progress every this many steps")
+	o.loop.RegisterLoop(fs, 100, 10)
 	fs.Float64Var(&o.capacity, "capacity", 0, "expert capacity factor (0: dropless)")
 	fs.BoolVar(&o.pad, "pad", true, "with -capacity, pad every expert's rows to the capacity (static layout)")
 	fs.BoolVar(&o.diag, "diag", false, "also print the send-count matrix and tokens per expert, and time the wait for the slowest rank (a barrier before each later pass)")
 	fs.IntVar(&o.experts, "experts", 0, "experts per layer (default 8)")
 	fs.IntVar(&o.k, "topk", 0, "experts per token (default 2)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init")
-	o.Flags.Register(fs)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest differences")
 	fs.BoolVar(&o.collectives, "collectives", false, "move the token rows by all-to-all-v (the MPI and NCCL path) instead of straight from the peers' memory")
 	if err := fs.Parse(args); err != nil {
-		return o, err
+		return o, moegpt.Config{}, err
 	}
 	if fs.NArg() > 0 {
-		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+		return o, moegpt.Config{}, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	switch {
-	case o.dp < 1 || o.ep < 1 || o.every < 1:
-		return o, errors.New("-dp, -ep and -every must be at least 1")
-	case o.steps < 1:
-		return o, errors.New("-steps must be at least 1")
-	case o.Threads < 0 || o.experts < 0 || o.k < 0:
-		return o, errors.New("-threads, -experts and -topk must not be negative")
+	case o.experts < 0 || o.k < 0:
+		return o, moegpt.Config{}, errors.New("-experts and -topk must not be negative")
 	case o.capacity < 0 || math.IsNaN(o.capacity) || math.IsInf(o.capacity, 0):
-		return o, errors.New("-capacity must be 0 (dropless) or a positive capacity factor")
-	case o.TraceSteps < 1:
-		return o, errors.New("-trace-steps must be at least 1")
+		return o, moegpt.Config{}, errors.New("-capacity must be 0 (dropless) or a positive capacity factor")
 	}
-	return o, nil
+	cfg := config(o)
+	return o, cfg, check(cfg, &o)
+}
+
+// check validates cfg and the layout o asks for and completes o's loop.
+func check(cfg moegpt.Config, o *options) error {
+	o.loop.Ranks = o.dp * o.ep
+	o.loop.Tokens = cfg.B * cfg.T
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	if err := cfg.CheckLayout(o.dp, o.ep); err != nil {
+		return err
+	}
+	return o.loop.Validate()
 }
 
 // config is the model configuration the options ask for.
@@ -178,24 +182,18 @@ func config(o options) moegpt.Config {
 }
 
 func run(ctx context.Context, args []string, out io.Writer) error {
-	o, err := parse(args, out)
+	o, cfg, err := parse(args, out)
 	if err != nil {
 		return err
 	}
-	return runConfig(ctx, config(o), o, out)
+	return runConfig(ctx, cfg, o, out)
 }
 
 // runConfig trains cfg as o says and reports; tests call it with small
 // configurations.
 func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer) error {
-	if err := cfg.Validate(); err != nil {
+	if err := check(cfg, &o); err != nil {
 		return err
-	}
-	if cfg.E%o.ep != 0 {
-		return fmt.Errorf("%d experts do not divide over -ep %d ranks", cfg.E, o.ep)
-	}
-	if cfg.B%(o.dp*o.ep) != 0 {
-		return fmt.Errorf("the batch of %d sequences does not split over dp × ep = %d ranks", cfg.B, o.dp*o.ep)
 	}
 	routing := "dropless"
 	if cfg.CapacityFactor > 0 {
@@ -204,8 +202,9 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 			routing += ", padded to capacity"
 		}
 	}
+	steps := o.loop.Steps
 	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) on dp=%d × ep=%d in-process ranks, %d steps\n",
-		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), cfg.B, cfg.T, o.dp, o.ep, o.steps)
+		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), cfg.B, cfg.T, o.dp, o.ep, steps)
 	init := moegpt.RandomInit(cfg, o.seed)
 
 	res, params, err := trainLayout(ctx, cfg, init, o, out)
@@ -216,8 +215,9 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 
 	if o.compare {
 		one := o
-		one.dp, one.ep, one.TracePath = 1, 1, ""
-		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.steps)
+		one.dp, one.ep, one.loop.Flags.TracePath = 1, 1, ""
+		one.loop.Ranks = 1
+		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", steps)
 		ref, refParams, err := trainLayout(ctx, cfg, init, one, io.Discard)
 		if err != nil {
 			return fmt.Errorf("one-rank run: %w", err)
@@ -246,7 +246,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 			fmt.Fprintln(out, "(the capacity limit applies to each rank's tokens, so it drops other slots than on one rank: the runs differ by more than rounding)")
 		}
 	}
-	if err := train.WriteJSON(o.JSONPath, res); err != nil {
+	if err := train.WriteJSON(o.loop.Flags.JSONPath, res); err != nil {
 		return fmt.Errorf("-json: %w", err)
 	}
 	return nil
@@ -277,102 +277,92 @@ func addTimings(a, b moe.Timings) moe.Timings {
 	return a
 }
 
-// trainLayout runs o.steps steps on a dp × ep mesh and returns the results and
+// rank is one rank's trainer, as train.Run drives it: rank 0 adds every
+// step's MoE times to the progress interval, and Finish gathers the final
+// parameters (rank 0 keeps them).
+type rank struct {
+	tr     *moegpt.Trainer
+	rank0  bool
+	iv     *interval
+	params *map[string][]float32
+}
+
+// Step implements train.Stepper.
+func (r *rank) Step(ctx context.Context) (*moegpt.StepResult, error) {
+	res, err := r.tr.Step(ctx)
+	if err == nil && r.rank0 {
+		r.iv.add(res)
+	}
+	return res, err
+}
+
+// Finish implements train.Finisher.
+func (r *rank) Finish(ctx context.Context) error {
+	full, err := r.tr.Full(ctx)
+	if err == nil && r.rank0 {
+		*r.params = full
+	}
+	return err
+}
+
+// trainLayout runs o's steps on a dp × ep mesh and returns the results and
 // the final parameters. Rank 0 prints progress to out.
 func trainLayout(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
-	ranks := o.dp * o.ep
-	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor, Steps: o.steps}
-	blas, err := train.LoadBLAS(out, o.Threads, ranks)
-	if err != nil {
-		return nil, nil, fmt.Errorf("GEMM library: %w", err)
+	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor, Steps: o.loop.Steps}
+	var params map[string][]float32
+	iv := interval{start: time.Now()}
+	setup := func(ctx context.Context, r train.Rank) (train.Stepper[*moegpt.StepResult], error) {
+		m, err := mesh.New(r.Comm, []int{o.dp, o.ep}, []string{"dp", "ep"})
+		if err != nil {
+			return nil, err
+		}
+		model := []moegpt.Option{moegpt.WithDataParallel("dp"), moegpt.WithBLAS(r.BLAS)}
+		if o.diag {
+			model = append(model, moegpt.WithDiagnostics())
+		}
+		if o.collectives {
+			model = append(model, moegpt.WithCollectives())
+		}
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithModel(model...), moegpt.WithTape(r.Tape...))
+		if err != nil {
+			return nil, err
+		}
+		return &rank{tr: tr, rank0: m.Rank() == 0, iv: &iv, params: &params}, nil
 	}
-	var (
-		mu     sync.Mutex
-		params map[string][]float32
-	)
-	tokens := float64(cfg.B * cfg.T)
-	tracer := train.NewTracer(o.TracePath, o.steps, o.TraceSteps)
-	err = local.Run(ctx, ranks, func(ctx context.Context, c comm.Communicator) error {
-		rt := tracer.Rank(c)
-		m, err := mesh.New(rt.Comm(), []int{o.dp, o.ep}, []string{"dp", "ep"})
-		if err != nil {
-			return err
-		}
-		tape := rt.Tape(autograd.WithBLAS(blas))
-		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, moegpt.TrainOptions{
-			Options: moegpt.Options{DP: "dp", EP: "ep", BLAS: blas, Diagnostics: o.diag, Collectives: o.collectives},
-			Tape:    tape,
-		})
-		if err != nil {
-			return err
-		}
-		rs := make([]*moegpt.StepResult, 0, o.steps)
-		stepTimes := make([]time.Duration, 0, o.steps)
-		var total moe.Timings
-		start := time.Now()
-		iv := interval{start: start}
-		for i := range o.steps {
-			span, err := rt.BeginStep(ctx, i)
-			if err != nil {
-				return err
-			}
-			t0 := time.Now()
-			r, err := tr.Step(ctx)
-			span.End()
-			if err != nil {
-				return err
-			}
-			stepTimes = append(stepTimes, time.Since(t0))
-			rs = append(rs, r)
-			iv.add(r)
-			if m.Rank() != 0 || (r.Step%o.every != 0 && r.Step != o.steps) {
-				continue
-			}
-			now := time.Now()
-			report(out, r, &iv, now.Sub(iv.start), tokens, o.diag)
-			total = addTimings(total, iv.t)
-			iv = interval{start: now}
-		}
-		elapsed := time.Since(start)
-		full, err := tr.Full(ctx)
-		if err != nil {
-			return err
-		}
-		if m.Rank() != 0 {
-			return nil
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		for _, r := range rs {
-			res.Losses = append(res.Losses, r.Loss)
-			res.CE = append(res.CE, r.CE)
-			res.Aux = append(res.Aux, r.Aux)
-			var bal, drop, pad float64
-			for _, l := range r.Layers {
-				bal, drop, pad = max(bal, l.Balance()), max(drop, l.DroppedFraction()), max(pad, l.PaddedFraction())
-			}
-			res.Balance = append(res.Balance, bal)
-			res.Dropped = append(res.Dropped, drop)
-			res.Padded = append(res.Padded, pad)
-		}
-		last := rs[len(rs)-1]
-		res.FinalLoss, res.FinalCE = last.Loss, last.CE
-		res.TokensPerS = train.MedianTokensPerS(tokens, stepTimes)
-		us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
-		res.TimeUS = map[string]float64{
-			"wait": us(total.Wait), "permute": us(total.Permute), "count_exchange": us(total.CountExchange),
-			"payload_exchange": us(total.PayloadExchange), "experts": us(total.Experts), "combine": us(total.Combine),
-		}
-		params = full
-		fmt.Fprintf(out, "%d steps in %v\n", o.steps, elapsed.Round(time.Millisecond))
-		return nil
-	}, o.RunOptions()...)
+	// Rank 0's MoE times: of the current progress interval and in all.
+	var total moe.Timings
+	tokens := float64(o.loop.Tokens)
+	progress := func(_ int, r *moegpt.StepResult, _ float64) {
+		now := time.Now()
+		report(out, r, &iv, now.Sub(iv.start), tokens, o.diag)
+		total = addTimings(total, iv.t)
+		iv = interval{start: now}
+	}
+	run, err := train.Run(ctx, out, o.loop, setup, progress)
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := writeTrace(out, tracer, o); err != nil {
-		return nil, nil, err
+	for _, r := range run.Steps {
+		res.Losses = append(res.Losses, r.Loss)
+		res.CE = append(res.CE, r.CE)
+		res.Aux = append(res.Aux, r.Aux)
+		var bal, drop, pad float64
+		for _, l := range r.Layers {
+			bal, drop, pad = max(bal, l.Balance()), max(drop, l.DroppedFraction()), max(pad, l.PaddedFraction())
+		}
+		res.Balance = append(res.Balance, bal)
+		res.Dropped = append(res.Dropped, drop)
+		res.Padded = append(res.Padded, pad)
 	}
+	last := run.Steps[len(run.Steps)-1]
+	res.FinalLoss, res.FinalCE = last.Loss, last.CE
+	res.TokensPerS = run.TokensPerS
+	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+	res.TimeUS = map[string]float64{
+		"wait": us(total.Wait), "permute": us(total.Permute), "count_exchange": us(total.CountExchange),
+		"payload_exchange": us(total.PayloadExchange), "experts": us(total.Experts), "combine": us(total.Combine),
+	}
+	overlap(out, run.Events, o)
 	return res, params, nil
 }
 
@@ -412,18 +402,14 @@ func report(out io.Writer, r *moegpt.StepResult, iv *interval, wall time.Duratio
 	}
 }
 
-// writeTrace writes the Chrome trace and reports, per rank, how much of
-// the gradient all-reduces was hidden behind the tape's compute, and the
-// time of the MoE payload passes (all-to-all-v's, or the fused path's
-// shared-memory passes, recorded as barriers), which run inside the
-// dispatch and combine ops, so nothing hides them.
-func writeTrace(out io.Writer, tracer *train.Tracer, o options) error {
-	events, err := tracer.Write(out)
-	if err != nil {
-		return fmt.Errorf("-trace: %w", err)
-	}
-	if !tracer.Enabled() || o.dp*o.ep < 2 {
-		return nil
+// overlap reports, per rank (with -trace), how much of the gradient
+// all-reduces was hidden behind the tape's compute, and the time of the
+// MoE payload passes (all-to-all-v's, or the fused path's shared-memory
+// passes, recorded as barriers), which run inside the dispatch and combine
+// ops, so nothing hides them.
+func overlap(out io.Writer, events []trace.Event, o options) {
+	if events == nil || o.dp*o.ep < 2 {
+		return
 	}
 	for rank := range o.dp * o.ep {
 		ar := train.Overlap(events, rank, func(e trace.Event) bool { return e.Op == comm.OpAllReduce })
@@ -431,5 +417,4 @@ func writeTrace(out io.Writer, tracer *train.Tracer, o options) error {
 		fmt.Fprintf(out, "rank %d: all-reduce %v, %.0f%% hidden behind compute; MoE payload passes %v\n", rank,
 			ar.Comm.Round(time.Microsecond), 100*ar.Fraction(), payload.Comm.Round(time.Microsecond))
 	}
-	return nil
 }

@@ -32,7 +32,7 @@ func TestTrains(t *testing.T) {
 	const steps = 12
 	var ref *result
 	for _, l := range []struct{ dp, ep int }{{1, 1}, {1, 2}, {2, 2}} {
-		o := options{dp: l.dp, ep: l.ep, steps: steps, every: steps, Flags: train.Flags{Threads: 1, TraceSteps: 1}}
+		o := options{dp: l.dp, ep: l.ep, loop: train.Loop{Ranks: l.dp * l.ep, Steps: steps, Every: steps, Tokens: 1, Flags: train.Flags{Threads: 1, TraceSteps: 1}}}
 		res, params, err := trainLayout(ctx, tiny(), moegpt.RandomInit(tiny(), 3), o, io.Discard)
 		if err != nil {
 			t.Fatalf("dp=%d ep=%d: %v", l.dp, l.ep, err)
@@ -114,17 +114,42 @@ func TestRun(t *testing.T) {
 	}
 }
 
+// TestParse: bad flags and layouts are rejected by parse, before any rank
+// starts, with one message naming what is wrong and what would work.
 func TestParse(t *testing.T) {
-	for _, args := range [][]string{{"-ep", "0"}, {"-steps", "0"}, {"-capacity", "-1"}, {"extra"}, {"-trace-steps", "0"}} {
-		if _, err := parse(args, io.Discard); err == nil {
-			t.Errorf("parse(%q) accepted", args)
+	for _, tc := range []struct {
+		args []string
+		want []string // substrings of the one message
+	}{
+		{[]string{"-ep", "0"}, []string{"dp (1) and ep (0) must be at least 1"}},
+		{[]string{"-ep", "3"}, []string{"ep (3) must divide the experts (8); ep can be 1, 2, 4 or 8"}},
+		{[]string{"-ep", "256"}, []string{"ep (256) must divide the experts (8)", "dp × ep (1 × 256) must divide the batch (16 sequences)"}},
+		{[]string{"-dp", "3", "-ep", "2"}, []string{"dp × ep (3 × 2) must divide the batch (16 sequences); dp × ep can be 1, 2, 4, 8 or 16"}},
+		{[]string{"-experts", "6", "-ep", "4"}, []string{"ep (4) must divide the experts (6); ep can be 1, 2, 3 or 6"}},
+		{[]string{"-topk", "9"}, []string{"K=9"}},
+		{[]string{"-steps", "0"}, []string{"-steps 0; want at least 1"}},
+		{[]string{"-every", "0"}, []string{"-every 0"}},
+		{[]string{"-threads", "-1"}, []string{"-threads -1"}},
+		{[]string{"-trace-steps", "0"}, []string{"-trace-steps 0"}},
+		{[]string{"-capacity", "-1"}, []string{"-capacity"}},
+		{[]string{"extra"}, []string{"unexpected arguments"}},
+	} {
+		_, _, err := parse(tc.args, io.Discard)
+		if err == nil {
+			t.Errorf("parse(%q) accepted", tc.args)
+			continue
+		}
+		for _, w := range tc.want {
+			if strings.Count(err.Error(), w) != 1 {
+				t.Errorf("parse(%q): %q; want %q once", tc.args, err, w)
+			}
 		}
 	}
-	o, err := parse(nil, io.Discard)
-	if err != nil || o.dp != 1 || o.ep != 4 || o.steps != 100 || o.capacity != 0 {
+	o, cfg, err := parse(nil, io.Discard)
+	if err != nil || o.dp != 1 || o.ep != 4 || o.loop.Steps != 100 || o.capacity != 0 || o.loop.Ranks != 4 || cfg.E != 8 {
 		t.Errorf("defaults: %+v, %v", o, err)
 	}
-	if err := runConfig(context.Background(), tiny(), options{dp: 1, ep: 3, steps: 1, every: 1}, io.Discard); err == nil {
+	if err := runConfig(context.Background(), tiny(), options{dp: 1, ep: 3, loop: train.Loop{Steps: 1, Every: 1, Flags: train.Flags{TraceSteps: 1}}}, io.Discard); err == nil {
 		t.Error("4 experts over 3 ranks accepted")
 	}
 }

@@ -13,6 +13,12 @@
 //	go run ./examples/transformer [-dp 2] [-tp 2] [-sp] [-steps 200] [-every 20]
 //	                              [-trace trace.json] [-json run.json] [-compare]
 //
+// The layout is checked before any rank starts: tp must divide the heads
+// (4: tp is 1, 2 or 4), dp the batch (16 sequences), -sp needs tp ≥ 2 and a
+// sequence length divisible by tp, and -steps is at least 1 (default 200,
+// the reference run's length); a bad one prints one message saying what
+// would work.
+//
 // -trace writes a Chrome trace of every rank's compute, collectives and
 // waits (open it at https://ui.perfetto.dev or chrome://tracing); -json
 // writes {"dp","tp","sp","steps","tokens_per_s","final_loss","losses"};
@@ -21,7 +27,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -31,12 +36,9 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
-	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/reference/tinygpt"
@@ -54,11 +56,10 @@ func main() {
 }
 
 type options struct {
-	dp, tp       int
-	sp           bool
-	steps, every int
-	compare      bool
-	train.Flags
+	dp, tp  int
+	sp      bool
+	compare bool
+	loop    train.Loop
 }
 
 // result is what -json writes.
@@ -72,16 +73,16 @@ type result struct {
 	Losses     []float64 `json:"losses"`
 }
 
-func parse(args []string, errOut io.Writer) (options, error) {
+// parse reads the flags and checks the layout against the model and the
+// run (cfg, run), so that a bad layout fails once, before any rank starts.
+func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("transformer", flag.ContinueOnError)
 	fs.SetOutput(errOut)
 	fs.IntVar(&o.dp, "dp", 2, "data-parallel ranks (the batch is sharded over them)")
 	fs.IntVar(&o.tp, "tp", 2, "tensor-parallel ranks (the model is sharded over them)")
 	fs.BoolVar(&o.sp, "sp", false, "sequence parallelism on the tp axis")
-	fs.IntVar(&o.steps, "steps", 0, "training steps (default: the reference's 200)")
-	fs.IntVar(&o.every, "every", 20, "print the loss every this many steps")
-	o.Flags.Register(fs)
+	o.loop.RegisterLoop(fs, run.Steps, 20)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -89,51 +90,54 @@ func parse(args []string, errOut io.Writer) (options, error) {
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	if o.dp < 1 || o.tp < 1 || o.every < 1 || o.steps < 0 || o.Threads < 0 {
-		return o, errors.New("-dp, -tp and -every must be at least 1, -steps and -threads at least 0")
+	o.loop.Ranks = o.dp * o.tp
+	o.loop.Tokens = run.B * run.T
+	if err := cfg.CheckLayout(run.B, o.dp, o.tp, o.sp); err != nil {
+		return o, err
 	}
-	if o.TraceSteps < 1 {
-		return o, errors.New("-trace-steps must be at least 1")
-	}
-	if o.sp && o.tp < 2 {
-		return o, errors.New("-sp needs -tp of at least 2")
-	}
-	return o, nil
+	return o, o.loop.Validate()
 }
 
 func run(ctx context.Context, args []string, out io.Writer) error {
-	o, err := parse(args, out)
+	fx, err := tinygpt.LoadFixture()
 	if err != nil {
 		return err
 	}
-	cfg, init, fx, err := setup()
+	ref, err := fx.Cfg()
 	if err != nil {
 		return err
 	}
-	if o.steps == 0 {
-		o.steps = cfg.Steps
+	init, err := fx.Params(tinygpt.PrefixInit)
+	if err != nil {
+		return err
+	}
+	cfg := gpt.FromReference(ref)
+	o, err := parse(args, out, cfg, ref)
+	if err != nil {
+		return err
 	}
 	fmt.Fprintf(out, "tiny GPT (V=%d D=%d H=%d L=%d F=%d, batch %d×%d) on dp=%d × tp=%d in-process ranks, sp=%v, %d steps\n",
-		cfg.V, cfg.D, cfg.H, cfg.L, cfg.F, cfg.B, cfg.T, o.dp, o.tp, o.sp, o.steps)
+		cfg.Vocab, cfg.Width, cfg.Heads, cfg.Layers, cfg.MLPWidth, ref.B, ref.T, o.dp, o.tp, o.sp, o.loop.Steps)
 
-	res, params, err := trainLayout(ctx, cfg, init, o, fx, out)
+	res, params, err := trainLayout(ctx, out, cfg, ref, init, o, fx)
 	if err != nil {
 		return err
 	}
-	summarize(out, o, res, fx, cfg)
+	summarize(out, o, res, fx, ref)
 
 	if o.compare {
 		one := o
 		one.dp, one.tp, one.sp = 1, 1, false
-		one.TracePath = "" // keep the trace of the layout asked for
-		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.steps)
-		ref, refParams, err := trainLayout(ctx, cfg, init, one, nil, io.Discard)
+		one.loop.Ranks = 1
+		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
+		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.loop.Steps)
+		refRes, refParams, err := trainLayout(ctx, io.Discard, cfg, ref, init, one, nil)
 		if err != nil {
 			return fmt.Errorf("one-rank run: %w", err)
 		}
 		var dl float64
 		for i := range res.Losses {
-			dl = max(dl, math.Abs(res.Losses[i]-ref.Losses[i]))
+			dl = max(dl, math.Abs(res.Losses[i]-refRes.Losses[i]))
 		}
 		var dp float64
 		for name, w := range refParams {
@@ -142,115 +146,82 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 			}
 		}
 		fmt.Fprintf(out, "largest loss difference %.3g, largest parameter difference %.3g; one rank: %.0f tokens/s (this layout %.2f×)\n",
-			dl, dp, ref.TokensPerS, res.TokensPerS/ref.TokensPerS)
+			dl, dp, refRes.TokensPerS, res.TokensPerS/refRes.TokensPerS)
 	}
-	return train.WriteJSON(o.JSONPath, res)
+	return train.WriteJSON(o.loop.Flags.JSONPath, res)
 }
 
-// setup loads the reference's configuration and initial parameters.
-func setup() (tinygpt.Config, map[string][]float32, *tinygpt.Fixture, error) {
-	fx, err := tinygpt.LoadFixture()
-	if err != nil {
-		return tinygpt.Config{}, nil, nil, err
-	}
-	cfg, err := fx.Cfg()
-	if err != nil {
-		return tinygpt.Config{}, nil, nil, err
-	}
-	init, err := fx.Params(tinygpt.PrefixInit)
-	if err != nil {
-		return tinygpt.Config{}, nil, nil, err
-	}
-	return cfg, init, fx, nil
+// rank is one rank's trainer, as train.Run drives it: Step returns the
+// step's global loss, Finish gathers the final parameters (rank 0 keeps
+// them).
+type rank struct {
+	tr     *gpt.Trainer
+	rank0  bool
+	params *map[string][]float32
 }
 
-// trainLayout runs o.steps steps on a dp × tp mesh and returns the losses, the
-// throughput and the final parameters. Rank 0 prints progress to out.
-func trainLayout(ctx context.Context, cfg tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture, out io.Writer) (*result, map[string][]float32, error) {
-	res := &result{DP: o.dp, TP: o.tp, SP: o.sp, Steps: o.steps}
-	blas, err := train.LoadBLAS(out, o.Threads, o.dp*o.tp)
+// Step implements train.Stepper.
+func (r *rank) Step(ctx context.Context) (float64, error) {
+	_, loss, err := r.tr.Step(ctx)
+	return loss, err
+}
+
+// Finish implements train.Finisher.
+func (r *rank) Finish(ctx context.Context) error {
+	full, err := r.tr.Full(ctx)
+	if err == nil && r.rank0 {
+		*r.params = full
+	}
+	return err
+}
+
+// trainLayout runs o's steps on a dp × tp mesh and returns the losses, the
+// throughput and the final parameters. Rank 0 prints progress to out, with
+// PyTorch's loss where fx has it.
+func trainLayout(ctx context.Context, out io.Writer, cfg gpt.Config, ref tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture) (*result, map[string][]float32, error) {
+	var params map[string][]float32
+	setup := func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
+		m, err := mesh.New(r.Comm, []int{o.dp, o.tp}, []string{"dp", "tp"})
+		if err != nil {
+			return nil, err
+		}
+		opts := []gpt.TrainOption{
+			gpt.WithRun(ref), gpt.WithModel(gpt.WithParams(init)), gpt.WithTape(r.Tape...),
+			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
+		}
+		if o.sp {
+			opts = append(opts, gpt.WithSequenceParallel())
+		}
+		tr, err := gpt.NewTrainer(ctx, m, cfg, opts...)
+		if err != nil {
+			return nil, err
+		}
+		return &rank{tr: tr, rank0: m.Rank() == 0, params: &params}, nil
+	}
+	progress := func(step int, loss, tokensPerS float64) {
+		line := fmt.Sprintf("step %4d  loss %.6f", step, loss)
+		if fx != nil {
+			if want, ok := fx.LossAt(step); ok {
+				line += fmt.Sprintf("  pytorch %.6f  Δ %+.4f", want, loss-want)
+			}
+		}
+		fmt.Fprintf(out, "%s  %8.0f tokens/s\n", line, tokensPerS)
+	}
+	r, err := train.Run(ctx, out, o.loop, setup, progress)
 	if err != nil {
 		return nil, nil, err
 	}
-	var (
-		mu     sync.Mutex
-		params map[string][]float32
-	)
-	tokens := float64(cfg.B * cfg.T)
-	tracer := train.NewTracer(o.TracePath, o.steps, o.TraceSteps)
-	err = local.Run(ctx, o.dp*o.tp, func(ctx context.Context, c comm.Communicator) error {
-		rt := tracer.Rank(c)
-		m, err := mesh.New(rt.Comm(), []int{o.dp, o.tp}, []string{"dp", "tp"})
-		if err != nil {
-			return err
-		}
-		tape := rt.Tape(autograd.WithBLAS(blas))
-		tr, err := gpt.NewTrainer(ctx, m, cfg, init, gpt.TrainOptions{DP: "dp", TP: "tp", SP: o.sp, Tape: tape})
-		if err != nil {
-			return err
-		}
-		losses := make([]float64, 0, o.steps)
-		stepTimes := make([]time.Duration, 0, o.steps)
-		start := time.Now()
-		last := start
-		for i := range o.steps {
-			span, err := rt.BeginStep(ctx, i)
-			if err != nil {
-				return err
-			}
-			t0 := time.Now()
-			step, loss, err := tr.Step(ctx)
-			span.End()
-			if err != nil {
-				return err
-			}
-			stepTimes = append(stepTimes, time.Since(t0))
-			losses = append(losses, loss)
-			if m.Rank() == 0 && (step%o.every == 0 || step == o.steps) {
-				now := time.Now()
-				n := step % o.every
-				if n == 0 {
-					n = o.every
-				}
-				line := fmt.Sprintf("step %4d  loss %.6f", step, loss)
-				if want, ok := fixtureLoss(fx, step); ok {
-					line += fmt.Sprintf("  pytorch %.6f  Δ %+.4f", want, loss-want)
-				}
-				fmt.Fprintf(out, "%s  %8.0f tokens/s\n", line, float64(n)*tokens/now.Sub(last).Seconds())
-				last = now
-			}
-		}
-		elapsed := time.Since(start)
-		full, err := tr.Full(ctx)
-		if err != nil {
-			return err
-		}
-		if m.Rank() == 0 {
-			mu.Lock()
-			defer mu.Unlock()
-			res.Losses = losses
-			res.FinalLoss = losses[len(losses)-1]
-			res.TokensPerS = train.MedianTokensPerS(tokens, stepTimes)
-			params = full
-			fmt.Fprintf(out, "%d steps in %v\n", o.steps, elapsed.Round(time.Millisecond))
-		}
-		return nil
-	}, o.RunOptions()...)
-	if err != nil {
-		return nil, nil, err
-	}
-	if err := writeTrace(out, tracer, o); err != nil {
-		return nil, nil, err
-	}
+	res := &result{DP: o.dp, TP: o.tp, SP: o.sp, Steps: o.loop.Steps, Losses: r.Steps, TokensPerS: r.TokensPerS}
+	res.FinalLoss = r.Steps[len(r.Steps)-1]
+	overlap(out, r.Events, o)
 	return res, params, nil
 }
 
-// writeTrace writes the Chrome trace and reports, per rank, how much of the
-// data-parallel all-reduce time was hidden behind compute.
-func writeTrace(out io.Writer, tracer *train.Tracer, o options) error {
-	events, err := tracer.Write(out)
-	if err != nil || !tracer.Enabled() || o.dp < 2 {
-		return err
+// overlap reports, per rank, how much of the data-parallel all-reduce time
+// was hidden behind compute (with -trace).
+func overlap(out io.Writer, events []trace.Event, o options) {
+	if events == nil || o.dp < 2 {
+		return
 	}
 	for rank := range o.dp * o.tp {
 		group := dpGroup(rank, o.dp, o.tp)
@@ -261,7 +232,6 @@ func writeTrace(out io.Writer, tracer *train.Tracer, o options) error {
 		})
 		fmt.Fprintf(out, "rank %d: dp all-reduce %v, %.0f%% hidden behind compute\n", rank, s.Comm.Round(time.Microsecond), 100*s.Fraction())
 	}
-	return nil
 }
 
 // dpGroup is the trace label of rank's data-parallel group on the row-major
@@ -274,21 +244,10 @@ func dpGroup(rank, dp, tp int) string {
 	return "[" + strings.Join(ranks, ",") + "]"
 }
 
-// fixtureLoss is the reference's loss at step, if it has one.
-func fixtureLoss(fx *tinygpt.Fixture, step int) (float64, bool) {
-	if fx == nil {
-		return 0, false
-	}
-	return fx.LossAt(step)
-}
-
 // summarize prints the final loss, its distance from PyTorch's curve and
 // the throughput.
-func summarize(out io.Writer, o options, res *result, fx *tinygpt.Fixture, cfg tinygpt.Config) {
+func summarize(out io.Writer, o options, res *result, fx *tinygpt.Fixture, ref tinygpt.Config) {
 	fmt.Fprintf(out, "final loss %.6f, median %.0f tokens/s\n", res.FinalLoss, res.TokensPerS)
-	if fx == nil {
-		return
-	}
 	var worst float64
 	worstStep := 0
 	for _, s := range fx.LossCurveEvery20Steps {
@@ -303,14 +262,14 @@ func summarize(out io.Writer, o options, res *result, fx *tinygpt.Fixture, cfg t
 	if worstStep == 0 {
 		return
 	}
-	want, _ := fx.LossAt(o.steps)
-	tol := fx.Tolerances.LossCurve(o.steps, cfg.Steps)
-	verdict := "within"
-	if !(math.Abs(res.FinalLoss-want) <= tol) {
-		verdict = "OUTSIDE"
-	}
-	if slices.Contains(fx.LossCurveEvery20Steps, o.steps) {
-		fmt.Fprintf(out, "PyTorch's loss at step %d: %.6f; |Δ| %.4f, %s the tolerance %g\n", o.steps, want, math.Abs(res.FinalLoss-want), verdict, tol)
+	steps := o.loop.Steps
+	if want, ok := fx.LossAt(steps); ok && slices.Contains(fx.LossCurveEvery20Steps, steps) {
+		tol := fx.Tolerances.LossCurve(steps, ref.Steps)
+		verdict := "within"
+		if !(math.Abs(res.FinalLoss-want) <= tol) {
+			verdict = "OUTSIDE"
+		}
+		fmt.Fprintf(out, "PyTorch's loss at step %d: %.6f; |Δ| %.4f, %s the tolerance %g\n", steps, want, math.Abs(res.FinalLoss-want), verdict, tol)
 	}
 	fmt.Fprintf(out, "largest |Δ| from PyTorch's curve: %.4f at step %d\n", worst, worstStep)
 }

@@ -4,10 +4,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // TestRun drives the command through its flags on dp=1 × tp=2 with
@@ -52,13 +56,46 @@ func TestRun(t *testing.T) {
 	}
 }
 
-func TestFlagErrors(t *testing.T) {
-	for _, args := range [][]string{
-		{"-dp", "0"}, {"-tp", "1", "-sp"}, {"-every", "0"}, {"-steps", "-1"}, {"-trace-steps", "0"}, {"extra"},
+// TestParse: bad flags and layouts are rejected by parse, before any rank
+// starts, with one message naming what is wrong and what would work.
+func TestParse(t *testing.T) {
+	ref := tinygpt.Default()
+	cfg := gpt.FromReference(ref)
+	for _, tc := range []struct {
+		args []string
+		want []string // substrings of the one message, each once
+	}{
+		{[]string{"-tp", "3"}, []string{"heads (4) must be divisible by tp (3); tp can be 1, 2 or 4"}},
+		{[]string{"-tp", "256"}, []string{"heads (4) must be divisible by tp (256); tp can be 1, 2 or 4"}},
+		{[]string{"-dp", "3"}, []string{"dp (3) must divide the batch (16 sequences); dp can be 1, 2, 4, 8 or 16"}},
+		{[]string{"-dp", "0"}, []string{"dp (0) and tp (2) must be at least 1"}},
+		{[]string{"-tp", "1", "-sp"}, []string{"sequence parallelism needs tp of at least 2 (tp is 1)"}},
+		{[]string{"-steps", "0"}, []string{"-steps 0; want at least 1"}},
+		{[]string{"-steps", "-1"}, []string{"-steps -1"}},
+		{[]string{"-every", "0"}, []string{"-every 0"}},
+		{[]string{"-threads", "-2"}, []string{"-threads -2"}},
+		{[]string{"-trace-steps", "0"}, []string{"-trace-steps 0"}},
+		{[]string{"extra"}, []string{"unexpected arguments"}},
 	} {
-		var out bytes.Buffer
-		if err := run(context.Background(), args, &out); err == nil {
-			t.Errorf("run %v: no error", args)
+		_, err := parse(tc.args, io.Discard, cfg, ref)
+		if err == nil {
+			t.Errorf("parse(%q) accepted", tc.args)
+			continue
 		}
+		for _, w := range tc.want {
+			if strings.Count(err.Error(), w) != 1 {
+				t.Errorf("parse(%q): %q; want %q once", tc.args, err, w)
+			}
+		}
+	}
+	// Sequence parallelism also needs the sequence to split over tp.
+	odd := cfg
+	odd.SeqLen = 63
+	if _, err := parse([]string{"-sp"}, io.Discard, odd, ref); err == nil || !strings.Contains(err.Error(), "sequence length (63) must be divisible by tp (2); tp can be 1, 3, 7, 9, 21 or 63") {
+		t.Errorf("-sp with T=63: %v", err)
+	}
+	o, err := parse(nil, io.Discard, cfg, ref)
+	if err != nil || o.dp != 2 || o.tp != 2 || o.loop.Steps != ref.Steps || o.loop.Ranks != 4 || o.loop.Tokens != ref.B*ref.T {
+		t.Errorf("defaults: %+v, %v", o, err)
 	}
 }

@@ -1,14 +1,26 @@
-// Package gpt is the tiny pre-LayerNorm GPT of
-// reference/TINY_GPT.md §3 on loom's autograd: a Model holds the
-// parameters (tinygpt.Config.Params, in param_order) as autograd leaves and
-// Forward records the loss of one batch on the model's tape.
+// Package gpt is a pre-LayerNorm GPT of any size on loom's autograd,
+// built from parallel's modules: token and position embeddings, Layers
+// blocks of h += attn(LN1(h)); h += mlp(LN2(h)), a final LayerNorm and an
+// untied lm_head without bias (reference/TINY_GPT.md §3). Config is its
+// shape; Tiny is the reference's, whose PyTorch numbers the tests in
+// tests/ reproduce.
 //
-// Everything runs in the parameters' dtype (float32 for the reference).
 // New lays every parameter out Replicate on every mesh axis; Plan, applied
-// with parallel.Parallelize, shards them for tensor (and sequence)
-// parallelism. The token ids may be Replicate or sharded on the batch dim
-// (data parallelism); the loss is then Partial(sum) on the batch-sharding
-// axes and the parameter gradients Partial(sum) there as well.
+// with parallel.Parallelize on the tensor-parallel axis, shards them
+// (Megatron's layout, optionally with sequence parallelism). The module
+// paths a Plan matches, which are also the parameter names' prefixes, are
+//
+//	wte, wpe                          embeddings (tables "wte", "wpe")
+//	h.<l>.ln1, h.<l>.ln2              LayerNorms ("h.<l>.ln1.weight", ".bias")
+//	h.<l>.attn.qkv, h.<l>.attn.proj   attention (parallel.Attention)
+//	h.<l>.mlp.fc, h.<l>.mlp.proj      MLP (parallel.MLP)
+//	ln_f, lm_head                     final LayerNorm, output projection
+//
+// with <l> from 0 to Layers−1. The token ids may be Replicate or sharded on
+// the batch dim (data parallelism); the loss is then Partial(sum) on the
+// batch-sharding axes and the parameter gradients Partial(sum) there as
+// well. Trainer puts it together with DDP and AdamW on the reference's
+// data.
 package gpt
 
 import (
@@ -17,29 +29,24 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"slices"
 	"strconv"
 
 	"github.com/b7ea7098/loom/autograd"
-	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
-// Model is the tiny GPT of reference/TINY_GPT.md §3: token and position embeddings,
-// L pre-LN transformer blocks, a final LayerNorm and an untied lm_head
-// without bias. It is a tree of parallel modules written in global terms:
-// parallel.Parallelize (with Plan) lays it out for tensor and sequence
-// parallelism without changing its code. Its parameters are leaves of one
-// tape (the tape given to New).
+// Model is a GPT (see the package documentation). It is a tree of
+// parallel modules written in global terms: parallel.Parallelize (with
+// Plan) lays it out for tensor and sequence parallelism without changing
+// its code. Its parameters are leaves of one tape (the tape given to New).
 type Model struct {
 	parallel.Hooks
-	cfg    tinygpt.Config
+	cfg    Config
 	tape   *autograd.Tape
 	mesh   *mesh.Mesh
-	order  map[string]int // parameter name -> index in param_order
 	WTE    *parallel.Embedding
 	WPE    *parallel.Embedding
 	Blocks []*Block
@@ -95,6 +102,7 @@ type blocks struct {
 	list []*Block
 }
 
+// Children returns the blocks, named 0 … L−1.
 func (bs *blocks) Children() []parallel.Child {
 	out := make([]parallel.Child, len(bs.list))
 	for i, b := range bs.list {
@@ -117,79 +125,116 @@ func (md *Model) Children() []parallel.Child {
 	}
 }
 
-// New builds the model for cfg on tape and mesh m from init, which maps
-// every parameter name of cfg.Params() to its row-major float32 data (for
-// parity, the fixture's init.* tensors). Each parameter becomes a leaf
-// (tape.Param) laid out Replicate on every mesh axis; its data is copied.
-// Missing, surplus or wrongly sized entries are errors.
-func New(tape *autograd.Tape, m *mesh.Mesh, cfg tinygpt.Config, init map[string][]float32) (*Model, error) {
+// Option configures New: where the initial parameters come from.
+type Option func(*options)
+
+type options struct {
+	params map[string][]float32
+	seed   uint64
+}
+
+// WithParams starts the model from given values: params maps every
+// parameter name of Config.Params to its row-major float32 value (for
+// parity, the fixture's init.* tensors). Missing, surplus or wrongly sized
+// entries are errors. The data is copied.
+func WithParams(params map[string][]float32) Option {
+	return func(o *options) { o.params = params }
+}
+
+// WithSeed draws the initial parameters from seed (default 0) by the §3.1
+// init column: N(0, InitStd²) for the embeddings and projection weights,
+// drawn in param_order from one PCG generator (parallel.Normal), ones for
+// LayerNorm weights and zeros for biases. It is the values RandomInit
+// returns. WithParams takes precedence.
+func WithSeed(seed uint64) Option { return func(o *options) { o.seed = seed } }
+
+// New builds the model for cfg on tape and mesh m, every parameter a leaf
+// laid out Replicate on every mesh axis, initialised as the options say
+// (default: WithSeed(0)). Every rank calls it alike.
+func New(tape *autograd.Tape, m *mesh.Mesh, cfg Config, opts ...Option) (*Model, error) {
 	if tape == nil || m == nil {
-		return nil, errors.New("gpt: New: nil tape or mesh")
+		return nil, fmt.Errorf("gpt: New: %w: nil tape or mesh", ErrConfig)
 	}
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("gpt: %w", err)
+		return nil, fmt.Errorf("gpt: New: %w", err)
 	}
-	ps := cfg.Params()
-	md := &Model{cfg: cfg, tape: tape, mesh: m, order: make(map[string]int, len(ps))}
-	rep := make([]placement.Placement, m.NDim())
-	for i := range rep {
-		rep[i] = placement.Replicate()
+	var o options
+	for _, opt := range opts {
+		opt(&o)
 	}
-	byName := make(map[string]*autograd.Value, len(ps))
-	var errs []error
-	for i, p := range ps {
-		md.order[p.Name] = i
-		data, ok := init[p.Name]
-		if !ok {
-			errs = append(errs, fmt.Errorf("gpt: New: no initial value for %q", p.Name))
-			continue
+	weights, biases := parallel.Normal(cfg.InitStd, o.seed), parallel.Zeros()
+	norms := parallel.Ones()
+	if o.params != nil {
+		if err := checkParams(cfg, o.params); err != nil {
+			return nil, err
 		}
-		if len(data) != p.Numel() {
-			errs = append(errs, fmt.Errorf("gpt: New: %q has %d values, shape %v needs %d", p.Name, len(data), p.Shape, p.Numel()))
-			continue
-		}
-		spec, err := placement.NewSpec(m, p.Shape, comm.Float32, rep)
-		if err != nil {
-			return nil, fmt.Errorf("gpt: New: %q: %w", p.Name, err)
-		}
-		dt, err := placement.NewLocal(spec, append([]float32(nil), data...))
-		if err != nil {
-			return nil, fmt.Errorf("gpt: New: %q: %w", p.Name, err)
-		}
-		if byName[p.Name], err = tape.Param(p.Name, dt); err != nil {
+		weights = parallel.ByName(o.params)
+		biases, norms = weights, weights
+	}
+	named := func(name string, extra ...parallel.LayerOption) []parallel.LayerOption {
+		return append([]parallel.LayerOption{parallel.WithName(name), parallel.WithInit(weights), parallel.WithBiasInit(biases)}, extra...)
+	}
+	norm := func(name string) (*parallel.LayerNorm, error) {
+		return parallel.NewLayerNorm(tape, m, cfg.Width, parallel.WithName(name), parallel.WithInit(norms),
+			parallel.WithBiasInit(biases), parallel.WithEps(cfg.LNEps))
+	}
+	// Construction order is param_order, so that one Normal generator
+	// draws the weights in that order.
+	md := &Model{cfg: cfg, tape: tape, mesh: m}
+	var err error
+	if md.WTE, err = parallel.NewEmbedding(tape, m, cfg.Vocab, cfg.Width, parallel.WithName(tinygpt.ParamWTE), parallel.WithInit(weights)); err != nil {
+		return nil, fmt.Errorf("gpt: New: %w", err)
+	}
+	if md.WPE, err = parallel.NewEmbedding(tape, m, cfg.SeqLen, cfg.Width, parallel.WithName(tinygpt.ParamWPE), parallel.WithInit(weights)); err != nil {
+		return nil, fmt.Errorf("gpt: New: %w", err)
+	}
+	for l := range cfg.Layers {
+		p := "h." + strconv.Itoa(l) + "."
+		b := &Block{}
+		if b.LN1, err = norm(p + "ln1"); err != nil {
 			return nil, fmt.Errorf("gpt: New: %w", err)
 		}
+		if b.Attn, err = parallel.NewAttention(tape, m, cfg.Width, cfg.Heads, named(p+"attn")...); err != nil {
+			return nil, fmt.Errorf("gpt: New: %w", err)
+		}
+		if b.LN2, err = norm(p + "ln2"); err != nil {
+			return nil, fmt.Errorf("gpt: New: %w", err)
+		}
+		if b.MLP, err = parallel.NewMLP(tape, m, cfg.Width, cfg.MLPWidth, named(p+"mlp")...); err != nil {
+			return nil, fmt.Errorf("gpt: New: %w", err)
+		}
+		md.Blocks = append(md.Blocks, b)
 	}
-	for name := range init {
-		if _, ok := md.order[name]; !ok {
-			errs = append(errs, fmt.Errorf("gpt: New: initial value for unknown parameter %q", name))
+	if md.LNF, err = norm("ln_f"); err != nil {
+		return nil, fmt.Errorf("gpt: New: %w", err)
+	}
+	if md.LMHead, err = parallel.NewLinear(tape, m, cfg.Width, cfg.Vocab, named("lm_head", parallel.WithBias(false))...); err != nil {
+		return nil, fmt.Errorf("gpt: New: %w", err)
+	}
+	return md, nil
+}
+
+// checkParams reports every missing, wrongly sized or unknown entry of
+// params for cfg at once.
+func checkParams(cfg Config, params map[string][]float32) error {
+	var errs []error
+	known := map[string]bool{}
+	for _, p := range cfg.Params() {
+		known[p.Name] = true
+		data, ok := params[p.Name]
+		switch {
+		case !ok:
+			errs = append(errs, fmt.Errorf("gpt: New: %w: no initial value for %q", ErrConfig, p.Name))
+		case len(data) != p.Numel():
+			errs = append(errs, fmt.Errorf("gpt: New: %w: %q has %d values, shape %v needs %d", ErrConfig, p.Name, len(data), p.Shape, p.Numel()))
 		}
 	}
-	if err := errors.Join(errs...); err != nil {
-		return nil, err
+	for name := range params {
+		if !known[name] {
+			errs = append(errs, fmt.Errorf("gpt: New: %w: initial value for unknown parameter %q", ErrConfig, name))
+		}
 	}
-	ln := func(w, b string) *parallel.LayerNorm {
-		return &parallel.LayerNorm{Weight: byName[w], Bias: byName[b], Eps: cfg.LNEps}
-	}
-	lin := func(w, b string) *parallel.Linear {
-		return &parallel.Linear{Weight: byName[w], Bias: byName[b]}
-	}
-	md.WTE = &parallel.Embedding{Table: byName[tinygpt.ParamWTE]}
-	md.WPE = &parallel.Embedding{Table: byName[tinygpt.ParamWPE]}
-	for l := range cfg.L {
-		p := func(suffix string) string { return tinygpt.BlockParam(l, suffix) }
-		qkv := lin(p(tinygpt.BlockQKVW), p(tinygpt.BlockQKVB))
-		qkv.Chunks = 3
-		md.Blocks = append(md.Blocks, &Block{
-			LN1:  ln(p(tinygpt.BlockLN1W), p(tinygpt.BlockLN1B)),
-			Attn: &parallel.Attention{QKV: qkv, Proj: lin(p(tinygpt.BlockAttnProjW), p(tinygpt.BlockAttnProjB)), Heads: cfg.H},
-			LN2:  ln(p(tinygpt.BlockLN2W), p(tinygpt.BlockLN2B)),
-			MLP:  &parallel.MLP{FC: lin(p(tinygpt.BlockFCW), p(tinygpt.BlockFCB)), Proj: lin(p(tinygpt.BlockMLPProjW), p(tinygpt.BlockMLPProjB))},
-		})
-	}
-	md.LNF = ln(tinygpt.ParamLNFW, tinygpt.ParamLNFB)
-	md.LMHead = &parallel.Linear{Weight: byName[tinygpt.ParamLMHead]}
-	return md, nil
+	return errors.Join(errs...)
 }
 
 // Plan is the tensor-parallel plan of the model (Megatron's layout):
@@ -226,23 +271,17 @@ func Plan(sp bool) parallel.Plan {
 	}
 }
 
-// Config returns the model's configuration.
-func (md *Model) Config() tinygpt.Config { return md.cfg }
+// Config returns the model's shape.
+func (md *Model) Config() Config { return md.cfg }
 
-// Tape returns the tape the parameters live on; Forward records on it.
-func (md *Model) Tape() *autograd.Tape { return md.tape }
-
-// Mesh returns the mesh the parameters are laid out on.
-func (md *Model) Mesh() *mesh.Mesh { return md.mesh }
-
-// Params returns the parameter leaves in param_order (the current leaves:
-// Parallelize replaces the ones it reshards).
+// Params returns the parameter leaves in param_order, which is the module
+// tree's Walk order (the current leaves: Parallelize replaces the ones it
+// reshards).
 func (md *Model) Params() []*autograd.Value {
 	ps, err := parallel.Params(md)
 	if err != nil {
-		return nil
+		return nil // unreachable: New builds no nil module
 	}
-	slices.SortFunc(ps, func(a, b *autograd.Value) int { return md.order[a.Name()] - md.order[b.Name()] })
 	return ps
 }
 
@@ -294,7 +333,7 @@ func (md *Model) Inputs(b tinygpt.Batch, places []placement.Placement) (x, y *au
 }
 
 // Forward records the model on tape (which must be the tape given to New)
-// for token ids x [B, T] (T ≤ cfg.T) and returns the mean cross-entropy
+// for token ids x [B, T] (T ≤ SeqLen) and returns the mean cross-entropy
 // over all B·T positions against the targets y, laid out like x (shape
 // [B, T] or [B·T]). It implements reference/TINY_GPT.md §3.2:
 //
@@ -305,7 +344,7 @@ func (md *Model) Inputs(b tinygpt.Batch, places []placement.Placement) (x, y *au
 // The fused qkv output splits into q, k and v blocks of D channels, each
 // split into H heads of Dh = D/H contiguous channels; attention is causal
 // with scale 1/sqrt(Dh); GELU is the erf form; LayerNorm uses the biased
-// variance and cfg.LNEps. Logits sharded on the vocab dim (a colwise
+// variance and LNEps. Logits sharded on the vocab dim (a colwise
 // lm_head) go to parallel.VocabParallelCrossEntropy on that axis; the
 // only communication is what the modules' styles asked for.
 func (md *Model) Forward(ctx context.Context, tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
@@ -328,8 +367,8 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 		return nil, fmt.Errorf("ids have shape %v; want [B, T]", xs)
 	}
 	B, T := xs[0], xs[1]
-	if T < 1 || T > md.cfg.T {
-		return nil, fmt.Errorf("sequence length %d outside [1, %d]", T, md.cfg.T)
+	if T < 1 || T > md.cfg.SeqLen {
+		return nil, fmt.Errorf("sequence length %d outside [1, %d]", T, md.cfg.SeqLen)
 	}
 	switch ys := y.Shape(); {
 	case len(ys) == 2 && ys[0] == B && ys[1] == T, len(ys) == 1 && ys[0] == B*T:
@@ -376,7 +415,7 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 	if err != nil {
 		return nil, err
 	}
-	if logits, err = autograd.Reshape(logits, B*T, md.cfg.V); err != nil {
+	if logits, err = autograd.Reshape(logits, B*T, md.cfg.Vocab); err != nil {
 		return nil, err
 	}
 	tgt := y
@@ -428,14 +467,14 @@ func Loss(v *autograd.Value) (float64, error) {
 	return math.NaN(), fmt.Errorf("gpt: Loss: %v is not a scalar block", v.Data())
 }
 
-// RandomInit returns initial values for every parameter of cfg following
-// the §3.1 init column: N(0, InitStd²) from a PCG seeded with seed for the
-// normal ones (in param_order), ones for LayerNorm weights and zeros for
-// biases. It is for training runs and benchmarks of one's own; parity runs
-// load the fixture's init.* tensors instead, since the reference's PyTorch
-// stream is not part of the spec.
-func RandomInit(cfg tinygpt.Config, seed uint64) map[string][]float32 {
-	rng := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15))
+// RandomInit returns the initial values WithSeed(seed) gives, by parameter
+// name: N(0, InitStd²) from a PCG seeded with seed for the normal ones
+// (in param_order), ones for LayerNorm weights and zeros for biases. Two
+// runs given the same map start from the same model whatever their
+// layouts. The reference's PyTorch stream is not part of the spec: parity
+// runs load the fixture's init.* tensors instead.
+func RandomInit(cfg Config, seed uint64) map[string][]float32 {
+	rng := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15)) // parallel.Normal's stream
 	out := make(map[string][]float32)
 	for _, p := range cfg.Params() {
 		d := make([]float32, p.Numel())

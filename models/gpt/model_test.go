@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -40,9 +41,9 @@ func TestNewRejectsBadInit(t *testing.T) {
 			"has 3 values":     func(init map[string][]float32) { init[tinygpt.ParamLNFB] = make([]float32, 3) },
 			"unknown":          func(init map[string][]float32) { init["h.9.ln1.weight"] = nil },
 		} {
-			init := gpt.RandomInit(c, 1)
+			init := gpt.RandomInit(gpt.FromReference(c), 1)
 			mutate(init)
-			_, err := gpt.New(autograd.NewTape(), m, c, init)
+			_, err := gpt.New(autograd.NewTape(), m, gpt.FromReference(c), gpt.WithParams(init))
 			if err == nil || !strings.Contains(err.Error(), name) {
 				t.Errorf("%s: got error %v", name, err)
 			}
@@ -55,7 +56,7 @@ func TestForwardNearUniformAtInit(t *testing.T) {
 	c := small()
 	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
-		md, err := gpt.New(tape, m, c, gpt.RandomInit(c, 7))
+		md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(gpt.RandomInit(gpt.FromReference(c), 7)))
 		if err != nil {
 			return err
 		}
@@ -92,13 +93,13 @@ func TestForwardNearUniformAtInit(t *testing.T) {
 // global loss and (summed) gradients as one rank with the whole batch.
 func TestDataParallelMatchesOneRank(t *testing.T) {
 	c := small()
-	init := gpt.RandomInit(c, 11)
+	init := gpt.RandomInit(gpt.FromReference(c), 11)
 	b := randomBatch(c, 5)
 	want := map[string][]float64{}
 	var wantLoss float64
 	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
-		md, err := gpt.New(tape, m, c, init)
+		md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(init))
 		if err != nil {
 			return err
 		}
@@ -123,7 +124,7 @@ func TestDataParallelMatchesOneRank(t *testing.T) {
 	})
 	placementtest.Run(t, []int{2}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
-		md, err := gpt.New(tape, m, c, init)
+		md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(init))
 		if err != nil {
 			return err
 		}
@@ -183,4 +184,37 @@ func relL2(got, want []float64) float64 {
 		return math.Sqrt(d)
 	}
 	return math.Sqrt(d / n)
+}
+
+// TestSeedIsRandomInit: WithSeed draws, through the constructors' shared
+// generator, exactly the values RandomInit lists; Tiny is the reference's
+// shape.
+func TestSeedIsRandomInit(t *testing.T) {
+	if n := gpt.Tiny().NumParams(); n != 470528 {
+		t.Errorf("Tiny has %d parameters, reference/TINY_GPT.md says 470,528", n)
+	}
+	c := gpt.FromReference(small())
+	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		md, err := gpt.New(autograd.NewTape(), m, c, gpt.WithSeed(5))
+		if err != nil {
+			return err
+		}
+		want := gpt.RandomInit(c, 5)
+		var order []string
+		for _, p := range c.Params() {
+			order = append(order, p.Name)
+		}
+		if got := md.Names(); !slices.Equal(got, order) {
+			t.Errorf("parameters %v, want param_order %v", got, order)
+		}
+		for _, p := range md.Params() {
+			if got := p.Data().LocalData().([]float32); !slices.Equal(got, want[p.Name()]) {
+				t.Errorf("%s: WithSeed and RandomInit differ", p.Name())
+			}
+		}
+		if md.Config() != c {
+			t.Errorf("Config() = %+v, want %+v", md.Config(), c)
+		}
+		return nil
+	})
 }

@@ -21,7 +21,7 @@ import (
 // value after its Recycle would show; and a recycled value is refused.
 func TestRecyclingMatchesFreshMemory(t *testing.T) {
 	c := small()
-	init := gpt.RandomInit(c, 3)
+	init := gpt.RandomInit(gpt.FromReference(c), 3)
 	for _, l := range []struct {
 		name  string
 		shape []int
@@ -32,7 +32,7 @@ func TestRecyclingMatchesFreshMemory(t *testing.T) {
 				tapes := []*autograd.Tape{autograd.NewTape(autograd.PoisonRecycled()), autograd.NewTape()}
 				models := make([]*gpt.Model, 2)
 				for i, tape := range tapes {
-					md, err := gpt.New(tape, m, c, init)
+					md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(init))
 					if err != nil {
 						return err
 					}

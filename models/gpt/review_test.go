@@ -2,10 +2,13 @@ package gpt_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
@@ -21,7 +24,7 @@ func TestForwardKeepsANestedBatchOrder(t *testing.T) {
 	b := randomBatch(c, 5)
 	placementtest.Run(t, []int{2, 2}, []string{"a", "b"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
-		md, err := gpt.New(tape, m, c, gpt.RandomInit(c, 1))
+		md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(gpt.RandomInit(gpt.FromReference(c), 1)))
 		if err != nil {
 			return err
 		}
@@ -61,21 +64,26 @@ func TestNilIndicesDoNotPanic(t *testing.T) {
 // NewTrainer rejects, before any communication, an axis name the mesh
 // lacks (a misspelt dp axis would silently replicate the work), one axis
 // named twice, and layouts Forward cannot run (heads or batch rows that do
-// not split over the ranks).
+// not split over the ranks), each with an error wrapping ErrConfig.
 func TestNewTrainerRejectsBadLayouts(t *testing.T) {
 	c := small() // H=2, B=4
 	placementtest.Run(t, []int{1, 3}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		for want, o := range map[string]gpt.TrainOptions{
-			`no axis "data"`:    {DP: "data", TP: "tp"},
-			`no axis "model"`:   {DP: "dp", TP: "model"},
-			"both data and":     {DP: "tp", TP: "tp"},
-			"heads do not":      {DP: "dp", TP: "tp"},
-			"rows does not":     {DP: "tp"},
-			"needs a tensor-pa": {DP: "dp", SP: true},
+		dp, tp := gpt.WithDataParallel, gpt.WithTensorParallel
+		for _, tc := range []struct {
+			want string
+			opts []gpt.TrainOption
+		}{
+			{`no axis "data"`, []gpt.TrainOption{dp("data"), tp("tp")}},
+			{`no axis "model"`, []gpt.TrainOption{dp("dp"), tp("model")}},
+			{"both data and", []gpt.TrainOption{dp("tp"), tp("tp")}},
+			{"heads (2) must be divisible by tp (3); tp can be 1 or 2", []gpt.TrainOption{dp("dp"), tp("tp")}},
+			{"dp (3) must divide the batch (4 sequences); dp can be 1, 2 or 4", []gpt.TrainOption{dp("tp")}},
+			{"needs a tensor-pa", []gpt.TrainOption{dp("dp"), gpt.WithSequenceParallel()}},
 		} {
-			_, err := gpt.NewTrainer(ctx, m, c, gpt.RandomInit(c, 1), o)
-			if err == nil || !strings.Contains(err.Error(), want) {
-				return fmt.Errorf("%+v: got %v, want an error mentioning %q", o, err, want)
+			opts := append(tc.opts, gpt.WithRun(c), gpt.WithModel(gpt.WithSeed(1)))
+			_, err := gpt.NewTrainer(ctx, m, gpt.FromReference(c), opts...)
+			if !errors.Is(err, gpt.ErrConfig) || !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
+				return fmt.Errorf("got %v, want an ErrConfig mentioning %q", err, tc.want)
 			}
 		}
 		return nil
@@ -87,7 +95,7 @@ func TestBlocksContainerHooksRun(t *testing.T) {
 	c := small()
 	placementtest.Run(t, []int{1}, []string{"tp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
-		md, err := gpt.New(tape, m, c, gpt.RandomInit(c, 1))
+		md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(gpt.RandomInit(gpt.FromReference(c), 1)))
 		if err != nil {
 			return err
 		}
@@ -118,4 +126,37 @@ func (s countInputs) Apply(_ context.Context, m parallel.Module, _ string) error
 		return v, nil
 	})
 	return nil
+}
+
+// WithDDP reaches the trainer's DDP: tiny buckets (one per parameter)
+// reduce the same sums as the default ones, so the losses are equal.
+func TestTrainerDDPOptions(t *testing.T) {
+	c := small()
+	losses := func(opts ...gpt.TrainOption) []float64 {
+		var out []float64
+		placementtest.Run(t, []int{2}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+			opts := append([]gpt.TrainOption{gpt.WithRun(c), gpt.WithDataParallel("dp"), gpt.WithModel(gpt.WithSeed(2))}, opts...)
+			tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(c), opts...)
+			if err != nil {
+				return err
+			}
+			var ls []float64
+			for range 3 {
+				_, l, err := tr.Step(ctx)
+				if err != nil {
+					return err
+				}
+				ls = append(ls, l)
+			}
+			if m.Rank() == 0 {
+				out = ls
+			}
+			return nil
+		})
+		return out
+	}
+	def, tiny := losses(), losses(gpt.WithDDP(parallel.WithFirstBucket(4), parallel.WithBucketCap(4)))
+	if len(def) != 3 || !slices.Equal(def, tiny) {
+		t.Errorf("losses with default buckets %v, with one bucket per parameter %v", def, tiny)
+	}
 }

@@ -13,27 +13,63 @@ import (
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
-// TrainOptions says how a Trainer lays the model out.
-type TrainOptions struct {
-	// DP and TP name the data- and tensor-parallel mesh axes; an empty name
-	// means that kind of parallelism is off. A name the mesh lacks is an
-	// error (a misspelt axis would otherwise silently replicate the work),
-	// and so is one axis named twice.
-	DP, TP string
-	// SP turns on sequence parallelism on the TP axis.
-	SP bool
-	// DDP are extra DDP options (bucket sizes); the dp axis is set from DP.
-	DDP []parallel.Option
-	// Tape are options for the model's tape (a BLAS, an observer).
-	Tape []autograd.Option
+// TrainOption configures NewTrainer.
+type TrainOption func(*trainConfig)
+
+type trainConfig struct {
+	dp, tp string
+	sp     bool
+	ddp    []parallel.Option
+	tape   []autograd.Option
+	model  []Option
+	run    tinygpt.Config
 }
 
-// Trainer trains the tiny GPT of reference/TINY_GPT.md on a (dp × tp) mesh: the batch
-// rows are sharded over dp, the model over tp by Plan, data-parallel
-// gradients are all-reduced by DDP while backward runs, and AdamW updates
-// each rank's shards. Every rank draws the same global batches (§2.3) and
-// keeps its rows, so any layout trains on exactly the batches one rank
-// would.
+// WithDataParallel shards the batch rows over the named mesh axis, with
+// DDP's overlapped gradient all-reduce there (default: no data
+// parallelism).
+func WithDataParallel(axis string) TrainOption { return func(c *trainConfig) { c.dp = axis } }
+
+// WithTensorParallel shards the model over the named mesh axis by Plan
+// (default: no tensor parallelism). An axis of size 1 leaves the model
+// replicated: the plan would only add no-op redistributions and the slower
+// vocab-parallel cross-entropy.
+func WithTensorParallel(axis string) TrainOption { return func(c *trainConfig) { c.tp = axis } }
+
+// WithSequenceParallel adds sequence parallelism on the tensor-parallel
+// axis (Plan(true)); it needs WithTensorParallel.
+func WithSequenceParallel() TrainOption { return func(c *trainConfig) { c.sp = true } }
+
+// WithDDP adds DDP options (bucket sizes); the axis is WithDataParallel's.
+func WithDDP(opts ...parallel.Option) TrainOption {
+	return func(c *trainConfig) { c.ddp = append(c.ddp, opts...) }
+}
+
+// WithTape adds options for the model's tape (a BLAS, an observer).
+func WithTape(opts ...autograd.Option) TrainOption {
+	return func(c *trainConfig) { c.tape = append(c.tape, opts...) }
+}
+
+// WithModel adds options for New (the initial parameters).
+func WithModel(opts ...Option) TrainOption {
+	return func(c *trainConfig) { c.model = append(c.model, opts...) }
+}
+
+// WithRun sets the training run: the batch size, corpus and sampler seeds
+// (reference/TINY_GPT.md §2) and AdamW's hyper-parameters (§4) are read
+// from run; its model fields and Steps are not (the model's shape is the
+// Config, the number of steps the caller's). Default: tinygpt.Default(),
+// the reference run.
+func WithRun(run tinygpt.Config) TrainOption {
+	return func(c *trainConfig) { c.run = run }
+}
+
+// Trainer trains a GPT on a mesh with optional data- and tensor-parallel
+// axes: the batch rows are sharded over dp, the model over tp by Plan,
+// data-parallel gradients are all-reduced by DDP while backward runs, and
+// AdamW updates each rank's shards. Every rank draws the same global
+// batches of the reference's corpus (§2.3) and keeps its rows, so any
+// layout trains on exactly the batches one rank would.
 type Trainer struct {
 	Model   *Model
 	tape    *autograd.Tape
@@ -43,61 +79,74 @@ type Trainer struct {
 	places  []placement.Placement
 }
 
-// NewTrainer builds the model from init on m, parallelizes it as opts say,
-// and prepares DDP and AdamW (cfg's hyper-parameters). It is collective
-// over m. A tensor-parallel axis of size 1 leaves the model replicated: the
-// plan would only add no-op redistributions and the slower vocab-parallel
-// cross-entropy.
-func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg tinygpt.Config, init map[string][]float32, opts TrainOptions) (*Trainer, error) {
-	// Step ends each step's values before the next forward pass, so the
-	// tape may reuse their memory.
-	tape := autograd.NewTape(append([]autograd.Option{autograd.WithRecycling()}, opts.Tape...)...)
-	md, err := New(tape, m, cfg, init)
-	if err != nil {
-		return nil, err
+// NewTrainer builds the model for cfg on m, parallelizes it as the options
+// say, and prepares DDP and AdamW. It is collective over m. The layout is
+// checked first (Config.CheckLayout): a bad one is an error wrapping
+// ErrConfig, before anything is communicated.
+func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOption) (*Trainer, error) {
+	tc := trainConfig{run: tinygpt.Default()}
+	for _, o := range opts {
+		o(&tc)
+	}
+	if m == nil {
+		return nil, fmt.Errorf("gpt: trainer: %w: nil mesh", ErrConfig)
+	}
+	data := cfg.reference(tc.run)
+	data.Steps = max(data.Steps, 1) // the caller counts the steps
+	if err := data.Validate(); err != nil {
+		return nil, fmt.Errorf("gpt: trainer: %w: %w", ErrConfig, err)
 	}
 	names := m.Names()
-	for _, ax := range []string{opts.DP, opts.TP} {
-		if ax != "" && !slices.Contains(names, ax) {
-			return nil, fmt.Errorf("gpt: trainer: the mesh has no axis %q (its axes are %v)", ax, names)
+	size := map[string]int{}
+	for _, ax := range []string{tc.dp, tc.tp} {
+		if ax == "" {
+			continue
 		}
+		i := slices.Index(names, ax)
+		if i < 0 {
+			return nil, fmt.Errorf("gpt: trainer: %w: the mesh has no axis %q (its axes are %v)", ErrConfig, ax, names)
+		}
+		size[ax] = m.Shape()[i]
 	}
-	if opts.DP != "" && opts.DP == opts.TP {
-		return nil, fmt.Errorf("gpt: trainer: axis %q named for both data and tensor parallelism", opts.DP)
+	if tc.dp != "" && tc.dp == tc.tp {
+		return nil, fmt.Errorf("gpt: trainer: %w: axis %q named for both data and tensor parallelism", ErrConfig, tc.dp)
 	}
-	// The layouts Forward needs: whole heads per tensor-parallel rank (the
-	// [B, T, D] -> [B, T, H, Dh] split of a sharded D), and whole batch
-	// rows per data-parallel rank (the [B, T] -> [B·T] merge of a sharded B).
-	if i := slices.Index(names, opts.TP); i >= 0 && cfg.H%m.Shape()[i] != 0 {
-		return nil, fmt.Errorf("gpt: trainer: %d heads do not split over %d tensor-parallel ranks", cfg.H, m.Shape()[i])
+	if tc.sp && tc.tp == "" {
+		return nil, fmt.Errorf("gpt: trainer: %w: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
-	if i := slices.Index(names, opts.DP); i >= 0 && cfg.B%m.Shape()[i] != 0 {
-		return nil, fmt.Errorf("gpt: trainer: a batch of %d rows does not split over %d data-parallel ranks", cfg.B, m.Shape()[i])
+	dp, tp := max(size[tc.dp], 1), max(size[tc.tp], 1)
+	if err := cfg.CheckLayout(data.B, dp, tp, tc.sp); err != nil {
+		return nil, fmt.Errorf("gpt: trainer: %w", err)
+	}
+	// Step ends each step's values before the next forward pass, so the
+	// tape may reuse their memory.
+	tape := autograd.NewTape(append([]autograd.Option{autograd.WithRecycling()}, tc.tape...)...)
+	md, err := New(tape, m, cfg, tc.model...)
+	if err != nil {
+		return nil, err
 	}
 	tr := &Trainer{Model: md, tape: tape, places: make([]placement.Placement, m.NDim())}
 	for i := range tr.places {
 		tr.places[i] = placement.Replicate()
 	}
-	if i := slices.Index(names, opts.TP); i >= 0 && m.Shape()[i] > 1 {
-		if err := parallel.Parallelize(ctx, md, opts.TP, Plan(opts.SP)); err != nil {
+	if tp > 1 {
+		if err := parallel.Parallelize(ctx, md, tc.tp, Plan(tc.sp)); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
-	} else if opts.TP == "" && opts.SP {
-		return nil, fmt.Errorf("gpt: trainer: sequence parallelism needs a tensor-parallel axis (TP is empty)")
 	}
-	if i := slices.Index(names, opts.DP); opts.DP != "" && i >= 0 {
-		tr.places[i] = placement.Shard(0)
-		if m.Shape()[i] > 1 {
-			ddpOpts := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.DP), parallel.GradientAsBucketView())
+	if tc.dp != "" {
+		tr.places[slices.Index(names, tc.dp)] = placement.Shard(0)
+		if dp > 1 {
+			ddpOpts := append(slices.Clone(tc.ddp), parallel.WithAxis(tc.dp), parallel.GradientAsBucketView())
 			if tr.ddp, err = parallel.New(ctx, md.Params(), ddpOpts...); err != nil {
 				return nil, fmt.Errorf("gpt: trainer: %w", err)
 			}
 		}
 	}
-	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(cfg.LR), optim.WeightDecay(cfg.WD), optim.Betas(cfg.Beta1, cfg.Beta2), optim.Eps(cfg.Eps)); err != nil {
+	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
-	if tr.sampler, err = tinygpt.NewSampler(cfg, tinygpt.Corpus(cfg)); err != nil {
+	if tr.sampler, err = tinygpt.NewSampler(data, tinygpt.Corpus(data)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	return tr, nil

@@ -5,7 +5,7 @@
 // The model is a byte-level pre-LayerNorm transformer: token and position
 // embeddings, L blocks of h += attn(LN1(h)); h += moe(LN2(h)), a final
 // LayerNorm and an untied lm_head. Its data are the synthetic corpus and
-// batch sampler of internal/tinygpt (reference/TINY_GPT.md §2), so every layout trains
+// batch sampler of reference/tinygpt (reference/TINY_GPT.md §2), so every layout trains
 // on exactly the batches one rank would.
 //
 // # Layout
@@ -37,9 +37,15 @@ import (
 	"math"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
+
+// ErrConfig is wrapped by the errors of Validate, CheckLayout and the
+// constructors' argument checks; it matches loom.ErrInvalid.
+var ErrConfig = loom.NewSentinel("moegpt: invalid configuration", loom.ErrInvalid)
 
 // Config is the model, data and optimizer configuration.
 type Config struct {
@@ -107,10 +113,10 @@ func (c Config) Data() tinygpt.Config {
 func (c Config) Validate() error {
 	var errs []error
 	if err := c.Data().Validate(); err != nil {
-		errs = append(errs, err)
+		errs = append(errs, fmt.Errorf("%w: %w", ErrConfig, err))
 	}
 	bad := func(format string, args ...any) {
-		errs = append(errs, fmt.Errorf("moegpt: config: "+format, args...))
+		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrConfig}, args...)...))
 	}
 	if c.L < 1 {
 		bad("L=%d: the model needs at least one block", c.L)
@@ -133,6 +139,39 @@ func (c Config) Validate() error {
 		bad("padding to capacity needs a capacity factor")
 	}
 	return errors.Join(errs...)
+}
+
+// CheckLayout reports whether c can be trained on dp data-parallel and ep
+// expert-parallel ranks: every expert-parallel rank needs whole experts (E
+// divisible by ep) and every rank whole sequences (B divisible by dp·ep,
+// the tokens being sharded over both axes). Each error wraps ErrConfig and
+// says which values would work.
+func (c Config) CheckLayout(dp, ep int) error {
+	if dp < 1 || ep < 1 {
+		return fmt.Errorf("%w: dp (%d) and ep (%d) must be at least 1", ErrConfig, dp, ep)
+	}
+	var errs []error
+	if c.E >= 1 && c.E%ep != 0 {
+		errs = append(errs, fmt.Errorf("%w: ep (%d) must divide the experts (%d); ep can be %s", ErrConfig, ep, c.E, divisors(c.E)))
+	}
+	if c.B >= 1 && c.B%(dp*ep) != 0 {
+		errs = append(errs, fmt.Errorf("%w: dp × ep (%d × %d) must divide the batch (%d sequences); dp × ep can be %s", ErrConfig, dp, ep, c.B, divisors(c.B)))
+	}
+	return errors.Join(errs...)
+}
+
+// divisors lists n's divisors in words: "1, 2 or 4".
+func divisors(n int) string {
+	var ds []string
+	for d := 1; d <= n; d++ {
+		if n%d == 0 {
+			ds = append(ds, strconv.Itoa(d))
+		}
+	}
+	if len(ds) == 1 {
+		return ds[0]
+	}
+	return strings.Join(ds[:len(ds)-1], ", ") + " or " + ds[len(ds)-1]
 }
 
 // Init is how a parameter starts.

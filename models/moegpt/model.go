@@ -18,39 +18,46 @@ import (
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
-// Options says how New lays the model out.
-type Options struct {
-	// EP names the expert-parallel mesh axis; it must be an axis of the
-	// mesh (of size 1 for a one-rank run).
-	EP string
-	// DP names the data-parallel mesh axis; "" or an axis the mesh lacks
-	// means no data parallelism. The tokens are sharded over DP and EP.
-	DP string
-	// BLAS runs the experts' GEMMs (nil: kernels.Default()); give the
-	// tape the same one (autograd.WithBLAS).
-	BLAS *kernels.BLAS
-	// Diagnostics asks static-capacity dispatches to exchange their counts
-	// anyway, so that moe.Stats hold the send matrix (ragged dispatches
-	// always have it), and every dispatch to time the wait for the
-	// slowest rank before its later passes, moe.Timings.Wait
-	// (moe.DispatchConfig.Diagnostics).
-	Diagnostics bool
-	// Collectives moves the token rows by all-to-all-v even where the
-	// ranks share memory (moe.DispatchConfig.Collectives): the path MPI
-	// and NCCL take, run in process.
-	Collectives bool
+// Option configures New (and NewTrainer, through WithModel).
+type Option func(*options)
+
+type options struct {
+	dp          string
+	blas        *kernels.BLAS
+	diagnostics bool
+	collectives bool
 }
+
+// WithDataParallel names the data-parallel mesh axis: the tokens are
+// sharded over it and the expert-parallel axis. Default: none (an axis the
+// mesh lacks is an error).
+func WithDataParallel(axis string) Option { return func(o *options) { o.dp = axis } }
+
+// WithBLAS runs the experts' GEMMs on b (default kernels.Default()); give
+// the tape the same one (autograd.WithBLAS).
+func WithBLAS(b *kernels.BLAS) Option { return func(o *options) { o.blas = b } }
+
+// WithDiagnostics asks static-capacity dispatches to exchange their counts
+// anyway, so that moe.Stats hold the send matrix (ragged dispatches always
+// have it), and every dispatch to time the wait for the slowest rank
+// before its later passes, moe.Timings.Wait (moe.DispatchConfig.Diagnostics).
+func WithDiagnostics() Option { return func(o *options) { o.diagnostics = true } }
+
+// WithCollectives moves the token rows by all-to-all-v even where the
+// ranks share memory (moe.DispatchConfig.Collectives): the path MPI and
+// NCCL take, run in process.
+func WithCollectives() Option { return func(o *options) { o.collectives = true } }
 
 // Model is the MoE transformer. Its parameters are leaves of one tape
 // (the tape given to New), laid out as the package documentation says.
 type Model struct {
-	cfg       Config
-	tape      *autograd.Tape
-	mesh      *mesh.Mesh
-	tokenAxes []string
-	tokens    []placement.Placement // layout of the token ids and rows
-	params    []*autograd.Value     // in Config.Params order
-	expert    []bool                // params[i] is an expert parameter
+	cfg    Config
+	tape   *autograd.Tape
+	mesh   *mesh.Mesh
+	tokens []placement.Placement // layout of the token ids and rows
+	params []*autograd.Value     // in Config.Params order
+	expert []bool                // params[i] is an expert parameter
+	group  []string              // the token axes, in mesh order
 
 	// WTE and WPE are the token and position embeddings.
 	WTE, WPE *parallel.Embedding
@@ -111,49 +118,59 @@ func (b *Block) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value
 
 // New builds the model for cfg on tape and mesh m from init, which maps
 // every parameter name of cfg.Params() to its full row-major float32
-// value (RandomInit). Every rank keeps its block of each parameter (the
-// expert parameters' local experts, the whole of the others); nothing is
-// communicated. Missing, surplus or wrongly sized entries are errors.
-func New(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]float32, opts Options) (*Model, error) {
-	md, err := build(tape, m, cfg, init, opts)
+// value (RandomInit), with the experts sharded over the mesh axis ep (of
+// size 1 for a one-rank run). Every rank keeps its block of each
+// parameter (the expert parameters' local experts, the whole of the
+// others); nothing is communicated. Missing, surplus or wrongly sized
+// entries, an unknown axis and a layout CheckLayout rejects are errors
+// wrapping ErrConfig.
+func New(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]float32, ep string, opts ...Option) (*Model, error) {
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
+	md, err := build(tape, m, cfg, init, ep, o)
 	if err != nil {
 		return nil, fmt.Errorf("moegpt: New: %w", err)
 	}
 	return md, nil
 }
 
-func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]float32, opts Options) (*Model, error) {
+func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]float32, epAxis string, opts options) (*Model, error) {
 	if tape == nil || m == nil {
-		return nil, errors.New("nil tape or mesh")
+		return nil, fmt.Errorf("%w: nil tape or mesh", ErrConfig)
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	names := m.Names()
-	ep := slices.Index(names, opts.EP)
+	ep := slices.Index(names, epAxis)
 	if ep < 0 {
-		return nil, fmt.Errorf("expert-parallel axis %q is not an axis of the mesh %v", opts.EP, m)
+		return nil, fmt.Errorf("%w: expert-parallel axis %q is not an axis of the mesh %v", ErrConfig, epAxis, m)
+	}
+	dp := 1
+	if opts.dp != "" {
+		i := slices.Index(names, opts.dp)
+		if i < 0 || i == ep {
+			return nil, fmt.Errorf("%w: data-parallel axis %q is not an axis of the mesh %v other than %q", ErrConfig, opts.dp, m, epAxis)
+		}
+		dp = m.Shape()[i]
+	}
+	if err := cfg.CheckLayout(dp, m.Shape()[ep]); err != nil {
+		return nil, err
 	}
 	md := &Model{cfg: cfg, tape: tape, mesh: m, tokens: make([]placement.Placement, len(names))}
 	rep := make([]placement.Placement, len(names))
 	expert := make([]placement.Placement, len(names))
-	group := 1
 	for a, name := range names {
 		rep[a], expert[a], md.tokens[a] = placement.Replicate(), placement.Replicate(), placement.Replicate()
 		if a == ep {
 			expert[a] = placement.Shard(0)
 		}
-		if a == ep || (opts.DP != "" && name == opts.DP) {
+		if a == ep || (opts.dp != "" && name == opts.dp) {
 			md.tokens[a] = placement.Shard(0)
-			md.tokenAxes = append(md.tokenAxes, name)
-			group *= m.Shape()[a]
+			md.group = append(md.group, name)
 		}
-	}
-	if cfg.B%group != 0 {
-		return nil, fmt.Errorf("the batch of %d sequences does not split evenly over the %d ranks of mesh axes %v", cfg.B, group, md.tokenAxes)
-	}
-	if p := m.Shape()[ep]; cfg.E%p != 0 {
-		return nil, fmt.Errorf("%d experts do not divide over the %d ranks of axis %q", cfg.E, p, opts.EP)
 	}
 
 	ps := cfg.Params()
@@ -220,18 +237,18 @@ func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]floa
 		if err != nil {
 			return nil, fmt.Errorf("block %d: %w", l, err)
 		}
-		experts, err := moe.NewExperts(opts.EP, p(BlockExpertW1), p(BlockExpertB1), p(BlockExpertW2), p(BlockExpertB2))
+		experts, err := moe.NewExperts(epAxis, p(BlockExpertW1), p(BlockExpertB1), p(BlockExpertW2), p(BlockExpertB2))
 		if err != nil {
 			return nil, fmt.Errorf("block %d: %w", l, err)
 		}
-		experts.BLAS = opts.BLAS
+		experts.BLAS = opts.blas
 		qkv := &parallel.Linear{Weight: p(BlockQKVW), Bias: p(BlockQKVB), Chunks: 3}
 		md.Blocks = append(md.Blocks, &Block{
 			LN1:  ln(BlockParam(l, BlockLN1W), BlockParam(l, BlockLN1B)),
 			Attn: &parallel.Attention{QKV: qkv, Proj: &parallel.Linear{Weight: p(BlockProjW), Bias: p(BlockProjB)}, Heads: cfg.H},
 			LN2:  ln(BlockParam(l, BlockLN2W), BlockParam(l, BlockLN2B)),
 			MoE: &moe.Layer{Router: router, Experts: experts, Dispatch: moe.DispatchConfig{
-				Axis: opts.EP, Diagnostics: opts.Diagnostics, Workspace: ws, Collectives: opts.Collectives,
+				Axis: epAxis, Diagnostics: opts.diagnostics, Workspace: ws, Collectives: opts.collectives,
 			}},
 		})
 	}
@@ -239,18 +256,6 @@ func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]floa
 	md.LMHead = &parallel.Linear{Weight: byName[ParamLMHead]}
 	return md, nil
 }
-
-// Config returns the model's configuration.
-func (md *Model) Config() Config { return md.cfg }
-
-// Tape returns the tape the parameters live on; Forward records on it.
-func (md *Model) Tape() *autograd.Tape { return md.tape }
-
-// Mesh returns the mesh the parameters are laid out on.
-func (md *Model) Mesh() *mesh.Mesh { return md.mesh }
-
-// TokenAxes returns the mesh axes that shard the batch, in mesh order.
-func (md *Model) TokenAxes() []string { return slices.Clone(md.tokenAxes) }
 
 // Params returns the parameter leaves in Config.Params order.
 func (md *Model) Params() []*autograd.Value { return slices.Clone(md.params) }

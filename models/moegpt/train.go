@@ -15,15 +15,30 @@ import (
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
-// TrainOptions says how a Trainer lays the model out.
-type TrainOptions struct {
-	// Options are the model's (axes, BLAS, diagnostics).
-	Options
-	// DDP are extra options for both DDPs (bucket sizes); the axis is set
-	// by the trainer.
-	DDP []parallel.Option
-	// Tape are options for the model's tape (a BLAS, an observer).
-	Tape []autograd.Option
+// TrainOption configures NewTrainer.
+type TrainOption func(*trainConfig)
+
+type trainConfig struct {
+	model []Option
+	ddp   []parallel.Option
+	tape  []autograd.Option
+}
+
+// WithModel adds options for New (the data-parallel axis, the BLAS,
+// diagnostics).
+func WithModel(opts ...Option) TrainOption {
+	return func(c *trainConfig) { c.model = append(c.model, opts...) }
+}
+
+// WithDDP adds options for both DDPs (bucket sizes); the axes are set by
+// the trainer.
+func WithDDP(opts ...parallel.Option) TrainOption {
+	return func(c *trainConfig) { c.ddp = append(c.ddp, opts...) }
+}
+
+// WithTape adds options for the model's tape (a BLAS, an observer).
+func WithTape(opts ...autograd.Option) TrainOption {
+	return func(c *trainConfig) { c.tape = append(c.tape, opts...) }
 }
 
 // Trainer trains the model with AdamW on a mesh with an expert-parallel
@@ -42,13 +57,22 @@ type Trainer struct {
 	group   comm.Communicator // the token axes, for the reported scalars
 }
 
-// NewTrainer builds the model from init on m and prepares the DDPs and
-// AdamW (cfg's hyper-parameters). It is collective over m.
-func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][]float32, opts TrainOptions) (*Trainer, error) {
+// NewTrainer builds the model from init on m with the experts sharded
+// over the axis ep (New), and prepares the DDPs and AdamW (cfg's
+// hyper-parameters). It is collective over m.
+func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][]float32, ep string, opts ...TrainOption) (*Trainer, error) {
+	var tc trainConfig
+	for _, o := range opts {
+		o(&tc)
+	}
+	var mo options
+	for _, o := range tc.model {
+		o(&mo)
+	}
 	// Step ends each step's values before the next forward pass, so the
 	// tape may reuse their memory.
-	tape := autograd.NewTape(append([]autograd.Option{autograd.WithRecycling()}, opts.Tape...)...)
-	md, err := New(tape, m, cfg, init, opts.Options)
+	tape := autograd.NewTape(append([]autograd.Option{autograd.WithRecycling()}, tc.tape...)...)
+	md, err := New(tape, m, cfg, init, ep, tc.model...)
 	if err != nil {
 		return nil, err
 	}
@@ -59,20 +83,20 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 		}
 		return 1
 	}
-	if size(opts.EP) > 1 {
-		o := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.EP), parallel.GradientAsBucketView())
+	if size(ep) > 1 {
+		o := append(slices.Clone(tc.ddp), parallel.WithAxis(ep), parallel.GradientAsBucketView())
 		if tr.dense, err = parallel.New(ctx, md.ReplicatedParams(), o...); err != nil {
-			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", opts.EP, err)
+			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", ep, err)
 		}
 	}
-	if size(opts.DP) > 1 {
-		o := append(slices.Clone(opts.DDP), parallel.WithAxis(opts.DP), parallel.GradientAsBucketView())
+	if size(mo.dp) > 1 {
+		o := append(slices.Clone(tc.ddp), parallel.WithAxis(mo.dp), parallel.GradientAsBucketView())
 		if tr.experts, err = parallel.New(ctx, md.ExpertParams(), o...); err != nil {
-			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", opts.DP, err)
+			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", mo.dp, err)
 		}
 	}
-	if tr.group, err = m.Group(ctx, md.tokenAxes...); err != nil {
-		return nil, fmt.Errorf("moegpt: trainer: communicator of %v: %w", md.tokenAxes, err)
+	if tr.group, err = m.Group(ctx, md.group...); err != nil {
+		return nil, fmt.Errorf("moegpt: trainer: communicator of %v: %w", md.group, err)
 	}
 	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(cfg.LR), optim.WeightDecay(cfg.WD), optim.Betas(cfg.Beta1, cfg.Beta2), optim.Eps(cfg.Eps)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)

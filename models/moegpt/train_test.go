@@ -2,11 +2,15 @@ package moegpt_test
 
 import (
 	"context"
+	"errors"
 	"math"
+	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/moegpt"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -21,12 +25,12 @@ func tiny() moegpt.Config {
 
 // train runs steps steps of cfg on a dp × ep mesh and returns rank 0's
 // results.
-func train(t *testing.T, cfg moegpt.Config, dp, ep, steps int) []*moegpt.StepResult {
+func train(t *testing.T, cfg moegpt.Config, dp, ep, steps int, opts ...moegpt.TrainOption) []*moegpt.StepResult {
 	t.Helper()
 	init := moegpt.RandomInit(cfg, 7)
 	var out []*moegpt.StepResult
 	placementtest.Run(t, []int{dp, ep}, []string{"dp", "ep"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, moegpt.TrainOptions{Options: moegpt.Options{DP: "dp", EP: "ep"}})
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", append(opts, moegpt.WithModel(moegpt.WithDataParallel("dp")))...)
 		if err != nil {
 			return err
 		}
@@ -62,8 +66,11 @@ func TestLayoutsMatchOneRank(t *testing.T) {
 	if len(ref) != steps {
 		t.Fatalf("one rank: %d results", len(ref))
 	}
-	for _, l := range []struct{ dp, ep int }{{1, 2}, {2, 2}} {
-		got := train(t, cfg, l.dp, l.ep, steps)
+	for _, l := range []struct {
+		dp, ep int
+		opts   []moegpt.TrainOption
+	}{{1, 2, nil}, {2, 2, nil}, {2, 2, []moegpt.TrainOption{moegpt.WithDDP(parallel.WithFirstBucket(64), parallel.WithBucketCap(64))}}} {
+		got := train(t, cfg, l.dp, l.ep, steps, l.opts...)
 		if len(got) != steps {
 			t.Fatalf("dp=%d ep=%d: %d results", l.dp, l.ep, len(got))
 		}
@@ -118,5 +125,30 @@ func TestConfigValidate(t *testing.T) {
 	c.K, c.Pad = 9, true
 	if err := c.Validate(); err == nil {
 		t.Fatal("K > E and padding without capacity accepted")
+	}
+}
+
+// TestCheckLayout: layouts that do not split the experts or the batch are
+// rejected with a message naming the values that would work.
+func TestCheckLayout(t *testing.T) {
+	c := moegpt.Default() // E=8, B=16
+	for _, tc := range []struct {
+		dp, ep int
+		want   string // empty: accepted
+	}{
+		{1, 4, ""},
+		{2, 8, ""},
+		{1, 3, "ep (3) must divide the experts (8); ep can be 1, 2, 4 or 8"},
+		{3, 1, "dp × ep (3 × 1) must divide the batch (16 sequences)"},
+		{4, 8, "dp × ep (4 × 8) must divide the batch"},
+		{0, 1, "must be at least 1"},
+	} {
+		err := c.CheckLayout(tc.dp, tc.ep)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("dp=%d ep=%d: %v", tc.dp, tc.ep, err)
+		case tc.want != "" && (!errors.Is(err, moegpt.ErrConfig) || !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("dp=%d ep=%d: %v; want ErrConfig with %q", tc.dp, tc.ep, err, tc.want)
+		}
 	}
 }

@@ -1,0 +1,141 @@
+package gpt
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+
+	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/reference/tinygpt"
+)
+
+// Config is the shape of a GPT: a description of the model, not of its
+// training (the data and the optimizer are the Trainer's, WithRun).
+type Config struct {
+	// Vocab is the vocabulary size: token ids lie in [0, Vocab).
+	Vocab int
+	// Width is the model width (the residual stream's channels).
+	Width int
+	// Heads is the number of attention heads; Width must be divisible by
+	// it (the head width is Width/Heads).
+	Heads int
+	// Layers is the number of transformer blocks (0 is allowed: embeddings,
+	// final LayerNorm and lm_head only).
+	Layers int
+	// MLPWidth is the hidden width of each block's MLP.
+	MLPWidth int
+	// SeqLen is the longest sequence (the position embedding's rows).
+	SeqLen int
+	// InitStd is the standard deviation of the normal initialisation of
+	// the embeddings and projection weights.
+	InitStd float64
+	// LNEps is the LayerNorm epsilon, inside the square root.
+	LNEps float64
+}
+
+// Tiny returns the tiny GPT of reference/TINY_GPT.md §1 and §3: Vocab 256,
+// Width 128, 4 heads, 2 layers, MLP width 512, sequences of 64, init std
+// 0.02, LayerNorm epsilon 1e-5 (470,528 parameters).
+func Tiny() Config { return FromReference(tinygpt.Default()) }
+
+// FromReference returns the model shape of a tinygpt configuration (V, D,
+// H, L, F, T, InitStd and LNEps); its data and optimizer fields are the
+// Trainer's (WithRun).
+func FromReference(c tinygpt.Config) Config {
+	return Config{Vocab: c.V, Width: c.D, Heads: c.H, Layers: c.L, MLPWidth: c.F, SeqLen: c.T, InitStd: c.InitStd, LNEps: c.LNEps}
+}
+
+// ErrConfig is wrapped by the errors of Validate, CheckLayout and the
+// constructors' argument checks; it matches loom.ErrInvalid.
+var ErrConfig = loom.NewSentinel("gpt: invalid configuration", loom.ErrInvalid)
+
+// Validate reports every problem of c at once, each wrapping ErrConfig, or
+// nil.
+func (c Config) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrConfig}, args...)...))
+	}
+	for _, d := range []struct {
+		name string
+		v    int
+	}{{"Vocab", c.Vocab}, {"Width", c.Width}, {"Heads", c.Heads}, {"MLPWidth", c.MLPWidth}, {"SeqLen", c.SeqLen}} {
+		if d.v < 1 {
+			bad("%s=%d must be positive", d.name, d.v)
+		}
+	}
+	if c.Layers < 0 {
+		bad("Layers=%d must not be negative", c.Layers)
+	}
+	if c.Width >= 1 && c.Heads >= 1 && c.Width%c.Heads != 0 {
+		bad("Width=%d is not divisible by Heads=%d (the head width is Width/Heads)", c.Width, c.Heads)
+	}
+	if math.IsNaN(c.InitStd) || math.IsInf(c.InitStd, 0) || c.InitStd < 0 {
+		bad("InitStd=%v must be finite and not negative", c.InitStd)
+	}
+	if !(c.LNEps > 0) || math.IsInf(c.LNEps, 0) {
+		bad("LNEps=%v must be positive and finite", c.LNEps)
+	}
+	return errors.Join(errs...)
+}
+
+// reference is c as a tinygpt configuration with run's data and optimizer
+// fields, for the parameter list and the sampler.
+func (c Config) reference(run tinygpt.Config) tinygpt.Config {
+	run.V, run.D, run.H, run.L, run.F, run.T = c.Vocab, c.Width, c.Heads, c.Layers, c.MLPWidth, c.SeqLen
+	run.InitStd, run.LNEps = c.InitStd, c.LNEps
+	return run
+}
+
+// Params describes every parameter in param_order (reference/TINY_GPT.md
+// §3.1): names, shapes and inits.
+func (c Config) Params() []tinygpt.Param { return c.reference(tinygpt.Default()).Params() }
+
+// NumParams returns the number of scalar parameters.
+func (c Config) NumParams() int { return c.reference(tinygpt.Default()).NumParams() }
+
+// CheckLayout reports whether the model can be trained with a global batch
+// of batch sequences on dp data-parallel and tp tensor-parallel ranks,
+// with sequence parallelism if sp: every tensor-parallel rank needs whole
+// heads (Heads divisible by tp), every data-parallel rank whole sequences
+// (batch divisible by dp), and sequence parallelism tp ≥ 2 and sequences
+// of a length divisible by tp. Each error wraps ErrConfig and says which
+// values would work.
+func (c Config) CheckLayout(batch, dp, tp int, sp bool) error {
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrConfig}, args...)...))
+	}
+	if dp < 1 || tp < 1 {
+		bad("dp (%d) and tp (%d) must be at least 1", dp, tp)
+		return errors.Join(errs...)
+	}
+	if c.Heads >= 1 && c.Heads%tp != 0 {
+		bad("heads (%d) must be divisible by tp (%d); tp can be %s", c.Heads, tp, divisors(c.Heads))
+	}
+	if batch >= 1 && batch%dp != 0 {
+		bad("dp (%d) must divide the batch (%d sequences); dp can be %s", dp, batch, divisors(batch))
+	}
+	if sp && tp < 2 {
+		bad("sequence parallelism needs tp of at least 2 (tp is %d)", tp)
+	} else if sp && c.SeqLen%tp != 0 {
+		bad("with sequence parallelism the sequence length (%d) must be divisible by tp (%d); tp can be %s", c.SeqLen, tp, divisors(c.SeqLen))
+	}
+	return errors.Join(errs...)
+}
+
+// divisors lists n's divisors in words: "1, 2 or 4".
+func divisors(n int) string {
+	var ds []string
+	for d := 1; d <= n; d++ {
+		if n%d == 0 {
+			ds = append(ds, strconv.Itoa(d))
+		}
+	}
+	if len(ds) == 1 {
+		return ds[0]
+	}
+	return strings.Join(ds[:len(ds)-1], ", ") + " or " + ds[len(ds)-1]
+}

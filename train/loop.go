@@ -1,0 +1,195 @@
+package train
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+
+	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/trace"
+)
+
+// ErrInvalid is wrapped by the errors of Loop.Validate and of Flags that
+// do not fit (a non-positive -steps); it matches loom.ErrInvalid.
+var ErrInvalid = loom.NewSentinel("train: invalid argument", loom.ErrInvalid)
+
+// Loop describes a training run of Run: how many in-process ranks, how
+// many steps, how often rank 0 reports, and the tokens of one step (for
+// throughput).
+type Loop struct {
+	// Ranks is the number of in-process ranks (comm/local), at least 1.
+	Ranks int
+	// Steps is the number of training steps, at least 1.
+	Steps int
+	// Every is how often (in steps) rank 0 reports progress, at least 1;
+	// the last step is always reported.
+	Every int
+	// Tokens is the number of tokens in one step's global batch.
+	Tokens int
+	// Flags are the common flags (threads, CPU binding, trace).
+	Flags Flags
+}
+
+// Validate reports every problem of l at once, each wrapping ErrInvalid,
+// or nil. Run calls it before starting any rank.
+func (l Loop) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalid}, args...)...))
+	}
+	if l.Ranks < 1 {
+		bad("%d ranks; want at least 1", l.Ranks)
+	}
+	if l.Steps < 1 {
+		bad("-steps %d; want at least 1", l.Steps)
+	}
+	if l.Every < 1 {
+		bad("-every %d; want at least 1", l.Every)
+	}
+	if l.Flags.Threads < 0 {
+		bad("-threads %d; want 0 (the CPUs shared among the ranks) or more", l.Flags.Threads)
+	}
+	if l.Flags.TraceSteps < 1 {
+		bad("-trace-steps %d; want at least 1", l.Flags.TraceSteps)
+	}
+	return errors.Join(errs...)
+}
+
+// RegisterLoop defines -steps and -every on fs with the given defaults,
+// storing their values in l, and the common flags (Flags.Register) in
+// l.Flags.
+func (l *Loop) RegisterLoop(fs *flag.FlagSet, steps, every int) {
+	fs.IntVar(&l.Steps, "steps", steps, "training steps (at least 1)")
+	fs.IntVar(&l.Every, "every", every, "print progress every this many steps")
+	l.Flags.Register(fs)
+}
+
+// Rank is what Run gives each rank's setup, on the rank's goroutine.
+type Rank struct {
+	// Comm is the rank's world communicator, traced with -trace: build the
+	// rank's mesh on it.
+	Comm comm.Communicator
+	// BLAS is the GEMM library the in-process ranks share, its threads
+	// sized by -threads.
+	BLAS *kernels.BLAS
+	// Tape are the options for the rank's tape: the BLAS and, with
+	// -trace, the tracer's observer.
+	Tape []autograd.Option
+}
+
+// Stepper is one rank's training state: Step runs one training step (it
+// is collective: every rank calls it in step) and returns what rank 0
+// reports.
+type Stepper[R any] interface {
+	Step(ctx context.Context) (R, error)
+}
+
+// Finisher is implemented by a Stepper that has collective work after the
+// last step (gathering the final parameters); Run calls Finish on every
+// rank.
+type Finisher interface {
+	Finish(ctx context.Context) error
+}
+
+// Result is what Run returns: rank 0's results, one per step, its median
+// throughput and wall time, and with -trace the recorded events.
+type Result[R any] struct {
+	// Steps are rank 0's step results, in order.
+	Steps []R
+	// TokensPerS is Loop.Tokens over the median step time.
+	TokensPerS float64
+	// Elapsed is rank 0's wall time of the steps.
+	Elapsed time.Duration
+	// Events are the trace events of every rank (nil without -trace).
+	Events []trace.Event
+}
+
+// Run trains on l.Ranks in-process ranks: it checks l (before any rank
+// starts), loads the shared BLAS, starts the ranks with the -bind CPU
+// binding, calls setup on each rank's goroutine to build its Stepper, runs
+// l.Steps steps on every rank (timing each step and tracing the last
+// -trace-steps of them), calls progress on rank 0 after every l.Every-th
+// step and the last one, with the tokens per second since the previous
+// report, and finally calls Finish on every rank whose Stepper has one.
+// It writes the GEMM configuration, the run's wall time and the trace's
+// location to out (nil: nowhere) and returns rank 0's results. The first
+// rank error ends every rank (local.Run) and is returned.
+func Run[R any](ctx context.Context, out io.Writer, l Loop, setup func(ctx context.Context, r Rank) (Stepper[R], error), progress func(step int, r R, tokensPerS float64)) (*Result[R], error) {
+	if err := l.Validate(); err != nil {
+		return nil, err
+	}
+	if setup == nil {
+		return nil, fmt.Errorf("train: Run: %w: nil setup", ErrInvalid)
+	}
+	if out == nil {
+		out = io.Discard
+	}
+	blas, err := LoadBLAS(out, l.Flags.Threads, l.Ranks)
+	if err != nil {
+		return nil, fmt.Errorf("train: GEMM library: %w", err)
+	}
+	tracer := NewTracer(l.Flags.TracePath, l.Steps, l.Flags.TraceSteps)
+	res := &Result[R]{}
+	var mu sync.Mutex
+	err = local.Run(ctx, l.Ranks, func(ctx context.Context, c comm.Communicator) error {
+		rt := tracer.Rank(c)
+		st, err := setup(ctx, Rank{Comm: rt.Comm(), BLAS: blas, Tape: rt.Tape(autograd.WithBLAS(blas))})
+		if err != nil {
+			return err
+		}
+		rank0 := c.Rank() == 0
+		results := make([]R, 0, l.Steps)
+		times := make([]time.Duration, 0, l.Steps)
+		start := time.Now()
+		last, since := start, 0
+		for i := range l.Steps {
+			span, err := rt.BeginStep(ctx, i)
+			if err != nil {
+				return err
+			}
+			t0 := time.Now()
+			r, err := st.Step(ctx)
+			span.End()
+			if err != nil {
+				return err
+			}
+			times = append(times, time.Since(t0))
+			results = append(results, r)
+			since++
+			if rank0 && progress != nil && ((i+1)%l.Every == 0 || i+1 == l.Steps) {
+				now := time.Now()
+				progress(i+1, r, float64(since*l.Tokens)/now.Sub(last).Seconds())
+				last, since = now, 0
+			}
+		}
+		elapsed := time.Since(start)
+		if f, ok := st.(Finisher); ok {
+			if err := f.Finish(ctx); err != nil {
+				return err
+			}
+		}
+		if rank0 {
+			mu.Lock()
+			defer mu.Unlock()
+			res.Steps, res.Elapsed = results, elapsed
+			res.TokensPerS = MedianTokensPerS(float64(l.Tokens), times)
+		}
+		return nil
+	}, l.Flags.RunOptions()...)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(out, "%d steps in %v\n", l.Steps, res.Elapsed.Round(time.Millisecond))
+	if res.Events, err = tracer.Write(out); err != nil {
+		return nil, fmt.Errorf("train: -trace: %w", err)
+	}
+	return res, nil
+}
