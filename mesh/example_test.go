@@ -53,3 +53,27 @@ func Example() {
 	// tp group: world ranks [4 5 6 7], this rank is member 1
 	// sub-mesh: Mesh(tp=4) rank 1 (world 5) at [1]
 }
+
+// The first program of the README: four in-process ranks as a 2x2
+// ("dp","tp") mesh; each rank sums its rank over its tensor-parallel group.
+func ExampleMesh_Comm() {
+	sums := make([]float32, 4)
+	err := local.Run(context.Background(), 4, func(ctx context.Context, c comm.Communicator) error {
+		m, err := mesh.New(c, []int{2, 2}, []string{"dp", "tp"})
+		if err != nil {
+			return err
+		}
+		tp, err := m.Comm(ctx, "tp") // this rank's tensor-parallel group
+		if err != nil {
+			return err
+		}
+		x := []float32{float32(c.Rank())}
+		if err := comm.AllReduce(ctx, tp, comm.Host(x), comm.Host(x), comm.Sum); err != nil {
+			return err
+		}
+		sums[c.Rank()] = x[0]
+		return nil
+	})
+	fmt.Println(sums, err)
+	// Output: [1 1 5 5] <nil>
+}
