@@ -37,7 +37,7 @@ func ExampleNewTrainer() {
 			return err
 		}
 		tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(ref),
-			gpt.WithRun(ref),                     // the reference's corpus, batches and AdamW
+			gpt.WithRun(ref),                    // the reference's corpus, batches and AdamW
 			gpt.WithModel(gpt.WithParams(init)), // PyTorch's initial parameters
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"))
 		if err != nil {
