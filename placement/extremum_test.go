@@ -8,8 +8,6 @@ import (
 	"slices"
 	"testing"
 
-	"gorgonia.org/tensor"
-
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
@@ -87,7 +85,7 @@ func checkExtremumGrad(ctx context.Context, m *mesh.Mesh, src, dst []placement.P
 	for i := range local {
 		local[i] = levels[(i*7+q)%3]
 	}
-	x, err := placement.FromLocal(ctx, spec, tensor.New(tensor.WithShape(lshape...), tensor.WithBacking(local)), false)
+	x, err := placement.FromLocal(ctx, spec, local, false)
 	if err != nil {
 		return err
 	}
@@ -101,9 +99,9 @@ func checkExtremumGrad(ctx context.Context, m *mesh.Mesh, src, dst []placement.P
 		return err
 	}
 	// The incoming gradient: a distinct value per global element.
-	gfull := tensor.New(tensor.WithShape(shape...), tensor.WithBacking(make([]float64, 12)))
-	for i := range gfull.Data().([]float64) {
-		gfull.Data().([]float64)[i] = float64(i + 1)
+	gfull := make([]float64, 12)
+	for i := range gfull {
+		gfull[i] = float64(i + 1)
 	}
 	gspec, err := placement.GradSpec(dspec)
 	if err != nil {
@@ -166,7 +164,7 @@ func TestExtremumGradRejectsLinearSources(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		x, err := placement.FromFull(spec, tensor.New(tensor.WithShape(4), tensor.WithBacking([]float32{1, 2, 3, 4})))
+		x, err := placement.FromFull(spec, []float32{1, 2, 3, 4})
 		if err != nil {
 			return err
 		}

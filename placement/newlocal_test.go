@@ -37,7 +37,7 @@ func TestNewLocal(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		got := full.Data().([]float64)
+		got := full.([]float64)
 		for i, v := range got {
 			if v != float64(i) {
 				t.Errorf("rank %d: element %d = %v, want %d", m.Rank(), i, v, i)

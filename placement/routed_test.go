@@ -110,7 +110,7 @@ func TestRoutedRowsErrors(t *testing.T) {
 			{"dim 0 also sharded", []int{4, 2}, []placement.Placement{S0, Routed}, []placement.SpecOption{placement.WithRoutedRows([]int{2, 2})}, "shard dim 0"},
 			{"scalar", []int{}, []placement.Placement{R, Routed}, []placement.SpecOption{placement.WithRoutedRows([]int{0, 0})}, "at least one dim"},
 			{"given twice", []int{4, 2}, []placement.Placement{R, Routed}, []placement.SpecOption{placement.WithRoutedRows([]int{2, 2}), placement.WithRoutedRows([]int{2, 2})}, "twice"},
-			{"zero rows without counts", []int{0, 2}, []placement.Placement{R, Routed}, nil, "must be positive"},
+			{"negative dim", []int{-1, 2}, []placement.Placement{R, Routed}, nil, "dim 0 is -1"},
 		}
 		for _, tc := range cases {
 			_, err := placement.NewSpec(m, tc.shape, comm.Float32, tc.places, tc.opts...)
