@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"reflect"
 	"unsafe"
-
-	"gorgonia.org/tensor"
 )
 
 // Buffer is a typed span of memory that a collective reads or writes. Host
@@ -99,33 +97,6 @@ func HostBytes(dt DType, b []byte) (*HostBuffer, error) {
 		return nil, fmt.Errorf("comm: memory is not aligned for %v", dt)
 	}
 	return &HostBuffer{dtype: dt, bytes: b}, nil
-}
-
-// FromDense wraps the backing array of a gorgonia tensor without copying.
-func FromDense(t *tensor.Dense) (*HostBuffer, error) {
-	if t == nil {
-		return nil, fmt.Errorf("comm: nil tensor")
-	}
-	if t.RequiresIterator() {
-		// A strided view, a lazily transposed or a masked tensor: its backing
-		// array is not its elements in order, so it cannot be wrapped.
-		return nil, fmt.Errorf("comm: tensor is a non-contiguous view, transposed or masked; copy it into a contiguous tensor first")
-	}
-	switch data := t.Data().(type) {
-	case []float32:
-		return Host(data), nil
-	case []float64:
-		return Host(data), nil
-	case []int32:
-		return Host(data), nil
-	case []int64:
-		return Host(data), nil
-	case []uint8:
-		return Host(data), nil
-	case float32, float64, int32, int64, uint8:
-		return nil, fmt.Errorf("comm: tensor is a scalar; reshape it to a vector")
-	}
-	return nil, fmt.Errorf("comm: tensor dtype %v has no comm dtype", t.Dtype())
 }
 
 // DType implements Buffer.
