@@ -39,8 +39,12 @@ func (t *DTensor) LocalShape() []int { return slices.Clone(t.shape) }
 // shard. The slice aliases the tensor's memory.
 func (t *DTensor) LocalData() any { return t.data }
 
-// newDTensor wraps a block.
+// newDTensor wraps a block. An empty block's data is made non-nil (an
+// Allocator may hand out nil for 0 elements), so LocalData never is nil.
 func newDTensor[T elem](s *Spec, b block[T]) *DTensor {
+	if b.data == nil {
+		b.data = []T{}
+	}
 	return &DTensor{spec: s, shape: b.shape, data: b.data}
 }
 

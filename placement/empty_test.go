@@ -142,6 +142,12 @@ func TestZeroSizeConstructors(t *testing.T) {
 			if err := check("NewLocal(nil)", dt); err != nil {
 				return err
 			}
+			if dt, err = placement.NewLocal(s, []float32(nil)); err != nil {
+				return err
+			}
+			if err := check("NewLocal([]float32(nil))", dt); err != nil {
+				return err
+			}
 			// One element where none fit is still an error.
 			if _, err := placement.FromFull(s, []float32{1}); !errors.Is(err, placement.ErrInvalid) {
 				return fmt.Errorf("%v: FromFull with 1 element for shape %v: %v, want ErrInvalid", ps, shape, err)

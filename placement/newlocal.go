@@ -26,5 +26,8 @@ func NewLocal(spec *Spec, data any) (*DTensor, error) {
 	if err := checkData(op, data, spec.l.dtype, want, "local"); err != nil {
 		return nil, err
 	}
+	if prod(want) == 0 {
+		data = zeroData(spec.l.dtype, 0) // a typed nil slice becomes empty
+	}
 	return &DTensor{spec: spec, shape: slices.Clone(want), data: data}, nil
 }

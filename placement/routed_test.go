@@ -115,7 +115,7 @@ func TestRoutedRowsErrors(t *testing.T) {
 		for _, tc := range cases {
 			_, err := placement.NewSpec(m, tc.shape, comm.Float32, tc.places, tc.opts...)
 			if !errors.Is(err, placement.ErrInvalid) || !strings.Contains(err.Error(), tc.text) {
-				t.Errorf("%s: error %v, want ErrInvalid containing %q", tc.name, err, tc.text)
+				return fmt.Errorf("%s: error %v, want ErrInvalid containing %q", tc.name, err, tc.text)
 			}
 		}
 		bare, err := placement.NewSpec(m, []int{4, 2}, comm.Float32, []placement.Placement{R, Routed})
@@ -123,10 +123,10 @@ func TestRoutedRowsErrors(t *testing.T) {
 			return err
 		}
 		if _, _, err := bare.Box(0); !errors.Is(err, placement.ErrUnsupported) {
-			t.Errorf("Box of a Routed spec without rows: %v", err)
+			return fmt.Errorf("Box of a Routed spec without rows: %v", err)
 		}
 		if _, err := placement.NewLocal(bare, make([]float32, 8)); !errors.Is(err, placement.ErrUnsupported) {
-			t.Errorf("NewLocal of a Routed spec without rows: %v", err)
+			return fmt.Errorf("NewLocal of a Routed spec without rows: %v", err)
 		}
 		return nil
 	})
