@@ -10,7 +10,6 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
-	"gorgonia.org/tensor"
 )
 
 // Data parallelism on two simulated ranks: the batch x is sharded on dp,
@@ -28,11 +27,11 @@ func Example() {
 		if err != nil {
 			return err
 		}
-		xd, err := placement.FromFull(xs, tensor.New(tensor.WithShape(4, 3), tensor.WithBacking([]float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12})))
+		xd, err := placement.FromFull(xs, []float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12})
 		if err != nil {
 			return err
 		}
-		wd, err := placement.FromFull(ws, tensor.New(tensor.WithShape(3, 2), tensor.WithBacking([]float64{1, 1, 1, 1, 1, 1})))
+		wd, err := placement.FromFull(ws, []float64{1, 1, 1, 1, 1, 1})
 		if err != nil {
 			return err
 		}
@@ -71,7 +70,7 @@ func Example() {
 		}
 		if m.Rank() == 0 {
 			fmt.Println("loss placements:", loss.Spec().Placements())
-			fmt.Println("dL/dw:", g.Data())
+			fmt.Println("dL/dw:", g)
 		}
 		return nil
 	})

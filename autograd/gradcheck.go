@@ -178,21 +178,17 @@ func fullData(ctx context.Context, dt *placement.DTensor) ([]float64, error) {
 	if err != nil {
 		return nil, err
 	}
-	switch d := full.Data().(type) {
+	switch d := full.(type) {
 	case []float64:
-		return slices.Clone(d), nil
-	case float64:
-		return []float64{d}, nil
+		return d, nil // Full returns fresh memory
 	case []float32:
 		out := make([]float64, len(d))
 		for i, v := range d {
 			out[i] = float64(v)
 		}
 		return out, nil
-	case float32:
-		return []float64{float64(d)}, nil
 	}
-	return nil, fmt.Errorf("autograd: full tensor of type %T", full.Data())
+	return nil, fmt.Errorf("autograd: full tensor of type %T", full)
 }
 
 func unravel(p int, shape []int) []int {

@@ -16,7 +16,6 @@ import (
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
-	"gorgonia.org/tensor"
 )
 
 // Meshes for the synthetic cases: E = 12 experts divide over each.
@@ -456,7 +455,7 @@ func TestDispatchGradCheck(t *testing.T) {
 				}
 				spec := func(shape []int, places []placement.Placement, data []float64) *placement.DTensor {
 					s, _ := placement.NewSpec(m, shape, comm.Float64, places)
-					dt, _ := placement.FromFull(s, denseOf(shape, data))
+					dt, _ := placement.FromFull(s, data)
 					return dt
 				}
 				params := []*placement.DTensor{
@@ -869,9 +868,4 @@ func TestDispatchErrors(t *testing.T) {
 		}
 		return nil
 	})
-}
-
-// denseOf wraps full data as a gorgonia tensor.
-func denseOf(shape []int, data []float64) *tensor.Dense {
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(slices.Clone(data)))
 }

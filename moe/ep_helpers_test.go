@@ -8,8 +8,6 @@ import (
 	"slices"
 	"testing"
 
-	"gorgonia.org/tensor"
-
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
@@ -111,7 +109,7 @@ func epValue[T float32 | float64](tape *autograd.Tape, m *mesh.Mesh, name string
 	if err != nil {
 		return nil, err
 	}
-	dt, err := placement.FromFull(spec, tensor.New(tensor.WithShape(shape...), tensor.WithBacking(slices.Clone(full))))
+	dt, err := placement.FromFull(spec, full)
 	if err != nil {
 		return nil, err
 	}
@@ -130,7 +128,7 @@ func epFull(ctx context.Context, dt *placement.DTensor) ([]float64, error) {
 	if err != nil {
 		return nil, err
 	}
-	switch v := d.Data().(type) {
+	switch v := d.(type) {
 	case []float32:
 		out := make([]float64, len(v))
 		for i, x := range v {
@@ -138,13 +136,9 @@ func epFull(ctx context.Context, dt *placement.DTensor) ([]float64, error) {
 		}
 		return out, nil
 	case []float64:
-		return slices.Clone(v), nil
-	case float32:
-		return []float64{float64(v)}, nil
-	case float64:
-		return []float64{v}, nil
+		return v, nil
 	}
-	return nil, fmt.Errorf("full data of type %T", d.Data())
+	return nil, fmt.Errorf("full data of type %T", d)
 }
 
 func f64[T float32 | float64](v []T) []float64 {

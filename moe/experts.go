@@ -9,6 +9,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/dense"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
@@ -145,7 +146,7 @@ func ShardExperts(t *autograd.Tape, m *mesh.Mesh, axis string, w1, b1, w2, b2 *t
 		if err != nil {
 			return nil, fmt.Errorf("%s: %s: %w", op, names[i], err)
 		}
-		dtn, err := placement.FromFull(spec, full)
+		dtn, err := dense.ToDTensor(spec, full)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %s: %w", op, names[i], err)
 		}

@@ -12,8 +12,6 @@ import (
 	"sync"
 	"testing"
 
-	"gorgonia.org/tensor"
-
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
@@ -174,7 +172,7 @@ func newValue[T float32 | float64](tape *autograd.Tape, m *mesh.Mesh, name strin
 	if err != nil {
 		return nil, err
 	}
-	dt, err := placement.FromFull(spec, tensor.New(tensor.WithShape(shape...), tensor.WithBacking(slices.Clone(full))))
+	dt, err := placement.FromFull(spec, full)
 	if err != nil {
 		return nil, err
 	}
@@ -187,19 +185,16 @@ func fullOf[T float32 | float64](ctx context.Context, dt *placement.DTensor) ([]
 	if err != nil {
 		return nil, err
 	}
-	switch v := d.Data().(type) {
-	case []T:
-		return slices.Clone(v), nil
-	case T:
-		return []T{v}, nil
+	if v, ok := d.([]T); ok {
+		return v, nil
 	}
-	return nil, fmt.Errorf("full data of type %T", d.Data())
+	return nil, fmt.Errorf("full data of type %T", d)
 }
 
 // routerLoss is Σ_t Σ_j g_tj·c_tj + Aux + Z (the terms present), c laid
 // out like the gates.
 func routerLoss[T float32 | float64](tape *autograd.Tape, rt *Routing, c []T) (*autograd.Value, error) {
-	cd, err := placement.FromFull(rt.Gates.Spec(), tensor.New(tensor.WithShape(rt.Gates.Spec().Shape()...), tensor.WithBacking(slices.Clone(c))))
+	cd, err := placement.FromFull(rt.Gates.Spec(), c)
 	if err != nil {
 		return nil, err
 	}

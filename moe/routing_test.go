@@ -11,8 +11,6 @@ import (
 	"strings"
 	"testing"
 
-	"gorgonia.org/tensor"
-
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
@@ -603,7 +601,7 @@ func fullTensor(m *mesh.Mesh, shape []int, places pl, full []float64) (*placemen
 	if err != nil {
 		return nil, err
 	}
-	return placement.FromFull(spec, tensor.New(tensor.WithShape(shape...), tensor.WithBacking(slices.Clone(full))))
+	return placement.FromFull(spec, full)
 }
 
 func TestUpdateExpertBias(t *testing.T) {
@@ -817,7 +815,7 @@ func TestRouteErrors(t *testing.T) {
 					if e1 != nil {
 						return e1
 					}
-					dt, e2 := placement.FromFull(spec, tensor.New(tensor.WithShape(c.xShape...), tensor.WithBacking(make([]float64, 12))))
+					dt, e2 := placement.FromFull(spec, make([]float64, 12))
 					if e2 != nil {
 						return e2
 					}

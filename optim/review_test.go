@@ -12,7 +12,6 @@ import (
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
-	"gorgonia.org/tensor"
 )
 
 // A gradient sharding dim 0 over (tp, dp) where the parameter uses (dp, tp)
@@ -29,8 +28,8 @@ func TestAdamWRejectsAnotherShardOrder(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		pd, _ := placement.FromFull(ps, tensor.New(tensor.WithShape(4), tensor.WithBacking([]float64{0, 0, 0, 0})))
-		gd, _ := placement.FromFull(gs, tensor.New(tensor.WithShape(4), tensor.WithBacking([]float64{0, 1, 0, 0})))
+		pd, _ := placement.FromFull(ps, []float64{0, 0, 0, 0})
+		gd, _ := placement.FromFull(gs, []float64{0, 1, 0, 0})
 		tape := autograd.NewTape()
 		p, _ := tape.Param("p", pd)
 		if err := p.SetGrad(gd); err != nil {
@@ -56,8 +55,8 @@ func TestAdamWRejectsAnotherShardOrder(t *testing.T) {
 func TestAdamWStepChecksHyperparamsAndStepCountRange(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) (err error) {
 		ps, _ := placement.NewSpec(m, []int{2}, comm.Float64, []placement.Placement{placement.Replicate()})
-		pd, _ := placement.FromFull(ps, tensor.New(tensor.WithShape(2), tensor.WithBacking([]float64{1, 2})))
-		gd, _ := placement.FromFull(ps, tensor.New(tensor.WithShape(2), tensor.WithBacking([]float64{1, 1})))
+		pd, _ := placement.FromFull(ps, []float64{1, 2})
+		gd, _ := placement.FromFull(ps, []float64{1, 1})
 		tape := autograd.NewTape()
 		p, _ := tape.Param("p", pd)
 		_ = p.SetGrad(gd)

@@ -5,14 +5,12 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
-	"gorgonia.org/tensor"
 )
 
 // A small float64 MLP: logits = W2·GELU(W1·x + b1) + b2, loss = mean
@@ -84,7 +82,7 @@ func batchPlaces(m *mesh.Mesh) []placement.Placement {
 // laid out with rows sharded on dp.
 func data(m *mesh.Mesh, lo, hi int) (*placement.DTensor, *autograd.Indices, error) {
 	const total = 64
-	all := placementtest.Random([]int{total, mlpIn}, comm.Float64, 7).Data().([]float64)
+	all := placementtest.Random([]int{total, mlpIn}, comm.Float64, 7).([]float64)
 	rng := rand.New(rand.NewPCG(3, 4))
 	targets := make([]int64, total)
 	for i := range targets {
@@ -95,8 +93,7 @@ func data(m *mesh.Mesh, lo, hi int) (*placement.DTensor, *autograd.Indices, erro
 	if err != nil {
 		return nil, nil, err
 	}
-	full := tensor.New(tensor.WithShape(rows, mlpIn), tensor.WithBacking(slices.Clone(all[lo*mlpIn:hi*mlpIn])))
-	x, err := placement.FromFull(spec, full)
+	x, err := placement.FromFull(spec, all[lo*mlpIn:hi*mlpIn])
 	if err != nil {
 		return nil, nil, err
 	}

@@ -181,12 +181,12 @@ func gradsOf(t *testing.T, dp, tp int, sp, parallelize bool) (float64, map[strin
 			}
 			if m.Rank() == 0 {
 				mu.Lock()
-				grads[p.Name()] = g.Data().([]float64)
+				grads[p.Name()] = g.([]float64)
 				mu.Unlock()
 			}
 		}
 		if m.Rank() == 0 {
-			loss = fullScalar(full.Data())
+			loss = fullScalar(full)
 		}
 		return nil
 	})
@@ -197,10 +197,7 @@ func gradsOf(t *testing.T, dp, tp int, sp, parallelize bool) (float64, map[strin
 }
 
 func fullScalar(d any) float64 {
-	switch v := d.(type) {
-	case float64:
-		return v
-	case []float64:
+	if v, ok := d.([]float64); ok && len(v) == 1 {
 		return v[0]
 	}
 	return math.NaN()

@@ -74,7 +74,7 @@ func vceFull(ctx context.Context, dt *placement.DTensor) ([]float64, error) {
 	if err != nil {
 		return nil, err
 	}
-	switch d := f.Data().(type) {
+	switch d := f.(type) {
 	case []float64:
 		return d, nil
 	case []float32:
@@ -83,12 +83,8 @@ func vceFull(ctx context.Context, dt *placement.DTensor) ([]float64, error) {
 			out[i] = float64(v)
 		}
 		return out, nil
-	case float64:
-		return []float64{d}, nil
-	case float32:
-		return []float64{float64(d)}, nil
 	}
-	return nil, fmt.Errorf("data of type %T", f.Data())
+	return nil, fmt.Errorf("data of type %T", f)
 }
 
 // TestVocabParallelCrossEntropyMatchesCrossEntropy compares the loss and

@@ -12,14 +12,21 @@
 // WithOrder(0, "tp", "dp") is FSDP over TP. Layout math (Spec.Box) gives
 // every rank's offset and size in every dim for any nesting, with the
 // torch.chunk rule: chunk = ceil(n/k), trailing ranks may hold fewer rows or
-// none. Uneven and empty shards are exact; padding used inside a collective
-// is never visible.
+// none. Uneven and empty shards are exact, and so are global dims of 0 (a
+// tensor with no elements redistributes like any other); padding used
+// inside a collective is never visible.
 //
-// A DTensor is a rank's local block plus its Spec. FromFull slices a tensor
-// every rank holds, FromRoot scatters or broadcasts from one rank, and
-// FromLocal wraps local blocks, optionally checking with one small
-// all-gather that every rank agrees on the spec (global shape included)
-// before any data moves. Full materialises the global tensor.
+// A DTensor is a rank's local block plus its Spec. Tensor data, local or
+// global, is loom's own dense representation: a []float32 or []float64
+// (the spec's dtype) in row-major order over the shape, so an empty block
+// is an empty slice and a scalar is one element; LocalShape and LocalData
+// give the local block. FromFull slices a tensor every rank holds, FromRoot
+// scatters or broadcasts from one rank, FromLocal copies local blocks,
+// optionally checking with one small all-gather that every rank agrees on
+// the spec (global shape included) before any data moves, and NewLocal
+// wraps a local block without copying. Full materialises the global
+// tensor. This package does not use gorgonia.org/tensor; package
+// github.com/b7ea7098/loom/dense converts at the edge.
 //
 // # Semantics of Partial
 //

@@ -10,11 +10,16 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
-	"gorgonia.org/tensor"
 )
 
 // DTensor is one rank's handle on a distributed tensor: its local block
 // plus the Spec that says which part of the global tensor the block is.
+//
+// The local block is loom's own dense representation: a []float32 or
+// []float64 (the Spec's dtype) in row-major order over LocalShape, so an
+// empty shard (some local dim 0) is an empty slice and a scalar is one
+// element. LocalData returns it; there is no gorgonia tensor inside
+// (package dense converts to and from gorgonia.org/tensor at the edge).
 // A DTensor owns its local data; operations return new DTensors and never
 // modify their inputs.
 type DTensor struct {
@@ -30,21 +35,16 @@ func (t *DTensor) Spec() *Spec { return t.spec }
 func (t *DTensor) LocalShape() []int { return slices.Clone(t.shape) }
 
 // LocalData returns this rank's block as a []float32 or []float64 in
-// row-major order over LocalShape; it is empty for an empty shard. The
-// slice aliases the tensor's memory.
+// row-major order over LocalShape; it is empty, never nil, for an empty
+// shard. The slice aliases the tensor's memory.
 func (t *DTensor) LocalData() any { return t.data }
 
-// Local returns this rank's block as a tensor sharing the DTensor's memory,
-// or nil when the block is empty (gorgonia tensors cannot have a zero dim).
-func (t *DTensor) Local() *tensor.Dense {
-	if prod(t.shape) == 0 {
-		return nil
-	}
-	return tensor.New(tensor.WithShape(t.shape...), tensor.WithBacking(t.data))
-}
-
-// newDTensor wraps a block.
+// newDTensor wraps a block. An empty block's data is made non-nil (an
+// Allocator may hand out nil for 0 elements), so LocalData never is nil.
 func newDTensor[T elem](s *Spec, b block[T]) *DTensor {
+	if b.data == nil {
+		b.data = []T{}
+	}
 	return &DTensor{spec: s, shape: b.shape, data: b.data}
 }
 
@@ -52,66 +52,50 @@ func blockOf[T elem](t *DTensor) block[T] {
 	return block[T]{shape: t.shape, data: t.data.([]T)}
 }
 
-// dtypeOf maps a gorgonia dtype to a comm dtype.
-func dtypeOf(t *tensor.Dense) (comm.DType, error) {
-	switch t.Dtype() {
-	case tensor.Float32:
-		return comm.Float32, nil
-	case tensor.Float64:
-		return comm.Float64, nil
-	}
-	return 0, fmt.Errorf("tensor dtype %v: want float32 or float64", t.Dtype())
-}
-
-// denseData returns a contiguous row-major copy of t's elements.
-func denseData(t *tensor.Dense) (any, error) {
-	if t.RequiresIterator() {
-		m, ok := t.Materialize().(*tensor.Dense)
-		if !ok {
-			return nil, fmt.Errorf("cannot materialise a %T view", t.Materialize())
-		}
-		t = m
-	}
-	switch d := t.Data().(type) {
+// checkData reports whether data is a []float32 or []float64 of dtype dt
+// with prod(shape) elements; what names the data in errors.
+func checkData(op string, data any, dt comm.DType, shape []int, what string) error {
+	var n int
+	switch d := data.(type) {
 	case []float32:
-		return slices.Clone(d), nil
+		if dt != comm.Float32 {
+			return invalidf(op, "%s data is []float32, the spec says %v", what, dt)
+		}
+		n = len(d)
 	case []float64:
-		return slices.Clone(d), nil
-	case float32:
-		return []float32{d}, nil
-	case float64:
-		return []float64{d}, nil
+		if dt != comm.Float64 {
+			return invalidf(op, "%s data is []float64, the spec says %v", what, dt)
+		}
+		n = len(d)
+	case nil:
+		return invalidf(op, "nil %s data: want a %v slice of %d elements (shape %v)", what, dt, prod(shape), shape)
+	default:
+		return invalidf(op, "%s data is %T, want []float32 or []float64", what, data)
 	}
-	return nil, fmt.Errorf("tensor dtype %v: want float32 or float64", t.Dtype())
-}
-
-// checkDense validates a full or local tensor against shape and dtype.
-func checkDense(op string, t *tensor.Dense, shape []int, dt comm.DType, what string) error {
-	if t == nil {
-		return invalidf(op, "nil %s tensor", what)
-	}
-	got, err := dtypeOf(t)
-	if err != nil {
-		return invalidf(op, "%s: %v", what, err)
-	}
-	if got != dt {
-		return invalidf(op, "%s tensor is %v, the spec says %v", what, got, dt)
-	}
-	ts := []int(t.Shape())
-	if len(shape) == 0 && t.IsScalar() {
-		return nil
-	}
-	if !slices.Equal(ts, shape) {
-		return invalidf(op, "%s tensor has shape %v, want %v", what, ts, shape)
+	if n != prod(shape) {
+		return invalidf(op, "%s data has %d elements, shape %v holds %d", what, n, shape, prod(shape))
 	}
 	return nil
 }
 
-// FromFull distributes a tensor that every rank holds in full: each rank
-// slices its block, with no communication. On a Partial(sum) axis the rank
-// at coordinate 0 keeps the value and the others hold zeros; on
-// Partial(avg|max|min) every rank keeps it.
-func FromFull(spec *Spec, full *tensor.Dense) (*DTensor, error) {
+// cloneData returns a copy of a []float32 or []float64, never nil.
+func cloneData(data any) any {
+	switch d := data.(type) {
+	case []float32:
+		return append([]float32{}, d...)
+	default:
+		return append([]float64{}, d.([]float64)...)
+	}
+}
+
+// FromFull distributes a tensor that every rank holds in full: full is a
+// []float32 or []float64 (the spec's dtype) in row-major order over the
+// global shape, with prod(shape) elements (1 for a scalar, 0 when a dim is
+// 0). Each rank copies its block, with no communication; full is not
+// retained. On a Partial(sum) axis the rank at coordinate 0 keeps the
+// value and the others hold zeros; on Partial(avg|max|min) every rank
+// keeps it. Errors wrap ErrInvalid (ErrUnsupported for Routed specs).
+func FromFull(spec *Spec, full any) (*DTensor, error) {
 	const op = "FromFull"
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
@@ -119,14 +103,10 @@ func FromFull(spec *Spec, full *tensor.Dense) (*DTensor, error) {
 	if spec.l.hasRouted() {
 		return nil, unsupportedf(op, "Routed placements are built by the moe package's dispatch (NewLocal with WithRoutedRows), not distributed from a full tensor")
 	}
-	if err := checkDense(op, full, spec.l.shape, spec.l.dtype, "full"); err != nil {
+	if err := checkData(op, full, spec.l.dtype, spec.l.shape, "full"); err != nil {
 		return nil, err
 	}
-	data, err := denseData(full)
-	if err != nil {
-		return nil, invalidf(op, "%v", err)
-	}
-	switch d := data.(type) {
+	switch d := full.(type) {
 	case []float32:
 		return newDTensor(spec, sliceFull(spec, d)), nil
 	default:
@@ -162,13 +142,14 @@ func zeroPartialSum[T elem](l *layout, coord []int, data []T) {
 }
 
 // FromRoot distributes a tensor held by one rank: root is a mesh rank (a
-// position in spec's mesh, not a world rank) and full is read only there
-// (other ranks may pass nil). Without Shard placements the tensor is
-// broadcast; otherwise every rank's block is scattered from root (blocks
-// padded to the largest inside the collective only). Partial axes follow
-// FromFull's rule. Root checks full's shape and dtype and tells every rank
-// the verdict before any data moves, so a bad tensor is an error everywhere.
-func FromRoot(ctx context.Context, spec *Spec, full *tensor.Dense, root int) (*DTensor, error) {
+// position in spec's mesh, not a world rank) and full, laid out as for
+// FromFull, is read only there (other ranks may pass nil). Without Shard
+// placements the tensor is broadcast; otherwise every rank's block is
+// scattered from root (blocks padded to the largest inside the collective
+// only). Partial axes follow FromFull's rule. Root checks full's length and
+// element type and tells every rank the verdict before any data moves, so
+// a bad tensor is an error everywhere.
+func FromRoot(ctx context.Context, spec *Spec, full any, root int) (*DTensor, error) {
 	const op = "FromRoot"
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
@@ -185,16 +166,10 @@ func FromRoot(ctx context.Context, spec *Spec, full *tensor.Dense, root int) (*D
 		return nil, err
 	}
 	// Root's verdict, then the data.
-	var data any
 	verdict := []int64{0}
 	var rootErr error
 	if m.Rank() == root {
-		if rootErr = checkDense(op, full, spec.l.shape, spec.l.dtype, "root's"); rootErr == nil {
-			if data, rootErr = denseData(full); rootErr != nil {
-				rootErr = invalidf(op, "%v", rootErr)
-			}
-		}
-		if rootErr != nil {
+		if rootErr = checkData(op, full, spec.l.dtype, spec.l.shape, "root's"); rootErr != nil {
 			verdict[0] = 1
 		}
 	}
@@ -208,14 +183,14 @@ func FromRoot(ctx context.Context, spec *Spec, full *tensor.Dense, root int) (*D
 		return nil, invalidf(op, "root %d rejected its tensor (see root's error)", root)
 	}
 	if spec.l.dtype == comm.Float32 {
-		d, _ := data.([]float32)
+		d, _ := full.([]float32) // nil off root, where it is not read
 		b, err := fromRoot(ctx, spec, c, d, root)
 		if err != nil {
 			return nil, err
 		}
 		return newDTensor(spec, b), nil
 	}
-	d, _ := data.([]float64)
+	d, _ := full.([]float64) // nil off root, where it is not read
 	b, err := fromRoot(ctx, spec, c, d, root)
 	if err != nil {
 		return nil, err
@@ -231,7 +206,7 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 	if !sharded {
 		buf := full
 		if m.Rank() != root {
-			buf = make([]T, max(1, prod(l.shape)))
+			buf = make([]T, prod(l.shape))
 		}
 		if err := comm.Broadcast(ctx, c, comm.Host(buf), root); err != nil {
 			return block[T]{}, err
@@ -268,16 +243,17 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 	return b, nil
 }
 
-// FromLocal builds a DTensor from this rank's block (copied). local must
-// have exactly the shape Spec.LocalShape gives this rank; pass nil for an
-// empty block; a Routed spec needs its row counts (WithRoutedRows). With
-// check, the ranks first compare a fingerprint of the
-// spec (mesh, global shape, dtype, placements, shard order) and whether
-// each local block has the right shape, with one small all-gather over the
-// mesh; on any difference every rank returns the same ErrMismatch or
-// ErrInvalid error naming the ranks. Without check nothing is communicated
-// and only this rank's block shape is checked.
-func FromLocal(ctx context.Context, spec *Spec, local *tensor.Dense, check bool) (*DTensor, error) {
+// FromLocal builds a DTensor from a copy of this rank's block: local is a
+// []float32 or []float64 (the spec's dtype) in row-major order over exactly
+// the shape Spec.LocalShape gives this rank; an empty block is an empty
+// slice (nil is accepted too). A Routed spec needs its row counts
+// (WithRoutedRows). With check, the ranks first compare a fingerprint of
+// the spec (mesh, global shape, dtype, placements, shard order) and whether
+// each local block is right, with one small all-gather over the mesh; on
+// any difference every rank returns the same ErrMismatch or ErrInvalid
+// error naming the ranks. Without check nothing is communicated and only
+// this rank's block is checked. NewLocal wraps a block without copying.
+func FromLocal(ctx context.Context, spec *Spec, local any, check bool) (*DTensor, error) {
 	const op = "FromLocal"
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
@@ -286,15 +262,10 @@ func FromLocal(ctx context.Context, spec *Spec, local *tensor.Dense, check bool)
 		return nil, unsupportedf(op, "a Routed spec without row counts has no local shape (WithRoutedRows; the moe package's dispatch builds Routed tensors)")
 	}
 	want := spec.LocalShape()
-	var localErr error
-	var data any
-	if local == nil {
-		if prod(want) != 0 {
-			localErr = invalidf(op, "nil local tensor, but this rank's block has shape %v", want)
-		}
-	} else if localErr = checkDense(op, local, want, spec.l.dtype, "local"); localErr == nil {
-		data, localErr = denseData(local)
+	if local == nil && prod(want) == 0 {
+		local = zeroData(spec.l.dtype, 0)
 	}
+	localErr := checkData(op, local, spec.l.dtype, want, "local")
 	if check {
 		if err := agree(ctx, op, spec.m, spec.l.key, localErr == nil); err != nil {
 			if localErr != nil {
@@ -306,14 +277,15 @@ func FromLocal(ctx context.Context, spec *Spec, local *tensor.Dense, check bool)
 	if localErr != nil {
 		return nil, localErr
 	}
-	if data == nil {
-		if spec.l.dtype == comm.Float32 {
-			data = []float32{}
-		} else {
-			data = []float64{}
-		}
+	return &DTensor{spec: spec, shape: want, data: cloneData(local)}, nil
+}
+
+// zeroData returns n zeros of dtype dt (float32 or float64).
+func zeroData(dt comm.DType, n int) any {
+	if dt == comm.Float32 {
+		return make([]float32, n)
 	}
-	return &DTensor{spec: spec, shape: want, data: data}, nil
+	return make([]float64, n)
 }
 
 // fingerprint hashes a string to an int64.
@@ -358,8 +330,11 @@ func agree(ctx context.Context, op string, m *mesh.Mesh, key string, ok bool) er
 }
 
 // Full materialises the global tensor on every rank (an all-gather or
-// all-reduce per axis as needed). Every rank of the mesh must call it.
-func (t *DTensor) Full(ctx context.Context) (*tensor.Dense, error) {
+// all-reduce per axis as needed) and returns it as a fresh []float32 or
+// []float64 in row-major order over Spec().Shape(): prod(shape) elements,
+// 1 for a scalar, none when a global dim is 0. Every rank of the mesh must
+// call it.
+func (t *DTensor) Full(ctx context.Context) (any, error) {
 	places := make([]Placement, len(t.spec.l.places))
 	for i := range places {
 		places[i] = Replicate()
@@ -372,15 +347,7 @@ func (t *DTensor) Full(ctx context.Context) (*tensor.Dense, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(r.shape) == 0 {
-		switch d := r.data.(type) {
-		case []float32:
-			return tensor.New(tensor.FromScalar(d[0])), nil
-		case []float64:
-			return tensor.New(tensor.FromScalar(d[0])), nil
-		}
-	}
-	return tensor.New(tensor.WithShape(r.shape...), tensor.WithBacking(r.data)), nil
+	return r.data, nil
 }
 
 // String shows the global shape, dtype, placements and every mesh rank's

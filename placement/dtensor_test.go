@@ -12,7 +12,6 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
-	"gorgonia.org/tensor"
 )
 
 // TestBadInput: every malformed request is an error wrapping a sentinel,
@@ -50,10 +49,10 @@ func TestBadInput(t *testing.T) {
 			_, err := placement.NewSpec(m, []int{4}, comm.Float32, []placement.Placement{Pmax, Psum})
 			return err
 		}, placement.ErrInvalid, "mix"},
-		{"zero global dim", func() error {
-			_, err := placement.NewSpec(m, []int{4, 0}, comm.Float32, []placement.Placement{R, R})
+		{"negative global dim", func() error {
+			_, err := placement.NewSpec(m, []int{4, -1}, comm.Float32, []placement.Placement{R, R})
 			return err
-		}, placement.ErrInvalid, "dim 1 is 0"},
+		}, placement.ErrInvalid, "dim 1 is -1"},
 		{"dtype", func() error {
 			_, err := placement.NewSpec(m, []int{4}, comm.Int32, []placement.Placement{R, R})
 			return err
@@ -82,11 +81,19 @@ func TestBadInput(t *testing.T) {
 		{"full of the wrong shape", func() error {
 			_, err := placement.FromFull(mustSpec(t, m, []int{4}, []placement.Placement{S0, R}), placementtest.Random([]int{5}, comm.Float32, 1))
 			return err
-		}, placement.ErrInvalid, "shape [5], want [4]"},
+		}, placement.ErrInvalid, "5 elements, shape [4] holds 4"},
 		{"full of the wrong dtype", func() error {
 			_, err := placement.FromFull(mustSpec(t, m, []int{4}, []placement.Placement{S0, R}), placementtest.Random([]int{4}, comm.Float64, 1))
 			return err
 		}, placement.ErrInvalid, "float64"},
+		{"full of another type", func() error {
+			_, err := placement.FromFull(mustSpec(t, m, []int{4}, []placement.Placement{S0, R}), []int{1, 2, 3, 4})
+			return err
+		}, placement.ErrInvalid, "[]int"},
+		{"nil full", func() error {
+			_, err := placement.FromFull(mustSpec(t, m, []int{4}, []placement.Placement{S0, R}), nil)
+			return err
+		}, placement.ErrInvalid, "nil full data"},
 		{"routed", func() error {
 			_, err := placement.NewPlanner(nil).Plan(mustSpec(t, m, []int{4}, []placement.Placement{S0, R}), mustSpec(t, m, []int{4}, []placement.Placement{placement.Routed(), R}))
 			return err
@@ -179,7 +186,7 @@ func TestFromRoot(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				var full *tensor.Dense
+				var full any // read on root only
 				if m.Rank() == 4 {
 					full = x
 				}
@@ -229,8 +236,8 @@ func TestString(t *testing.T) {
 	if !strings.Contains(de.String(), "rank 2 [1 0]: [1:1] (empty)") {
 		t.Errorf("empty shard not shown:\n%s", de)
 	}
-	if de.Local() == nil || de.LocalShape()[0] != 1 {
-		t.Errorf("rank 0 should hold the one row")
+	if de.LocalShape()[0] != 1 || len(de.LocalData().([]float32)) != 1 {
+		t.Errorf("rank 0 should hold the one row, holds %v", de.LocalShape())
 	}
 }
 
@@ -242,7 +249,7 @@ func TestScalarAndEmpty(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		x := tensor.New(tensor.FromScalar(2.5))
+		x := []float64{2.5} // a scalar is one element
 		dt, err := placementtest.Distribute(s, x, 3)
 		if err != nil {
 			return err
@@ -256,15 +263,28 @@ func TestScalarAndEmpty(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		if m.Rank() > 0 && de.Local() != nil {
-			return fmt.Errorf("rank %d: empty shard has a local tensor", m.Rank())
+		local, ok := de.LocalData().([]float64)
+		if !ok || local == nil || (m.Rank() > 0) != (len(local) == 0) {
+			return fmt.Errorf("rank %d: local data %#v for block %v", m.Rank(), de.LocalData(), de.LocalShape())
 		}
-		// An empty block comes back through FromLocal as nil.
-		de2, err := placement.FromLocal(ctx, e, de.Local(), true)
+		// An empty block comes back through FromLocal as an empty slice,
+		// or as nil.
+		de2, err := placement.FromLocal(ctx, e, de.LocalData(), true)
 		if err != nil {
 			return err
 		}
-		return placementtest.CheckFull(ctx, de2, y, 0)
+		if err := placementtest.CheckFull(ctx, de2, y, 0); err != nil {
+			return err
+		}
+		var block any
+		if m.Rank() == 0 {
+			block = de.LocalData()
+		}
+		de3, err := placement.FromLocal(ctx, e, block, true)
+		if err != nil {
+			return err
+		}
+		return placementtest.CheckFull(ctx, de3, y, 0)
 	})
 }
 

@@ -12,14 +12,20 @@ import (
 // plan of its own (Backward rejects it): the gradient goes to the rank whose
 // value won. x is the forward source, y the forward result (Redistribute(x,
 // y's spec); it must hold no Partial(max|min)), and g the gradient of y, in
-// any linear layout on y's mesh.
+// any linear layout on y's mesh. Only y's spec is read.
 //
 // On every element, the rank of x's reducing axes whose local value equals
-// the result wins, ties to the lowest rank (in row-major order over those
-// axes); its gradient is g there and every other rank's is zero. Summed
-// over those ranks this is g, so the result is laid out like x with
-// Partial(max|min) replaced by Partial(sum). The other transitions of the
-// forward move are undone by the duality table, as in Backward.
+// the extremum over those ranks wins, ties to the lowest rank (in
+// row-major order over those axes); its gradient is g there and every
+// other rank's is zero. The winner is decided from x's pieces themselves
+// (an all-reduce of the extremum, then one of the lowest claiming rank),
+// never from y: y may have been averaged again (Partial(max) ->
+// Partial(avg)), and an average of identical copies over 3 ranks need not
+// equal them bit for bit. A NaN extremum is won by the lowest rank holding
+// a NaN. Summed over the reducing ranks the result is g, so it is laid out
+// like x with Partial(max|min) replaced by Partial(sum). The other
+// transitions of the forward move are undone by the duality table, as in
+// Backward.
 func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor, error) {
 	const op = "ExtremumGrad"
 	if x == nil || y == nil || g == nil {
@@ -27,11 +33,13 @@ func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor,
 	}
 	lx := x.spec.l
 	var axes []string
+	var reduce comm.ReduceOp
 	reduced := slices.Clone(lx.places) // x with the extremum axes replicated
 	summed := slices.Clone(lx.places)  // the gradient's layout
 	for a, pl := range lx.places {
 		if pl.IsPartial() && !linear(pl.op) {
 			axes = append(axes, lx.names[a])
+			reduce = pl.op // NewSpec allows one extremum op per spec
 			reduced[a], summed[a] = Replicate(), Partial(comm.Sum)
 		}
 	}
@@ -55,14 +63,8 @@ func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor,
 	if err != nil {
 		return nil, err
 	}
-	rspec := &Spec{m: x.spec.m, l: lr}
-	// The forward result and its gradient, both laid out like x with the
-	// extremum axes replicated: every rank then compares its own piece
-	// with the result it contributed to, element by element.
-	yr, err := p.Redistribute(ctx, y, rspec)
-	if err != nil {
-		return nil, err
-	}
+	// The gradient laid out like x with the extremum axes replicated, by
+	// the duality table of the linear rest of the forward move.
 	lin, err := p.planLayouts(lr, y.spec.l)
 	if err != nil {
 		return nil, err
@@ -82,28 +84,35 @@ func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor,
 	out := &Spec{m: x.spec.m, l: ls}
 	switch xd := x.data.(type) {
 	case []float32:
-		d, err := maskWinners(ctx, group, xd, yr.data.([]float32), gr.data.([]float32))
+		d, err := maskWinners(ctx, group, reduce, xd, gr.data.([]float32))
 		if err != nil {
 			return nil, err
 		}
-		return newDTensor(out, block[float32]{shape: x.shape, data: d}), nil
+		return newDTensor(out, block[float32]{shape: slices.Clone(x.shape), data: d}), nil
 	default:
-		d, err := maskWinners(ctx, group, xd.([]float64), yr.data.([]float64), gr.data.([]float64))
+		d, err := maskWinners(ctx, group, reduce, xd.([]float64), gr.data.([]float64))
 		if err != nil {
 			return nil, err
 		}
-		return newDTensor(out, block[float64]{shape: x.shape, data: d}), nil
+		return newDTensor(out, block[float64]{shape: slices.Clone(x.shape), data: d}), nil
 	}
 }
 
 // maskWinners returns g where this rank of group is the lowest whose x
-// equals the result y, and zero elsewhere.
-func maskWinners[T elem](ctx context.Context, group comm.Communicator, x, y, g []T) ([]T, error) {
+// equals the extremum (reduce: Max or Min) of x over group, and zero
+// elsewhere. Max and min select one of their inputs, so the all-reduced
+// value equals the winning piece exactly.
+func maskWinners[T elem](ctx context.Context, group comm.Communicator, reduce comm.ReduceOp, x, g []T) ([]T, error) {
+	ext := make([]T, len(x))
+	if err := comm.AllReduce(ctx, group, comm.Host(x), comm.Host(ext), reduce); err != nil {
+		return nil, err
+	}
 	me := int32(group.Rank())
 	winner := make([]int32, len(x))
 	for i := range x {
 		winner[i] = int32(group.Size()) // no claim
-		if x[i] == y[i] {
+		// x != x is NaN: a NaN piece wins a NaN extremum.
+		if x[i] == ext[i] || (x[i] != x[i] && ext[i] != ext[i]) {
 			winner[i] = me
 		}
 	}

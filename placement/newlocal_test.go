@@ -3,6 +3,7 @@ package placement_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -37,30 +38,30 @@ func TestNewLocal(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		got := full.Data().([]float64)
+		got := full.([]float64)
 		for i, v := range got {
 			if v != float64(i) {
-				t.Errorf("rank %d: element %d = %v, want %d", m.Rank(), i, v, i)
+				return fmt.Errorf("element %d = %v, want %d", i, v, i)
 			}
 		}
 		if _, err := placement.NewLocal(spec, make([]float64, n+1)); !errors.Is(err, placement.ErrInvalid) || !strings.Contains(err.Error(), "elements") {
-			t.Errorf("wrong length: %v", err)
+			return fmt.Errorf("wrong length: %v", err)
 		}
 		if _, err := placement.NewLocal(spec, make([]float32, n)); !errors.Is(err, placement.ErrInvalid) || !strings.Contains(err.Error(), "float32") {
-			t.Errorf("wrong dtype: %v", err)
+			return fmt.Errorf("wrong dtype: %v", err)
 		}
 		if _, err := placement.NewLocal(spec, []int{1}); !errors.Is(err, placement.ErrInvalid) {
-			t.Errorf("wrong type: %v", err)
+			return fmt.Errorf("wrong type: %v", err)
 		}
 		if _, err := placement.NewLocal(nil, data); !errors.Is(err, placement.ErrInvalid) {
-			t.Errorf("nil spec: %v", err)
+			return fmt.Errorf("nil spec: %v", err)
 		}
 		scalar, err := placement.NewSpec(m, nil, comm.Float32, []placement.Placement{R})
 		if err != nil {
 			return err
 		}
 		if _, err := placement.NewLocal(scalar, []float32{1}); err != nil {
-			t.Errorf("scalar: %v", err)
+			return fmt.Errorf("scalar: %v", err)
 		}
 		return nil
 	})

@@ -110,12 +110,12 @@ func TestRoutedRowsErrors(t *testing.T) {
 			{"dim 0 also sharded", []int{4, 2}, []placement.Placement{S0, Routed}, []placement.SpecOption{placement.WithRoutedRows([]int{2, 2})}, "shard dim 0"},
 			{"scalar", []int{}, []placement.Placement{R, Routed}, []placement.SpecOption{placement.WithRoutedRows([]int{0, 0})}, "at least one dim"},
 			{"given twice", []int{4, 2}, []placement.Placement{R, Routed}, []placement.SpecOption{placement.WithRoutedRows([]int{2, 2}), placement.WithRoutedRows([]int{2, 2})}, "twice"},
-			{"zero rows without counts", []int{0, 2}, []placement.Placement{R, Routed}, nil, "must be positive"},
+			{"negative dim", []int{-1, 2}, []placement.Placement{R, Routed}, nil, "dim 0 is -1"},
 		}
 		for _, tc := range cases {
 			_, err := placement.NewSpec(m, tc.shape, comm.Float32, tc.places, tc.opts...)
 			if !errors.Is(err, placement.ErrInvalid) || !strings.Contains(err.Error(), tc.text) {
-				t.Errorf("%s: error %v, want ErrInvalid containing %q", tc.name, err, tc.text)
+				return fmt.Errorf("%s: error %v, want ErrInvalid containing %q", tc.name, err, tc.text)
 			}
 		}
 		bare, err := placement.NewSpec(m, []int{4, 2}, comm.Float32, []placement.Placement{R, Routed})
@@ -123,10 +123,10 @@ func TestRoutedRowsErrors(t *testing.T) {
 			return err
 		}
 		if _, _, err := bare.Box(0); !errors.Is(err, placement.ErrUnsupported) {
-			t.Errorf("Box of a Routed spec without rows: %v", err)
+			return fmt.Errorf("Box of a Routed spec without rows: %v", err)
 		}
 		if _, err := placement.NewLocal(bare, make([]float32, 8)); !errors.Is(err, placement.ErrUnsupported) {
-			t.Errorf("NewLocal of a Routed spec without rows: %v", err)
+			return fmt.Errorf("NewLocal of a Routed spec without rows: %v", err)
 		}
 		return nil
 	})

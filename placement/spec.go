@@ -69,7 +69,7 @@ func WithOrder(dim int, axes ...string) SpecOption {
 // order, is g (ranks that differ only on other axes hold the same rows,
 // or their Partial or Shard pieces). So len(rows) is the product of the
 // Routed axes' sizes, every count is at least 0, and the counts sum to the
-// global dim 0, which may then be 0 (no rows anywhere). Dim 0 must not also
+// global dim 0 (0 when no rows are anywhere). Dim 0 must not also
 // be sharded. With row counts, LocalShape, Box, NewLocal and Inner work on
 // Routed specs; redistribution to or from Routed stays unsupported (the moe
 // package's dispatch and combine move those tensors). Without this option a
@@ -87,10 +87,10 @@ func WithRoutedRows(rows []int) SpecOption {
 }
 
 // NewSpec builds a spec for a tensor of the given global shape and dtype
-// (Float32 or Float64) on m, with one placement per mesh axis. Every global
-// dim must be positive (gorgonia tensors cannot be empty); local shards may
-// still be empty; the one exception is dim 0 of a Routed spec with row
-// counts (WithRoutedRows), which may be 0. Errors wrap ErrInvalid.
+// (Float32 or Float64) on m, with one placement per mesh axis. Global dims
+// may be 0: such a tensor holds no elements, every rank's block is empty,
+// and it redistributes like any other (the collectives move nothing).
+// Errors wrap ErrInvalid.
 func NewSpec(m *mesh.Mesh, shape []int, dtype comm.DType, placements []Placement, opts ...SpecOption) (*Spec, error) {
 	const op = "NewSpec"
 	if m == nil {
@@ -140,8 +140,8 @@ func (l *layout) init(orders map[int][]int) error {
 		return fmt.Errorf("%d placements %v for a mesh with %d axes %v", len(l.places), l.places, len(l.mshape), l.names)
 	}
 	for i, n := range l.shape {
-		if n < 0 || (n == 0 && !(i == 0 && l.rows != nil)) {
-			return fmt.Errorf("global shape %v: dim %d is %d; global dims must be positive", l.shape, i, n)
+		if n < 0 {
+			return fmt.Errorf("global shape %v: dim %d is %d; global dims must be at least 0", l.shape, i, n)
 		}
 	}
 	var partialOps []comm.ReduceOp

@@ -45,8 +45,11 @@
 // or the complete new one, never a partial write, and a failed write leaves
 // no temporary file behind.
 //
-// # Dense tensors
+// # Tensor data
 //
-// [FromDense] and [ToDense] convert between a [Tensor] and the
-// *tensor.Dense (gorgonia.org/tensor) that loom uses for local tensors.
+// A [Tensor] holds its data as raw bytes; [Tensor.Float32s],
+// [Tensor.Float64s] and [Tensor.Int64s] decode them and [FromFloat32s],
+// [FromFloat64s] and [FromInt64s] build tensors from slices, empty shapes
+// included. Package github.com/b7ea7098/loom/dense converts to and from
+// gorgonia.org/tensor; this package does not depend on it.
 package safetensors

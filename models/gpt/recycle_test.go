@@ -62,9 +62,7 @@ func TestRecyclingMatchesFreshMemory(t *testing.T) {
 						if err != nil {
 							return err
 						}
-						switch d := full.Data().(type) {
-						case float32:
-							losses[i] = float64(d)
+						switch d := full.(type) {
 						case []float32:
 							losses[i] = float64(d[0])
 						}

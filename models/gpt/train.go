@@ -205,9 +205,7 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
 		return 0, fmt.Errorf("loss: %w", err)
 	}
 	var loss float64
-	switch d := full.Data().(type) {
-	case float32:
-		loss = float64(d)
+	switch d := full.(type) {
 	case []float32:
 		loss = float64(d[0])
 	default:
@@ -229,7 +227,7 @@ func (tr *Trainer) Full(ctx context.Context) (map[string][]float32, error) {
 		if err != nil {
 			return nil, fmt.Errorf("gpt: gather %q: %w", p.Name(), err)
 		}
-		out[p.Name()] = slices.Clone(f.Data().([]float32))
+		out[p.Name()] = slices.Clone(f.([]float32))
 	}
 	return out, nil
 }

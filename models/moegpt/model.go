@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"slices"
 
-	"gorgonia.org/tensor"
-
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/kernels"
@@ -194,8 +192,7 @@ func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]floa
 		if err != nil {
 			return nil, fmt.Errorf("%q: %w", p.Name, err)
 		}
-		full := tensor.New(tensor.WithShape(p.Shape...), tensor.WithBacking(slices.Clone(data)))
-		dt, err := placement.FromFull(spec, full)
+		dt, err := placement.FromFull(spec, data) // copies
 		if err != nil {
 			return nil, fmt.Errorf("%q: %w", p.Name, err)
 		}

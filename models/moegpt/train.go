@@ -265,9 +265,9 @@ func (tr *Trainer) Full(ctx context.Context) (map[string][]float32, error) {
 		if err != nil {
 			return nil, fmt.Errorf("moegpt: gather %q: %w", p.Name(), err)
 		}
-		d, ok := f.Data().([]float32)
+		d, ok := f.([]float32)
 		if !ok {
-			return nil, fmt.Errorf("moegpt: gather %q: unexpected data %T", p.Name(), f.Data())
+			return nil, fmt.Errorf("moegpt: gather %q: unexpected data %T", p.Name(), f)
 		}
 		out[p.Name()] = slices.Clone(d)
 	}

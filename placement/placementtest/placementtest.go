@@ -2,26 +2,34 @@
 // ordinary go test and compares distributed tensors with serial references.
 // It is how a user unit-tests placement transitions on a laptop: every rank
 // is a goroutine, collectives move data through shared memory (comm/local).
+// Tensors are placement's dense representation: a []float32 or []float64 in
+// row-major order over the global shape.
 package placementtest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
+	"runtime/debug"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
-	"gorgonia.org/tensor"
 )
 
 // Simulate runs fn on every rank of an in-process mesh with the given axis
-// sizes and names (one goroutine per rank) and returns the ranks' errors
-// joined, each prefixed with its rank. When one rank fails, the others'
-// pending collectives fail at once instead of hanging.
+// sizes and names (one goroutine per rank, mesh rank = world rank). When
+// one rank fails, the others' pending collectives fail at once instead of
+// hanging. The error names every failing rank and its mesh coordinate and
+// says each distinct message once: ranks that failed alike are listed
+// together, and ranks that only stopped because another rank aborted the
+// mesh are summed up in one line. A panic in fn is an error of its rank.
+// errors.Is and errors.As see every rank's error.
 func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error) error {
 	p := 1
 	for _, s := range shape {
@@ -30,84 +38,186 @@ func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx cont
 		}
 		p *= s
 	}
-	return local.Run(ctx, p, func(ctx context.Context, world comm.Communicator) error {
+	errs := make([]error, p)
+	err := local.Run(ctx, p, func(ctx context.Context, world comm.Communicator) (err error) {
+		r := world.Rank()
+		defer func() {
+			if v := recover(); v != nil {
+				err = fmt.Errorf("panic: %v\n%s", v, debug.Stack())
+			}
+			errs[r] = err
+		}()
 		m, err := mesh.New(world, shape, names)
 		if err != nil {
 			return err
 		}
 		return fn(ctx, m)
 	})
+	if err == nil {
+		return nil
+	}
+	re := &rankErrors{shape: shape, names: names, errs: errs}
+	if !slices.ContainsFunc(errs, func(e error) bool { return e != nil }) {
+		return err // the world did not start: no rank ran
+	}
+	return re
 }
 
-// Run is Simulate inside a test: an error from any rank fails t.
+// rankErrors is Simulate's error: every rank's error, nil for ranks that
+// succeeded.
+type rankErrors struct {
+	shape []int
+	names []string
+	errs  []error
+}
+
+// knockOn reports whether rank r's error only says that another rank
+// failed: an abort by another rank, or the cancellation local.Run sends
+// every rank when one fails.
+func (e *rankErrors) knockOn(r int) bool {
+	var ab *comm.AbortError
+	if errors.As(e.errs[r], &ab) {
+		return ab.Rank != r
+	}
+	return errors.Is(e.errs[r], context.Canceled)
+}
+
+// Error lists the failing ranks' errors, each distinct message once.
+func (e *rankErrors) Error() string {
+	var primary, stopped []int
+	for r, err := range e.errs {
+		switch {
+		case err == nil:
+		case e.knockOn(r):
+			stopped = append(stopped, r)
+		default:
+			primary = append(primary, r)
+		}
+	}
+	if len(primary) == 0 { // nobody failed first (say, the caller's context ended)
+		primary, stopped = stopped, nil
+	}
+	var msgs []string
+	byMsg := map[string][]int{}
+	for _, r := range primary {
+		msg := e.errs[r].Error()
+		if _, ok := byMsg[msg]; !ok {
+			msgs = append(msgs, msg)
+		}
+		byMsg[msg] = append(byMsg[msg], r)
+	}
+	var b strings.Builder
+	for i, msg := range msgs {
+		if i > 0 {
+			b.WriteString("\n")
+		}
+		fmt.Fprintf(&b, "%s: %s", e.ranks(byMsg[msg]), msg)
+	}
+	if len(stopped) > 0 {
+		fmt.Fprintf(&b, "\n%s: stopped because a failing rank aborted the mesh", e.ranks(stopped))
+	}
+	return b.String()
+}
+
+// ranks names a set of ranks: "rank 4 (dp=1 tp=1)" or "ranks 0, 2, 3".
+func (e *rankErrors) ranks(rs []int) string {
+	if len(rs) == 1 {
+		r := rs[0]
+		c := unravel(r, e.shape)
+		parts := make([]string, len(c))
+		for a, v := range c {
+			name := fmt.Sprint(a)
+			if a < len(e.names) {
+				name = e.names[a]
+			}
+			parts[a] = fmt.Sprintf("%s=%d", name, v)
+		}
+		return fmt.Sprintf("rank %d (%s)", r, strings.Join(parts, " "))
+	}
+	parts := make([]string, len(rs))
+	for i, r := range rs {
+		parts[i] = fmt.Sprint(r)
+	}
+	return "ranks " + strings.Join(parts, ", ")
+}
+
+// Unwrap returns every rank's error, so errors.Is and errors.As see them.
+func (e *rankErrors) Unwrap() []error {
+	var out []error
+	for _, err := range e.errs {
+		if err != nil {
+			out = append(out, err)
+		}
+	}
+	return out
+}
+
+// Run is Simulate inside a test: an error from any rank fails t, reported
+// once from the calling goroutine.
 func Run(t testing.TB, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error) {
 	t.Helper()
 	if err := Simulate(context.Background(), shape, names, fn); err != nil {
-		t.Errorf("mesh %v %v: %v", names, shape, err)
+		t.Errorf("mesh %v %v:\n%v", names, shape, err)
 	}
 }
 
 // CheckFull materialises dt's global tensor (a collective: every rank of
-// the mesh must call it) and compares it element-wise with want. Elements
-// match when |got-want| <= tol*max(1, |want|). The error names the first
-// differing index.
-func CheckFull(ctx context.Context, dt *placement.DTensor, want *tensor.Dense, tol float64) error {
+// the mesh must call it) and compares it element-wise with want, a
+// []float32 or []float64 in row-major order over dt's global shape.
+// Elements match when |got-want| <= tol*max(1, |want|). The error names
+// the first differing index.
+func CheckFull(ctx context.Context, dt *placement.DTensor, want any, tol float64) error {
 	got, err := dt.Full(ctx)
 	if err != nil {
 		return err
 	}
-	return Compare(got, want, tol)
+	return compare(dt.Spec().Shape(), got, want, tol)
 }
 
-// AssertFull is CheckFull reporting through t.Errorf (safe from rank
-// goroutines); it returns whether the tensors matched.
-func AssertFull(t testing.TB, ctx context.Context, dt *placement.DTensor, want *tensor.Dense, tol float64) bool {
-	t.Helper()
-	if err := CheckFull(ctx, dt, want, tol); err != nil {
-		t.Errorf("%v: %v", dt.Spec(), err)
-		return false
-	}
-	return true
+// Compare compares two []float32 or []float64 slices (either type,
+// mixed allowed) element-wise within tol (see CheckFull).
+func Compare(got, want any, tol float64) error {
+	return compare(nil, got, want, tol)
 }
 
-// Compare compares two dense tensors element-wise within tol (see
-// CheckFull).
-func Compare(got, want *tensor.Dense, tol float64) error {
-	if got == nil || want == nil {
-		return fmt.Errorf("placementtest: nil tensor")
+// compare is Compare; a non-nil shape names the differing element's index.
+func compare(shape []int, got, want any, tol float64) error {
+	g, err := values(got)
+	if err != nil {
+		return fmt.Errorf("placementtest: got: %w", err)
 	}
-	if !slices.Equal([]int(got.Shape()), []int(want.Shape())) {
-		return fmt.Errorf("placementtest: shape %v, want %v", got.Shape(), want.Shape())
+	w, err := values(want)
+	if err != nil {
+		return fmt.Errorf("placementtest: want: %w", err)
 	}
-	g, w := values(got), values(want)
 	if len(g) != len(w) {
 		return fmt.Errorf("placementtest: %d elements, want %d", len(g), len(w))
 	}
 	for i := range g {
 		if math.Abs(g[i]-w[i]) > tol*math.Max(1, math.Abs(w[i])) || math.IsNaN(g[i]) != math.IsNaN(w[i]) {
-			return fmt.Errorf("placementtest: element %d (index %v of %v) is %g, want %g", i, unravel(i, want.Shape()), []int(want.Shape()), g[i], w[i])
+			at := ""
+			if shape != nil {
+				at = fmt.Sprintf(" (index %v of %v)", unravel(i, shape), shape)
+			}
+			return fmt.Errorf("placementtest: element %d%s is %g, want %g", i, at, g[i], w[i])
 		}
 	}
 	return nil
 }
 
-// values returns a tensor's elements as float64.
-func values(t *tensor.Dense) []float64 {
-	switch d := t.Data().(type) {
+// values returns a []float32 or []float64 as float64s.
+func values(d any) ([]float64, error) {
+	switch d := d.(type) {
 	case []float32:
 		out := make([]float64, len(d))
 		for i, v := range d {
 			out[i] = float64(v)
 		}
-		return out
+		return out, nil
 	case []float64:
-		return slices.Clone(d)
-	case float32:
-		return []float64{float64(d)}
-	case float64:
-		return []float64{d}
+		return d, nil
 	}
-	return nil
+	return nil, fmt.Errorf("data is %T, want []float32 or []float64", d)
 }
 
 func unravel(p int, shape []int) []int {
@@ -119,10 +229,12 @@ func unravel(p int, shape []int) []int {
 	return c
 }
 
-// Random returns a tensor of the given shape and dtype (Float32 or
-// Float64) filled with deterministic values in [-1, 1) from seed; every
-// rank calling it with the same arguments gets the same tensor.
-func Random(shape []int, dtype comm.DType, seed uint64) *tensor.Dense {
+// Random returns a tensor of the given shape, a []float32 for Float32 and
+// a []float64 otherwise, filled in row-major order with deterministic
+// values in [-1, 1) from seed; every rank calling it with the same
+// arguments gets the same tensor. A shape with a 0 dim gives an empty
+// slice, a scalar (no dims) one element.
+func Random(shape []int, dtype comm.DType, seed uint64) any {
 	n := 1
 	for _, s := range shape {
 		n *= s
@@ -132,20 +244,13 @@ func Random(shape []int, dtype comm.DType, seed uint64) *tensor.Dense {
 		for i := range d {
 			d[i] = float32(uniform(seed, uint64(i)))
 		}
-		return dense(shape, d)
+		return d
 	}
 	d := make([]float64, n)
 	for i := range d {
 		d[i] = uniform(seed, uint64(i))
 	}
-	return dense(shape, d)
-}
-
-func dense[T float32 | float64](shape []int, d []T) *tensor.Dense {
-	if len(shape) == 0 {
-		return tensor.New(tensor.FromScalar(d[0]))
-	}
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(d))
+	return d
 }
 
 // mix is splitmix64 over a sequence of words.
@@ -166,14 +271,16 @@ func uniform(words ...uint64) float64 {
 	return float64(mix(words...)>>11)/float64(1<<53)*2 - 1
 }
 
-// Distribute is FromFull with genuinely partial values: on every
-// Partial axis of size k the ranks hold k different tensors whose reduction
-// is the value (for sum, pieces plus noise that cancels; for avg, the value
-// plus noise that cancels; for max and min, the value on one random rank
-// per element and strictly smaller or larger values elsewhere). Every rank
-// must pass the same full tensor and seed; no communication happens. It is
-// the input of choice for testing transitions out of Partial.
-func Distribute(spec *placement.Spec, full *tensor.Dense, seed uint64) (*placement.DTensor, error) {
+// Distribute is placement.FromFull (full is a []float32 or []float64 in
+// row-major order over spec's global shape) with genuinely partial values:
+// on every Partial axis of size k the ranks hold k different tensors whose
+// reduction is the value (for sum, pieces plus noise that cancels; for avg,
+// the value plus noise that cancels; for max and min, the value on one
+// random rank per element and strictly smaller or larger values
+// elsewhere). Every rank must pass the same full tensor and seed; no
+// communication happens. It is the input of choice for testing transitions
+// out of Partial.
+func Distribute(spec *placement.Spec, full any, seed uint64) (*placement.DTensor, error) {
 	places := spec.Placements()
 	rep := slices.Clone(places)
 	for i, p := range rep {
@@ -267,17 +374,5 @@ func Distribute(spec *placement.Spec, full *tensor.Dense, seed uint64) (*placeme
 			d[i] = split(d[i], i)
 		}
 	}
-	var local *tensor.Dense
-	if t := r.Local(); t != nil {
-		local = t
-	}
-	if len(gshape) == 0 {
-		switch d := r.LocalData().(type) {
-		case []float32:
-			local = tensor.New(tensor.FromScalar(d[0]))
-		case []float64:
-			local = tensor.New(tensor.FromScalar(d[0]))
-		}
-	}
-	return placement.FromLocal(context.Background(), spec, local, false)
+	return placement.NewLocal(spec, r.LocalData())
 }

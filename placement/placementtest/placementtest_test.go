@@ -1,0 +1,87 @@
+package placementtest_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/placement/placementtest"
+)
+
+var errBoom = errors.New("boom")
+
+// TestSimulateReportsOnce: a failure names its rank and coordinate and is
+// said once, however many ranks it stops or share it.
+func TestSimulateReportsOnce(t *testing.T) {
+	barrier := func(ctx context.Context, m *mesh.Mesh) error {
+		c, err := m.Group(ctx)
+		if err != nil {
+			return err
+		}
+		return comm.Barrier(ctx, c)
+	}
+	cases := []struct {
+		name string
+		fn   func(ctx context.Context, m *mesh.Mesh) error
+		want []string // each must appear exactly once
+		not  []string // must not appear
+	}{
+		{"one rank fails, the others wait in a collective", func(ctx context.Context, m *mesh.Mesh) error {
+			if m.Rank() == 4 {
+				return fmt.Errorf("element 3: %w", errBoom)
+			}
+			return barrier(ctx, m)
+		}, []string{"rank 4 (dp=1 tp=1): element 3: boom", "ranks 0, 1, 2, 3, 5: stopped because a failing rank aborted the mesh"}, []string{"rank 0 ("}},
+		{"every rank fails alike", func(ctx context.Context, m *mesh.Mesh) error {
+			return fmt.Errorf("bad spec: %w", errBoom)
+		}, []string{"ranks 0, 1, 2, 3, 4, 5: bad spec: boom"}, []string{"stopped"}},
+		{"ranks fail differently", func(ctx context.Context, m *mesh.Mesh) error {
+			if m.Rank()%2 == 0 {
+				return fmt.Errorf("even: %w", errBoom)
+			}
+			return fmt.Errorf("odd: %w", errBoom)
+		}, []string{"ranks 0, 2, 4: even: boom", "ranks 1, 3, 5: odd: boom"}, nil},
+		{"a panic is its rank's error", func(ctx context.Context, m *mesh.Mesh) error {
+			if m.Rank() == 1 {
+				var p []int
+				_ = p[3] // index out of range
+			}
+			return barrier(ctx, m)
+		}, []string{"rank 1 (dp=0 tp=1): panic: runtime error: index out of range"}, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := placementtest.Simulate(context.Background(), []int{2, 3}, []string{"dp", "tp"}, tc.fn)
+			if err == nil {
+				t.Fatal("no error")
+			}
+			msg := err.Error()
+			for _, w := range tc.want {
+				if n := strings.Count(msg, w); n != 1 {
+					t.Errorf("%q appears %d times in\n%s", w, n, msg)
+				}
+			}
+			for _, w := range tc.not {
+				if strings.Contains(msg, w) {
+					t.Errorf("%q appears in\n%s", w, msg)
+				}
+			}
+			if strings.Contains(tc.name, "panic") {
+				return
+			}
+			if !errors.Is(err, errBoom) {
+				t.Errorf("errors.Is(err, errBoom) is false for %v", err)
+			}
+			if strings.Contains(tc.name, "collective") && !errors.Is(err, comm.ErrAborted) {
+				t.Errorf("the stopped ranks' errors are not visible to errors.Is: %v", err)
+			}
+		})
+	}
+	if err := placementtest.Simulate(context.Background(), []int{2, 0}, nil, nil); err == nil || !strings.Contains(err.Error(), "positive") {
+		t.Errorf("mesh with a 0 axis: %v", err)
+	}
+}
