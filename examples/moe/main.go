@@ -76,7 +76,11 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	if err := run(ctx, os.Args[1:], os.Stdout); err != nil {
+	err := run(ctx, os.Args[1:], os.Stdout)
+	if errors.Is(err, flag.ErrHelp) { // -h: the usage is printed, nothing failed
+		return
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "moe:", err)
 		os.Exit(1)
 	}

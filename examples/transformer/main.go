@@ -27,6 +27,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -49,7 +50,11 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	if err := run(ctx, os.Args[1:], os.Stdout); err != nil {
+	err := run(ctx, os.Args[1:], os.Stdout)
+	if errors.Is(err, flag.ErrHelp) { // -h: the usage is printed, nothing failed
+		return
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "transformer:", err)
 		os.Exit(1)
 	}
