@@ -11,7 +11,6 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/placement"
-	"gorgonia.org/tensor"
 )
 
 // wave returns n deterministic values in [-0.5, 0.5) (a stand-in for an
@@ -70,14 +69,7 @@ func ExampleLayer() {
 		}
 		// Every rank holds the full expert weights; ShardExperts keeps its
 		// own experts' slices.
-		full := func(seed int, shape ...int) *tensor.Dense {
-			size := 1
-			for _, s := range shape {
-				size *= s
-			}
-			return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(wave(size, seed)))
-		}
-		experts, err := moe.ShardExperts(tape, m, "ep", full(3, e, hd, d), full(4, e, hd), full(5, e, d, hd), full(6, e, d))
+		experts, err := moe.ShardExperts(tape, m, "ep", e, hd, d, wave(e*hd*d, 3), wave(e*hd, 4), wave(e*d*hd, 5), wave(e*d, 6))
 		if err != nil {
 			return err
 		}

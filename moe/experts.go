@@ -9,11 +9,9 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/dense"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
-	"gorgonia.org/tensor"
 )
 
 // Experts is E expert MLPs, o = W2[e]·GELU(W1[e]·x + b1[e]) + b2[e] with
@@ -114,12 +112,13 @@ func expertPlacements(m *mesh.Mesh, axis string) []placement.Placement {
 	return out
 }
 
-// ShardExperts makes the expert parameters on tape t from full tensors
-// that every rank holds (W1 [E, Hd, D], b1 [E, Hd], W2 [E, D, Hd], b2 [E,
-// D], float32 or float64): each rank keeps its experts' slices (no
-// communication) as leaves named "moe.W1", "moe.b1", "moe.W2" and "moe.b2",
-// and NewExperts checks them. Errors wrap ErrInvalid or placement's errors.
-func ShardExperts(t *autograd.Tape, m *mesh.Mesh, axis string, w1, b1, w2, b2 *tensor.Dense) (*Experts, error) {
+// ShardExperts makes the expert parameters on tape t from full weights
+// that every rank holds, row-major: W1 [e, hidden, dim], b1 [e, hidden],
+// W2 [e, dim, hidden] and b2 [e, dim]. Each rank keeps its experts' slices
+// (no communication) as leaves named "moe.W1", "moe.b1", "moe.W2" and
+// "moe.b2", and NewExperts checks them. A slice whose length does not match
+// its shape is an error. Errors wrap ErrInvalid or placement's errors.
+func ShardExperts[T float32 | float64](t *autograd.Tape, m *mesh.Mesh, axis string, e, hidden, dim int, w1, b1, w2, b2 []T) (*Experts, error) {
 	const op = "moe: ShardExperts"
 	if t == nil || m == nil {
 		return nil, fmt.Errorf("%s: %w: nil tape or mesh", op, ErrInvalid)
@@ -127,26 +126,19 @@ func ShardExperts(t *autograd.Tape, m *mesh.Mesh, axis string, w1, b1, w2, b2 *t
 	if !slices.Contains(m.Names(), axis) {
 		return nil, fmt.Errorf("%s: %w: expert-parallel axis %q is not an axis of the mesh %v", op, ErrInvalid, axis, m)
 	}
+	dt := comm.Float32
+	if _, ok := any(w1).([]float64); ok {
+		dt = comm.Float64
+	}
 	names := []string{"moe.W1", "moe.b1", "moe.W2", "moe.b2"}
+	shapes := [][]int{{e, hidden, dim}, {e, hidden}, {e, dim, hidden}, {e, dim}}
 	vals := make([]*autograd.Value, 4)
-	for i, full := range []*tensor.Dense{w1, b1, w2, b2} {
-		if full == nil {
-			return nil, fmt.Errorf("%s: %w: nil %s", op, ErrInvalid, names[i])
-		}
-		var dt comm.DType
-		switch full.Dtype() {
-		case tensor.Float32:
-			dt = comm.Float32
-		case tensor.Float64:
-			dt = comm.Float64
-		default:
-			return nil, fmt.Errorf("%s: %w: %s is %v; want float32 or float64", op, ErrInvalid, names[i], full.Dtype())
-		}
-		spec, err := placement.NewSpec(m, full.Shape(), dt, expertPlacements(m, axis))
+	for i, full := range [][]T{w1, b1, w2, b2} {
+		spec, err := placement.NewSpec(m, shapes[i], dt, expertPlacements(m, axis))
 		if err != nil {
 			return nil, fmt.Errorf("%s: %s: %w", op, names[i], err)
 		}
-		dtn, err := dense.ToDTensor(spec, full)
+		dtn, err := placement.FromFull(spec, full)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %s: %w", op, names[i], err)
 		}

@@ -9,12 +9,14 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
-	"gorgonia.org/tensor"
 )
 
 // Meshes of the parity tests: the fixture's 64 tokens sharded over 1, 2, 4
@@ -60,9 +62,7 @@ func TestLayerParity(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				experts, err := moe.ShardExperts(tape, m, "ep",
-					dense32([]int{fx.e, fx.hd, fx.d}, fx.w1), dense32([]int{fx.e, fx.hd}, fx.b1),
-					dense32([]int{fx.e, fx.d, fx.hd}, fx.w2), dense32([]int{fx.e, fx.d}, fx.b2))
+				experts, err := moe.ShardExperts(tape, m, "ep", fx.e, fx.hd, fx.d, fx.w1, fx.b1, fx.w2, fx.b2)
 				if err != nil {
 					return err
 				}
@@ -321,9 +321,55 @@ func TestLayerErrors(t *testing.T) {
 	})
 }
 
-// dense32 wraps float32 data as a gorgonia tensor.
-func dense32(shape []int, data []float32) *tensor.Dense {
-	return tensor.New(tensor.WithShape(shape...), tensor.WithBacking(slices.Clone(data)))
+// TestShardExpertsInput: each rank keeps its experts' rows of the full
+// weights, in float32 and float64, and a weight whose length does not
+// match its shape is refused on every rank before anything is built.
+func TestShardExpertsInput(t *testing.T) {
+	const e, hd, d = 4, 3, 2
+	ramp := func(n int) []float64 {
+		out := make([]float64, n)
+		for i := range out {
+			out[i] = float64(i)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name string
+		w1   []float64
+		ok   bool
+	}{
+		{"whole", ramp(e * hd * d), true},
+		{"short W1", ramp(e*hd*d - 1), false},
+		{"long W1", ramp(e*hd*d + 1), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Communicator) error {
+				m, err := mesh.New(c, []int{2}, []string{"ep"})
+				if err != nil {
+					return err
+				}
+				x, err := moe.ShardExperts(autograd.NewTape(), m, "ep", e, hd, d, tc.w1, ramp(e*hd), ramp(e*d*hd), ramp(e*d))
+				if !tc.ok {
+					if !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), "moe.W1") {
+						return fmt.Errorf("rank %d: error %v, want ErrInvalid naming moe.W1", c.Rank(), err)
+					}
+					return nil
+				}
+				if err != nil {
+					return err
+				}
+				// Rank r holds experts 2r and 2r+1: W1's rows from 2r·hd·d on.
+				got := x.W1.Data().LocalData().([]float64)
+				if want := ramp(e * hd * d)[c.Rank()*2*hd*d : (c.Rank()+1)*2*hd*d]; !slices.Equal(got, want) {
+					return fmt.Errorf("rank %d: W1 block %v, want %v", c.Rank(), got, want)
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
 }
 
 // TestLayerCapacity runs the layer with the router's capacity limit and
