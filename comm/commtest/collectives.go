@@ -45,6 +45,17 @@ func (l *lazy[T]) get(f func() T) T {
 	return l.v
 }
 
+// sharedInputs returns the inputs of k's data group, made by newInputs on
+// first use.
+func sharedInputs(k *kase, kind ValueKind, length func(r int) int) *inputs {
+	return shared(k, "in", func() *inputs { return newInputs(k.dt, k.seed, kind, k.p, length) })
+}
+
+// sharedWant returns the lazily computed reference of k's data group.
+func sharedWant(k *kase) *lazy[*reduction] {
+	return shared(k, "want", func() *lazy[*reduction] { return new(lazy[*reduction]) })
+}
+
 // kindFor picks input values that keep a reduction in range.
 func kindFor(op comm.ReduceOp) ValueKind {
 	if op == comm.Prod {
@@ -111,8 +122,8 @@ func host(b *comm.HostBuffer) comm.Buffer {
 }
 
 func allReduceCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, kindFor(k.rop), k.p, fixed(k.n))
-	var want lazy[*reduction]
+	in := sharedInputs(k, kindFor(k.rop), fixed(k.n))
+	want := sharedWant(k)
 	return func(ctx context.Context, c comm.Communicator) error {
 		r := c.Rank()
 		send, recv := in.get(r), garbage(k.dt, k.n)
@@ -134,7 +145,7 @@ func allReduceCase(k *kase) (rankFunc, func(int) error) {
 }
 
 func broadcastCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, Mixed, k.p, fixed(k.n))
+	in := sharedInputs(k, Mixed, fixed(k.n))
 	return func(ctx context.Context, c comm.Communicator) error {
 		r := c.Rank()
 		var errs []error
@@ -156,8 +167,8 @@ func broadcastCase(k *kase) (rankFunc, func(int) error) {
 }
 
 func reduceCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, kindFor(k.rop), k.p, fixed(k.n))
-	var want lazy[*reduction]
+	in := sharedInputs(k, kindFor(k.rop), fixed(k.n))
+	want := sharedWant(k)
 	return func(ctx context.Context, c comm.Communicator) error {
 		r := c.Rank()
 		var errs []error
@@ -182,7 +193,7 @@ func reduceCase(k *kase) (rankFunc, func(int) error) {
 }
 
 func allGatherCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, Mixed, k.p, fixed(k.n))
+	in := sharedInputs(k, Mixed, fixed(k.n))
 	return func(ctx context.Context, c comm.Communicator) error {
 		r, n, p := c.Rank(), k.n, k.p
 		recv := garbage(k.dt, p*n)
@@ -212,7 +223,8 @@ func allGatherCase(k *kase) (rankFunc, func(int) error) {
 }
 
 func reduceScatterCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, kindFor(k.rop), k.p, fixed(k.p*k.n))
+	in := sharedInputs(k, kindFor(k.rop), fixed(k.p*k.n))
+	wants := shared(k, "want", func() []lazy[*reduction] { return make([]lazy[*reduction], k.p) })
 	return func(ctx context.Context, c comm.Communicator) error {
 		r, n := c.Rank(), k.n
 		send, recv := in.get(r), garbage(k.dt, n)
@@ -227,7 +239,7 @@ func reduceScatterCase(k *kase) (rankFunc, func(int) error) {
 			return failed(c, "in-place", err)
 		}
 		// Each rank needs only its own block of the reference.
-		w := reduceRange(k.dt, k.rop, k.p, in.get, r*n, (r+1)*n)
+		w := wants[r].get(func() *reduction { return reduceRange(k.dt, k.rop, k.p, in.get, r*n, (r+1)*n) })
 		out, ip := newChecker("rank %d: out-of-place", r), newChecker("rank %d: in-place", r)
 		out.reduced(recv, 0, w, 0, n)
 		ip.reduced(inPlace, 0, w, 0, n)
@@ -236,7 +248,7 @@ func reduceScatterCase(k *kase) (rankFunc, func(int) error) {
 }
 
 func gatherCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, Mixed, k.p, fixed(k.n))
+	in := sharedInputs(k, Mixed, fixed(k.n))
 	return func(ctx context.Context, c comm.Communicator) error {
 		r, n, p := c.Rank(), k.n, k.p
 		var errs []error
@@ -262,7 +274,7 @@ func gatherCase(k *kase) (rankFunc, func(int) error) {
 }
 
 func scatterCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, Mixed, k.p, fixed(k.p*k.n))
+	in := sharedInputs(k, Mixed, fixed(k.p*k.n))
 	return func(ctx context.Context, c comm.Communicator) error {
 		r, n := c.Rank(), k.n
 		var errs []error
@@ -285,7 +297,7 @@ func scatterCase(k *kase) (rankFunc, func(int) error) {
 }
 
 func allToAllCase(k *kase) (rankFunc, func(int) error) {
-	in := newInputs(k.dt, k.seed, Mixed, k.p, fixed(k.p*k.n))
+	in := sharedInputs(k, Mixed, fixed(k.p*k.n))
 	return func(ctx context.Context, c comm.Communicator) error {
 		r, n, p := c.Rank(), k.n, k.p
 		recv := garbage(k.dt, p*n)
@@ -329,17 +341,20 @@ var countPatterns = []countPattern{
 // spare receive elements alone.
 const allToAllVSlack = 3
 
-func allToAllVCase(k *kase) (rankFunc, func(int) error) {
+// allToAllVSetup is one count pattern of an AllToAllV case.
+type allToAllVSetup struct {
+	name   string
+	counts [][]int // counts[i][j]: from i to j
+	displ  [][]int // displ[i][j]: offset of i's block for j in i's send buffer
+	in     *inputs
+}
+
+// allToAllVSetups builds the count matrices and inputs of every pattern.
+func allToAllVSetups(k *kase) []allToAllVSetup {
 	p := k.p
-	type setup struct {
-		name   string
-		counts [][]int // counts[i][j]: from i to j
-		displ  [][]int // displ[i][j]: offset of i's block for j in i's send buffer
-		in     *inputs
-	}
-	setups := make([]setup, len(countPatterns))
+	setups := make([]allToAllVSetup, len(countPatterns))
 	for pi, cp := range countPatterns {
-		s := setup{name: cp.name, counts: make([][]int, p), displ: make([][]int, p)}
+		s := allToAllVSetup{name: cp.name, counts: make([][]int, p), displ: make([][]int, p)}
 		for i := range p {
 			s.counts[i], s.displ[i] = make([]int, p), make([]int, p)
 			off := 0
@@ -359,6 +374,12 @@ func allToAllVCase(k *kase) (rankFunc, func(int) error) {
 		})
 		setups[pi] = s
 	}
+	return setups
+}
+
+func allToAllVCase(k *kase) (rankFunc, func(int) error) {
+	p := k.p
+	setups := shared(k, "setups", func() []allToAllVSetup { return allToAllVSetups(k) })
 	return func(ctx context.Context, c comm.Communicator) error {
 		r := c.Rank()
 		var errs []error

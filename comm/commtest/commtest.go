@@ -16,6 +16,11 @@
 // and checks only its own output, regenerating its peers' inputs to compute
 // the expected result; so the suite also runs where ranks are separate
 // processes, each calling Run with a Launcher that runs its own rank(s).
+//
+// Cases that differ only in the algorithm they force share their seed, so
+// each process generates their inputs and computes their reference once,
+// not once per algorithm: at the large size that work, not the collective,
+// is most of the suite's time.
 package commtest
 
 import (
@@ -25,6 +30,7 @@ import (
 	"runtime/debug"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -85,6 +91,10 @@ type kase struct {
 	roots []int
 	algos []comm.Algorithm // for cases that sweep algorithms inside one launch
 	seed  uint64
+	// data names the case's inputs: consecutive cases with the same data
+	// share one memo, which runCase sets before it calls body.
+	data string
+	memo *memo
 	// body builds the rank function of the case, and optionally a check
 	// that runs after the launch returns, given how many ranks ran in this
 	// process.
@@ -101,13 +111,41 @@ type harness struct {
 	algos      func(op comm.Op) []comm.Algorithm
 	failures   atomic.Int32
 	cases      atomic.Int32
+	// memo is the memo of the data group running now; cases run one at a
+	// time, so one group's inputs are alive at once.
+	memo *memo
+}
+
+// memo holds what the cases of one data group share: their inputs and
+// references, built on first use.
+type memo struct {
+	data string
+	mu   sync.Mutex
+	vals map[string]any
+}
+
+// shared returns the value named name in k's memo, building it with f on
+// first use. f runs under the memo's lock; bodies call shared while they
+// build a case, before any rank runs, and store lazy values for what ranks
+// compute.
+func shared[T any](k *kase, name string, f func() T) T {
+	m := k.memo
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if v, ok := m.vals[name]; ok {
+		return v.(T)
+	}
+	v := f()
+	m.vals[name] = v
+	return v
 }
 
 // Run checks the backend behind launch against the serial reference, as
 // subtests of t named op/p=P/n=N/dtype[/reduceop]/algorithm (for example
 // "allreduce/p=3/n=4/float32/sum/ring"), plus sendrecv, barrier, split and
 // async groups. Cases run one after another; each has its own
-// communicator and a 60 s deadline.
+// communicator and a 60 s deadline. The algorithms of one
+// op/p/n/dtype[/reduceop] see the same inputs.
 func Run(t *testing.T, launch Launcher, cfg Config) {
 	h := &harness{launch: launch, ranks: cfg.Ranks, large: cfg.Large, short: cfg.Short, algos: cfg.Algorithms}
 	if len(h.ranks) == 0 {
@@ -286,10 +324,13 @@ func (h *harness) sizedCases(s sizedOp) []*kase {
 						if rop != 0 {
 							path = append(path, rop.String())
 						}
-						path = append(path, algo.String())
+						// The seed leaves out the algorithm: every
+						// algorithm meets the same data, generated once.
+						data := path
+						path = append(path[:len(path):len(path)], algo.String())
 						out = append(out, &kase{
 							path: path, p: p, n: n, dt: dt, rop: rop, algo: algo,
-							roots: h.roots(p, n), seed: seedOf(path), body: s.body,
+							roots: h.roots(p, n), seed: seedOf(data), data: strings.Join(data, "/"), body: s.body,
 						})
 					}
 				}
@@ -315,7 +356,7 @@ func (h *harness) fixedCases() []*kase {
 	} {
 		for _, p := range h.ranks {
 			path := []string{g.name, fmt.Sprintf("p=%d", p)}
-			out = append(out, &kase{path: path, p: p, seed: seedOf(path), algos: h.algorithms(g.op), body: g.body})
+			out = append(out, &kase{path: path, p: p, seed: seedOf(path), data: strings.Join(path, "/"), algos: h.algorithms(g.op), body: g.body})
 		}
 	}
 	return out
@@ -355,6 +396,11 @@ func (h *harness) runCase(t *testing.T, k *kase) {
 		t.Skipf("skipped after %d failed cases", n)
 	}
 	h.cases.Add(1)
+	if h.memo == nil || h.memo.data != k.data {
+		h.memo = &memo{data: k.data, vals: map[string]any{}}
+	}
+	k.memo = h.memo
+	defer func() { k.memo = nil }() // Run keeps k until it returns; the data must go
 	fn, after := k.body(k)
 	var local atomic.Int32
 	wrapped := func(ctx context.Context, c comm.Communicator) (err error) {
@@ -385,6 +431,9 @@ func (h *harness) runCase(t *testing.T, k *kase) {
 		err = after(int(local.Load()))
 	}
 	if err != nil {
+		// A broken backend may have written into the shared inputs: the
+		// next case starts from fresh ones.
+		h.memo = nil
 		h.failures.Add(1)
 		t.Error(err)
 	}

@@ -56,17 +56,22 @@ func start(ctx context.Context, c comm.Communicator, call comm.Call) (comm.Work,
 //     first and odd ranks receiving first.
 func sendRecvCase(k *kase) (rankFunc, func(int) error) {
 	p, n := k.p, k.n
-	ring := newInputs(k.dt, k.seed, Mixed, p, fixed(n))
-	tagged := []struct {
+	type message struct {
 		tag int
 		in  *inputs
-	}{
-		{7, newInputs(k.dt, k.seed+1, Mixed, p, fixed(n))},
-		{9, newInputs(k.dt, k.seed+2, Mixed, p, fixed(n+1))},
-		{7, newInputs(k.dt, k.seed+3, Mixed, p, fixed(n+2))},
 	}
+	ins := shared(k, "in", func() []*inputs {
+		return []*inputs{
+			newInputs(k.dt, k.seed, Mixed, p, fixed(n)),
+			newInputs(k.dt, k.seed+1, Mixed, p, fixed(n)),
+			newInputs(k.dt, k.seed+2, Mixed, p, fixed(n+1)),
+			newInputs(k.dt, k.seed+3, Mixed, p, fixed(n+2)),
+			newInputs(k.dt, k.seed+4, Mixed, p, fixed(n)),
+		}
+	})
+	ring, blocking := ins[0], ins[4]
+	tagged := []message{{7, ins[1]}, {9, ins[2]}, {7, ins[3]}}
 	recvOrder := []int{1, 0, 2} // indices into tagged
-	blocking := newInputs(k.dt, k.seed+4, Mixed, p, fixed(n))
 	return func(ctx context.Context, c comm.Communicator) error {
 		r := c.Rank()
 		next, prev := (r+1)%p, (r+p-1)%p

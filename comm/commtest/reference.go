@@ -17,9 +17,9 @@ type reduction struct {
 	dt comm.DType
 	op comm.ReduceOp
 	p  int
-	// Floating-point types: the result and the magnitude the rounding
-	// error scales with (see tolerance).
-	f, mag []float64
+	// Floating-point types: the result and each element's tolerance,
+	// computed once here rather than in every check against it.
+	f, tol []float64
 	// Integer types: the exact result.
 	i []int64
 }
@@ -65,7 +65,10 @@ func reduceRange(dt comm.DType, op comm.ReduceOp, p int, input func(r int) *comm
 				mag[i] = 0 // exact
 			}
 		}
-		red.f, red.mag = acc, mag
+		for i, m := range mag {
+			mag[i] = red.tolerance(m)
+		}
+		red.f, red.tol = acc, mag
 		return red
 	}
 	acc, x := make([]int64, n), make([]int64, n)
@@ -197,26 +200,32 @@ func (c *checker) untouched(got *comm.HostBuffer, off, n int) {
 
 // reduced checks got[off:off+n] against want's elements [wlo, wlo+n).
 func (c *checker) reduced(got *comm.HostBuffer, off int, want *reduction, wlo, n int) {
-	if n == 0 {
-		return
-	}
+	// Decode a block at a time into memory that stays in L1, rather than
+	// all n elements into a fresh slice: at the large size that slice
+	// cost more than the comparison.
+	const block = 512
 	if want.f != nil {
-		g := make([]float64, n)
-		decodeFloats(got, off, g)
-		for i, v := range g {
-			w := want.f[wlo+i]
-			tol := want.tolerance(want.mag[wlo+i])
-			if d := math.Abs(v - w); !(d <= tol) {
-				c.miss("[%d] want %v got %v (|diff| %.3g > tolerance %.3g)", off+i, w, v, d, tol)
+		var g [block]float64
+		for lo := 0; lo < n; lo += block {
+			m := min(block, n-lo)
+			decodeFloats(got, off+lo, g[:m])
+			w, tol := want.f[wlo+lo:wlo+lo+m], want.tol[wlo+lo:wlo+lo+m]
+			for i, v := range g[:m] {
+				if d := math.Abs(v - w[i]); !(d <= tol[i]) {
+					c.miss("[%d] want %v got %v (|diff| %.3g > tolerance %.3g)", off+lo+i, w[i], v, d, tol[i])
+				}
 			}
 		}
 		return
 	}
-	g := make([]int64, n)
-	decodeInts(got, off, g)
-	for i, v := range g {
-		if w := want.i[wlo+i]; v != w {
-			c.miss("[%d] want %d got %d", off+i, w, v)
+	var g [block]int64
+	for lo := 0; lo < n; lo += block {
+		m := min(block, n-lo)
+		decodeInts(got, off+lo, g[:m])
+		for i, v := range g[:m] {
+			if w := want.i[wlo+lo+i]; v != w {
+				c.miss("[%d] want %d got %d", off+lo+i, w, v)
+			}
 		}
 	}
 }
