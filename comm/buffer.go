@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"reflect"
 	"unsafe"
+
+	"github.com/b7ea7098/loom/internal/checked"
 )
 
 // Buffer is a typed span of memory that a collective reads or writes. Host
@@ -65,14 +67,21 @@ func dtypeOf(v any) DType {
 }
 
 // NewHostBuffer allocates a zeroed HostBuffer of n elements of type dt.
+// Errors (an invalid dtype, a negative length, or n elements whose byte
+// count overflows int) wrap ErrInvalid and are returned before anything
+// is allocated.
 func NewHostBuffer(dt DType, n int) (*HostBuffer, error) {
 	if !dt.Valid() {
-		return nil, fmt.Errorf("comm: invalid dtype %v", dt)
+		return nil, fmt.Errorf("comm: NewHostBuffer: %w: invalid dtype %v", ErrInvalid, dt)
 	}
 	if n < 0 {
-		return nil, fmt.Errorf("comm: negative buffer length %d", n)
+		return nil, fmt.Errorf("comm: NewHostBuffer: %w: negative buffer length %d", ErrInvalid, n)
 	}
-	return HostBytes(dt, alignedBytes(n*dt.Size()))
+	bytes, ok := checked.Mul(n, dt.Size())
+	if !ok {
+		return nil, fmt.Errorf("comm: NewHostBuffer: %w: %d %v elements: the byte count overflows int", ErrInvalid, n, dt)
+	}
+	return HostBytes(dt, alignedBytes(bytes))
 }
 
 // alignedBytes allocates n bytes aligned for any element type.
@@ -80,21 +89,22 @@ func alignedBytes(n int) []byte {
 	if n == 0 {
 		return []byte{}
 	}
-	words := make([]uint64, (n+7)/8)
+	words := make([]uint64, n/8+min(n%8, 1)) // ceil(n/8) without forming n+7
 	return unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), n)
 }
 
 // HostBytes wraps raw bytes as a HostBuffer of type dt. The length must be a
-// multiple of the element size and the memory aligned to it.
+// multiple of the element size and the memory aligned to it; errors wrap
+// ErrInvalid.
 func HostBytes(dt DType, b []byte) (*HostBuffer, error) {
 	if !dt.Valid() {
-		return nil, fmt.Errorf("comm: invalid dtype %v", dt)
+		return nil, fmt.Errorf("comm: HostBytes: %w: invalid dtype %v", ErrInvalid, dt)
 	}
 	if len(b)%dt.Size() != 0 {
-		return nil, fmt.Errorf("comm: %d bytes is not a whole number of %v elements", len(b), dt)
+		return nil, fmt.Errorf("comm: HostBytes: %w: %d bytes is not a whole number of %v elements", ErrInvalid, len(b), dt)
 	}
 	if len(b) > 0 && uintptr(unsafe.Pointer(&b[0]))%uintptr(dt.Size()) != 0 {
-		return nil, fmt.Errorf("comm: memory is not aligned for %v", dt)
+		return nil, fmt.Errorf("comm: HostBytes: %w: memory is not aligned for %v", ErrInvalid, dt)
 	}
 	return &HostBuffer{dtype: dt, bytes: b}, nil
 }

@@ -1,7 +1,9 @@
 package comm_test
 
 import (
+	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"unsafe"
@@ -99,11 +101,15 @@ func TestNewHostBuffer(t *testing.T) {
 		{0, 4, "invalid dtype dtype(0)"},
 		{42, 4, "invalid dtype dtype(42)"},
 		{comm.Float32, -1, "negative buffer length -1"},
+		// n·size used to wrap: 2^62 float32 to 0 bytes (an empty buffer of
+		// length 0), MaxInt64 float64 to -8 (a panic in make).
+		{comm.Float32, 1 << 62, "4611686018427387904 float32 elements: the byte count overflows int"},
+		{comm.Float64, math.MaxInt64, "9223372036854775807 float64 elements: the byte count overflows int"},
 	}
 	for _, tc := range errs {
 		b, err := comm.NewHostBuffer(tc.dt, tc.n)
-		if err == nil || b != nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("NewHostBuffer(%v, %d) = %v, %v; want error %q", tc.dt, tc.n, b, err, tc.want)
+		if err == nil || b != nil || !errors.Is(err, comm.ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("NewHostBuffer(%v, %d) = %v, %v; want ErrInvalid %q", tc.dt, tc.n, b, err, tc.want)
 		}
 	}
 }

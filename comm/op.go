@@ -3,6 +3,8 @@ package comm
 import (
 	"fmt"
 	"strings"
+
+	"github.com/b7ea7098/loom/internal/checked"
 )
 
 // Op names one communication operation.
@@ -138,12 +140,18 @@ func (c *Call) Validate(rank, size int) error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: %v: %s", ErrInvalid, c.Op, fmt.Sprintf(format, args...))
 	}
-	need := func(name string, b Buffer, n int) error {
-		if b == nil {
-			return bad("%s buffer is nil, want %d elements", name, n)
+	// need checks that b holds blocks·n elements; the product is checked,
+	// so a huge buffer cannot wrap it to an empty one that passes.
+	need := func(name string, b Buffer, blocks, n int) error {
+		want, ok := checked.Mul(blocks, n)
+		if !ok {
+			return bad("%s buffer of %d blocks of %d elements: the count overflows int", name, blocks, n)
 		}
-		if b.Len() != n {
-			return bad("%s buffer has %d elements, want %d", name, b.Len(), n)
+		if b == nil {
+			return bad("%s buffer is nil, want %d elements", name, want)
+		}
+		if b.Len() != want {
+			return bad("%s buffer has %d elements, want %d", name, b.Len(), want)
 		}
 		return nil
 	}
@@ -174,7 +182,7 @@ func (c *Call) Validate(rank, size int) error {
 		if c.Send == nil {
 			return bad("send buffer is nil")
 		}
-		return need("recv", c.Recv, c.Send.Len())
+		return need("recv", c.Recv, 1, c.Send.Len())
 	case OpBroadcast:
 		if c.Recv == nil {
 			return bad("buffer is nil")
@@ -187,31 +195,31 @@ func (c *Call) Validate(rank, size int) error {
 			return bad("send buffer is nil")
 		}
 		if rank == c.Root {
-			return need("recv", c.Recv, c.Send.Len())
+			return need("recv", c.Recv, 1, c.Send.Len())
 		}
 	case OpAllGather:
 		if c.Send == nil {
 			return bad("send buffer is nil")
 		}
-		return need("recv", c.Recv, size*c.Send.Len())
+		return need("recv", c.Recv, size, c.Send.Len())
 	case OpReduceScatter:
 		if c.Recv == nil {
 			return bad("recv buffer is nil")
 		}
-		return need("send", c.Send, size*c.Recv.Len())
+		return need("send", c.Send, size, c.Recv.Len())
 	case OpGather:
 		if c.Send == nil {
 			return bad("send buffer is nil")
 		}
 		if rank == c.Root {
-			return need("recv", c.Recv, size*c.Send.Len())
+			return need("recv", c.Recv, size, c.Send.Len())
 		}
 	case OpScatter:
 		if c.Recv == nil {
 			return bad("recv buffer is nil")
 		}
 		if rank == c.Root {
-			return need("send", c.Send, size*c.Recv.Len())
+			return need("send", c.Send, size, c.Recv.Len())
 		}
 	case OpAllToAll:
 		if c.Send == nil {
@@ -220,7 +228,7 @@ func (c *Call) Validate(rank, size int) error {
 		if c.Send.Len()%size != 0 {
 			return bad("send has %d elements, not a multiple of %d ranks", c.Send.Len(), size)
 		}
-		return need("recv", c.Recv, c.Send.Len())
+		return need("recv", c.Recv, 1, c.Send.Len())
 	case OpAllToAllV:
 		return c.validateCounts(size, bad)
 	case OpSend, OpRecv:

@@ -117,6 +117,12 @@ func TestCallValidate(t *testing.T) {
 		{name: "send peer out of range", c: comm.Call{Op: comm.OpSend, Send: f32(3), Peer: 4}, want: "send: peer 4 out of range [0,4)"},
 		{name: "send peer negative", c: comm.Call{Op: comm.OpSend, Send: f32(3), Peer: -1}, want: "peer -1 out of range [0,4)"},
 		{name: "send to self", c: comm.Call{Op: comm.OpSend, Send: f32(3), Peer: rank}, want: "send: peer 1 is this rank"},
+		// p·n used to wrap: 4 ranks × 2^62 elements is 2^64, i.e. 0, so an
+		// empty buffer passed as the gathered or scattered whole.
+		{name: "allgather count overflows", c: comm.Call{Op: comm.OpAllGather, Send: fakeBuffer{comm.Float32, 1 << 62}, Recv: fakeBuffer{comm.Float32, 0}}, want: "recv buffer of 4 blocks of 4611686018427387904 elements: the count overflows int"},
+		{name: "reducescatter count overflows", c: comm.Call{Op: comm.OpReduceScatter, Send: fakeBuffer{comm.Float32, 0}, Recv: fakeBuffer{comm.Float32, 1 << 62}, Reduce: comm.Sum}, want: "send buffer of 4 blocks of 4611686018427387904 elements: the count overflows int"},
+		{name: "gather root count overflows", c: comm.Call{Op: comm.OpGather, Send: fakeBuffer{comm.Float32, 1 << 62}, Recv: fakeBuffer{comm.Float32, 0}, Root: rank}, want: "the count overflows int"},
+		{name: "scatter root count overflows", c: comm.Call{Op: comm.OpScatter, Send: fakeBuffer{comm.Float32, 0}, Recv: fakeBuffer{comm.Float32, 1 << 62}, Root: rank}, want: "the count overflows int"},
 		{name: "recv from self", c: comm.Call{Op: comm.OpRecv, Recv: f32(3), Peer: rank}, want: "recv: peer 1 is this rank"},
 		{name: "send nil", c: comm.Call{Op: comm.OpSend, Peer: 0}, want: "send: send buffer is nil"},
 		{name: "recv nil", c: comm.Call{Op: comm.OpRecv, Send: f32(3), Peer: 0}, want: "recv: recv buffer is nil"},

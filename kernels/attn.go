@@ -3,6 +3,8 @@ package kernels
 import (
 	"fmt"
 	"math"
+
+	"github.com/b7ea7098/loom/internal/checked"
 )
 
 // Causal attention on small per-head blocks. Each product is a small GEMM
@@ -92,6 +94,11 @@ func transposeInto(dst, src []float32, rows, cols int) {
 func attnCheck(op string, batch, t, dh, dv int, lens map[string][2]int) error {
 	if batch < 0 || t < 0 || dh < 0 || dv < 0 {
 		return fmt.Errorf("kernels: %s: %w: negative size (batch %d, t %d, dh %d, dv %d)", op, ErrInvalid, batch, t, dh, dv)
+	}
+	// Every wanted length is batch·t·x for x in t, dh, dv: if the largest
+	// fits, none of them wrapped.
+	if _, ok := checked.Product([]int{batch, t, max(t, dh, dv)}); !ok {
+		return fmt.Errorf("kernels: %s: %w: batch %d × t %d × %d overflows int", op, ErrInvalid, batch, t, max(t, dh, dv))
 	}
 	for name, l := range lens {
 		if l[0] != l[1] {

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
@@ -307,8 +308,12 @@ func needLen(rows, cols, ld int) (int, bool) {
 	if rows == 0 || cols == 0 {
 		return 0, true
 	}
-	if rows-1 > (math.MaxInt-cols)/ld {
+	n, ok := checked.Mul(rows-1, ld)
+	if !ok {
 		return math.MaxInt, false
 	}
-	return (rows-1)*ld + cols, true
+	if n, ok = checked.Add(n, cols); !ok {
+		return math.MaxInt, false
+	}
+	return n, true
 }

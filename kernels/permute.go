@@ -6,6 +6,8 @@ import (
 	"math"
 	"sync"
 	"unsafe"
+
+	"github.com/b7ea7098/loom/internal/checked"
 )
 
 // MoE permute kernels: the local data movement of expert-parallel dispatch
@@ -301,8 +303,12 @@ func permIdxCheck(op, name string, idx []int32, limit int) error {
 
 // permLen checks that buf holds rows rows of width d.
 func permLen(op, name string, l, rows, d int) error {
-	if l != rows*d {
-		return fmt.Errorf("kernels: %s: %w: len(%s) = %d, want %d rows × %d = %d", op, ErrInvalid, name, l, rows, d, rows*d)
+	want, ok := checked.Mul(rows, d)
+	if !ok {
+		return fmt.Errorf("kernels: %s: %w: %s of %d rows × %d: the element count overflows int", op, ErrInvalid, name, rows, d)
+	}
+	if l != want {
+		return fmt.Errorf("kernels: %s: %w: len(%s) = %d, want %d rows × %d = %d", op, ErrInvalid, name, l, rows, d, want)
 	}
 	return nil
 }
@@ -692,15 +698,17 @@ func (r *Routing) RankSplits(dst, bounds []int) error {
 // chunkCheck validates the [ranks, local] count matrix of GroupByRank and
 // GroupByExpert and returns the total row count.
 func chunkCheck(op string, counts []int, ranks, local int) (int, error) {
-	if ranks < 0 || local < 0 || len(counts) != ranks*local {
+	if n, ok := checked.Product([]int{ranks, local}); !ok || len(counts) != n {
 		return 0, fmt.Errorf("kernels: %s: %w: %d counts for %d ranks × %d local experts", op, ErrInvalid, len(counts), ranks, local)
 	}
-	total := 0
 	for i, c := range counts {
 		if c < 0 {
 			return 0, fmt.Errorf("kernels: %s: %w: counts[%d] (rank %d, local expert %d) = %d is negative", op, ErrInvalid, i, i/local, i%local, c)
 		}
-		total += c
+	}
+	total, ok := checked.Sum(counts)
+	if !ok {
+		return 0, fmt.Errorf("kernels: %s: %w: counts %v sum past the largest int", op, ErrInvalid, counts)
 	}
 	return total, nil
 }

@@ -5,6 +5,8 @@ import (
 	"math"
 	"runtime"
 	"sync"
+
+	"github.com/b7ea7098/loom/internal/checked"
 )
 
 // Row kernels: fused float32 loops over the rows of row-major blocks, for
@@ -81,6 +83,15 @@ func rowCount(op string, l, n int) (int, error) {
 		return 0, fmt.Errorf("kernels: %s: %w: %d elements are not whole rows of width %d", op, ErrInvalid, l, n)
 	}
 	return l / n, nil
+}
+
+// causalBlocks is the number of t×t blocks in l elements.
+func causalBlocks(op string, l, t int) (int, error) {
+	tt, ok := checked.Mul(t, t)
+	if !ok {
+		return 0, fmt.Errorf("kernels: %s: %w: blocks of %d×%d elements: the count overflows int", op, ErrInvalid, t, t)
+	}
+	return rowCount(op, l, tt)
 }
 
 // sameLen checks that every named slice has length l.
@@ -199,7 +210,7 @@ func CausalSoftmax(w Workers, dst, src []float32, t int, scale float32) error {
 	if t < 0 {
 		return fmt.Errorf("kernels: %s: %w: negative size %d", op, ErrInvalid, t)
 	}
-	blocks, err := rowCount(op, len(src), t*t)
+	blocks, err := causalBlocks(op, len(src), t)
 	if err != nil {
 		return err
 	}
@@ -231,7 +242,7 @@ func CausalSoftmaxBackward(dx, y, dy []float32, t int, scale float32) error {
 	if t < 0 {
 		return fmt.Errorf("kernels: %s: %w: negative size %d", op, ErrInvalid, t)
 	}
-	blocks, err := rowCount(op, len(y), t*t)
+	blocks, err := causalBlocks(op, len(y), t)
 	if err != nil {
 		return err
 	}

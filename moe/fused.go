@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/kernels"
 )
 
@@ -134,16 +135,21 @@ func checkViews[T kernels.Float](h *Handle, peers []*fusedView[T]) error {
 func checkBuffers[T kernels.Float](h *Handle, peers []*fusedView[T]) []string {
 	var bad []string
 	for q, v := range peers {
-		slots := v.plan.Tokens * v.plan.TopK
-		routed := 0
-		for _, c := range v.chunks {
-			routed += c
+		// The peer's sizes, checked: a product that wraps could match a
+		// short buffer.
+		slots, ok1 := checked.Mul(v.plan.Tokens, v.plan.TopK)
+		tokens, ok2 := checked.Mul(v.plan.Tokens, v.width)
+		routed, ok3 := checked.Sum(v.chunks)
+		routedVals, ok4 := checked.Mul(routed, v.width)
+		if !ok1 || !ok2 || !ok3 || !ok4 {
+			bad = append(bad, fmt.Sprintf("rank %d has sizes that overflow int (%d tokens, K = %d, width %d, routed rows %v)", q, v.plan.Tokens, v.plan.TopK, v.width, v.chunks))
+			continue
 		}
 		for _, b := range []struct {
 			name string
 			buf  []T
 			want int
-		}{{"token rows", v.tokens, v.plan.Tokens * v.width}, {"gates", v.gates, slots}, {"gate gradient", v.dgates, slots}, {"routed rows", v.routed, routed * v.width}} {
+		}{{"token rows", v.tokens, tokens}, {"gates", v.gates, slots}, {"gate gradient", v.dgates, slots}, {"routed rows", v.routed, routedVals}} {
 			if b.buf != nil && len(b.buf) != b.want {
 				bad = append(bad, fmt.Sprintf("rank %d shares %d values of %s, want %d", q, len(b.buf), b.name, b.want))
 			}
@@ -155,10 +161,12 @@ func checkBuffers[T kernels.Float](h *Handle, peers []*fusedView[T]) []string {
 // chunk returns rows [at, at+n) of width w of buf, or an error when buf is
 // too short (a view that checkViews let through cannot be).
 func chunk[T kernels.Float](buf []T, at, n, w int) ([]T, error) {
-	if at < 0 || n < 0 || (at+n)*w > len(buf) {
-		return nil, fmt.Errorf("rows [%d, %d) of width %d outside a buffer of %d values", at, at+n, w, len(buf))
+	bad := at < 0 || n < 0 || at > len(buf) || n > len(buf) // then at+n fits
+	end, ok := checked.Product([]int{at + n, w})
+	if bad || !ok || end > len(buf) {
+		return nil, fmt.Errorf("rows [%d, +%d) of width %d outside a buffer of %d values", at, n, w, len(buf))
 	}
-	return buf[at*w : (at+n)*w], nil
+	return buf[at*w : end], nil
 }
 
 // gatherRouted fills routed (this rank's routed layout, rows of width w)

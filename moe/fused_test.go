@@ -2,6 +2,7 @@ package moe
 
 import (
 	"errors"
+	"math"
 	"strings"
 	"testing"
 
@@ -55,5 +56,32 @@ func TestCheckViewsBuffers(t *testing.T) {
 				t.Fatalf("err = %v, want ErrMismatch mentioning %q", err, c.want)
 			}
 		})
+	}
+}
+
+// chunk refuses rows outside its buffer, including rows whose end
+// (at+n)·w wraps: 2^62 rows at 2^62 of width 4 end at 2^65, which used to
+// wrap to 0 and pass as an empty chunk.
+func TestChunkBounds(t *testing.T) {
+	buf := make([]float32, 12)
+	for _, tc := range []struct {
+		at, n, w int
+		want     int // values, -1: error
+	}{
+		{0, 3, 4, 12},
+		{1, 2, 4, 8},
+		{3, 0, 4, 0},
+		{2, 2, 4, -1},
+		{-1, 1, 4, -1},
+		{1, -1, 4, -1},
+		{0, 1, -4, -1},
+		{1 << 62, 1 << 62, 4, -1},
+		{0, 1 << 62, 4, -1},
+		{math.MaxInt, 1, 1, -1},
+	} {
+		got, err := chunk(buf, tc.at, tc.n, tc.w)
+		if (err != nil) != (tc.want < 0) || (err == nil && len(got) != tc.want) {
+			t.Errorf("chunk(buf[12], %d, %d, %d) = %d values, %v; want %d (-1: an error)", tc.at, tc.n, tc.w, len(got), err, tc.want)
+		}
 	}
 }

@@ -3,6 +3,7 @@ package moe
 import (
 	"context"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -10,6 +11,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -523,6 +525,17 @@ func (h *Handle) layout(op string, experts []int32, gathered [][]int64, epIdx in
 		}
 		me = me*sizes[i] + c
 	}
+	// Every rank's counts are at most its slots, which PlanRouting keeps
+	// within int32; a count outside that came from a broken peer, and is
+	// caught here, on every rank alike (they all hold the same counts),
+	// before any sum of counts is formed.
+	for g, msg := range gathered {
+		for x, c := range msg[hdrLen : hdrLen+h.e] {
+			if c < 0 || c > math.MaxInt32 {
+				return fmt.Errorf("%s: %w: rank %d of mesh axes %v reported %d rows for expert %d; want [0, 2^31)", op, ErrMismatch, g, h.tokenAxes, c, x)
+			}
+		}
+	}
 	kept := func(g, x int) int { return int(gathered[g][hdrLen+x]) }
 	// member returns the token-group rank with ep coordinate q in g's ep
 	// group.
@@ -551,21 +564,44 @@ func (h *Handle) layout(op string, experts []int32, gathered [][]int64, epIdx in
 			at += h.chunks[q*l+j]
 		}
 	}
+	// Row totals: sums of counts, checked (chunks, recv, expertRows and at
+	// above are partial sums of this rank's own total).
+	overflow := false
+	counts := make([]int, 0, p*l)
 	for g := range rows {
+		var ok bool
 		if h.static {
-			rows[g] = p * l * h.capacity
+			rows[g], ok = checked.Product([]int{p, l, h.capacity})
+			overflow = overflow || !ok
 			continue
 		}
 		rg := (g / stride) % p
+		counts = counts[:0]
 		for q := range p {
 			for j := range l {
-				rows[g] += kept(member(g, q), rg*l+j)
+				counts = append(counts, kept(member(g, q), rg*l+j))
 			}
 		}
+		rows[g], ok = checked.Sum(counts)
+		overflow = overflow || !ok
 	}
-	total := 0
-	for _, n := range rows {
-		total += n
+	total, ok := checked.Sum(rows)
+	if overflow || !ok {
+		return fmt.Errorf("%s: %w: the dispatched rows of the routed groups overflow int (capacity %d, %d experts, %d rank groups)", op, ErrInvalid, h.capacity, h.e, groups)
+	}
+	places := make([]placement.Placement, len(names))
+	for a, name := range names {
+		places[a] = placement.Replicate()
+		if slices.Contains(h.tokenAxes, name) {
+			places[a] = placement.Routed()
+		}
+	}
+	// The spec checks that total·D elements fit in an int of bytes, which
+	// bounds the byte count of the split decision below.
+	var err error
+	h.routed, err = placement.NewSpec(h.xs.Mesh(), []int{total, h.d}, h.xs.DType(), places, placement.WithRoutedRows(rows))
+	if err != nil {
+		return fmt.Errorf("%s: layout of the dispatched rows: %w", op, err)
 	}
 	// Every rank of the expert-parallel group sees the same rows, so they
 	// agree on the split.
@@ -591,18 +627,6 @@ func (h *Handle) layout(op string, experts []int32, gathered [][]int64, epIdx in
 		for j := range l {
 			h.send[q] += h.planRows(q*l + j)
 		}
-	}
-	places := make([]placement.Placement, len(names))
-	for a, name := range names {
-		places[a] = placement.Replicate()
-		if slices.Contains(h.tokenAxes, name) {
-			places[a] = placement.Routed()
-		}
-	}
-	var err error
-	h.routed, err = placement.NewSpec(h.xs.Mesh(), []int{total, h.d}, h.xs.DType(), places, placement.WithRoutedRows(rows))
-	if err != nil {
-		return fmt.Errorf("%s: layout of the dispatched rows: %w", op, err)
 	}
 	h.stats.fill(h, gathered, func(q int) int { return member(me, q) })
 	return nil

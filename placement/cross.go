@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/mesh"
 )
 
@@ -53,9 +54,18 @@ func planDirect(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 	pl.steps = append(pl.steps, pre...)
 
 	cd := &crossData{}
-	es := int64(src.dtype.Size())
-	recvBytes := map[int]int64{}
-	sendBytes := map[int]int64{}
+	es := src.dtype.Size()
+	// Bytes by world rank. A rank receives disjoint pieces of its own
+	// block, but may send its block to many ranks: these sums are
+	// checked, and bound every count crossExec forms.
+	recvBytes := map[int]int{}
+	sendBytes := map[int]int{}
+	overflow := false
+	add := func(m map[int]int, w, n int) {
+		var ok bool
+		m[w], ok = checked.Add(m[w], n)
+		overflow = overflow || !ok
+	}
 	// Distinct source boxes and their holders (world ranks).
 	type group struct {
 		off, size []int
@@ -98,9 +108,9 @@ func planDirect(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 			if !slices.Contains(g.holders, v) {
 				from = g.holders[v%len(g.holders)]
 				moved = true
-				n := int64(prod(is)) * es
-				recvBytes[v] += n
-				sendBytes[from] += n
+				n := prod(is) * es // a piece of a block: fits
+				add(recvBytes, v, n)
+				add(sendBytes, from, n)
 			}
 			cd.xfers = append(cd.xfers, xfer{from: from, to: v, off: io, size: is})
 		}
@@ -111,13 +121,16 @@ func planDirect(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 	}
 	st := Step{Kind: StepDirect, Axis: -1, AxisName: name, AxisSize: len(src.ranks), Dim: -1, ToDim: -1,
 		From: Replicate(), To: Replicate()}
+	if overflow {
+		return nil, invalidf(op, "the direct step for %v %v: a rank's byte count overflows int", src.shape, src.dtype)
+	}
 	if moved {
 		st.Collective = comm.OpAllToAllV
 		for _, n := range recvBytes {
-			st.Bytes = max(st.Bytes, n)
+			st.Bytes = max(st.Bytes, int64(n))
 		}
 		for _, n := range sendBytes {
-			st.Payload = max(st.Payload, n)
+			st.Payload = max(st.Payload, int64(n))
 		}
 		if model != nil {
 			st.Time = model.Estimate(comm.OpAllToAllV, len(src.ranks), st.Payload)
@@ -132,6 +145,9 @@ func planDirect(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 		return nil, err
 	}
 	pl.steps = append(pl.steps, post...)
+	if err := pl.checkBytes(); err != nil {
+		return nil, err
+	}
 	return pl, nil
 }
 

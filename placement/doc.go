@@ -38,7 +38,11 @@
 // Partial(avg|max|min) gathers first. Partial -> Partial with the same op
 // is a no-op; another op goes through Replicate. Sum and avg may be mixed
 // across axes; max and min may not be mixed with any other op, since the
-// order of reduction would change the value.
+// order of reduction would change the value. Max and min propagate NaN as
+// the communicator does (comm/local and NCCL: an element is NaN when any
+// rank's is), and their gradient has one winner per element: the lowest
+// rank whose value is the extremum, or, for a NaN extremum, the lowest
+// rank holding a NaN (see Duality).
 //
 // # Redistribution
 //
@@ -72,8 +76,8 @@
 // chunk -> all-gather, R->P(sum) -> identity, S->P(sum) -> chunk. Inner
 // computes the cross-rank pairing <x, y> under which the backward plan is
 // the adjoint. Partial(max|min) is not linear: its gradient goes to the
-// rank whose value won (ties to the lowest rank), which needs the forward
-// values, so Backward returns ErrUnsupported for it and ExtremumGrad, given
+// rank whose value won (ties to the lowest rank; a NaN extremum is won by
+// the lowest rank holding a NaN), which needs the forward values, so Backward returns ErrUnsupported for it and ExtremumGrad, given
 // the forward source and result, computes it (laid out as Partial(sum)).
 //
 // # SPMD

@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/mesh"
 )
 
@@ -161,6 +162,13 @@ func FromRoot(ctx context.Context, spec *Spec, full any, root int) (*DTensor, er
 	if root < 0 || root >= m.Size() {
 		return nil, invalidf(op, "root %d out of range [0, %d)", root, m.Size())
 	}
+	if slices.ContainsFunc(spec.l.places, Placement.IsShard) {
+		// Root's scatter buffer holds every rank's block padded to the
+		// largest; every rank sees the same spec, so all fail alike.
+		if _, ok := checked.Product([]int{m.Size(), scatterBlock(spec.l), spec.l.dtype.Size()}); !ok {
+			return nil, invalidf(op, "the scatter of %v %v to %d ranks (blocks padded to the largest) needs more bytes than an int holds", spec.l.shape, spec.l.dtype, m.Size())
+		}
+	}
 	c, err := m.Group(ctx)
 	if err != nil {
 		return nil, err
@@ -216,14 +224,10 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 		return b, nil
 	}
 	p := m.Size()
-	maxBox := 0
-	for r := range p {
-		_, sz := boxOf(l.shape, l.mshape, l.order, unravel(r, l.mshape))
-		maxBox = max(maxBox, prod(sz))
-	}
+	maxBox := scatterBlock(l)
 	var send []T
 	if m.Rank() == root {
-		send = make([]T, p*maxBox)
+		send = make([]T, p*maxBox) // FromRoot checked the product
 		for r := range p {
 			off, sz := boxOf(l.shape, l.mshape, l.order, unravel(r, l.mshape))
 			copyBox(send[r*maxBox:], sz, make([]int, len(sz)), full, l.shape, off, sz)
@@ -241,6 +245,16 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 	b := block[T]{shape: sz, data: recv[:prod(sz)]}
 	zeroPartialSum(l, coord, b.data)
 	return b, nil
+}
+
+// scatterBlock is the largest block of any mesh rank, in elements.
+func scatterBlock(l *layout) int {
+	n := 0
+	for r := range prod(l.mshape) {
+		_, sz := boxOf(l.shape, l.mshape, l.order, unravel(r, l.mshape))
+		n = max(n, prod(sz))
+	}
+	return n
 }
 
 // FromLocal builds a DTensor from a copy of this rank's block: local is a

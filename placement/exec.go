@@ -211,8 +211,9 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 	case StepAllGather:
 		d := st.Dim
 		par := parentLen(shape, pre, d, coord)
-		maxp := (par + k - 1) / k
-		rest := int(restOf(ls, d))
+		_, maxp := chunk(par, k, 0) // ceil(par/k)
+		rest := restOf(ls, d)
+		// price checked k·maxp·rest elements (and their bytes) when planning.
 		blk := maxp * rest
 		send := x.data
 		if len(send) != blk {
@@ -245,8 +246,9 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 	case StepReduceScatter:
 		d := st.Dim
 		par := ls[d]
-		maxp := (par + k - 1) / k
-		rest := int(restOf(ls, d))
+		_, maxp := chunk(par, k, 0) // ceil(par/k)
+		rest := restOf(ls, d)
+		// price checked k·maxp·rest elements (and their bytes) when planning.
 		blk := maxp * rest
 		send := buf.temp(k * blk) // the padding of short chunks is never read back
 		for r := range k {

@@ -21,11 +21,13 @@ import (
 // (an all-reduce of the extremum, then one of the lowest claiming rank),
 // never from y: y may have been averaged again (Partial(max) ->
 // Partial(avg)), and an average of identical copies over 3 ranks need not
-// equal them bit for bit. A NaN extremum is won by the lowest rank holding
-// a NaN. Summed over the reducing ranks the result is g, so it is laid out
-// like x with Partial(max|min) replaced by Partial(sum). The other
-// transitions of the forward move are undone by the duality table, as in
-// Backward.
+// equal them bit for bit. A NaN extremum (comm/local and NCCL propagate
+// NaN, so one is NaN wherever any rank's piece is) is won by the lowest
+// rank holding a NaN, whatever its payload: every element, NaN or not,
+// has exactly one winner. Summed over the reducing ranks the result is g,
+// so it is laid out like x with Partial(max|min) replaced by
+// Partial(sum). The other transitions of the forward move are undone by
+// the duality table, as in Backward.
 func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor, error) {
 	const op = "ExtremumGrad"
 	if x == nil || y == nil || g == nil {

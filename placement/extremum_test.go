@@ -177,65 +177,164 @@ func TestExtremumGradRejectsLinearSources(t *testing.T) {
 	})
 }
 
-// A NaN piece still leaves every element exactly one winner: the lowest
-// rank holding the extremum, NaN included when the reduction yields NaN.
+// NaN in Partial(max|min) has one winner per element: the lowest rank
+// holding a NaN (comm/local propagates NaN, so the extremum is NaN there),
+// whatever the NaN's payload; elsewhere the lowest rank holding the
+// extremum. So at NaN positions, as everywhere, the gradient is g on
+// exactly one rank and 0 on the others, and sums to g over the ranks (the
+// issue 19 case: it summed to 0 there). On 2-, 3- and 5-rank axes, for max
+// and min, float32 and float64, to Replicate and to Shard(0).
 func TestExtremumGradNaN(t *testing.T) {
 	nan := math.NaN()
-	pieces := [][]float64{{1, 2}, {nan, 5}, {3, nan}} // by rank of the 3-rank axis
-	placementtest.Run(t, []int{3}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
-		spec, err := placement.NewSpec(m, []int{2}, comm.Float64, []placement.Placement{Pmax})
-		if err != nil {
-			return err
+	// piece returns element i of rank r's piece on a p-rank axis.
+	piece := func(op comm.ReduceOp, p, r, i int) float64 {
+		big := 100.0
+		if op == comm.Min {
+			big = -100
 		}
-		x, err := placement.NewLocal(spec, slices.Clone(pieces[m.Rank()]))
-		if err != nil {
-			return err
+		switch i {
+		case 0: // NaN on the last rank only
+			if r == p-1 {
+				return nan
+			}
+			return float64(r)
+		case 1: // NaN on every rank but the first
+			if r > 0 {
+				return nan
+			}
+			return big
+		case 2: // NaN on rank 0, the extremum of the numbers elsewhere
+			if r == 0 {
+				return nan
+			}
+			return big
+		case 3: // no NaN: a tie on every rank
+			return 1.5
+		case 4: // NaN everywhere, a different payload on every rank
+			return math.Float64frombits(0x7ff8000000000001 + uint64(r))
+		default: // no NaN: distinct values, the extremum in the middle
+			return -math.Abs(float64(r-p/2)) * big / 100
 		}
-		var p placement.Planner
-		rspec, err := spec.With([]placement.Placement{R})
-		if err != nil {
-			return err
-		}
-		y, err := p.Redistribute(ctx, x, rspec)
-		if err != nil {
-			return err
-		}
-		g, err := placement.NewLocal(rspec, []float64{10, 20})
-		if err != nil {
-			return err
-		}
-		grad, err := p.ExtremumGrad(ctx, x, y, g)
-		if err != nil {
-			return err
-		}
-		// Who won, seen from every rank: one all-gather of the gradients.
-		c, err := m.Group(ctx)
-		if err != nil {
-			return err
-		}
-		all := make([]float64, 2*c.Size())
-		if err := comm.AllGather(ctx, c, comm.Host(grad.LocalData().([]float64)), comm.Host(all)); err != nil {
-			return err
-		}
-		yv := y.LocalData().([]float64)
-		for i, gv := range []float64{10, 20} {
-			first := -1 // the lowest rank whose piece is the forward value
-			for r, pc := range pieces {
-				if pc[i] == yv[i] || (math.IsNaN(pc[i]) && math.IsNaN(yv[i])) {
-					first = r
-					break
+	}
+	const n = 6
+	for _, op := range []comm.ReduceOp{comm.Max, comm.Min} {
+		for _, p := range []int{2, 3, 5} {
+			// The winner of every element, from the pieces alone.
+			want := make([]int, n)
+			for i := range want {
+				want[i] = -1
+				for r := range p {
+					if math.IsNaN(piece(op, p, r, i)) {
+						want[i] = r
+						break
+					}
+				}
+				if want[i] >= 0 {
+					continue
+				}
+				best := piece(op, p, 0, i)
+				want[i] = 0
+				for r := 1; r < p; r++ {
+					if v := piece(op, p, r, i); (op == comm.Max && v > best) || (op == comm.Min && v < best) {
+						best, want[i] = v, r
+					}
 				}
 			}
-			for r := range c.Size() {
-				want := 0.0
-				if r == first {
-					want = gv
-				}
-				if all[2*r+i] != want {
-					return fmt.Errorf("element %d (forward value %v): rank %d's gradient is %v, want %v", i, yv[i], r, all[2*r+i], want)
+			for _, dt := range []comm.DType{comm.Float32, comm.Float64} {
+				for _, dst := range []placement.Placement{R, S0} {
+					t.Run(fmt.Sprintf("%v/p=%d/%v/to %v", op, p, dt, dst), func(t *testing.T) {
+						placementtest.Run(t, []int{p}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+							return checkNaNGrad(ctx, m, op, dt, dst, want, func(i int) float64 { return piece(op, p, m.Rank(), i) })
+						})
+					})
 				}
 			}
 		}
-		return nil
-	})
+	}
+}
+
+// checkNaNGrad runs ExtremumGrad on a 1-axis mesh for pieces given by
+// piece and checks that element i's gradient is g_i on rank want[i] and 0
+// on every other rank.
+func checkNaNGrad(ctx context.Context, m *mesh.Mesh, op comm.ReduceOp, dt comm.DType, dst placement.Placement, want []int, piece func(int) float64) error {
+	n := len(want)
+	spec, err := placement.NewSpec(m, []int{n}, dt, []placement.Placement{placement.Partial(op)})
+	if err != nil {
+		return err
+	}
+	local := make([]float64, n)
+	for i := range local {
+		local[i] = piece(i)
+	}
+	x, err := placement.NewLocal(spec, asType(local, dt))
+	if err != nil {
+		return err
+	}
+	var p placement.Planner
+	dspec, err := spec.With([]placement.Placement{dst})
+	if err != nil {
+		return err
+	}
+	y, err := p.Redistribute(ctx, x, dspec)
+	if err != nil {
+		return err
+	}
+	gfull := make([]float64, n)
+	for i := range gfull {
+		gfull[i] = float64(10 * (i + 1))
+	}
+	gspec, err := placement.GradSpec(dspec)
+	if err != nil {
+		return err
+	}
+	g, err := placement.FromFull(gspec, asType(gfull, dt))
+	if err != nil {
+		return err
+	}
+	grad, err := p.ExtremumGrad(ctx, x, y, g)
+	if err != nil {
+		return err
+	}
+	c, err := m.Group(ctx)
+	if err != nil {
+		return err
+	}
+	mine := f64(grad.LocalData())
+	all := make([]float64, n*c.Size())
+	if err := comm.AllGather(ctx, c, comm.Host(mine), comm.Host(all)); err != nil {
+		return err
+	}
+	for i, w := range want {
+		sum, holders := 0.0, 0
+		for r := range c.Size() {
+			v := all[r*n+i]
+			sum += v
+			if v != 0 {
+				holders++
+			}
+			wv := 0.0
+			if r == w {
+				wv = gfull[i]
+			}
+			if v != wv {
+				return fmt.Errorf("element %d (this rank's piece %v; the winner is rank %d): rank %d's gradient is %v, want %v", i, local[i], w, r, v, wv)
+			}
+		}
+		if sum != gfull[i] || holders != 1 {
+			return fmt.Errorf("element %d: the gradient sums to %v over %d ranks holding it, want %v on exactly one", i, sum, holders, gfull[i])
+		}
+	}
+	return nil
+}
+
+// asType returns v as a []float32 or []float64 for dt.
+func asType(v []float64, dt comm.DType) any {
+	if dt == comm.Float64 {
+		return slices.Clone(v)
+	}
+	out := make([]float32, len(v))
+	for i, x := range v {
+		out[i] = float32(x)
+	}
+	return out
 }

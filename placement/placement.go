@@ -57,6 +57,13 @@ func Shard(dim int) Placement { return Placement{kind: KindShard, dim: dim} }
 // local tensors along the axis. Sum, Avg, Max and Min are supported; Sum and
 // Avg may be mixed across axes, Max and Min may not be mixed with any other
 // operator (the order of reduction would change the value).
+//
+// Max and Min reduce as the communicator's all-reduce does: comm/local and
+// NCCL propagate NaN, so an element is NaN when any rank's is. Their
+// gradient (Planner.ExtremumGrad) goes to one rank per element: the lowest
+// whose value equals the extremum, and where the extremum is NaN, the
+// lowest rank holding a NaN; summed over the ranks it is the incoming
+// gradient, NaN positions included.
 func Partial(op comm.ReduceOp) Placement { return Placement{kind: KindPartial, op: op} }
 
 // Routed is the MoE placement: the rows of dim 0 (token copies, one per

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/checked"
 )
 
 // StepKind is what one plan step does.
@@ -121,7 +122,9 @@ func (p *Plan) Collectives() []comm.Op {
 	return out
 }
 
-// Bytes is the total of the steps' Bytes.
+// Bytes is the total of the steps' Bytes. Planning checks that it fits
+// in an int (a plan that would move more is an ErrInvalid error), so it
+// never wraps.
 func (p *Plan) Bytes() int64 {
 	var n int64
 	for _, s := range p.steps {
@@ -297,6 +300,9 @@ func makePlan(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 		return nil, err
 	}
 	pl.steps = steps
+	if err := pl.checkBytes(); err != nil {
+		return nil, err
+	}
 	if len(pl.Collectives()) < 2 {
 		return pl, nil
 	}
@@ -310,6 +316,19 @@ func makePlan(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 		return direct, nil
 	}
 	return pl, nil
+}
+
+// checkBytes reports an error naming the shape when the steps' Bytes sum
+// past an int, so that Bytes and the comparison of plans never wrap.
+func (p *Plan) checkBytes() error {
+	var bytes []int
+	for _, s := range p.steps {
+		bytes = append(bytes, int(s.Bytes))
+	}
+	if _, ok := checked.Sum(bytes); !ok {
+		return invalidf("Plan", "the plan for %v %v: its steps' byte counts sum past the largest int", p.src.shape, p.src.dtype)
+	}
+	return nil
 }
 
 // better reports whether plan a beats plan b: by estimated time with a
@@ -429,7 +448,9 @@ func planAxes(cur, want *state, l *layout, model *comm.CostModel) ([]Step, error
 		st.AxisName = l.names[st.Axis]
 		st.AxisSize = cur.mshape[st.Axis]
 		apply(cur, &st)
-		price(&st, l.shape, l.dtype, model)
+		if err := price(&st, l.shape, l.dtype, model); err != nil {
+			return nil, err
+		}
 		steps = append(steps, st)
 	}
 	return steps, nil
@@ -530,51 +551,76 @@ func apply(s *state, st *Step) {
 
 // price fills in Bytes, Payload and Time of a per-axis step from the state
 // before it, looking at every rank of the mesh (ranks differ only with
-// uneven shards).
-func price(st *Step, shape []int, dt comm.DType, model *comm.CostModel) {
+// uneven shards). It also checks that the largest buffer the step
+// allocates on any rank (padding included) fits in an int of bytes, so
+// that stepExec's sizes need no checks: a count that overflows is an
+// error naming the shape, on every rank alike, before any data moves.
+func price(st *Step, shape []int, dt comm.DType, model *comm.CostModel) error {
 	if st.Collective == 0 {
-		return
+		return nil
 	}
-	es := int64(dt.Size())
+	es := dt.Size()
 	pre := st.pre
 	k := pre.mshape[st.Axis]
 	total := prod(pre.mshape)
-	var bytes, payload int64
+	overflow := false
+	mul := func(v ...int) int {
+		n, ok := checked.Product(v)
+		overflow = overflow || !ok
+		return n
+	}
+	var bytes, payload int
 	for r := range total {
 		coord := unravel(r, pre.mshape)
 		_, sz := boxOf(shape, pre.mshape, pre.order, coord)
-		local := int64(prod(sz))
-		var recv, pay int64
+		local := prod(sz)
+		// Elements this rank receives from others, its payload, and its
+		// largest buffer.
+		var recv, pay, buf int
 		switch st.Kind {
 		case StepAllReduce:
-			pay = local
-			recv = 2 * int64(k-1) * local / int64(k)
+			pay, buf = local, local
+			// The ring's 2(k-1)/k of local, exactly, without forming
+			// 2(k-1)·local.
+			var ok bool
+			recv, ok = checked.Add(mul(2*(k-1), local/k), 2*(k-1)*(local%k)/k)
+			overflow = overflow || !ok
 		case StepAllGather:
 			par := parentLen(shape, pre, st.Dim, coord)
 			rest := restOf(sz, st.Dim)
-			pay = int64(par) * rest
+			_, maxp := chunk(par, k, 0)
+			pay = mul(par, rest)
 			recv = pay - local
+			buf = mul(k, maxp, rest)
 		case StepReduceScatter:
 			par := sz[st.Dim]
 			rest := restOf(sz, st.Dim)
 			_, mine := chunk(par, k, coord[st.Axis])
-			pay = int64(par) * rest
-			recv = int64(k-1) * int64(mine) * rest
+			_, maxp := chunk(par, k, 0)
+			pay = mul(par, rest)
+			recv = mul(k-1, mine, rest)
+			buf = mul(k, maxp, rest)
 		case StepAllToAll:
 			i, j := st.Dim, st.ToDim
 			parI := parentLen(shape, pre, i, coord)
 			_, mineJ := chunk(sz[j], k, coord[st.Axis])
 			rest := restOf2(sz, i, j)
 			pay = local
-			recv = int64(parI-sz[i]) * int64(mineJ) * rest
+			recv = mul(parI-sz[i], mineJ, rest)
+			buf = max(local, mul(parI, mineJ, rest))
 		}
-		bytes = max(bytes, recv*es)
-		payload = max(payload, pay*es)
+		bytes = max(bytes, mul(recv, es))
+		payload = max(payload, mul(pay, es))
+		mul(buf, es)
 	}
-	st.Bytes, st.Payload = bytes, payload
+	if overflow {
+		return invalidf("Plan", "step %s of %v %v: its byte count overflows int", st.Kind, shape, dt)
+	}
+	st.Bytes, st.Payload = int64(bytes), int64(payload)
 	if model != nil {
-		st.Time = model.Estimate(st.Collective, k, payload)
+		st.Time = model.Estimate(st.Collective, k, st.Payload)
 	}
+	return nil
 }
 
 // parentLen is the length along dim d of the block this rank holds with
@@ -588,23 +634,24 @@ func parentLen(shape []int, s *state, d int, coord []int) int {
 	return n
 }
 
-// restOf is the product of every dim but d.
-func restOf(sz []int, d int) int64 {
-	r := int64(1)
+// restOf is the product of every dim but d (a sub-product of a block's
+// size, which fits).
+func restOf(sz []int, d int) int {
+	r := 1
 	for i, v := range sz {
 		if i != d {
-			r *= int64(v)
+			r *= v
 		}
 	}
 	return r
 }
 
 // restOf2 is the product of every dim but i and j.
-func restOf2(sz []int, i, j int) int64 {
-	r := int64(1)
+func restOf2(sz []int, i, j int) int {
+	r := 1
 	for x, v := range sz {
 		if x != i && x != j {
-			r *= int64(v)
+			r *= v
 		}
 	}
 	return r

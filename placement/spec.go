@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/mesh"
 )
 
@@ -90,7 +91,10 @@ func WithRoutedRows(rows []int) SpecOption {
 // (Float32 or Float64) on m, with one placement per mesh axis. Global dims
 // may be 0: such a tensor holds no elements, every rank's block is empty,
 // and it redistributes like any other (the collectives move nothing).
-// Errors wrap ErrInvalid.
+// The element count and the size in bytes must fit in an int, counting
+// only the non-zero dims when a dim is 0; a shape past that is an error
+// naming it, so no count derived from a spec ever wraps. Errors wrap
+// ErrInvalid.
 func NewSpec(m *mesh.Mesh, shape []int, dtype comm.DType, placements []Placement, opts ...SpecOption) (*Spec, error) {
 	const op = "NewSpec"
 	if m == nil {
@@ -143,6 +147,9 @@ func (l *layout) init(orders map[int][]int) error {
 		if n < 0 {
 			return fmt.Errorf("global shape %v: dim %d is %d; global dims must be at least 0", l.shape, i, n)
 		}
+	}
+	if err := checkSize(l.shape, l.dtype); err != nil {
+		return err
 	}
 	var partialOps []comm.ReduceOp
 	for a, p := range l.places {
@@ -219,9 +226,9 @@ func (l *layout) checkRows() error {
 	if len(l.order[0]) > 0 {
 		return fmt.Errorf("placements %v shard dim 0, which the Routed axes split", l.places)
 	}
-	groups, total := 1, 0
+	groups := 1
 	for _, a := range axes {
-		groups *= l.mshape[a]
+		groups *= l.mshape[a] // at most the mesh size
 	}
 	if len(l.rows) != groups {
 		return fmt.Errorf("WithRoutedRows has %d counts; the Routed axes %v have %d groups", len(l.rows), l.axisNames(axes), groups)
@@ -230,7 +237,10 @@ func (l *layout) checkRows() error {
 		if n < 0 {
 			return fmt.Errorf("WithRoutedRows: routed group %d has %d rows", g, n)
 		}
-		total += n
+	}
+	total, ok := checked.Sum(l.rows)
+	if !ok {
+		return fmt.Errorf("WithRoutedRows: the counts %v sum past the largest int", l.rows)
 	}
 	if total != l.shape[0] {
 		return fmt.Errorf("WithRoutedRows counts sum to %d rows, but the global dim 0 is %d", total, l.shape[0])
@@ -258,11 +268,23 @@ func (l *layout) box(coord []int) (off, size []int) {
 		g := l.routedGroup(coord)
 		o := 0
 		for _, n := range l.rows[:g] {
-			o += n
+			o += n // checkRows: a prefix of counts that sum to dim 0
 		}
 		off[0], size[0] = o, l.rows[g]
 	}
 	return off, size
+}
+
+// checkSize reports an error naming the shape when its element count or
+// its size in bytes does not fit in an int (the strict rule of
+// checked.Product: zero dims do not excuse the others). Every block,
+// stride, offset and byte count of a layout is then a sub-product of one
+// that fits, so the layout math below needs no checks of its own.
+func checkSize(shape []int, dt comm.DType) error {
+	if _, ok := checked.Product(append(slices.Clone(shape), dt.Size())); !ok {
+		return fmt.Errorf("global shape %v of %v: its element count or size in bytes (%d bytes an element) overflows int", shape, dt, dt.Size())
+	}
+	return nil
 }
 func (l *layout) axisNames(axes []int) []string {
 	out := make([]string, len(axes))
@@ -476,7 +498,10 @@ func chunk(n, k, c int) (off, size int) {
 	if k <= 1 {
 		return 0, n
 	}
-	ch := (n + k - 1) / k
+	ch := n / k // ceil(n/k) without forming n+k-1
+	if n%k != 0 {
+		ch++
+	}
 	off = min(c*ch, n)
 	size = min(ch, n-off)
 	return off, size
@@ -499,7 +524,8 @@ func boxOf(shape, mshape []int, order [][]int, coord []int) (off, size []int) {
 	return off, size
 }
 
-// prod is the product of dims (1 for none).
+// prod is the product of dims (1 for none): the dims of a block or a
+// sub-shape of a layout, whose product checkSize has bounded.
 func prod(dims []int) int {
 	n := 1
 	for _, d := range dims {

@@ -4,13 +4,13 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"math"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"unsafe"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/checked"
 )
 
 // CUDA flag values (cuda.h).
@@ -149,14 +149,15 @@ func (d *Device) Alloc(dt comm.DType, n int) (*DeviceBuffer, error) {
 	if !dt.Valid() {
 		return nil, fmt.Errorf("nccl: %w: invalid dtype %v", comm.ErrInvalid, dt)
 	}
-	if n < 0 || n > math.MaxInt/dt.Size() {
-		return nil, fmt.Errorf("nccl: %w: buffer length %d", comm.ErrInvalid, n)
+	size, ok := checked.Mul(n, dt.Size())
+	if n < 0 || !ok {
+		return nil, fmt.Errorf("nccl: Alloc: %w: buffer length %d of %v (%d bytes an element)", comm.ErrInvalid, n, dt, dt.Size())
 	}
 	b := &DeviceBuffer{dev: d, dtype: dt, n: n, owner: true}
 	if n == 0 {
 		return b, nil
 	}
-	a := &allocation{bytes: n * dt.Size()}
+	a := &allocation{bytes: size}
 	if err := d.cuda("cuMemAlloc_v2", func() int32 { return d.lib.cu.memAlloc(&a.ptr, uintptr(a.bytes)) }); err != nil {
 		return nil, fmt.Errorf("%w (allocating %d bytes)", err, a.bytes)
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -31,12 +32,14 @@ import (
 // mesh are summed up in one line. A panic in fn is an error of its rank.
 // errors.Is and errors.As see every rank's error.
 func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error) error {
-	p := 1
 	for _, s := range shape {
 		if s <= 0 {
-			return fmt.Errorf("placementtest: mesh shape %v: sizes must be positive", shape)
+			return fmt.Errorf("placementtest: Simulate: %w: mesh shape %v: sizes must be positive", placement.ErrInvalid, shape)
 		}
-		p *= s
+	}
+	p, ok := checked.Product(shape)
+	if !ok {
+		return fmt.Errorf("placementtest: Simulate: %w: mesh shape %v: the number of ranks overflows int", placement.ErrInvalid, shape)
 	}
 	errs := make([]error, p)
 	err := local.Run(ctx, p, func(ctx context.Context, world comm.Communicator) (err error) {
@@ -233,11 +236,13 @@ func unravel(p int, shape []int) []int {
 // a []float64 otherwise, filled in row-major order with deterministic
 // values in [-1, 1) from seed; every rank calling it with the same
 // arguments gets the same tensor. A shape with a 0 dim gives an empty
-// slice, a scalar (no dims) one element.
+// slice, a scalar (no dims) one element. A shape with a negative dim or
+// an element count that overflows int (counting the non-zero dims, as
+// placement.NewSpec does) gives nil, which FromFull and Distribute reject.
 func Random(shape []int, dtype comm.DType, seed uint64) any {
-	n := 1
-	for _, s := range shape {
-		n *= s
+	n, ok := checked.Product(shape)
+	if !ok {
+		return nil
 	}
 	if dtype == comm.Float32 {
 		d := make([]float32, n)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -83,5 +84,50 @@ func TestSimulateReportsOnce(t *testing.T) {
 	}
 	if err := placementtest.Simulate(context.Background(), []int{2, 0}, nil, nil); err == nil || !strings.Contains(err.Error(), "positive") {
 		t.Errorf("mesh with a 0 axis: %v", err)
+	}
+}
+
+// A mesh whose rank count overflows int is rejected: 2^32·2^32 ranks used
+// to wrap to a world of 0 ranks.
+func TestSimulateRejectsOverflowingMesh(t *testing.T) {
+	for _, shape := range [][]int{{1 << 32, 1 << 32}, {0, 2}, {2, -1}} {
+		ran := false
+		err := placementtest.Simulate(context.Background(), shape, []string{"a", "b"}, func(ctx context.Context, m *mesh.Mesh) error {
+			ran = true
+			return nil
+		})
+		if !errors.Is(err, placement.ErrInvalid) || ran {
+			t.Errorf("Simulate(%v): %v (fn ran: %v); want ErrInvalid without running", shape, err, ran)
+		}
+	}
+}
+
+// Random returns nil for a shape whose element count overflows int (it used
+// to wrap: 2^32·2^32 elements gave an empty slice) or has a negative dim.
+func TestRandomRejectsOverflowingShapes(t *testing.T) {
+	for _, tc := range []struct {
+		shape []int
+		n     int // -1: nil
+	}{
+		{[]int{2, 3}, 6},
+		{[]int{4, 0}, 0},
+		{nil, 1},
+		{[]int{1 << 32, 1 << 32}, -1},
+		{[]int{1 << 32, 1 << 32, 0}, -1},
+		{[]int{3, -2}, -1},
+	} {
+		for _, dt := range []comm.DType{comm.Float32, comm.Float64} {
+			got := placementtest.Random(tc.shape, dt, 1)
+			n := -1
+			switch d := got.(type) {
+			case []float32:
+				n = len(d)
+			case []float64:
+				n = len(d)
+			}
+			if (tc.n < 0 && got != nil) || (tc.n >= 0 && n != tc.n) {
+				t.Errorf("Random(%v, %v) = %T of %d elements; want %d (-1: nil)", tc.shape, dt, got, n, tc.n)
+			}
+		}
 	}
 }
