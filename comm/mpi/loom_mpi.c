@@ -111,7 +111,9 @@ unsigned short loom_f32_to_f16(float f) {
 	int32_t exp = (int32_t)((b >> 23) & 0xffu);
 	uint32_t mant = b & 0x7fffffu;
 	if (exp == 0xff) {
-		return mant != 0 ? (uint16_t)(sign | 0x7e00u) : (uint16_t)(sign | 0x7c00u);
+		/* A NaN stays quiet with its leading payload bits, as in Go's
+		   internal/half (and x86's vcvtps2ph), so both backends agree. */
+		return mant != 0 ? (uint16_t)(sign | 0x7e00u | (mant >> 13)) : (uint16_t)(sign | 0x7c00u);
 	}
 	if (exp > 142) {
 		return (uint16_t)(sign | 0x7c00u);
