@@ -62,6 +62,9 @@ func Agree(ctx context.Context, c Communicator, what string, items []string) err
 	}
 	e := &DisagreementError{What: what, Lists: make([][]string, p)}
 	for r := range p {
+		if lens[r] < 0 { // only a peer that is not this code sends one
+			return fmt.Errorf("comm: Agree on %s: %w: rank %d sent a list of %d bytes", what, ErrMismatch, r, lens[r])
+		}
 		l, err := decodeList(all[r*width : r*width+int(lens[r])])
 		if err != nil {
 			return fmt.Errorf("comm: Agree on %s: %w: rank %d's list does not decode: %w", what, ErrMismatch, r, err)
