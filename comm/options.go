@@ -10,7 +10,8 @@ import (
 // Environment variables read by OptionsFromEnv.
 const (
 	// DebugEnv holds comma-separated debug switches; "consistency" turns on
-	// the cross-rank fingerprint check.
+	// the cross-rank fingerprint check (Options.ConsistencyCheck, which
+	// says what it costs).
 	DebugEnv = "LOOM_DEBUG"
 	// TimeoutEnv overrides the default timeout (a Go duration, "30s").
 	TimeoutEnv = "LOOM_TIMEOUT"
@@ -36,6 +37,14 @@ type Options struct {
 	// ConsistencyCheck compares every collective's Fingerprint across ranks
 	// before data moves and records each caller's file:line, so a mismatch
 	// error shows where every rank issued its call.
+	//
+	// Its cost depends on the backend. comm/local compares fingerprints in
+	// shared memory on every call anyway, so the option adds only the
+	// caller's file:line (a stack walk): an AllReduce of 1 KiB went from
+	// about 2.4 to 6.7 µs at p=2 and from 9.5 to 19 µs at p=4 (medians on a
+	// 2-core machine; BenchmarkConsistencyCheck in package comm). comm/mpi
+	// and comm/nccl add one all-gather of the encoded fingerprint before
+	// each call's data moves (not measured here).
 	ConsistencyCheck bool
 	// RecorderSize is the flight recorder's capacity (0 means the default).
 	RecorderSize int

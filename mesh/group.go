@@ -15,12 +15,16 @@ import (
 // ranks. It belongs to one rank.
 type registry struct {
 	world comm.Communicator
+	// axes describes the root mesh ("dp=2", one entry per axis), which
+	// every world rank must have built alike.
+	axes []string
 
-	// mu guards comms and is held across Split, so that one rank's
-	// goroutines never issue two calls on world at once and a group is
-	// split at most once.
-	mu    sync.Mutex
-	comms map[string]comm.Communicator
+	// mu guards agreed and comms and is held across the agreement check
+	// and Split, so that one rank's goroutines never issue two calls on
+	// world at once and a group is split at most once.
+	mu     sync.Mutex
+	agreed bool
+	comms  map[string]comm.Communicator
 }
 
 // Comm returns the communicator of this rank's group along the named axis:
@@ -29,13 +33,15 @@ type registry struct {
 // Group(ctx, name).
 //
 // The communicator is created on first use by a Split over the whole root
-// world, which every world rank must join: see the package documentation.
+// world, which every world rank must join, and the first Comm or Group call
+// of the root mesh and its views checks that the ranks built it alike: see
+// the package documentation.
 func (m *Mesh) Comm(ctx context.Context, name string) (comm.Communicator, error) {
 	axes, err := m.axes("Comm", []string{name})
 	if err != nil {
 		return nil, err
 	}
-	return m.reg.get(ctx, m.group(axes), m.groupPos(axes))
+	return m.reg.get(ctx, "Comm", m.group(axes), m.groupPos(axes))
 }
 
 // Group returns the communicator of this rank's group over the named axes:
@@ -46,8 +52,9 @@ func (m *Mesh) Comm(ctx context.Context, name string) (comm.Communicator, error)
 // order, the world communicator itself is returned.
 //
 // The communicator is created on first use by a Split over the whole root
-// world, which every world rank must join: see the package documentation.
-// Views with the same group (the same world ranks in the same order) share
+// world, which every world rank must join, and the first Comm or Group call
+// of the root mesh and its views checks that the ranks built it alike: see
+// the package documentation. Views with the same group (the same world ranks in the same order) share
 // one communicator, whichever view created it.
 func (m *Mesh) Group(ctx context.Context, names ...string) (comm.Communicator, error) {
 	var axes []int
@@ -62,18 +69,30 @@ func (m *Mesh) Group(ctx context.Context, names ...string) (comm.Communicator, e
 			return nil, err
 		}
 	}
-	return m.reg.get(ctx, m.group(axes), m.groupPos(axes))
+	return m.reg.get(ctx, "Group", m.group(axes), m.groupPos(axes))
 }
 
 // get returns the communicator of the group with the given world ranks, in
 // which this rank sits at position pos, splitting the world on first use.
-func (r *registry) get(ctx context.Context, ranks []int, pos int) (comm.Communicator, error) {
+// The registry's first get, whatever the group, first checks that every
+// world rank built the root mesh alike; op names the caller for its error.
+func (r *registry) get(ctx context.Context, op string, ranks []int, pos int) (comm.Communicator, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.agreed {
+		// Ranks whose meshes differ compute different groups, which at
+		// best fail the Split obscurely and at worst pair the wrong ranks.
+		// A failure is not remembered: every rank got it, so a retry is
+		// again collective on every rank.
+		if err := comm.Agree(ctx, r.world, "the mesh axes", r.axes); err != nil {
+			return nil, fmt.Errorf("mesh: %s: %w", op, err)
+		}
+		r.agreed = true
+	}
 	if isIdentity(ranks, r.world.Size()) {
 		return r.world, nil
 	}
 	key := groupKey(ranks)
-	r.mu.Lock()
-	defer r.mu.Unlock()
 	if c, ok := r.comms[key]; ok {
 		return c, nil
 	}

@@ -20,6 +20,15 @@
 // the world's collectives mismatch. Later calls for a group that already has
 // a communicator are local and need no agreement.
 //
+// The first of those calls on a root mesh or any view of it, even one that
+// returns the world itself, is collective over the world: it checks with
+// comm.Agree (one all-gather of 8 bytes per rank) that every world rank
+// built the root mesh with the same axis names and sizes, in the same
+// order, since ranks whose meshes differ would compute different groups.
+// On a difference every rank gets the same error (a *comm.DisagreementError,
+// matching loom.ErrMismatch) naming the ranks and the first axis that
+// differs, before any communicator is split.
+//
 // A Mesh is safe for concurrent use by one rank's goroutines. Creating a
 // communicator holds the registry's lock for the duration of the Split, so
 // concurrent first uses are serialized; their order across goroutines must
@@ -51,7 +60,14 @@ type Mesh struct {
 // has shape[i] positions, the last axis varies fastest, and world rank r sits
 // at the coordinate whose row-major index is r. The product of shape must be
 // world.Size(); sizes must be positive and names non-empty and distinct.
-// New is local: it calls no collective.
+//
+// New is local: it calls no collective, since it takes no context. Every
+// world rank must pass the same shape and names; the first Comm or Group
+// call on the mesh or a view of it checks that, with one all-gather of 8
+// bytes over the world (comm.Agree), and fails on every rank with the same
+// error, matching loom.ErrMismatch, that names the ranks that differ and
+// their first differing axis ("rank 1 has "tp=2" at position 0 where ranks
+// 0, 2, 3 have "dp=2"").
 func New(world comm.Communicator, shape []int, names []string) (*Mesh, error) {
 	const op = "New"
 	if world == nil {
@@ -83,7 +99,11 @@ func New(world comm.Communicator, shape []int, names []string) (*Mesh, error) {
 	for i := range ranks {
 		ranks[i] = i
 	}
-	reg := &registry{world: world, comms: make(map[string]comm.Communicator)}
+	axes := make([]string, len(names))
+	for i, name := range names {
+		axes[i] = fmt.Sprintf("%s=%d", name, shape[i])
+	}
+	reg := &registry{world: world, axes: axes, comms: make(map[string]comm.Communicator)}
 	return newView(reg, slices.Clone(names), slices.Clone(shape), ranks, world.Rank()), nil
 }
 

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
@@ -417,60 +418,185 @@ func TestErrors(t *testing.T) {
 	}
 }
 
+// failing wraps a world communicator: it counts the calls Do runs (the
+// agreement check's all-gathers) and fails every Split with errSplit.
+type failing struct {
+	comm.Communicator
+	dos atomic.Int64
+}
+
+var errSplit = errors.New("split refused")
+
+func (c *failing) Do(ctx context.Context, call comm.Call) error {
+	c.dos.Add(1)
+	return c.Communicator.Do(ctx, call)
+}
+
+func (c *failing) Split(context.Context, int, int) (comm.Communicator, error) {
+	return nil, errSplit
+}
+
 func TestSplitFailure(t *testing.T) {
-	m := mustNew(t, handle(t, 5, 8), []int{2, 4}, []string{"dp", "tp"})
-	for range 2 { // a failed Split is not cached
+	run(t, 8, func(ctx context.Context, world comm.Communicator) error {
+		fw := &failing{Communicator: world}
+		m, err := mesh.New(fw, []int{2, 4}, []string{"dp", "tp"})
+		if err != nil {
+			return err
+		}
+		for range 2 { // a failed Split is not cached
+			_, err := m.Comm(ctx, "tp")
+			if !errors.Is(err, errSplit) {
+				return fmt.Errorf("Comm: %v, want the Split error", err)
+			}
+			var key []string
+			for _, w := range refGroup([]int{2, 4}, []string{"dp", "tp"}, world.Rank(), []string{"tp"}) {
+				key = append(key, fmt.Sprint(w))
+			}
+			want := "mesh: creating the communicator of group [" + strings.Join(key, ",") + "]: "
+			if !strings.HasPrefix(err.Error(), want) {
+				return fmt.Errorf("message %q, want it to start with %q", err, want)
+			}
+		}
+		// The agreement check ran once, before the first Split.
+		if n := fw.dos.Load(); n != 1 {
+			return fmt.Errorf("%d collectives, want the check's one all-gather", n)
+		}
+		return nil
+	})
+	// A check that cannot run (the communicator is aborted) fails, and is
+	// tried again by the next call.
+	fw := &failing{Communicator: handle(t, 5, 8)}
+	m := mustNew(t, fw, []int{2, 4}, []string{"dp", "tp"})
+	for range 2 {
 		_, err := m.Comm(context.Background(), "tp")
-		if !errors.Is(err, errNoCollectives) {
-			t.Fatalf("Comm: %v, want the Split error", err)
+		if want := "mesh: Comm: comm: Agree on the mesh axes: exchanging fingerprints: "; !errors.Is(err, errNoCollectives) || !strings.HasPrefix(err.Error(), want) {
+			t.Errorf("Comm on an aborted world: %v, want it to start with %q and wrap the abort", err, want)
 		}
-		if want := "mesh: creating the communicator of group [4,5,6,7]: "; !strings.HasPrefix(err.Error(), want) {
-			t.Errorf("message %q, want it to start with %q", err, want)
-		}
+	}
+	if n := fw.dos.Load(); n != 2 {
+		t.Errorf("%d checks, want 2: a failed check is not remembered", n)
 	}
 }
 
 func TestWholeWorldIsWorld(t *testing.T) {
-	// No Split is needed (the aborted handle cannot split): groups spanning the whole
-	// world in world order are the world communicator itself.
-	w := handle(t, 3, 6)
-	ctx := context.Background()
-	m := mustNew(t, w, []int{2, 3}, []string{"dp", "cp"})
-	f, err := m.Flatten([]string{"dp", "cp"}, "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	w1 := handle(t, 0, 1)
-	for _, tt := range []struct {
-		what  string
-		world comm.Communicator
-		get   func() (comm.Communicator, error)
-	}{
-		{"Group()", w, func() (comm.Communicator, error) { return m.Group(ctx) }},
-		{"Group(dp, cp)", w, func() (comm.Communicator, error) { return m.Group(ctx, "dp", "cp") }},
-		{"Flatten.Comm", w, func() (comm.Communicator, error) { return f.Comm(ctx, "dp_cp") }},
-		{"Flatten.Group()", w, func() (comm.Communicator, error) { return f.Group(ctx) }},
-		{"1-axis mesh Comm", w, func() (comm.Communicator, error) {
-			return mustNew(t, w, []int{6}, []string{"x"}).Comm(ctx, "x")
-		}},
-		{"size-1 world Comm", w1, func() (comm.Communicator, error) {
-			return mustNew(t, w1, []int{1, 1}, []string{"a", "b"}).Comm(ctx, "b")
-		}},
-	} {
-		c, err := tt.get()
+	// No Split is needed: groups spanning the whole world in world order
+	// are the world communicator itself.
+	run(t, 6, func(ctx context.Context, world comm.Communicator) error {
+		w := &counting{Communicator: world}
+		m, err := mesh.New(w, []int{2, 3}, []string{"dp", "cp"})
 		if err != nil {
-			t.Errorf("%s: %v", tt.what, err)
-		} else if c != tt.world {
-			t.Errorf("%s: got %#v, want the world", tt.what, c)
+			return err
 		}
-	}
-	// The transposed whole world is a different order: it needs a Split.
-	s, err := m.Sub("cp", "dp")
+		f, err := m.Flatten([]string{"dp", "cp"}, "")
+		if err != nil {
+			return err
+		}
+		for _, tt := range []struct {
+			what string
+			get  func() (comm.Communicator, error)
+		}{
+			{"Group()", func() (comm.Communicator, error) { return m.Group(ctx) }},
+			{"Group(dp, cp)", func() (comm.Communicator, error) { return m.Group(ctx, "dp", "cp") }},
+			{"Flatten.Comm", func() (comm.Communicator, error) { return f.Comm(ctx, "dp_cp") }},
+			{"Flatten.Group()", func() (comm.Communicator, error) { return f.Group(ctx) }},
+			{"1-axis mesh Comm", func() (comm.Communicator, error) {
+				m1, err := mesh.New(w, []int{6}, []string{"x"})
+				if err != nil {
+					return nil, err
+				}
+				return m1.Comm(ctx, "x")
+			}},
+		} {
+			c, err := tt.get()
+			if err != nil {
+				return fmt.Errorf("%s: %w", tt.what, err)
+			}
+			if c != w {
+				return fmt.Errorf("%s: got %#v, want the world", tt.what, c)
+			}
+		}
+		if n := w.splits.Load(); n != 0 {
+			return fmt.Errorf("%d Splits for whole-world groups, want 0", n)
+		}
+		// The transposed whole world is a different order: it needs a Split.
+		s, err := m.Sub("cp", "dp")
+		if err != nil {
+			return err
+		}
+		if _, err := s.Group(ctx); err != nil {
+			return err
+		}
+		if n := w.splits.Load(); n != 1 {
+			return fmt.Errorf("transposed Group: %d Splits, want 1", n)
+		}
+		return nil
+	})
+	// A world of one rank needs no collective at all (the handle is aborted).
+	w1 := handle(t, 0, 1)
+	m, err := mesh.New(w1, []int{1, 1}, []string{"a", "b"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.Group(ctx); !errors.Is(err, errNoCollectives) {
-		t.Errorf("transposed Group: %v, want a Split", err)
+	if c, err := m.Comm(context.Background(), "b"); err != nil || c != w1 {
+		t.Errorf("size-1 world Comm: %v, %v; want the world", c, err)
+	}
+}
+
+// TestMeshAgreement: a rank that builds its mesh with other axis names or
+// sizes makes the first Comm or Group fail on every rank, naming the ranks
+// and the first differing axis, before any Split.
+func TestMeshAgreement(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		shape    []int
+		names    []string
+		odd      int // the rank that passes oddShape and oddNames
+		oddShape []int
+		oddNames []string
+		want     string // "" when the meshes agree
+	}{
+		{name: "same", shape: []int{2, 2}, names: []string{"dp", "tp"}, odd: 1, oddShape: []int{2, 2}, oddNames: []string{"dp", "tp"}},
+		{name: "names swapped", shape: []int{2, 2}, names: []string{"dp", "tp"}, odd: 1, oddShape: []int{2, 2}, oddNames: []string{"tp", "dp"},
+			want: `mesh: Group: ranks disagree on the mesh axes: rank 1 has "tp=2" at position 0 where ranks 0, 2, 3 have "dp=2"`},
+		{name: "shape", shape: []int{2, 2}, names: []string{"dp", "tp"}, odd: 3, oddShape: []int{4, 1}, oddNames: []string{"dp", "tp"},
+			want: `mesh: Group: ranks disagree on the mesh axes: rank 3 has "dp=4" at position 0 where ranks 0-2 have "dp=2"`},
+		{name: "fewer axes", shape: []int{2, 2}, names: []string{"dp", "tp"}, odd: 2, oddShape: []int{4}, oddNames: []string{"dp"},
+			want: `mesh: Group: ranks disagree on the mesh axes: rank 2 has "dp=4" at position 0 where ranks 0, 1, 3 have "dp=2" (1 entry against 2)`},
+		{name: "name, odd p", shape: []int{3}, names: []string{"dp"}, odd: 0, oddShape: []int{3}, oddNames: []string{"x"},
+			want: `mesh: Group: ranks disagree on the mesh axes: rank 0 has "x=3" at position 0 where ranks 1, 2 have "dp=3"`},
+		{name: "p=2", shape: []int{1, 2}, names: []string{"pp", "dp"}, odd: 1, oddShape: []int{2, 1}, oddNames: []string{"pp", "dp"},
+			want: `mesh: Group: ranks disagree on the mesh axes: rank 1 has "pp=2" at position 0 where rank 0 has "pp=1"`},
+	} {
+		p := prod(tc.shape)
+		errs := make([]error, p)
+		splits := make([]int64, p)
+		run(t, p, func(ctx context.Context, world comm.Communicator) error {
+			shape, names := tc.shape, tc.names
+			if world.Rank() == tc.odd {
+				shape, names = tc.oddShape, tc.oddNames
+			}
+			w := &counting{Communicator: world}
+			m, err := mesh.New(w, shape, names)
+			if err != nil {
+				return err
+			}
+			_, errs[world.Rank()] = m.Group(ctx, names[len(names)-1])
+			splits[world.Rank()] = w.splits.Load()
+			return nil
+		})
+		for r, err := range errs {
+			switch {
+			case tc.want == "" && err != nil:
+				t.Errorf("%s: rank %d: %v", tc.name, r, err)
+			case tc.want == "":
+			case err == nil || err.Error() != tc.want:
+				t.Errorf("%s: rank %d:\n got %v\nwant %s", tc.name, r, err, tc.want)
+			case !errors.Is(err, loom.ErrMismatch):
+				t.Errorf("%s: rank %d: %v does not match loom.ErrMismatch", tc.name, r, err)
+			case splits[r] != 0:
+				t.Errorf("%s: rank %d: %d Splits before the error, want 0", tc.name, r, splits[r])
+			}
+		}
 	}
 }
 

@@ -140,9 +140,18 @@ type DDP struct {
 // grad, float32 or float64, on one mesh, and Replicate on the dp axis (any
 // layout on other axes: DDP reduces local blocks, which are the same size
 // on every rank of a dp group). It is collective over the mesh (it may
-// create the dp communicator, under ctx). The all-reduces issued from the
-// hooks during backward run under the context given to Tape.Backward;
-// Finish and Discard wait under their own.
+// create the dp communicator, under ctx).
+//
+// Before planning any bucket, New checks that every rank of the dp group
+// passed the same parameters (names, global and local shapes, dtypes) in
+// the same order, and the same bucket limits and Average option; otherwise
+// every rank of the group returns the same *comm.DisagreementError
+// (matching loom.ErrMismatch), which names the ranks that differ and the
+// first entry where they do. The check costs one all-gather of 8 bytes per
+// rank for each of the two lists.
+//
+// The all-reduces issued from the hooks during backward run under the
+// context given to Tape.Backward; Finish and Discard wait under their own.
 func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, error) {
 	cfg := config{axis: "dp", first: DefaultFirstBucket, cap: DefaultBucketCap}
 	for _, o := range opts {
@@ -195,6 +204,23 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 	if err != nil {
 		return nil, err
 	}
+	// Buckets are planned from the list alone, so ranks whose lists differ
+	// in order would sum one parameter's gradient into another's without
+	// any collective noticing: check the lists agree before planning.
+	// The error counts ranks on the dp communicator: say so when they are
+	// not world ranks.
+	along := ""
+	if m.NDim() > 1 {
+		along = fmt.Sprintf(" (ranks along axis %q)", cfg.axis)
+	}
+	if err := comm.Agree(ctx, c, "the parameter list"+along, describeParams(params)); err != nil {
+		return nil, fmt.Errorf("parallel: New: %w", err)
+	}
+	// Average on some ranks only would silently scale some contributions.
+	opt := []string{fmt.Sprintf("first bucket %d B", cfg.first), fmt.Sprintf("bucket cap %d B", cfg.cap), fmt.Sprintf("Average %v", cfg.avg)}
+	if err := comm.Agree(ctx, c, "the DDP options"+along, opt); err != nil {
+		return nil, fmt.Errorf("parallel: New: %w", err)
+	}
 	d := &DDP{
 		cfg: cfg, params: slices.Clone(params), names: names, c: c,
 		axis: axis, dp: c.Size(), coord: coord,
@@ -220,6 +246,21 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 		}
 	}
 	return d, nil
+}
+
+// describeParams describes each parameter as the ranks of a dp group must
+// agree on it: "w [2 3] float64", its name, global shape and dtype, with
+// its local shape appended when another mesh axis shards it.
+func describeParams(params []*autograd.Value) []string {
+	out := make([]string, len(params))
+	for i, p := range params {
+		s := p.Spec()
+		out[i] = fmt.Sprintf("%s %v %v", p.Name(), s.Shape(), s.DType())
+		if local := s.LocalShape(); !slices.Equal(local, s.Shape()) {
+			out[i] += fmt.Sprintf(" local %v", local)
+		}
+	}
+	return out
 }
 
 // planBuckets assigns parameters (by local element count and dtype) to

@@ -14,7 +14,9 @@
 //
 // Buckets are planned once, at New, from the parameter list alone (local
 // block sizes and dtypes, which are the same on every rank of a dp group),
-// so every rank holds the same buckets in the same order: parameters are
+// so every rank holds the same buckets in the same order (New checks that
+// the ranks' lists agree, since lists in different orders would sum one
+// parameter's gradient into another's): parameters are
 // taken in reverse order (backward produces the last layers' gradients
 // first), the first bucket is small (DefaultFirstBucket, 1 MiB) so that
 // communication starts early, later buckets are capped (DefaultBucketCap,

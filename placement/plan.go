@@ -210,7 +210,13 @@ type PlannerOption func(*Planner)
 // CheckConsistency makes Redistribute and Execute compare the source and
 // destination specs across the mesh (one small all-gather of fingerprints)
 // before any tensor data moves, so ranks that disagree get ErrMismatch
-// instead of a hang or wrong data. It costs one collective per call.
+// instead of a hang or wrong data. It costs one collective per call, an
+// all-gather of 16 bytes per rank over the whole mesh: on comm/local the
+// Redistribute of a [16 16] float32 tensor from Shard(0) to Replicate went
+// from about 4.6 to 7.6 µs at p=2 and from 17 to 27 µs at p=4 (medians on
+// a 2-core machine; BenchmarkRedistributeConsistency). It is off by
+// default for that reason: a step of many small redistributes pays it on
+// each.
 func CheckConsistency() PlannerOption { return func(p *Planner) { p.check = true } }
 
 // NewPlanner returns a planner that prices steps with model; a nil model
