@@ -5,6 +5,7 @@ package nccl
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -13,7 +14,7 @@ import (
 
 // TestCancelledAtCall: a call given a context that has already ended is
 // refused and aborts the communicator, although NCCL could have completed
-// it (the fake completes collectives at once): otherwise it would fail or
+// it: otherwise it would fail or
 // succeed by when its peers arrive.
 func TestCancelledAtCall(t *testing.T) {
 	cancelled, cancel := context.WithCancel(context.Background())
@@ -34,14 +35,21 @@ func TestCancelledAtCall(t *testing.T) {
 			return comm.Send(cancelled, c, comm.Host([]float32{1}), 1, 0)
 		}},
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			f, c0 := rank0(t)
-			err := tc.call(c0)
-			if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), tc.op) {
-				t.Errorf("err = %v, want the context's cancellation naming %s", err, tc.op)
-			}
-			aborted(t, f, c0)
-		})
+	// A nonblocking communicator polls NCCL under the call's context while
+	// enqueuing; a blocking one returns from NCCL without looking at it.
+	for _, blocking := range []bool{false, true} {
+		for _, tc := range cases {
+			t.Run(fmt.Sprintf("blocking=%v/%s", blocking, tc.name), func(t *testing.T) {
+				f := useFake(t)
+				w := newWorld(t, f.load(t), 2, WithConfig(Config{Blocking: blocking}))
+				t.Cleanup(func() { _ = w.close() })
+				c0 := w.comms[0]
+				err := tc.call(c0)
+				if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), tc.op) {
+					t.Errorf("err = %v, want the context's cancellation naming %s", err, tc.op)
+				}
+				aborted(t, f, c0)
+			})
+		}
 	}
 }
