@@ -14,8 +14,7 @@ import (
 
 // TestCancelledAtCall: a call given a context that has already ended is
 // refused and aborts the communicator, although NCCL could have completed
-// it: otherwise it would fail or
-// succeed by when its peers arrive.
+// it: otherwise it would fail or succeed by when its peers arrive.
 func TestCancelledAtCall(t *testing.T) {
 	cancelled, cancel := context.WithCancel(context.Background())
 	cancel()
