@@ -14,6 +14,20 @@ import (
 // Cancelling a context or timing out aborts the communicator, because the
 // ranks can no longer agree on the sequence: every pending and later call on
 // it, on every rank, then fails with an error naming who aborted and why.
+//
+// A call given a context that has already ended (Do, Start, Split, and the
+// background work that Start queued, when it starts to run) aborts the
+// communicator as it is issued, whether its rank arrives before its peers
+// or after them: that call returns an error matching the context's error
+// (context.Canceled or context.DeadlineExceeded), and every peer's call an
+// AbortError naming the rank and the op. A context that ends while a call
+// waits aborts the same way, unless the call completes first.
+//
+// Once a communicator is aborted, its cause wins: every wait that ends
+// then, blocking or async (Work.Wait), returns an error for which
+// errors.Is(err, ErrAborted) holds and which carries the aborting rank's
+// message, even when the waiter's own context is cancelled meanwhile (as
+// comm/local's Run cancels it when a rank fails).
 type Communicator interface {
 	// Rank is this member's position, 0..Size()-1.
 	Rank() int
@@ -43,7 +57,9 @@ type Communicator interface {
 // Work is the handle of an operation issued with Start.
 type Work interface {
 	// Wait blocks until the operation completes, ctx is done or the
-	// communicator fails. A cancelled ctx aborts the communicator.
+	// communicator fails. A cancelled ctx aborts the communicator; when
+	// the communicator was aborted first, Wait returns that abort
+	// (errors.Is ErrAborted), not the cancellation.
 	Wait(ctx context.Context) error
 	// Done is closed when the operation has completed or failed.
 	Done() <-chan struct{}

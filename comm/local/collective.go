@@ -17,8 +17,9 @@ import (
 
 // run executes one collective end to end on this rank.
 func (c *Comm) run(ctx context.Context, seq uint64, call *comm.Call, id uint64, sh *sharing) error {
-	if e := c.g.err(); e != nil {
-		err := c.wrap(call.Op, seq, -1, e)
+	// Async work whose context ended before it ran aborts here, as a
+	// call given an ended context does when it is issued.
+	if err := c.admit(ctx, call.Op, seq, -1); err != nil {
 		c.rec.Update(id, comm.Failed, err)
 		return err
 	}

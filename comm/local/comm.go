@@ -119,7 +119,40 @@ func (c *Comm) Do(ctx context.Context, call comm.Call) error {
 	seq := c.seq
 	c.fillAlgorithm(&call)
 	id := c.rec.Begin(seq, &call, call.Algorithm)
+	if err := c.admit(ctx, call.Op, seq, -1); err != nil {
+		c.rec.Update(id, comm.Failed, err)
+		return err
+	}
 	return c.issue(ctx, seq, call, id, nil)
+}
+
+// admit checks, as a call is issued or starts to run, that the
+// communicator is usable and ctx has not ended. A call given an ended
+// context aborts the communicator at once, whether this rank arrives
+// before its peers or after them: waiting would notice the context only
+// when a peer is missing, so the same program would fail or succeed by
+// the order in which its ranks happen to arrive.
+func (c *Comm) admit(ctx context.Context, op comm.Op, seq uint64, peer int) error {
+	if e := c.g.err(); e != nil {
+		return c.wrap(op, seq, peer, e)
+	}
+	if err := ctx.Err(); err != nil {
+		return c.abortFor(c.errorf(op, seq, peer, "%w before the call started (context: %w)", errCancelled, err))
+	}
+	return nil
+}
+
+// abortFor aborts the communicator because this rank's call failed with e
+// (its context ended, it timed out, or a peer it waits for left) and
+// returns what the call reports: e, unless another abort came first and e
+// is a cancellation; then that abort, since a context cancelled after a
+// peer's failure (as local.Run cancels it) is the failure's consequence,
+// not its cause.
+func (c *Comm) abortFor(e *comm.Error) error {
+	if c.g.abort(&comm.AbortError{Rank: c.rank, Cause: e}) || !errors.Is(e, errCancelled) {
+		return e
+	}
+	return c.wrap(e.Op, e.Seq, -1, c.g.err())
 }
 
 // issue runs one blocking collective: inline when the rank's stream is
@@ -148,13 +181,14 @@ func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
 	if call.Op == comm.OpSplit {
 		return nil, c.errorf(call.Op, c.seq, -1, "%w: use Split", comm.ErrInvalid)
 	}
-	if e := c.g.err(); e != nil {
-		return nil, c.wrap(call.Op, c.seq+1, -1, e)
-	}
 	c.seq++
 	c.fillAlgorithm(&call)
 	t := &task{c: c, ctx: ctx, call: call, seq: c.seq, done: make(chan struct{})}
 	t.id = c.rec.Begin(t.seq, &t.call, call.Algorithm)
+	if err := c.admit(ctx, call.Op, t.seq, -1); err != nil {
+		c.rec.Update(t.id, comm.Failed, err)
+		return nil, err
+	}
 	c.push(t)
 	return t, nil
 }
@@ -181,7 +215,9 @@ type task struct {
 // Done implements comm.Work.
 func (t *task) Done() <-chan struct{} { return t.done }
 
-// Wait implements comm.Work. A cancelled ctx aborts the communicator.
+// Wait implements comm.Work. A cancelled ctx aborts the communicator,
+// unless it is aborted already: then the task's own outcome, which
+// carries that abort, is the answer.
 func (t *task) Wait(ctx context.Context) error {
 	select {
 	case <-t.done:
@@ -192,10 +228,14 @@ func (t *task) Wait(ctx context.Context) error {
 	case <-t.done:
 		return t.err
 	case <-ctx.Done():
-		err := fmt.Errorf("%w while waiting (context: %w)", errCancelled, ctx.Err())
-		t.c.Abort(t.c.errorf(t.call.Op, t.seq, -1, "%w", err))
-		<-t.done
-		return t.c.wrap(t.call.Op, t.seq, -1, err)
+		// Both cases may be ready at once; so may an abort and the
+		// cancellation that followed it, hence abortFor.
+		err := t.c.abortFor(t.c.errorf(t.call.Op, t.seq, -1, "%w while waiting (context: %w)", errCancelled, ctx.Err()))
+		<-t.done // the abort ends the task promptly
+		if errors.Is(err, errCancelled) {
+			return err // this rank's cancellation aborted the communicator
+		}
+		return t.err
 	}
 }
 
@@ -295,6 +335,10 @@ func (c *Comm) quiesce(ctx context.Context) error {
 		select {
 		case <-last.done:
 		case <-ctx.Done():
+			if c.g.err() != nil {
+				<-last.done // the abort ends it at once; Split reports the abort
+				continue
+			}
 			return ctx.Err()
 		}
 	}
@@ -316,8 +360,7 @@ func (c *Comm) waitFailed(op comm.Op, seq uint64, err error) error {
 	if errors.Is(ew.cause, comm.ErrTimeout) {
 		e.Err = fmt.Errorf("%w%s", ew.cause, c.dump(seq))
 	}
-	c.g.abort(&comm.AbortError{Rank: c.rank, Cause: e})
-	return e
+	return c.abortFor(e)
 }
 
 // dump writes the flight recorder where the options say and returns a note

@@ -61,11 +61,16 @@ func (w *world) leaving() <-chan struct{} {
 	return w.leftCh
 }
 
-func (w *world) abort(e *comm.AbortError) {
+// abort ends the world with e unless it has ended already; it reports
+// whether e is the abort that counts.
+func (w *world) abort(e *comm.AbortError) bool {
+	won := false
 	w.once.Do(func() {
 		w.failure.Store(e)
 		close(w.failed)
+		won = true
 	})
+	return won
 }
 
 // group is the state that the members of one communicator share.
@@ -117,11 +122,22 @@ func newGroup(w *world, name string, worldRanks []int) *group {
 	return g
 }
 
-func (g *group) abort(e *comm.AbortError) {
+// abort ends the group with e unless it or its world has ended already;
+// it reports whether e is the abort that counts. The world's abort is
+// kept even when a group aborts later: local.Run aborts the world with a
+// rank's error and only then cancels the context, and a rank whose wait
+// ends on that cancellation must not replace the cause by its own.
+func (g *group) abort(e *comm.AbortError) bool {
+	if g.w.failure.Load() != nil {
+		return false
+	}
+	won := false
 	g.once.Do(func() {
 		g.failure.Store(e)
 		close(g.failed)
+		won = true
 	})
+	return won
 }
 
 // err returns the abort that ends this group, its own or its world's.

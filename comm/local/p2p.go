@@ -57,11 +57,9 @@ func (c *Comm) postP2P(ctx context.Context, call comm.Call) (*p2pOp, error) {
 	if h == nil {
 		return fail(fmt.Errorf("%w: the local backend needs host buffers, got %T", comm.ErrUnsupported, b))
 	}
-	if e := c.g.err(); e != nil {
-		return fail(e)
-	}
-	if err := ctx.Err(); err != nil {
-		return fail(fmt.Errorf("%w (context: %w)", errCancelled, err))
+	if err := c.admit(ctx, call.Op, seq, call.Peer); err != nil {
+		c.rec.Update(id, comm.Failed, err)
+		return nil, err
 	}
 	o := &p2pOp{
 		c: c, op: call.Op, seq: seq, peer: call.Peer, tag: call.Tag, buf: h, id: id,
@@ -187,7 +185,7 @@ func (o *p2pOp) Wait(ctx context.Context) error {
 		case <-g.w.failed:
 			cause = g.err()
 		case <-ctx.Done():
-			cause = fmt.Errorf("%w (context: %w)", errCancelled, ctx.Err())
+			cause = fmt.Errorf("%w while waiting (context: %w)", errCancelled, ctx.Err())
 		case <-timer.C:
 			cause = fmt.Errorf("%w waiting for rank %d (tag %d)%s", comm.ErrTimeout, o.peer, o.tag, o.c.dump(o.seq))
 		case <-left:
@@ -198,10 +196,12 @@ func (o *p2pOp) Wait(ctx context.Context) error {
 		return o.err
 	default:
 	}
-	e := o.c.wrap(o.op, o.seq, o.peer, cause)
-	if _, aborted := cause.(*comm.AbortError); !aborted {
-		g.abort(&comm.AbortError{Rank: o.c.rank, Cause: e})
+	var err error
+	if _, aborted := cause.(*comm.AbortError); aborted {
+		err = o.c.wrap(o.op, o.seq, o.peer, cause)
+	} else {
+		err = o.c.abortFor(o.c.wrap(o.op, o.seq, o.peer, cause))
 	}
-	o.c.rec.Update(o.id, comm.Failed, e)
-	return e
+	o.c.rec.Update(o.id, comm.Failed, err)
+	return err
 }

@@ -26,6 +26,10 @@ func (c *Comm) Share(ctx context.Context, v any, use func(peers []any) error) er
 	seq := c.seq
 	c.fillAlgorithm(&call)
 	id := c.rec.Begin(seq, &call, call.Algorithm)
+	if err := c.admit(ctx, call.Op, seq, -1); err != nil {
+		c.rec.Update(id, comm.Failed, err)
+		return err
+	}
 	return c.issue(ctx, seq, call, id, &sharing{v: v, use: use})
 }
 

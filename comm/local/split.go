@@ -25,9 +25,12 @@ type splitResult struct {
 // (color, key), every member computes the same partition, and the first
 // member of each part to get there creates the shared group.
 func (c *Comm) Split(ctx context.Context, color, key int) (comm.Communicator, error) {
+	if err := c.admit(ctx, comm.OpSplit, c.seq+1, -1); err != nil {
+		return nil, err
+	}
 	// Split is ordered after every async collective issued before it.
 	if err := c.quiesce(ctx); err != nil {
-		return nil, c.errorf(comm.OpSplit, c.seq+1, -1, "%w while waiting for earlier async work (context: %w)", errCancelled, err)
+		return nil, c.abortFor(c.errorf(comm.OpSplit, c.seq+1, -1, "%w while waiting for earlier async work (context: %w)", errCancelled, err))
 	}
 	defer c.leaveInline()
 	c.seq++

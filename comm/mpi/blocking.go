@@ -190,6 +190,12 @@ func (c *Comm) watch(w *work, done <-chan struct{}) {
 			return
 		case <-w.ctx.Done():
 			cause = fmt.Errorf("%w while blocked in MPI (context: %w)", errCancelled, w.ctx.Err())
+			c.mu.Lock()
+			c.pollCtlLocked() // a peer's abort that has arrived wins
+			if e := c.failure.Load(); e != nil {
+				cause = e
+			}
+			c.mu.Unlock()
 		case <-deadline.C:
 			cause = fmt.Errorf("%w after %v: the blocking MPI call has not returned%s", comm.ErrTimeout, c.cfg.opts.Timeout, c.dump(w.seq))
 		case <-c.failed:

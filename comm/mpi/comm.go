@@ -436,6 +436,9 @@ func (c *Comm) SplitComm(ctx context.Context, color, key int) (*Comm, error) {
 	if busy {
 		return nil, c.errorf(comm.OpSplit, c.seq+1, -1, "%w: Split while async work is pending; wait for it first", comm.ErrInvalid)
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, c.refuseEnded(&call, err)
+	}
 	c.seq++
 	seq := c.seq
 	w := c.newWork(ctx, &call, seq)

@@ -72,7 +72,7 @@ func (c *Comm) start(ctx context.Context, call comm.Call, blocking bool) (*work,
 		return nil, c.errorf(call.Op, seq, peer, "%w: communicator freed", comm.ErrInvalid)
 	}
 	if err := ctx.Err(); err != nil {
-		return nil, c.errorf(call.Op, seq, peer, "%w before the call was issued (context: %w)", errCancelled, err)
+		return nil, c.refuseEnded(&call, err)
 	}
 	invalid := c.validate(&call)
 	check := c.cfg.opts.ConsistencyCheck && !p2p
@@ -103,6 +103,44 @@ func (c *Comm) start(ctx context.Context, call comm.Call, blocking bool) (*work,
 	}
 	c.enqueue(w, blocking && !p2p)
 	return w, nil
+}
+
+// refuseEnded fails a call given a context that has already ended
+// (cause is its error) and aborts the communicator, notifying the peers,
+// whether this rank comes to the call before its peers or after them: a
+// wait notices the context only while a peer is missing, so the same
+// program would otherwise fail or succeed by arrival order. A peer's
+// abort notice that has already arrived wins.
+func (c *Comm) refuseEnded(call *comm.Call, cause error) error {
+	p2p := call.Op == comm.OpSend || call.Op == comm.OpRecv
+	peer := -1
+	if p2p {
+		peer = call.Peer
+	}
+	c.mu.Lock()
+	c.pollCtlLocked()
+	if e := c.failure.Load(); e != nil {
+		c.mu.Unlock()
+		seq := c.seq + 1
+		if p2p {
+			seq = c.p2pSeq.Load() + 1
+		}
+		return c.wrap(call.Op, seq, peer, e)
+	}
+	var seq uint64
+	if p2p {
+		seq = c.p2pSeq.Add(1)
+	} else {
+		c.seq++
+		seq = c.seq
+	}
+	e := c.errorf(call.Op, seq, peer, "%w before the call started (context: %w)", errCancelled, cause)
+	id := c.rec.Begin(seq, call, call.Algorithm)
+	c.rec.Update(id, comm.Failed, e)
+	c.abortLocked(&comm.AbortError{Rank: c.rank, Cause: e}, true)
+	c.mu.Unlock()
+	c.hardAbort()
+	return e
 }
 
 func hostOf(b comm.Buffer) *comm.HostBuffer {

@@ -437,9 +437,18 @@ var errCancelled = errors.New("cancelled")
 
 // expireLocked fails the operations whose context is done or whose time is
 // up, the waiter's own ctx included, and aborts the communicator; it
-// reports whether it did.
+// reports whether it did. A peer's abort notice that has arrived wins over
+// a context that ended meanwhile (the program may have cancelled it
+// because of that failure): it is looked for first, and its abort fails
+// every pending operation with its cause.
 func (c *Comm) expireLocked(waiter *work, ctx context.Context) bool {
+	if c.failure.Load() != nil {
+		return false // the abort has failed every pending operation
+	}
 	if waiter != nil && ctx != nil && ctx.Err() != nil {
+		if c.pollCtlLocked(); c.failure.Load() != nil {
+			return false
+		}
 		c.expireOne(waiter, fmt.Errorf("%w while waiting (context: %w)", errCancelled, ctx.Err()))
 		return true
 	}
@@ -450,6 +459,9 @@ func (c *Comm) expireLocked(waiter *work, ctx context.Context) bool {
 				continue
 			}
 			if err := w.ctx.Err(); err != nil {
+				if c.pollCtlLocked(); c.failure.Load() != nil {
+					return false
+				}
 				c.expireOne(w, fmt.Errorf("%w (context: %w)", errCancelled, err))
 				return true
 			}

@@ -29,9 +29,10 @@ func rank0(t *testing.T) (*fake, *Comm) {
 }
 
 // TestWaitBoundedDuringAbort: a wait whose context ends while another
-// goroutine's abort is still inside ncclCommAbort returns then, with its
-// own cause, and does not flush pending sends meanwhile; the work fails,
-// with that cause, once the abort is done.
+// goroutine's abort is still inside ncclCommAbort returns then, with the
+// abort's cause (which wins over the context's), and does not flush
+// pending sends meanwhile; the work fails, with that cause, once the
+// abort is done.
 func TestWaitBoundedDuringAbort(t *testing.T) {
 	cases := []struct {
 		name  string
@@ -77,8 +78,8 @@ func TestWaitBoundedDuringAbort(t *testing.T) {
 			if took := time.Since(start); took > abortTime/2 {
 				t.Errorf("Wait returned after %v: it waited for the abort, not its context", took)
 			}
-			if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), tc.op) {
-				t.Errorf("err = %v, want the context's deadline, naming %s", err, tc.op)
+			if !errors.Is(err, comm.ErrAborted) || errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), tc.op) {
+				t.Errorf("err = %v, want the abort, not the context's deadline, naming %s", err, tc.op)
 			}
 			select {
 			case <-wk.Done():

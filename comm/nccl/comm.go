@@ -626,6 +626,9 @@ func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 	if err := c.usable(comm.OpSplit, c.seq+1, -1); err != nil {
 		return nil, err
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, c.refuseEnded(comm.OpSplit, c.seq+1, -1, err)
+	}
 	if !c.lib.split {
 		return nil, c.errorf(comm.OpSplit, c.seq+1, -1, "%w: ncclCommSplit needs NCCL 2.18 or later; the loaded NCCL is %s",
 			comm.ErrUnsupported, VersionString(c.lib.version))

@@ -115,6 +115,9 @@ func (c *Comm) start(ctx context.Context, call comm.Call, async bool) (*work, er
 	if err := c.usable(call.Op, seq, peer); err != nil {
 		return nil, err
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, c.refuseEnded(call.Op, seq, peer, err)
+	}
 	if call.Op == comm.OpSplit {
 		return nil, c.errorf(call.Op, seq, -1, "%w: use Split", comm.ErrInvalid)
 	}
@@ -160,6 +163,18 @@ func (c *Comm) start(ctx context.Context, call comm.Call, async bool) (*work, er
 		c.mu.Unlock()
 	}
 	return w, nil
+}
+
+// refuseEnded fails a call at seq given a context that has already ended
+// (cause is its error) and aborts the communicator, notifying the peers,
+// whether this rank comes to the call before its peers or after them:
+// issued, the call could complete with no wait that looks at the context,
+// so the same program would fail or succeed by arrival order. The caller
+// holds issueMu.
+func (c *Comm) refuseEnded(op comm.Op, seq uint64, peer int, cause error) error {
+	e := c.errorf(op, seq, peer, "%w before the call started (context: %w)", errCancelled, cause)
+	c.abort(&comm.AbortError{Rank: c.rank, Cause: e}, true, true)
+	return e
 }
 
 // issue stages w's buffers, enqueues its NCCL work and its event, and

@@ -163,6 +163,12 @@ func (w *work) Wait(ctx context.Context) error {
 		}
 		var cause error
 		if err := ctx.Err(); err != nil {
+			if e := c.failure.Load(); e != nil {
+				// The communicator was aborted first (the program may
+				// have cancelled ctx because of that failure): its cause
+				// wins, and w fails with it when the abort is done.
+				return c.wrap(w.op, w.seq, w.peer, e)
+			}
 			cause = fmt.Errorf("%w while waiting (context: %w)", errCancelled, err)
 		} else if time.Now().After(w.deadline) {
 			cause = c.timeoutCause(w)
@@ -257,8 +263,12 @@ func pending(ws []*work) []*work {
 }
 
 // expiredLocked returns the first queued work whose context has ended or
-// whose time is up, with the cause.
+// whose time is up, with the cause; none once the communicator has failed,
+// since its abort fails every queued work with its own cause.
 func (c *Comm) expiredLocked() (*work, error) {
+	if c.failure.Load() != nil {
+		return nil, nil
+	}
 	t := time.Now()
 	for _, w := range c.queue {
 		if w.finished || w.cause != nil {
