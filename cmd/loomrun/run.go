@@ -379,7 +379,11 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 				switch {
 				case !p.exited:
 					p.exited = true
-					desc := fmt.Sprintf("rank %d was lost: its supervisor ended (%v)", p.rank, e.err)
+					how := "exit status 0"
+					if e.err != nil {
+						how = e.err.Error()
+					}
+					desc := fmt.Sprintf("rank %d was lost: its supervisor ended (%s)", p.rank, how)
 					if !stopping {
 						failure = desc
 						logf("%s; ending the other ranks", failure)
