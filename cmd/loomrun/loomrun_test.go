@@ -22,8 +22,9 @@ import (
 	"github.com/b7ea7098/loom/comm/rendezvous"
 )
 
-// The test binary doubles as the child program (and, for the end-to-end
-// test, as loomrun itself): TestMain dispatches on childArg or
+// The test binary doubles as the child program, as the ranks' supervisor
+// (run re-executes its own binary) and, for the end-to-end tests, as
+// loomrun itself: TestMain dispatches on supervisorEnv, childArg or
 // launcherEnv before running any test.
 const (
 	childArg    = "-loomrun-test-child"
@@ -31,6 +32,9 @@ const (
 )
 
 func TestMain(m *testing.M) {
+	if isSupervisor() {
+		os.Exit(superviseMain(os.Args[1:]))
+	}
 	if len(os.Args) > 2 && os.Args[1] == childArg {
 		os.Exit(childMain(os.Args[2], os.Args[3:]))
 	}
@@ -466,11 +470,32 @@ func TestJobTimeout(t *testing.T) {
 }
 
 func TestStartFailure(t *testing.T) {
-	cfg := &config{nproc: 2, masterAddr: "127.0.0.1", grace: time.Second, prog: filepath.Join(t.TempDir(), "missing")}
-	var errb lockedBuffer
-	code := run(context.Background(), cfg, io.Discard, &errb, nil)
-	if code != 2 || !strings.Contains(errb.String(), "rank 0 failed to start") {
-		t.Errorf("exit %d, stderr %q", code, errb.String())
+	dir := t.TempDir()
+	// Executable but not a program: found by the launcher, refused by
+	// execve in the supervisor.
+	garbage := filepath.Join(dir, "garbage")
+	if err := os.WriteFile(garbage, []byte{0, 1, 2, 3}, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		prog string
+		want []string
+	}{
+		{filepath.Join(dir, "missing"), []string{"loomrun: cannot start the ranks: ", "no such file or directory"}},
+		{garbage, []string{"failed to start: exec format error", "loomrun: job failed: rank "}},
+	} {
+		cfg := &config{nproc: 2, masterAddr: "127.0.0.1", grace: time.Second, prog: tc.prog}
+		var errb lockedBuffer
+		code := run(context.Background(), cfg, io.Discard, &errb, nil)
+		t.Logf("%s: exit %d, stderr:\n%s", tc.prog, code, errb.String())
+		if code != 2 {
+			t.Errorf("%s: exit %d, want 2", tc.prog, code)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(errb.String(), w) {
+				t.Errorf("%s: stderr %q lacks %q", tc.prog, errb.String(), w)
+			}
+		}
 	}
 }
 

@@ -28,13 +28,52 @@
 // the processes is empty.
 //
 // Each process runs in its own process group. SIGINT and SIGTERM sent to
-// loomrun are forwarded to every running process (to its whole group);
-// after --grace the ones still running get SIGKILL. When a process fails
-// (exits with a non-zero status, or is killed by a signal), loomrun reports
-// which rank failed and how, sends SIGTERM to the others, SIGKILL to those
-// still running after --grace, waits for all of them, and exits with status
-// 1. --timeout (0: none) bounds the whole job the same way. If loomrun itself
-// dies, Linux sends its processes SIGTERM.
+// loomrun are forwarded to every process's whole group; after --grace the
+// ones still running get SIGKILL. When a process fails (exits with a
+// non-zero status, or is killed by a signal), loomrun reports which rank
+// failed and how, sends SIGTERM to the others, SIGKILL to those still
+// running after --grace, waits for all of them, and exits with status 1.
+// --timeout (0: none) bounds the whole job the same way.
+//
+// No process of a job outlives it: not a rank's children, not when a rank
+// exits early, not when loomrun itself is killed. Each rank runs under a
+// supervisor, loomrun's own binary re-executed, which starts the rank's
+// program as the leader of a new process group and reports its exit to
+// loomrun over a pipe:
+//
+//   - A rank's children stay in its group after it exits, so loomrun
+//     signals every rank's group when it stops the job, including the
+//     groups whose leader has exited. The supervisor learns of the rank's
+//     exit without reaping it (waitid with WNOWAIT), so the rank's pid,
+//     which is the group's id, cannot be reused while loomrun may signal
+//     the group.
+//   - Once every rank has exited, each supervisor ends what is left of its
+//     rank (reported as "rank R left N process(es) running"; the exit
+//     status does not change): SIGTERM to the group, SIGKILL after
+//     --grace. It is a child subreaper (Linux's PR_SET_CHILD_SUBREAPER), so
+//     every orphan of the rank is reparented to it, also one that left the
+//     group with setsid: it signals those too, reaps them all, and exits
+//     when none is left.
+//   - The supervisor also watches a pipe that only loomrun holds open: when
+//     loomrun exits or dies, even by SIGKILL, the kernel closes it and the
+//     supervisor ends the rank's processes in the same way.
+//   - If a supervisor is killed, the kernel kills its rank (the rank's
+//     parent-death signal, PR_SET_PDEATHSIG, is SIGKILL); loomrun reports
+//     the rank as lost, ends the job, SIGKILLs the rest of the rank's group
+//     at once and, a subreaper itself, SIGKILLs the orphans reparented to it
+//     before it exits.
+//   - The output of a rank is read until every process holding it has
+//     exited, and at most 250 ms after the rank's processes were ended, so
+//     a process that escaped cannot keep the job from ending.
+//
+// This needs neither cgroups nor privileges. What it cannot catch is a
+// process that both leaves the rank's group and escapes a killed
+// supervisor while loomrun is killed too. On unix systems other than Linux
+// there is no subreaper or parent-death signal: the supervisors still end
+// every rank's group when the job ends or loomrun dies, but orphans that
+// leave the group escape, and a group may be signalled after its leader
+// was reaped. Elsewhere loomrun starts the processes directly and ends only
+// them.
 //
 // Exit status: 0 when every process exited with status 0; 1 when one failed
 // or the job timed out; 2 for bad arguments or a failure to start; 128+n
@@ -114,12 +153,24 @@ func realMain(args []string) int {
 		fmt.Fprintf(os.Stderr, "loomrun: %v\n", err)
 		return 2
 	}
+	// Process-wide, so here and not in run: orphans of a rank whose
+	// supervisor died are reparented to loomrun, which ends them below.
+	if err := setSubreaper(); err != nil {
+		fmt.Fprintf(os.Stderr, "loomrun: %v; a rank whose supervisor dies may leave processes behind\n", err)
+	}
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
-	return run(context.Background(), cfg, os.Stdout, os.Stderr, sigs)
+	code := run(context.Background(), cfg, os.Stdout, os.Stderr, sigs)
+	if n := endOrphans(sweepTimeout); n > 0 {
+		fmt.Fprintf(os.Stderr, "loomrun: killed %d orphaned process(es) of the job\n", n)
+	}
+	return code
 }
 
 func main() {
+	if isSupervisor() {
+		os.Exit(superviseMain(os.Args[1:]))
+	}
 	os.Exit(realMain(os.Args[1:]))
 }
