@@ -40,10 +40,21 @@
 //
 // # Atomic writes
 //
-// [WriteFile] writes to a temporary file in the target's folder, syncs it to
+// [WriteFile] writes to a staging file in the target's folder, syncs it to
 // disk and renames it over the target, so a reader sees either the old file
 // or the complete new one, never a partial write, and a failed write leaves
-// no temporary file behind.
+// no staging file behind.
+//
+// A writer that dies mid-write (SIGKILL, a crash, a power cut) cannot remove
+// its staging file, so the next WriteFile to the same path does. The rule:
+// a staging file is "."+base+".tmp-"+decimal digits beside the target base,
+// and its writer holds an exclusive flock(2) on it until the rename; the
+// kernel releases that lock when the writer's process ends, however it
+// ends. WriteFile removes every staging file of its own target that it can
+// lock, and leaves those another process holds, so concurrent writers of one
+// path do not remove each other's files; files of other targets and other
+// names are never touched. Where flock is not available (Windows), nothing
+// is removed.
 //
 // # Tensor data
 //
