@@ -17,10 +17,16 @@
 // [Read] and [Open] enforce the format's validation rules and report each
 // violation with an [*Error] that wraps [ErrFormat]: a header longer than
 // [MaxHeaderSize] or than the file, a header that is not valid UTF-8 or not a
-// single JSON object, duplicate tensor names or metadata keys, unknown
-// dtypes, malformed shapes or offsets, a byte range that does not match shape
-// × dtype size, and tensors that overlap, leave gaps, run past the end of the
-// file or do not cover the data section exactly.
+// single JSON object (RFC 8259, with values nested at most 128 deep), a
+// string escape that does not encode valid Unicode (an unpaired UTF-16
+// surrogate such as \ud800), a tensor name that [Write] would refuse (the
+// empty name), duplicate tensor names or metadata keys, unknown dtypes,
+// malformed shapes or offsets, a byte range that does not match shape ×
+// dtype size, and tensors that overlap, leave gaps, run past the end of the
+// file or do not cover the data section exactly. Parsing takes time and
+// memory linear in the header's size (a million tensors in an 80 MB header:
+// about a second of CPU and 430 MB allocated in all), and memory is
+// allocated only for bytes the reader has shown it holds.
 //
 // # Checksums
 //
