@@ -284,10 +284,13 @@ func TestCostModelFile(t *testing.T) {
 		want string
 	}{
 		{"", filepath.Join(cache, "loom", "costmodel.json")},
+		{" \t", filepath.Join(cache, "loom", "costmodel.json")},
 		{moved, moved},
+		{" " + moved + "\n", moved},
 		{comm.CostModelOff, ""},
 		{"none", ""},
 		{"OFF", ""},
+		{" off ", ""},
 	}
 	for _, tc := range tests {
 		t.Run(tc.env, func(t *testing.T) {
