@@ -352,7 +352,9 @@ func grow[T any](s []T, n int) []T {
 	if cap(s)-len(s) >= n {
 		return s
 	}
-	return slices.Grow(s, max(n, len(s), 16))
+	t := make([]T, len(s), max(2*cap(s), len(s)+n, 16))
+	copy(t, s)
+	return t
 }
 
 // check validates an entry's fields, given as their JSON text (nil when
