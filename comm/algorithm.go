@@ -51,75 +51,137 @@ func (a Algorithm) String() string {
 }
 
 // ParseAlgorithm parses a name as printed by String; "rd", "rabenseifner",
-// "dbtree" and "hier" are accepted too.
+// "hd", "dbtree" and "hier" are accepted too, in any case, with '-' for
+// '_'. An unknown name is an error wrapping ErrInvalid.
 func ParseAlgorithm(s string) (Algorithm, error) {
+	a, ok := lookupAlgorithm(s)
+	if !ok {
+		return 0, fmt.Errorf("comm: ParseAlgorithm: %w: %s", ErrInvalid, unknownAlgorithm(s))
+	}
+	return a, nil
+}
+
+// lookupAlgorithm is ParseAlgorithm without the error.
+func lookupAlgorithm(s string) (Algorithm, bool) {
 	s = strings.ToLower(strings.ReplaceAll(s, "-", "_"))
 	switch s {
 	case "rd":
-		return RecursiveDoubling, nil
+		return RecursiveDoubling, true
 	case "rabenseifner", "hd":
-		return HalvingDoubling, nil
+		return HalvingDoubling, true
 	case "dbtree":
-		return DoubleTree, nil
+		return DoubleTree, true
 	case "hier":
-		return Hierarchical, nil
+		return Hierarchical, true
 	}
 	for i, n := range algoNames {
 		if s == n {
-			return Algorithm(i), nil
+			return Algorithm(i), true
 		}
 	}
-	return 0, fmt.Errorf("comm: unknown algorithm %q (want one of %s)", s, strings.Join(algoNames, ", "))
+	return 0, false
+}
+
+func unknownAlgorithm(s string) string {
+	return fmt.Sprintf("unknown algorithm %q (want one of %s)", s, strings.Join(algoNames, ", "))
 }
 
 // AlgorithmEnv is the environment variable that forces an algorithm for
-// every call that does not force one itself, as NCCL_ALGO does. Its value is
-// one algorithm name, which applies to every op it can serve (the others
-// stay automatic), or a comma list of op=algorithm pairs
-// ("allreduce=ring,allgather=direct"), which are strict.
+// every call that does not force one itself, as NCCL_ALGO does; its syntax
+// is ParseAlgorithmOverrides's. One algorithm name applies to every op it
+// can serve (the others stay automatic); op=algorithm entries
+// ("allreduce=ring,allgather=direct") are strict.
 const AlgorithmEnv = "LOOM_ALGO"
 
 // AlgorithmOverrides maps ops to forced algorithms; the zero Op key applies
 // to every op not listed.
 type AlgorithmOverrides map[Op]Algorithm
 
-// ParseAlgorithmOverrides parses the syntax of AlgorithmEnv.
+// ParseAlgorithmOverrides parses the syntax of AlgorithmEnv: empty or
+// blank (nothing forced), or a comma list of entries, each either
+// op=algorithm (force it for that op) or one algorithm name (the default
+// for every op not listed), at most one of which may be a plain name.
+// Names are those of ParseOp and ParseAlgorithm; white space around them is
+// ignored. An empty entry, an unknown op or algorithm, an op listed twice
+// (even with the same algorithm) and a second default are errors that wrap
+// ErrInvalid and quote the entry. String formats the result back.
 func ParseAlgorithmOverrides(s string) (AlgorithmOverrides, error) {
+	o, err := parseOverrides(s)
+	if err != nil {
+		return nil, fmt.Errorf("comm: ParseAlgorithmOverrides(%q): %w", s, err)
+	}
+	return o, nil
+}
+
+// parseOverrides is ParseAlgorithmOverrides with errors that do not say
+// where s came from.
+func parseOverrides(s string) (AlgorithmOverrides, error) {
 	out := AlgorithmOverrides{}
 	if strings.TrimSpace(s) == "" {
 		return out, nil
 	}
-	for _, part := range strings.Split(s, ",") {
-		part = strings.TrimSpace(part)
-		opName, algoName, hasOp := strings.Cut(part, "=")
-		if !hasOp {
-			a, err := ParseAlgorithm(part)
-			if err != nil {
-				return nil, err
+	from := make(map[Op]string) // the entry that set each key
+	for _, entry := range strings.Split(s, ",") {
+		entry = strings.TrimSpace(entry)
+		if entry == "" {
+			return nil, fmt.Errorf("%w: empty entry (entries are separated by single commas)", ErrInvalid)
+		}
+		opName, algoName, hasOp := strings.Cut(entry, "=")
+		var op Op // the default's key
+		if hasOp {
+			var ok bool
+			if op, ok = lookupOp(strings.TrimSpace(opName)); !ok {
+				return nil, fmt.Errorf("%w: entry %q: unknown op %q (want one of %s)", ErrInvalid, entry, strings.TrimSpace(opName), opList())
 			}
-			out[0] = a
-			continue
+		} else {
+			algoName = entry
 		}
-		op, err := ParseOp(strings.TrimSpace(opName))
-		if err != nil {
-			return nil, err
+		a, ok := lookupAlgorithm(strings.TrimSpace(algoName))
+		if !ok {
+			return nil, fmt.Errorf("%w: entry %q: %s", ErrInvalid, entry, unknownAlgorithm(strings.TrimSpace(algoName)))
 		}
-		a, err := ParseAlgorithm(strings.TrimSpace(algoName))
-		if err != nil {
-			return nil, err
+		if prev, dup := from[op]; dup {
+			if hasOp {
+				return nil, fmt.Errorf("%w: entry %q: %v is already forced by entry %q", ErrInvalid, entry, op, prev)
+			}
+			return nil, fmt.Errorf("%w: entry %q: a second default algorithm (the first is %q)", ErrInvalid, entry, prev)
 		}
+		from[op] = entry
 		out[op] = a
 	}
 	return out, nil
 }
 
-// AlgorithmOverridesFromEnv reads AlgorithmEnv.
+// AlgorithmOverridesFromEnv reads AlgorithmEnv, with the syntax of
+// ParseAlgorithmOverrides; an error names the variable and the entry.
 func AlgorithmOverridesFromEnv() (AlgorithmOverrides, error) {
-	o, err := ParseAlgorithmOverrides(os.Getenv(AlgorithmEnv))
+	return algorithmOverridesFrom(os.Getenv)
+}
+
+func algorithmOverridesFrom(getenv func(string) string) (AlgorithmOverrides, error) {
+	s := getenv(AlgorithmEnv)
+	o, err := parseOverrides(s)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", AlgorithmEnv, err)
+		return nil, fmt.Errorf("comm: %s=%q: %w", AlgorithmEnv, s, err)
 	}
 	return o, nil
+}
+
+// String formats o in the syntax of ParseAlgorithmOverrides, the default
+// first and then the ops in their declaration order
+// ("ring,allreduce=tree"); "" when o forces nothing. Parsing the result
+// gives o back whenever o holds only known ops and algorithms.
+func (o AlgorithmOverrides) String() string {
+	var parts []string
+	if a, ok := o[0]; ok {
+		parts = append(parts, a.String())
+	}
+	for op := Op(1); op != 0; op++ { // every op, in order, unknown ones too
+		if a, ok := o[op]; ok {
+			parts = append(parts, op.String()+"="+a.String())
+		}
+	}
+	return strings.Join(parts, ",")
 }
 
 // For returns the algorithm forced for op, or Auto. An op=algorithm entry

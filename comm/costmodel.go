@@ -93,10 +93,11 @@ func (m *CostModel) Estimate(op Op, p int, bytes int64) time.Duration {
 // Settings of the cost-model cache, read by CostModelFile.
 const (
 	// CostModelEnv names the environment variable that says where the
-	// measured cost model is cached: unset or empty means
-	// loom/costmodel.json in the user cache folder, CostModelOff (or "none")
-	// means measure nothing and use BuiltinCostModel, and anything else is
-	// the path of the cache file.
+	// measured cost model is cached: unset, empty or blank means
+	// loom/costmodel.json in the user cache folder, CostModelOff (or "none",
+	// in any case) means measure nothing and use BuiltinCostModel, and
+	// anything else is the path of the cache file (surrounding blanks
+	// removed).
 	CostModelEnv = "LOOM_COSTMODEL"
 	// CostModelOff is the CostModelEnv value that turns measuring off.
 	CostModelOff = "off"
@@ -130,7 +131,7 @@ func BuiltinCostModel() *CostModel {
 // off (CostModelEnv is CostModelOff or "none"), and an error when the
 // variable is unset and there is no user cache folder.
 func CostModelFile() (string, error) {
-	switch p := os.Getenv(CostModelEnv); {
+	switch p := strings.TrimSpace(os.Getenv(CostModelEnv)); {
 	case strings.EqualFold(p, CostModelOff) || strings.EqualFold(p, "none"):
 		return "", nil
 	case p != "":

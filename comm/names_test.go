@@ -1,6 +1,8 @@
 package comm_test
 
 import (
+	"errors"
+	"fmt"
 	"maps"
 	"strconv"
 	"strings"
@@ -159,29 +161,44 @@ func TestParseAlgorithmOverrides(t *testing.T) {
 	tests := []struct {
 		in      string
 		want    O
+		format  string // String of the result
 		wantErr string
 	}{
-		{in: "", want: O{}},
-		{in: "   ", want: O{}},
-		{in: "ring", want: O{0: comm.Ring}},
-		{in: " Tree ", want: O{0: comm.Tree}},
-		{in: "allreduce=ring", want: O{comm.OpAllReduce: comm.Ring}},
-		{in: "allreduce=ring,allgather=direct", want: O{comm.OpAllReduce: comm.Ring, comm.OpAllGather: comm.Direct}},
-		{in: "ring, reducescatter=rd", want: O{0: comm.Ring, comm.OpReduceScatter: comm.RecursiveDoubling}},
-		{in: "allreduce = tree , broadcast=dbtree", want: O{comm.OpAllReduce: comm.Tree, comm.OpBroadcast: comm.DoubleTree}},
-		{in: "allreduce=ring,allreduce=tree", want: O{comm.OpAllReduce: comm.Tree}},
-		{in: "bogus", wantErr: `unknown algorithm "bogus"`},
-		{in: "allreduce=bogus", wantErr: `unknown algorithm "bogus"`},
-		{in: "ring,allreduce=", wantErr: `unknown algorithm ""`},
-		{in: "nosuchop=ring", wantErr: `unknown op "nosuchop"`},
-		{in: "=ring", wantErr: `unknown op ""`},
+		{in: "", want: O{}, format: ""},
+		{in: "   ", want: O{}, format: ""},
+		{in: "ring", want: O{0: comm.Ring}, format: "ring"},
+		{in: " Tree ", want: O{0: comm.Tree}, format: "tree"},
+		{in: "auto", want: O{0: comm.Auto}, format: "auto"},
+		{in: "allreduce=ring", want: O{comm.OpAllReduce: comm.Ring}, format: "allreduce=ring"},
+		{in: "allreduce=ring,allgather=direct", want: O{comm.OpAllReduce: comm.Ring, comm.OpAllGather: comm.Direct}, format: "allreduce=ring,allgather=direct"},
+		{in: "reducescatter=rd, ring", want: O{0: comm.Ring, comm.OpReduceScatter: comm.RecursiveDoubling}, format: "ring,reducescatter=recursive_doubling"},
+		{in: "AllReduce = tree , broadcast=dbtree", want: O{comm.OpAllReduce: comm.Tree, comm.OpBroadcast: comm.DoubleTree}, format: "allreduce=tree,broadcast=double_tree"},
+		{in: "allreduce=halving-doubling", want: O{comm.OpAllReduce: comm.HalvingDoubling}, format: "allreduce=halving_doubling"},
+		{in: "allreduce=ring,allreduce=tree", wantErr: `invalid call: entry "allreduce=tree": allreduce is already forced by entry "allreduce=ring"`},
+		{in: "allreduce=ring,ALLREDUCE=ring", wantErr: `entry "ALLREDUCE=ring": allreduce is already forced by entry "allreduce=ring"`},
+		{in: "ring,tree", wantErr: `entry "tree": a second default algorithm (the first is "ring")`},
+		{in: "ring,allreduce=tree,rd", wantErr: `entry "rd": a second default algorithm`},
+		{in: "bogus", wantErr: `entry "bogus": unknown algorithm "bogus" (want one of auto, direct, ring,`},
+		{in: "allreduce=bogus", wantErr: `entry "allreduce=bogus": unknown algorithm "bogus"`},
+		{in: "ring,allreduce=", wantErr: `entry "allreduce=": unknown algorithm ""`},
+		{in: "allreduce=ring=tree", wantErr: `entry "allreduce=ring=tree": unknown algorithm "ring=tree"`},
+		{in: "nosuchop=ring", wantErr: `entry "nosuchop=ring": unknown op "nosuchop" (want one of allreduce, broadcast,`},
+		{in: "=ring", wantErr: `entry "=ring": unknown op ""`},
+		{in: "ring,", wantErr: `invalid call: empty entry`},
+		{in: ",ring", wantErr: `empty entry`},
+		{in: "allreduce=ring,,allgather=ring", wantErr: `empty entry`},
+		{in: " , ", wantErr: `empty entry`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.in, func(t *testing.T) {
 			got, err := comm.ParseAlgorithmOverrides(tc.in)
 			if tc.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
+				want := fmt.Sprintf("comm: ParseAlgorithmOverrides(%q): ", tc.in)
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) || !strings.HasPrefix(err.Error(), want) {
+					t.Fatalf("error = %v, want one starting %q and containing %q", err, want, tc.wantErr)
+				}
+				if !errors.Is(err, comm.ErrInvalid) {
+					t.Errorf("error %v does not wrap ErrInvalid", err)
 				}
 				if got != nil {
 					t.Errorf("got %v with the error", got)
@@ -194,7 +211,16 @@ func TestParseAlgorithmOverrides(t *testing.T) {
 			if got == nil || !maps.Equal(got, tc.want) {
 				t.Errorf("got %v, want %v", got, tc.want)
 			}
+			if s := got.String(); s != tc.format {
+				t.Errorf("String() = %q, want %q", s, tc.format)
+			}
+			if again, err := comm.ParseAlgorithmOverrides(got.String()); err != nil || !maps.Equal(again, got) {
+				t.Errorf("String() %q parses to %v, %v", got.String(), again, err)
+			}
 		})
+	}
+	if s := (comm.AlgorithmOverrides{comm.Op(99): comm.Ring}).String(); s != "op(99)=ring" {
+		t.Errorf("an unknown op formats as %q", s)
 	}
 }
 
@@ -229,7 +255,8 @@ func TestAlgorithmOverridesFromEnv(t *testing.T) {
 		{env: "hier", op: comm.OpAllReduce, want: comm.Hierarchical},
 		{env: "allgather=ring", op: comm.OpAllGather, want: comm.Ring},
 		{env: "allgather=ring", op: comm.OpAllReduce, want: comm.Auto},
-		{env: "allgather=nope", wantErr: `LOOM_ALGO: comm: unknown algorithm "nope"`},
+		{env: "allgather=nope", wantErr: `comm: LOOM_ALGO="allgather=nope": invalid call: entry "allgather=nope": unknown algorithm "nope"`},
+		{env: "allgather=ring,allgather=tree", wantErr: `comm: LOOM_ALGO="allgather=ring,allgather=tree": invalid call: entry "allgather=tree": allgather is already forced by entry "allgather=ring"`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.env, func(t *testing.T) {

@@ -44,14 +44,33 @@ func (o Op) String() string {
 	return fmt.Sprintf("op(%d)", uint8(o))
 }
 
-// ParseOp parses an operation name as printed by String.
+// ParseOp parses an operation name as printed by String, in any case. An
+// unknown name is an error wrapping ErrInvalid.
 func ParseOp(s string) (Op, error) {
+	o, ok := lookupOp(s)
+	if !ok {
+		return 0, fmt.Errorf("comm: ParseOp: %w: unknown op %q (want one of %s)", ErrInvalid, s, opList())
+	}
+	return o, nil
+}
+
+// lookupOp is ParseOp without the error.
+func lookupOp(s string) (Op, bool) {
 	for o, name := range opNames {
 		if strings.EqualFold(s, name) {
-			return o, nil
+			return o, true
 		}
 	}
-	return 0, fmt.Errorf("comm: unknown op %q", s)
+	return 0, false
+}
+
+// opList lists the op names in declaration order, for error messages.
+func opList() string {
+	names := make([]string, 0, len(opNames))
+	for o := OpAllReduce; o <= OpSplit; o++ {
+		names = append(names, opNames[o])
+	}
+	return strings.Join(names, ", ")
 }
 
 // Collective reports whether every rank of the communicator takes part.

@@ -11,13 +11,18 @@ import (
 const (
 	// DebugEnv holds comma-separated debug switches; "consistency" turns on
 	// the cross-rank fingerprint check (Options.ConsistencyCheck, which
-	// says what it costs).
+	// says what it costs). An unknown, empty or repeated switch is an error.
 	DebugEnv = "LOOM_DEBUG"
-	// TimeoutEnv overrides the default timeout (a Go duration, "30s").
+	// TimeoutEnv overrides the default timeout: a positive Go duration
+	// ("30s", "1m30s").
 	TimeoutEnv = "LOOM_TIMEOUT"
-	// DumpDirEnv is a folder where flight-recorder dumps are written on timeout.
+	// DumpDirEnv is a folder where flight-recorder dumps are written on
+	// timeout (Options.DumpDir); its value is used as is.
 	DumpDirEnv = "LOOM_FLIGHT_RECORDER_DIR"
 )
+
+// debugSwitches are the known LOOM_DEBUG switches, for error messages.
+const debugSwitches = "consistency"
 
 // DefaultTimeout bounds every blocking call unless Options say otherwise.
 const DefaultTimeout = 10 * time.Minute
@@ -60,32 +65,55 @@ type Options struct {
 }
 
 // OptionsFromEnv returns the defaults overridden by LOOM_DEBUG, LOOM_TIMEOUT,
-// LOOM_FLIGHT_RECORDER_DIR and LOOM_ALGO.
-func OptionsFromEnv() (Options, error) {
+// LOOM_FLIGHT_RECORDER_DIR and LOOM_ALGO (DebugEnv, TimeoutEnv, DumpDirEnv,
+// AlgorithmEnv; unset, empty and blank mean the default). A value that does not
+// parse is an error wrapping ErrInvalid that names the variable and the
+// offending entry.
+func OptionsFromEnv() (Options, error) { return optionsFrom(os.Getenv) }
+
+// optionsFrom is OptionsFromEnv reading the variables through getenv.
+func optionsFrom(getenv func(string) string) (Options, error) {
 	var o Options
-	for _, sw := range strings.Split(os.Getenv(DebugEnv), ",") {
-		switch strings.TrimSpace(sw) {
-		case "":
-		case "consistency":
-			o.ConsistencyCheck = true
-		default:
-			return o, fmt.Errorf("%s: unknown switch %q (known: consistency)", DebugEnv, sw)
+	if s := getenv(DebugEnv); strings.TrimSpace(s) != "" {
+		check, err := parseDebug(s)
+		if err != nil {
+			return Options{}, fmt.Errorf("comm: %s=%q: %w", DebugEnv, s, err)
 		}
+		o.ConsistencyCheck = check
 	}
-	if s := os.Getenv(TimeoutEnv); s != "" {
-		d, err := time.ParseDuration(s)
+	if s := getenv(TimeoutEnv); strings.TrimSpace(s) != "" {
+		d, err := time.ParseDuration(strings.TrimSpace(s))
 		if err != nil || d <= 0 {
-			return o, fmt.Errorf("%s: want a positive duration such as 30s, got %q", TimeoutEnv, s)
+			return Options{}, fmt.Errorf("comm: %s=%q: %w: want a positive duration such as 30s", TimeoutEnv, s, ErrInvalid)
 		}
 		o.Timeout = d
 	}
-	o.DumpDir = os.Getenv(DumpDirEnv)
-	algos, err := AlgorithmOverridesFromEnv()
+	o.DumpDir = getenv(DumpDirEnv)
+	algos, err := algorithmOverridesFrom(getenv)
 	if err != nil {
-		return o, err
+		return Options{}, err
 	}
 	o.Algorithms = algos
 	return o, nil
+}
+
+// parseDebug parses the switches of DebugEnv and reports whether
+// "consistency" is among them.
+func parseDebug(s string) (consistency bool, err error) {
+	for _, sw := range strings.Split(s, ",") {
+		switch sw = strings.TrimSpace(sw); sw {
+		case "":
+			return false, fmt.Errorf("%w: empty switch (switches are separated by single commas; known: %s)", ErrInvalid, debugSwitches)
+		case "consistency":
+			if consistency {
+				return false, fmt.Errorf("%w: switch %q given twice", ErrInvalid, sw)
+			}
+			consistency = true
+		default:
+			return false, fmt.Errorf("%w: unknown switch %q (known: %s)", ErrInvalid, sw, debugSwitches)
+		}
+	}
+	return consistency, nil
 }
 
 // WithDefaults fills every zero field with its default.

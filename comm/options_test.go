@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/comm"
 )
 
@@ -26,20 +27,28 @@ func TestOptionsFromEnv(t *testing.T) {
 		wantErr                   string
 	}{
 		{name: "nothing set"},
+		{name: "blank values", debug: "  ", timeout: " ", algo: "\t"},
 		{name: "consistency", debug: "consistency", wantCheck: true},
-		{name: "switch list with blanks", debug: " consistency ,,", wantCheck: true},
-		{name: "unknown switch", debug: "trace", wantErr: `LOOM_DEBUG: unknown switch "trace" (known: consistency)`},
+		{name: "switch with blanks", debug: " consistency ", wantCheck: true},
+		{name: "empty switch", debug: " consistency ,,", wantErr: `comm: LOOM_DEBUG=" consistency ,,": invalid call: empty switch`},
+		{name: "trailing comma", debug: "consistency,", wantErr: `LOOM_DEBUG="consistency,": invalid call: empty switch`},
+		{name: "repeated switch", debug: "consistency,consistency", wantErr: `LOOM_DEBUG="consistency,consistency": invalid call: switch "consistency" given twice`},
+		{name: "unknown switch", debug: "trace", wantErr: `comm: LOOM_DEBUG="trace": invalid call: unknown switch "trace" (known: consistency)`},
 		{name: "unknown switch after a good one", debug: "consistency,nccl", wantErr: `unknown switch "nccl"`},
+		{name: "switch in another case", debug: "Consistency", wantErr: `unknown switch "Consistency"`},
 		{name: "timeout", timeout: "30s", wantTimeout: 30 * time.Second},
+		{name: "timeout with blanks", timeout: " 30s ", wantTimeout: 30 * time.Second},
 		{name: "compound timeout", timeout: "1m30s", wantTimeout: 90 * time.Second},
-		{name: "timeout without unit", timeout: "30", wantErr: `LOOM_TIMEOUT: want a positive duration such as 30s, got "30"`},
-		{name: "bad timeout", timeout: "soon", wantErr: `got "soon"`},
-		{name: "zero timeout", timeout: "0s", wantErr: `got "0s"`},
-		{name: "negative timeout", timeout: "-5s", wantErr: `got "-5s"`},
+		{name: "timeout without unit", timeout: "30", wantErr: `comm: LOOM_TIMEOUT="30": invalid call: want a positive duration such as 30s`},
+		{name: "bad timeout", timeout: "soon", wantErr: `LOOM_TIMEOUT="soon"`},
+		{name: "zero timeout", timeout: "0s", wantErr: `LOOM_TIMEOUT="0s"`},
+		{name: "negative timeout", timeout: "-5s", wantErr: `LOOM_TIMEOUT="-5s"`},
+		{name: "two timeouts", timeout: "5s,6s", wantErr: `LOOM_TIMEOUT="5s,6s"`},
 		{name: "dump dir", dir: "/tmp/loom-dumps", wantDir: "/tmp/loom-dumps"},
 		{name: "algorithm", algo: "ring", wantAlgo: comm.Ring},
 		{name: "per-op algorithm", algo: "allgather=direct,allreduce=rd", wantAlgo: comm.RecursiveDoubling},
-		{name: "bad algorithm", algo: "allreduce=warp", wantErr: `LOOM_ALGO: comm: unknown algorithm "warp"`},
+		{name: "bad algorithm", algo: "allreduce=warp", wantErr: `comm: LOOM_ALGO="allreduce=warp": invalid call: entry "allreduce=warp": unknown algorithm "warp"`},
+		{name: "conflicting algorithms", algo: "allreduce=ring,allreduce=tree", wantErr: `comm: LOOM_ALGO="allreduce=ring,allreduce=tree": invalid call: entry "allreduce=tree": allreduce is already forced by entry "allreduce=ring"`},
 		{name: "everything", debug: "consistency", timeout: "2h", dir: "d", algo: "tree",
 			wantCheck: true, wantTimeout: 2 * time.Hour, wantDir: "d", wantAlgo: comm.Tree},
 	}
@@ -53,6 +62,9 @@ func TestOptionsFromEnv(t *testing.T) {
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("error = %v, want %q", err, tc.wantErr)
+				}
+				if !errors.Is(err, comm.ErrInvalid) || !errors.Is(err, loom.ErrInvalid) {
+					t.Errorf("error %v does not wrap comm.ErrInvalid and loom.ErrInvalid", err)
 				}
 				return
 			}
@@ -272,10 +284,13 @@ func TestCostModelFile(t *testing.T) {
 		want string
 	}{
 		{"", filepath.Join(cache, "loom", "costmodel.json")},
+		{" \t", filepath.Join(cache, "loom", "costmodel.json")},
 		{moved, moved},
+		{" " + moved + "\n", moved},
 		{comm.CostModelOff, ""},
 		{"none", ""},
 		{"OFF", ""},
+		{" off ", ""},
 	}
 	for _, tc := range tests {
 		t.Run(tc.env, func(t *testing.T) {

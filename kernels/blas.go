@@ -12,8 +12,12 @@ import (
 )
 
 // EnvVar names the environment variable that forces the GEMM backend:
-// "openblas", "blis", "go" (pure Go), or a path to a CBLAS shared library.
-// Empty or unset means automatic selection. [WithLibrary] takes precedence.
+// "openblas", "blis", "go" (pure Go; "pure-go", "purego", "none" and "off"
+// too), or a CBLAS shared library: a path, or a file name with ".so",
+// ".dylib" or ".dll" in it ("libmkl_rt.so"). Names are case-insensitive.
+// Empty, blank, unset or "auto" means automatic selection. Anything else
+// is an error ([ErrInvalid]) rather than a library search for a misspelt
+// name. [WithLibrary] takes precedence.
 const EnvVar = "LOOM_BLAS"
 
 // Backend identifies the implementation behind a [BLAS].
@@ -93,26 +97,26 @@ func Load(opts ...Option) (*BLAS, error) {
 		o(&cfg)
 	}
 	spec := strings.TrimSpace(string(dynlib.SpecFrom(cfg.lib, cfg.libSet, EnvVar)))
+	source := fmt.Sprintf("%s=%q", EnvVar, spec)
+	if cfg.libSet {
+		source = fmt.Sprintf("WithLibrary(%q)", cfg.lib)
+	}
+	choice, err := parseLibrary(spec)
+	if err != nil {
+		return nil, fmt.Errorf("kernels: Load: %s: %w", source, err)
+	}
 	threads := cfg.threads
 	if threads <= 0 {
 		threads = runtime.GOMAXPROCS(0)
 	}
 	b := &BLAS{backend: BackendGo, gog: newGoGEMM(threads)}
-
-	var cands []string
-	forced := true
-	switch strings.ToLower(spec) {
-	case "go", "pure-go", "purego", "none":
+	if choice.pureGo {
 		return b, nil
-	case "", "auto":
-		forced = false
+	}
+	forced := choice.cands != nil
+	cands := choice.cands
+	if !forced {
 		cands = autoCandidates()
-	case "openblas":
-		cands = openblasCandidates()
-	case "blis":
-		cands = blisCandidates()
-	default:
-		cands = []string{spec}
 	}
 	lib, _, tried, err := dynlib.First(dynlib.Search{Library: "cblas", Names: cands, Forced: forced}, openCBLAS)
 	for _, a := range tried {
@@ -122,7 +126,7 @@ func Load(opts ...Option) (*BLAS, error) {
 	}
 	if err != nil {
 		if forced {
-			return nil, fmt.Errorf("kernels: %s=%q: no CBLAS library could be loaded: %s", EnvVar, spec, strings.Join(b.tried, "; "))
+			return nil, fmt.Errorf("kernels: Load: %s: no CBLAS library could be loaded: %s", source, strings.Join(b.tried, "; "))
 		}
 		return b, nil
 	}
@@ -134,6 +138,51 @@ func Load(opts ...Option) (*BLAS, error) {
 		lib.setThreads(cfg.threads)
 	}
 	return b, nil
+}
+
+// libraryChoice is what a LOOM_BLAS value or WithLibrary spec asks for.
+type libraryChoice struct {
+	pureGo bool     // the pure-Go GEMM, no library
+	cands  []string // the only sonames or path to try; nil: automatic
+}
+
+// parseLibrary parses the syntax of EnvVar (surrounding blanks already
+// removed).
+func parseLibrary(spec string) (libraryChoice, error) {
+	switch strings.ToLower(spec) {
+	case "", "auto":
+		return libraryChoice{}, nil
+	case "go", "pure-go", "purego", "none", dynlib.Off:
+		return libraryChoice{pureGo: true}, nil
+	case "openblas":
+		return libraryChoice{cands: openblasCandidates()}, nil
+	case "blis":
+		return libraryChoice{cands: blisCandidates()}, nil
+	}
+	if looksLikeLibrary(spec) {
+		return libraryChoice{cands: []string{spec}}, nil
+	}
+	return libraryChoice{}, fmt.Errorf("%w: unknown GEMM backend %q (want auto, go, openblas, blis, or a CBLAS shared library: a path or a name such as libmkl_rt.so)", ErrInvalid, spec)
+}
+
+// looksLikeLibrary reports whether spec names a shared library file: it
+// has a path separator, or a dot-separated part of its name after the
+// first is "so" (libx.so, libx.so.3), "dylib" or "dll".
+func looksLikeLibrary(spec string) bool {
+	if strings.ContainsAny(spec, "/\\") {
+		return true
+	}
+	parts := strings.Split(strings.ToLower(spec), ".")
+	if parts[0] == "" {
+		return false
+	}
+	for _, p := range parts[1:] {
+		switch p {
+		case "so", "dylib", "dll":
+			return true
+		}
+	}
+	return false
 }
 
 // Default returns a process-wide [BLAS] loaded by Load() with no options on

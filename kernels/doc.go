@@ -27,8 +27,10 @@
 //     candidate was rejected.
 //   - The environment variable LOOM_BLAS (see [EnvVar]), or [WithLibrary],
 //     forces a choice: "openblas" or "blis" (that family's sonames only), "go"
-//     (the pure-Go GEMM), or a path to a shared library. A forced library that
-//     does not load is an error, not a silent fallback.
+//     or "off" (the pure-Go GEMM), or a shared library (a path, or a name
+//     such as libmkl_rt.so). A forced library that does not load is an
+//     error, not a silent fallback, and so is any other value ([ErrInvalid]):
+//     a misspelt name is not searched for as a library.
 //
 // [BLAS.Name] reports the choice, e.g.
 // "openblas (/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so)"

@@ -17,10 +17,16 @@
 // [Read] and [Open] enforce the format's validation rules and report each
 // violation with an [*Error] that wraps [ErrFormat]: a header longer than
 // [MaxHeaderSize] or than the file, a header that is not valid UTF-8 or not a
-// single JSON object, duplicate tensor names or metadata keys, unknown
-// dtypes, malformed shapes or offsets, a byte range that does not match shape
-// × dtype size, and tensors that overlap, leave gaps, run past the end of the
-// file or do not cover the data section exactly.
+// single JSON object (RFC 8259, with values nested at most 128 deep), a
+// string escape that does not encode valid Unicode (an unpaired UTF-16
+// surrogate such as \ud800), a tensor name that [Write] would refuse (the
+// empty name), duplicate tensor names or metadata keys, unknown dtypes,
+// malformed shapes or offsets, a byte range that does not match shape ×
+// dtype size, and tensors that overlap, leave gaps, run past the end of the
+// file or do not cover the data section exactly. Parsing takes time and
+// memory linear in the header's size (a million tensors in an 80 MB header:
+// about a second of CPU and 430 MB allocated in all), and memory is
+// allocated only for bytes the reader has shown it holds.
 //
 // # Checksums
 //
@@ -40,10 +46,21 @@
 //
 // # Atomic writes
 //
-// [WriteFile] writes to a temporary file in the target's folder, syncs it to
+// [WriteFile] writes to a staging file in the target's folder, syncs it to
 // disk and renames it over the target, so a reader sees either the old file
 // or the complete new one, never a partial write, and a failed write leaves
-// no temporary file behind.
+// no staging file behind.
+//
+// A writer that dies mid-write (SIGKILL, a crash, a power cut) cannot remove
+// its staging file, so the next WriteFile to the same path does. The rule:
+// a staging file is "."+base+".tmp-"+decimal digits beside the target base,
+// and its writer holds an exclusive flock(2) on it until the rename; the
+// kernel releases that lock when the writer's process ends, however it
+// ends. WriteFile removes every staging file of its own target that it can
+// lock, and leaves those another process holds, so concurrent writers of one
+// path do not remove each other's files; files of other targets and other
+// names are never touched. Where flock is not available (Windows), nothing
+// is removed.
 //
 // # Tensor data
 //

@@ -1,18 +1,17 @@
 package safetensors
 
 import (
-	"bytes"
+	"cmp"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"math"
 	"os"
 	"slices"
-	"sort"
+	"strings"
 	"unicode/utf8"
 )
 
@@ -40,6 +39,12 @@ type Info struct {
 	Size int64
 }
 
+// entry is one tensor of a File.
+type entry struct {
+	name string
+	info Info
+}
+
 // File is an opened safetensors file whose header has been parsed and
 // validated. Tensor data stays in the underlying reader until a tensor is
 // requested. A File is safe for concurrent use if its reader is.
@@ -47,11 +52,10 @@ type File struct {
 	r       io.ReaderAt
 	closer  io.Closer
 	path    string
-	base    int64 // file offset of the data section
-	infos   map[string]Info
-	names   []string
+	base    int64   // file offset of the data section
+	entries []entry // sorted by name
 	meta    map[string]string
-	sums    map[string][sha256.Size]byte // nil when the file has no checksums
+	sums    [][sha256.Size]byte // entries[i]'s checksum; nil when the file has none
 	dataLen int64
 }
 
@@ -82,6 +86,9 @@ func Open(path string) (*File, error) {
 // Read parses and validates the safetensors file held by r, which is size
 // bytes long. It reads the header and the file's last byte (to detect a
 // truncated file); tensor data is read on demand by Tensor and Verify.
+// Memory is allocated only for bytes r has shown it holds (not for size or
+// the stated header length alone), and parsing takes time and memory
+// linear in the header's length.
 func Read(r io.ReaderAt, size int64) (*File, error) {
 	if size < 8 {
 		return nil, formatErr("", fmt.Sprintf("truncated file: %d bytes, need at least 8 for the header length", max(size, 0)), nil)
@@ -99,9 +106,9 @@ func Read(r io.ReaderAt, size int64) (*File, error) {
 	case n == 0:
 		return nil, formatErr("", "empty header", nil)
 	}
-	hdr := make([]byte, n)
-	if err := readFull(r, hdr, 8); err != nil {
-		return nil, formatErr("", "truncated file: cannot read the header", err)
+	hdr, err := readHeader(r, int(n))
+	if err != nil {
+		return nil, formatErr("", fmt.Sprintf("truncated file: cannot read the %d-byte header", n), err)
 	}
 	f := &File{r: r, base: 8 + int64(n), dataLen: size - 8 - int64(n)}
 	if err := f.parseHeader(hdr); err != nil {
@@ -116,6 +123,21 @@ func Read(r io.ReaderAt, size int64) (*File, error) {
 	return f, nil
 }
 
+// readHeader reads the n header bytes that follow the length field. It
+// first reads the header's last byte, so that a reader holding less than
+// the length field says fails before the header's memory is allocated.
+func readHeader(r io.ReaderAt, n int) ([]byte, error) {
+	var last [1]byte
+	if err := readFull(r, last[:], 8+int64(n)-1); err != nil {
+		return nil, err
+	}
+	hdr := make([]byte, n)
+	if err := readFull(r, hdr, 8); err != nil {
+		return nil, err
+	}
+	return hdr, nil
+}
+
 // readFull reads len(p) bytes at off, accepting io.EOF with a full read.
 func readFull(r io.ReaderAt, p []byte, off int64) error {
 	n, err := r.ReadAt(p, off)
@@ -128,89 +150,19 @@ func readFull(r io.ReaderAt, p []byte, off int64) error {
 	return err
 }
 
-// field is one key/value pair of a JSON object, in file order.
-type field struct {
-	key string
-	val json.RawMessage
-}
-
-// duplicateKeyError reports a key that occurs twice in one JSON object.
-type duplicateKeyError struct{ key string }
-
-func (e duplicateKeyError) Error() string { return fmt.Sprintf("duplicate key %q", e.key) }
-
-// objectFields decodes data, which must hold one JSON object followed by
-// nothing but whitespace, into its fields. A repeated key is a
-// duplicateKeyError.
-func objectFields(data []byte) ([]field, error) {
-	dec := json.NewDecoder(bytes.NewReader(data))
-	tok, err := dec.Token()
-	if err != nil {
-		return nil, err
+// checkName reports what makes name unusable as a tensor name, or "" when
+// it is fine. Write (through Tensor.Validate) and Read both use it, so a
+// file Read accepts can be written back.
+func checkName(name string) string {
+	switch {
+	case name == "":
+		return "empty tensor name"
+	case !utf8.ValidString(name):
+		return "name is not valid UTF-8"
+	case name == metadataKey:
+		return "name is reserved for metadata"
 	}
-	if d, ok := tok.(json.Delim); !ok || d != '{' {
-		return nil, errors.New("not a JSON object")
-	}
-	seen := make(map[string]bool)
-	var out []field
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return nil, err
-		}
-		key, ok := tok.(string)
-		if !ok {
-			return nil, errors.New("object key is not a string")
-		}
-		if seen[key] {
-			return nil, duplicateKeyError{key}
-		}
-		seen[key] = true
-		var raw json.RawMessage
-		if err := dec.Decode(&raw); err != nil {
-			return nil, err
-		}
-		out = append(out, field{key, raw})
-	}
-	if _, err := dec.Token(); err != nil {
-		return nil, err
-	}
-	if rest := bytes.TrimLeft(data[dec.InputOffset():], " \t\r\n"); len(rest) != 0 {
-		return nil, fmt.Errorf("unexpected data after the JSON object at byte %d", len(data)-len(rest))
-	}
-	return out, nil
-}
-
-// stringObject decodes a JSON object whose values are all strings.
-func stringObject(data []byte) (map[string]string, error) {
-	fields, err := objectFields(data)
-	if err != nil {
-		return nil, err
-	}
-	m := make(map[string]string, len(fields))
-	for _, fl := range fields {
-		if len(fl.val) == 0 || fl.val[0] != '"' {
-			return nil, fmt.Errorf("value of %q is not a string", fl.key)
-		}
-		var s string
-		if err := json.Unmarshal(fl.val, &s); err != nil {
-			return nil, fmt.Errorf("value of %q: %w", fl.key, err)
-		}
-		m[fl.key] = s
-	}
-	return m, nil
-}
-
-// uints decodes a JSON array of non-negative integers.
-func uints(raw json.RawMessage) ([]uint64, error) {
-	if len(raw) == 0 || raw[0] != '[' {
-		return nil, errors.New("not an array")
-	}
-	var v []uint64
-	if err := json.Unmarshal(raw, &v); err != nil {
-		return nil, errors.New("not an array of non-negative integers")
-	}
-	return v, nil
+	return ""
 }
 
 // parseHeader fills f from the header bytes and validates the layout.
@@ -221,139 +173,371 @@ func (f *File) parseHeader(hdr []byte) error {
 	if hdr[0] != '{' {
 		return formatErr("", "header does not start with '{'", nil)
 	}
-	fields, err := objectFields(hdr)
-	if err != nil {
-		var dup duplicateKeyError
-		if errors.As(err, &dup) {
-			return formatErr(dup.key, "duplicate tensor name", nil)
+	p := headerParser{s: scanner{b: hdr}, dataLen: f.dataLen}
+	if err := p.parse(); err != nil {
+		var se *syntaxError
+		if errors.As(err, &se) {
+			return formatErr("", "header is not a valid JSON object", err)
 		}
-		return formatErr("", "header is not a valid JSON object", err)
+		return err
 	}
-	f.infos = make(map[string]Info, len(fields))
-	for _, fl := range fields {
-		if fl.key == metadataKey {
-			if string(fl.val) == "null" {
-				continue
-			}
-			m, err := stringObject(fl.val)
-			if err != nil {
-				var dup duplicateKeyError
-				if errors.As(err, &dup) {
-					return formatErr("", fmt.Sprintf("duplicate metadata key %q", dup.key), nil)
-				}
-				return formatErr("", "__metadata__ must be an object of string values", err)
-			}
-			f.meta = m
-			continue
-		}
-		info, err := f.parseEntry(fl.key, fl.val)
-		if err != nil {
-			return err
-		}
-		f.infos[fl.key] = info
-		f.names = append(f.names, fl.key)
+	f.meta = p.meta
+	f.entries = p.entries
+	// One string holds every name, so that the names cost one allocation.
+	all := string(p.names)
+	begin := 0
+	for k, end := range p.nameEnds {
+		f.entries[k].name = all[begin:end]
+		begin = end
 	}
-	sort.Strings(f.names)
+	for _, e := range f.entries {
+		if msg := checkName(e.name); msg != "" {
+			return formatErr(e.name, msg, nil)
+		}
+	}
+	// Writers list tensors in name order, so this usually sorts nothing.
+	byName := func(a, b entry) int { return strings.Compare(a.name, b.name) }
+	if !slices.IsSortedFunc(f.entries, byName) {
+		slices.SortFunc(f.entries, byName)
+	}
+	for k := 1; k < len(f.entries); k++ {
+		if f.entries[k].name == f.entries[k-1].name {
+			return formatErr(f.entries[k].name, "duplicate tensor name", nil)
+		}
+	}
 	if err := f.checkLayout(); err != nil {
 		return err
 	}
-	return f.parseChecksums()
+	return f.parseChecksums(p.sumsText)
 }
 
-// parseEntry validates one tensor entry on its own.
-func (f *File) parseEntry(name string, raw json.RawMessage) (Info, error) {
-	fields, err := objectFields(raw)
-	if err != nil {
-		return Info{}, formatErr(name, "entry must be an object with dtype, shape and data_offsets", err)
-	}
-	var dtRaw, shapeRaw, offRaw json.RawMessage
-	for _, fl := range fields {
-		switch fl.key {
-		case "dtype":
-			dtRaw = fl.val
-		case "shape":
-			shapeRaw = fl.val
-		case "data_offsets":
-			offRaw = fl.val
+// headerParser holds the state of one header's parse.
+type headerParser struct {
+	s        scanner
+	dataLen  int64
+	names    []byte // every tensor name, back to back
+	nameEnds []int  // where entries[i]'s name ends in names
+	entries  []entry
+	dims     []int // the block that shapes are cut from
+	meta     map[string]string
+	metaSeen bool
+	sumsText []byte // the ChecksumKey metadata value; nil when there is none
+	// Scratch buffers, one per use, so that nested scans do not clobber
+	// each other.
+	key, field, mkey, mval, dtype []byte
+	nums                          []uint64
+}
+
+// parse reads the top-level object.
+func (p *headerParser) parse() error {
+	var err error
+	p.key, err = p.s.object(p.key, func(key []byte) error {
+		if string(key) == metadataKey {
+			return p.metadata()
 		}
+		return p.entry(key)
+	})
+	if err != nil {
+		return err
 	}
+	p.s.ws()
+	if p.s.i != len(p.s.b) {
+		return formatErr("", fmt.Sprintf("unexpected data after the JSON object at byte %d", p.s.i), nil)
+	}
+	return nil
+}
+
+// metadata reads the "__metadata__" value: null or an object of strings.
+func (p *headerParser) metadata() error {
+	if p.metaSeen {
+		return formatErr(metadataKey, "duplicate key", nil)
+	}
+	p.metaSeen = true
+	const what = "__metadata__ must be an object of string values"
+	if p.s.peek() != '{' {
+		raw, err := p.s.rawValue()
+		switch {
+		case err != nil:
+			return err
+		case string(raw) == "null":
+			return nil
+		}
+		return formatErr("", what, fmt.Errorf("found %s", clip(raw)))
+	}
+	p.meta = make(map[string]string)
+	var err error
+	p.mkey, err = p.s.object(p.mkey, func(key []byte) error {
+		if _, dup := p.meta[string(key)]; dup {
+			return formatErr("", fmt.Sprintf("duplicate metadata key %q", key), nil)
+		}
+		if p.s.peek() != '"' {
+			if _, err := p.s.rawValue(); err != nil {
+				return err
+			}
+			return formatErr("", what, fmt.Errorf("value of %q is not a string", key))
+		}
+		var err error
+		if p.mval, err = p.s.str(p.mval[:0]); err != nil {
+			return err
+		}
+		if string(key) == ChecksumKey {
+			p.sumsText = slices.Clone(p.mval)
+		}
+		p.meta[string(key)] = string(p.mval)
+		return nil
+	})
+	return err
+}
+
+// entry reads one tensor's entry; name is its key. The entry's fields are
+// collected first and checked in a fixed order afterwards, so that the
+// first problem reported does not depend on the order of the fields.
+func (p *headerParser) entry(name []byte) error {
+	start := len(p.names)
+	p.names = append(grow(p.names, len(name)), name...)
+	p.nameEnds = append(grow(p.nameEnds, 1), len(p.names))
+	tensor := func() string { return string(p.names[start:]) }
+	if p.s.peek() != '{' {
+		raw, err := p.s.rawValue()
+		if err != nil {
+			return err
+		}
+		return formatErr(tensor(), "entry must be an object with dtype, shape and data_offsets", fmt.Errorf("found %s", clip(raw)))
+	}
+	var dtRaw, shapeRaw, offRaw []byte
+	var others map[string]bool // keys other than the three, to find duplicates
+	var err error
+	p.field, err = p.s.object(p.field, func(key []byte) error {
+		var dst *[]byte
+		switch string(key) {
+		case "dtype":
+			dst = &dtRaw
+		case "shape":
+			dst = &shapeRaw
+		case "data_offsets":
+			dst = &offRaw
+		default:
+			if others[string(key)] {
+				return formatErr(tensor(), "entry must be an object with dtype, shape and data_offsets", fmt.Errorf("duplicate key %q", key))
+			}
+			if others == nil {
+				others = make(map[string]bool)
+			}
+			others[string(key)] = true
+			return p.s.skip(2)
+		}
+		if *dst != nil {
+			return formatErr(tensor(), "entry must be an object with dtype, shape and data_offsets", fmt.Errorf("duplicate key %q", key))
+		}
+		raw, err := p.s.rawValue()
+		*dst = raw
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	info, err := p.check(dtRaw, shapeRaw, offRaw)
+	if err != nil {
+		return formatErr(tensor(), err.Error(), nil)
+	}
+	p.entries = append(grow(p.entries, 1), entry{info: info})
+	return nil
+}
+
+// grow makes room for n more elements in s, doubling its capacity when it
+// must grow (append grows large slices by only 1.25×, which for the
+// per-tensor slices of a large header would allocate about 5 times their
+// final size in all).
+func grow[T any](s []T, n int) []T {
+	if cap(s)-len(s) >= n {
+		return s
+	}
+	t := make([]T, len(s), max(2*cap(s), len(s)+n, 16))
+	copy(t, s)
+	return t
+}
+
+// check validates an entry's fields, given as their JSON text (nil when
+// missing).
+func (p *headerParser) check(dtRaw, shapeRaw, offRaw []byte) (Info, error) {
 	switch {
 	case dtRaw == nil:
-		return Info{}, formatErr(name, "missing dtype", nil)
+		return Info{}, errors.New("missing dtype")
 	case shapeRaw == nil:
-		return Info{}, formatErr(name, "missing shape", nil)
+		return Info{}, errors.New("missing shape")
 	case offRaw == nil:
-		return Info{}, formatErr(name, "missing data_offsets", nil)
+		return Info{}, errors.New("missing data_offsets")
 	}
-	var dts string
-	if dtRaw[0] != '"' || json.Unmarshal(dtRaw, &dts) != nil {
-		return Info{}, formatErr(name, fmt.Sprintf("dtype %s is not a string", dtRaw), nil)
+	if dtRaw[0] != '"' {
+		return Info{}, fmt.Errorf("dtype %s is not a string", clip(dtRaw))
 	}
-	dt := DType(dts)
-	if !dt.Valid() {
-		return Info{}, formatErr(name, fmt.Sprintf("unknown dtype %q", dts), nil)
+	var err error
+	sub := scanner{b: dtRaw}
+	if p.dtype, err = sub.str(p.dtype[:0]); err != nil {
+		return Info{}, err // cannot happen: the value was scanned already
 	}
-	dims, err := uints(shapeRaw)
+	dt := dtypeOf(p.dtype)
+	if dt == "" {
+		return Info{}, fmt.Errorf("unknown dtype %q", p.dtype)
+	}
+	dims, err := p.uintList("shape", shapeRaw)
 	if err != nil {
-		return Info{}, formatErr(name, fmt.Sprintf("shape %s: %v", shapeRaw, err), nil)
+		return Info{}, err
 	}
-	shape := make([]int, len(dims))
-	for i, d := range dims {
+	for _, d := range dims {
 		if d > math.MaxInt64 {
-			return Info{}, formatErr(name, fmt.Sprintf("shape %s: dimension %d is too large", shapeRaw, d), nil)
+			return Info{}, fmt.Errorf("shape %s: dimension %d is too large", clip(shapeRaw), d)
 		}
-		shape[i] = int(d)
 	}
-	offs, err := uints(offRaw)
+	shape := p.shape(dims)
+	offs, err := p.uintList("data_offsets", offRaw)
 	if err == nil && len(offs) != 2 {
-		err = fmt.Errorf("has %d elements, want 2 ([begin, end])", len(offs))
+		err = fmt.Errorf("data_offsets %s: has %d elements, want 2 ([begin, end])", clip(offRaw), len(offs))
 	}
 	if err != nil {
-		return Info{}, formatErr(name, fmt.Sprintf("data_offsets %s: %v", offRaw, err), nil)
+		return Info{}, err
 	}
 	begin, end := offs[0], offs[1]
 	switch {
 	case end < begin:
-		return Info{}, formatErr(name, fmt.Sprintf("data_offsets [%d, %d]: end before begin", begin, end), nil)
-	case end > uint64(f.dataLen):
-		return Info{}, formatErr(name, fmt.Sprintf("data_offsets [%d, %d] out of bounds: the data section has %d bytes", begin, end, f.dataLen), nil)
+		return Info{}, fmt.Errorf("data_offsets [%d, %d]: end before begin", begin, end)
+	case end > uint64(p.dataLen):
+		return Info{}, fmt.Errorf("data_offsets [%d, %d] out of bounds: the data section has %d bytes", begin, end, p.dataLen)
 	}
 	want, err := byteSize(dt, shape)
 	if err != nil {
-		return Info{}, formatErr(name, err.Error(), nil)
+		return Info{}, err
 	}
 	if uint64(want) != end-begin {
-		return Info{}, formatErr(name, fmt.Sprintf("%s %v needs %d bytes but data_offsets [%d, %d] span %d", dt, shape, want, begin, end, end-begin), nil)
+		return Info{}, fmt.Errorf("%s %v needs %d bytes but data_offsets [%d, %d] span %d", dt, shape, want, begin, end, end-begin)
 	}
 	return Info{DType: dt, Shape: shape, Offset: int64(begin), Size: int64(end - begin)}, nil
+}
+
+// uintList parses raw, the text of field, as an array of non-negative
+// integers, into a scratch slice that the next call reuses.
+func (p *headerParser) uintList(field string, raw []byte) ([]uint64, error) {
+	sub := scanner{b: raw}
+	var ok bool
+	if p.nums, ok = sub.uints(p.nums[:0]); ok {
+		return p.nums, nil
+	}
+	if raw[0] != '[' {
+		return nil, fmt.Errorf("%s %s: not an array", field, clip(raw))
+	}
+	return nil, fmt.Errorf("%s %s: not an array of non-negative integers", field, clip(raw))
+}
+
+// shapeBlock is how many dimensions shapes take from one allocation.
+const shapeBlock = 4096
+
+// shape copies dims into the current block of p.dims and returns them as a
+// shape whose capacity ends at its length, so that appending to it cannot
+// reach a neighbour's dimensions.
+func (p *headerParser) shape(dims []uint64) []int {
+	if p.dims == nil || cap(p.dims)-len(p.dims) < len(dims) {
+		p.dims = make([]int, 0, max(shapeBlock, len(dims)))
+	}
+	n := len(p.dims)
+	for _, d := range dims {
+		p.dims = append(p.dims, int(d))
+	}
+	return p.dims[n:len(p.dims):len(p.dims)]
+}
+
+// dtypeOf returns the DType spelled b, or "" for none.
+func dtypeOf(b []byte) DType {
+	switch string(b) {
+	case string(BOOL):
+		return BOOL
+	case string(U8):
+		return U8
+	case string(I8):
+		return I8
+	case string(F8E5M2):
+		return F8E5M2
+	case string(F8E4M3):
+		return F8E4M3
+	case string(F8E8M0):
+		return F8E8M0
+	case string(I16):
+		return I16
+	case string(U16):
+		return U16
+	case string(F16):
+		return F16
+	case string(BF16):
+		return BF16
+	case string(I32):
+		return I32
+	case string(U32):
+		return U32
+	case string(F32):
+		return F32
+	case string(C64):
+		return C64
+	case string(F64):
+		return F64
+	case string(I64):
+		return I64
+	case string(U64):
+		return U64
+	}
+	return ""
+}
+
+// clip returns a JSON value's text for an error message, cut at 64 bytes.
+func clip(raw []byte) string {
+	const limit = 64
+	if len(raw) <= limit {
+		return string(raw)
+	}
+	cut := limit
+	for cut > 0 && !utf8.RuneStart(raw[cut]) {
+		cut--
+	}
+	return string(raw[:cut]) + "…"
 }
 
 // checkLayout checks that the tensors cover the data section exactly: in
 // offset order each begins where the previous one ended, the first at 0 and
 // the last ending at the end of the file.
 func (f *File) checkLayout() error {
-	order := slices.Clone(f.names)
-	sort.SliceStable(order, func(i, j int) bool {
-		a, b := f.infos[order[i]], f.infos[order[j]]
-		if a.Offset != b.Offset {
-			return a.Offset < b.Offset
+	byPos := func(a, b *entry) int {
+		if c := cmp.Compare(a.info.Offset, b.info.Offset); c != 0 {
+			return c
 		}
-		return a.Size < b.Size
-	})
+		return cmp.Compare(a.info.Size, b.info.Size)
+	}
+	at := func(k int) *entry { return &f.entries[k] }
+	for k := 1; k < len(f.entries); k++ {
+		if byPos(at(k-1), at(k)) > 0 {
+			// Offsets are not in name order (loom writes them so): sort an
+			// index, stably, so that ties keep name order.
+			order := make([]int32, len(f.entries))
+			for i := range order {
+				order[i] = int32(i)
+			}
+			slices.SortStableFunc(order, func(a, b int32) int { return byPos(&f.entries[a], &f.entries[b]) })
+			at = func(k int) *entry { return &f.entries[order[k]] }
+			break
+		}
+	}
 	var pos int64
 	prev := ""
-	for _, name := range order {
-		in := f.infos[name]
+	for k := range f.entries {
+		e := at(k)
+		in := e.info
 		switch {
 		case in.Offset < pos:
-			return formatErr(name, fmt.Sprintf("data_offsets [%d, %d] overlap tensor %q, which ends at %d", in.Offset, in.Offset+in.Size, prev, pos), nil)
+			return formatErr(e.name, fmt.Sprintf("data_offsets [%d, %d] overlap tensor %q, which ends at %d", in.Offset, in.Offset+in.Size, prev, pos), nil)
 		case in.Offset > pos && prev == "":
-			return formatErr(name, fmt.Sprintf("gap in the data section: the first tensor begins at %d, not 0", in.Offset), nil)
+			return formatErr(e.name, fmt.Sprintf("gap in the data section: the first tensor begins at %d, not 0", in.Offset), nil)
 		case in.Offset > pos:
-			return formatErr(name, fmt.Sprintf("gap in the data section: bytes [%d, %d) after tensor %q belong to no tensor", pos, in.Offset, prev), nil)
+			return formatErr(e.name, fmt.Sprintf("gap in the data section: bytes [%d, %d) after tensor %q belong to no tensor", pos, in.Offset, prev), nil)
 		}
 		if in.Size > 0 || prev == "" {
-			prev = name
+			prev = e.name
 		}
 		pos = in.Offset + in.Size
 	}
@@ -363,35 +547,74 @@ func (f *File) checkLayout() error {
 	return nil
 }
 
-// parseChecksums reads the ChecksumKey metadata entry, when present.
-func (f *File) parseChecksums() error {
-	s, ok := f.meta[ChecksumKey]
-	if !ok {
+// parseChecksums reads text, the ChecksumKey metadata value (nil when the
+// file has none): a JSON object mapping every tensor name to its hex
+// SHA-256.
+func (f *File) parseChecksums(text []byte) error {
+	if text == nil {
 		return nil
 	}
-	m, err := stringObject([]byte(s))
-	if err != nil {
-		return formatErr("", fmt.Sprintf("metadata %q must be a JSON object of hex SHA-256 strings", ChecksumKey), err)
-	}
-	f.sums = make(map[string][sha256.Size]byte, len(m))
-	for name, h := range m {
+	what := fmt.Sprintf("metadata %q must be a JSON object of hex SHA-256 strings", ChecksumKey)
+	f.sums = make([][sha256.Size]byte, len(f.entries))
+	have := make([]bool, len(f.entries))
+	s := scanner{b: text}
+	s.ws()
+	next := 0 // loom lists the sums in name order: try the next entry first
+	var val []byte
+	_, err := s.object(nil, func(key []byte) error {
+		if s.peek() != '"' {
+			if _, err := s.rawValue(); err != nil {
+				return err
+			}
+			return formatErr("", what, fmt.Errorf("value of %q is not a string", key))
+		}
+		var err error
+		if val, err = s.str(val[:0]); err != nil {
+			return err
+		}
 		var sum [sha256.Size]byte
-		b, err := hex.DecodeString(h)
-		if err != nil || len(b) != sha256.Size {
-			return formatErr(name, fmt.Sprintf("checksum %q is not a hex SHA-256", h), nil)
+		if len(val) != 2*sha256.Size {
+			return formatErr(string(key), fmt.Sprintf("checksum %q is not a hex SHA-256", val), nil)
 		}
-		copy(sum[:], b)
-		if _, ok := f.infos[name]; !ok {
-			return formatErr(name, "checksum listed for a tensor the file does not hold", nil)
+		if _, err := hex.Decode(sum[:], val); err != nil {
+			return formatErr(string(key), fmt.Sprintf("checksum %q is not a hex SHA-256", val), nil)
 		}
-		f.sums[name] = sum
+		k := next
+		if k >= len(f.entries) || f.entries[k].name != string(key) {
+			var found bool
+			if k, found = f.find(string(key)); !found {
+				return formatErr(string(key), "checksum listed for a tensor the file does not hold", nil)
+			}
+		}
+		if have[k] {
+			return formatErr("", what, fmt.Errorf("duplicate key %q", key))
+		}
+		have[k], f.sums[k], next = true, sum, k+1
+		return nil
+	})
+	if err == nil {
+		if s.ws(); s.i != len(s.b) {
+			err = s.errAt(s.i, "unexpected data after the object")
+		}
 	}
-	for _, name := range f.names {
-		if _, ok := f.sums[name]; !ok {
-			return formatErr(name, fmt.Sprintf("tensor has no checksum in %q", ChecksumKey), nil)
+	if err != nil {
+		var se *syntaxError
+		if errors.As(err, &se) {
+			return formatErr("", what, err)
+		}
+		return err
+	}
+	for k, ok := range have {
+		if !ok {
+			return formatErr(f.entries[k].name, fmt.Sprintf("tensor has no checksum in %q", ChecksumKey), nil)
 		}
 	}
 	return nil
+}
+
+// find returns the index of the named tensor in f.entries.
+func (f *File) find(name string) (int, bool) {
+	return slices.BinarySearchFunc(f.entries, name, func(e entry, name string) int { return strings.Compare(e.name, name) })
 }
 
 // Close closes the file opened by Open. It does nothing for a File made by
@@ -406,7 +629,13 @@ func (f *File) Close() error {
 }
 
 // Names returns the tensor names in sorted order.
-func (f *File) Names() []string { return slices.Clone(f.names) }
+func (f *File) Names() []string {
+	names := make([]string, len(f.entries))
+	for k, e := range f.entries {
+		names[k] = e.name
+	}
+	return names
+}
 
 // Metadata returns a copy of the header's "__metadata__" object, including
 // the ChecksumKey entry when present; it is empty (not nil) when the file
@@ -424,10 +653,11 @@ func (f *File) HasChecksums() bool { return f.sums != nil }
 
 // Info returns the dtype, shape and byte range of the named tensor.
 func (f *File) Info(name string) (Info, error) {
-	in, ok := f.infos[name]
+	k, ok := f.find(name)
 	if !ok {
 		return Info{}, &Error{Path: f.path, Tensor: name, Kind: ErrNotFound, Msg: "no such tensor"}
 	}
+	in := f.entries[k].info
 	in.Shape = slices.Clone(in.Shape)
 	return in, nil
 }
@@ -435,20 +665,21 @@ func (f *File) Info(name string) (Info, error) {
 // Tensor reads the named tensor's data. When the file carries checksums the
 // data is verified, and a mismatch is an error wrapping ErrChecksum.
 func (f *File) Tensor(name string) (Tensor, error) {
-	in, err := f.Info(name)
-	if err != nil {
-		return Tensor{}, err
+	k, ok := f.find(name)
+	if !ok {
+		return Tensor{}, &Error{Path: f.path, Tensor: name, Kind: ErrNotFound, Msg: "no such tensor"}
 	}
+	in := f.entries[k].info
 	data := make([]byte, in.Size)
 	if err := readFull(f.r, data, f.base+in.Offset); err != nil {
 		return Tensor{}, &Error{Path: f.path, Tensor: name, Kind: ErrFormat, Msg: "cannot read tensor data", Err: err}
 	}
-	if want, ok := f.sums[name]; ok {
-		if err := f.compare(name, sha256.Sum256(data), want); err != nil {
+	if f.sums != nil {
+		if err := f.compare(name, sha256.Sum256(data), f.sums[k]); err != nil {
 			return Tensor{}, err
 		}
 	}
-	return Tensor{Name: name, DType: in.DType, Shape: in.Shape, Data: data}, nil
+	return Tensor{Name: name, DType: in.DType, Shape: slices.Clone(in.Shape), Data: data}, nil
 }
 
 func (f *File) compare(name string, got, want [sha256.Size]byte) error {
@@ -466,8 +697,8 @@ func (f *File) Verify() error {
 	if f.sums == nil {
 		return nil
 	}
-	for _, name := range f.names {
-		in := f.infos[name]
+	for k, e := range f.entries {
+		name, in := e.name, e.info
 		h := sha256.New()
 		n, err := io.Copy(h, io.NewSectionReader(f.r, f.base+in.Offset, in.Size))
 		if err == nil && n != in.Size {
@@ -478,7 +709,7 @@ func (f *File) Verify() error {
 		}
 		var got [sha256.Size]byte
 		h.Sum(got[:0])
-		if err := f.compare(name, got, f.sums[name]); err != nil {
+		if err := f.compare(name, got, f.sums[k]); err != nil {
 			return err
 		}
 	}

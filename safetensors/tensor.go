@@ -6,7 +6,6 @@ import (
 	"math"
 	"math/bits"
 	"slices"
-	"unicode/utf8"
 
 	"github.com/b7ea7098/loom/internal/half"
 )
@@ -85,13 +84,8 @@ func (t Tensor) elements() (int, error) {
 // UTF-8 and not "__metadata__", its dtype is supported, no dimension is
 // negative and Data holds exactly the bytes that dtype and shape need.
 func (t Tensor) Validate() error {
-	switch {
-	case t.Name == "":
-		return invalidErr("", "empty tensor name")
-	case !utf8.ValidString(t.Name):
-		return invalidErr(t.Name, "name is not valid UTF-8")
-	case t.Name == metadataKey:
-		return invalidErr(t.Name, "name is reserved for metadata")
+	if msg := checkName(t.Name); msg != "" {
+		return invalidErr(t.Name, msg)
 	}
 	_, err := t.elements()
 	return err

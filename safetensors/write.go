@@ -156,9 +156,12 @@ func appendQuoted(b []byte, s string) []byte {
 }
 
 // WriteFile writes tensors and metadata to path atomically: it writes a
-// temporary file in the same folder, syncs it, and renames it over path, then
-// syncs the folder. On any error the temporary file is removed and an
-// existing file at path is left untouched. The new file has mode 0644.
+// staging file in the same folder (named "."+base+".tmp-"+digits), syncs it,
+// and renames it over path, then syncs the folder. On any error the staging
+// file is removed and an existing file at path is left untouched. The new
+// file has mode 0644. Staging files of earlier writes to path whose writer
+// died mid-write (a SIGKILL, a crash) are removed; those of live concurrent
+// writers are not (see the package documentation).
 func WriteFile(path string, tensors []Tensor, metadata map[string]string) error {
 	// Validate before touching the file system.
 	if _, _, err := encodeHeader(tensors, metadata); err != nil {
@@ -167,20 +170,22 @@ func WriteFile(path string, tensors []Tensor, metadata map[string]string) error 
 	return atomicWrite(path, func(w io.Writer) error { return Write(w, tensors, metadata) })
 }
 
-// atomicWrite runs write on a buffered temporary file beside path and
+// atomicWrite runs write on a buffered, locked staging file beside path and
 // renames the file to path when write, the flush and the sync succeed.
 func atomicWrite(path string, write func(io.Writer) error) (err error) {
 	dir, base := filepath.Split(path)
 	if dir == "" {
 		dir = "."
 	}
-	tmp, err := os.CreateTemp(dir, "."+base+".tmp-*")
+	tmp, err := createStaging(dir, base)
 	if err != nil {
 		return fmt.Errorf("safetensors: %s: %w", path, err)
 	}
+	// Before this write fills the disk, free what interrupted writes left.
+	removeStale(dir, base, filepath.Base(tmp.Name()))
 	defer func() {
 		if err != nil {
-			// Abandoning the temporary file is tidying; err is the failure.
+			// Abandoning the staging file is tidying; err is the failure.
 			_ = tmp.Close()
 			_ = os.Remove(tmp.Name())
 			err = fmt.Errorf("safetensors: %s: %w", path, err)
@@ -199,10 +204,29 @@ func atomicWrite(path string, write func(io.Writer) error) (err error) {
 	if err := tmp.Sync(); err != nil {
 		return err
 	}
-	if err := tmp.Close(); err != nil {
+	if !canLock {
+		// Without locks, close first: some systems cannot rename an open
+		// file.
+		if err := tmp.Close(); err != nil {
+			return err
+		}
+		return renameInto(tmp.Name(), path, dir)
+	}
+	// Rename while still holding the lock, so that no other writer's
+	// removeStale takes the finished file for an abandoned one.
+	if err := renameInto(tmp.Name(), path, dir); err != nil {
 		return err
 	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
+	// The data is synced and in place, so Close, which only releases the
+	// lock now, cannot lose anything: reporting its error would call a
+	// finished write failed.
+	_ = tmp.Close()
+	return nil
+}
+
+// renameInto renames the staging file to path and makes it durable.
+func renameInto(staging, path, dir string) error {
+	if err := os.Rename(staging, path); err != nil {
 		return err
 	}
 	syncDir(dir)

@@ -4,12 +4,15 @@ import (
 	"fmt"
 	"os"
 	"strings"
+
+	"github.com/b7ea7098/loom/comm"
 )
 
 // BindEnv turns CPU binding on for every Run given no WithCPUBinding
 // option: "1", "true" or "auto" binds the ranks of each Run whose ranks fit
-// on the CPUs and leaves larger runs unbound; "", "0", "false" or "none"
-// binds nothing.
+// on the CPUs and leaves larger runs unbound; unset, "", "0", "false" or
+// "none" binds nothing. Case and surrounding blanks do not matter; any
+// other value makes Run fail with an error wrapping comm.ErrInvalid.
 const BindEnv = "LOOM_BIND"
 
 // WithCPUBinding makes Run bind each rank to CPUs of its own, as mpirun's
@@ -42,15 +45,24 @@ func (c *config) binding(p int) (bool, error) {
 	if c.bindSet {
 		return c.bind, nil
 	}
-	switch v := strings.ToLower(strings.TrimSpace(os.Getenv(BindEnv))); v {
+	on, err := parseBind(os.Getenv(BindEnv))
+	if err != nil || !on {
+		return false, err
+	}
+	cpus, err := usableCPUs()
+	return err == nil && p <= len(cpus), nil
+}
+
+// parseBind parses a BindEnv value: whether it asks for binding where the
+// ranks fit.
+func parseBind(v string) (bool, error) {
+	switch strings.ToLower(strings.TrimSpace(v)) {
 	case "", "0", "false", "none":
 		return false, nil
 	case "1", "true", "auto":
-		cpus, err := usableCPUs()
-		return err == nil && p <= len(cpus), nil
-	default:
-		return false, fmt.Errorf("local: %s=%q: want 1, true or auto to bind ranks to CPUs where they fit, or 0, false or none", BindEnv, v)
+		return true, nil
 	}
+	return false, fmt.Errorf("local: %s=%q: %w: want 1, true or auto to bind ranks to CPUs where they fit, or 0, false or none", BindEnv, v, comm.ErrInvalid)
 }
 
 // cpuShares splits the CPUs the process may use into p disjoint shares,

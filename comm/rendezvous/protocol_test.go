@@ -110,34 +110,3 @@ func TestDecodeRequestErrors(t *testing.T) {
 		}
 	}
 }
-
-// FuzzDecodeFrame feeds arbitrary bytes to the frame reader and the request
-// and response decoders: they must never panic, and a request that decodes
-// must encode back to the same bytes.
-func FuzzDecodeFrame(f *testing.F) {
-	f.Add(encodeRequest(request{op: opSet, id: 1, key: "k", value: []byte("v")}))
-	f.Add(encodeRequest(request{op: opWait, id: 2, keys: []string{"a", "b"}, timeout: time.Second}))
-	f.Add(encodeRequest(request{op: opAdd, id: 3, key: "c", delta: 5}))
-	f.Add(encodeRequest(request{op: opCancel, id: 4, target: 3}))
-	f.Add(encodeResponse(statusOK, 5, []byte("payload")))
-	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 1})
-	f.Add([]byte{0, 0, 0, 0})
-	f.Fuzz(func(t *testing.T, data []byte) {
-		body, err := readFrame(bytes.NewReader(data), 1<<16)
-		if err != nil {
-			return
-		}
-		if int(binary.BigEndian.Uint32(data)) != len(body) {
-			t.Fatalf("body of %d bytes for header %d", len(body), binary.BigEndian.Uint32(data))
-		}
-		decodeResponse(body)
-		req, err := decodeRequest(body)
-		if err != nil {
-			return
-		}
-		again := encodeRequest(req)
-		if !bytes.Equal(again[4:], body) {
-			t.Fatalf("re-encoding changed the request:\n in %x\nout %x", body, again[4:])
-		}
-	})
-}
