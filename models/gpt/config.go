@@ -4,10 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"strconv"
-	"strings"
 
 	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/models/internal/layout"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
@@ -113,29 +112,15 @@ func (c Config) CheckLayout(batch, dp, tp int, sp bool) error {
 		return errors.Join(errs...)
 	}
 	if c.Heads >= 1 && c.Heads%tp != 0 {
-		bad("heads (%d) must be divisible by tp (%d); tp can be %s", c.Heads, tp, divisors(c.Heads))
+		bad("heads (%d) must be divisible by tp (%d); tp can be %s", c.Heads, tp, layout.Divisors(c.Heads))
 	}
 	if batch >= 1 && batch%dp != 0 {
-		bad("dp (%d) must divide the batch (%d sequences); dp can be %s", dp, batch, divisors(batch))
+		bad("dp (%d) must divide the batch (%d sequences); dp can be %s", dp, batch, layout.Divisors(batch))
 	}
 	if sp && tp < 2 {
 		bad("sequence parallelism needs tp of at least 2 (tp is %d)", tp)
 	} else if sp && c.SeqLen%tp != 0 {
-		bad("with sequence parallelism the sequence length (%d) must be divisible by tp (%d); tp can be %s", c.SeqLen, tp, divisors(c.SeqLen))
+		bad("with sequence parallelism the sequence length (%d) must be divisible by tp (%d); tp can be %s", c.SeqLen, tp, layout.Divisors(c.SeqLen))
 	}
 	return errors.Join(errs...)
-}
-
-// divisors lists n's divisors in words: "1, 2 or 4".
-func divisors(n int) string {
-	var ds []string
-	for d := 1; d <= n; d++ {
-		if n%d == 0 {
-			ds = append(ds, strconv.Itoa(d))
-		}
-	}
-	if len(ds) == 1 {
-		return ds[0]
-	}
-	return strings.Join(ds[:len(ds)-1], ", ") + " or " + ds[len(ds)-1]
 }

@@ -37,9 +37,9 @@ import (
 	"math"
 	"math/rand/v2"
 	"strconv"
-	"strings"
 
 	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/models/internal/layout"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
@@ -152,26 +152,12 @@ func (c Config) CheckLayout(dp, ep int) error {
 	}
 	var errs []error
 	if c.E >= 1 && c.E%ep != 0 {
-		errs = append(errs, fmt.Errorf("%w: ep (%d) must divide the experts (%d); ep can be %s", ErrConfig, ep, c.E, divisors(c.E)))
+		errs = append(errs, fmt.Errorf("%w: ep (%d) must divide the experts (%d); ep can be %s", ErrConfig, ep, c.E, layout.Divisors(c.E)))
 	}
 	if c.B >= 1 && c.B%(dp*ep) != 0 {
-		errs = append(errs, fmt.Errorf("%w: dp × ep (%d × %d) must divide the batch (%d sequences); dp × ep can be %s", ErrConfig, dp, ep, c.B, divisors(c.B)))
+		errs = append(errs, fmt.Errorf("%w: dp × ep (%d × %d) must divide the batch (%d sequences); dp × ep can be %s", ErrConfig, dp, ep, c.B, layout.Divisors(c.B)))
 	}
 	return errors.Join(errs...)
-}
-
-// divisors lists n's divisors in words: "1, 2 or 4".
-func divisors(n int) string {
-	var ds []string
-	for d := 1; d <= n; d++ {
-		if n%d == 0 {
-			ds = append(ds, strconv.Itoa(d))
-		}
-	}
-	if len(ds) == 1 {
-		return ds[0]
-	}
-	return strings.Join(ds[:len(ds)-1], ", ") + " or " + ds[len(ds)-1]
 }
 
 // Init is how a parameter starts.
