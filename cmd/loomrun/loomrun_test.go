@@ -502,7 +502,7 @@ func TestStartFailure(t *testing.T) {
 func TestChildEnvReplacesInherited(t *testing.T) {
 	env := childEnv([]string{"PATH=/bin", "RANK=9", "MASTER_PORT=1"}, &config{nproc: 2, masterAddr: "h"}, 1, "555")
 	got := strings.Join(env, " ")
-	want := "PATH=/bin LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=h MASTER_PORT=555 RANK=1 WORLD_SIZE=2"
+	want := "PATH=/bin GROUP_RANK=0 GROUP_WORLD_SIZE=1 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=h MASTER_PORT=555 RANK=1 WORLD_SIZE=2"
 	if got != want {
 		t.Errorf("env %q, want %q", got, want)
 	}

@@ -94,13 +94,16 @@ import (
 
 // config is the parsed command line.
 type config struct {
-	nproc      int
-	masterAddr string
-	masterPort int
-	timeout    time.Duration // whole job; 0: none
-	grace      time.Duration // SIGTERM to SIGKILL
-	prog       string
-	args       []string
+	nproc       int
+	nnodes      int           // nodes of the job; 0 counts as 1
+	nodeRank    int           // this node, 0..nnodes-1
+	joinTimeout time.Duration // how long the nodes wait for each other
+	masterAddr  string
+	masterPort  int
+	timeout     time.Duration // whole job; 0: none
+	grace       time.Duration // SIGTERM to SIGKILL
+	prog        string
+	args        []string
 }
 
 // parseArgs parses the command line (without the program name).
@@ -109,13 +112,17 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	fs.SetOutput(stderr)
 	cfg := &config{}
 	fs.IntVar(&cfg.nproc, "n", 1, "number of processes to start (same as --nproc-per-node)")
-	fs.IntVar(&cfg.nproc, "nproc-per-node", 1, "number of processes to start")
-	fs.StringVar(&cfg.masterAddr, "master-addr", "127.0.0.1", "address of the rendezvous server (MASTER_ADDR)")
-	fs.IntVar(&cfg.masterPort, "master-port", 0, "port of the rendezvous server (MASTER_PORT); 0 picks a free one")
+	fs.IntVar(&cfg.nproc, "nproc-per-node", 1, "number of processes to start on this node")
+	fs.IntVar(&cfg.nnodes, "nnodes", 1, "number of nodes (one loomrun on each)")
+	fs.IntVar(&cfg.nodeRank, "node-rank", 0, "this node's rank, 0..nnodes-1; node 0 runs the rendezvous server")
+	fs.StringVar(&cfg.masterAddr, "master-addr", "127.0.0.1", "address of node 0's rendezvous server (MASTER_ADDR)")
+	fs.IntVar(&cfg.masterPort, "master-port", 0, "port of the rendezvous server (MASTER_PORT); 0 picks a free one (one node only)")
+	fs.DurationVar(&cfg.joinTimeout, "join-timeout", 5*time.Minute, "how long the nodes wait for each other to join")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "end the whole job after this long (0: no limit)")
 	fs.DurationVar(&cfg.grace, "grace", 5*time.Second, "time between SIGTERM and SIGKILL when ending processes")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: loomrun [-n N] [--master-addr ADDR] [--master-port PORT] [--timeout D] [--grace D] [--] prog [args...]\n\n")
+		fmt.Fprintf(fs.Output(), "usage: loomrun [-n N] [--nnodes M --node-rank K] [--master-addr ADDR] [--master-port PORT]\n"+
+			"               [--join-timeout D] [--timeout D] [--grace D] [--] prog [args...]\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -131,8 +138,18 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("-n %d: need at least 1 process", cfg.nproc)
 	case cfg.nproc > 4096:
 		return nil, fmt.Errorf("-n %d: at most 4096 processes", cfg.nproc)
+	case cfg.nnodes < 1:
+		return nil, fmt.Errorf("--nnodes %d: need at least 1 node", cfg.nnodes)
+	case cfg.nnodes > 4096 || cfg.nnodes*cfg.nproc > 1<<20:
+		return nil, fmt.Errorf("--nnodes %d with %d process(es) each: at most 4096 nodes and 2^20 processes", cfg.nnodes, cfg.nproc)
+	case cfg.nodeRank < 0 || cfg.nodeRank >= cfg.nnodes:
+		return nil, fmt.Errorf("--node-rank %d: want 0..%d (--nnodes %d)", cfg.nodeRank, cfg.nnodes-1, cfg.nnodes)
 	case cfg.masterPort < 0 || cfg.masterPort > 65535:
 		return nil, fmt.Errorf("--master-port %d: not a port number", cfg.masterPort)
+	case cfg.masterPort == 0 && cfg.nnodes > 1:
+		return nil, fmt.Errorf("--master-port 0 with --nnodes %d: the other nodes need to know node 0's port", cfg.nnodes)
+	case cfg.joinTimeout <= 0:
+		return nil, fmt.Errorf("--join-timeout %v: must be positive", cfg.joinTimeout)
 	case cfg.masterAddr == "":
 		return nil, errors.New("--master-addr is empty")
 	case cfg.timeout < 0:
