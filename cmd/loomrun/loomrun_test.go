@@ -162,6 +162,8 @@ func childMain(mode string, args []string) int {
 		}
 		fmt.Printf("uid=%s\n", v)
 		return 0
+	case "multinode": // args: the launcher's node rank, "hold" or "exit", the world size wanted, a marker
+		return multinodeChild(rank, arg(0), arg(1) == "hold", arg(2), maxLife)
 	}
 	fmt.Fprintf(os.Stderr, "unknown child mode %q\n", mode)
 	return 99
