@@ -98,6 +98,7 @@ type config struct {
 	nnodes      int           // nodes of the job; 0 counts as 1
 	nodeRank    int           // this node, 0..nnodes-1
 	joinTimeout time.Duration // how long the nodes wait for each other
+	nodeTimeout time.Duration // how long node 0 waits for a silent node
 	masterAddr  string
 	masterPort  int
 	timeout     time.Duration // whole job; 0: none
@@ -118,11 +119,12 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&cfg.masterAddr, "master-addr", "127.0.0.1", "address of node 0's rendezvous server (MASTER_ADDR)")
 	fs.IntVar(&cfg.masterPort, "master-port", 0, "port of the rendezvous server (MASTER_PORT); 0 picks a free one (one node only)")
 	fs.DurationVar(&cfg.joinTimeout, "join-timeout", 5*time.Minute, "how long the nodes wait for each other to join")
+	fs.DurationVar(&cfg.nodeTimeout, "node-timeout", 30*time.Second, "end the job when another node's loomrun has not been heard from for this long")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "end the whole job after this long (0: no limit)")
 	fs.DurationVar(&cfg.grace, "grace", 5*time.Second, "time between SIGTERM and SIGKILL when ending processes")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: loomrun [-n N] [--nnodes M --node-rank K] [--master-addr ADDR] [--master-port PORT]\n"+
-			"               [--join-timeout D] [--timeout D] [--grace D] [--] prog [args...]\n\n")
+			"               [--join-timeout D] [--node-timeout D] [--timeout D] [--grace D] [--] prog [args...]\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -150,6 +152,8 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("--master-port 0 with --nnodes %d: the other nodes need to know node 0's port", cfg.nnodes)
 	case cfg.joinTimeout <= 0:
 		return nil, fmt.Errorf("--join-timeout %v: must be positive", cfg.joinTimeout)
+	case cfg.nodeTimeout <= 0:
+		return nil, fmt.Errorf("--node-timeout %v: must be positive", cfg.nodeTimeout)
 	case cfg.masterAddr == "":
 		return nil, errors.New("--master-addr is empty")
 	case cfg.timeout < 0:

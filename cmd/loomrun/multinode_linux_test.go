@@ -284,3 +284,34 @@ func TestJoinFailures(t *testing.T) {
 		})
 	}
 }
+
+// TestKilledNodeEndsAll SIGKILLs node 1's loomrun: its supervisors end its
+// ranks, and node 0, no longer hearing node 1's heartbeat, ends its own
+// after --node-timeout.
+func TestKilledNodeEndsAll(t *testing.T) {
+	port := freePort(t)
+	m := argMarker(t)
+	node0 := startNode(t, nodeFlags(port, 0, 2, "--node-timeout", "1s"), "0", "hold", "4", m)
+	node1 := startNode(t, nodeFlags(port, 1, 2), "1", "hold", "4", m)
+	if got := waitMarked(m, 10, 10*time.Second); got != 10 {
+		t.Fatalf("%d loomruns, ranks and supervisors running, want 10", got)
+	}
+	killed := time.Now()
+	if err := node1.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	// --node-timeout 1s, then SIGTERM ends node 0's ranks at once.
+	if code := waitExit(t, node0, 5*time.Second); code != 1 {
+		t.Errorf("node 0: exit %d, want 1", code)
+	}
+	t.Logf("node 0 ended %v after node 1's loomrun was killed", time.Since(killed))
+	for _, want := range []string{
+		"loomrun[node 0]: job failed: node 1's loomrun stopped responding (no heartbeat for 1s)",
+		"loomrun[node 0]: node 1 did not report its end; closing the rendezvous server",
+	} {
+		if !strings.Contains(node0.out.String(), want) {
+			t.Errorf("node 0's output lacks %q", want)
+		}
+	}
+	checkNoneLeft(t, m)
+}

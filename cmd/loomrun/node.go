@@ -25,6 +25,12 @@ func joinKey(node int) string { return "loomrun/join/" + strconv.Itoa(node) } //
 func nodeKey(node int) string { return "loomrun/node/" + strconv.Itoa(node) } // the node's record
 func doneKey(node int) string { return "loomrun/done/" + strconv.Itoa(node) } // "ok" or "failed: why"
 
+// aliveKey is node's heartbeat counter; aliveDone added to it says the
+// node is done and stops beating.
+func aliveKey(node int) string { return "loomrun/alive/" + strconv.Itoa(node) }
+
+const aliveDone = 1 << 40
+
 const (
 	// publishTimeout bounds telling the other nodes of a failure or of
 	// this node's end.
@@ -37,6 +43,13 @@ const (
 	// other nodes after a failure.
 	stopSlack = 5 * time.Second
 )
+
+// heartbeatInterval is how often a node other than 0 tells node 0 that its
+// loomrun lives, and how often node 0 checks: a tenth of --node-timeout,
+// within 10 ms and 1 s.
+func heartbeatInterval(nodeTimeout time.Duration) time.Duration {
+	return min(max(nodeTimeout/10, 10*time.Millisecond), time.Second)
+}
 
 // nodeRecord is what a node tells the others when it joins: the flags
 // that must agree, and where it runs (for messages).
@@ -65,6 +78,7 @@ type cluster struct {
 	nproc        int
 	addr         string // node 0's server
 	joinTimeout  time.Duration
+	nodeTimeout  time.Duration
 	c            *rendezvous.Client
 	logf         func(format string, args ...any)
 
@@ -74,8 +88,9 @@ type cluster struct {
 	stopWatch  context.CancelFunc
 	watchDone  chan struct{}
 	publishing sync.WaitGroup
-	claimed    bool // this node published the job's failure (guarded by mu)
-	mu         sync.Mutex
+	beats      sync.WaitGroup // the heartbeat or the monitor
+	lost       chan int       // on node 0, the nodes that stopped beating
+	stopBeats  context.CancelFunc
 }
 
 // dialCluster connects to node 0's server, retrying until joinTimeout
@@ -92,11 +107,68 @@ func dialCluster(cfg *config, addr string, logf func(string, ...any)) (*cluster,
 	}
 	wctx, stop := context.WithCancel(context.Background())
 	cl := &cluster{
-		node: cfg.nodeRank, nnodes: cfg.nnodes, nproc: cfg.nproc, addr: addr, joinTimeout: cfg.joinTimeout,
+		node: cfg.nodeRank, nnodes: cfg.nnodes, nproc: cfg.nproc, addr: addr,
+		joinTimeout: cfg.joinTimeout, nodeTimeout: cfg.nodeTimeout,
 		c: c, logf: logf, failed: make(chan string, 1), stopWatch: stop, watchDone: make(chan struct{}),
+		stopBeats: func() {}, lost: make(chan int, cfg.nnodes),
 	}
 	go cl.watch(wctx)
 	return cl, nil
+}
+
+// startBeats starts, once the nodes have joined, the heartbeat of a node
+// other than 0, or on node 0 the monitor of the others' heartbeats: a
+// node whose loomrun dies, even by SIGKILL, stops beating, and node 0
+// publishes that as the job's failure after --node-timeout. (Node 0's
+// death needs no heartbeat: its server goes with it, which every other
+// node's watch sees at once.)
+func (cl *cluster) startBeats() {
+	ctx, cancel := context.WithCancel(context.Background())
+	cl.stopBeats = cancel
+	every := heartbeatInterval(cl.nodeTimeout)
+	cl.beats.Add(1)
+	go func() {
+		defer cl.beats.Done()
+		t := time.NewTicker(every)
+		defer t.Stop()
+		last := map[int]int64{}
+		heard := map[int]time.Time{}
+		for j := 1; j < cl.nnodes; j++ {
+			heard[j] = time.Now()
+		}
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			if cl.node != 0 {
+				cctx, cancel := context.WithTimeout(ctx, cl.nodeTimeout)
+				// A failure is a lost server, which the watch reports.
+				_, _ = cl.c.Add(cctx, aliveKey(cl.node), 1)
+				cancel()
+				continue
+			}
+			for j, at := range heard {
+				cctx, cancel := context.WithTimeout(ctx, every)
+				v, err := cl.c.Add(cctx, aliveKey(j), 0)
+				cancel()
+				switch {
+				case err != nil:
+					// Our own server: only a call cut short by its
+					// timeout or by stopBeats; the next tick retries.
+				case v >= aliveDone:
+					delete(heard, j)
+				case v != last[j]:
+					last[j], heard[j] = v, time.Now()
+				case time.Since(at) > cl.nodeTimeout:
+					delete(heard, j)
+					cl.lost <- j // once per node: fits the buffer
+					cl.publish(fmt.Sprintf("node %d's loomrun stopped responding (no heartbeat for %v)", j, cl.nodeTimeout))
+				}
+			}
+		}
+	}()
 }
 
 // watch waits for the job's failure key and delivers it on cl.failed. If
@@ -123,9 +195,6 @@ func (cl *cluster) publish(reason string) {
 		defer cancel()
 		n, err := cl.c.Add(ctx, keyClaim, 1)
 		if err == nil && n == 1 {
-			cl.mu.Lock()
-			cl.claimed = true
-			cl.mu.Unlock()
 			err = cl.c.Set(ctx, keyFailed, []byte(reason))
 		}
 		if err != nil {
@@ -246,9 +315,14 @@ func mismatch(a int, ra nodeRecord, b int, rb nodeRecord) error {
 // finish reports this node's end (outcome "" for success), waits for its
 // publications, and closes the client.
 func (cl *cluster) finish(outcome string) {
+	cl.stopBeats()
+	cl.beats.Wait()
 	cl.publishing.Wait()
 	ctx, cancel := context.WithTimeout(context.Background(), publishTimeout)
 	defer cancel()
+	if _, err := cl.c.Add(ctx, aliveKey(cl.node), aliveDone); err != nil {
+		cl.logf("cannot tell node 0 that this node is done: %v", err)
+	}
 	v := "ok"
 	if outcome != "" {
 		v = "failed: " + outcome
@@ -316,6 +390,12 @@ func (cl *cluster) awaitNodes(nodes map[int]bool, bound, afterFailure time.Durat
 			} else if f, ok := strings.CutPrefix(r.v, "failed: "); ok {
 				failures = append(failures, f)
 			}
+		case j := <-cl.lost:
+			// Its loomrun is gone: nothing will report.
+			if waiting[j] {
+				delete(waiting, j)
+				missing = append(missing, j)
+			}
 		case first = <-failed:
 			failed = nil
 			t := time.NewTimer(afterFailure)
@@ -332,6 +412,7 @@ func (cl *cluster) awaitNodes(nodes map[int]bool, bound, afterFailure time.Durat
 			return failures, first, missing
 		}
 	}
+	sort.Ints(missing)
 	if failed != nil {
 		// Every node is done; a failure published meanwhile is there.
 		select {
@@ -339,5 +420,5 @@ func (cl *cluster) awaitNodes(nodes map[int]bool, bound, afterFailure time.Durat
 		default:
 		}
 	}
-	return failures, first, nil
+	return failures, first, missing
 }

@@ -264,6 +264,7 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 		cl.finish("join failed: " + err.Error())
 		return 2
 	}
+	cl.startBeats()
 	code, outcome := runNode(ctx, cfg, path, port, cl, outW, errW, logf, sigs)
 	if cfg.nodeRank == 0 {
 		// A node that fails stops its ranks within --grace and the
@@ -276,7 +277,7 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 		}
 		failures, first, missing := cl.awaitNodes(joined, bound, afterFailure, sigs)
 		if len(missing) > 0 {
-			logf("%s did not report its end within %v; closing the rendezvous server", nodeNames(missing), afterFailure)
+			logf("%s did not report its end; closing the rendezvous server", nodeNames(missing))
 		}
 		if first == "" && len(failures) > 0 {
 			first = failures[0]
