@@ -246,11 +246,21 @@ func TestParseArgs(t *testing.T) {
 		cfg.grace != time.Second || cfg.prog != "prog" || strings.Join(cfg.args, " ") != "-x y" {
 		t.Errorf("parsed %+v", cfg)
 	}
-	if cfg, err := parseArgs([]string{"-n", "2", "prog"}, io.Discard); err != nil || cfg.nproc != 2 || cfg.prog != "prog" {
+	if cfg, err := parseArgs([]string{"-n", "2", "prog"}, io.Discard); err != nil || cfg.nproc != 2 || cfg.prog != "prog" || cfg.nnodes != 1 || cfg.nodeRank != 0 {
 		t.Errorf("-n 2 prog: %+v, %v", cfg, err)
+	}
+	cfg, err = parseArgs([]string{"--nnodes", "3", "--node-rank", "2", "--master-port", "29500", "--join-timeout", "7s", "--node-timeout", "2s", "p"}, io.Discard)
+	if err != nil || cfg.nnodes != 3 || cfg.nodeRank != 2 || cfg.joinTimeout != 7*time.Second || cfg.nodeTimeout != 2*time.Second {
+		t.Errorf("several nodes: %+v, %v", cfg, err)
 	}
 	for _, bad := range [][]string{
 		{}, {"-n", "0", "p"}, {"--master-port", "70000", "p"}, {"--grace", "-1s", "p"}, {"--bogus", "p"}, {"-n", "x", "p"},
+		{"--nnodes", "0", "p"},
+		{"--nnodes", "2", "p"}, // no --master-port for the other nodes
+		{"--nnodes", "2", "--node-rank", "2", "--master-port", "1", "p"},
+		{"--node-rank", "-1", "p"},
+		{"--join-timeout", "0s", "p"},
+		{"--node-timeout", "-1s", "p"},
 	} {
 		if _, err := parseArgs(bad, io.Discard); err == nil {
 			t.Errorf("%q accepted", bad)

@@ -78,6 +78,7 @@ type cluster struct {
 	nproc        int
 	addr         string // node 0's server
 	joinTimeout  time.Duration
+	joinBy       time.Time // the join's deadline: --join-timeout after dialling began
 	nodeTimeout  time.Duration
 	c            *rendezvous.Client
 	logf         func(format string, args ...any)
@@ -97,7 +98,8 @@ type cluster struct {
 // passes (node 0 may start after this node), and starts watching the
 // job's failure key.
 func dialCluster(cfg *config, addr string, logf func(string, ...any)) (*cluster, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), cfg.joinTimeout)
+	joinBy := time.Now().Add(cfg.joinTimeout)
+	ctx, cancel := context.WithDeadline(context.Background(), joinBy)
 	defer cancel()
 	// No per-call bound: the watch of the failure key lasts the whole
 	// job. Every other call carries its own deadline.
@@ -108,7 +110,7 @@ func dialCluster(cfg *config, addr string, logf func(string, ...any)) (*cluster,
 	wctx, stop := context.WithCancel(context.Background())
 	cl := &cluster{
 		node: cfg.nodeRank, nnodes: cfg.nnodes, nproc: cfg.nproc, addr: addr,
-		joinTimeout: cfg.joinTimeout, nodeTimeout: cfg.nodeTimeout,
+		joinTimeout: cfg.joinTimeout, joinBy: joinBy, nodeTimeout: cfg.nodeTimeout,
 		c: c, logf: logf, failed: make(chan string, 1), stopWatch: stop, watchDone: make(chan struct{}),
 		stopBeats: func() {}, lost: make(chan int, cfg.nnodes),
 	}
@@ -217,7 +219,7 @@ func nodeNames(nodes []int) string {
 // learn of the failure before it closes the server. A failure that this
 // node finds is published, so every node reports it.
 func (cl *cluster) join() (joined map[int]bool, err error) {
-	ctx, cancel := context.WithTimeout(context.Background(), cl.joinTimeout)
+	ctx, cancel := context.WithDeadline(context.Background(), cl.joinBy)
 	defer cancel()
 	joined = map[int]bool{}
 	fail := func(err error) (map[int]bool, error) {
