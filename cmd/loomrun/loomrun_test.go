@@ -162,6 +162,8 @@ func childMain(mode string, args []string) int {
 		}
 		fmt.Printf("uid=%s\n", v)
 		return 0
+	case "multinode": // args: the launcher's node rank, "hold" or "exit", the world size wanted, a marker
+		return multinodeChild(rank, arg(0), arg(1) == "hold", arg(2), maxLife)
 	}
 	fmt.Fprintf(os.Stderr, "unknown child mode %q\n", mode)
 	return 99
@@ -244,11 +246,21 @@ func TestParseArgs(t *testing.T) {
 		cfg.grace != time.Second || cfg.prog != "prog" || strings.Join(cfg.args, " ") != "-x y" {
 		t.Errorf("parsed %+v", cfg)
 	}
-	if cfg, err := parseArgs([]string{"-n", "2", "prog"}, io.Discard); err != nil || cfg.nproc != 2 || cfg.prog != "prog" {
+	if cfg, err := parseArgs([]string{"-n", "2", "prog"}, io.Discard); err != nil || cfg.nproc != 2 || cfg.prog != "prog" || cfg.nnodes != 1 || cfg.nodeRank != 0 {
 		t.Errorf("-n 2 prog: %+v, %v", cfg, err)
+	}
+	cfg, err = parseArgs([]string{"--nnodes", "3", "--node-rank", "2", "--master-port", "29500", "--join-timeout", "7s", "--node-timeout", "2s", "p"}, io.Discard)
+	if err != nil || cfg.nnodes != 3 || cfg.nodeRank != 2 || cfg.joinTimeout != 7*time.Second || cfg.nodeTimeout != 2*time.Second {
+		t.Errorf("several nodes: %+v, %v", cfg, err)
 	}
 	for _, bad := range [][]string{
 		{}, {"-n", "0", "p"}, {"--master-port", "70000", "p"}, {"--grace", "-1s", "p"}, {"--bogus", "p"}, {"-n", "x", "p"},
+		{"--nnodes", "0", "p"},
+		{"--nnodes", "2", "p"}, // no --master-port for the other nodes
+		{"--nnodes", "2", "--node-rank", "2", "--master-port", "1", "p"},
+		{"--node-rank", "-1", "p"},
+		{"--join-timeout", "0s", "p"},
+		{"--node-timeout", "-1s", "p"},
 	} {
 		if _, err := parseArgs(bad, io.Discard); err == nil {
 			t.Errorf("%q accepted", bad)
@@ -502,7 +514,7 @@ func TestStartFailure(t *testing.T) {
 func TestChildEnvReplacesInherited(t *testing.T) {
 	env := childEnv([]string{"PATH=/bin", "RANK=9", "MASTER_PORT=1"}, &config{nproc: 2, masterAddr: "h"}, 1, "555")
 	got := strings.Join(env, " ")
-	want := "PATH=/bin LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=h MASTER_PORT=555 RANK=1 WORLD_SIZE=2"
+	want := "PATH=/bin GROUP_RANK=0 GROUP_WORLD_SIZE=1 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=h MASTER_PORT=555 RANK=1 WORLD_SIZE=2"
 	if got != want {
 		t.Errorf("env %q, want %q", got, want)
 	}

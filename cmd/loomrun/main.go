@@ -1,31 +1,61 @@
-// Command loomrun launches the processes of a loom job on this machine, in
-// the manner of torchrun.
+// Command loomrun launches the processes of a loom job, on one machine or
+// across several, in the manner of torchrun.
 //
 // Usage:
 //
-//	loomrun [-n N | --nproc-per-node N] [--master-addr ADDR] [--master-port PORT]
-//	        [--timeout D] [--grace D] [--] prog [args...]
+//	loomrun [-n N | --nproc-per-node N] [--nnodes M --node-rank K]
+//	        [--master-addr ADDR] [--master-port PORT] [--join-timeout D]
+//	        [--node-timeout D] [--timeout D] [--grace D] [--] prog [args...]
 //
-// loomrun starts N copies of prog, each with the environment torchrun sets:
+// loomrun starts N copies of prog on this machine (a node), each with the
+// environment torchrun sets:
 //
-//	RANK              this process's rank, 0..N-1
-//	WORLD_SIZE        N
-//	LOCAL_RANK        = RANK (one machine)
+//	RANK              this process's rank: K·N + LOCAL_RANK
+//	WORLD_SIZE        M·N
+//	LOCAL_RANK        its rank on this node, 0..N-1
 //	LOCAL_WORLD_SIZE  N
+//	GROUP_RANK        K, this node's rank (--node-rank, default 0)
+//	GROUP_WORLD_SIZE  M, the number of nodes (--nnodes, default 1)
 //	MASTER_ADDR       --master-addr (default 127.0.0.1)
 //	MASTER_PORT       --master-port, or the free port picked when it is 0 (the default)
 //
-// Before starting them, loomrun runs a rendezvous server
-// (github.com/b7ea7098/loom/comm/rendezvous) at MASTER_ADDR:MASTER_PORT for
-// the lifetime of the job: processes connect with rendezvous.DialEnv and use
-// it to exchange bootstrap data (an NCCL unique id, addresses) and to meet
-// at barriers. The store starts empty and ends with the job.
+// Node 0 runs a rendezvous server (github.com/b7ea7098/loom/comm/rendezvous)
+// on MASTER_ADDR:MASTER_PORT for the lifetime of the job: processes connect
+// with rendezvous.DialEnv and use it to exchange bootstrap data (an NCCL
+// unique id, addresses) and to meet at barriers. The store starts empty and
+// ends with the job; keys under "loomrun/" are loomrun's own.
 //
-// Every line a process writes to stdout or stderr is copied to loomrun's
-// stdout or stderr with the prefix "[rank R] ". Lines are written whole, so
-// lines of different ranks never mix; a partial last line gets a newline, and
-// a line longer than 64 KiB is split into prefixed pieces. Standard input of
-// the processes is empty.
+// # Several nodes
+//
+// A job of M nodes runs one loomrun on each, all with the same --nnodes,
+// --nproc-per-node, --master-addr and --master-port (which must then be
+// given: the others need node 0's port), each with its own --node-rank:
+//
+//	node0$ loomrun --nnodes 2 --node-rank 0 -n 4 --master-addr node0 --master-port 29500 prog
+//	node1$ loomrun --nnodes 2 --node-rank 1 -n 4 --master-addr node0 --master-port 29500 prog
+//
+// Node 0 listens on --master-addr, so it must be an address of node 0 that
+// the others reach. Before starting any process, the nodes join at node 0's
+// store: each registers there (node 0's server may start after the other
+// nodes; they retry) and waits until all M have, or --join-timeout (default
+// 5m) passes; then the join fails on every node that came, naming the
+// nodes missing. A node whose --nnodes or --nproc-per-node differs from
+// another's, or a --node-rank given twice, fails the join of every node,
+// which each reports. A failed join exits with status 2.
+//
+// Once started, the job ends everywhere when it fails anywhere: the first
+// node that sees a failure (one of its ranks failed, it got a signal, or
+// its --timeout passed) records it in the store, and every node, watching
+// that record, ends its ranks as described below and exits with status 1
+// and the message "job failed: rank R (node K) ..." naming the failed rank
+// and its node (or the node, for a signal or a timeout). A node whose loomrun dies is caught too: when node 0
+// dies, its server goes with it, and every other node ends its ranks at
+// once; every other node beats a heartbeat in the store, and when node 0
+// has not heard one from a node for --node-timeout (default 30s), it
+// fails the job naming the node. Node 0 exits only once every node has
+// reported its end (or, after a failure, once they had the time to end
+// their ranks), so its server outlives the other nodes' use of it, and
+// its exit status is 1 if any node failed.
 //
 // Each process runs in its own process group. SIGINT and SIGTERM sent to
 // loomrun are forwarded to every process's whole group; after --grace the
@@ -34,6 +64,8 @@
 // failed and how, sends SIGTERM to the others, SIGKILL to those still
 // running after --grace, waits for all of them, and exits with status 1.
 // --timeout (0: none) bounds the whole job the same way.
+//
+// # No process left behind
 //
 // No process of a job outlives it: not a rank's children, not when a rank
 // exits early, not when loomrun itself is killed. Each rank runs under a
@@ -75,9 +107,14 @@
 // was reaped. Elsewhere loomrun starts the processes directly and ends only
 // them.
 //
-// Exit status: 0 when every process exited with status 0; 1 when one failed
-// or the job timed out; 2 for bad arguments or a failure to start; 128+n
-// when loomrun was stopped by signal n (after forwarding it).
+// In a job of several nodes this holds on each node for its own ranks; a
+// node's loomrun that is killed takes its ranks with it, and the others
+// end theirs as described under "Several nodes".
+//
+// Exit status: 0 when every process exited with status 0 (on node 0: on
+// every node); 1 when one failed, anywhere, or the job timed out; 2 for
+// bad arguments, a failed join or a failure to start; 128+n when loomrun
+// was stopped by signal n (after forwarding it).
 package main
 
 import (
@@ -94,13 +131,17 @@ import (
 
 // config is the parsed command line.
 type config struct {
-	nproc      int
-	masterAddr string
-	masterPort int
-	timeout    time.Duration // whole job; 0: none
-	grace      time.Duration // SIGTERM to SIGKILL
-	prog       string
-	args       []string
+	nproc       int
+	nnodes      int           // nodes of the job; 0 counts as 1
+	nodeRank    int           // this node, 0..nnodes-1
+	joinTimeout time.Duration // how long the nodes wait for each other
+	nodeTimeout time.Duration // how long node 0 waits for a silent node
+	masterAddr  string
+	masterPort  int
+	timeout     time.Duration // whole job; 0: none
+	grace       time.Duration // SIGTERM to SIGKILL
+	prog        string
+	args        []string
 }
 
 // parseArgs parses the command line (without the program name).
@@ -109,13 +150,18 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	fs.SetOutput(stderr)
 	cfg := &config{}
 	fs.IntVar(&cfg.nproc, "n", 1, "number of processes to start (same as --nproc-per-node)")
-	fs.IntVar(&cfg.nproc, "nproc-per-node", 1, "number of processes to start")
-	fs.StringVar(&cfg.masterAddr, "master-addr", "127.0.0.1", "address of the rendezvous server (MASTER_ADDR)")
-	fs.IntVar(&cfg.masterPort, "master-port", 0, "port of the rendezvous server (MASTER_PORT); 0 picks a free one")
+	fs.IntVar(&cfg.nproc, "nproc-per-node", 1, "number of processes to start on this node")
+	fs.IntVar(&cfg.nnodes, "nnodes", 1, "number of nodes (one loomrun on each)")
+	fs.IntVar(&cfg.nodeRank, "node-rank", 0, "this node's rank, 0..nnodes-1; node 0 runs the rendezvous server")
+	fs.StringVar(&cfg.masterAddr, "master-addr", "127.0.0.1", "address of node 0's rendezvous server (MASTER_ADDR)")
+	fs.IntVar(&cfg.masterPort, "master-port", 0, "port of the rendezvous server (MASTER_PORT); 0 picks a free one (one node only)")
+	fs.DurationVar(&cfg.joinTimeout, "join-timeout", 5*time.Minute, "how long the nodes wait for each other to join")
+	fs.DurationVar(&cfg.nodeTimeout, "node-timeout", 30*time.Second, "end the job when another node's loomrun has not been heard from for this long")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "end the whole job after this long (0: no limit)")
 	fs.DurationVar(&cfg.grace, "grace", 5*time.Second, "time between SIGTERM and SIGKILL when ending processes")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: loomrun [-n N] [--master-addr ADDR] [--master-port PORT] [--timeout D] [--grace D] [--] prog [args...]\n\n")
+		fmt.Fprintf(fs.Output(), "usage: loomrun [-n N] [--nnodes M --node-rank K] [--master-addr ADDR] [--master-port PORT]\n"+
+			"               [--join-timeout D] [--node-timeout D] [--timeout D] [--grace D] [--] prog [args...]\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -131,8 +177,20 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("-n %d: need at least 1 process", cfg.nproc)
 	case cfg.nproc > 4096:
 		return nil, fmt.Errorf("-n %d: at most 4096 processes", cfg.nproc)
+	case cfg.nnodes < 1:
+		return nil, fmt.Errorf("--nnodes %d: need at least 1 node", cfg.nnodes)
+	case cfg.nnodes > 4096 || cfg.nnodes*cfg.nproc > 1<<20:
+		return nil, fmt.Errorf("--nnodes %d with %d process(es) each: at most 4096 nodes and 2^20 processes", cfg.nnodes, cfg.nproc)
+	case cfg.nodeRank < 0 || cfg.nodeRank >= cfg.nnodes:
+		return nil, fmt.Errorf("--node-rank %d: want 0..%d (--nnodes %d)", cfg.nodeRank, cfg.nnodes-1, cfg.nnodes)
 	case cfg.masterPort < 0 || cfg.masterPort > 65535:
 		return nil, fmt.Errorf("--master-port %d: not a port number", cfg.masterPort)
+	case cfg.masterPort == 0 && cfg.nnodes > 1:
+		return nil, fmt.Errorf("--master-port 0 with --nnodes %d: the other nodes need to know node 0's port", cfg.nnodes)
+	case cfg.joinTimeout <= 0:
+		return nil, fmt.Errorf("--join-timeout %v: must be positive", cfg.joinTimeout)
+	case cfg.nodeTimeout <= 0:
+		return nil, fmt.Errorf("--node-timeout %v: must be positive", cfg.nodeTimeout)
 	case cfg.masterAddr == "":
 		return nil, errors.New("--master-addr is empty")
 	case cfg.timeout < 0:

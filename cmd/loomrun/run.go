@@ -144,14 +144,17 @@ func (c *copier) wait(deadline time.Time) bool {
 	}
 }
 
-// childEnv returns the environment of rank: the parent's, with torchrun's
-// variables set (replacing any inherited ones).
-func childEnv(base []string, cfg *config, rank int, port string) []string {
+// childEnv returns the environment of the node's local rank: the
+// parent's, with torchrun's variables set (replacing any inherited ones).
+func childEnv(base []string, cfg *config, local int, port string) []string {
+	nnodes := max(cfg.nnodes, 1)
 	set := map[string]string{
-		"RANK":             strconv.Itoa(rank),
-		"WORLD_SIZE":       strconv.Itoa(cfg.nproc),
-		"LOCAL_RANK":       strconv.Itoa(rank),
+		"RANK":             strconv.Itoa(cfg.nodeRank*cfg.nproc + local),
+		"WORLD_SIZE":       strconv.Itoa(nnodes * cfg.nproc),
+		"LOCAL_RANK":       strconv.Itoa(local),
 		"LOCAL_WORLD_SIZE": strconv.Itoa(cfg.nproc),
+		"GROUP_RANK":       strconv.Itoa(cfg.nodeRank),
+		"GROUP_WORLD_SIZE": strconv.Itoa(nnodes),
 		"MASTER_ADDR":      cfg.masterAddr,
 		"MASTER_PORT":      port,
 	}
@@ -200,45 +203,120 @@ func launchRank(s *rankSpec, outW, errW *syncWriter, events chan<- rankEvent) (*
 	return p, nil
 }
 
-// run starts the job described by cfg, copies the children's output to
-// stdout and stderr with rank prefixes, forwards the signals received on
-// sigs, and returns loomrun's exit status (see the command's doc). Ending ctx
-// ends the job like SIGTERM does. run returns only when no process of the
-// job is left (see the command's doc for the mechanism and its limits).
+// run starts this node's part of the job described by cfg, copies the
+// children's output to stdout and stderr with rank prefixes, forwards the
+// signals received on sigs, and returns loomrun's exit status (see the
+// command's doc). Ending ctx ends the job like SIGTERM does. With several
+// nodes it first joins the others at node 0's server and ends this node's
+// ranks when another node fails. run returns only when no process of this
+// node's ranks is left (see the command's doc for the mechanism and its
+// limits) and, on node 0, when the other nodes are done with the server.
 func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan os.Signal) int {
 	outW := &syncWriter{w: stdout}
 	errW := &syncWriter{w: stderr}
-	logf := func(format string, args ...any) { errW.printf("loomrun: "+format+"\n", args...) }
+	nnodes := max(cfg.nnodes, 1)
+	prefix := "loomrun: "
+	if nnodes > 1 {
+		prefix = fmt.Sprintf("loomrun[node %d]: ", cfg.nodeRank)
+	}
+	logf := func(format string, args ...any) { errW.printf(prefix+format+"\n", args...) }
 
 	path, err := exec.LookPath(cfg.prog)
 	if err != nil {
 		logf("cannot start the ranks: %v", err)
 		return 2
 	}
-	srvCtx, stopSrv := context.WithCancel(context.Background())
-	defer stopSrv()
-	srv, err := rendezvous.Listen(srvCtx, net.JoinHostPort(cfg.masterAddr, strconv.Itoa(cfg.masterPort)))
+	port := strconv.Itoa(cfg.masterPort)
+	if cfg.nodeRank == 0 {
+		srvCtx, stopSrv := context.WithCancel(context.Background())
+		defer stopSrv()
+		srv, err := rendezvous.Listen(srvCtx, net.JoinHostPort(cfg.masterAddr, port))
+		if err != nil {
+			logf("cannot start the rendezvous server: %v", err)
+			return 2
+		}
+		defer srv.Close() // Server.Close always returns nil
+		if _, port, err = net.SplitHostPort(srv.Addr()); err != nil {
+			logf("rendezvous server address %q: %v", srv.Addr(), err)
+			return 2
+		}
+	}
+	if nnodes == 1 {
+		code, _ := runNode(ctx, cfg, path, port, nil, outW, errW, logf, sigs)
+		return code
+	}
+
+	// Several nodes: meet at node 0's server, run this node's ranks, and
+	// on node 0 keep the server up until every node is done with it.
+	cl, err := dialCluster(cfg, net.JoinHostPort(cfg.masterAddr, port), logf)
 	if err != nil {
-		logf("cannot start the rendezvous server: %v", err)
+		logf("join failed: %v", err)
 		return 2
 	}
-	defer srv.Close() // Server.Close always returns nil
-	_, port, err := net.SplitHostPort(srv.Addr())
+	joined, err := cl.join()
 	if err != nil {
-		logf("rendezvous server address %q: %v", srv.Addr(), err)
+		logf("join failed: %v", err)
+		if cfg.nodeRank == 0 {
+			if _, _, missing := cl.awaitNodes(joined, joinFailureWait, joinFailureWait, nil); len(missing) > 0 {
+				logf("%s did not acknowledge the failed join within %v", nodeNames(missing), joinFailureWait)
+			}
+		}
+		cl.finish("join failed: " + err.Error())
 		return 2
+	}
+	cl.startBeats()
+	code, outcome := runNode(ctx, cfg, path, port, cl, outW, errW, logf, sigs)
+	if cfg.nodeRank == 0 {
+		// A node that fails stops its ranks within --grace and the
+		// supervisors' sweep; a node whose ranks still run may take as
+		// long as the job does.
+		afterFailure := cfg.grace + sweepTimeout + drainTimeout + stopSlack
+		bound := time.Duration(0)
+		if outcome != "" {
+			bound = afterFailure
+		}
+		failures, first, missing := cl.awaitNodes(joined, bound, afterFailure, sigs)
+		if len(missing) > 0 {
+			logf("%s did not report its end; closing the rendezvous server", nodeNames(missing))
+		}
+		if first == "" && len(failures) > 0 {
+			first = failures[0]
+		}
+		if code == 0 && first != "" {
+			logf("job failed: %s", first)
+			code = 1
+		}
+	}
+	cl.finish(outcome)
+	return code
+}
+
+// runNode runs this node's ranks (see run) and returns loomrun's exit
+// status and, when it is not 0, why, for the other nodes. cl is nil for a
+// job of one node; with cl set, the first failure on this node is
+// published to the other nodes, and a failure published by another node
+// ends this node's ranks.
+func runNode(ctx context.Context, cfg *config, path, port string, cl *cluster, outW, errW *syncWriter, logf func(string, ...any), sigs <-chan os.Signal) (int, string) {
+	base := cfg.nodeRank * cfg.nproc // this node's first rank
+	rankName := func(r int) string { return "rank " + strconv.Itoa(r) }
+	var remote <-chan string
+	publish := func(string) {}
+	if cl != nil {
+		rankName = func(r int) string { return fmt.Sprintf("rank %d (node %d)", r, cfg.nodeRank) }
+		remote = cl.failed
+		publish = cl.publish
 	}
 
 	// Every watcher sends a handful of events; run's loop receives them
 	// all before returning, so no watcher is left blocked.
 	events := make(chan rankEvent, cfg.nproc)
 	ranks := make([]*rankProc, 0, cfg.nproc)
-	base := os.Environ()
+	env := os.Environ()
 	var startErr error
-	for rank := 0; rank < cfg.nproc; rank++ {
+	for local := 0; local < cfg.nproc; local++ {
 		s := &rankSpec{
-			rank: rank, path: path, args: append([]string{cfg.prog}, cfg.args...),
-			env: childEnv(base, cfg, rank, port), grace: cfg.grace,
+			rank: base + local, path: path, args: append([]string{cfg.prog}, cfg.args...),
+			env: childEnv(env, cfg, local, port), grace: cfg.grace,
 		}
 		p, err := launchRank(s, outW, errW, events)
 		if err != nil {
@@ -320,6 +398,7 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 	}
 	if startErr != nil {
 		logf("%v", startErr)
+		publish(fmt.Sprintf("node %d: %v", cfg.nodeRank, startErr))
 		stop(termSignal)
 	}
 	finishIfDone()
@@ -328,7 +407,7 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 	for remaining > 0 {
 		select {
 		case e := <-events:
-			p := ranks[e.rank]
+			p := ranks[e.rank-base]
 			switch e.kind {
 			case evStarted:
 				p.pgid = e.pgid
@@ -337,11 +416,12 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 				}
 			case evFailed:
 				p.exited = true
-				logf("rank %d failed to start: %v", p.rank, e.err)
+				logf("%s failed to start: %v", rankName(p.rank), e.err)
 				if startErr == nil && failure == "" {
-					startErr = fmt.Errorf("rank %d failed to start: %w", p.rank, e.err)
+					startErr = fmt.Errorf("%s failed to start: %w", rankName(p.rank), e.err)
 				}
 				if !stopping {
+					publish(startErr.Error())
 					stop(termSignal)
 				}
 			case evExited:
@@ -349,11 +429,12 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 				desc, failed := e.exit.describe()
 				switch {
 				case failed && !stopping:
-					failure = fmt.Sprintf("rank %d %s", p.rank, desc)
+					failure = rankName(p.rank) + " " + desc
 					logf("%s; ending the other ranks", failure)
+					publish(failure)
 					stop(termSignal)
 				case failed || stopping:
-					logf("rank %d %s", p.rank, desc)
+					logf("%s %s", rankName(p.rank), desc)
 				}
 			case evLeftover:
 				if e.n < 0 {
@@ -383,10 +464,11 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 					if e.err != nil {
 						how = e.err.Error()
 					}
-					desc := fmt.Sprintf("rank %d was lost: its supervisor ended (%s)", p.rank, how)
+					desc := fmt.Sprintf("%s was lost: its supervisor ended (%s)", rankName(p.rank), how)
 					if !stopping {
 						failure = desc
 						logf("%s; ending the other ranks", failure)
+						publish(failure)
 						stop(termSignal)
 					} else {
 						logf("%s", desc)
@@ -403,6 +485,7 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 			}
 			if interrupted == nil && failure == "" && !timedOut {
 				interrupted = sig
+				publish(fmt.Sprintf("node %d's loomrun received %s", cfg.nodeRank, sigString(sig)))
 			}
 			logf("received %s; forwarding it", sigString(sig))
 			stop(sig)
@@ -413,6 +496,7 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 			}
 			if interrupted == nil && failure == "" && !timedOut {
 				interrupted = termSignal
+				publish(fmt.Sprintf("node %d's loomrun was cancelled", cfg.nodeRank))
 			}
 			logf("cancelled; ending the job")
 			stop(termSignal)
@@ -423,8 +507,18 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 			}
 			if failure == "" && interrupted == nil {
 				timedOut = true
+				publish(fmt.Sprintf("node %d timed out after %v", cfg.nodeRank, cfg.timeout))
 			}
 			logf("job timed out after %v; ending it", cfg.timeout)
+			stop(termSignal)
+		case reason := <-remote:
+			// Another node failed (or this one, already being handled).
+			remote = nil
+			if finishing || stopping {
+				continue
+			}
+			failure = reason
+			logf("%s; ending this node's ranks", reason)
 			stop(termSignal)
 		case <-killTimer:
 			killTimer = nil
@@ -460,18 +554,18 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 	switch {
 	case startErr != nil:
 		logf("job failed: %v", startErr)
-		return 2
+		return 2, startErr.Error()
 	case failure != "":
 		logf("job failed: %s", failure)
-		return 1
+		return 1, failure
 	case timedOut:
 		logf("job failed: timed out after %v", cfg.timeout)
-		return 1
+		return 1, fmt.Sprintf("node %d timed out after %v", cfg.nodeRank, cfg.timeout)
 	case interrupted != nil:
 		logf("job stopped by %s", sigString(interrupted))
-		return signalExitCode(interrupted)
+		return signalExitCode(interrupted), fmt.Sprintf("node %d was stopped by %s", cfg.nodeRank, sigString(interrupted))
 	}
-	return 0
+	return 0, ""
 }
 
 // rankList formats ranks compactly: "0,2,3".
