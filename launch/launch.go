@@ -91,7 +91,14 @@ func (j *Job) String() string {
 	if j.Backend == Local {
 		return fmt.Sprintf("%d in-process rank(s)", j.WorldSize)
 	}
-	return fmt.Sprintf("%s rank %d of %d (one rank per process, %d on this host)", j.Backend, j.Rank, j.WorldSize, j.LocalRanks)
+	return fmt.Sprintf("%d %s processes of one rank each (%d on this host)", j.Processes, j.Backend, j.LocalRanks)
+}
+
+// InProcess returns the job of ranks in-process ranks (the Local backend),
+// whatever the environment says: for tests, and for a second run inside
+// one process (a one-rank comparison).
+func InProcess(ranks int) (*Job, error) {
+	return Detect(func(string) string { return "" }, Local, ranks)
 }
 
 // Detect returns how this process takes part in a job of ranks ranks
