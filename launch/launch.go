@@ -24,7 +24,9 @@ package launch
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -51,13 +53,9 @@ const (
 // help.
 func Backends() []string { return []string{Local, MPI, NCCL} }
 
-// MPIBuilt reports whether this binary has the MPI backend (it was built
-// with -tags mpi).
-func MPIBuilt() bool { return mpiBuilt }
-
 // ErrInvalid is wrapped by the errors of a contradictory or incomplete
 // environment or request; it matches loom.ErrInvalid.
-var ErrInvalid = loom.NewSentinel("launch: invalid job", loom.ErrInvalid)
+var ErrInvalid = loom.NewSentinel("invalid job", loom.ErrInvalid)
 
 // Job is how this process takes part in a job, as Detect found it.
 type Job struct {
@@ -265,6 +263,25 @@ type Option func(*runConfig)
 
 type runConfig struct {
 	local []local.Option
+	shape []int     // the mesh the ranks build, outermost axis first; nil: unknown
+	log   io.Writer // where the root process says how it placed the ranks
+}
+
+// WithMesh says which mesh the ranks will build on the world (its axis
+// sizes, outermost first, as mesh.New takes them), so that on NCCL each
+// process drives the GPU that comm/nccl/topology's Order gives its mesh
+// position: the innermost axis (tp) on the fastest links (NVLink). Without
+// it, or where the topology is unknown, process LOCAL_RANK drives GPU
+// LOCAL_RANK.
+func WithMesh(shape ...int) Option {
+	return func(c *runConfig) { c.shape = slices.Clone(shape) }
+}
+
+// WithLog makes the process holding world rank 0 write to w how it placed
+// the ranks (on NCCL: the topology's source and the GPU of every local
+// mesh position).
+func WithLog(w io.Writer) Option {
+	return func(c *runConfig) { c.log = w }
 }
 
 // WithLocal passes opts to local.Run on the Local backend (CPU binding,
@@ -296,7 +313,7 @@ func (j *Job) Run(ctx context.Context, fn Func, opts ...Option) error {
 	case MPI:
 		return runMPI(ctx, j, fn)
 	case NCCL:
-		return runNCCL(ctx, j, fn)
+		return runNCCL(ctx, j, fn, cfg)
 	}
 	return fmt.Errorf("launch: Run: %w: backend %q; want %s", ErrInvalid, j.Backend, strings.Join(Backends(), ", "))
 }

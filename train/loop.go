@@ -35,6 +35,10 @@ type Loop struct {
 	Every int
 	// Tokens is the number of tokens in one step's global batch.
 	Tokens int
+	// Shape is the mesh the ranks build on the world, outermost axis
+	// first (launch.WithMesh): on NCCL it places the ranks on the GPUs.
+	// Optional.
+	Shape []int
 	// Flags are the common flags (threads, CPU binding, trace).
 	Flags Flags
 }
@@ -201,7 +205,7 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 			res.TokensPerS = MedianTokensPerS(float64(l.Tokens), times)
 		}
 		return nil
-	}, launch.WithLocal(l.Flags.RunOptions()...))
+	}, launch.WithLocal(l.Flags.RunOptions()...), launch.WithMesh(l.Shape...), launch.WithLog(out))
 	if err != nil {
 		return nil, err
 	}

@@ -168,6 +168,7 @@ func parse(args []string, errOut io.Writer) (options, moegpt.Config, error) {
 // check validates cfg and the layout o asks for and completes o's loop.
 func check(cfg moegpt.Config, o *options) error {
 	o.loop.Ranks = o.dp * o.ep
+	o.loop.Shape = []int{o.dp, o.ep}
 	o.loop.Tokens = cfg.B * cfg.T
 	if err := cfg.Validate(); err != nil {
 		return err
@@ -237,7 +238,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 	if o.compare {
 		one := o
 		one.dp, one.ep, one.loop.Flags.TracePath = 1, 1, ""
-		one.loop.Ranks = 1
+		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1}
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", steps)
 		oneJob, err := launch.InProcess(1)
 		if err != nil {

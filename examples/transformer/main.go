@@ -111,6 +111,7 @@ func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) 
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	o.loop.Ranks = o.dp * o.tp
+	o.loop.Shape = []int{o.dp, o.tp}
 	o.loop.Tokens = run.B * run.T
 	if err := cfg.CheckLayout(run.B, o.dp, o.tp, o.sp); err != nil {
 		return o, err
@@ -158,7 +159,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if o.compare {
 		one := o
 		one.dp, one.tp, one.sp = 1, 1, false
-		one.loop.Ranks = 1
+		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1}
 		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.loop.Steps)
 		oneJob, err := launch.InProcess(1)
