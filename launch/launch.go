@@ -258,6 +258,17 @@ func localVars(getenv func(string) string, sizeName, rankName string, size, rank
 	return localSize, localRank, nil
 }
 
+// Check reports whether this process can run its part of the job, before
+// anything starts: on NCCL it loads NCCL and the CUDA driver and returns
+// the loader's error (matching nccl.ErrUnavailable) where they are
+// missing; the other backends need nothing more than Detect checked.
+func (j *Job) Check() error {
+	if j.Backend == NCCL {
+		return checkNCCL(j)
+	}
+	return nil
+}
+
 // Option configures Job.Run.
 type Option func(*runConfig)
 

@@ -9,6 +9,7 @@ import (
 
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/nccl"
 )
 
 // env is a fake environment.
@@ -127,8 +128,15 @@ func TestRunNCCLUnavailable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := job.Check(); !errors.Is(err, nccl.ErrUnavailable) || !strings.Contains(err.Error(), "launch: nccl (RANK=0 LOCAL_RANK=0)") {
+		t.Errorf("Check = %v, want the NCCL loader's error", err)
+	}
 	err = job.Run(context.Background(), func(context.Context, comm.Communicator) error { return nil })
-	if err == nil || !strings.Contains(err.Error(), "launch: nccl (RANK=0 LOCAL_RANK=0)") {
+	if !errors.Is(err, nccl.ErrUnavailable) || !strings.Contains(err.Error(), "launch: nccl (RANK=0 LOCAL_RANK=0)") {
 		t.Fatalf("Run = %v, want the NCCL loader's error", err)
+	}
+	local, err := InProcess(2)
+	if err != nil || local.Check() != nil {
+		t.Errorf("InProcess(2) = %+v, %v; Check = %v", local, err, local.Check())
 	}
 }

@@ -16,6 +16,14 @@ import (
 // cmd/loomrun's and torchrun's are.
 const WorldKey = "loom/launch/world"
 
+// checkNCCL loads NCCL and the CUDA driver, for Job.Check.
+func checkNCCL(j *Job) error {
+	if _, err := nccl.Load(); err != nil {
+		return fmt.Errorf("launch: nccl (RANK=%d LOCAL_RANK=%d): %w", j.Rank, j.LocalRank, err)
+	}
+	return nil
+}
+
 // runNCCL runs fn on this process's rank of an NCCL world on the GPU that
 // gpuOf picks, bootstrapped through the rendezvous server at j.Addr.
 func runNCCL(ctx context.Context, j *Job, fn Func, cfg runConfig) (err error) {

@@ -146,6 +146,9 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 	if job.WorldSize != l.Ranks {
 		return nil, fmt.Errorf("train: Run: %w: the %s job has %d ranks, the layout needs %d", ErrInvalid, job.Backend, job.WorldSize, l.Ranks)
 	}
+	if err := job.Check(); err != nil {
+		return nil, err
+	}
 	if out == nil || !job.Root() {
 		out = io.Discard
 	}
