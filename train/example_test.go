@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/reference/tinygpt"
@@ -39,7 +40,12 @@ func ExampleRun() {
 		return loss{tr}, nil
 	}
 	progress := func(step int, l, _ float64) { fmt.Printf("step %d loss %.3f\n", step, l) }
-	res, err := train.Run(context.Background(), nil, loop, setup, progress)
+	job, err := launch.InProcess(loop.Ranks)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	res, err := train.Run(context.Background(), nil, job, loop, setup, progress)
 	if err != nil {
 		fmt.Println(err)
 		return

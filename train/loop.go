@@ -12,8 +12,8 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/trace"
 )
 
@@ -21,11 +21,12 @@ import (
 // do not fit (a non-positive -steps); it matches loom.ErrInvalid.
 var ErrInvalid = loom.NewSentinel("train: invalid argument", loom.ErrInvalid)
 
-// Loop describes a training run of Run: how many in-process ranks, how
+// Loop describes a training run of Run: how many ranks, how
 // many steps, how often rank 0 reports, and the tokens of one step (for
 // throughput).
 type Loop struct {
-	// Ranks is the number of in-process ranks (comm/local), at least 1.
+	// Ranks is the number of ranks the layout needs, at least 1: the
+	// job's world size.
 	Ranks int
 	// Steps is the number of training steps, at least 1.
 	Steps int
@@ -34,6 +35,10 @@ type Loop struct {
 	Every int
 	// Tokens is the number of tokens in one step's global batch.
 	Tokens int
+	// Shape is the mesh the ranks build on the world, outermost axis
+	// first (launch.WithMesh): on NCCL it places the ranks on the GPUs.
+	// Optional.
+	Shape []int
 	// Flags are the common flags (threads, CPU binding, trace).
 	Flags Flags
 }
@@ -77,7 +82,7 @@ type Rank struct {
 	// Comm is the rank's world communicator, traced with -trace: build the
 	// rank's mesh on it.
 	Comm comm.Communicator
-	// BLAS is the GEMM library the in-process ranks share, its threads
+	// BLAS is the GEMM library this process's ranks share, its threads
 	// sized by -threads.
 	BLAS *kernels.BLAS
 	// Tape are the options for the rank's tape: the BLAS and, with
@@ -112,34 +117,49 @@ type Result[R any] struct {
 	Events []trace.Event
 }
 
-// Run trains on l.Ranks in-process ranks: it checks l (before any rank
-// starts), loads the shared BLAS, starts the ranks with the -bind CPU
-// binding, calls setup on each rank's goroutine to build its Stepper, runs
-// l.Steps steps on every rank (timing each step and tracing the last
-// -trace-steps of them), calls progress on rank 0 after every l.Every-th
-// step and the last one, with the tokens per second since the previous
-// report, and finally calls Finish on every rank whose Stepper has one.
-// It writes the GEMM configuration, the run's wall time and the trace's
-// location to out (nil: nowhere) and returns rank 0's results. The first
-// rank error ends every rank (local.Run) and is returned.
-func Run[R any](ctx context.Context, out io.Writer, l Loop, setup func(ctx context.Context, r Rank) (Stepper[R], error), progress func(step int, r R, tokensPerS float64)) (*Result[R], error) {
+// Run trains on the ranks that job gives this process (launch.Detect):
+// it checks l (before any rank starts) and that job has l.Ranks ranks,
+// loads the BLAS this process's ranks share (its threads sized for the
+// job's ranks on this host), starts the ranks (job.Run; in-process ranks
+// with the -bind CPU binding), calls setup on each rank's goroutine to
+// build its Stepper, runs l.Steps steps on every rank (timing each step
+// and tracing the last -trace-steps of them), calls progress on world
+// rank 0 after every l.Every-th step and the last one, with the tokens per
+// second since the previous report, and finally calls Finish on every rank
+// whose Stepper has one. With one rank per process, -trace's timelines are
+// merged on world rank 0 (Tracer.Gather). Only the process holding world
+// rank 0 writes to out (nil: nowhere): the GEMM configuration, the run's
+// wall time and the trace's location. It returns the results of this
+// process's lowest rank (world rank 0's where the process holds it); the
+// events are the merged trace, on world rank 0's process only. The first
+// rank error ends every rank and is returned.
+func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, setup func(ctx context.Context, r Rank) (Stepper[R], error), progress func(step int, r R, tokensPerS float64)) (*Result[R], error) {
 	if err := l.Validate(); err != nil {
 		return nil, err
 	}
 	if setup == nil {
 		return nil, fmt.Errorf("train: Run: %w: nil setup", ErrInvalid)
 	}
-	if out == nil {
+	if job == nil {
+		return nil, fmt.Errorf("train: Run: %w: nil job", ErrInvalid)
+	}
+	if job.WorldSize != l.Ranks {
+		return nil, fmt.Errorf("train: Run: %w: the %s job has %d ranks, the layout needs %d", ErrInvalid, job.Backend, job.WorldSize, l.Ranks)
+	}
+	if err := job.Check(); err != nil {
+		return nil, err
+	}
+	if out == nil || !job.Root() {
 		out = io.Discard
 	}
-	blas, err := LoadBLAS(out, l.Flags.Threads, l.Ranks)
+	blas, err := LoadBLAS(out, l.Flags.Threads, job.LocalRanks)
 	if err != nil {
 		return nil, fmt.Errorf("train: GEMM library: %w", err)
 	}
-	tracer := NewTracer(l.Flags.TracePath, l.Steps, l.Flags.TraceSteps)
+	tracer := NewTracer(l.Flags.TracePath, l.Steps, l.Flags.TraceSteps, job.Rank)
 	res := &Result[R]{}
 	var mu sync.Mutex
-	err = local.Run(ctx, l.Ranks, func(ctx context.Context, c comm.Communicator) error {
+	err = job.Run(ctx, func(ctx context.Context, c comm.Communicator) error {
 		rt := tracer.Rank(c)
 		st, err := setup(ctx, Rank{Comm: rt.Comm(), BLAS: blas, Tape: rt.Tape(autograd.WithBLAS(blas))})
 		if err != nil {
@@ -176,18 +196,26 @@ func Run[R any](ctx context.Context, out io.Writer, l Loop, setup func(ctx conte
 				return err
 			}
 		}
-		if rank0 {
+		if job.Processes > 1 {
+			if err := tracer.Gather(ctx, c); err != nil {
+				return fmt.Errorf("train: -trace: %w", err)
+			}
+		}
+		if c.Rank() == job.Rank {
 			mu.Lock()
 			defer mu.Unlock()
 			res.Steps, res.Elapsed = results, elapsed
 			res.TokensPerS = MedianTokensPerS(float64(l.Tokens), times)
 		}
 		return nil
-	}, l.Flags.RunOptions()...)
+	}, launch.WithLocal(l.Flags.RunOptions()...), launch.WithMesh(l.Shape...), launch.WithLog(out))
 	if err != nil {
 		return nil, err
 	}
 	fmt.Fprintf(out, "%d steps in %v\n", l.Steps, res.Elapsed.Round(time.Millisecond))
+	if !job.Root() {
+		return res, nil
+	}
 	if res.Events, err = tracer.Write(out); err != nil {
 		return nil, fmt.Errorf("train: -trace: %w", err)
 	}

@@ -1,6 +1,8 @@
 // Package train is the training loop that the example programs
 // (examples/transformer and examples/moe) share, public so that a program
-// of one's own can copy it: Run starts in-process ranks (comm/local),
+// of one's own can copy it: Run starts this process's ranks as its
+// launch.Job says (in-process ranks on comm/local, or this process's one
+// rank under mpirun, loomrun or torchrun),
 // builds each rank's Stepper, runs and times the steps, reports rank 0's
 // progress, traces the last steps and returns rank 0's results with the
 // median throughput. Loop describes the run and checks it before any rank
@@ -30,6 +32,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/kernels"
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/trace"
 )
 
@@ -46,8 +49,12 @@ type Flags struct {
 	TraceSteps int
 	// JSONPath is -json: where to write the run's summary, empty for none.
 	JSONPath string
-	// Bind is -bind: bind each rank to CPUs of its own.
+	// Bind is -bind: bind each rank to CPUs of its own (in-process ranks
+	// only).
 	Bind bool
+	// Backend is -backend: local, mpi or nccl, empty to decide from
+	// launch.BackendEnv and how the program was launched (launch.Detect).
+	Backend string
 }
 
 // Register defines the flags on fs, storing their values in f.
@@ -57,6 +64,14 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.IntVar(&f.TraceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
 	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
 	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
+	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi) or nccl (under loomrun or torchrun); default: "+launch.BackendEnv+", else how the program was launched")
+}
+
+// Job decides how this process takes part in a job of ranks ranks, from
+// -backend and the environment (launch.Detect over os.Getenv), before
+// anything starts.
+func (f Flags) Job(ranks int) (*launch.Job, error) {
+	return launch.Detect(os.Getenv, f.Backend, ranks)
 }
 
 // RunOptions are the local.Run options the flags ask for: CPU binding with
@@ -121,12 +136,16 @@ type Tracer struct {
 	tl          *trace.Timeline // nil: not tracing
 	path        string
 	steps, last int
+	first       int // the lowest rank on this process's timeline, which resets it
 }
 
 // NewTracer returns a Tracer that writes to path the last of steps
-// training steps, or one that traces nothing when path is empty.
-func NewTracer(path string, steps, last int) *Tracer {
-	t := &Tracer{path: path, steps: steps, last: last}
+// training steps, or one that traces nothing when path is empty. first is
+// the lowest world rank this process holds (launch.Job.Rank): 0 for
+// in-process ranks, which share the Tracer's timeline; with one rank per
+// process each process traces on its own timeline, and Gather merges them.
+func NewTracer(path string, steps, last, first int) *Tracer {
+	t := &Tracer{path: path, steps: steps, last: last, first: first}
 	if path != "" {
 		t.tl = trace.NewTimeline()
 	}
@@ -183,13 +202,14 @@ func (r *RankTracer) Tape(opts ...autograd.Option) []autograd.Option {
 // BeginStep opens the span of step i+1 (i counts from 0); End it when the
 // step is done. Before the first traced step every rank must call it: all
 // arrive, rank 0 drops what was recorded so far, and all start together,
-// so that only the last steps are kept.
+// so that only the last steps are kept (with one rank per process, every
+// rank drops what its own timeline recorded).
 func (r *RankTracer) BeginStep(ctx context.Context, i int) (trace.Span, error) {
 	if r.t.tl != nil && i+1 == r.t.FirstTraced() {
 		if err := comm.Barrier(ctx, r.c); err != nil {
 			return trace.Span{}, err
 		}
-		if r.rank == 0 {
+		if r.rank == r.t.first {
 			r.t.tl.Reset()
 		}
 		if err := comm.Barrier(ctx, r.c); err != nil {
@@ -198,6 +218,17 @@ func (r *RankTracer) BeginStep(ctx context.Context, i int) (trace.Span, error) {
 		r.tracing.Store(true)
 	}
 	return r.t.tl.Begin(r.rank, fmt.Sprintf("%s%d", StepSpan, i+1)), nil
+}
+
+// Gather merges, on world rank 0, the timelines of a job whose processes
+// each traced on their own (launch.Job.Processes > 1); c is the rank's
+// untraced world communicator. It is collective over c and does nothing
+// when t traces nothing.
+func (t *Tracer) Gather(ctx context.Context, c comm.Communicator) error {
+	if t.tl == nil {
+		return nil
+	}
+	return trace.Gather(ctx, c, t.tl, 0)
 }
 
 // Write writes the Chrome trace to the Tracer's path, says so on out and

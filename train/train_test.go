@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/trace"
 )
 
@@ -69,6 +71,7 @@ func TestFlags(t *testing.T) {
 		{nil, Flags{TraceSteps: 3}},
 		{[]string{"-threads", "2", "-trace", "t.json", "-trace-steps", "1", "-json", "r.json"},
 			Flags{Threads: 2, TracePath: "t.json", TraceSteps: 1, JSONPath: "r.json"}},
+		{[]string{"-backend", "mpi", "-bind"}, Flags{TraceSteps: 3, Backend: "mpi", Bind: true}},
 	} {
 		var f Flags
 		fs := flag.NewFlagSet("test", flag.ContinueOnError)
@@ -161,7 +164,7 @@ func TestTracer(t *testing.T) {
 			if c.trace {
 				path = filepath.Join(t.TempDir(), "trace.json")
 			}
-			tracer := NewTracer(path, steps, c.last)
+			tracer := NewTracer(path, steps, c.last, 0)
 			if tracer.Enabled() != c.trace {
 				t.Fatalf("Enabled() = %v", tracer.Enabled())
 			}
@@ -241,7 +244,82 @@ func TestTracer(t *testing.T) {
 			}
 		})
 	}
-	if _, err := NewTracer(filepath.Join(t.TempDir(), "missing", "trace.json"), 1, 1).Write(io.Discard); err == nil {
+	if _, err := NewTracer(filepath.Join(t.TempDir(), "missing", "trace.json"), 1, 1, 0).Write(io.Discard); err == nil {
 		t.Error("wrote into a missing folder")
+	}
+}
+
+// TestTracerPerProcess traces each of 3 in-process ranks on a Tracer of
+// its own, as one process per rank does, and merges them with Gather:
+// rank 0's trace has every rank's last step, and every rank dropped its
+// own earlier steps.
+func TestTracerPerProcess(t *testing.T) {
+	const ranks, steps, last = 3, 3, 1
+	path := filepath.Join(t.TempDir(), "trace.json")
+	var root *Tracer
+	err := local.Run(context.Background(), ranks, func(ctx context.Context, cm comm.Communicator) error {
+		tracer := NewTracer(path, steps, last, cm.Rank())
+		rt := tracer.Rank(cm)
+		for i := range steps {
+			span, err := rt.BeginStep(ctx, i)
+			if err != nil {
+				return err
+			}
+			buf := comm.Host([]float32{1})
+			if err := comm.AllReduce(ctx, rt.Comm(), buf, buf, comm.Sum); err != nil {
+				return err
+			}
+			span.End()
+		}
+		if err := tracer.Gather(ctx, cm); err != nil {
+			return err
+		}
+		if cm.Rank() == 0 {
+			root = tracer
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	events, err := root.Write(io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spans := map[int][]string{}
+	for _, e := range events {
+		if strings.HasPrefix(e.Name, StepSpan) {
+			spans[e.Rank] = append(spans[e.Rank], e.Name)
+		}
+		if e.Lane == trace.LaneComm && e.Op == comm.OpAllReduce && e.Group != "[0,1,2]" {
+			t.Errorf("rank %d's all-reduce is on group %q, want [0,1,2]", e.Rank, e.Group)
+		}
+	}
+	for r := range ranks {
+		if got := strings.Join(spans[r], ","); got != StepSpan+"3" {
+			t.Errorf("rank %d: step spans %q, want only the last step's", r, got)
+		}
+	}
+}
+
+func TestRunJob(t *testing.T) {
+	loop := Loop{Ranks: 2, Steps: 1, Every: 1, Flags: Flags{TraceSteps: 1}}
+	setup := func(context.Context, Rank) (Stepper[int], error) { return nil, nil }
+	three, err := launch.InProcess(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		job  *launch.Job
+		want string
+	}{
+		{"nil job", nil, "nil job"},
+		{"world size", three, "the local job has 3 ranks, the layout needs 2"},
+	} {
+		_, err := Run(context.Background(), nil, c.job, loop, setup, nil)
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want ErrInvalid with %q", c.name, err, c.want)
+		}
 	}
 }

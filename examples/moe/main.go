@@ -1,11 +1,14 @@
 // Command moe trains a small byte-level transformer whose MLPs are
-// mixture-of-experts layers with expert parallelism (EP): dp × ep
-// in-process ranks (goroutines exchanging data through shared memory),
+// mixture-of-experts layers with expert parallelism (EP): dp × ep ranks,
+// goroutines of one process exchanging data through shared memory, or one
+// process per rank under mpirun (built with -tags mpi), loomrun or
+// torchrun (package launch; -backend local|mpi|nccl overrides),
 // the batch rows sharded over both axes, every MoE layer's experts
 // sharded over ep (each rank owns E/ep of them), and the token copies
 // moved to their experts and back: pulled straight from the peers'
 // memory, since the ranks share one address space (moe's fused path),
-// or with -collectives by one all-to-all-v each way, as across processes.
+// or with -collectives by one all-to-all-v each way, as across processes
+// (where it is the only way).
 // Attention, embedding, norm and router weights are replicated; their
 // gradients are all-reduced over ep by DDP (overlapping backward) and
 // over dp, the experts' over dp. The model is models/moegpt
@@ -17,7 +20,7 @@
 //	go run ./examples/moe [-dp 1] [-ep 4] [-steps 100] [-every 10]
 //	                      [-capacity 0] [-diag] [-experts 8] [-topk 2]
 //	                      [-trace trace.json] [-json run.json] [-compare]
-//	                      [-collectives]
+//	                      [-collectives] [-backend local|mpi|nccl]
 //
 // Every -every steps rank 0 prints the loss (with the load-balancing and
 // z-losses), tokens/s, the balance of every layer (largest tokens per
@@ -66,6 +69,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/moe"
@@ -105,6 +109,9 @@ type result struct {
 	Experts    int       `json:"experts"`
 	K          int       `json:"k"`
 	Capacity   float64   `json:"capacity_factor"`
+	Backend    string    `json:"backend"`
+	Processes  int       `json:"processes"`
+	WorldSize  int       `json:"world_size"`
 	Steps      int       `json:"steps"`
 	TokensPerS float64   `json:"tokens_per_s"`
 	FinalLoss  float64   `json:"final_loss"`
@@ -161,6 +168,7 @@ func parse(args []string, errOut io.Writer) (options, moegpt.Config, error) {
 // check validates cfg and the layout o asks for and completes o's loop.
 func check(cfg moegpt.Config, o *options) error {
 	o.loop.Ranks = o.dp * o.ep
+	o.loop.Shape = []int{o.dp, o.ep}
 	o.loop.Tokens = cfg.B * cfg.T
 	if err := cfg.Validate(); err != nil {
 		return err
@@ -207,11 +215,24 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 		}
 	}
 	steps := o.loop.Steps
-	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) on dp=%d × ep=%d in-process ranks, %d steps\n",
-		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), cfg.B, cfg.T, o.dp, o.ep, steps)
+	job, err := o.loop.Flags.Job(o.loop.Ranks)
+	if err != nil {
+		return fmt.Errorf("-dp %d -ep %d: %w", o.dp, o.ep, err)
+	}
+	if err := job.Check(); err != nil {
+		return err
+	}
+	if o.compare && job.Backend != launch.Local {
+		return fmt.Errorf("-compare trains on in-process ranks only (this is a %s job)", job.Backend)
+	}
+	if !job.Root() {
+		out = io.Discard // world rank 0 reports for the job
+	}
+	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) on dp=%d × ep=%d, %s, %d steps\n",
+		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), cfg.B, cfg.T, o.dp, o.ep, job, steps)
 	init := moegpt.RandomInit(cfg, o.seed)
 
-	res, params, err := trainLayout(ctx, cfg, init, o, out)
+	res, params, err := trainLayout(ctx, job, cfg, init, o, out)
 	if err != nil {
 		return err
 	}
@@ -220,9 +241,13 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 	if o.compare {
 		one := o
 		one.dp, one.ep, one.loop.Flags.TracePath = 1, 1, ""
-		one.loop.Ranks = 1
+		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1}
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", steps)
-		ref, refParams, err := trainLayout(ctx, cfg, init, one, io.Discard)
+		oneJob, err := launch.InProcess(1)
+		if err != nil {
+			return err
+		}
+		ref, refParams, err := trainLayout(ctx, oneJob, cfg, init, one, io.Discard)
 		if err != nil {
 			return fmt.Errorf("one-rank run: %w", err)
 		}
@@ -249,6 +274,9 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 		if cfg.CapacityFactor > 0 && o.dp*o.ep > 1 {
 			fmt.Fprintln(out, "(the capacity limit applies to each rank's tokens, so it drops other slots than on one rank: the runs differ by more than rounding)")
 		}
+	}
+	if !job.Root() {
+		return nil
 	}
 	if err := train.WriteJSON(o.loop.Flags.JSONPath, res); err != nil {
 		return fmt.Errorf("-json: %w", err)
@@ -309,10 +337,12 @@ func (r *rank) Finish(ctx context.Context) error {
 	return err
 }
 
-// trainLayout runs o's steps on a dp × ep mesh and returns the results and
-// the final parameters. Rank 0 prints progress to out.
-func trainLayout(ctx context.Context, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
-	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor, Steps: o.loop.Steps}
+// trainLayout runs o's steps on a dp × ep mesh, this process's ranks as
+// job says, and returns the results and the final parameters (on world
+// rank 0's process). Rank 0 prints progress to out.
+func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
+	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor,
+		Backend: job.Backend, Processes: job.Processes, WorldSize: job.WorldSize, Steps: o.loop.Steps}
 	var params map[string][]float32
 	iv := interval{start: time.Now()}
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[*moegpt.StepResult], error) {
@@ -342,7 +372,7 @@ func trainLayout(ctx context.Context, cfg moegpt.Config, init map[string][]float
 		total = addTimings(total, iv.t)
 		iv = interval{start: now}
 	}
-	run, err := train.Run(ctx, out, o.loop, setup, progress)
+	run, err := train.Run(ctx, out, job, o.loop, setup, progress)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/train"
 )
@@ -33,7 +34,11 @@ func TestTrains(t *testing.T) {
 	var ref *result
 	for _, l := range []struct{ dp, ep int }{{1, 1}, {1, 2}, {2, 2}} {
 		o := options{dp: l.dp, ep: l.ep, loop: train.Loop{Ranks: l.dp * l.ep, Steps: steps, Every: steps, Tokens: 1, Flags: train.Flags{Threads: 1, TraceSteps: 1}}}
-		res, params, err := trainLayout(ctx, tiny(), moegpt.RandomInit(tiny(), 3), o, io.Discard)
+		job, err := launch.InProcess(o.loop.Ranks)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, params, err := trainLayout(ctx, job, tiny(), moegpt.RandomInit(tiny(), 3), o, io.Discard)
 		if err != nil {
 			t.Fatalf("dp=%d ep=%d: %v", l.dp, l.ep, err)
 		}
@@ -86,7 +91,7 @@ func TestRun(t *testing.T) {
 	if err := json.Unmarshal(b, &res); err != nil {
 		t.Fatal(err)
 	}
-	if res.EP != 2 || len(res.Losses) != 2 || res.LossDiff == nil || res.TimeUS["payload_exchange"] <= 0 || res.TimeUS["wait"] <= 0 {
+	if res.EP != 2 || len(res.Losses) != 2 || res.LossDiff == nil || res.Backend != "local" || res.Processes != 1 || res.WorldSize != 2 || res.TimeUS["payload_exchange"] <= 0 || res.TimeUS["wait"] <= 0 {
 		t.Errorf("-json wrote %s", b)
 	}
 	if fi, err := os.Stat(tr); err != nil || fi.Size() == 0 {

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -27,6 +28,7 @@ import (
 	"os"
 	"strconv"
 
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/reference/tinygpt"
@@ -75,7 +77,11 @@ func run() error {
 		return stepper{tr}, nil
 	}
 	progress := func(_ int, loss, _ float64) { fmt.Println(strconv.FormatFloat(loss, 'g', -1, 64)) }
-	_, err = train.Run(context.Background(), nil, loop, setup, progress)
+	job, err := launch.Detect(os.Getenv, "", loop.Ranks)
+	if err != nil {
+		return err
+	}
+	_, err = train.Run(context.Background(), nil, job, loop, setup, progress)
 	return err
 }
 `
@@ -147,7 +153,11 @@ func TestExternalModule(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, _, err := trainLayout(context.Background(), io.Discard, cfg, ref, init, o, nil)
+	job, err := launch.InProcess(o.loop.Ranks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, _, err := trainLayout(context.Background(), io.Discard, job, cfg, ref, init, o, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

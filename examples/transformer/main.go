@@ -1,8 +1,17 @@
 // Command transformer trains the tiny GPT of reference/TINY_GPT.md with tensor and
-// data parallelism: dp × tp in-process ranks (goroutines exchanging data
-// through shared memory), the batch sharded over dp with DDP's overlapped
-// gradient all-reduce, the model sharded over tp by gpt.Plan (optionally
-// with sequence parallelism).
+// data parallelism: dp × tp ranks, the batch sharded over dp with DDP's
+// overlapped gradient all-reduce, the model sharded over tp by gpt.Plan
+// (optionally with sequence parallelism). The same binary runs its ranks
+// as goroutines of one process (exchanging data through shared memory),
+// as one MPI process per rank under mpirun (built with -tags mpi), or as
+// one NCCL process per GPU under loomrun or torchrun (package launch):
+//
+//	go run ./examples/transformer -dp 2 -tp 2
+//	go build -tags mpi -o transformer ./examples/transformer && mpirun -np 4 ./transformer -dp 2 -tp 2
+//	loomrun -n 4 ./transformer -dp 2 -tp 2
+//
+// Only world rank 0 prints and writes -json and -trace (the trace merges
+// every process's timeline).
 //
 // It starts from the reference's initial parameters
 // (reference/tiny_gpt.safetensors, embedded in the binary) and prints the
@@ -12,6 +21,7 @@
 //
 //	go run ./examples/transformer [-dp 2] [-tp 2] [-sp] [-steps 200] [-every 20]
 //	                              [-trace trace.json] [-json run.json] [-compare]
+//	                              [-backend local|mpi|nccl]
 //
 // The layout is checked before any rank starts: tp must divide the heads
 // (4: tp is 1, 2 or 4), dp the batch (16 sequences), -sp needs tp ≥ 2 and a
@@ -21,8 +31,9 @@
 //
 // -trace writes a Chrome trace of every rank's compute, collectives and
 // waits (open it at https://ui.perfetto.dev or chrome://tracing); -json
-// writes {"dp","tp","sp","steps","tokens_per_s","final_loss","losses"};
-// -compare also trains on one rank and reports the largest difference.
+// writes {"dp","tp","sp","backend","processes","world_size","steps",
+// "tokens_per_s","final_loss","losses"}; -compare (in-process ranks only)
+// also trains on one rank and reports the largest difference.
 package main
 
 import (
@@ -40,6 +51,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/reference/tinygpt"
@@ -72,6 +84,9 @@ type result struct {
 	DP         int       `json:"dp"`
 	TP         int       `json:"tp"`
 	SP         bool      `json:"sp"`
+	Backend    string    `json:"backend"`
+	Processes  int       `json:"processes"`
+	WorldSize  int       `json:"world_size"`
 	Steps      int       `json:"steps"`
 	TokensPerS float64   `json:"tokens_per_s"`
 	FinalLoss  float64   `json:"final_loss"`
@@ -96,6 +111,7 @@ func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) 
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	o.loop.Ranks = o.dp * o.tp
+	o.loop.Shape = []int{o.dp, o.tp}
 	o.loop.Tokens = run.B * run.T
 	if err := cfg.CheckLayout(run.B, o.dp, o.tp, o.sp); err != nil {
 		return o, err
@@ -121,10 +137,23 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "tiny GPT (V=%d D=%d H=%d L=%d F=%d, batch %d×%d) on dp=%d × tp=%d in-process ranks, sp=%v, %d steps\n",
-		cfg.Vocab, cfg.Width, cfg.Heads, cfg.Layers, cfg.MLPWidth, ref.B, ref.T, o.dp, o.tp, o.sp, o.loop.Steps)
+	job, err := o.loop.Flags.Job(o.loop.Ranks)
+	if err != nil {
+		return fmt.Errorf("-dp %d -tp %d: %w", o.dp, o.tp, err)
+	}
+	if err := job.Check(); err != nil {
+		return err
+	}
+	if o.compare && job.Backend != launch.Local {
+		return fmt.Errorf("-compare trains on in-process ranks only (this is a %s job)", job.Backend)
+	}
+	if !job.Root() {
+		out = io.Discard // world rank 0 reports for the job
+	}
+	fmt.Fprintf(out, "tiny GPT (V=%d D=%d H=%d L=%d F=%d, batch %d×%d) on dp=%d × tp=%d, %s, sp=%v, %d steps\n",
+		cfg.Vocab, cfg.Width, cfg.Heads, cfg.Layers, cfg.MLPWidth, ref.B, ref.T, o.dp, o.tp, job, o.sp, o.loop.Steps)
 
-	res, params, err := trainLayout(ctx, out, cfg, ref, init, o, fx)
+	res, params, err := trainLayout(ctx, out, job, cfg, ref, init, o, fx)
 	if err != nil {
 		return err
 	}
@@ -133,10 +162,14 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if o.compare {
 		one := o
 		one.dp, one.tp, one.sp = 1, 1, false
-		one.loop.Ranks = 1
+		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1}
 		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.loop.Steps)
-		refRes, refParams, err := trainLayout(ctx, io.Discard, cfg, ref, init, one, nil)
+		oneJob, err := launch.InProcess(1)
+		if err != nil {
+			return err
+		}
+		refRes, refParams, err := trainLayout(ctx, io.Discard, oneJob, cfg, ref, init, one, nil)
 		if err != nil {
 			return fmt.Errorf("one-rank run: %w", err)
 		}
@@ -152,6 +185,9 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		}
 		fmt.Fprintf(out, "largest loss difference %.3g, largest parameter difference %.3g; one rank: %.0f tokens/s (this layout %.2f×)\n",
 			dl, dp, refRes.TokensPerS, res.TokensPerS/refRes.TokensPerS)
+	}
+	if !job.Root() {
+		return nil
 	}
 	return train.WriteJSON(o.loop.Flags.JSONPath, res)
 }
@@ -180,10 +216,11 @@ func (r *rank) Finish(ctx context.Context) error {
 	return err
 }
 
-// trainLayout runs o's steps on a dp × tp mesh and returns the losses, the
-// throughput and the final parameters. Rank 0 prints progress to out, with
+// trainLayout runs o's steps on a dp × tp mesh, this process's ranks as
+// job says, and returns the losses, the throughput and the final
+// parameters (on world rank 0's process). Rank 0 prints progress to out, with
 // PyTorch's loss where fx has it.
-func trainLayout(ctx context.Context, out io.Writer, cfg gpt.Config, ref tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture) (*result, map[string][]float32, error) {
+func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Config, ref tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture) (*result, map[string][]float32, error) {
 	var params map[string][]float32
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
 		m, err := mesh.New(r.Comm, []int{o.dp, o.tp}, []string{"dp", "tp"})
@@ -212,11 +249,12 @@ func trainLayout(ctx context.Context, out io.Writer, cfg gpt.Config, ref tinygpt
 		}
 		fmt.Fprintf(out, "%s  %8.0f tokens/s\n", line, tokensPerS)
 	}
-	r, err := train.Run(ctx, out, o.loop, setup, progress)
+	r, err := train.Run(ctx, out, job, o.loop, setup, progress)
 	if err != nil {
 		return nil, nil, err
 	}
-	res := &result{DP: o.dp, TP: o.tp, SP: o.sp, Steps: o.loop.Steps, Losses: r.Steps, TokensPerS: r.TokensPerS}
+	res := &result{DP: o.dp, TP: o.tp, SP: o.sp, Backend: job.Backend, Processes: job.Processes, WorldSize: job.WorldSize,
+		Steps: o.loop.Steps, Losses: r.Steps, TokensPerS: r.TokensPerS}
 	res.FinalLoss = r.Steps[len(r.Steps)-1]
 	overlap(out, r.Events, o)
 	return res, params, nil

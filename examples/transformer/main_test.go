@@ -42,7 +42,8 @@ func TestRun(t *testing.T) {
 	if err := json.Unmarshal(b, &res); err != nil {
 		t.Fatal(err)
 	}
-	if res.DP != 1 || res.TP != 2 || !res.SP || res.Steps != 2 || len(res.Losses) != 2 || res.FinalLoss != res.Losses[1] || !(res.TokensPerS > 0) {
+	if res.DP != 1 || res.TP != 2 || !res.SP || res.Steps != 2 || len(res.Losses) != 2 || res.FinalLoss != res.Losses[1] || !(res.TokensPerS > 0) ||
+		res.Backend != "local" || res.Processes != 1 || res.WorldSize != 2 {
 		t.Errorf("-json wrote %+v", res)
 	}
 	var trace struct {
@@ -97,5 +98,31 @@ func TestParse(t *testing.T) {
 	o, err := parse(nil, io.Discard, cfg, ref)
 	if err != nil || o.dp != 2 || o.tp != 2 || o.loop.Steps != ref.Steps || o.loop.Ranks != 4 || o.loop.Tokens != ref.B*ref.T {
 		t.Errorf("defaults: %+v, %v", o, err)
+	}
+}
+
+// TestRunEnvironment: a contradictory launch environment stops the command
+// before any rank starts, naming the variable and the layout.
+func TestRunEnvironment(t *testing.T) {
+	for _, c := range []struct {
+		env  map[string]string
+		args []string
+		want string
+	}{
+		{map[string]string{"WORLD_SIZE": "4"}, nil, "WORLD_SIZE=4 is set but RANK is not"},
+		{map[string]string{"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+			[]string{"-dp", "2", "-tp", "2"}, "-dp 2 -tp 2: launch: invalid job: WORLD_SIZE=2 but the layout needs 4 ranks"},
+		{map[string]string{"LOOM_BACKEND": "gloo"}, nil, `LOOM_BACKEND="gloo"`},
+	} {
+		for k, v := range c.env {
+			t.Setenv(k, v)
+		}
+		err := run(context.Background(), c.args, io.Discard)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("env %v: %v, want an error containing %q", c.env, err, c.want)
+		}
+		for k := range c.env {
+			t.Setenv(k, "")
+		}
 	}
 }

@@ -1,0 +1,142 @@
+package launch
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/nccl"
+)
+
+// env is a fake environment.
+func env(kv ...string) func(string) string {
+	m := map[string]string{}
+	for i := 0; i+1 < len(kv); i += 2 {
+		m[kv[i]] = kv[i+1]
+	}
+	return func(k string) string { return m[k] }
+}
+
+func TestDetect(t *testing.T) {
+	torch := []string{"RANK", "1", "WORLD_SIZE", "4", "LOCAL_RANK", "1", "LOCAL_WORLD_SIZE", "2", "MASTER_ADDR", "127.0.0.1", "MASTER_PORT", "29500"}
+	with := func(base []string, kv ...string) []string { return append(append([]string(nil), base...), kv...) }
+	ompi := []string{"OMPI_COMM_WORLD_SIZE", "4", "OMPI_COMM_WORLD_RANK", "3", "OMPI_COMM_WORLD_LOCAL_SIZE", "4", "OMPI_COMM_WORLD_LOCAL_RANK", "3"}
+	mpiJob := &Job{Backend: MPI, WorldSize: 4, Processes: 4, Rank: 3, LocalRank: 3, LocalRanks: 4}
+	tests := []struct {
+		name    string
+		env     []string
+		backend string
+		ranks   int
+		want    *Job   // nil: an error
+		wantErr string // part of the error
+		mpiOnly bool   // the case needs (or, with wantErr, contradicts) the mpi build
+	}{
+		{name: "nothing set is local", ranks: 4, want: &Job{Backend: Local, WorldSize: 4, Processes: 1, LocalRanks: 4}},
+		{name: "flag local over torchrun", env: torch, backend: "local", ranks: 2, want: &Job{Backend: Local, WorldSize: 2, Processes: 1, LocalRanks: 2}},
+		{name: "LOOM_BACKEND local", env: with(ompi, BackendEnv, "local"), ranks: 1, want: &Job{Backend: Local, WorldSize: 1, Processes: 1, LocalRanks: 1}},
+		{name: "unknown flag", backend: "gloo", ranks: 1, wantErr: `-backend="gloo"; want local, mpi, nccl`},
+		{name: "unknown env", env: []string{BackendEnv, "tcp"}, ranks: 1, wantErr: `LOOM_BACKEND="tcp"`},
+		{name: "no ranks", ranks: 0, wantErr: "asks for 0 ranks"},
+		{name: "torchrun", env: torch, ranks: 4, want: &Job{Backend: NCCL, WorldSize: 4, Processes: 4, Rank: 1, LocalRank: 1, LocalRanks: 2, Addr: "127.0.0.1:29500"}},
+		{name: "WORLD_SIZE without RANK", env: []string{"WORLD_SIZE", "2"}, ranks: 2, wantErr: "WORLD_SIZE=2 is set but RANK is not"},
+		{name: "RANK without WORLD_SIZE", env: []string{"RANK", "0"}, ranks: 2, wantErr: "WORLD_SIZE is not set"},
+		{name: "RANK past WORLD_SIZE", env: with(torch, "RANK", "4"), ranks: 4, wantErr: `RANK="4"; want an integer in [0, 4)`},
+		{name: "RANK not a number", env: with(torch, "RANK", "one"), ranks: 4, wantErr: `RANK="one"`},
+		{name: "world size against layout", env: torch, ranks: 2, wantErr: "WORLD_SIZE=4 but the layout needs 2 ranks"},
+		{name: "no LOCAL_RANK", env: []string{"RANK", "0", "WORLD_SIZE", "1", "MASTER_ADDR", "h", "MASTER_PORT", "1"}, ranks: 1, wantErr: "LOCAL_RANK"},
+		{name: "LOCAL_RANK past LOCAL_WORLD_SIZE", env: with(torch, "LOCAL_RANK", "2"), ranks: 4, wantErr: `LOCAL_RANK="2"; want an integer in [0, 2)`},
+		{name: "no MASTER_PORT", env: with(torch, "MASTER_PORT", ""), ranks: 4, wantErr: "MASTER_PORT"},
+		{name: "bad MASTER_PORT", env: with(torch, "MASTER_PORT", "70000"), ranks: 4, wantErr: `MASTER_PORT="70000"`},
+		{name: "nccl requested, nothing set", backend: "nccl", ranks: 2, wantErr: "WORLD_SIZE is not set: start the program with loomrun or torchrun"},
+		{name: "mpirun, no tag", env: ompi, ranks: 4, wantErr: "launched by mpirun (OMPI_COMM_WORLD_SIZE=4) but built without -tags mpi: rebuild with go build -tags mpi"},
+		{name: "mpi requested, no tag", env: []string{BackendEnv, "mpi"}, ranks: 4, wantErr: "needs a binary built with -tags mpi"},
+		{name: "mpirun", env: ompi, ranks: 4, want: mpiJob, mpiOnly: true},
+		{name: "mpirun, world size against layout", env: ompi, ranks: 2, wantErr: "OMPI_COMM_WORLD_SIZE=4 but the layout needs 2 ranks: start it with mpirun -np 2", mpiOnly: true},
+		{name: "mpirun, rank missing", env: []string{"OMPI_COMM_WORLD_SIZE", "2"}, ranks: 2, wantErr: "OMPI_COMM_WORLD_SIZE=2 is set but OMPI_COMM_WORLD_RANK is not", mpiOnly: true},
+		{name: "mpi requested, not under mpirun", backend: "mpi", ranks: 2, wantErr: "OMPI_COMM_WORLD_SIZE is not set: start the program with mpirun", mpiOnly: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			isNoTagCase := strings.Contains(tt.wantErr, "-tags mpi")
+			if tt.mpiOnly != mpiBuilt && (tt.mpiOnly || isNoTagCase) {
+				t.Skipf("needs a build with mpi=%v", tt.mpiOnly)
+			}
+			job, err := Detect(env(tt.env...), tt.backend, tt.ranks)
+			if tt.want != nil {
+				if err != nil {
+					t.Fatalf("Detect: %v", err)
+				}
+				if *job != *tt.want {
+					t.Fatalf("Detect = %+v, want %+v", *job, *tt.want)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("Detect = %+v, want an error containing %q", *job, tt.wantErr)
+			}
+			if !errors.Is(err, ErrInvalid) || !errors.Is(err, loom.ErrInvalid) {
+				t.Errorf("error %v does not match ErrInvalid and loom.ErrInvalid", err)
+			}
+			if !strings.Contains(err.Error(), tt.wantErr) || !strings.HasPrefix(err.Error(), "launch: ") {
+				t.Errorf("error %q; want it to start with \"launch: \" and contain %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestRunLocal(t *testing.T) {
+	job, err := Detect(env(), "", 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seen atomic.Int64
+	err = job.Run(context.Background(), func(ctx context.Context, c comm.Communicator) error {
+		x := []float32{1}
+		if err := comm.AllReduce(ctx, c, comm.Host(x), comm.Host(x), comm.Sum); err != nil {
+			return err
+		}
+		if x[0] != 3 || c.Size() != 3 {
+			return errors.New("wrong world")
+		}
+		seen.Add(1 << (4 * c.Rank()))
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if seen.Load() != 0x111 {
+		t.Fatalf("ranks seen %#x, want 0x111", seen.Load())
+	}
+	if err := job.Run(context.Background(), nil); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Run(nil) = %v, want ErrInvalid", err)
+	}
+	bad := &Job{Backend: "tcp"}
+	if err := bad.Run(context.Background(), func(context.Context, comm.Communicator) error { return nil }); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Run on backend tcp = %v, want ErrInvalid", err)
+	}
+}
+
+func TestRunNCCLUnavailable(t *testing.T) {
+	// A library path that does not exist: the loader's error, before any
+	// rendezvous.
+	t.Setenv("LOOM_NCCL", t.TempDir()+"/libnccl-missing.so")
+	job, err := Detect(env("RANK", "0", "WORLD_SIZE", "1", "LOCAL_RANK", "0", "MASTER_ADDR", "127.0.0.1", "MASTER_PORT", "1"), "", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := job.Check(); !errors.Is(err, nccl.ErrUnavailable) || !strings.Contains(err.Error(), "launch: nccl (RANK=0 LOCAL_RANK=0)") {
+		t.Errorf("Check = %v, want the NCCL loader's error", err)
+	}
+	err = job.Run(context.Background(), func(context.Context, comm.Communicator) error { return nil })
+	if !errors.Is(err, nccl.ErrUnavailable) || !strings.Contains(err.Error(), "launch: nccl (RANK=0 LOCAL_RANK=0)") {
+		t.Fatalf("Run = %v, want the NCCL loader's error", err)
+	}
+	local, err := InProcess(2)
+	if err != nil || local.Check() != nil {
+		t.Errorf("InProcess(2) = %+v, %v; Check = %v", local, err, local.Check())
+	}
+}
