@@ -56,6 +56,7 @@ type config struct {
 	lib     string
 	libSet  bool
 	threads int
+	ranks   int // ranks of this process calling GEMM at once; 0: not said
 }
 
 // WithLibrary forces the backend, overriding the [EnvVar] environment
@@ -72,6 +73,21 @@ func WithThreads(n int) Option {
 	return func(c *config) { c.threads = n }
 }
 
+// WithRanksInProcess tells [Load] that n ranks of this process (goroutines
+// such as comm/local's, each running its own training step) will call GEMM
+// at the same time. In automatic selection with n > 1, Load then picks
+// loom's GEMM over a C library when loom's has vector micro-kernels on this
+// CPU: every call into C through purego hands the calling goroutine's
+// scheduler slot (P) to another thread for its duration, so with one rank
+// per core the ranks' Go work waits for slots while cores sit idle, and
+// data parallelism scales worse than on a GEMM that stays in Go (see the
+// package documentation). A forced choice ([WithLibrary], [EnvVar]) is
+// kept whatever n is. n <= 1, the default, is one rank per process, which
+// keeps the library.
+func WithRanksInProcess(n int) Option {
+	return func(c *config) { c.ranks = n }
+}
+
 // BLAS computes GEMM on the backend chosen by [Load]. A *BLAS is safe for
 // concurrent use. Its methods never panic on bad arguments; they return an
 // error instead.
@@ -80,6 +96,7 @@ type BLAS struct {
 	path    string
 	conf    string
 	tried   []string
+	reason  string
 	lib     *cblasLib // nil for BackendGo
 	gog     *goGEMM
 }
@@ -110,10 +127,20 @@ func Load(opts ...Option) (*BLAS, error) {
 		threads = runtime.GOMAXPROCS(0)
 	}
 	b := &BLAS{backend: BackendGo, gog: newGoGEMM(threads)}
+	forced := choice.pureGo || choice.cands != nil
+	if forced {
+		b.reason = "forced by " + source
+	}
+	if !forced {
+		var useGo bool
+		useGo, b.reason = autoPolicy(cfg.ranks, blocking32().vec)
+		if useGo {
+			return b, nil
+		}
+	}
 	if choice.pureGo {
 		return b, nil
 	}
-	forced := choice.cands != nil
 	cands := choice.cands
 	if !forced {
 		cands = autoCandidates()
@@ -128,6 +155,7 @@ func Load(opts ...Option) (*BLAS, error) {
 		if forced {
 			return nil, fmt.Errorf("kernels: Load: %s: no CBLAS library could be loaded: %s", source, strings.Join(b.tried, "; "))
 		}
+		b.reason = "no CBLAS library could be loaded"
 		return b, nil
 	}
 	b.lib = lib
@@ -138,6 +166,25 @@ func Load(opts ...Option) (*BLAS, error) {
 		lib.setThreads(cfg.threads)
 	}
 	return b, nil
+}
+
+// autoPolicy is automatic selection's first decision, for ranks ranks of
+// this process calling GEMM at once (0 or 1: one) on a CPU where loom's
+// GEMM has vector micro-kernels (vec) or not: whether to use loom's GEMM
+// without looking for a library, and the reason, for [BLAS.Reason]. With
+// one rank a library's faster kernels win; with several, purego's calls
+// leave cores idle (see [WithRanksInProcess]), which costs more than the
+// kernel difference when loom's kernels are vectorised, but not against
+// its portable loops.
+func autoPolicy(ranks int, vec bool) (useGo bool, reason string) {
+	switch {
+	case ranks <= 1:
+		return false, "one rank in this process: the first CBLAS library that loads"
+	case vec:
+		return true, fmt.Sprintf("%d in-process ranks scale better without cgo; %s=openblas to force", ranks, EnvVar)
+	default:
+		return false, fmt.Sprintf("%d in-process ranks, but loom's GEMM has no vector kernels on this CPU: a CBLAS library when one loads; %s=go to force", ranks, EnvVar)
+	}
 }
 
 // libraryChoice is what a LOOM_BLAS value or WithLibrary spec asks for.
@@ -229,7 +276,7 @@ func (b *BLAS) Config() string {
 		if b32.vec {
 			kind = "AVX2+FMA"
 		}
-		return fmt.Sprintf("pure-go, %s micro-kernels %dx%d (float32) and %dx%d (float64), %d goroutines", kind, b32.mr, b32.nr, b64.mr, b64.nr, b.goThreads())
+		return fmt.Sprintf("pure-go (loom's GEMM), %s micro-kernels %dx%d (float32) and %dx%d (float64), %d goroutines", kind, b32.mr, b32.nr, b64.mr, b64.nr, b.goThreads())
 	}
 	return b.conf
 }
@@ -250,6 +297,17 @@ func (b *BLAS) goThreads() int {
 		return 1
 	}
 	return b.gog.threads
+}
+
+// Reason says why [Load] chose this backend, for logs: the option or
+// environment variable that forced it, or the automatic policy's reason
+// (one rank per process, in-process ranks, no library found), e.g.
+// "2 in-process ranks scale better without cgo; LOOM_BLAS=openblas to force".
+func (b *BLAS) Reason() string {
+	if b == nil {
+		return ""
+	}
+	return b.reason
 }
 
 // Tried lists the candidate libraries that were rejected before the chosen

@@ -106,3 +106,61 @@ func FuzzParseLibrary(f *testing.F) {
 		}
 	})
 }
+
+func TestAutoPolicy(t *testing.T) {
+	for _, c := range []struct {
+		ranks      int
+		vec, useGo bool
+		reason     string
+	}{
+		{0, true, false, "one rank in this process"},
+		{1, true, false, "one rank in this process"},
+		{1, false, false, "one rank in this process"},
+		{2, true, true, "2 in-process ranks scale better without cgo; LOOM_BLAS=openblas to force"},
+		{8, true, true, "8 in-process ranks scale better without cgo"},
+		{4, false, false, "no vector kernels on this CPU"},
+	} {
+		useGo, reason := autoPolicy(c.ranks, c.vec)
+		if useGo != c.useGo || !strings.Contains(reason, c.reason) {
+			t.Errorf("autoPolicy(%d, %v) = %v, %q; want %v, a reason containing %q", c.ranks, c.vec, useGo, reason, c.useGo, c.reason)
+		}
+	}
+}
+
+// TestLoadRanksInProcess checks that WithRanksInProcess picks loom's GEMM
+// for several ranks in automatic mode only: LOOM_BLAS and WithLibrary
+// still force a library, and Reason says which rule chose.
+func TestLoadRanksInProcess(t *testing.T) {
+	_, openblasErr := Load(WithLibrary("openblas"))
+	for _, c := range []struct {
+		name, env string
+		opts      []Option
+		want      Backend
+		reason    string
+		needLib   bool
+	}{
+		{"auto, 2 ranks", "", []Option{WithRanksInProcess(2)}, BackendGo, "2 in-process ranks scale better without cgo", false},
+		{"auto spelt out, 2 ranks", "auto", []Option{WithRanksInProcess(2)}, BackendGo, "2 in-process ranks", false},
+		{"LOOM_BLAS=go, 1 rank", "go", []Option{WithRanksInProcess(1)}, BackendGo, `forced by LOOM_BLAS="go"`, false},
+		{"LOOM_BLAS=openblas, 2 ranks", "openblas", []Option{WithRanksInProcess(2)}, BackendOpenBLAS, `forced by LOOM_BLAS="openblas"`, true},
+		{"WithLibrary over LOOM_BLAS, 4 ranks", "go", []Option{WithRanksInProcess(4), WithLibrary("openblas")}, BackendOpenBLAS, `forced by WithLibrary("openblas")`, true},
+		{"auto, 1 rank", "", []Option{WithRanksInProcess(1)}, BackendOpenBLAS, "one rank in this process", true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.needLib && openblasErr != nil {
+				t.Skipf("OpenBLAS not available (install libopenblas0): %v", openblasErr)
+			}
+			if c.want == BackendGo && !strings.HasPrefix(c.reason, "forced") && !blocking32().vec {
+				t.Skip("loom's GEMM has no vector kernels on this CPU, so automatic selection keeps a library")
+			}
+			t.Setenv(EnvVar, c.env)
+			b, err := Load(c.opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if b.Backend() != c.want || !strings.Contains(b.Reason(), c.reason) {
+				t.Errorf("got %s (%q), want %s with a reason containing %q", b.Backend(), b.Reason(), c.want, c.reason)
+			}
+		})
+	}
+}

@@ -135,7 +135,9 @@ func TestParallelLayoutsMatchOneRank(t *testing.T) {
 
 // BenchmarkLayouts trains the tiny GPT on each layout of in-process ranks
 // and reports tokens/s (the median step time after two warm-up steps), with
-// GEMM threads sized so that ranks × threads = CPUs; "bind" layouts bind
+// GEMM threads sized so that ranks × threads = CPUs and the GEMM backend
+// that train.LoadBLAS would choose for that many in-process ranks
+// (kernels.WithRanksInProcess; LOOM_BLAS=go|openblas forces one); "bind" layouts bind
 // each rank to CPUs of its own (local.WithCPUBinding). Run it with -count
 // so that the layouts alternate and a noisy machine affects them alike,
 // and compare medians:
@@ -168,10 +170,11 @@ func BenchmarkLayouts(b *testing.B) {
 			if l.bind && ranks > runtime.NumCPU() {
 				b.Skipf("%d ranks cannot be bound to %d CPUs", ranks, runtime.NumCPU())
 			}
-			bl, err := kernels.Load(kernels.WithThreads(threads))
+			bl, err := kernels.Load(kernels.WithThreads(threads), kernels.WithRanksInProcess(ranks))
 			if err != nil {
 				b.Fatal(err)
 			}
+			b.Logf("GEMM %s (%s)", bl.Name(), bl.Reason())
 			var tokensPerS float64
 			err = local.Run(context.Background(), ranks, func(ctx context.Context, c comm.Communicator) error {
 				m, err := mesh.New(c, []int{l.dp, l.tp}, []string{"dp", "tp"})

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"runtime"
 	"sync"
 	"time"
 
@@ -152,7 +153,11 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 	if out == nil || !job.Root() {
 		out = io.Discard
 	}
-	blas, err := LoadBLAS(out, l.Flags.Threads, job.LocalRanks)
+	// The GEMM's threads are this host's share of the CPUs (its ranks may
+	// be goroutines here or processes beside this one); its choice of
+	// library depends on the ranks inside this process alone.
+	threads := Threads(l.Flags.Threads, job.LocalRanks, runtime.NumCPU())
+	blas, err := LoadBLAS(out, threads, job.WorldSize/job.Processes)
 	if err != nil {
 		return nil, fmt.Errorf("train: GEMM library: %w", err)
 	}

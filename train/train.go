@@ -92,16 +92,21 @@ func Threads(override, ranks, cpus int) int {
 	return max(1, cpus/max(1, ranks))
 }
 
-// LoadBLAS loads the BLAS that ranks in-process ranks share, its thread
-// pool sized by Threads(threads, ranks, runtime.NumCPU()) so that ranks ×
-// threads ≈ CPUs (an oversubscribed or shared pool serialises the ranks'
-// GEMMs), and prints its configuration to out.
-func LoadBLAS(out io.Writer, threads, ranks int) (*kernels.BLAS, error) {
-	blas, err := kernels.Load(kernels.WithThreads(Threads(threads, ranks, runtime.NumCPU())))
+// LoadBLAS loads the BLAS that ranksInProcess ranks of this process
+// share, its thread pool sized by Threads(threads, ranksInProcess,
+// runtime.NumCPU()) so that ranks × threads ≈ CPUs (an oversubscribed or
+// shared pool serialises the ranks' GEMMs), and prints its configuration
+// and why it was chosen to out. Unless LOOM_BLAS forces a backend, several
+// in-process ranks get loom's GEMM, which scales across them, and one rank
+// a CBLAS library such as OpenBLAS when one loads
+// (kernels.WithRanksInProcess); a process that is one rank of a
+// multi-process job passes 1, and its share of the CPUs as threads.
+func LoadBLAS(out io.Writer, threads, ranksInProcess int) (*kernels.BLAS, error) {
+	blas, err := kernels.Load(kernels.WithThreads(Threads(threads, ranksInProcess, runtime.NumCPU())), kernels.WithRanksInProcess(ranksInProcess))
 	if err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(out, "GEMM: %s, %d thread(s) per rank\n", blas.Config(), blas.Threads())
+	fmt.Fprintf(out, "GEMM: %s, %d thread(s) per rank (%s)\n", blas.Config(), blas.Threads(), blas.Reason())
 	return blas, nil
 }
 

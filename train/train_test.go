@@ -10,12 +10,14 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/trace"
 )
@@ -35,6 +37,48 @@ func TestThreads(t *testing.T) {
 		if got := Threads(c.override, c.ranks, c.cpus); got != c.want {
 			t.Errorf("Threads(%d, %d, %d) = %d, want %d", c.override, c.ranks, c.cpus, got, c.want)
 		}
+	}
+}
+
+// TestLoadBLAS checks the GEMM policy of in-process ranks as LoadBLAS
+// applies and prints it: the thread count per rank, the backend, and the
+// reason, forced by LOOM_BLAS or chosen by the number of ranks.
+func TestLoadBLAS(t *testing.T) {
+	for _, c := range []struct {
+		name, env         string
+		threads, ranks    int
+		want              []string // substrings of the printed line
+		wantErr, wantBLAS string   // an error's text; the line's backend ("" any)
+	}{
+		{"forced go", "go", 3, 2, []string{"3 thread(s) per rank", `forced by LOOM_BLAS="go"`}, "", "pure-go (loom's GEMM)"},
+		{"forced go, threads shared", "go", 0, 1, []string{fmt.Sprintf("%d thread(s) per rank", runtime.NumCPU()), `forced by LOOM_BLAS="go"`}, "", "pure-go (loom's GEMM)"},
+		{"auto, 2 ranks", "", 1, 2, []string{"1 thread(s) per rank", "(2 in-process ranks"}, "", ""},
+		{"auto, 1 rank", "", 1, 1, []string{"1 thread(s) per rank", "one rank in this process"}, "", ""},
+		{"misspelt", "openblass", 0, 2, nil, `unknown GEMM backend "openblass"`, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv(kernels.EnvVar, c.env)
+			var out bytes.Buffer
+			b, err := LoadBLAS(&out, c.threads, c.ranks)
+			if c.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), c.wantErr) {
+					t.Fatalf("err = %v, want one containing %q", err, c.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			line := out.String()
+			if !strings.HasPrefix(line, "GEMM: "+c.wantBLAS) || !strings.HasSuffix(line, "("+b.Reason()+")\n") || strings.Count(line, "\n") != 1 {
+				t.Errorf("printed %q; want one line \"GEMM: %s...\" ending with the reason %q", line, c.wantBLAS, b.Reason())
+			}
+			for _, w := range c.want {
+				if !strings.Contains(line, w) {
+					t.Errorf("printed %q; want %q in it", line, w)
+				}
+			}
+		})
 	}
 }
 
