@@ -68,10 +68,18 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 }
 
 // Job decides how this process takes part in a job of ranks ranks, from
-// -backend and the environment (launch.Detect over os.Getenv), before
+// -backend and the environment (launch.Detect over os.Getenv), and checks
+// that it can start (Job.Check: the backend's libraries load), before
 // anything starts.
 func (f Flags) Job(ranks int) (*launch.Job, error) {
-	return launch.Detect(os.Getenv, f.Backend, ranks)
+	job, err := launch.Detect(os.Getenv, f.Backend, ranks)
+	if err != nil {
+		return nil, err
+	}
+	if err := job.Check(); err != nil {
+		return nil, err
+	}
+	return job, nil
 }
 
 // RunOptions are the local.Run options the flags ask for: CPU binding with

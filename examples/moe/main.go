@@ -219,9 +219,6 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 	if err != nil {
 		return fmt.Errorf("-dp %d -ep %d: %w", o.dp, o.ep, err)
 	}
-	if err := job.Check(); err != nil {
-		return err
-	}
 	if o.compare && job.Backend != launch.Local {
 		return fmt.Errorf("-compare trains on in-process ranks only (this is a %s job)", job.Backend)
 	}

@@ -141,9 +141,6 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("-dp %d -tp %d: %w", o.dp, o.tp, err)
 	}
-	if err := job.Check(); err != nil {
-		return err
-	}
 	if o.compare && job.Backend != launch.Local {
 		return fmt.Errorf("-compare trains on in-process ranks only (this is a %s job)", job.Backend)
 	}
