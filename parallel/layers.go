@@ -44,16 +44,11 @@ func (l *Linear) Forward(ctx context.Context, x *autograd.Value) (*autograd.Valu
 	if len(l.Weight.Spec().Shape()) != 2 {
 		return nil, fmt.Errorf("parallel: Linear.Forward: %w: weight %v is chunk-sharded; use ForwardChunks", ErrInvalid, l.Weight.Spec())
 	}
-	x, err := l.Input(ctx, x)
-	if err != nil {
-		return nil, fmt.Errorf("parallel: Linear input: %w", err)
-	}
-	y, err := autograd.Linear(x, l.Weight, l.Bias)
+	y, err := l.Run(ctx, x, func(_ context.Context, x *autograd.Value) (*autograd.Value, error) {
+		return autograd.Linear(x, l.Weight, l.Bias)
+	})
 	if err != nil {
 		return nil, fmt.Errorf("parallel: Linear: %w", err)
-	}
-	if y, err = l.Output(ctx, y); err != nil {
-		return nil, fmt.Errorf("parallel: Linear output: %w", err)
 	}
 	return y, nil
 }
@@ -63,6 +58,9 @@ func (l *Linear) Forward(ctx context.Context, x *autograd.Value) (*autograd.Valu
 func (l *Linear) ForwardChunks(ctx context.Context, x *autograd.Value) ([]*autograd.Value, error) {
 	if err := l.check(); err != nil {
 		return nil, err
+	}
+	if err := l.Enter(ctx); err != nil {
+		return nil, fmt.Errorf("parallel: Linear: %w", err)
 	}
 	x, err := l.Input(ctx, x)
 	if err != nil {
@@ -147,6 +145,9 @@ func (e *Embedding) Forward(ctx context.Context, ids *autograd.Indices) (*autogr
 	if e == nil {
 		return nil, fmt.Errorf("parallel: Embedding: %w: nil module", ErrInvalid)
 	}
+	if err := e.Enter(ctx); err != nil {
+		return nil, fmt.Errorf("parallel: Embedding: %w", err)
+	}
 	y, err := autograd.Embedding(e.Table, ids)
 	if err != nil {
 		return nil, fmt.Errorf("parallel: Embedding: %w", err)
@@ -178,16 +179,11 @@ func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.V
 	if n == nil {
 		return nil, fmt.Errorf("parallel: LayerNorm: %w: nil module", ErrInvalid)
 	}
-	x, err := n.Input(ctx, x)
-	if err != nil {
-		return nil, fmt.Errorf("parallel: LayerNorm input: %w", err)
-	}
-	y, err := autograd.LayerNorm(x, n.Weight, n.Bias, n.Eps)
+	y, err := n.Run(ctx, x, func(_ context.Context, x *autograd.Value) (*autograd.Value, error) {
+		return autograd.LayerNorm(x, n.Weight, n.Bias, n.Eps)
+	})
 	if err != nil {
 		return nil, fmt.Errorf("parallel: LayerNorm: %w", err)
-	}
-	if y, err = n.Output(ctx, y); err != nil {
-		return nil, fmt.Errorf("parallel: LayerNorm output: %w", err)
 	}
 	return y, nil
 }
@@ -221,13 +217,18 @@ func (a *Attention) Forward(ctx context.Context, x *autograd.Value) (*autograd.V
 	if x == nil {
 		return nil, fmt.Errorf("parallel: Attention: %w", errNilValue)
 	}
-	x, err := a.Input(ctx, x)
+	o, err := a.Run(ctx, x, a.compute)
 	if err != nil {
-		return nil, fmt.Errorf("parallel: Attention input: %w", err)
+		return nil, fmt.Errorf("parallel: Attention: %w", err)
 	}
+	return o, nil
+}
+
+// compute is the attention of x [B, T, D], after the input hooks.
+func (a *Attention) compute(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	sh := x.Spec().Shape()
 	if len(sh) != 3 || a.Heads < 1 || sh[2]%a.Heads != 0 {
-		return nil, fmt.Errorf("parallel: Attention: %w: input %v for %d heads; want [B, T, D] with D divisible by the heads", ErrInvalid, sh, a.Heads)
+		return nil, fmt.Errorf("%w: input %v for %d heads; want [B, T, D] with D divisible by the heads", ErrInvalid, sh, a.Heads)
 	}
 	B, T, D := sh[0], sh[1], sh[2]
 	qkv, err := a.QKV.ForwardChunks(ctx, x)
@@ -235,35 +236,29 @@ func (a *Attention) Forward(ctx context.Context, x *autograd.Value) (*autograd.V
 		return nil, err
 	}
 	if len(qkv) != 3 {
-		return nil, fmt.Errorf("parallel: Attention: %w: qkv has %d chunks, want 3", ErrInvalid, len(qkv))
+		return nil, fmt.Errorf("%w: qkv has %d chunks, want 3", ErrInvalid, len(qkv))
 	}
 	var heads [3]*autograd.Value
 	for i, v := range qkv { // [B,T,D] -> [B,H,T,Dh]
 		r, err := autograd.Reshape(v, B, T, a.Heads, D/a.Heads)
 		if err != nil {
-			return nil, fmt.Errorf("parallel: Attention: %w", err)
+			return nil, err
 		}
 		if heads[i], err = autograd.Permute(r, 0, 2, 1, 3); err != nil {
-			return nil, fmt.Errorf("parallel: Attention: %w", err)
+			return nil, err
 		}
 	}
 	o, err := autograd.CausalAttention(heads[0], heads[1], heads[2])
 	if err != nil {
-		return nil, fmt.Errorf("parallel: Attention: %w", err)
-	}
-	if o, err = autograd.Permute(o, 0, 2, 1, 3); err != nil {
-		return nil, fmt.Errorf("parallel: Attention: %w", err)
-	}
-	if o, err = autograd.Reshape(o, B, T, D); err != nil {
-		return nil, fmt.Errorf("parallel: Attention: %w", err)
-	}
-	if o, err = a.Proj.Forward(ctx, o); err != nil {
 		return nil, err
 	}
-	if o, err = a.Output(ctx, o); err != nil {
-		return nil, fmt.Errorf("parallel: Attention output: %w", err)
+	if o, err = autograd.Permute(o, 0, 2, 1, 3); err != nil {
+		return nil, err
 	}
-	return o, nil
+	if o, err = autograd.Reshape(o, B, T, D); err != nil {
+		return nil, err
+	}
+	return a.Proj.Forward(ctx, o)
 }
 
 // MLP is proj(GELU(fc(x))) with the exact (erf) GELU. Its children are
@@ -283,24 +278,19 @@ func (p *MLP) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, 
 	if p == nil || p.FC == nil || p.Proj == nil {
 		return nil, fmt.Errorf("parallel: MLP: %w: nil module, fc or proj", ErrInvalid)
 	}
-	x, err := p.Input(ctx, x)
-	if err != nil {
-		return nil, fmt.Errorf("parallel: MLP input: %w", err)
-	}
-	u, err := p.FC.Forward(ctx, x)
-	if err != nil {
-		return nil, err
-	}
-	g, err := autograd.GELU(u)
+	y, err := p.Run(ctx, x, func(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+		u, err := p.FC.Forward(ctx, x)
+		if err != nil {
+			return nil, err
+		}
+		g, err := autograd.GELU(u)
+		if err != nil {
+			return nil, err
+		}
+		return p.Proj.Forward(ctx, g)
+	})
 	if err != nil {
 		return nil, fmt.Errorf("parallel: MLP: %w", err)
-	}
-	y, err := p.Proj.Forward(ctx, g)
-	if err != nil {
-		return nil, err
-	}
-	if y, err = p.Output(ctx, y); err != nil {
-		return nil, fmt.Errorf("parallel: MLP output: %w", err)
 	}
 	return y, nil
 }

@@ -30,21 +30,60 @@ type Child struct {
 // Redistribute to the layout the next computation expects.
 type Hook func(ctx context.Context, v *autograd.Value) (*autograd.Value, error)
 
-// Hooks holds a module's input and output hooks. The zero value has none
-// and is ready to use; embedding Hooks in a module implements Boundary.
+// EnterHook runs when a module's forward begins, before the module reads
+// its parameters: FSDP gathers the module's parameters there.
+type EnterHook func(ctx context.Context) error
+
+// Around wraps the body of a module's forward (its input hooks and its
+// computation, see Hooks.Run): it calls next with the input, or
+// arranges for it to be called (activation checkpointing runs it once
+// without saving activations and again during backward), and returns
+// next's result.
+type Around func(ctx context.Context, x *autograd.Value, next func(context.Context, *autograd.Value) (*autograd.Value, error)) (*autograd.Value, error)
+
+// Hooks holds a module's boundary hooks: enter hooks (the forward is
+// starting), input and output hooks (on every value crossing the
+// boundary) and around wrappers (of the forward's body). The zero value
+// has none and is ready to use; embedding Hooks in a module implements
+// Boundary.
+//
+// A module's Forward cooperates with them: a module of one input and one
+// output value calls Run; any other calls Enter before it reads its
+// parameters, Input on each input value and Output on each output value,
+// after its computation (Around wrappers then do not apply).
 type Hooks struct {
-	in, out []Hook
+	enter  []EnterHook
+	in     []Hook
+	out    []Hook
+	around []Around
 }
 
 // Boundary returns b itself, so that embedding Hooks implements that half
 // of Module.
 func (b *Hooks) Boundary() *Hooks { return b }
 
+// OnEnter appends a hook run, in order, when the module's forward begins.
+func (b *Hooks) OnEnter(h EnterHook) { b.enter = append(b.enter, h) }
+
 // OnInput appends a hook run, in order, on every input value.
 func (b *Hooks) OnInput(h Hook) { b.in = append(b.in, h) }
 
 // OnOutput appends a hook run, in order, on every output value.
 func (b *Hooks) OnOutput(h Hook) { b.out = append(b.out, h) }
+
+// OnAround appends a wrapper of the forward's body; the first appended is
+// the outermost.
+func (b *Hooks) OnAround(a Around) { b.around = append(b.around, a) }
+
+// Enter runs the enter hooks.
+func (b *Hooks) Enter(ctx context.Context) error {
+	for _, h := range b.enter {
+		if err := h(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
 
 // Input runs the input hooks on v.
 func (b *Hooks) Input(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
@@ -54,6 +93,32 @@ func (b *Hooks) Input(ctx context.Context, v *autograd.Value) (*autograd.Value, 
 // Output runs the output hooks on v.
 func (b *Hooks) Output(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
 	return runHooks(ctx, b.out, v)
+}
+
+// Run is the forward of a module of one input and one output value: it
+// runs the enter hooks, then the body (the input hooks on x, then compute)
+// inside the Around wrappers, then the output hooks on the result. Errors
+// from hooks are returned as they are; errors from compute too.
+func (b *Hooks) Run(ctx context.Context, x *autograd.Value, compute func(context.Context, *autograd.Value) (*autograd.Value, error)) (*autograd.Value, error) {
+	if err := b.Enter(ctx); err != nil {
+		return nil, err
+	}
+	body := func(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
+		x, err := b.Input(ctx, x)
+		if err != nil {
+			return nil, err
+		}
+		return compute(ctx, x)
+	}
+	for i := len(b.around) - 1; i >= 0; i-- {
+		a, next := b.around[i], body
+		body = func(ctx context.Context, x *autograd.Value) (*autograd.Value, error) { return a(ctx, x, next) }
+	}
+	y, err := body(ctx, x)
+	if err != nil {
+		return nil, err
+	}
+	return b.Output(ctx, y)
 }
 
 func runHooks(ctx context.Context, hooks []Hook, v *autograd.Value) (*autograd.Value, error) {

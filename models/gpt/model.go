@@ -71,10 +71,11 @@ func (b *Block) Children() []parallel.Child {
 
 // Forward runs the block on h [B, T, D].
 func (b *Block) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value, error) {
-	h, err := b.Input(ctx, h)
-	if err != nil {
-		return nil, err
-	}
+	return b.Run(ctx, h, b.compute)
+}
+
+// compute is the block's body, after its input hooks.
+func (b *Block) compute(ctx context.Context, h *autograd.Value) (*autograd.Value, error) {
 	for _, sub := range []struct {
 		ln *parallel.LayerNorm
 		f  func(context.Context, *autograd.Value) (*autograd.Value, error)
@@ -91,7 +92,7 @@ func (b *Block) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value
 			return nil, fmt.Errorf("residual: %w", err)
 		}
 	}
-	return b.Output(ctx, h)
+	return h, nil
 }
 
 // blocks is the "h" container: its children are named 0 … L−1. Forward
@@ -384,6 +385,9 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, orderOpts(x)...)
 	if err != nil {
 		return nil, fmt.Errorf("position ids: %w", err)
+	}
+	if err := md.Enter(ctx); err != nil {
+		return nil, err
 	}
 	tok, err := md.WTE.Forward(ctx, x)
 	if err != nil {
