@@ -73,7 +73,13 @@ func TestLoadBLAS(t *testing.T) {
 			if !strings.HasPrefix(line, "GEMM: "+c.wantBLAS) || !strings.HasSuffix(line, "("+b.Reason()+")\n") || strings.Count(line, "\n") != 1 {
 				t.Errorf("printed %q; want one line \"GEMM: %s...\" ending with the reason %q", line, c.wantBLAS, b.Reason())
 			}
-			for _, w := range c.want {
+			want := c.want
+			if c.env == "" && c.ranks == 1 && strings.Contains(b.Reason(), "no CBLAS library could be loaded") {
+				// One rank keeps the CBLAS library where there is one; on a
+				// machine without any, the policy falls back and says why.
+				want = []string{"1 thread(s) per rank", "pure-go (loom's GEMM)"}
+			}
+			for _, w := range want {
 				if !strings.Contains(line, w) {
 					t.Errorf("printed %q; want %q in it", line, w)
 				}
