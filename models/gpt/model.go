@@ -350,6 +350,10 @@ func (md *Model) Inputs(b tinygpt.Batch, places []placement.Placement) (x, y *au
 // only communication is what the modules' styles asked for.
 func (md *Model) Forward(ctx context.Context, tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
 	loss, err := md.forward(ctx, tape, x, y)
+	if err == nil {
+		// The root's output hooks see the loss: the end of its forward.
+		loss, err = md.Output(ctx, loss)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("gpt: Forward: %w", err)
 	}
