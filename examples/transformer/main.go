@@ -113,7 +113,7 @@ func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) 
 	o.loop.Ranks = o.dp * o.tp
 	o.loop.Shape = []int{o.dp, o.tp}
 	o.loop.Tokens = run.B * run.T
-	if err := cfg.CheckLayout(run.B, o.dp, o.tp, o.sp); err != nil {
+	if err := cfg.CheckLayout(run.B, gpt.Layout{DP: o.dp, TP: o.tp, SP: o.sp}); err != nil {
 		return o, err
 	}
 	return o, o.loop.Validate()

@@ -95,27 +95,40 @@ func (c Config) Params() []tinygpt.Param { return c.reference(tinygpt.Default())
 // NumParams returns the number of scalar parameters.
 func (c Config) NumParams() int { return c.reference(tinygpt.Default()).NumParams() }
 
+// Layout is how many ranks each parallelism of a training run uses: the
+// batch rows are sharded over DP × FSDP ranks, the model over TP. DP is
+// the replicate degree (DDP, or HSDP's replicas when FSDP > 1); FSDP the
+// degree that shards parameters, gradients and optimizer state (0 or 1:
+// none); SP adds sequence parallelism on the TP ranks.
+type Layout struct {
+	DP, FSDP, TP int
+	SP           bool
+}
+
 // CheckLayout reports whether the model can be trained with a global batch
-// of batch sequences on dp data-parallel and tp tensor-parallel ranks,
-// with sequence parallelism if sp: every tensor-parallel rank needs whole
-// heads (Heads divisible by tp), every data-parallel rank whole sequences
-// (batch divisible by dp), and sequence parallelism tp ≥ 2 and sequences
-// of a length divisible by tp. Each error wraps ErrConfig and says which
-// values would work.
-func (c Config) CheckLayout(batch, dp, tp int, sp bool) error {
+// of batch sequences on layout l: every tensor-parallel rank needs whole
+// heads (Heads divisible by TP), every data-parallel rank whole sequences
+// (batch divisible by DP × FSDP), and sequence parallelism TP ≥ 2 and
+// sequences of a length divisible by TP. Each error wraps ErrConfig and
+// says which values would work.
+func (c Config) CheckLayout(batch int, l Layout) error {
+	dp, tp, fsdp, sp := l.DP, l.TP, max(l.FSDP, 1), l.SP
 	var errs []error
 	bad := func(format string, args ...any) {
 		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrConfig}, args...)...))
 	}
-	if dp < 1 || tp < 1 {
-		bad("dp (%d) and tp (%d) must be at least 1", dp, tp)
+	if dp < 1 || tp < 1 || l.FSDP < 0 {
+		bad("dp (%d) and tp (%d) must be at least 1, fsdp (%d) at least 0", dp, tp, l.FSDP)
 		return errors.Join(errs...)
 	}
 	if c.Heads >= 1 && c.Heads%tp != 0 {
 		bad("heads (%d) must be divisible by tp (%d); tp can be %s", c.Heads, tp, layout.Divisors(c.Heads))
 	}
-	if batch >= 1 && batch%dp != 0 {
+	switch {
+	case batch >= 1 && fsdp == 1 && batch%dp != 0:
 		bad("dp (%d) must divide the batch (%d sequences); dp can be %s", dp, batch, layout.Divisors(batch))
+	case batch >= 1 && fsdp > 1 && batch%(dp*fsdp) != 0:
+		bad("dp × fsdp (%d × %d) must divide the batch (%d sequences); their product can be %s", dp, fsdp, batch, layout.Divisors(batch))
 	}
 	if sp && tp < 2 {
 		bad("sequence parallelism needs tp of at least 2 (tp is %d)", tp)

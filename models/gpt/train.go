@@ -115,7 +115,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		return nil, fmt.Errorf("gpt: trainer: %w: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
 	dp, tp := max(size[tc.dp], 1), max(size[tc.tp], 1)
-	if err := cfg.CheckLayout(data.B, dp, tp, tc.sp); err != nil {
+	if err := cfg.CheckLayout(data.B, Layout{DP: dp, TP: tp, SP: tc.sp}); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	// Step ends each step's values before the next forward pass, so the
