@@ -240,3 +240,14 @@ func lineUp(p, g *placement.DTensor) error {
 	}
 	return nil
 }
+
+// StateBytes returns the bytes of optimizer state this rank holds: the two
+// moment buffers of every parameter updated so far, each the size of the
+// parameter's local block (so sharded parameters hold sharded state).
+func (o *AdamW) StateBytes() int64 {
+	var n int64
+	for _, st := range o.state {
+		n += sliceBytes(st.m) + sliceBytes(st.v)
+	}
+	return n
+}

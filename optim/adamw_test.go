@@ -3,6 +3,7 @@ package optim_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"strings"
 	"testing"
@@ -105,6 +106,10 @@ func TestStepSkipsParamsWithoutGradient(t *testing.T) {
 		}
 		if opt.StepCount(0) != 1 || opt.StepCount(1) != 0 {
 			t.Errorf("step counts %d, %d; want 1, 0", opt.StepCount(0), opt.StepCount(1))
+		}
+		// Two float32 moments for a's two elements; b has no state yet.
+		if got := opt.StateBytes(); got != 2*2*4 {
+			t.Errorf("StateBytes = %d, want 16", got)
 		}
 		got := a.Data().LocalData().([]float32)
 		for i, p0 := range []float64{1, 2} {
@@ -266,4 +271,44 @@ func TestUpdateRejectsLengths(t *testing.T) {
 			t.Fatalf("%s: a rejected Update changed p to %v", name, p)
 		}
 	}
+}
+
+// TestStateBytesSharded: a parameter sharded over 3 ranks (5 rows: 2, 2
+// and 1) holds state for its local rows only.
+func TestStateBytesSharded(t *testing.T) {
+	placementtest.Run(t, []int{3}, []string{"fsdp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		tape := autograd.NewTape()
+		spec, err := placement.NewSpec(m, []int{5, 2}, comm.Float64, []placement.Placement{placement.Shard(0)})
+		if err != nil {
+			return err
+		}
+		full := make([]float64, 10)
+		dt, err := placement.FromFull(spec, full)
+		if err != nil {
+			return err
+		}
+		p, err := tape.Param("w", dt)
+		if err != nil {
+			return err
+		}
+		opt, err := optim.NewAdamW([]*autograd.Value{p})
+		if err != nil {
+			return err
+		}
+		loss, err := autograd.Sum(p)
+		if err != nil {
+			return err
+		}
+		if err := tape.Backward(ctx, loss); err != nil {
+			return err
+		}
+		if err := opt.Step(); err != nil {
+			return err
+		}
+		rows := []int{2, 2, 1}[m.Rank()]
+		if got, want := opt.StateBytes(), int64(2*rows*2*8); got != want {
+			return fmt.Errorf("rank %d: StateBytes = %d, want %d", m.Rank(), got, want)
+		}
+		return nil
+	})
 }

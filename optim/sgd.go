@@ -200,3 +200,25 @@ func checkParams(op string, params []*autograd.Value) error {
 	}
 	return nil
 }
+
+// StateBytes returns the bytes of optimizer state this rank holds: the
+// momentum buffers made so far, each the size of its parameter's local
+// block.
+func (o *SGD) StateBytes() int64 {
+	var n int64
+	for _, b := range o.bufs {
+		n += sliceBytes(b)
+	}
+	return n
+}
+
+// sliceBytes is the size in bytes of a []float32 or []float64 (0 for nil).
+func sliceBytes(s any) int64 {
+	switch d := s.(type) {
+	case []float32:
+		return 4 * int64(len(d))
+	case []float64:
+		return 8 * int64(len(d))
+	}
+	return 0
+}

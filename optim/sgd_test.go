@@ -161,6 +161,17 @@ func runSGD(t *testing.T, ctx context.Context, m *mesh.Mesh, dt comm.DType, cfg 
 			return err
 		}
 	}
+	// With momentum every parameter has a buffer the size of its local
+	// block; without it, none.
+	var wantState int64
+	for _, v := range vals {
+		if cfg.Momentum != 0 {
+			wantState += int64(prodInts(v.Spec().LocalShape())*dt.Size())
+		}
+	}
+	if got := opt.StateBytes(); got != wantState {
+		return fmt.Errorf("StateBytes = %d, want %d", got, wantState)
+	}
 	for i, sp := range params {
 		var grads [][]float64
 		for step := range steps {
@@ -385,4 +396,12 @@ func TestSGDRejectsMisalignedGradients(t *testing.T) {
 			})
 		})
 	}
+}
+
+func prodInts(s []int) int {
+	n := 1
+	for _, v := range s {
+		n *= v
+	}
+	return n
 }
