@@ -344,6 +344,13 @@ func (c *checkpoint) backward(ctx context.Context, gs []*placement.DTensor) ([]*
 	if parent == nil {
 		return nil, fmt.Errorf("autograd: Checkpoint: internal: backward outside a walk")
 	}
+	// From here on the node holds only what the recomputation reuses: its
+	// outputs are no longer needed (the walk has their gradients), and its
+	// inputs are held by the ops that made them.
+	t.unhold(c.node)
+	for _, k := range c.kept {
+		t.hold(c.node, k.out, k.aux)
+	}
 	f := &frame{recompute: true, sigs: c.sigs, kept: c.kept}
 	savedNodes, savedFrames, savedNoGrad := t.nodes, t.frames, t.noGrad
 	t.nodes, t.frames, t.noGrad = nil, []*frame{f}, 0
