@@ -2,6 +2,7 @@ package autograd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -398,6 +399,146 @@ func TestActivationBytesByHand(t *testing.T) {
 			if tape.PeakActivationBytes() != 0 {
 				t.Errorf("%s: peak %d after ResetPeak", c.name, tape.PeakActivationBytes())
 			}
+		}
+		return nil
+	})
+}
+
+// Checkpoint's edge cases: several outputs and a captured value (exact),
+// NoGrad (just runs fn), Recomputing, and a function that runs other ops
+// when recomputed (an error, not wrong gradients).
+func TestCheckpointCases(t *testing.T) {
+	simulate(t, []int{1}, func(ctx context.Context, m *mesh.Mesh) error {
+		build := func(tape *Tape) (x, w, c *Value, err error) {
+			if x, err = ckParam(tape, m, "x", []int{2, 3}, 1); err != nil {
+				return
+			}
+			if w, err = ckParam(tape, m, "w", []int{3, 3}, 2); err != nil {
+				return
+			}
+			c, err = Scale(x, 3) // captured by the region, used after it too
+			return
+		}
+		region := func(tape *Tape, w, c *Value, rec *[]bool) CheckpointFunc {
+			return func(ctx context.Context, in []*Value) ([]*Value, error) {
+				*rec = append(*rec, tape.Recomputing())
+				y, err := MatMul(in[0], w)
+				if err != nil {
+					return nil, err
+				}
+				z, err := Mul(y, c)
+				if err != nil {
+					return nil, err
+				}
+				g, err := GELU(z)
+				return []*Value{g, y}, err
+			}
+		}
+		loss := func(x, c *Value, outs []*Value) (*Value, error) {
+			a, err := Add(outs[0], outs[1])
+			if err != nil {
+				return nil, err
+			}
+			if a, err = Add(a, c); err != nil {
+				return nil, err
+			}
+			if a, err = Mul(a, x); err != nil {
+				return nil, err
+			}
+			return Sum(a)
+		}
+		var want [2][]float32
+		for _, ckpt := range []bool{false, true} {
+			tape := NewTape()
+			x, w, c, err := build(tape)
+			if err != nil {
+				return err
+			}
+			var rec []bool
+			var outs []*Value
+			if ckpt {
+				outs, err = Checkpoint(ctx, []*Value{x}, region(tape, w, c, &rec))
+			} else {
+				outs, err = region(tape, w, c, &rec)(ctx, []*Value{x})
+			}
+			if err != nil {
+				return err
+			}
+			l, err := loss(x, c, outs)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, l); err != nil {
+				return err
+			}
+			gx, gw := x.Grad().LocalData().([]float32), w.Grad().LocalData().([]float32)
+			if !ckpt {
+				want = [2][]float32{slices.Clone(gx), slices.Clone(gw)}
+				continue
+			}
+			if !slices.Equal(rec, []bool{false, true}) {
+				t.Errorf("Recomputing in the region's two runs: %v, want [false true]", rec)
+			}
+			if !slices.Equal(gx, want[0]) || !slices.Equal(gw, want[1]) {
+				t.Errorf("two outputs and a captured value: gradients %v %v, plain %v %v", gx, gw, want[0], want[1])
+			}
+		}
+
+		// Under NoGrad the function just runs.
+		tape := NewTape()
+		x, w, c, err := build(tape)
+		if err != nil {
+			return err
+		}
+		var rec []bool
+		if err := tape.NoGrad(func() error {
+			outs, err := Checkpoint(ctx, []*Value{x}, region(tape, w, c, &rec))
+			if err == nil && (outs[0].RequiresGrad() || tape.Len() != 1) {
+				t.Errorf("Checkpoint under NoGrad recorded: %v, %d ops", outs[0].RequiresGrad(), tape.Len())
+			}
+			return err
+		}); err != nil {
+			return err
+		}
+
+		// A function that runs another op when recomputed.
+		for _, keep := range []bool{false, true} {
+			tape = NewTape()
+			if x, w, c, err = build(tape); err != nil {
+				return err
+			}
+			runs := 0
+			var opts []CheckpointOption
+			if keep {
+				opts = append(opts, KeepOps("MatMul"))
+			}
+			outs, err := Checkpoint(ctx, []*Value{x}, func(ctx context.Context, in []*Value) ([]*Value, error) {
+				runs++
+				a := in[0]
+				if runs == 2 {
+					if a, err = Scale(a, 1); err != nil {
+						return nil, err
+					}
+				}
+				y, err := MatMul(a, w)
+				return []*Value{y}, err
+			}, opts...)
+			if err != nil {
+				return err
+			}
+			l, err := Sum(outs[0])
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, l); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "same ops") {
+				t.Errorf("keep %v: a region that changes on recompute: Backward gave %v", keep, err)
+			}
+		}
+		if _, err := Checkpoint(ctx, nil, region(tape, w, c, &rec)); !errors.Is(err, ErrInvalid) {
+			t.Errorf("no inputs: %v", err)
+		}
+		if _, err := Checkpoint(ctx, []*Value{x}, nil); !errors.Is(err, ErrInvalid) {
+			t.Errorf("nil function: %v", err)
 		}
 		return nil
 	})
