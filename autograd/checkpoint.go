@@ -48,14 +48,13 @@ func KeepOps(names ...string) CheckpointOption {
 	}
 }
 
-// KeepMatrixProducts is the usual selective policy: KeepOps of the matrix
-// products (KeepMatrixProductOps), whose recomputation costs the most
-// time for the memory they hold; the cheap elementwise and normalisation
-// ops are recomputed.
-func KeepMatrixProducts() CheckpointOption { return KeepOps(KeepMatrixProductOps...) }
-
-// KeepMatrixProductOps lists the ops KeepMatrixProducts keeps.
-var KeepMatrixProductOps = []string{"Linear", "MatMul", "BatchedMatMul", "CausalAttention"}
+// KeepMatrixProducts is the usual selective policy: KeepOps("Linear",
+// "MatMul", "BatchedMatMul", "CausalAttention"), the matrix products,
+// whose recomputation costs the most time for the memory they hold; the
+// cheap elementwise and normalisation ops are recomputed.
+func KeepMatrixProducts() CheckpointOption {
+	return KeepOps("Linear", "MatMul", "BatchedMatMul", "CausalAttention")
+}
 
 // frame is one checkpointed region whose function is running: its first
 // forward (signatures recorded, kept results stored, values requiring
