@@ -42,6 +42,10 @@ type arena struct {
 	// poison makes recycle fill the op results it takes back with NaN, so
 	// that a read of a recycled value shows (PoisonRecycled).
 	poison bool
+	// tracks lists, per checkpoint being recomputed (innermost last), the
+	// buffers handed out since it started, to take them back when its
+	// backward is over (track, untrack).
+	tracks [][]unsafe.Pointer
 }
 
 type arenaBuf struct {
@@ -111,7 +115,11 @@ func take[T float](a *arena, n int, result bool) []T {
 		buf = make([]T, n)
 		a.made++
 	}
-	a.out[unsafe.Pointer(unsafe.SliceData(buf))] = arenaBuf{n: n, size: int(unsafe.Sizeof(z)), result: result}
+	p := unsafe.Pointer(unsafe.SliceData(buf))
+	a.out[p] = arenaBuf{n: n, size: int(unsafe.Sizeof(z)), result: result}
+	if k := len(a.tracks); k > 0 {
+		a.tracks[k-1] = append(a.tracks[k-1], p)
+	}
 	return buf
 }
 
@@ -213,6 +221,69 @@ func (a *arena) recycle() {
 	}
 }
 
+// track starts recording the buffers handed out, for untrack.
+func (a *arena) track() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.tracks = append(a.tracks, nil)
+}
+
+// untrack ends the innermost track and takes back every buffer handed
+// out since it began and still out (scratch and op results alike, the
+// results poisoned when a.poison is set), except those sharing memory
+// with keep, which the enclosing track (if any) inherits.
+func (a *arena) untrack(keep []*placement.DTensor) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	k := len(a.tracks)
+	if k == 0 {
+		return
+	}
+	list := a.tracks[k-1]
+	a.tracks = a.tracks[:k-1]
+	for _, p := range list {
+		b, ok := a.out[p]
+		if !ok {
+			continue
+		}
+		s := span{p, uintptr(b.n * b.size)}
+		if overlapsAny(s, keep) {
+			if k > 1 {
+				a.tracks[k-2] = append(a.tracks[k-2], p)
+			}
+			continue
+		}
+		a.giveLocked(p, b)
+	}
+}
+
+// giveBack takes back the buffer whose block is exactly s's, if it is
+// out, and reports whether it did.
+func (a *arena) giveBack(s span) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	b, ok := a.out[s.p]
+	if !ok || uintptr(b.n*b.size) != s.bytes {
+		return false
+	}
+	a.giveLocked(s.p, b)
+	return true
+}
+
+// giveLocked returns the outstanding buffer b at p to the free lists,
+// poisoning an op result first when a.poison is set.
+func (a *arena) giveLocked(p unsafe.Pointer, b arenaBuf) {
+	if b.result && a.poison {
+		switch b.size {
+		case 4:
+			fill(unsafe.Slice((*float32)(p), b.n), float32(math.NaN()))
+		case 8:
+			fill(unsafe.Slice((*float64)(p), b.n), math.NaN())
+		}
+	}
+	a.putLocked(p)
+}
+
 func fill[T float](s []T, v T) {
 	for i := range s {
 		s[i] = v
@@ -253,7 +324,7 @@ func (s span) overlaps(o span) bool {
 // has consumed) to the free lists, except those sharing memory with a live
 // one (a pending gradient, which may be the same tensor, a reshaped view or
 // a chunk of it).
-func (a *arena) releaseDead(dead []*placement.DTensor, live map[*Value]*placement.DTensor) {
+func (a *arena) releaseDead(dead, live []*placement.DTensor) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if len(a.out) == 0 {
@@ -268,25 +339,28 @@ func (a *arena) releaseDead(dead []*placement.DTensor, live map[*Value]*placemen
 		if !ok || b.result || uintptr(b.n*b.size) != s.bytes {
 			continue // not scratch, or a view of part of it
 		}
-		shared := false
-		for _, l := range live {
-			if ls, ok := spanOf(l); ok && ls.overlaps(s) {
-				shared = true
-				break
-			}
-		}
-		if !shared {
+		if !overlapsAny(s, live) {
 			a.putLocked(s.p)
 		}
 	}
 }
 
-// exclusive reports whether v's pending gradient g may be updated in place:
-// g's block is a whole scratch buffer the arena handed out, and no other pending
-// gradient shares its memory, nor any of the tensors in busy (the gradient
+// overlapsAny reports whether s shares a byte with the block of one of ts.
+func overlapsAny(s span, ts []*placement.DTensor) bool {
+	for _, l := range ts {
+		if ls, ok := spanOf(l); ok && ls.overlaps(s) {
+			return true
+		}
+	}
+	return false
+}
+
+// exclusive reports whether a pending gradient g may be updated in place:
+// g's block is a whole scratch buffer the arena handed out, and none of
+// others shares its memory (the other pending gradients, and the gradient
 // the current node consumed and every gradient it returned, which may be
 // views of one another and are still to be accumulated).
-func (a *arena) exclusive(g *placement.DTensor, v *Value, pending map[*Value]*placement.DTensor, busy []*placement.DTensor) bool {
+func (a *arena) exclusive(g *placement.DTensor, others []*placement.DTensor) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	s, ok := spanOf(g)
@@ -296,20 +370,7 @@ func (a *arena) exclusive(g *placement.DTensor, v *Value, pending map[*Value]*pl
 	if b, ok := a.out[s.p]; !ok || b.result || uintptr(b.n*b.size) != s.bytes {
 		return false
 	}
-	for _, x := range busy {
-		if xs, ok := spanOf(x); ok && xs.overlaps(s) {
-			return false
-		}
-	}
-	for w, l := range pending {
-		if w == v {
-			continue
-		}
-		if ls, ok := spanOf(l); ok && ls.overlaps(s) {
-			return false
-		}
-	}
-	return true
+	return !overlapsAny(s, others)
 }
 
 // planBuffers lets placement's executor take its buffers from t's arena:

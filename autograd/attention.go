@@ -242,25 +242,39 @@ func causalAttentionFused(spec *placement.Spec, q, k, v *Value) (*Value, error) 
 		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v, %v and %v", op, lq, k.data.LocalShape(), lv)
 	}
 	scale := float32(1 / math.Sqrt(float64(q.Spec().Shape()[r-1])))
-	rec := t.records(q, k, v)
 	// P = causal softmax(scale·q·kᵀ), batch blocks of tt×tt; kept for
-	// backward when recorded.
-	probs := getBuf[float32](t, batch*tt*tt)
-	out := resultBlock[float32](t, batch*tt*dv)
-	err = kernels.CausalAttentionForward(t.Workers(), out, probs, qd, kd, vd, batch, tt, dh, dv, scale)
-	if !rec {
-		putBuf(t, probs)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("autograd: %s: internal: %w", op, err)
-	}
-	res, err := placement.NewLocal(spec, out)
+	// backward when recorded (or kept by a selective checkpoint).
+	var probs, out []float32
+	var res *placement.DTensor
+	kept, err := t.reuse(op, spec)
 	if err != nil {
 		return nil, err
 	}
+	if kept != nil {
+		res = kept.out
+		out, _ = res.LocalData().([]float32)
+		probs, _ = kept.aux.([]float32)
+		if len(out) != batch*tt*dv || len(probs) != batch*tt*tt {
+			return nil, fmt.Errorf("autograd: %s: internal: kept blocks of %d and %d", op, len(out), len(probs))
+		}
+	} else {
+		probs = getBuf[float32](t, batch*tt*tt)
+		out = resultBlock[float32](t, batch*tt*dv)
+		err = kernels.CausalAttentionForward(t.Workers(), out, probs, qd, kd, vd, batch, tt, dh, dv, scale)
+		if !t.records(q, k, v) && !t.keeping(op) {
+			putBuf(t, probs)
+			probs = nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("autograd: %s: internal: %w", op, err)
+		}
+		if res, err = placement.NewLocal(spec, out); err != nil {
+			return nil, err
+		}
+	}
 	sq, sk, sv := q.Spec(), k.Spec(), v.Spec()
 	needQ, needK, needV := q.requiresGrad, k.requiresGrad, v.requiresGrad
-	return t.record(op, res, []*Value{q, k, v}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return t.recordAux(op, res, probs, []*Value{q, k, v}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err

@@ -17,7 +17,8 @@
 // with recording off. Every rank records the same ops in the same order.
 // LocalFunc.Apply is the local escape hatch, with mandatory gradient placements;
 // Custom records an op whose forward and backward may communicate (MoE
-// dispatch and combine are built on it).
+// dispatch and combine are built on it). Checkpoint runs a region of ops
+// without saving activations and recomputes it during Backward.
 //
 // Backward(ctx, loss) needs a scalar loss (global shape [] or [1]) that is
 // Replicate or Partial(sum) on every mesh axis; it seeds ones laid out as
@@ -41,6 +42,30 @@
 // earlier is differentiated. The hook gets the context given to Backward
 // and may return an error, which stops Backward. DDP and FSDP start their
 // communication there.
+//
+// # Activation checkpointing
+//
+// Checkpoint runs a function of values (a region: a transformer block)
+// without saving activations: its ops record nothing, one checkpoint node
+// takes their place, and when Backward reaches it the region runs again
+// with recording on (Tape.Recomputing reports true meanwhile) and a nested
+// walk differentiates the recomputed ops, continuing the gradients
+// pending for the region's inputs. The node's inputs are the given inputs
+// and every value requiring grad the region read (parameters, captured
+// values), so each leaf's OnGradReady hooks still fire once, after the
+// node's backward. Gradients are bit for bit those without checkpointing.
+// KeepOps (KeepMatrixProducts: Linear, MatMul, BatchedMatMul,
+// CausalAttention) keeps those ops' results from the first run and reuses
+// them in the recompute, looked up by the op's position in the region and
+// checked against its name and spec; a region that runs other ops when
+// recomputed fails Backward with ErrInvalid. Regions nest and may
+// communicate. Under NoGrad Checkpoint just runs the function.
+//
+// ActivationBytes counts what the tape holds for backward: the distinct
+// local blocks of the results of recorded ops not yet passed by the walk
+// (and fused attention's probabilities), plus a checkpoint node's
+// outputs, non-leaf inputs and kept results; PeakActivationBytes is its
+// maximum since ResetPeak, recomputation included.
 //
 // # Local compute and memory
 //

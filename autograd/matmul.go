@@ -46,7 +46,9 @@ func MatMul(a, b *Value) (*Value, error) {
 		return nil, fmt.Errorf("autograd: MatMul: internal: local blocks %v and %v do not chain", al, bl)
 	}
 	m, k, n := al[0], al[1], bl[1]
-	out, err := gemm(t.result(), blas, spec, x, y, false, false, m, n, k)
+	out, err := reusedOr(t, "MatMul", spec, func() (*placement.DTensor, error) {
+		return gemm(t.result(), blas, spec, x, y, false, false, m, n, k)
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -260,6 +262,21 @@ func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTenso
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
 
+// reusedOr returns the result a selective checkpoint kept of op when its
+// region is being recomputed (see KeepOps), and compute's otherwise.
+func reusedOr(t *Tape, op string, spec *placement.Spec, compute func() (*placement.DTensor, error)) (*placement.DTensor, error) {
+	if len(t.frames) > 0 {
+		k, err := t.reuse(op, spec)
+		if err != nil {
+			return nil, err
+		}
+		if k != nil {
+			return k.out, nil
+		}
+	}
+	return compute()
+}
+
 // cmp keeps the first error.
 func cmp(old, err error) error {
 	if old != nil {
@@ -460,7 +477,9 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			return nil, fmt.Errorf("autograd: %s: internal: bias block of %d for %d outputs", op, len(bd), n)
 		}
 	}
-	y, err := gemmBias(t, blas, spec, x.data, w.data, bd, m, n, k)
+	y, err := reusedOr(t, op, spec, func() (*placement.DTensor, error) {
+		return gemmBias(t, blas, spec, x.data, w.data, bd, m, n, k)
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -640,7 +659,9 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 	if bl[r-2] != k || prod(bl[:r-2]) != batch {
 		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v and %v do not chain", op, al, bl)
 	}
-	out, err := bmmLocal(t.result(), blas, spec, a.data, b.data, false, false, batch, m, n, k)
+	out, err := reusedOr(t, op, spec, func() (*placement.DTensor, error) {
+		return bmmLocal(t.result(), blas, spec, a.data, b.data, false, false, batch, m, n, k)
+	})
 	if err != nil {
 		return nil, err
 	}

@@ -107,6 +107,13 @@ type Tape struct {
 	// lists the values made since the last Recycle, to invalidate them.
 	recycling bool
 	results   []*Value
+	// walk is the reverse walk in progress (nil outside Backward); frames
+	// are the checkpointed regions whose function is running, innermost
+	// last; recomputing counts the regions being recomputed in backward.
+	walk        *walker
+	frames      []*frame
+	recomputing int
+	acct        activations
 }
 
 // NewTape returns an empty tape.
@@ -147,6 +154,7 @@ func (t *Tape) Reset() {
 	clear(t.nodes)
 	t.nodes = t.nodes[:0]
 	t.gen++
+	t.acct.reset()
 	t.arena.reset()
 }
 
@@ -197,6 +205,14 @@ type node struct {
 	back   backwardFunc
 	index  int
 	gen    uint64
+	// outs and multi replace out and back for a node of several outputs
+	// (a checkpoint): multi gets one gradient per output, nil where none
+	// arrived.
+	outs  []*Value
+	multi func(ctx context.Context, gs []*placement.DTensor) ([]*placement.DTensor, error)
+	// held lists the blocks the node holds for backward, counted in the
+	// tape's activation bytes until the walk passes the node.
+	held []heldBlock
 }
 
 // Value is a distributed tensor in a computation: its data (a DTensor),
@@ -377,6 +393,13 @@ func checkInputs(op string, vs ...*Value) (*Tape, error) {
 // record makes the result of an op; when recording and some input requires
 // grad it adds a node whose backward is back.
 func (t *Tape) record(op string, out *placement.DTensor, inputs []*Value, back backwardFunc) *Value {
+	return t.recordAux(op, out, nil, inputs, back)
+}
+
+// recordAux is record for an op that also saves aux (a float block of
+// the tape's arena) for its backward: aux counts in the activation bytes,
+// and a checkpoint that keeps the op keeps aux with its result.
+func (t *Tape) recordAux(op string, out *placement.DTensor, aux any, inputs []*Value, back backwardFunc) *Value {
 	if t.observe != nil && !t.opStart.IsZero() {
 		t.observe(op, PhaseForward, t.opStart, time.Now())
 		t.opStart = time.Time{}
@@ -385,11 +408,15 @@ func (t *Tape) record(op string, out *placement.DTensor, inputs []*Value, back b
 	if t.recycling {
 		t.results = append(t.results, v)
 	}
+	if len(t.frames) > 0 {
+		t.inFrames(op, v, aux, inputs)
+	}
 	if !t.recording() || !slices.ContainsFunc(inputs, (*Value).RequiresGrad) {
 		return v
 	}
 	n := &node{op: op, inputs: inputs, out: v, back: back, index: len(t.nodes), gen: t.gen}
 	v.requiresGrad, v.node = true, n
+	t.hold(n, out, aux)
 	t.nodes = append(t.nodes, n)
 	return v
 }
@@ -426,8 +453,11 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 	if loss.tape != t {
 		return invalidf(op, "the loss %q was recorded on another tape", loss.name)
 	}
-	if t.walking {
-		return invalidf(op, "Backward called from a gradient hook")
+	if t.walking || t.walk != nil {
+		return invalidf(op, "Backward called from a gradient hook or during another Backward")
+	}
+	if len(t.frames) > 0 {
+		return invalidf(op, "Backward called inside a checkpointed function")
 	}
 	if !loss.requiresGrad {
 		return invalidf(op, "the loss %q does not require grad (built from constants only, or under NoGrad)", loss.name)
@@ -475,70 +505,48 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 			}
 		}
 	}
-	got := map[*Value]bool{} // leaves that received a gradient in this pass
-	pending := map[*Value]*placement.DTensor{loss: seed}
+	w := &walker{t: t, nodes: t.nodes, pending: map[*Value]*placement.DTensor{loss: seed}, got: map[*Value]bool{}, finalAt: finalAt}
+	return w.run(ctx)
+}
+
+// walker is one reverse walk over recorded nodes: Backward's, or the
+// nested walk of a checkpoint node over its recomputed region (whose
+// parent is the walk that reached the checkpoint node).
+type walker struct {
+	t       *Tape
+	nodes   []*node
+	pending map[*Value]*placement.DTensor // gradients of values still to be consumed
+	got     map[*Value]bool               // leaves that received a gradient in this Backward (shared by nested walks)
+	finalAt [][]*Value                    // leaves whose hooks fire after node i (nil in a nested walk: they fire in Backward's)
+	parent  *walker
+	// seeds are gradients the parent walk owns (those it handed to the
+	// checkpoint node): never returned to the arena here.
+	seeds []*placement.DTensor
+}
+
+// run walks w.nodes in reverse: each node with a pending output gradient
+// runs its backward and its inputs' gradients are accumulated (leaves'
+// into Grad); leaves' hooks fire as their gradients become final. A node
+// is dropped from the list (and from the activation count) once passed.
+func (w *walker) run(ctx context.Context) error {
+	t := w.t
+	prev := t.walk
+	t.walk = w
+	defer func() { t.walk = prev }()
 	var dead []*placement.DTensor // gradients consumed by the current node
-	for i := len(t.nodes) - 1; i >= 0; i-- {
-		n := t.nodes[i]
-		if g, ok := pending[n.out]; ok {
-			delete(pending, n.out)
-			if t.trace != nil {
-				t.trace("backward " + n.op)
-			}
-			var start time.Time
-			if t.observe != nil {
-				start = time.Now()
-			}
-			grads, err := n.back(ctx, g)
-			if err != nil {
-				return fmt.Errorf("autograd: backward of %s (op %d of the tape): %w", n.op, i, err)
-			}
-			if len(grads) != len(n.inputs) {
-				return fmt.Errorf("autograd: backward of %s returned %d gradients for %d inputs", n.op, len(grads), len(n.inputs))
-			}
-			dead = append(dead[:0], g)
-			for j, in := range n.inputs {
-				gj := grads[j]
-				if gj == nil || !in.requiresGrad {
-					dead = append(dead, gj)
-					continue
-				}
-				if in.leaf {
-					if err := t.accumulateLeaf(ctx, in, gj); err != nil {
-						return err
-					}
-					got[in] = true
-					dead = append(dead, gj) // the leaf keeps a copy
-					continue
-				}
-				prev := pending[in]
-				if prev != nil && prev.Spec().Equal(gj.Spec()) && t.arena.exclusive(prev, in, pending, append(grads, g)) {
-					// prev is scratch nothing else sees: add in place.
-					if err := addInPlace(prev, gj); err != nil {
-						return err
-					}
-					dead = append(dead, gj)
-					continue
-				}
-				acc, err := t.accumulate(ctx, in.name, prev, gj, true)
-				if err != nil {
-					return err
-				}
-				if prev != nil {
-					dead = append(dead, prev, gj)
-				}
-				pending[in] = acc
-			}
-			// Buffers of consumed gradients go back to the arena unless a
-			// pending gradient shares their memory (Add passes one tensor
-			// to both inputs, Reshape a view of it).
-			t.arena.releaseDead(dead, pending)
-			if t.observe != nil {
-				t.observe(n.op, PhaseBackward, start, time.Now())
-			}
+	for i := len(w.nodes) - 1; i >= 0; i-- {
+		n := w.nodes[i]
+		var err error
+		if dead, err = w.step(ctx, i, n, dead[:0]); err != nil {
+			return err
 		}
-		for _, leaf := range finalAt[i] {
-			if got[leaf] {
+		t.unhold(n)
+		w.nodes[i] = nil
+		if w.finalAt == nil {
+			continue
+		}
+		for _, leaf := range w.finalAt[i] {
+			if w.got[leaf] {
 				if err := fire(ctx, leaf); err != nil {
 					return err
 				}
@@ -546,6 +554,124 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 		}
 	}
 	return nil
+}
+
+// step runs node n's backward if one of its outputs has a pending
+// gradient, and accumulates the gradients it returns.
+func (w *walker) step(ctx context.Context, i int, n *node, dead []*placement.DTensor) ([]*placement.DTensor, error) {
+	t := w.t
+	var consumed []*placement.DTensor
+	if n.outs == nil {
+		g, ok := w.pending[n.out]
+		if !ok {
+			return dead, nil
+		}
+		delete(w.pending, n.out)
+		consumed = []*placement.DTensor{g}
+	} else {
+		consumed = make([]*placement.DTensor, len(n.outs))
+		found := false
+		for j, o := range n.outs {
+			if g, ok := w.pending[o]; ok {
+				consumed[j], found = g, true
+				delete(w.pending, o)
+			}
+		}
+		if !found {
+			return dead, nil
+		}
+	}
+	if t.trace != nil {
+		t.trace("backward " + n.op)
+	}
+	var start time.Time
+	if t.observe != nil {
+		start = time.Now()
+	}
+	var grads []*placement.DTensor
+	var err error
+	if n.outs == nil {
+		grads, err = n.back(ctx, consumed[0])
+	} else {
+		grads, err = n.multi(ctx, consumed)
+	}
+	if err != nil {
+		return dead, fmt.Errorf("autograd: backward of %s (op %d of the tape): %w", n.op, i, err)
+	}
+	if len(grads) != len(n.inputs) {
+		return dead, fmt.Errorf("autograd: backward of %s returned %d gradients for %d inputs", n.op, len(grads), len(n.inputs))
+	}
+	dead = append(dead, consumed...)
+	busy := append(slices.Clone(grads), consumed...)
+	for j, in := range n.inputs {
+		gj := grads[j]
+		if gj == nil || !in.requiresGrad {
+			dead = append(dead, gj)
+			continue
+		}
+		if in.leaf {
+			if err := t.accumulateLeaf(ctx, in, gj); err != nil {
+				return dead, err
+			}
+			w.got[in] = true
+			dead = append(dead, gj) // the leaf keeps a copy
+			continue
+		}
+		prev := w.pending[in]
+		if prev != nil && prev.Spec().Equal(gj.Spec()) && w.exclusive(prev, in, busy) {
+			// prev is scratch nothing else sees: add in place.
+			if err := addInPlace(prev, gj); err != nil {
+				return dead, err
+			}
+			dead = append(dead, gj)
+			continue
+		}
+		acc, err := t.accumulate(ctx, in.name, prev, gj, true)
+		if err != nil {
+			return dead, err
+		}
+		if prev != nil {
+			dead = append(dead, prev, gj)
+		}
+		w.pending[in] = acc
+	}
+	// Buffers of consumed gradients go back to the arena unless a
+	// pending gradient shares their memory (Add passes one tensor
+	// to both inputs, Reshape a view of it).
+	t.arena.releaseDead(dead, w.live())
+	if t.observe != nil {
+		t.observe(n.op, PhaseBackward, start, time.Now())
+	}
+	return dead, nil
+}
+
+// live returns the tensors whose memory must survive this step: the
+// pending gradients of this walk and of the walks enclosing it, and the
+// gradients those walks handed to checkpoint nodes.
+func (w *walker) live() []*placement.DTensor {
+	var out []*placement.DTensor
+	for x := w; x != nil; x = x.parent {
+		for _, g := range x.pending {
+			out = append(out, g)
+		}
+		out = append(out, x.seeds...)
+	}
+	return out
+}
+
+// exclusive reports whether v's pending gradient g may be updated in
+// place (see arena.exclusive): nothing else live shares its memory.
+func (w *walker) exclusive(g *placement.DTensor, v *Value, busy []*placement.DTensor) bool {
+	var others []*placement.DTensor
+	for x := w; x != nil; x = x.parent {
+		for u, l := range x.pending {
+			if u != v {
+				others = append(others, l)
+			}
+		}
+		others = append(others, x.seeds...)
+	}
+	return w.t.arena.exclusive(g, append(others, busy...))
 }
 
 // fire runs a leaf's hooks with Backward's context; the first error stops

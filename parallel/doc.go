@@ -115,4 +115,18 @@
 // parallelism leaves Partial(sum) on the tensor-parallel axis.
 // VocabParallelCrossEntropy takes vocab-sharded logits without gathering
 // them.
+//
+// # Activation checkpointing
+//
+// Checkpoint(root, patterns, opts...) wraps the forward body of every
+// module whose path matches a pattern ("h.*": every GPT block) in
+// autograd.Checkpoint, through an Around wrapper: the module's input hooks
+// and computation keep no activations and are recomputed during backward,
+// with gradients identical bit for bit; its enter and output hooks run
+// once, outside. autograd.KeepMatrixProducts() makes it selective (the
+// matrix products' results are kept, the rest recomputed). It composes
+// with Parallelize (in either order), DDP (each hook fires once, after the
+// checkpointed module's backward) and FSDP (Tape.Recomputing tells a hook
+// that the region is being rerun). Tape.PeakActivationBytes measures the
+// saving.
 package parallel
