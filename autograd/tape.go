@@ -80,7 +80,23 @@ type Observer func(op, phase string, start, end time.Time)
 // op's backward and every leaf's gradient-ready hooks to fn (the trace
 // package turns them into a timeline). Without it, or with a nil fn,
 // nothing is timed.
-func WithObserver(fn Observer) Option { return func(t *Tape) { t.observe = fn } }
+//
+// Several WithObserver options compose: each observer is called, in the
+// order given, with every span.
+func WithObserver(fn Observer) Option {
+	return func(t *Tape) {
+		switch prev := t.observe; {
+		case fn == nil:
+		case prev == nil:
+			t.observe = fn
+		default:
+			t.observe = func(op, phase string, start, end time.Time) {
+				prev(op, phase, start, end)
+				fn(op, phase, start, end)
+			}
+		}
+	}
+}
 
 // Tape records the ops of one rank's forward pass so that Backward can run
 // them in reverse. There is one tape per rank: a Tape and its Values are
@@ -320,6 +336,28 @@ func (v *Value) Grad() *placement.DTensor {
 		return nil
 	}
 	return v.grad
+}
+
+// GradBytes returns the bytes of gradient memory the leaf holds: its
+// gradient's local block or, after ZeroGrad on a tape made WithRecycling,
+// the dropped block kept for the next gradient (0 when it holds neither).
+// Memory accounting counts it; a gradient shared with other memory (a DDP
+// bucket view) is counted here too.
+func (v *Value) GradBytes() int64 {
+	if v == nil {
+		return 0
+	}
+	d := v.spare
+	if v.grad != nil {
+		d = v.grad.LocalData()
+	}
+	switch b := d.(type) {
+	case []float32:
+		return 4 * int64(len(b))
+	case []float64:
+		return 8 * int64(len(b))
+	}
+	return 0
 }
 
 // ZeroGrad drops the accumulated gradient. On a tape made WithRecycling

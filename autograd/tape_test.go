@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
@@ -591,6 +592,90 @@ func TestHookContextAndError(t *testing.T) {
 		}
 		if tp.Len() != 0 {
 			t.Errorf("the tape holds %d ops after a failed Backward", tp.Len())
+		}
+		return nil
+	})
+}
+
+// TestGradBytes: a leaf holds its gradient's bytes; after ZeroGrad it
+// holds none on a plain tape and keeps them, for the next gradient, on a
+// recycling one.
+func TestGradBytes(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		for _, c := range []struct {
+			name      string
+			opts      []Option
+			afterZero int64
+		}{{"plain", nil, 0}, {"recycling", []Option{WithRecycling()}, 3 * 8}} {
+			tape := NewTape(c.opts...)
+			spec, err := placement.NewSpec(m, []int{3}, comm.Float64, []placement.Placement{placement.Replicate()})
+			if err != nil {
+				return err
+			}
+			dt, err := placement.FromFull(spec, []float64{1, 2, 3})
+			if err != nil {
+				return err
+			}
+			p, err := tape.Param("p", dt)
+			if err != nil {
+				return err
+			}
+			if p.GradBytes() != 0 {
+				return fmt.Errorf("%s: %d bytes before backward", c.name, p.GradBytes())
+			}
+			loss, err := Sum(p)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			if got := p.GradBytes(); got != 24 {
+				return fmt.Errorf("%s: %d bytes after backward, want 24", c.name, got)
+			}
+			p.ZeroGrad()
+			if got := p.GradBytes(); got != c.afterZero {
+				return fmt.Errorf("%s: %d bytes after ZeroGrad, want %d", c.name, got, c.afterZero)
+			}
+		}
+		if (*Value)(nil).GradBytes() != 0 {
+			return errors.New("nil value holds bytes")
+		}
+		return nil
+	})
+}
+
+// TestObserversCompose: every WithObserver given sees every span, in the
+// order given; a nil one is ignored.
+func TestObserversCompose(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		var seen []string
+		obs := func(name string) Observer {
+			return func(op, phase string, _, _ time.Time) { seen = append(seen, name+":"+op+":"+phase) }
+		}
+		tape := NewTape(WithObserver(obs("a")), WithObserver(nil), WithObserver(obs("b")))
+		spec, err := placement.NewSpec(m, []int{2}, comm.Float32, []placement.Placement{placement.Replicate()})
+		if err != nil {
+			return err
+		}
+		dt, err := placement.FromFull(spec, []float32{1, 2})
+		if err != nil {
+			return err
+		}
+		p, err := tape.Param("p", dt)
+		if err != nil {
+			return err
+		}
+		loss, err := Sum(p)
+		if err != nil {
+			return err
+		}
+		if err := tape.Backward(ctx, loss); err != nil {
+			return err
+		}
+		want := []string{"a:Sum:forward", "b:Sum:forward", "a:Sum:backward", "b:Sum:backward"}
+		if !slices.Equal(seen, want) {
+			return fmt.Errorf("observers saw %q, want %q", seen, want)
 		}
 		return nil
 	})
