@@ -9,6 +9,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -311,6 +312,21 @@ func (d *DDP) Buckets() []BucketInfo {
 		out[k] = info
 	}
 	return out
+}
+
+// Bytes returns the memory DDP holds: its buckets. With
+// GradientAsBucketView the buckets are the gradients' memory and count as
+// Grads (the leaves' gradients are views of them: do not count those
+// again); otherwise they are communication buffers (Comm).
+func (d *DDP) Bytes() memory.Use {
+	var n int64
+	for _, b := range d.buckets {
+		n += int64(b.elems) * int64(b.dtype.Size())
+	}
+	if d.cfg.views {
+		return memory.Use{Grads: n}
+	}
+	return memory.Use{Comm: n}
 }
 
 // Comm returns the data-parallel communicator the buckets are reduced on.

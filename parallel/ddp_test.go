@@ -11,6 +11,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/placement"
@@ -90,6 +91,18 @@ func TestBucketsFromNew(t *testing.T) {
 		got := d.Buckets()
 		if fmt.Sprint(got) != fmt.Sprint(want) {
 			return fmt.Errorf("buckets %v, want %v", got, want)
+		}
+		// The buckets' 355 float64s are communication buffers, or the
+		// gradients themselves when the gradients are views of them.
+		if b := d.Bytes(); b != (memory.Use{Comm: 2840}) {
+			return fmt.Errorf("Bytes %+v, want Comm 2840", b)
+		}
+		v, err := New(ctx, params, WithFirstBucket(200), WithBucketCap(400), GradientAsBucketView())
+		if err != nil {
+			return err
+		}
+		if b := v.Bytes(); b != (memory.Use{Grads: 2840}) {
+			return fmt.Errorf("Bytes with bucket views %+v, want Grads 2840", b)
 		}
 		return nil
 	})
