@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
@@ -19,6 +21,8 @@ type TrainOption func(*trainConfig)
 type trainConfig struct {
 	dp, tp string
 	sp     bool
+	ckpt   []autograd.CheckpointOption
+	ac     bool
 	ddp    []parallel.Option
 	tape   []autograd.Option
 	model  []Option
@@ -39,6 +43,15 @@ func WithTensorParallel(axis string) TrainOption { return func(c *trainConfig) {
 // WithSequenceParallel adds sequence parallelism on the tensor-parallel
 // axis (Plan(true)); it needs WithTensorParallel.
 func WithSequenceParallel() TrainOption { return func(c *trainConfig) { c.sp = true } }
+
+// WithCheckpointing checkpoints every block (parallel.Checkpoint on
+// "h.*"): a block keeps only its input for backward and recomputes its
+// forward there. With autograd.KeepMatrixProducts() (or KeepOps) it is
+// selective: the blocks keep those ops' outputs and recompute the rest.
+// The gradients are the same, bit for bit.
+func WithCheckpointing(opts ...autograd.CheckpointOption) TrainOption {
+	return func(c *trainConfig) { c.ac, c.ckpt = true, append(c.ckpt, opts...) }
+}
 
 // WithDDP adds DDP options (bucket sizes); the axis is WithDataParallel's.
 func WithDDP(opts ...parallel.Option) TrainOption {
@@ -72,7 +85,10 @@ func WithRun(run tinygpt.Config) TrainOption {
 // layout trains on exactly the batches one rank would.
 type Trainer struct {
 	Model   *Model
+	mesh    *mesh.Mesh
 	tape    *autograd.Tape
+	meter   memory.Meter
+	params  []*autograd.Value // the leaves the optimizer updates
 	opt     *optim.AdamW
 	ddp     *parallel.DDP
 	sampler *tinygpt.Sampler
@@ -120,17 +136,25 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	}
 	// Step ends each step's values before the next forward pass, so the
 	// tape may reuse their memory.
-	tape := autograd.NewTape(append([]autograd.Option{autograd.WithRecycling()}, tc.tape...)...)
-	md, err := New(tape, m, cfg, tc.model...)
+	// The memory meter samples after every op.
+	tr := &Trainer{mesh: m, places: make([]placement.Placement, m.NDim())}
+	sample := autograd.WithObserver(func(string, string, time.Time, time.Time) { tr.meter.Sample() })
+	tr.tape = autograd.NewTape(append([]autograd.Option{autograd.WithRecycling(), sample}, tc.tape...)...)
+	md, err := New(tr.tape, m, cfg, tc.model...)
 	if err != nil {
 		return nil, err
 	}
-	tr := &Trainer{Model: md, tape: tape, places: make([]placement.Placement, m.NDim())}
+	tr.Model = md
 	for i := range tr.places {
 		tr.places[i] = placement.Replicate()
 	}
 	if tp > 1 {
 		if err := parallel.Parallelize(ctx, md, tc.tp, Plan(tc.sp)); err != nil {
+			return nil, fmt.Errorf("gpt: trainer: %w", err)
+		}
+	}
+	if tc.ac {
+		if err := parallel.Checkpoint(md, []string{"h.*"}, tc.ckpt...); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	}
@@ -143,7 +167,9 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 			}
 		}
 	}
-	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
+	tr.params = md.Params()
+	tr.meter.Add(tr.memoryUse)
+	if tr.opt, err = optim.NewAdamW(tr.params, optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	if tr.sampler, err = tinygpt.NewSampler(data, tinygpt.Corpus(data)); err != nil {
@@ -164,6 +190,8 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 func (tr *Trainer) Step(ctx context.Context) (step int, loss float64, err error) {
 	b := tr.sampler.Next()
 	tr.tape.Recycle() // the previous step's values are dead
+	tr.meter.Reset()
+	defer tr.meter.Sample() // after the update: the optimizer's state
 	if loss, err = tr.step(ctx, b); err != nil {
 		tr.tape.Reset()
 		tr.Model.ZeroGrad()
@@ -194,8 +222,7 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
 			return 0, err
 		}
 	}
-	params := tr.Model.Params()
-	if err := parallel.ReduceGrads(ctx, params); err != nil {
+	if err := parallel.ReduceGrads(ctx, tr.params); err != nil {
 		return 0, err
 	}
 	// The loss is Partial(sum) over the batch-sharding axis: the one
@@ -216,6 +243,43 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
 	}
 	tr.Model.ZeroGrad()
 	return loss, nil
+}
+
+// memoryUse is what this rank holds now: the parameters' local blocks,
+// the gradients (DDP's buckets, which hold them, or the leaves'), AdamW's
+// state and the tape's activations.
+func (tr *Trainer) memoryUse() memory.Use {
+	var u memory.Use
+	for _, p := range tr.params {
+		u.Params += memory.Tensor(p.Data())
+	}
+	if tr.ddp != nil {
+		u = u.Add(tr.ddp.Bytes())
+	} else {
+		for _, p := range tr.params {
+			u.Grads += p.GradBytes()
+		}
+	}
+	if tr.opt != nil {
+		u.Optim = tr.opt.StateBytes()
+	}
+	u.Activations = tr.tape.ActivationBytes()
+	return u
+}
+
+// Memory returns the bytes held during the last Step, by kind, each the
+// maximum over the ranks of the mesh (collective over it): parameters,
+// gradients, optimizer state, activations saved for backward and
+// communication buffers, each at its peak during the step, and Peak, the
+// largest total at one moment (sampled after every op of the step and
+// after the update). The first step allocates what later steps reuse, so
+// read it after a later one.
+func (tr *Trainer) Memory(ctx context.Context) (memory.Report, error) {
+	c, err := tr.mesh.Group(ctx, tr.mesh.Names()...)
+	if err != nil {
+		return memory.Report{}, fmt.Errorf("gpt: memory: %w", err)
+	}
+	return memory.MaxOverRanks(ctx, c, tr.meter.Report())
 }
 
 // Full gathers every parameter's global value, in param_order (collective

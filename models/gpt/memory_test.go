@@ -1,0 +1,79 @@
+package gpt_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/memory"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/placement/placementtest"
+)
+
+// trainMemory trains cfg for two steps on a mesh of shape and names with
+// opts and returns rank 0's view of the second step's memory (the
+// maximum over ranks).
+func trainMemory(t *testing.T, c gpt.Config, shape []int, names []string, opts ...gpt.TrainOption) memory.Report {
+	t.Helper()
+	run := small()
+	run.B = 8
+	var rep memory.Report
+	placementtest.Run(t, shape, names, func(ctx context.Context, m *mesh.Mesh) error {
+		tr, err := gpt.NewTrainer(ctx, m, c, append([]gpt.TrainOption{gpt.WithRun(run)}, opts...)...)
+		if err != nil {
+			return err
+		}
+		for range 2 {
+			if _, _, err := tr.Step(ctx); err != nil {
+				return err
+			}
+		}
+		r, err := tr.Memory(ctx)
+		if m.Rank() == 0 {
+			rep = r
+		}
+		return err
+	})
+	return rep
+}
+
+// TestTrainerMemory: with DDP every rank holds the whole model, its
+// gradients (DDP's buckets) and AdamW's two moments, all float32; the
+// peak is at most the sum of the kinds' peaks and at least the state
+// that persists; checkpointing every block lowers the activations' peak.
+func TestTrainerMemory(t *testing.T) {
+	c := gpt.FromReference(small())
+	c.Layers = 4
+	n := int64(c.NumParams()) * 4
+	ddp := trainMemory(t, c, []int{2}, []string{"dp"}, gpt.WithDataParallel("dp"))
+	if ddp.Params != n || ddp.Grads != n || ddp.Optim != 2*n || ddp.Comm != 0 {
+		t.Errorf("DDP memory %+v; want params %d, grads %d, optim %d, comm 0", ddp, n, n, 2*n)
+	}
+	if ddp.Activations <= 0 || ddp.Peak > ddp.Total() || ddp.Peak < 4*n {
+		t.Errorf("DDP activations %d, peak %d (total of peaks %d, state %d)", ddp.Activations, ddp.Peak, ddp.Total(), 4*n)
+	}
+	for _, ac := range []struct {
+		name string
+		opts []autograd.CheckpointOption
+		max  float64
+	}{{"full", nil, 0.5}, {"selective", []autograd.CheckpointOption{autograd.KeepMatrixProducts()}, 0.9}} {
+		r := trainMemory(t, c, []int{2}, []string{"dp"}, gpt.WithDataParallel("dp"), gpt.WithCheckpointing(ac.opts...))
+		ratio := float64(r.Activations) / float64(ddp.Activations)
+		t.Logf("-ac %s: activations %d vs %d (%.2f×)", ac.name, r.Activations, ddp.Activations, ratio)
+		if ratio > ac.max {
+			t.Errorf("-ac %s: activations' peak %.2f× of no checkpointing; want at most %.1f×", ac.name, ratio, ac.max)
+		}
+		if r.Params != ddp.Params || r.Grads != ddp.Grads || r.Optim != ddp.Optim {
+			t.Errorf("-ac %s changed the state: %+v vs %+v", ac.name, r, ddp)
+		}
+	}
+	one := trainMemory(t, c, []int{1}, []string{"dp"})
+	if one.Params != n || one.Grads != n || one.Optim != 2*n {
+		t.Errorf("one rank: %+v", one)
+	}
+	if fmt.Sprint(one.Activations) == "0" {
+		t.Error("one rank: no activations counted")
+	}
+}
