@@ -660,8 +660,8 @@ func (p *fsdpParam) extract(dst, src any, r int) {
 
 // FullyShard wraps every module of root whose path matches one of
 // patterns (Plan patterns such as "h.*"), deepest first and in Walk order
-// among equals, then root itself, on a new FSDP over the mesh of root's
-// parameters.
+// among equals, then root itself (unless the matches hold every
+// parameter), on a new FSDP over the mesh of root's parameters.
 func FullyShard(ctx context.Context, root Module, patterns []string, opts ...FSDPOption) (*FSDP, error) {
 	params, err := Params(root)
 	if err != nil {
@@ -700,8 +700,12 @@ func FullyShard(ctx context.Context, root Module, patterns []string, opts ...FSD
 			return nil, err
 		}
 	}
-	if err := f.Wrap(ctx, "", root); err != nil {
-		return nil, err
+	// The root takes the parameters no match holds; it is not wrapped
+	// when there are none.
+	if slices.ContainsFunc(params, func(v *autograd.Value) bool { _, ok := f.owned[v]; return !ok }) {
+		if err := f.Wrap(ctx, "", root); err != nil {
+			return nil, err
+		}
 	}
 	return f, nil
 }
