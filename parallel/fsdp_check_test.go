@@ -506,3 +506,57 @@ func TestFSDPBytes(t *testing.T) {
 		}
 	}
 }
+
+// TestFSDPGradientScale checks FSDPAverage (1/p over the data-parallel
+// ranks) and GradientDivideFactor (1/f) against the summed gradients.
+func TestFSDPGradientScale(t *testing.T) {
+	grads := map[string][]float64{}
+	var mu sync.Mutex
+	cases := []struct {
+		name string
+		opts []FSDPOption
+		div  float64
+	}{{"sum", nil, 1}, {"average", []FSDPOption{FSDPAverage()}, 3}, {"divide", []FSDPOption{GradientDivideFactor(0.5)}, 0.5}}
+	for _, c := range cases {
+		errs := fsdpRun(t, 3, func(ctx context.Context, m *mesh.Mesh) error {
+			n, err := newFnet(m, comm.Float64)
+			if err != nil {
+				return err
+			}
+			f, err := FullyShard(ctx, n, []string{"h.*"}, c.opts...)
+			if err != nil {
+				return err
+			}
+			l, err := n.forward(ctx, m, 1, fnetB)
+			if err != nil {
+				return err
+			}
+			if err := n.tape.Backward(ctx, l); err != nil {
+				return err
+			}
+			if err := f.Finish(ctx); err != nil {
+				return err
+			}
+			g, err := n.head.Weight.Grad().Full(ctx)
+			if err != nil {
+				return err
+			}
+			mu.Lock()
+			grads[c.name] = g.([]float64)
+			mu.Unlock()
+			return nil
+		})
+		for r, err := range errs {
+			if err != nil {
+				t.Fatalf("%s rank %d: %v", c.name, r, err)
+			}
+		}
+	}
+	for _, c := range cases {
+		for k, w := range grads["sum"] {
+			if g := grads[c.name][k]; !closeTo(g*c.div, w, 1e-12) {
+				t.Fatalf("%s: head.weight[%d] = %g, want %g / %g", c.name, k, g, w, c.div)
+			}
+		}
+	}
+}

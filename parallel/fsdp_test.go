@@ -27,6 +27,7 @@ type fnet struct {
 	spare *Linear // never used: no rank gives it a gradient
 	tape  *autograd.Tape
 	dt    comm.DType
+	d, v  int
 }
 
 type flist struct {
@@ -72,22 +73,28 @@ func (b *fblock) Forward(ctx context.Context, x *autograd.Value) (*autograd.Valu
 }
 
 func newFnet(m *mesh.Mesh, dt comm.DType, opts ...autograd.Option) (*fnet, error) {
+	return newFnetSized(m, dt, fnetD, fnetH, fnetV, fnetBlocks, opts...)
+}
+
+// newFnetSized is newFnet with width d, hidden width h, v classes and the
+// given number of blocks.
+func newFnetSized(m *mesh.Mesh, dt comm.DType, d, h, v, blocks int, opts ...autograd.Option) (*fnet, error) {
 	tape := autograd.NewTape(opts...)
-	n := &fnet{tape: tape, dt: dt, list: &flist{}}
-	for i := range fnetBlocks {
+	n := &fnet{tape: tape, dt: dt, list: &flist{}, d: d, v: v}
+	for i := range blocks {
 		name := fmt.Sprintf("h.%d", i)
-		ln, err := NewLayerNorm(tape, m, fnetD, WithName(name+".ln"), WithDType(dt), WithInit(Normal(0.5, uint64(10+i))), WithBiasInit(Normal(0.1, uint64(20+i))))
+		ln, err := NewLayerNorm(tape, m, d, WithName(name+".ln"), WithDType(dt), WithInit(Normal(0.5, uint64(10+i))), WithBiasInit(Normal(0.1, uint64(20+i))))
 		if err != nil {
 			return nil, err
 		}
-		mlp, err := NewMLP(tape, m, fnetD, fnetH, WithName(name+".mlp"), WithDType(dt), WithInit(Normal(0.3, uint64(30+i))), WithBiasInit(Normal(0.1, uint64(40+i))))
+		mlp, err := NewMLP(tape, m, d, h, WithName(name+".mlp"), WithDType(dt), WithInit(Normal(0.3, uint64(30+i))), WithBiasInit(Normal(0.1, uint64(40+i))))
 		if err != nil {
 			return nil, err
 		}
 		n.list.blocks = append(n.list.blocks, &fblock{ln: ln, mlp: mlp})
 	}
 	var err error
-	if n.head, err = NewLinear(tape, m, fnetD, fnetV, WithName("head"), WithDType(dt), WithInit(Normal(0.3, 50)), WithBiasInit(Normal(0.1, 51))); err != nil {
+	if n.head, err = NewLinear(tape, m, d, v, WithName("head"), WithDType(dt), WithInit(Normal(0.3, 50)), WithBiasInit(Normal(0.1, 51))); err != nil {
 		return nil, err
 	}
 	n.spare, err = NewLinear(tape, m, 2, 2, WithName("spare"), WithDType(dt))
@@ -111,18 +118,18 @@ func (n *fnet) forward(ctx context.Context, m *mesh.Mesh, seed uint64, rows int)
 	if err := n.Enter(ctx); err != nil {
 		return nil, err
 	}
-	spec, err := placement.NewSpec(m, []int{rows, fnetD}, n.dt, dataPlaces(m))
+	spec, err := placement.NewSpec(m, []int{rows, n.d}, n.dt, dataPlaces(m))
 	if err != nil {
 		return nil, err
 	}
-	xd, err := placement.FromFull(spec, placementtest.Random([]int{rows, fnetD}, n.dt, seed))
+	xd, err := placement.FromFull(spec, placementtest.Random([]int{rows, n.d}, n.dt, seed))
 	if err != nil {
 		return nil, err
 	}
 	rng := rand.New(rand.NewPCG(seed, 1))
 	targets := make([]int64, rows)
 	for i := range targets {
-		targets[i] = int64(rng.IntN(fnetV))
+		targets[i] = int64(rng.IntN(n.v))
 	}
 	y, err := autograd.IndicesFromFull(m, []int{rows}, dataPlaces(m), targets)
 	if err != nil {
