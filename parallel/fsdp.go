@@ -423,17 +423,18 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m Module, opts ...UnitOpti
 		inner[u.module] = true
 	}
 	u := &fsdpUnit{f: f, index: len(f.units), path: path, module: m, cfg: cfg, slot: -1}
-	var contained []int
+	contained := map[Module]bool{} // units inside m, wrapped before it
 	seen := map[*autograd.Value]bool{}
 	var visit func(p string, mod Module) error
 	visit = func(p string, mod Module) error {
 		if isComparable(mod) && inner[mod] && mod != m {
-			for _, w := range f.units {
-				if w.module == mod {
-					contained = append(contained, w.index)
+			// An inner unit and, through it, the units inside it.
+			return Walk(mod, func(_ string, sub Module) error {
+				if isComparable(sub) && inner[sub] {
+					contained[sub] = true
 				}
-			}
-			return nil
+				return nil
+			})
 		}
 		if h, ok := mod.(ParamHolder); ok {
 			ps := h.OwnParams()
@@ -496,6 +497,7 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m Module, opts ...UnitOpti
 	b := m.Boundary()
 	b.OnEnter(func(ctx context.Context) error { return f.enter(ctx, u) })
 	b.OnOutput(func(ctx context.Context, v *autograd.Value) (*autograd.Value, error) { return f.output(ctx, u, v) })
+	// The unit is the root when every unit wrapped before is inside it.
 	f.root = -1
 	if len(contained) == len(f.units)-1 {
 		f.root = u.index

@@ -560,3 +560,108 @@ func TestFSDPGradientScale(t *testing.T) {
 		}
 	}
 }
+
+// TestFSDPExplicitPrefetch wraps the net by hand with explicit prefetch
+// lists (two units ahead in forward, where the second is skipped while its
+// slot is held, and none in backward): the gradients equal the default
+// run's. A list naming no unit fails the first forward with ErrInvalid.
+func TestFSDPExplicitPrefetch(t *testing.T) {
+	grads := map[string][]float64{}
+	var mu sync.Mutex
+	for _, mode := range []string{"default", "explicit", "unknown"} {
+		errs := fsdpRun(t, 2, func(ctx context.Context, m *mesh.Mesh) error {
+			n, err := newFnet(m, comm.Float64)
+			if err != nil {
+				return err
+			}
+			f, err := NewFSDP(ctx, m)
+			if err != nil {
+				return err
+			}
+			for i, b := range n.list.blocks {
+				var opts []UnitOption
+				switch {
+				case mode == "explicit" && i == 0:
+					opts = append(opts, PrefetchForward("h.1", "h.2"), PrefetchBackward())
+				case mode == "explicit":
+					opts = append(opts, PrefetchBackward(fmt.Sprintf("h.%d", i-1)))
+				case mode == "unknown":
+					opts = append(opts, PrefetchForward("h.9"))
+				}
+				if err := f.Wrap(ctx, fmt.Sprintf("h.%d", i), b, opts...); err != nil {
+					return err
+				}
+			}
+			if err := f.Wrap(ctx, "", n); err != nil {
+				return err
+			}
+			l, err := n.forward(ctx, m, 1, fnetB)
+			if err != nil {
+				return err
+			}
+			if err := n.tape.Backward(ctx, l); err != nil {
+				return err
+			}
+			if err := f.Finish(ctx); err != nil {
+				return err
+			}
+			g, err := n.list.blocks[0].mlp.FC.Weight.Grad().Full(ctx)
+			if err != nil {
+				return err
+			}
+			mu.Lock()
+			grads[mode] = g.([]float64)
+			mu.Unlock()
+			return nil
+		})
+		for r, err := range errs {
+			if mode == "unknown" {
+				if !errors.Is(err, ErrInvalid) {
+					t.Errorf("unknown unit: rank %d: %v, want ErrInvalid", r, err)
+				}
+			} else if err != nil {
+				t.Fatalf("%s rank %d: %v", mode, r, err)
+			}
+		}
+	}
+	if len(grads["default"]) == 0 {
+		t.Fatal("no gradient")
+	}
+	for k, w := range grads["default"] {
+		if g := grads["explicit"][k]; g != w {
+			t.Fatalf("explicit prefetch: h.0.mlp.fc.weight[%d] = %g, default %g", k, g, w)
+		}
+	}
+}
+
+// TestFSDPSlotConflict wraps units so that a unit and one nested in it
+// share a pooled buffer slot (h.0.mlp and h.0 are both even in wrap order
+// among resharded units): the forward fails with ErrInvalid naming the
+// slot's holder on every rank, rather than overwrite gathered parameters.
+func TestFSDPSlotConflict(t *testing.T) {
+	errs := fsdpRun(t, 2, func(ctx context.Context, m *mesh.Mesh) error {
+		n, err := newFnet(m, comm.Float64)
+		if err != nil {
+			return err
+		}
+		f, err := NewFSDP(ctx, m)
+		if err != nil {
+			return err
+		}
+		for _, w := range []struct {
+			path string
+			m    Module
+		}{{"h.0.mlp", n.list.blocks[0].mlp}, {"h.1", n.list.blocks[1]}, {"h.0", n.list.blocks[0]}, {"", n}} {
+			if err := f.Wrap(ctx, w.path, w.m); err != nil {
+				return err
+			}
+		}
+		_, err = n.forward(ctx, m, 1, fnetB)
+		return errors.Join(err, f.Discard(ctx))
+	})
+	for r, err := range errs {
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), `is held by unit "h.0`) {
+			t.Errorf("rank %d: %v; want ErrInvalid naming the slot's holder", r, err)
+		}
+	}
+}
