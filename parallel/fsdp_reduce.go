@@ -165,6 +165,10 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int
 		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q has local block %v; the parameter's is %v", ErrInvalid, p.name, gs.LocalShape(), p.local))
 		return
 	}
+	if dt := gs.DType(); dt != u.dtype {
+		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q is %v; the parameter is %v", ErrInvalid, p.name, dt, u.dtype))
+		return
+	}
 	p.gradSpec = out
 	p.has = 1
 	for r := range f.p {
