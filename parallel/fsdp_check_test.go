@@ -665,3 +665,64 @@ func TestFSDPSlotConflict(t *testing.T) {
 		}
 	}
 }
+
+// TestFSDPUsedOnOneRank skips block h.1 on rank 1 with Reshard(false) and
+// prefetch on, where every rank still issues the same collectives (h.1 is
+// gathered by the prefetch, and not gathered again in backward): as in
+// DDP, rank 1 contributes zeros and every rank gets rank 0's gradient,
+// the same on both.
+func TestFSDPUsedOnOneRank(t *testing.T) {
+	var mu sync.Mutex
+	got := map[int][]float64{}
+	errs := fsdpRun(t, 2, func(ctx context.Context, m *mesh.Mesh) error {
+		n, err := newFnet(m, comm.Float64)
+		if err != nil {
+			return err
+		}
+		f, err := FullyShard(ctx, n, []string{"h.*"}, Reshard(false))
+		if err != nil {
+			return err
+		}
+		h1 := n.list.blocks[1]
+		if m.Rank() == 1 {
+			n.list.blocks = append(n.list.blocks[:1:1], n.list.blocks[2:]...)
+		}
+		l, err := n.forward(ctx, m, 1, fnetB)
+		if err != nil {
+			return err
+		}
+		if err := n.tape.Backward(ctx, l); err != nil {
+			return errors.Join(err, f.Discard(ctx))
+		}
+		if err := f.Finish(ctx); err != nil {
+			return err
+		}
+		g := h1.mlp.FC.Weight.Grad()
+		if g == nil {
+			return fmt.Errorf("h.1 has no gradient")
+		}
+		full, err := g.Full(ctx)
+		if err != nil {
+			return err
+		}
+		mu.Lock()
+		got[m.Rank()] = full.([]float64)
+		mu.Unlock()
+		return nil
+	})
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	nonzero := false
+	for k, v := range got[0] {
+		nonzero = nonzero || v != 0
+		if got[1][k] != v {
+			t.Fatalf("ranks disagree on h.1.mlp.fc.weight[%d]: %g, %g", k, v, got[1][k])
+		}
+	}
+	if !nonzero {
+		t.Fatal("rank 0's contribution is missing")
+	}
+}
