@@ -325,12 +325,10 @@ type fsdpParam struct {
 	fired     bool
 	has       int32
 	gradSpec  *placement.Spec // layout of the reduced gradient
-	accOff    int             // offset in the unit's sharded gradient
 }
 
 // fsdpUnit is one wrapped module.
 type fsdpUnit struct {
-	f       *FSDP
 	index   int
 	path    string
 	module  Module
@@ -422,7 +420,7 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m Module, opts ...UnitOpti
 	for _, u := range f.units {
 		inner[u.module] = true
 	}
-	u := &fsdpUnit{f: f, index: len(f.units), path: path, module: m, cfg: cfg, slot: -1}
+	u := &fsdpUnit{index: len(f.units), path: path, module: m, cfg: cfg, slot: -1}
 	contained := map[Module]bool{} // units inside m, wrapped before it
 	seen := map[*autograd.Value]bool{}
 	var visit func(p string, mod Module) error
