@@ -73,6 +73,85 @@
 // Discard, which completes the step's collectives without installing
 // anything (peers that call Finish are matched), then ZeroGrad and retry.
 //
+// # FSDP (ZeRO) and HSDP
+//
+// FSDP shards parameters, gradients and optimizer state over a mesh axis
+// ("fsdp" by default), in the manner of PyTorch's FSDP2 fully_shard.
+// NewFSDP takes the mesh and options; Wrap makes a module a unit,
+// bottom-up with the root last; FullyShard does both for the modules
+// whose paths match Plan patterns ("h.*"). A unit's parameters (those of
+// its subtree not in units wrapped before it) are replaced by new leaves
+// laid out Shard(0) on the shard axis (ShardDim picks another dim; a dim
+// already sharded by tensor parallelism keeps that axis outer:
+// WithOrder(dim, "tp", "fsdp")), exactly, by the chunk rule of the
+// placement package (uneven and empty shards included). FSDP.Params (and
+// Params of the model) return these sharded leaves: the optimizer's
+// parameters, so that its state is 1/p. Every ParamHolder in a unit must
+// implement ParamSetter (Linear, Embedding and LayerNorm do).
+//
+// The gathered form of each parameter is a second leaf, laid out as the
+// parameter was before FSDP, whose local block is a view into a per-unit
+// flat buffer. A unit's enter hook waits for (or issues) its all-gather,
+// copies the parameters out of the gather's staging layout (each rank's
+// chunk is its shards concatenated, padded to the largest rank's share,
+// plus two elements naming the unit) into the views and swaps the module
+// fields to the gathered leaves; its first output hook of the pass swaps
+// them back and, by the reshard policy, frees the gathered buffer
+// (Reshard(true), the default), keeps it (Reshard(false)) or keeps this
+// rank's 1/n of it (ReshardTo(n), gathered again in backward within
+// groups of n consecutive shard-axis ranks). Every output is wrapped in an
+// identity op whose backward is the unit's pre-backward: gather again if
+// resharded and prefetch the unit backward reaches next. With Prefetch
+// (the default) the enter hook also issues the next unit's all-gather:
+// by explicit lists (PrefetchForward, PrefetchBackward), else the forward
+// order recorded in the previous step (the first step assumes the root,
+// then wrap order) and its reverse in backward. The root unit (wrapped
+// last, containing every other) is never resharded after forward, as in
+// FSDP2: its parameters are used first in forward and last in backward.
+//
+// Go cannot free memory that saved activations still reference, so
+// resharding reuses memory instead: units resharded after forward take
+// their gathered buffer from one of two pooled slots, alternating in wrap
+// order, each sized to its largest unit, so that a unit's backward gathers
+// into the very memory its forward's ops captured. Other units own their
+// buffer. A unit that needs its slot while another unit holds it fails
+// with ErrInvalid (a prefetch is skipped instead): wrap units in execution
+// order.
+//
+// In backward, hooks on the gathered leaves mark a unit ready once all of
+// its leaves are final; reduce-scatters launch strictly in reverse wrap
+// order (the root last), each as soon as it and all before it are ready,
+// as DDP's buckets do, and Finish launches the rest (parameters without a
+// gradient contribute zeros) and installs the sharded gradients, laid out
+// like the sharded parameters on the shard and replicate axes (other axes
+// as backward produced them: ReduceGrads then handles sequence
+// parallelism's Partial norm weights). All-gathers and reduce-scatters
+// run on two duplicates of the shard-axis communicator, so their relative
+// order cannot differ across ranks. A parameter no rank gave a gradient
+// keeps none. Gradients are summed, the convention of CrossEntropy;
+// FSDPAverage divides by the data-parallel ranks, GradientDivideFactor by
+// a given factor.
+//
+// HSDP: with ReplicateAxis (a mesh ("dp", "fsdp") and the batch sharded on
+// both), each unit's reduce-scatter on the shard axis is followed by an
+// all-reduce of its shard over the replicate axis. Accumulation: NoSync
+// runs micro-batches without reduction (the gathered leaves accumulate
+// gradients); NoReplicaSync reduce-scatters each micro-batch and skips the
+// replicate all-reduce until the synced one. ZeROStage(2) keeps the
+// parameters gathered from a step's first forward to Finish; ZeROStage(1)
+// also all-reduces gradients in full, each rank keeping its slice.
+// MixedPrecision(comm.BFloat16) all-gathers bfloat16 copies of the float32
+// master weights (half the bytes) and reduces gradients in float32.
+//
+// Ranks that run different modules (non-SPMD control flow) gather or
+// reduce different units at the same point: the unit tags in every chunk
+// make that an error on every rank naming the units (ErrMismatch), or the
+// communicator's timeout, wrapped with the unit's path, never silent
+// mixing. Bytes reports the memory FSDP holds; Traffic the bytes each rank
+// sent: an all-gather of chunk c bytes over k ranks sends (k−1)·c, that
+// is (k−1)/k of the padded unit, and the flight recorders of the
+// communicators count c per call.
+//
 // # Building a model
 //
 // NewLinear, NewEmbedding, NewLayerNorm, NewAttention and NewMLP make

@@ -33,6 +33,15 @@ func (l *Linear) Children() []Child { return nil }
 // OwnParams returns the weight and, if present, the bias.
 func (l *Linear) OwnParams() []*autograd.Value { return []*autograd.Value{l.Weight, l.Bias} }
 
+// SetOwnParams replaces the weight and the bias (see ParamSetter).
+func (l *Linear) SetOwnParams(ps []*autograd.Value) error {
+	if err := checkSetParams("Linear", l.OwnParams(), ps); err != nil {
+		return err
+	}
+	l.Weight, l.Bias = ps[0], ps[1]
+	return nil
+}
+
 func (l *Linear) chunks() int { return max(l.Chunks, 1) }
 
 // Forward runs the input hooks, the projection and the output hooks. A
@@ -139,6 +148,15 @@ func (e *Embedding) Children() []Child { return nil }
 // OwnParams returns the table.
 func (e *Embedding) OwnParams() []*autograd.Value { return []*autograd.Value{e.Table} }
 
+// SetOwnParams replaces the table (see ParamSetter).
+func (e *Embedding) SetOwnParams(ps []*autograd.Value) error {
+	if err := checkSetParams("Embedding", e.OwnParams(), ps); err != nil {
+		return err
+	}
+	e.Table = ps[0]
+	return nil
+}
+
 // Forward looks up ids (shape S; the result is S + [D]) and runs the output
 // hooks. Input hooks do not apply: ids are not differentiable values.
 func (e *Embedding) Forward(ctx context.Context, ids *autograd.Indices) (*autograd.Value, error) {
@@ -173,6 +191,15 @@ func (n *LayerNorm) Children() []Child { return nil }
 
 // OwnParams returns the weight and the bias.
 func (n *LayerNorm) OwnParams() []*autograd.Value { return []*autograd.Value{n.Weight, n.Bias} }
+
+// SetOwnParams replaces the weight and the bias (see ParamSetter).
+func (n *LayerNorm) SetOwnParams(ps []*autograd.Value) error {
+	if err := checkSetParams("LayerNorm", n.OwnParams(), ps); err != nil {
+		return err
+	}
+	n.Weight, n.Bias = ps[0], ps[1]
+	return nil
+}
 
 // Forward runs the input hooks, the normalisation and the output hooks.
 func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {

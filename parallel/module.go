@@ -204,3 +204,28 @@ func Params(root Module) ([]*autograd.Value, error) {
 
 // errNilValue is returned by layers called with a nil input.
 var errNilValue = fmt.Errorf("%w: nil input", ErrInvalid)
+
+// ParamSetter is implemented by ParamHolders whose parameter fields can be
+// replaced: FSDP swaps a module's sharded parameter leaves for their
+// gathered copies while its forward runs, and back afterwards.
+type ParamSetter interface {
+	ParamHolder
+	// SetOwnParams replaces the module's own parameters with ps, one per
+	// entry of OwnParams in the same order (nil where OwnParams has nil).
+	// It fails, changing nothing, when the count or a nil entry differs.
+	SetOwnParams(ps []*autograd.Value) error
+}
+
+// checkSetParams checks ps against a module's current own parameters for
+// SetOwnParams: the same count, and nil exactly where they are nil.
+func checkSetParams(what string, cur, ps []*autograd.Value) error {
+	if len(ps) != len(cur) {
+		return fmt.Errorf("parallel: %s.SetOwnParams: %w: %d parameters for %d", what, ErrInvalid, len(ps), len(cur))
+	}
+	for i := range ps {
+		if (ps[i] == nil) != (cur[i] == nil) {
+			return fmt.Errorf("parallel: %s.SetOwnParams: %w: parameter %d is nil in one list and not the other", what, ErrInvalid, i)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,463 @@
+package parallel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// gradReady is the gradient hook of an unsharded parameter. When all of a
+// unit's parameters are final, ZeRO-3 releases its gathered parameters and
+// (outside NoSync) its reduce-scatter becomes ready; ready units launch in
+// rsOrder. As in DDP, only a launch error (which every rank sees) stops
+// Backward; a rank-local problem is kept for Finish.
+func (f *FSDP) gradReady(ctx context.Context, u *fsdpUnit, p *fsdpParam) error {
+	if p.fired {
+		return nil
+	}
+	p.fired = true
+	u.fired++
+	if u.fired < len(u.params) {
+		return nil
+	}
+	if f.cfg.stage == 3 {
+		f.release(u)
+	}
+	if f.noSync > 0 {
+		return nil
+	}
+	u.rsReady = true
+	return f.launchReady(ctx)
+}
+
+// fail keeps the first error of the step.
+func (f *FSDP) fail(err error) {
+	if f.err == nil {
+		f.err = err
+	}
+}
+
+// launchReady launches, in rsOrder, every ready unit whose predecessors
+// are launched.
+func (f *FSDP) launchReady(ctx context.Context) error {
+	for f.next < len(f.rsOrder) && f.units[f.rsOrder[f.next]].rsReady {
+		u := f.units[f.rsOrder[f.next]]
+		if err := f.launch(ctx, u, f.next%2); err != nil {
+			return err
+		}
+		f.next++
+	}
+	return nil
+}
+
+// factor is the scale of every rank's contribution.
+func (f *FSDP) factor() float64 {
+	switch {
+	case f.cfg.divide > 0:
+		return 1 / f.cfg.divide
+	case f.cfg.avg:
+		return 1 / float64(f.p*f.repN)
+	}
+	return 1
+}
+
+// launch copies u's unsharded gradients (scaled; zeros where there are
+// none) into reduce-scatter staging, laid out as rank chunks like the
+// all-gather's, drops them, and starts the reduce-scatter (ZeRO-1: the
+// all-reduce) on the reduce-scatter communicator.
+func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
+	blk := u.L + tagElems
+	n := f.p * blk
+	st, err := f.stageFor(ctx, &f.rstage, at, u.dtype, n, f.finishRS)
+	if err != nil {
+		return err
+	}
+	buf := st.buf.SliceHost(0, n)
+	clear(buf.Bytes())
+	for _, p := range u.params {
+		f.fillGrad(u, p, buf, blk)
+		p.unsharded.ZeroGrad()
+	}
+	a := float64(u.index + 1)
+	for r := range f.p {
+		switch u.dtype {
+		case comm.Float32:
+			s := buf.Float32s()
+			s[r*blk+u.L], s[r*blk+u.L+1] = float32(a), float32(a*a)
+		default:
+			s := buf.Float64s()
+			s[r*blk+u.L], s[r*blk+u.L+1] = a, a*a
+		}
+	}
+	var w comm.Work
+	if f.cfg.stage == 1 {
+		w, err = comm.AllReduceAsync(ctx, f.rs, buf, buf, comm.Sum)
+		f.traffic.AllReduce += int64(2*(f.p-1)) * int64(len(buf.Bytes())) / int64(f.p)
+	} else {
+		recv := buf.SliceHost(f.rank*blk, (f.rank+1)*blk)
+		w, err = comm.ReduceScatterAsync(ctx, f.rs, buf, recv, comm.Sum)
+		f.traffic.ReduceScatter += int64(f.p-1) * int64(len(recv.Bytes()))
+	}
+	if err != nil {
+		err = fmt.Errorf("parallel: FSDP reduce-scatter of unit %q: %w", u.path, err)
+		f.fail(err)
+		return err
+	}
+	u.rsWork, u.rsAt = w, at
+	st.owner = u
+	return nil
+}
+
+// fillGrad copies p's unsharded gradient into the rank chunks of buf.
+func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int) {
+	g := p.unsharded.Grad()
+	if g == nil {
+		if p.gradSpec == nil {
+			p.gradSpec = p.sharded.Spec()
+		}
+		return
+	}
+	factor := f.factor()
+	gs := g.Spec()
+	places := gs.Placements()
+	check := func(axis int, coord int) bool {
+		switch pl := places[axis]; {
+		case pl.IsPartial() && pl.Op() == comm.Sum:
+		case pl.IsReplicate():
+			// The whole gradient on every rank: as a sum, coordinate 0's.
+			if coord != 0 {
+				factor = 0
+			}
+		default:
+			f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q is %v on axis %q; FSDP reduces Partial(sum) (or Replicate) gradients", ErrInvalid, p.name, pl, gs.Mesh().Names()[axis]))
+			return false
+		}
+		return true
+	}
+	if !check(f.axis, f.rank) || (f.rep >= 0 && !check(f.rep, f.repC)) {
+		return
+	}
+	places[f.axis] = placement.Shard(p.dim)
+	if f.rep >= 0 {
+		places[f.rep] = placement.Replicate()
+	}
+	var opts []placement.SpecOption
+	for d := range gs.Shape() {
+		o := gs.Order(d)
+		if d == p.dim {
+			o = append(o, f.cfg.axis)
+		}
+		if len(o) > 1 {
+			opts = append(opts, placement.WithOrder(d, o...))
+		}
+	}
+	out, err := gs.With(places, opts...)
+	if err != nil {
+		f.fail(fmt.Errorf("parallel: FSDP gradient of %q: %w", p.name, err))
+		return
+	}
+	want := out.LocalShape()
+	if prod(want) != p.outer*p.rows[f.rank]*p.inner || prod(gs.LocalShape()) != p.n {
+		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q has local block %v; the parameter's is %v", ErrInvalid, p.name, gs.LocalShape(), p.local))
+		return
+	}
+	if dt := gs.DType(); dt != u.dtype {
+		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q is %v; the parameter is %v", ErrInvalid, p.name, dt, u.dtype))
+		return
+	}
+	p.gradSpec = out
+	p.has = 1
+	for r := range f.p {
+		seg := p.rows[r] * p.inner
+		for o := range p.outer {
+			src := (o*p.local[p.dim] + p.rowOff[r]) * p.inner
+			dst := r*blk + p.chunkOff[r] + o*seg
+			switch d := g.LocalData().(type) {
+			case []float32:
+				if u.dtype == comm.Float32 {
+					scaleCopy(buf.Float32s()[dst:dst+seg], d[src:src+seg], float32(factor))
+				}
+			case []float64:
+				if u.dtype == comm.Float64 {
+					scaleCopy(buf.Float64s()[dst:dst+seg], d[src:src+seg], factor)
+				}
+			}
+		}
+	}
+}
+
+func scaleCopy[T float32 | float64](dst, src []T, f T) {
+	if f == 1 {
+		copy(dst, src)
+		return
+	}
+	for i, v := range src {
+		dst[i] = v * f
+	}
+}
+
+// finishRS waits for u's reduce-scatter, checks that every rank reduced
+// u, accumulates this rank's chunk into the sharded gradient and, for
+// HSDP outside NoReplicaSync, starts its all-reduce over the replicate
+// axis.
+func (f *FSDP) finishRS(ctx context.Context, u *fsdpUnit) error {
+	w := u.rsWork
+	if w == nil {
+		return nil
+	}
+	u.rsWork = nil
+	st := f.rstage[u.rsAt]
+	st.owner = nil
+	if err := w.Wait(ctx); err != nil {
+		return fmt.Errorf("parallel: FSDP reduce-scatter of unit %q: %w", u.path, err)
+	}
+	blk := u.L + tagElems
+	own := st.buf.SliceHost(f.rank*blk, (f.rank+1)*blk)
+	a, p := float64(u.index+1), float64(f.p)
+	var s1, s2 float64
+	if u.dtype == comm.Float32 {
+		s := own.Float32s()
+		s1, s2 = float64(s[u.L]), float64(s[u.L+1])
+	} else {
+		s := own.Float64s()
+		s1, s2 = s[u.L], s[u.L+1]
+	}
+	// Σt = p·a and Σt² = p·a² hold only when every rank's t is a.
+	if s1 != p*a || s2 != p*a*a {
+		return fmt.Errorf("parallel: FSDP reduce-scatter of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", u.path, loom.ErrMismatch)
+	}
+	n := u.chunk[f.rank]
+	if u.acc == nil {
+		u.acc = allocBlock(u.dtype, n)
+	}
+	switch acc := u.acc.(type) {
+	case []float32:
+		src := own.Float32s()[:n]
+		if !u.accum {
+			copy(acc, src)
+		} else {
+			for i, v := range src {
+				acc[i] += v
+			}
+		}
+	case []float64:
+		src := own.Float64s()[:n]
+		if !u.accum {
+			copy(acc, src)
+		} else {
+			for i, v := range src {
+				acc[i] += v
+			}
+		}
+	}
+	u.accum = true
+	if f.repc != nil && f.noRep == 0 {
+		var buf comm.Buffer
+		if acc, ok := u.acc.([]float32); ok {
+			buf = comm.Host(acc)
+		} else {
+			buf = comm.Host(u.acc.([]float64))
+		}
+		w, err := comm.AllReduceAsync(ctx, f.repc, buf, buf, comm.Sum)
+		if err != nil {
+			return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
+		}
+		f.traffic.AllReduce += int64(2*(f.repN-1)) * int64(n*u.dtype.Size()) / int64(f.repN)
+		u.arWork = w
+	}
+	return nil
+}
+
+// drain completes the pass's collectives: in-flight all-gathers, every
+// reduce-scatter not launched (in order; parameters without a gradient
+// contribute zeros, those accumulated under NoSync their sum), the
+// reduce-scatters' results and the replicate all-reduces.
+func (f *FSDP) drain(ctx context.Context) error {
+	var errs []error
+	for _, u := range f.units {
+		if err := f.complete(ctx, u); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for ; f.next < len(f.rsOrder); f.next++ {
+		u := f.units[f.rsOrder[f.next]]
+		if f.cfg.stage == 3 {
+			f.release(u)
+		}
+		u.rsReady = true
+		// A launch error is kept in f.err; later units are still issued
+		// so that every rank's sequence matches.
+		_ = f.launch(ctx, u, f.next%2)
+	}
+	for _, i := range f.rsOrder {
+		if err := f.finishRS(ctx, f.units[i]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, u := range f.units {
+		if u.arWork != nil {
+			if err := u.arWork.Wait(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err))
+			}
+			u.arWork = nil
+		}
+	}
+	if f.err != nil {
+		errs = append([]error{f.err}, errs...)
+	}
+	return errors.Join(errs...)
+}
+
+// Finish completes the step's gradient reduction and installs every
+// sharded parameter's gradient, laid out like the parameter on the shard
+// and replicate axes (other axes as backward produced them: ReduceGrads
+// then sums what sequence parallelism leaves Partial on the TP axis). A
+// parameter no rank gave a gradient keeps none, so the optimizer skips
+// it. The installed gradients are views of FSDP's sharded gradient
+// buffers, valid until the next step's reduction. Every rank calls it
+// after the synced backward, before the optimizer step; the gathered
+// parameters are then stale, and the next forward gathers again. It must
+// not be called inside NoSync.
+func (f *FSDP) Finish(ctx context.Context) error {
+	if f.noSync > 0 || f.noRep > 0 {
+		return fmt.Errorf("parallel: FSDP.Finish: %w: called inside NoSync or NoReplicaSync", ErrInvalid)
+	}
+	if !f.ready {
+		return fmt.Errorf("parallel: FSDP.Finish: %w: no forward has run", ErrInvalid)
+	}
+	defer f.reset()
+	if err := f.drain(ctx); err != nil {
+		return err
+	}
+	var has []int32
+	for _, u := range f.units {
+		for _, p := range u.params {
+			has = append(has, p.has)
+		}
+	}
+	flags := comm.Host(has)
+	if err := comm.AllReduce(ctx, f.rs, flags, flags, comm.Sum); err != nil {
+		return fmt.Errorf("parallel: FSDP.Finish: %w", err)
+	}
+	if f.repc != nil {
+		if err := comm.AllReduce(ctx, f.repc, flags, flags, comm.Sum); err != nil {
+			return fmt.Errorf("parallel: FSDP.Finish: %w", err)
+		}
+	}
+	k := 0
+	for _, u := range f.units {
+		for _, p := range u.params {
+			used := has[k] > 0
+			k++
+			if !used {
+				if err := p.sharded.SetGrad(nil); err != nil {
+					return err
+				}
+				continue
+			}
+			off, n := p.chunkOff[f.rank], p.outer*p.rows[f.rank]*p.inner
+			g, err := placement.NewLocal(p.gradSpec, sliceRange(u.acc, off, off+n))
+			if err != nil {
+				return fmt.Errorf("parallel: FSDP gradient of %q: %w", p.name, err)
+			}
+			if err := p.sharded.SetGrad(g); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// Discard abandons the step after a failed Backward: it issues and waits
+// for the same collectives as Finish (peers that call Finish are
+// matched) but installs nothing. Zero the gradients before retrying.
+func (f *FSDP) Discard(ctx context.Context) error {
+	if !f.ready {
+		return nil
+	}
+	defer f.reset()
+	if err := f.drain(ctx); err != nil {
+		return err
+	}
+	flags := comm.Host(make([]int32, len(f.Params())))
+	if err := comm.AllReduce(ctx, f.rs, flags, flags, comm.Sum); err != nil {
+		return err
+	}
+	if f.repc != nil {
+		return comm.AllReduce(ctx, f.repc, flags, flags, comm.Sum)
+	}
+	return nil
+}
+
+// NoSync runs fn (a micro-batch's forward and backward) without gradient
+// reduction: the gathered parameters' gradients accumulate, unsharded,
+// and the next synced backward reduces their sum. ZeRO-3 still reshards
+// (the next micro-batch gathers again). It returns fn's error.
+func (f *FSDP) NoSync(fn func() error) error {
+	f.noSync++
+	err := fn()
+	f.noSync--
+	f.endPass()
+	return err
+}
+
+// NoReplicaSync runs fn (a micro-batch's forward and backward) with the
+// reduce-scatters on the shard axis but without HSDP's all-reduce over
+// the replicate axis: the sharded gradients accumulate, and the next
+// synced step all-reduces their sum. Without a replicate axis it only
+// reduces each micro-batch. At its end it completes the micro-batch's
+// reduce-scatters under ctx. It returns fn's error, or the reduction's.
+func (f *FSDP) NoReplicaSync(ctx context.Context, fn func() error) error {
+	if f.noSync > 0 {
+		return fmt.Errorf("parallel: FSDP.NoReplicaSync: %w: inside NoSync", ErrInvalid)
+	}
+	f.noRep++
+	err := fn()
+	if f.ready {
+		err = errors.Join(err, f.drain(ctx))
+	}
+	f.noRep--
+	f.err = nil
+	f.endPass()
+	return err
+}
+
+// endPass resets the per-pass state: the readiness of the hooks, the
+// launch position, the recorded forward order; ZeRO-3 releases what no
+// hook released.
+func (f *FSDP) endPass() {
+	for _, u := range f.units {
+		u.fired, u.rsReady = 0, false
+		for _, p := range u.params {
+			p.fired = false
+		}
+		if f.cfg.stage == 3 {
+			f.release(u)
+		}
+	}
+	f.next = 0
+	if len(f.order) > 0 {
+		f.prevFwd = append(f.prevFwd[:0], f.order...)
+	}
+	f.order = f.order[:0]
+	clear(f.entered)
+}
+
+// reset ends the step: beyond endPass, the accumulated sharded gradients
+// start over and every unit's gathered parameters are stale (the
+// optimizer changes the sharded ones).
+func (f *FSDP) reset() {
+	f.endPass()
+	for _, u := range f.units {
+		f.release(u)
+		u.keptOK, u.accum = false, false
+		for _, p := range u.params {
+			p.has = 0
+		}
+	}
+	f.err = nil
+}
