@@ -360,6 +360,18 @@ func (v *Value) GradBytes() int64 {
 	return 0
 }
 
+// ReleaseGrad drops the accumulated gradient and, unlike ZeroGrad on a
+// tape made WithRecycling, keeps no memory for the next one: for a
+// gradient that is consumed once and would otherwise hold its memory
+// between steps (FSDP drops a gathered parameter's gradient once it is
+// reduce-scattered). It may be called from a gradient hook.
+func (v *Value) ReleaseGrad() {
+	if v == nil {
+		return
+	}
+	v.grad, v.spare, v.fresh = nil, nil, 0
+}
+
 // ZeroGrad drops the accumulated gradient. On a tape made WithRecycling
 // the next Backward writes the leaf's gradient into the dropped
 // gradient's memory instead of allocating.

@@ -637,6 +637,10 @@ func TestGradBytes(t *testing.T) {
 			if got := p.GradBytes(); got != c.afterZero {
 				return fmt.Errorf("%s: %d bytes after ZeroGrad, want %d", c.name, got, c.afterZero)
 			}
+			p.ReleaseGrad()
+			if got := p.GradBytes(); got != 0 || p.Grad() != nil {
+				return fmt.Errorf("%s: %d bytes after ReleaseGrad, want 0", c.name, got)
+			}
 		}
 		if (*Value)(nil).GradBytes() != 0 {
 			return errors.New("nil value holds bytes")

@@ -161,8 +161,8 @@ type FSDPBytes struct {
 	ShardedGrads int64
 	// UnshardedGrads is the gradients live on the gathered parameters
 	// now (between their backward and their unit's reduce-scatter, or
-	// accumulated under NoSync). On a tape made WithRecycling the memory
-	// of a dropped gradient stays with the tape for the next pass.
+	// accumulated under NoSync). A reduce-scattered one is released
+	// (Value.ReleaseGrad), so no tape keeps its memory for the next pass.
 	UnshardedGrads int64
 	// Staging is the communication buffers (all-gather and
 	// reduce-scatter staging).
@@ -766,11 +766,7 @@ func (f *FSDP) Bytes() FSDPBytes {
 		es := int64(u.dtype.Size())
 		for _, p := range u.params {
 			b.Sharded += size(p.sharded.Data().LocalData())
-			if p.unsharded != nil {
-				if g := p.unsharded.Grad(); g != nil {
-					b.UnshardedGrads += size(g.LocalData())
-				}
-			}
+			b.UnshardedGrads += p.unsharded.GradBytes() // 0 for a nil leaf
 		}
 		if u.slot < 0 {
 			b.Unsharded += size(u.buf)

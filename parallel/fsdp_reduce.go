@@ -80,7 +80,7 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 	clear(buf.Bytes())
 	for _, p := range u.params {
 		f.fillGrad(u, p, buf, blk)
-		p.unsharded.ZeroGrad()
+		p.unsharded.ReleaseGrad() // no recycled block kept: 1/p of the gradients between steps
 	}
 	a := float64(u.index + 1)
 	for r := range f.p {
