@@ -50,10 +50,13 @@ import (
 	"strings"
 	"time"
 
+	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/launch"
+	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/trace"
 	"github.com/b7ea7098/loom/train"
@@ -73,17 +76,24 @@ func main() {
 }
 
 type options struct {
-	dp, tp  int
-	sp      bool
-	compare bool
-	loop    train.Loop
+	dp, fsdp, tp int
+	sp           bool
+	ac           string // none, full or selective
+	reshard      string // true, false or a group size
+	zero         int    // 1, 2 or 3
+	mp           string // "" or bf16
+	compare      bool
+	loop         train.Loop
 }
 
 // result is what -json writes.
 type result struct {
-	DP         int       `json:"dp"`
-	TP         int       `json:"tp"`
-	SP         bool      `json:"sp"`
+	DP         int           `json:"dp"`
+	FSDP       int           `json:"fsdp"`
+	TP         int           `json:"tp"`
+	SP         bool          `json:"sp"`
+	AC         string        `json:"ac"`
+	Mem        memory.Report `json:"mem"`
 	Backend    string    `json:"backend"`
 	Processes  int       `json:"processes"`
 	WorldSize  int       `json:"world_size"`
@@ -102,6 +112,11 @@ func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) 
 	fs.IntVar(&o.dp, "dp", 2, "data-parallel ranks (the batch is sharded over them)")
 	fs.IntVar(&o.tp, "tp", 2, "tensor-parallel ranks (the model is sharded over them)")
 	fs.BoolVar(&o.sp, "sp", false, "sequence parallelism on the tp axis")
+	fs.IntVar(&o.fsdp, "fsdp", 1, "fully sharded data-parallel ranks (parameters, gradients and optimizer state sharded over them; with -dp > 1 it is HSDP)")
+	fs.StringVar(&o.reshard, "reshard", "true", "with -fsdp: free gathered parameters after each block's forward (true), keep them (false), or keep them sharded over groups of N ranks (N)")
+	fs.IntVar(&o.zero, "zero", 3, "with -fsdp: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
+	fs.StringVar(&o.mp, "mp", "", "with -fsdp: mixed precision: bf16 gathers parameters in bfloat16 (float32 master weights, gradients and optimizer state)")
+	fs.StringVar(&o.ac, "ac", "none", "activation checkpointing of every block: none, full (recompute the block in backward) or selective (keep the matrix products)")
 	o.loop.RegisterLoop(fs, run.Steps, 20)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
 	if err := fs.Parse(args); err != nil {
@@ -110,13 +125,109 @@ func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) 
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	o.loop.Ranks = o.dp * o.tp
-	o.loop.Shape = []int{o.dp, o.tp}
+	o.loop.Ranks = o.dp * o.fsdp * o.tp
+	o.loop.Shape = []int{o.dp, o.fsdp, o.tp}
 	o.loop.Tokens = run.B * run.T
-	if err := cfg.CheckLayout(run.B, gpt.Layout{DP: o.dp, TP: o.tp, SP: o.sp}); err != nil {
+	if err := cfg.CheckLayout(run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp}); err != nil {
+		return o, err
+	}
+	if err := o.checkSharding(); err != nil {
 		return o, err
 	}
 	return o, o.loop.Validate()
+}
+
+// checkSharding checks -ac, -reshard, -zero and -mp, which (but for -ac)
+// apply to -fsdp > 1.
+func (o options) checkSharding() error {
+	var errs []error
+	if !slices.Contains([]string{"none", "full", "selective"}, o.ac) {
+		errs = append(errs, fmt.Errorf("-ac %q; want none, full or selective", o.ac))
+	}
+	if o.fsdp < 1 {
+		errs = append(errs, fmt.Errorf("-fsdp %d; want at least 1", o.fsdp))
+	}
+	if o.zero < 1 || o.zero > 3 {
+		errs = append(errs, fmt.Errorf("-zero %d; want 1, 2 or 3", o.zero))
+	}
+	if o.mp != "" && o.mp != "bf16" {
+		errs = append(errs, fmt.Errorf("-mp %q; want bf16 (or nothing for float32)", o.mp))
+	}
+	if _, err := o.reshardGroup(); err != nil {
+		errs = append(errs, err)
+	}
+	if o.fsdp == 1 && (o.zero != 3 || o.mp != "" || o.reshard != "true") {
+		errs = append(errs, errors.New("-zero, -mp and -reshard apply to fully sharded data parallelism: set -fsdp to 2 or more"))
+	}
+	return errors.Join(errs...)
+}
+
+// reshardGroup reads -reshard: 0 to free after forward (true), -1 to keep
+// (false), or the group size N that keeps them sharded over N ranks, which
+// must divide -fsdp.
+func (o options) reshardGroup() (int, error) {
+	switch o.reshard {
+	case "true":
+		return 0, nil
+	case "false":
+		return -1, nil
+	}
+	n, err := strconv.Atoi(o.reshard)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("-reshard %q; want true, false or a group size of at least 1", o.reshard)
+	}
+	if o.fsdp%n != 0 {
+		return 0, fmt.Errorf("-reshard %d must divide -fsdp (%d); it can be %s", n, o.fsdp, divisors(o.fsdp))
+	}
+	return n, nil
+}
+
+// layout describes the run's parallelism: "dp=2 × tp=2, sp=false", with
+// FSDP's and checkpointing's settings where they are used.
+func (o options) layout() string {
+	s := fmt.Sprintf("dp=%d × tp=%d", o.dp, o.tp)
+	if o.fsdp > 1 {
+		s = fmt.Sprintf("dp=%d × fsdp=%d × tp=%d (ZeRO-%d, reshard %s", o.dp, o.fsdp, o.tp, o.zero, o.reshard)
+		if o.mp != "" {
+			s += ", " + o.mp
+		}
+		s += ")"
+	}
+	s += fmt.Sprintf(", sp=%v", o.sp)
+	if o.ac != "none" {
+		s += ", -ac " + o.ac
+	}
+	return s
+}
+
+// fsdpOptions are FSDP's options for -reshard, -zero and -mp (checked by
+// checkSharding).
+func (o options) fsdpOptions() []parallel.FSDPOption {
+	opts := []parallel.FSDPOption{parallel.ZeROStage(o.zero)}
+	switch n, _ := o.reshardGroup(); {
+	case n < 0:
+		opts = append(opts, parallel.Reshard(false))
+	case n > 0:
+		opts = append(opts, parallel.ReshardTo(n))
+	}
+	if o.mp == "bf16" {
+		opts = append(opts, parallel.MixedPrecision(comm.BFloat16))
+	}
+	return opts
+}
+
+// divisors lists n's divisors as "1, 2 or 4".
+func divisors(n int) string {
+	var ds []string
+	for d := 1; d <= n; d++ {
+		if n%d == 0 {
+			ds = append(ds, strconv.Itoa(d))
+		}
+	}
+	if len(ds) == 1 {
+		return ds[0]
+	}
+	return strings.Join(ds[:len(ds)-1], ", ") + " or " + ds[len(ds)-1]
 }
 
 func run(ctx context.Context, args []string, out io.Writer) error {
@@ -147,8 +258,8 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if !job.Root() {
 		out = io.Discard // world rank 0 reports for the job
 	}
-	fmt.Fprintf(out, "tiny GPT (V=%d D=%d H=%d L=%d F=%d, batch %d×%d) on dp=%d × tp=%d, %s, sp=%v, %d steps\n",
-		cfg.Vocab, cfg.Width, cfg.Heads, cfg.Layers, cfg.MLPWidth, ref.B, ref.T, o.dp, o.tp, job, o.sp, o.loop.Steps)
+	fmt.Fprintf(out, "tiny GPT (V=%d D=%d H=%d L=%d F=%d, batch %d×%d) on %s, %s, %d steps\n",
+		cfg.Vocab, cfg.Width, cfg.Heads, cfg.Layers, cfg.MLPWidth, ref.B, ref.T, o.layout(), job, o.loop.Steps)
 
 	res, params, err := trainLayout(ctx, out, job, cfg, ref, init, o, fx)
 	if err != nil {
@@ -158,8 +269,9 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 
 	if o.compare {
 		one := o
-		one.dp, one.tp, one.sp = 1, 1, false
-		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1}
+		one.dp, one.fsdp, one.tp, one.sp = 1, 1, 1, false
+		one.reshard, one.zero, one.mp = "true", 3, ""
+		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1, 1}
 		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.loop.Steps)
 		oneJob, err := launch.InProcess(1)
@@ -196,6 +308,7 @@ type rank struct {
 	tr     *gpt.Trainer
 	rank0  bool
 	params *map[string][]float32
+	mem    *memory.Report
 }
 
 // Step implements train.Stepper.
@@ -204,11 +317,16 @@ func (r *rank) Step(ctx context.Context) (float64, error) {
 	return loss, err
 }
 
-// Finish implements train.Finisher.
+// Finish implements train.Finisher: the last step's memory (the maximum
+// over ranks) and the final parameters, kept by rank 0.
 func (r *rank) Finish(ctx context.Context) error {
+	mem, err := r.tr.Memory(ctx)
+	if err != nil {
+		return err
+	}
 	full, err := r.tr.Full(ctx)
 	if err == nil && r.rank0 {
-		*r.params = full
+		*r.params, *r.mem = full, mem
 	}
 	return err
 }
@@ -219,8 +337,9 @@ func (r *rank) Finish(ctx context.Context) error {
 // PyTorch's loss where fx has it.
 func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Config, ref tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture) (*result, map[string][]float32, error) {
 	var params map[string][]float32
+	var mem memory.Report
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
-		m, err := mesh.New(r.Comm, []int{o.dp, o.tp}, []string{"dp", "tp"})
+		m, err := mesh.New(r.Comm, []int{o.dp, o.fsdp, o.tp}, []string{"dp", "fsdp", "tp"})
 		if err != nil {
 			return nil, err
 		}
@@ -231,11 +350,20 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Co
 		if o.sp {
 			opts = append(opts, gpt.WithSequenceParallel())
 		}
+		if o.fsdp > 1 {
+			opts = append(opts, gpt.WithFullyShard("fsdp", o.fsdpOptions()...))
+		}
+		switch o.ac {
+		case "full":
+			opts = append(opts, gpt.WithCheckpointing())
+		case "selective":
+			opts = append(opts, gpt.WithCheckpointing(autograd.KeepMatrixProducts()))
+		}
 		tr, err := gpt.NewTrainer(ctx, m, cfg, opts...)
 		if err != nil {
 			return nil, err
 		}
-		return &rank{tr: tr, rank0: m.Rank() == 0, params: &params}, nil
+		return &rank{tr: tr, rank0: m.Rank() == 0, params: &params, mem: &mem}, nil
 	}
 	progress := func(step int, loss, tokensPerS float64) {
 		line := fmt.Sprintf("step %4d  loss %.6f", step, loss)
@@ -250,7 +378,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Co
 	if err != nil {
 		return nil, nil, err
 	}
-	res := &result{DP: o.dp, TP: o.tp, SP: o.sp, Backend: job.Backend, Processes: job.Processes, WorldSize: job.WorldSize,
+	res := &result{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, AC: o.ac, Mem: mem, Backend: job.Backend, Processes: job.Processes, WorldSize: job.WorldSize,
 		Steps: o.loop.Steps, Losses: r.Steps, TokensPerS: r.TokensPerS}
 	res.FinalLoss = r.Steps[len(r.Steps)-1]
 	overlap(out, r.Events, o)
@@ -284,10 +412,16 @@ func dpGroup(rank, dp, tp int) string {
 	return "[" + strings.Join(ranks, ",") + "]"
 }
 
+// mib formats a byte count in MiB.
+func mib(n int64) string { return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20)) }
+
 // summarize prints the final loss, its distance from PyTorch's curve and
 // the throughput.
 func summarize(out io.Writer, o options, res *result, fx *tinygpt.Fixture, ref tinygpt.Config) {
 	fmt.Fprintf(out, "final loss %.6f, median %.0f tokens/s\n", res.FinalLoss, res.TokensPerS)
+	m := res.Mem
+	fmt.Fprintf(out, "memory per rank (largest rank, last step): params %s, grads %s, optim %s, activations %s, comm %s; peak %s\n",
+		mib(m.Params), mib(m.Grads), mib(m.Optim), mib(m.Activations), mib(m.Comm), mib(m.Peak))
 	var worst float64
 	worstStep := 0
 	for _, s := range fx.LossCurveEvery20Steps {

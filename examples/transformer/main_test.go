@@ -77,6 +77,14 @@ func TestParse(t *testing.T) {
 		{[]string{"-threads", "-2"}, []string{"-threads -2"}},
 		{[]string{"-trace-steps", "0"}, []string{"-trace-steps 0"}},
 		{[]string{"extra"}, []string{"unexpected arguments"}},
+		{[]string{"-fsdp", "3", "-dp", "1"}, []string{"dp × fsdp (1 × 3) must divide the batch (16 sequences); their product can be 1, 2, 4, 8 or 16"}},
+		{[]string{"-fsdp", "0"}, []string{"-fsdp 0; want at least 1"}},
+		{[]string{"-fsdp", "4", "-dp", "1", "-reshard", "3"}, []string{"-reshard 3 must divide -fsdp (4); it can be 1, 2 or 4"}},
+		{[]string{"-fsdp", "2", "-reshard", "yes"}, []string{`-reshard "yes"; want true, false or a group size`}},
+		{[]string{"-fsdp", "2", "-zero", "4"}, []string{"-zero 4; want 1, 2 or 3"}},
+		{[]string{"-fsdp", "2", "-mp", "fp16"}, []string{`-mp "fp16"; want bf16`}},
+		{[]string{"-zero", "2"}, []string{"apply to fully sharded data parallelism: set -fsdp to 2 or more"}},
+		{[]string{"-ac", "some"}, []string{`-ac "some"; want none, full or selective`}},
 	} {
 		_, err := parse(tc.args, io.Discard, cfg, ref)
 		if err == nil {
@@ -96,7 +104,7 @@ func TestParse(t *testing.T) {
 		t.Errorf("-sp with T=63: %v", err)
 	}
 	o, err := parse(nil, io.Discard, cfg, ref)
-	if err != nil || o.dp != 2 || o.tp != 2 || o.loop.Steps != ref.Steps || o.loop.Ranks != 4 || o.loop.Tokens != ref.B*ref.T {
+	if err != nil || o.dp != 2 || o.fsdp != 1 || o.tp != 2 || o.ac != "none" || o.zero != 3 || o.loop.Steps != ref.Steps || o.loop.Ranks != 4 || o.loop.Tokens != ref.B*ref.T {
 		t.Errorf("defaults: %+v, %v", o, err)
 	}
 }

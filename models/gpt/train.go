@@ -20,6 +20,8 @@ type TrainOption func(*trainConfig)
 
 type trainConfig struct {
 	dp, tp string
+	fsdp   string
+	fsOpts []parallel.FSDPOption
 	sp     bool
 	ckpt   []autograd.CheckpointOption
 	ac     bool
@@ -43,6 +45,18 @@ func WithTensorParallel(axis string) TrainOption { return func(c *trainConfig) {
 // WithSequenceParallel adds sequence parallelism on the tensor-parallel
 // axis (Plan(true)); it needs WithTensorParallel.
 func WithSequenceParallel() TrainOption { return func(c *trainConfig) { c.sp = true } }
+
+// WithFullyShard shards the parameters, gradients and AdamW's state over
+// the named mesh axis (FSDP; ZeRO-3 unless opts say otherwise:
+// parallel.ZeROStage, Reshard, ReshardTo, MixedPrecision, Prefetch): each
+// block is a unit of its own, the root holds the embeddings, the final
+// norm and the head. The batch rows are sharded over it as well, after
+// WithDataParallel's axis, which then becomes HSDP's replicate axis
+// (gradients reduce-scattered over this axis and all-reduced over that
+// one, with no DDP). An axis of size 1 leaves the model unsharded.
+func WithFullyShard(axis string, opts ...parallel.FSDPOption) TrainOption {
+	return func(c *trainConfig) { c.fsdp, c.fsOpts = axis, append(c.fsOpts, opts...) }
+}
 
 // WithCheckpointing checkpoints every block (parallel.Checkpoint on
 // "h.*"): a block keeps only its input for backward and recomputes its
@@ -85,6 +99,7 @@ func WithRun(run tinygpt.Config) TrainOption {
 // layout trains on exactly the batches one rank would.
 type Trainer struct {
 	Model   *Model
+	fsdp    *parallel.FSDP
 	mesh    *mesh.Mesh
 	tape    *autograd.Tape
 	meter   memory.Meter
@@ -114,7 +129,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	}
 	names := m.Names()
 	size := map[string]int{}
-	for _, ax := range []string{tc.dp, tc.tp} {
+	for _, ax := range []string{tc.dp, tc.fsdp, tc.tp} {
 		if ax == "" {
 			continue
 		}
@@ -124,14 +139,16 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		}
 		size[ax] = m.Shape()[i]
 	}
-	if tc.dp != "" && tc.dp == tc.tp {
-		return nil, fmt.Errorf("gpt: trainer: %w: axis %q named for both data and tensor parallelism", ErrConfig, tc.dp)
+	for _, pair := range [][2]string{{tc.dp, tc.tp}, {tc.dp, tc.fsdp}, {tc.fsdp, tc.tp}} {
+		if pair[0] != "" && pair[0] == pair[1] {
+			return nil, fmt.Errorf("gpt: trainer: %w: axis %q named for two kinds of parallelism", ErrConfig, pair[0])
+		}
 	}
 	if tc.sp && tc.tp == "" {
 		return nil, fmt.Errorf("gpt: trainer: %w: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
-	dp, tp := max(size[tc.dp], 1), max(size[tc.tp], 1)
-	if err := cfg.CheckLayout(data.B, Layout{DP: dp, TP: tp, SP: tc.sp}); err != nil {
+	dp, fsdp, tp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1)
+	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: fsdp, TP: tp, SP: tc.sp}); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	// Step ends each step's values before the next forward pass, so the
@@ -160,11 +177,21 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	}
 	if tc.dp != "" {
 		tr.places[slices.Index(names, tc.dp)] = placement.Shard(0)
+	}
+	switch {
+	case fsdp > 1:
+		tr.places[slices.Index(names, tc.fsdp)] = placement.Shard(0)
+		fsOpts := []parallel.FSDPOption{parallel.ShardAxis(tc.fsdp)}
 		if dp > 1 {
-			ddpOpts := append(slices.Clone(tc.ddp), parallel.WithAxis(tc.dp), parallel.GradientAsBucketView())
-			if tr.ddp, err = parallel.New(ctx, md.Params(), ddpOpts...); err != nil {
-				return nil, fmt.Errorf("gpt: trainer: %w", err)
-			}
+			fsOpts = append(fsOpts, parallel.ReplicateAxis(tc.dp))
+		}
+		if tr.fsdp, err = parallel.FullyShard(ctx, md, []string{"h.*"}, append(fsOpts, tc.fsOpts...)...); err != nil {
+			return nil, fmt.Errorf("gpt: trainer: %w", err)
+		}
+	case dp > 1:
+		ddpOpts := append(slices.Clone(tc.ddp), parallel.WithAxis(tc.dp), parallel.GradientAsBucketView())
+		if tr.ddp, err = parallel.New(ctx, md.Params(), ddpOpts...); err != nil {
+			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	}
 	tr.params = md.Params()
@@ -210,15 +237,18 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
 		return 0, err
 	}
 	if err := tr.tape.Backward(ctx, l); err != nil {
-		if tr.ddp != nil {
-			if derr := tr.ddp.Discard(ctx); derr != nil {
-				err = fmt.Errorf("%w (and DDP's discard of the step: %v)", err, derr)
-			}
+		if derr := tr.discard(ctx); derr != nil {
+			err = fmt.Errorf("%w (and the discard of the step's gradient reduction: %v)", err, derr)
 		}
 		return 0, err
 	}
-	if tr.ddp != nil {
+	switch {
+	case tr.ddp != nil:
 		if err := tr.ddp.Finish(ctx); err != nil {
+			return 0, err
+		}
+	case tr.fsdp != nil:
+		if err := tr.fsdp.Finish(ctx); err != nil {
 			return 0, err
 		}
 	}
@@ -245,17 +275,39 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
 	return loss, nil
 }
 
-// memoryUse is what this rank holds now: the parameters' local blocks,
-// the gradients (DDP's buckets, which hold them, or the leaves'), AdamW's
-// state and the tape's activations.
+// discard completes the gradient reduction of a step whose Backward failed.
+func (tr *Trainer) discard(ctx context.Context) error {
+	switch {
+	case tr.ddp != nil:
+		return tr.ddp.Discard(ctx)
+	case tr.fsdp != nil:
+		return tr.fsdp.Discard(ctx)
+	}
+	return nil
+}
+
+// memoryUse is what this rank holds now: the parameters (local blocks,
+// and FSDP's gathered buffers), the gradients (FSDP's or DDP's buffers,
+// which hold them, or the leaves'), AdamW's state, the tape's
+// activations and FSDP's staging buffers.
 func (tr *Trainer) memoryUse() memory.Use {
 	var u memory.Use
-	for _, p := range tr.params {
-		u.Params += memory.Tensor(p.Data())
-	}
-	if tr.ddp != nil {
+	switch {
+	case tr.fsdp != nil:
+		// The sharded leaves' gradients are views of FSDP's buffers.
+		b := tr.fsdp.Bytes()
+		u.Params = b.Sharded + b.Unsharded + b.Kept
+		u.Grads = b.ShardedGrads + b.UnshardedGrads
+		u.Comm = b.Staging
+	case tr.ddp != nil:
+		for _, p := range tr.params {
+			u.Params += memory.Tensor(p.Data())
+		}
 		u = u.Add(tr.ddp.Bytes())
-	} else {
+	default:
+		for _, p := range tr.params {
+			u.Params += memory.Tensor(p.Data())
+		}
 		for _, p := range tr.params {
 			u.Grads += p.GradBytes()
 		}
