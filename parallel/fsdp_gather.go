@@ -183,7 +183,9 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 // requires grad is wrapped in an identity whose backward is the unit's
 // pre-backward (re-gather, prefetch).
 func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*autograd.Value, error) {
-	if u.swapped {
+	// A checkpointed forward recomputed during backward needs the
+	// parameters right away: keep them.
+	if u.swapped && !v.Tape().Recomputing() {
 		if err := f.swap(u, false); err != nil {
 			return nil, err
 		}
@@ -209,6 +211,14 @@ func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*aut
 func (f *FSDP) preBackward(ctx context.Context, u *fsdpUnit) error {
 	if f.cfg.stage == 3 {
 		if err := f.gather(ctx, u); err != nil {
+			return err
+		}
+	}
+	// A checkpointed module recomputes its forward during backward, from
+	// the parameters its fields hold: the gathered ones, until the unit's
+	// gradients are all in (gradReady swaps them back).
+	if !u.swapped {
+		if err := f.swap(u, true); err != nil {
 			return err
 		}
 	}

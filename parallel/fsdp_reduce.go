@@ -24,6 +24,11 @@ func (f *FSDP) gradReady(ctx context.Context, u *fsdpUnit, p *fsdpParam) error {
 	if u.fired < len(u.params) {
 		return nil
 	}
+	if u.swapped {
+		if err := f.swap(u, false); err != nil {
+			return err
+		}
+	}
 	if f.cfg.stage == 3 {
 		f.release(u)
 	}
@@ -431,6 +436,11 @@ func (f *FSDP) NoReplicaSync(ctx context.Context, fn func() error) error {
 // hook released.
 func (f *FSDP) endPass() {
 	for _, u := range f.units {
+		if u.swapped { // a unit whose backward did not run to its end
+			if err := f.swap(u, false); err != nil {
+				f.fail(err)
+			}
+		}
 		u.fired, u.rsReady = 0, false
 		for _, p := range u.params {
 			p.fired = false

@@ -9,6 +9,7 @@ import (
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -75,5 +76,37 @@ func TestTrainerMemory(t *testing.T) {
 	}
 	if fmt.Sprint(one.Activations) == "0" {
 		t.Error("one rank: no activations counted")
+	}
+}
+
+// TestFSDPMemory: on a model of 32 blocks and fsdp=4, a rank's parameters,
+// gradients and optimizer state (each at its peak during a step) are at
+// most 0.3× of what DDP holds for the same model; ZeRO-1 and ZeRO-2 sit
+// in between. The table is logged (go test -v -run FSDPMemory).
+func TestFSDPMemory(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipped in -short mode: trains a 32-block model four ways")
+	}
+	c := gpt.FromReference(small())
+	c.Layers, c.Width, c.MLPWidth = 32, 32, 128
+	state := func(r memory.Report) int64 { return r.Params + r.Grads + r.Optim }
+	ddp := trainMemory(t, c, []int{4}, []string{"dp"}, gpt.WithDataParallel("dp"))
+	t.Logf("%-8s %10s %10s %10s %10s %8s", "", "params", "grads", "optim", "sum", "vs DDP")
+	row := func(name string, r memory.Report) float64 {
+		ratio := float64(state(r)) / float64(state(ddp))
+		t.Logf("%-8s %10d %10d %10d %10d %7.2f×", name, r.Params, r.Grads, r.Optim, state(r), ratio)
+		return ratio
+	}
+	row("DDP", ddp)
+	var ratios [4]float64
+	for _, stage := range []int{1, 2, 3} {
+		r := trainMemory(t, c, []int{4}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", parallel.ZeROStage(stage)))
+		ratios[stage] = row(fmt.Sprintf("ZeRO-%d", stage), r)
+	}
+	if ratios[3] > 0.3 {
+		t.Errorf("ZeRO-3 holds %.2f× of DDP's parameters, gradients and optimizer state; want at most 0.3×", ratios[3])
+	}
+	if !(ratios[3] < ratios[2] && ratios[2] <= ratios[1] && ratios[1] < 1) {
+		t.Errorf("want ZeRO-3 < ZeRO-2 ≤ ZeRO-1 < DDP, got %.2f, %.2f, %.2f", ratios[3], ratios[2], ratios[1])
 	}
 }
