@@ -166,7 +166,7 @@ func runSGD(t *testing.T, ctx context.Context, m *mesh.Mesh, dt comm.DType, cfg 
 	var wantState int64
 	for _, v := range vals {
 		if cfg.Momentum != 0 {
-			wantState += int64(prodInts(v.Spec().LocalShape())*dt.Size())
+			wantState += int64(prodInts(v.Spec().LocalShape()) * dt.Size())
 		}
 	}
 	if got := opt.StateBytes(); got != wantState {

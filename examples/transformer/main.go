@@ -94,13 +94,13 @@ type result struct {
 	SP         bool          `json:"sp"`
 	AC         string        `json:"ac"`
 	Mem        memory.Report `json:"mem"`
-	Backend    string    `json:"backend"`
-	Processes  int       `json:"processes"`
-	WorldSize  int       `json:"world_size"`
-	Steps      int       `json:"steps"`
-	TokensPerS float64   `json:"tokens_per_s"`
-	FinalLoss  float64   `json:"final_loss"`
-	Losses     []float64 `json:"losses"`
+	Backend    string        `json:"backend"`
+	Processes  int           `json:"processes"`
+	WorldSize  int           `json:"world_size"`
+	Steps      int           `json:"steps"`
+	TokensPerS float64       `json:"tokens_per_s"`
+	FinalLoss  float64       `json:"final_loss"`
+	Losses     []float64     `json:"losses"`
 }
 
 // parse reads the flags and checks the layout against the model and the
