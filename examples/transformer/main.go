@@ -385,29 +385,41 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Co
 	return res, params, nil
 }
 
-// overlap reports, per rank, how much of the data-parallel all-reduce time
-// was hidden behind compute (with -trace).
+// overlap reports, per rank, how much of the data-parallel communication
+// time was hidden behind compute (with -trace): DDP's all-reduce on the dp
+// axis, or FSDP's all-gathers and reduce-scatters on the fsdp axis.
 func overlap(out io.Writer, events []trace.Event, o options) {
-	if events == nil || o.dp < 2 {
+	if events == nil || o.dp*o.fsdp < 2 {
 		return
 	}
-	for rank := range o.dp * o.tp {
-		group := dpGroup(rank, o.dp, o.tp)
-		// The gradient buckets; DDP's int32 presence flags, reduced after
-		// backward, are not part of the overlap.
-		s := train.Overlap(events, rank, func(e trace.Event) bool {
-			return e.Op == comm.OpAllReduce && e.Group == group && e.DType != comm.Int32
-		})
-		fmt.Fprintf(out, "rank %d: dp all-reduce %v, %.0f%% hidden behind compute\n", rank, s.Comm.Round(time.Microsecond), 100*s.Fraction())
+	for rank := range o.dp * o.fsdp * o.tp {
+		what, axis := "dp all-reduce", 0
+		isComm := func(e trace.Event) bool {
+			// The gradient buckets; DDP's int32 presence flags, reduced
+			// after backward, are not part of the overlap.
+			return e.Op == comm.OpAllReduce && e.DType != comm.Int32
+		}
+		if o.fsdp > 1 {
+			what, axis = "fsdp all-gather and reduce-scatter", 1
+			isComm = func(e trace.Event) bool { return e.Op == comm.OpAllGather || e.Op == comm.OpReduceScatter }
+		}
+		group := axisGroup(rank, axis, []int{o.dp, o.fsdp, o.tp})
+		s := train.Overlap(events, rank, func(e trace.Event) bool { return e.Group == group && isComm(e) })
+		fmt.Fprintf(out, "rank %d: %s %v, %.0f%% hidden behind compute\n", rank, what, s.Comm.Round(time.Microsecond), 100*s.Fraction())
 	}
 }
 
-// dpGroup is the trace label of rank's data-parallel group on the row-major
-// dp × tp mesh: the ranks with its tp coordinate.
-func dpGroup(rank, dp, tp int) string {
-	ranks := make([]string, dp)
-	for d := range dp {
-		ranks[d] = strconv.Itoa(d*tp + rank%tp)
+// axisGroup is the trace label of rank's group along mesh axis axis of the
+// row-major mesh of shape: the ranks that differ from it only there.
+func axisGroup(rank, axis int, shape []int) string {
+	stride := 1
+	for _, n := range shape[axis+1:] {
+		stride *= n
+	}
+	base := rank - (rank/stride%shape[axis])*stride
+	ranks := make([]string, shape[axis])
+	for k := range shape[axis] {
+		ranks[k] = strconv.Itoa(base + k*stride)
 	}
 	return "[" + strings.Join(ranks, ",") + "]"
 }

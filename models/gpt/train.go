@@ -139,9 +139,13 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		}
 		size[ax] = m.Shape()[i]
 	}
-	for _, pair := range [][2]string{{tc.dp, tc.tp}, {tc.dp, tc.fsdp}, {tc.fsdp, tc.tp}} {
-		if pair[0] != "" && pair[0] == pair[1] {
-			return nil, fmt.Errorf("gpt: trainer: %w: axis %q named for two kinds of parallelism", ErrConfig, pair[0])
+	for _, pair := range []struct{ a, b, kinds string }{
+		{tc.dp, tc.tp, "data and tensor"},
+		{tc.dp, tc.fsdp, "data and fully sharded data"},
+		{tc.fsdp, tc.tp, "fully sharded data and tensor"},
+	} {
+		if pair.a != "" && pair.a == pair.b {
+			return nil, fmt.Errorf("gpt: trainer: %w: axis %q named for both %s parallelism", ErrConfig, pair.a, pair.kinds)
 		}
 	}
 	if tc.sp && tc.tp == "" {
