@@ -41,6 +41,6 @@ func (v *Value) SetGrad(g *placement.DTensor) error {
 	if !slices.Equal(vs.Mesh().Shape(), gs.Mesh().Shape()) || !slices.Equal(vs.Mesh().Names(), gs.Mesh().Names()) {
 		return invalidf(op, "%q: gradient on mesh %v for a value on mesh %v", v.name, gs.Mesh(), vs.Mesh())
 	}
-	v.grad, v.fresh = g, 0
+	v.grad, v.fresh, v.ownGrad = g, 0, false
 	return nil
 }

@@ -253,8 +253,13 @@ type Value struct {
 	hooks        []GradHook
 	recycled     bool // its memory went back to the tape (Recycle)
 	// spare is the local block of the gradient ZeroGrad dropped on a
-	// recycling tape, for the next gradient to be copied into.
+	// recycling tape (or KeepGradBuffer gave), for the next gradient to be
+	// copied into.
 	spare any
+	// ownGrad says grad's block was allocated by Backward for this leaf
+	// alone (not given by SetGrad), so ReleaseGrad may hand it on;
+	// ownSpare says the same of spare.
+	ownGrad, ownSpare bool
 	// fresh is the tape generation + 1 in which Backward made grad (0: a
 	// gradient from an earlier pass or from SetGrad); later arrivals in
 	// that pass add into it, as nobody else has seen it yet.
@@ -364,12 +369,38 @@ func (v *Value) GradBytes() int64 {
 // tape made WithRecycling, keeps no memory for the next one: for a
 // gradient that is consumed once and would otherwise hold its memory
 // between steps (FSDP drops a gathered parameter's gradient once it is
-// reduce-scattered). It may be called from a gradient hook.
-func (v *Value) ReleaseGrad() {
+// reduce-scattered). It may be called from a gradient hook. It returns
+// the dropped gradient's local block ([]float32 or []float64) when
+// Backward allocated it for this leaf alone, for the caller to pass to
+// another leaf's KeepGradBuffer, and nil otherwise (no gradient, one
+// given by SetGrad, or an empty block).
+func (v *Value) ReleaseGrad() any {
 	if v == nil {
+		return nil
+	}
+	var block any
+	if v.grad != nil && v.ownGrad && v.GradBytes() > 0 {
+		block = v.grad.LocalData()
+	}
+	v.grad, v.spare, v.fresh, v.ownGrad, v.ownSpare = nil, nil, 0, false, false
+	return block
+}
+
+// KeepGradBuffer gives the leaf memory for its next gradient, as ZeroGrad
+// keeps the dropped gradient's on a tape made WithRecycling: Backward
+// copies the leaf's first gradient into block instead of allocating.
+// block must be a []float32 or []float64 that nothing else uses (one that
+// ReleaseGrad returned); one whose type or length differs from the next
+// gradient's block is not used. It replaces any memory kept before and
+// does nothing on a leaf that holds a gradient.
+func (v *Value) KeepGradBuffer(block any) {
+	if v == nil || v.grad != nil {
 		return
 	}
-	v.grad, v.spare, v.fresh = nil, nil, 0
+	switch block.(type) {
+	case []float32, []float64:
+		v.spare, v.ownSpare = block, true
+	}
 }
 
 // ZeroGrad drops the accumulated gradient. On a tape made WithRecycling
@@ -380,9 +411,9 @@ func (v *Value) ZeroGrad() {
 		return
 	}
 	if v.grad != nil && v.tape != nil && v.tape.recycling {
-		v.spare = v.grad.LocalData()
+		v.spare, v.ownSpare = v.grad.LocalData(), v.ownGrad
 	}
-	v.grad, v.fresh = nil, 0
+	v.grad, v.fresh, v.ownGrad = nil, 0, false
 }
 
 // GradHook is a gradient-ready hook (OnGradReady). It runs during
@@ -753,14 +784,15 @@ func fire(ctx context.Context, v *Value) error {
 // so the first one is copied (backward functions may share tensors).
 func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTensor) error {
 	if v.grad == nil {
-		c := copyInto(v.spare, g)
+		c, own := copyInto(v.spare, g), v.ownSpare
 		if c == nil {
 			var err error
 			if c, err = clone(g); err != nil {
 				return err
 			}
+			own = true
 		}
-		v.grad, v.spare, v.fresh = c, nil, t.gen+1
+		v.grad, v.spare, v.fresh, v.ownGrad, v.ownSpare = c, nil, t.gen+1, own, false
 		return nil
 	}
 	if v.fresh == t.gen+1 && v.grad.Spec().Equal(g.Spec()) {
@@ -770,7 +802,7 @@ func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTenso
 	if err != nil {
 		return err
 	}
-	v.grad, v.fresh = acc, t.gen+1
+	v.grad, v.fresh, v.ownGrad = acc, t.gen+1, true // accumulate allocates a leaf's sum
 	return nil
 }
 

@@ -649,6 +649,85 @@ func TestGradBytes(t *testing.T) {
 	})
 }
 
+// TestReleaseGradHandsOnMemory: ReleaseGrad returns the block Backward
+// allocated for a leaf, and another leaf given it with KeepGradBuffer
+// writes its next gradient there (the right values, no allocation); a
+// gradient given by SetGrad is not handed on, and a block of another
+// length is not used.
+func TestReleaseGradHandsOnMemory(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		tape := NewTape()
+		param := func(name string, vals ...float64) (*Value, error) {
+			spec, err := placement.NewSpec(m, []int{len(vals)}, comm.Float64, []placement.Placement{placement.Replicate()})
+			if err != nil {
+				return nil, err
+			}
+			dt, err := placement.FromFull(spec, vals)
+			if err != nil {
+				return nil, err
+			}
+			return tape.Param(name, dt)
+		}
+		backward := func(v *Value, scale float64) error {
+			y, err := Scale(v, scale)
+			if err != nil {
+				return err
+			}
+			l, err := Sum(y)
+			if err != nil {
+				return err
+			}
+			return tape.Backward(ctx, l)
+		}
+		a, err := param("a", 1, 2, 3)
+		if err != nil {
+			return err
+		}
+		b, err := param("b", 4, 5, 6)
+		if err != nil {
+			return err
+		}
+		short, err := param("short", 7, 8)
+		if err != nil {
+			return err
+		}
+		if err := backward(a, 2); err != nil {
+			return err
+		}
+		block, ok := a.ReleaseGrad().([]float64)
+		if !ok || len(block) != 3 || a.Grad() != nil || a.GradBytes() != 0 {
+			return fmt.Errorf("ReleaseGrad returned %v; a holds %d bytes", block, a.GradBytes())
+		}
+		b.KeepGradBuffer(block)
+		short.KeepGradBuffer(slices.Clone(block))
+		if err := backward(b, 3); err != nil {
+			return err
+		}
+		got := b.Grad().LocalData().([]float64)
+		if &got[0] != &block[0] || !slices.Equal(got, []float64{3, 3, 3}) {
+			return fmt.Errorf("b's gradient %v is not in the handed-on block", got)
+		}
+		if err := backward(short, 1); err != nil {
+			return err
+		}
+		if g := short.Grad().LocalData().([]float64); !slices.Equal(g, []float64{1, 1}) {
+			return fmt.Errorf("short's gradient %v, want [1 1]", g)
+		}
+		given, err := placement.FromFull(b.Grad().Spec(), []float64{9, 9, 9})
+		if err != nil {
+			return err
+		}
+		b.ZeroGrad()
+		if err := b.SetGrad(given); err != nil {
+			return err
+		}
+		if blk := b.ReleaseGrad(); blk != nil {
+			return fmt.Errorf("ReleaseGrad handed on SetGrad's gradient %v", blk)
+		}
+		return nil
+	})
+}
+
 // TestObserversCompose: every WithObserver given sees every span, in the
 // order given; a nil one is ignored.
 func TestObserversCompose(t *testing.T) {

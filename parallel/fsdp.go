@@ -161,8 +161,9 @@ type FSDPBytes struct {
 	ShardedGrads int64
 	// UnshardedGrads is the gradients live on the gathered parameters
 	// now (between their backward and their unit's reduce-scatter, or
-	// accumulated under NoSync). A reduce-scattered one is released
-	// (Value.ReleaseGrad), so no tape keeps its memory for the next pass.
+	// accumulated under NoSync) and the memory of reduce-scattered ones
+	// kept for the units whose backward comes next; none is kept between
+	// steps.
 	UnshardedGrads int64
 	// Staging is the communication buffers (all-gather and
 	// reduce-scatter staging).
@@ -181,25 +182,26 @@ type FSDPTraffic struct {
 // (ZeRO, PyTorch's FSDP2 fully_shard), optionally replicating over
 // another (HSDP). See the package documentation.
 type FSDP struct {
-	cfg    fsdpConfig
-	m      *mesh.Mesh
-	axis   int // mesh index of the shard axis
-	rep    int // mesh index of the replicate axis, -1 if none
-	p      int // shard axis size
-	rank   int // coordinate on the shard axis
-	repN   int
-	repC   int // coordinate on the replicate axis
-	shard  comm.Communicator
-	ag, rs comm.Communicator
-	group  comm.Communicator // ReshardTo's groups
-	repc   comm.Communicator
-	units  []*fsdpUnit
-	root   int // index of the root unit, -1 if none
-	ready  bool
-	owned  map[*autograd.Value]int // original leaves taken by a unit
-	slots  [2]*poolSlot
-	stage  [2]*stageSlot // all-gather staging
-	rstage [2]*stageSlot // reduce-scatter staging
+	cfg      fsdpConfig
+	m        *mesh.Mesh
+	axis     int // mesh index of the shard axis
+	rep      int // mesh index of the replicate axis, -1 if none
+	p        int // shard axis size
+	rank     int // coordinate on the shard axis
+	repN     int
+	repC     int // coordinate on the replicate axis
+	shard    comm.Communicator
+	ag, rs   comm.Communicator
+	group    comm.Communicator // ReshardTo's groups
+	repc     comm.Communicator
+	units    []*fsdpUnit
+	root     int // index of the root unit, -1 if none
+	ready    bool
+	owned    map[*autograd.Value]int // original leaves taken by a unit
+	slots    [2]*poolSlot
+	stage    [2]*stageSlot // all-gather staging
+	rstage   [2]*stageSlot // reduce-scatter staging
+	gradPool gradPool
 
 	order   []int // this pass's forward order (units by first enter)
 	prevFwd []int // the last complete forward order
@@ -226,7 +228,7 @@ func NewFSDP(ctx context.Context, m *mesh.Mesh, opts ...FSDPOption) (*FSDP, erro
 		return nil, fmt.Errorf("parallel: NewFSDP: %w: nil mesh", ErrInvalid)
 	}
 	names := m.Names()
-	f := &FSDP{cfg: cfg, m: m, rep: -1, root: -1, owned: map[*autograd.Value]int{}}
+	f := &FSDP{cfg: cfg, m: m, rep: -1, root: -1, owned: map[*autograd.Value]int{}, gradPool: gradPool{}}
 	f.axis = slices.Index(names, cfg.axis)
 	if f.axis < 0 {
 		return nil, fmt.Errorf("parallel: NewFSDP: %w: mesh %v has no shard axis %q", ErrInvalid, m, cfg.axis)
@@ -762,6 +764,7 @@ func (f *FSDP) Bytes() FSDPBytes {
 			}
 		}
 	}
+	b.UnshardedGrads += f.gradPool.bytes()
 	for _, u := range f.units {
 		es := int64(u.dtype.Size())
 		for _, p := range u.params {

@@ -484,12 +484,15 @@ func TestFSDPBytes(t *testing.T) {
 		if err := n.tape.Backward(ctx, l); err != nil {
 			return err
 		}
-		// Every unit but the root has reduced and dropped its gradients;
-		// the root's unused spare keeps it from being ready, so the head's
-		// wait for Finish.
+		// Every unit but the root has reduced and dropped its gradients,
+		// their memory kept only for the units whose backward follows (at
+		// most one block's); the root's unused spare keeps it from being
+		// ready, so the head's wait for Finish.
 		b = f.Bytes()
-		if want := int64(fnetV*fnetD+fnetV) * 8; b.UnshardedGrads != want {
-			return fmt.Errorf("after backward: %d B of unsharded gradients live, want %d (the head's)", b.UnshardedGrads, want)
+		head, pooled := int64(fnetV*fnetD+fnetV)*8, f.gradPool.bytes()
+		block := int64(2*fnetD+2*fnetH*fnetD+fnetH+fnetD) * 8 // ln, fc, proj
+		if b.UnshardedGrads != head+pooled || pooled > 2*block {
+			return fmt.Errorf("after backward: %d B of unsharded gradients, want %d (the head's) + %d kept for reuse, at most two blocks' (%d)", b.UnshardedGrads, head, pooled, 2*block)
 		}
 		if err := f.Finish(ctx); err != nil {
 			return err

@@ -217,6 +217,9 @@ func (f *FSDP) preBackward(ctx context.Context, u *fsdpUnit) error {
 	// A checkpointed module recomputes its forward during backward, from
 	// the parameters its fields hold: the gathered ones, until the unit's
 	// gradients are all in (gradReady swaps them back).
+	for _, p := range u.params {
+		f.gradPool.lend(p.unsharded)
+	}
 	if !u.swapped {
 		if err := f.swap(u, true); err != nil {
 			return err

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -85,7 +86,9 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 	clear(buf.Bytes())
 	for _, p := range u.params {
 		f.fillGrad(u, p, buf, blk)
-		p.unsharded.ReleaseGrad() // no recycled block kept: 1/p of the gradients between steps
+		// Its memory goes to the next unit's backward (gradPool), and
+		// none is kept between steps: 1/p of the gradients.
+		f.gradPool.put(p.unsharded.ReleaseGrad())
 	}
 	a := float64(u.index + 1)
 	for r := range f.p {
@@ -469,5 +472,61 @@ func (f *FSDP) reset() {
 			p.has = 0
 		}
 	}
+	f.gradPool.clear()
 	f.err = nil
 }
+
+// gradPool holds the memory of reduce-scattered unsharded gradients for
+// the units whose backward runs next, by element type and length, so that
+// a step allocates a few gradient blocks instead of one per unit (the
+// blocks of a model's alike units are alike). It is emptied at the end of
+// every step.
+type gradPool map[gradKey][]any
+
+type gradKey struct {
+	float64 bool
+	n       int
+}
+
+func keyOf(block any) (gradKey, bool) {
+	switch b := block.(type) {
+	case []float32:
+		return gradKey{false, len(b)}, true
+	case []float64:
+		return gradKey{true, len(b)}, true
+	}
+	return gradKey{}, false
+}
+
+// put keeps block (nil or not a block: ignored).
+func (g gradPool) put(block any) {
+	if k, ok := keyOf(block); ok && k.n > 0 {
+		g[k] = append(g[k], block)
+	}
+}
+
+// lend gives v a kept block of its gradient's type and length, if any.
+func (g gradPool) lend(v *autograd.Value) {
+	k, ok := keyOf(v.Data().LocalData())
+	if !ok || v.Grad() != nil || len(g[k]) == 0 {
+		return
+	}
+	list := g[k]
+	v.KeepGradBuffer(list[len(list)-1])
+	g[k] = list[:len(list)-1]
+}
+
+// bytes is the memory the pool holds.
+func (g gradPool) bytes() int64 {
+	var n int64
+	for k, list := range g {
+		es := int64(4)
+		if k.float64 {
+			es = 8
+		}
+		n += es * int64(k.n) * int64(len(list))
+	}
+	return n
+}
+
+func (g gradPool) clear() { clear(g) }

@@ -1,7 +1,11 @@
-// Command transformer trains the tiny GPT of reference/TINY_GPT.md with tensor and
-// data parallelism: dp × tp ranks, the batch sharded over dp with DDP's
-// overlapped gradient all-reduce, the model sharded over tp by gpt.Plan
-// (optionally with sequence parallelism). The same binary runs its ranks
+// Command transformer trains the tiny GPT of reference/TINY_GPT.md with
+// tensor, data and fully sharded data parallelism: dp × fsdp × tp ranks,
+// the batch sharded over dp with DDP's overlapped gradient all-reduce (or,
+// with -fsdp, over dp × fsdp with the parameters, gradients and optimizer
+// state sharded over fsdp: FSDP/ZeRO, HSDP when dp > 1 too), the model
+// sharded over tp by gpt.Plan (optionally with sequence parallelism), and
+// optionally every block's activations recomputed in backward (-ac). The
+// same binary runs its ranks
 // as goroutines of one process (exchanging data through shared memory),
 // as one MPI process per rank under mpirun (built with -tags mpi), or as
 // one NCCL process per GPU under loomrun or torchrun (package launch):
@@ -20,19 +24,24 @@
 // Usage:
 //
 //	go run ./examples/transformer [-dp 2] [-tp 2] [-sp] [-steps 200] [-every 20]
+//	                              [-fsdp 1] [-reshard true|false|N] [-zero 1|2|3]
+//	                              [-mp bf16] [-ac none|full|selective]
 //	                              [-trace trace.json] [-json run.json] [-compare]
 //	                              [-backend local|mpi|nccl]
 //
 // The layout is checked before any rank starts: tp must divide the heads
-// (4: tp is 1, 2 or 4), dp the batch (16 sequences), -sp needs tp ≥ 2 and a
+// (4: tp is 1, 2 or 4), dp × fsdp the batch (16 sequences), -reshard N
+// divides -fsdp, -sp needs tp ≥ 2 and a
 // sequence length divisible by tp, and -steps is at least 1 (default 200,
 // the reference run's length); a bad one prints one message saying what
 // would work.
 //
 // -trace writes a Chrome trace of every rank's compute, collectives and
 // waits (open it at https://ui.perfetto.dev or chrome://tracing); -json
-// writes {"dp","tp","sp","backend","processes","world_size","steps",
-// "tokens_per_s","final_loss","losses"}; -compare (in-process ranks only)
+// writes {"dp","fsdp","tp","sp","ac","backend","processes","world_size",
+// "steps","tokens_per_s","final_loss","losses","mem"} ("mem": the largest
+// rank's bytes of params, grads, optim, activations, comm and their peak,
+// also printed at the end); -compare (in-process ranks only)
 // also trains on one rank and reports the largest difference.
 package main
 
