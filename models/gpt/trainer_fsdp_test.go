@@ -54,12 +54,12 @@ func trainFull(t *testing.T, steps int, shape []int, names []string, opts ...gpt
 
 // TestTrainerFSDP: the Trainer's FSDP layouts (fsdp alone, HSDP, over TP
 // with SP, ZeRO-1/2, reshard policies, bf16 gathers) train like one rank
-// (float32: 2e-5 on losses and parameters over 4 AdamW steps, from the
+// (float32: 2e-5 on losses and parameters over 20 AdamW steps, from the
 // order of the reductions; bf16 gathers round the parameters the forward
 // sees, so 2e-2), and activation checkpointing changes nothing, bit for
 // bit, on top of any of them.
 func TestTrainerFSDP(t *testing.T) {
-	const steps = 4
+	const steps = 20
 	wantL, wantP := trainFull(t, steps, []int{1}, []string{"dp"})
 	for _, c := range []struct {
 		name  string
@@ -71,6 +71,8 @@ func TestTrainerFSDP(t *testing.T) {
 		{"fsdp=2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp")}},
 		{"fsdp=4 reshard 2", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.ReshardTo(2))}},
 		{"hsdp dp=2×fsdp=2", []int{2, 2}, []string{"dp", "fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithDataParallel("dp"), gpt.WithFullyShard("fsdp")}},
+		{"fsdp=2×tp=2", []int{2, 2}, []string{"fsdp", "tp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp"), gpt.WithTensorParallel("tp")}},
+		{"fsdp=4 no prefetch", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.Prefetch(false))}},
 		{"fsdp=2×tp=2 sp", []int{2, 2}, []string{"fsdp", "tp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp"), gpt.WithTensorParallel("tp"), gpt.WithSequenceParallel()}},
 		{"zero-1", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.ZeROStage(1))}},
 		{"zero-2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.ZeROStage(2), parallel.Reshard(false))}},
