@@ -5,9 +5,7 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
-	"slices"
 	"testing"
-	"time"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
@@ -39,7 +37,7 @@ func BenchmarkFSDP(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				steps := b.N + 2
+				steps := warmupSteps + b.N
 				tracer := train.NewTracer(filepath.Join(b.TempDir(), "trace.json"), steps, min(steps, 3), 0)
 				var tokensPerS float64
 				err = local.Run(context.Background(), 2, func(ctx context.Context, c comm.Communicator) error {
@@ -58,25 +56,20 @@ func BenchmarkFSDP(b *testing.B) {
 					if err != nil {
 						return err
 					}
-					times := make([]time.Duration, 0, b.N)
-					for i := range steps {
+					rate, err := medianStepRate(b.N, run.B*run.T, func(i int) error {
 						span, err := rt.BeginStep(ctx, i)
 						if err != nil {
 							return err
 						}
-						t0 := time.Now()
 						_, _, err = tr.Step(ctx)
 						span.End()
-						if err != nil {
-							return err
-						}
-						if i >= 2 {
-							times = append(times, time.Since(t0))
-						}
+						return err
+					})
+					if err != nil {
+						return err
 					}
 					if m.Rank() == 0 {
-						slices.Sort(times)
-						tokensPerS = float64(run.B*run.T) / times[len(times)/2].Seconds()
+						tokensPerS = rate
 					}
 					return nil
 				})

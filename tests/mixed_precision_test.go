@@ -1,18 +1,12 @@
 package tests
 
 import (
-	"context"
-	"fmt"
 	"math"
 	"testing"
 
-	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/kernels"
-	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/parallel"
-	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
 // TestMixedPrecisionTraining trains the tiny GPT for the reference's 200
@@ -36,37 +30,8 @@ func TestMixedPrecisionTraining(t *testing.T) {
 		t.Skip("skipped in -short mode: trains 2×200 steps on 2 ranks (about 20 s on 2 cores); run without -short")
 	}
 	ref := loadReference(t)
-	cfg := ref.cfg
-	bl, err := kernels.Load(kernels.WithLibrary("go"), kernels.WithThreads(1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	train := func(opts ...parallel.FSDPOption) []float64 {
-		losses := make([]float64, 0, cfg.Steps)
-		err := placementtest.Simulate(context.Background(), []int{2}, []string{"fsdp"}, func(ctx context.Context, m *mesh.Mesh) error {
-			tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), gpt.WithRun(cfg), gpt.WithModel(gpt.WithParams(ref.init)),
-				gpt.WithTape(autograd.WithBLAS(bl)), gpt.WithFullyShard("fsdp", opts...))
-			if err != nil {
-				return err
-			}
-			for range cfg.Steps {
-				step, loss, err := tr.Step(ctx)
-				if err != nil {
-					return fmt.Errorf("step %d: %w", step, err)
-				}
-				if m.Rank() == 0 {
-					losses = append(losses, loss)
-				}
-			}
-			return nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return losses
-	}
-	f32 := train()
-	bf16 := train(parallel.MixedPrecision(comm.BFloat16))
+	f32 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp"))
+	bf16 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", parallel.MixedPrecision(comm.BFloat16)))
 	const window, tol, lastTol = 20, 0.15, 0.08
 	for lo := 0; lo+window <= len(f32); lo += window {
 		d := mean(bf16[lo:lo+window]) - mean(f32[lo:lo+window])

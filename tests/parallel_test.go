@@ -5,11 +5,9 @@ import (
 	"fmt"
 	"math"
 	"runtime"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
@@ -185,21 +183,14 @@ func BenchmarkLayouts(b *testing.B) {
 				if err != nil {
 					return err
 				}
-				steps := make([]time.Duration, 0, b.N)
-				for i := range b.N + 2 {
-					t0 := time.Now()
-					if _, _, err := tr.Step(ctx); err != nil {
-						return err
-					}
-					if i >= 2 {
-						steps = append(steps, time.Since(t0))
-					}
-				}
+				rate, err := medianStepRate(b.N, cfg.B*cfg.T, func(int) error {
+					_, _, err := tr.Step(ctx)
+					return err
+				})
 				if m.Rank() == 0 {
-					slices.Sort(steps)
-					tokensPerS = float64(cfg.B*cfg.T) / steps[len(steps)/2].Seconds()
+					tokensPerS = rate
 				}
-				return nil
+				return err
 			}, local.WithCPUBinding(l.bind))
 			if err != nil {
 				b.Fatal(err)

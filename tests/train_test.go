@@ -2,7 +2,6 @@ package tests
 
 import (
 	"context"
-	"fmt"
 	"math"
 	"testing"
 	"time"
@@ -30,33 +29,8 @@ func TestParityTraining(t *testing.T) {
 	// loom's own GEMM; PyTorch's is 1.857, the tolerance 0.05). So the test
 	// pins loom's GEMM, whose order is the same on every machine, and the
 	// result does not depend on which BLAS a machine has installed.
-	bl, err := kernels.Load(kernels.WithLibrary("go"), kernels.WithThreads(1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	losses := make([]float64, 0, cfg.Steps)
 	start := time.Now()
-	err = placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), gpt.WithRun(cfg), gpt.WithModel(gpt.WithParams(ref.init)),
-			gpt.WithTape(autograd.WithBLAS(bl)))
-		if err != nil {
-			return err
-		}
-		for range cfg.Steps {
-			step, loss, err := tr.Step(ctx)
-			if err != nil {
-				return fmt.Errorf("step %d: %w", step, err)
-			}
-			if math.IsNaN(loss) || math.IsInf(loss, 0) {
-				return fmt.Errorf("step %d: loss %v", step, loss)
-			}
-			losses = append(losses, loss)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	losses := trainLosses(t, ref, []int{1}, []string{"dp"})
 	elapsed := time.Since(start)
 	t.Logf("%d steps in %v (%.0f tokens/s)", cfg.Steps, elapsed.Round(time.Millisecond), float64(cfg.Steps*cfg.B*cfg.T)/elapsed.Seconds())
 
