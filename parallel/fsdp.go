@@ -162,8 +162,8 @@ type FSDPBytes struct {
 	// UnshardedGrads is the gradients live on the gathered parameters
 	// now (between their backward and their unit's reduce-scatter, or
 	// accumulated under NoSync) and the memory of reduce-scattered ones
-	// kept for the units whose backward comes next; none is kept between
-	// steps.
+	// kept for the units whose backward comes next (between steps: for
+	// the next step's backward, at most what one backward had live).
 	UnshardedGrads int64
 	// Staging is the communication buffers (all-gather and
 	// reduce-scatter staging).

@@ -497,8 +497,10 @@ func TestFSDPBytes(t *testing.T) {
 		if err := f.Finish(ctx); err != nil {
 			return err
 		}
+		// Between steps only the pool is left: the head's memory and at
+		// most two blocks', for the next backward.
 		b = f.Bytes()
-		if b.Gathered != 0 || b.UnshardedGrads != 0 || b.ShardedGrads == 0 || b.Staging == 0 || b.Unsharded == 0 {
+		if b.Gathered != 0 || b.UnshardedGrads != f.gradPool.bytes() || b.UnshardedGrads > head+2*block || b.ShardedGrads == 0 || b.Staging == 0 || b.Unsharded == 0 {
 			return fmt.Errorf("after Finish: %+v", b)
 		}
 		return nil

@@ -350,10 +350,10 @@ func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, err
 		c = f.group
 	} else {
 		send = recv.SliceHost(f.rank*blk, (f.rank+1)*blk)
-		clear(send.Bytes())
 		for _, p := range u.params {
 			toStage(send, p.chunkOff[f.rank], p.sharded.Data().LocalData())
 		}
+		clearRange(send, u.chunk[f.rank], u.L) // the padding of a short chunk
 		putTag(send, u.L, u.index)
 	}
 	w, err := comm.AllGatherAsync(ctx, c, send, recv)
@@ -484,6 +484,13 @@ func fromStage(b *comm.HostBuffer, off int, dst any, doff, n int) {
 		}
 	case []float64:
 		copy(d[doff:doff+n], b.Float64s()[off:off+n])
+	}
+}
+
+// clearRange zeroes elements lo..hi of b.
+func clearRange(b *comm.HostBuffer, lo, hi int) {
+	if lo < hi {
+		clear(b.SliceHost(lo, hi).Bytes())
 	}
 }
 

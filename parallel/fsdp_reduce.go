@@ -83,11 +83,18 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 		return err
 	}
 	buf := st.buf.SliceHost(0, n)
-	clear(buf.Bytes())
+	for r := range f.p { // the padding of short chunks
+		clearRange(buf, r*blk+u.chunk[r], r*blk+u.L)
+	}
 	for _, p := range u.params {
-		f.fillGrad(u, p, buf, blk)
-		// Its memory goes to the next unit's backward (gradPool), and
-		// none is kept between steps: 1/p of the gradients.
+		if !f.fillGrad(u, p, buf, blk) {
+			for r := range f.p { // no gradient: zeros
+				lo := r*blk + p.chunkOff[r]
+				clearRange(buf, lo, lo+p.outer*p.rows[r]*p.inner)
+			}
+		}
+		// Its memory goes to the next unit's backward (gradPool): only
+		// the sharded 1/p of the gradients stays with the parameters.
 		f.gradPool.put(p.unsharded.ReleaseGrad())
 	}
 	a := float64(u.index + 1)
@@ -120,14 +127,16 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 	return nil
 }
 
-// fillGrad copies p's unsharded gradient into the rank chunks of buf.
-func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int) {
+// fillGrad copies p's unsharded gradient into the rank chunks of buf and
+// reports whether it did: false when p has none, or one FSDP cannot
+// reduce (kept as the step's error).
+func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int) bool {
 	g := p.unsharded.Grad()
 	if g == nil {
 		if p.gradSpec == nil {
 			p.gradSpec = p.sharded.Spec()
 		}
-		return
+		return false
 	}
 	factor := f.factor()
 	gs := g.Spec()
@@ -147,7 +156,7 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int
 		return true
 	}
 	if !check(f.axis, f.rank) || (f.rep >= 0 && !check(f.rep, f.repC)) {
-		return
+		return false
 	}
 	places[f.axis] = placement.Shard(p.dim)
 	if f.rep >= 0 {
@@ -166,16 +175,16 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int
 	out, err := gs.With(places, opts...)
 	if err != nil {
 		f.fail(fmt.Errorf("parallel: FSDP gradient of %q: %w", p.name, err))
-		return
+		return false
 	}
 	want := out.LocalShape()
 	if prod(want) != p.outer*p.rows[f.rank]*p.inner || prod(gs.LocalShape()) != p.n {
 		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q has local block %v; the parameter's is %v", ErrInvalid, p.name, gs.LocalShape(), p.local))
-		return
+		return false
 	}
 	if dt := gs.DType(); dt != u.dtype {
 		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q is %v; the parameter is %v", ErrInvalid, p.name, dt, u.dtype))
-		return
+		return false
 	}
 	p.gradSpec = out
 	p.has = 1
@@ -196,6 +205,7 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int
 			}
 		}
 	}
+	return true
 }
 
 func scaleCopy[T float32 | float64](dst, src []T, f T) {
@@ -472,15 +482,16 @@ func (f *FSDP) reset() {
 			p.has = 0
 		}
 	}
-	f.gradPool.clear()
 	f.err = nil
 }
 
 // gradPool holds the memory of reduce-scattered unsharded gradients for
 // the units whose backward runs next, by element type and length, so that
-// a step allocates a few gradient blocks instead of one per unit (the
-// blocks of a model's alike units are alike). It is emptied at the end of
-// every step.
+// training allocates a few gradient blocks once instead of one per unit
+// and step (the blocks of a model's alike units are alike). It holds
+// what backward had live at once, no more: the blocks the next step's
+// backward reuses, as a caching allocator keeps freed memory (a fresh
+// block each step costs its page faults, more than the copy into it).
 type gradPool map[gradKey][]any
 
 type gradKey struct {
@@ -528,5 +539,3 @@ func (g gradPool) bytes() int64 {
 	}
 	return n
 }
-
-func (g gradPool) clear() { clear(g) }
