@@ -446,8 +446,9 @@ func TestFSDPClipGradNorm(t *testing.T) {
 
 // TestFSDPBytes checks the memory accounting through a step: the sharded
 // parameters are 1/p of the model (up to uneven shards), gradients on the
-// gathered parameters are dropped after their reduce-scatter, and after
-// Finish nothing is gathered.
+// gathered parameters are dropped after their reduce-scatter (their
+// memory kept for reuse), after Finish nothing is gathered, and later
+// steps hold exactly what the first did.
 func TestFSDPBytes(t *testing.T) {
 	const p = 2
 	errs := fsdpRun(t, p, func(ctx context.Context, m *mesh.Mesh) error {
@@ -502,6 +503,23 @@ func TestFSDPBytes(t *testing.T) {
 		b = f.Bytes()
 		if b.Gathered != 0 || b.UnshardedGrads != f.gradPool.bytes() || b.UnshardedGrads > head+2*block || b.ShardedGrads == 0 || b.Staging == 0 || b.Unsharded == 0 {
 			return fmt.Errorf("after Finish: %+v", b)
+		}
+		// Later steps reuse that memory: the accounting after each is the
+		// first's, so nothing grows with the step count.
+		for step := 2; step <= 4; step++ {
+			l, err := n.forward(ctx, m, 1, fnetB)
+			if err != nil {
+				return err
+			}
+			if err := n.tape.Backward(ctx, l); err != nil {
+				return err
+			}
+			if err := f.Finish(ctx); err != nil {
+				return err
+			}
+			if got := f.Bytes(); got != b {
+				return fmt.Errorf("after step %d: %+v, after step 1: %+v", step, got, b)
+			}
 		}
 		return nil
 	})
