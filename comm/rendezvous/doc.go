@@ -63,5 +63,7 @@
 // answered with an error (id 0) and the connection is closed; so is a
 // malformed request. An unknown op is answered with an error and the
 // connection stays open. The server reads a frame's body as it arrives,
-// so a length header alone never makes it allocate the full length.
+// so a length header alone never makes it allocate the full length, and
+// a client that stalls inside a frame is disconnected after the frame
+// timeout ([WithFrameTimeout]); a connection idle between frames is not.
 package rendezvous

@@ -37,7 +37,7 @@ func TestClientOptions(t *testing.T) {
 }
 
 func TestServerOptions(t *testing.T) {
-	def := serverConfig{maxFrame: DefaultMaxFrame, maxPending: 4096, writeTimeout: 30 * time.Second}
+	def := serverConfig{maxFrame: DefaultMaxFrame, maxPending: 4096, writeTimeout: 30 * time.Second, frameTimeout: 30 * time.Second}
 	with := func(f func(*serverConfig)) serverConfig { c := def; f(&c); return c }
 	tests := []struct {
 		name string
@@ -52,6 +52,8 @@ func TestServerOptions(t *testing.T) {
 		{"zero max pending keeps the default", []ServerOption{WithMaxPending(0)}, def},
 		{"write timeout", []ServerOption{WithWriteTimeout(time.Second)}, with(func(c *serverConfig) { c.writeTimeout = time.Second })},
 		{"zero write timeout keeps the default", []ServerOption{WithWriteTimeout(0)}, def},
+		{"frame timeout", []ServerOption{WithFrameTimeout(time.Second)}, with(func(c *serverConfig) { c.frameTimeout = time.Second })},
+		{"zero frame timeout keeps the default", []ServerOption{WithFrameTimeout(0)}, def},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

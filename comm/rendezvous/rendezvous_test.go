@@ -794,6 +794,45 @@ func TestMalformedFrames(t *testing.T) {
 	}
 }
 
+// A client that stalls inside a frame is disconnected after the frame
+// timeout, while one idle between frames for longer keeps its connection.
+func TestStalledFrameDisconnected(t *testing.T) {
+	checkLeaks(t)
+	const timeout = 100 * time.Millisecond
+	s := startServer(t, WithFrameTimeout(timeout))
+	cases := []struct {
+		name    string
+		partial []byte
+	}{
+		{"inside the length", []byte{0, 0}},
+		{"inside the body", append(binary.BigEndian.AppendUint32(nil, 32), opSet, 0, 0)},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r := rawDial(t, s.Addr())
+			start := time.Now()
+			r.send(c.partial)
+			r.closed()
+			if d := time.Since(start); d < timeout || d > timeout+3*time.Second {
+				t.Errorf("closed after %v, want about %v", d, timeout)
+			}
+		})
+	}
+	t.Run("idle between frames", func(t *testing.T) {
+		r := rawDial(t, s.Addr())
+		time.Sleep(3 * timeout)
+		r.send(encodeRequest(request{op: opSet, id: 9, key: "k", value: []byte("v")}))
+		if resp := r.reply(); resp.status != statusOK || resp.id != 9 {
+			t.Errorf("set after idling: %+v", resp)
+		}
+		time.Sleep(3 * timeout)
+		r.send(encodeRequest(request{op: opSet, id: 10, key: "k", value: []byte("w")}))
+		if resp := r.reply(); resp.status != statusOK || resp.id != 10 {
+			t.Errorf("second set after idling: %+v", resp)
+		}
+	})
+}
+
 // A client facing a server that sends garbage fails its calls promptly.
 func TestClientRejectsGarbageServer(t *testing.T) {
 	checkLeaks(t)

@@ -19,10 +19,11 @@ type serverConfig struct {
 	maxFrame     int
 	maxPending   int
 	writeTimeout time.Duration
+	frameTimeout time.Duration
 }
 
 func newServerConfig(opts []ServerOption) serverConfig {
-	c := serverConfig{maxFrame: DefaultMaxFrame, maxPending: 4096, writeTimeout: 30 * time.Second}
+	c := serverConfig{maxFrame: DefaultMaxFrame, maxPending: 4096, writeTimeout: 30 * time.Second, frameTimeout: 30 * time.Second}
 	for _, o := range opts {
 		if o != nil {
 			o(&c)
@@ -59,6 +60,18 @@ func WithWriteTimeout(d time.Duration) ServerOption {
 	return func(c *serverConfig) {
 		if d > 0 {
 			c.writeTimeout = d
+		}
+	}
+}
+
+// WithFrameTimeout bounds reading one request once its first byte has
+// arrived: a client that sends part of a frame and stalls for this long
+// is disconnected (default 30 s). An idle connection, between frames, is
+// never timed out. A d of zero or less keeps the default.
+func WithFrameTimeout(d time.Duration) ServerOption {
+	return func(c *serverConfig) {
+		if d > 0 {
+			c.frameTimeout = d
 		}
 	}
 }
@@ -201,7 +214,7 @@ func (s *Server) serveConn(c net.Conn) {
 	}()
 	br := bufio.NewReader(c)
 	for {
-		body, err := readFrame(br, s.opts.maxFrame)
+		body, err := sc.nextFrame(br)
 		if err != nil {
 			if errors.Is(err, ErrFrameTooLarge) || errors.Is(err, ErrProtocol) {
 				sc.reply(statusError, 0, []byte(err.Error()))
@@ -225,6 +238,20 @@ func (s *Server) serveConn(c net.Conn) {
 			sc.handle(req)
 		}
 	}
+}
+
+// nextFrame waits, without a deadline, for the next frame's first byte,
+// then reads the whole frame within the frame timeout.
+func (sc *sconn) nextFrame(br *bufio.Reader) ([]byte, error) {
+	if _, err := br.Peek(1); err != nil {
+		return nil, err
+	}
+	// SetReadDeadline fails only on a closed connection, where the read
+	// fails too.
+	_ = sc.c.SetReadDeadline(time.Now().Add(sc.s.opts.frameTimeout))
+	body, err := readFrame(br, sc.s.opts.maxFrame)
+	_ = sc.c.SetReadDeadline(time.Time{})
+	return body, err
 }
 
 // reply writes one response; a failed write closes the connection.
