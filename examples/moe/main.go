@@ -73,6 +73,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/moe"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/trace"
 	"github.com/b7ea7098/loom/train"
 )
@@ -100,6 +101,7 @@ type options struct {
 	compare     bool
 	collectives bool
 	loop        train.Loop
+	run         tinygpt.Config // the batch, corpus and optimizer
 }
 
 // result is what -json writes.
@@ -162,18 +164,20 @@ func parse(args []string, errOut io.Writer) (options, moegpt.Config, error) {
 		return o, moegpt.Config{}, errors.New("-capacity must be 0 (dropless) or a positive capacity factor")
 	}
 	cfg := config(o)
+	o.run = tinygpt.Default()
 	return o, cfg, check(cfg, &o)
 }
 
-// check validates cfg and the layout o asks for and completes o's loop.
+// check validates cfg, o's run and the layout o asks for and completes
+// o's loop.
 func check(cfg moegpt.Config, o *options) error {
 	o.loop.Ranks = o.dp * o.ep
 	o.loop.Shape = []int{o.dp, o.ep}
-	o.loop.Tokens = cfg.B * cfg.T
+	o.loop.Tokens = o.run.B * cfg.T
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	if err := cfg.CheckLayout(o.dp, o.ep); err != nil {
+	if err := cfg.CheckLayout(o.run.B, o.dp, o.ep); err != nil {
 		return err
 	}
 	return o.loop.Validate()
@@ -201,8 +205,8 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	return runConfig(ctx, cfg, o, out)
 }
 
-// runConfig trains cfg as o says and reports; tests call it with small
-// configurations.
+// runConfig trains cfg on o's run as o says and reports; tests call it
+// with small configurations.
 func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer) error {
 	if err := check(cfg, &o); err != nil {
 		return err
@@ -226,7 +230,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 		out = io.Discard // world rank 0 reports for the job
 	}
 	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) on dp=%d × ep=%d, %s, %d steps\n",
-		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), cfg.B, cfg.T, o.dp, o.ep, job, steps)
+		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), o.run.B, cfg.T, o.dp, o.ep, job, steps)
 	init := moegpt.RandomInit(cfg, o.seed)
 
 	res, params, err := trainLayout(ctx, job, cfg, init, o, out)
@@ -354,7 +358,7 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 		if o.collectives {
 			model = append(model, moegpt.WithCollectives())
 		}
-		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithModel(model...), moegpt.WithTape(r.Tape...))
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...))
 		if err != nil {
 			return nil, err
 		}

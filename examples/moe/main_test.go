@@ -13,16 +13,23 @@ import (
 
 	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/models/moegpt"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/train"
 )
 
 // tiny is a configuration that trains a few steps in milliseconds.
 func tiny() moegpt.Config {
 	c := moegpt.Default()
-	c.D, c.H, c.L, c.T, c.B = 16, 2, 2, 16, 8
+	c.D, c.H, c.L, c.T = 16, 2, 2, 16
 	c.E, c.K, c.Hd = 4, 2, 16
-	c.LR = 1e-2
 	return c
+}
+
+// tinyRun is its run: 8 sequences a step, a larger learning rate.
+func tinyRun() tinygpt.Config {
+	r := tinygpt.Default()
+	r.B, r.LR = 8, 1e-2
+	return r
 }
 
 // TestTrains runs a few steps of the tiny model on one rank, on ep = 2 and
@@ -33,7 +40,7 @@ func TestTrains(t *testing.T) {
 	const steps = 12
 	var ref *result
 	for _, l := range []struct{ dp, ep int }{{1, 1}, {1, 2}, {2, 2}} {
-		o := options{dp: l.dp, ep: l.ep, loop: train.Loop{Ranks: l.dp * l.ep, Steps: steps, Every: steps, Tokens: 1, Flags: train.Flags{Threads: 1, TraceSteps: 1}}}
+		o := options{dp: l.dp, ep: l.ep, run: tinyRun(), loop: train.Loop{Ranks: l.dp * l.ep, Steps: steps, Every: steps, Tokens: 1, Flags: train.Flags{Threads: 1, TraceSteps: 1}}}
 		job, err := launch.InProcess(o.loop.Ranks)
 		if err != nil {
 			t.Fatal(err)
@@ -154,7 +161,7 @@ func TestParse(t *testing.T) {
 	if err != nil || o.dp != 1 || o.ep != 4 || o.loop.Steps != 100 || o.capacity != 0 || o.loop.Ranks != 4 || cfg.E != 8 {
 		t.Errorf("defaults: %+v, %v", o, err)
 	}
-	if err := runConfig(context.Background(), tiny(), options{dp: 1, ep: 3, loop: train.Loop{Steps: 1, Every: 1, Flags: train.Flags{TraceSteps: 1}}}, io.Discard); err == nil {
+	if err := runConfig(context.Background(), tiny(), options{dp: 1, ep: 3, run: tinyRun(), loop: train.Loop{Steps: 1, Every: 1, Flags: train.Flags{TraceSteps: 1}}}, io.Discard); err == nil {
 		t.Error("4 experts over 3 ranks accepted")
 	}
 }

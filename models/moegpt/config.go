@@ -47,13 +47,15 @@ import (
 // constructors' argument checks; it matches loom.ErrInvalid.
 var ErrConfig = loom.NewSentinel("moegpt: invalid configuration", loom.ErrInvalid)
 
-// Config is the model, data and optimizer configuration.
+// Config is the model: its shape, routing and initialisation. The data
+// (batch, corpus and sampler) and AdamW's hyper-parameters are the
+// Trainer's (WithRun), as in package gpt.
 type Config struct {
 	// V is the vocabulary (byte values in [0, V), at least
 	// tinygpt.MinVocab); D the model width; H the attention heads (D/H
-	// channels each); L the blocks; T the sequence length; B the
-	// sequences per step (the global batch).
-	V, D, H, L, T, B int
+	// channels each); L the blocks; T the longest sequence (the position
+	// embedding's rows).
+	V, D, H, L, T int
 	// E is the number of experts per layer, K the experts per token and
 	// Hd the hidden width of each expert MLP.
 	E, K, Hd int
@@ -68,51 +70,42 @@ type Config struct {
 	// and the router z-loss (0 turns a loss off).
 	AuxCoef, ZCoef float64
 
-	// LR, WD, Beta1, Beta2 and Eps are AdamW's hyper-parameters.
-	LR, WD, Beta1, Beta2, Eps float64
 	// InitStd is the standard deviation of the normal initialisation;
 	// LNEps the LayerNorm epsilon.
 	InitStd, LNEps float64
-
-	// CorpusLen, CorpusSeed and BatchSeed define the data (reference/TINY_GPT.md
-	// §2.2, §2.3).
-	CorpusLen             int
-	CorpusSeed, BatchSeed uint32
 }
 
-// Default is a small configuration that trains in seconds per hundred
-// steps on a laptop: D=64, H=4, L=2, E=8 experts of width 128, top-2
-// routing with reference/MOE_LAYER.md's losses (α = 0.01, β = 0.001), 16 sequences
-// of 64 bytes, and the tiny GPT's corpus and optimizer.
+// Default is a small model that trains in seconds per hundred steps on a
+// laptop: D=64, H=4, L=2, E=8 experts of width 128, top-2 routing with
+// reference/MOE_LAYER.md's losses (α = 0.01, β = 0.001), sequences of 64
+// bytes, and the tiny GPT's vocabulary and initialisation. The Trainer's
+// default run (tinygpt.Default()) trains it on 16 sequences a step of the
+// tiny GPT's corpus, with its optimizer.
 func Default() Config {
 	d := tinygpt.Default()
 	return Config{
-		V: d.V, D: 64, H: 4, L: 2, T: 64, B: 16,
+		V: d.V, D: 64, H: 4, L: 2, T: d.T,
 		E: 8, K: 2, Hd: 128,
 		AuxCoef: 0.01, ZCoef: 0.001,
-		LR: d.LR, WD: d.WD, Beta1: d.Beta1, Beta2: d.Beta2, Eps: d.Eps,
 		InitStd: d.InitStd, LNEps: d.LNEps,
-		CorpusLen: d.CorpusLen, CorpusSeed: d.CorpusSeed, BatchSeed: d.BatchSeed,
 	}
 }
 
-// Data returns the tinygpt configuration that describes the same corpus,
-// batches and shapes (F is the expert width; Steps is 1, unused), for
-// tinygpt.Corpus and tinygpt.NewSampler.
-func (c Config) Data() tinygpt.Config {
-	return tinygpt.Config{
-		V: c.V, D: c.D, H: c.H, L: c.L, F: c.Hd, T: c.T, B: c.B,
-		CorpusLen: c.CorpusLen, CorpusSeed: c.CorpusSeed, BatchSeed: c.BatchSeed,
-		LR: c.LR, WD: c.WD, Beta1: c.Beta1, Beta2: c.Beta2, Eps: c.Eps,
-		Steps: 1, InitStd: c.InitStd, LNEps: c.LNEps,
-	}
+// reference is c's shape as a tinygpt configuration with run's data and
+// optimizer fields (F is the expert width), for tinygpt.Corpus and
+// tinygpt.NewSampler.
+func (c Config) reference(run tinygpt.Config) tinygpt.Config {
+	run.V, run.D, run.H, run.L, run.F, run.T = c.V, c.D, c.H, c.L, c.Hd, c.T
+	run.InitStd, run.LNEps = c.InitStd, c.LNEps
+	run.Steps = max(run.Steps, 1) // the caller counts the steps
+	return run
 }
 
 // Validate reports every problem of c at once, joined with errors.Join,
 // or nil.
 func (c Config) Validate() error {
 	var errs []error
-	if err := c.Data().Validate(); err != nil {
+	if err := c.reference(tinygpt.Default()).Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("%w: %w", ErrConfig, err))
 	}
 	bad := func(format string, args ...any) {
@@ -141,12 +134,13 @@ func (c Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// CheckLayout reports whether c can be trained on dp data-parallel and ep
-// expert-parallel ranks: every expert-parallel rank needs whole experts (E
-// divisible by ep) and every rank whole sequences (B divisible by dp·ep,
-// the tokens being sharded over both axes). Each error wraps ErrConfig and
-// says which values would work.
-func (c Config) CheckLayout(dp, ep int) error {
+// CheckLayout reports whether c can be trained with a global batch of
+// batch sequences on dp data-parallel and ep expert-parallel ranks: every
+// expert-parallel rank needs whole experts (E divisible by ep) and every
+// rank whole sequences (batch divisible by dp·ep, the tokens being
+// sharded over both axes); a batch of 0 checks the experts only. Each
+// error wraps ErrConfig and says which values would work.
+func (c Config) CheckLayout(batch, dp, ep int) error {
 	if dp < 1 || ep < 1 {
 		return fmt.Errorf("%w: dp (%d) and ep (%d) must be at least 1", ErrConfig, dp, ep)
 	}
@@ -154,8 +148,8 @@ func (c Config) CheckLayout(dp, ep int) error {
 	if c.E >= 1 && c.E%ep != 0 {
 		errs = append(errs, fmt.Errorf("%w: ep (%d) must divide the experts (%d); ep can be %s", ErrConfig, ep, c.E, layout.Divisors(c.E)))
 	}
-	if c.B >= 1 && c.B%(dp*ep) != 0 {
-		errs = append(errs, fmt.Errorf("%w: dp × ep (%d × %d) must divide the batch (%d sequences); dp × ep can be %s", ErrConfig, dp, ep, c.B, layout.Divisors(c.B)))
+	if batch >= 1 && batch%(dp*ep) != 0 {
+		errs = append(errs, fmt.Errorf("%w: dp × ep (%d × %d) must divide the batch (%d sequences); dp × ep can be %s", ErrConfig, dp, ep, batch, layout.Divisors(batch)))
 	}
 	return errors.Join(errs...)
 }

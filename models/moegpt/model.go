@@ -154,7 +154,7 @@ func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]floa
 		}
 		dp = m.Shape()[i]
 	}
-	if err := cfg.CheckLayout(dp, m.Shape()[ep]); err != nil {
+	if err := cfg.CheckLayout(0, dp, m.Shape()[ep]); err != nil { // the batch is the Trainer's
 		return nil, err
 	}
 	md := &Model{cfg: cfg, tape: tape, mesh: m, tokens: make([]placement.Placement, len(names))}

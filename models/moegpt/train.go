@@ -22,6 +22,16 @@ type trainConfig struct {
 	model []Option
 	ddp   []parallel.Option
 	tape  []autograd.Option
+	run   tinygpt.Config
+}
+
+// WithRun sets the training run: the batch size, corpus and sampler seeds
+// (reference/TINY_GPT.md §2) and AdamW's hyper-parameters (§4) are read
+// from run; its model fields and Steps are not (the model's shape is the
+// Config, the number of steps the caller's). Default: tinygpt.Default(),
+// the tiny GPT's run.
+func WithRun(run tinygpt.Config) TrainOption {
+	return func(c *trainConfig) { c.run = run }
 }
 
 // WithModel adds options for New (the data-parallel axis, the BLAS,
@@ -58,16 +68,27 @@ type Trainer struct {
 }
 
 // NewTrainer builds the model from init on m with the experts sharded
-// over the axis ep (New), and prepares the DDPs and AdamW (cfg's
-// hyper-parameters). It is collective over m.
+// over the axis ep (New), and prepares the DDPs, AdamW and the batches
+// (WithRun). It is collective over m. A run that is invalid, or whose
+// batch the layout cannot split (Config.CheckLayout), is an error
+// wrapping ErrConfig, before anything is communicated.
 func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][]float32, ep string, opts ...TrainOption) (*Trainer, error) {
-	var tc trainConfig
+	tc := trainConfig{run: tinygpt.Default()}
 	for _, o := range opts {
 		o(&tc)
 	}
 	var mo options
 	for _, o := range tc.model {
 		o(&mo)
+	}
+	data := cfg.reference(tc.run)
+	if err := data.Validate(); err != nil {
+		return nil, fmt.Errorf("moegpt: trainer: %w: %w", ErrConfig, err)
+	}
+	if m != nil {
+		if err := cfg.CheckLayout(data.B, axisSize(m, mo.dp), axisSize(m, ep)); err != nil {
+			return nil, fmt.Errorf("moegpt: trainer: %w", err)
+		}
 	}
 	// Step ends each step's values before the next forward pass, so the
 	// tape may reuse their memory.
@@ -77,19 +98,13 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 		return nil, err
 	}
 	tr := &Trainer{Model: md}
-	size := func(axis string) int {
-		if i := slices.Index(m.Names(), axis); axis != "" && i >= 0 {
-			return m.Shape()[i]
-		}
-		return 1
-	}
-	if size(ep) > 1 {
+	if axisSize(m, ep) > 1 {
 		o := append(slices.Clone(tc.ddp), parallel.WithAxis(ep), parallel.GradientAsBucketView())
 		if tr.dense, err = parallel.New(ctx, md.ReplicatedParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", ep, err)
 		}
 	}
-	if size(mo.dp) > 1 {
+	if axisSize(m, mo.dp) > 1 {
 		o := append(slices.Clone(tc.ddp), parallel.WithAxis(mo.dp), parallel.GradientAsBucketView())
 		if tr.experts, err = parallel.New(ctx, md.ExpertParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", mo.dp, err)
@@ -98,14 +113,22 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	if tr.group, err = m.Group(ctx, md.group...); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: communicator of %v: %w", md.group, err)
 	}
-	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(cfg.LR), optim.WeightDecay(cfg.WD), optim.Betas(cfg.Beta1, cfg.Beta2), optim.Eps(cfg.Eps)); err != nil {
+	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)
 	}
-	data := cfg.Data()
 	if tr.sampler, err = tinygpt.NewSampler(data, tinygpt.Corpus(data)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)
 	}
 	return tr, nil
+}
+
+// axisSize is the size of m's axis named axis, 1 for "" or an axis m
+// lacks (New reports that).
+func axisSize(m *mesh.Mesh, axis string) int {
+	if i := slices.Index(m.Names(), axis); axis != "" && i >= 0 {
+		return m.Shape()[i]
+	}
+	return 1
 }
 
 // LayerStats are one MoE layer's numbers for one step.

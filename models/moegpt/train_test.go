@@ -12,15 +12,23 @@ import (
 	"github.com/b7ea7098/loom/models/moegpt"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement/placementtest"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
-// tiny is a configuration small enough for a few steps in a test.
+// tiny is a model small enough for a few steps in a test.
 func tiny() moegpt.Config {
 	c := moegpt.Default()
-	c.V, c.D, c.H, c.L, c.T, c.B = 128, 16, 2, 2, 8, 8
+	c.V, c.D, c.H, c.L, c.T = 128, 16, 2, 2, 8
 	c.E, c.K, c.Hd = 4, 2, 16
-	c.LR = 1e-2
 	return c
+}
+
+// tinyRun is its training run: 8 sequences a step, a larger learning
+// rate.
+func tinyRun() tinygpt.Config {
+	r := tinygpt.Default()
+	r.B, r.LR = 8, 1e-2
+	return r
 }
 
 // train runs steps steps of cfg on a dp × ep mesh and returns rank 0's
@@ -30,7 +38,7 @@ func train(t *testing.T, cfg moegpt.Config, dp, ep, steps int, opts ...moegpt.Tr
 	init := moegpt.RandomInit(cfg, 7)
 	var out []*moegpt.StepResult
 	placementtest.Run(t, []int{dp, ep}, []string{"dp", "ep"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", append(opts, moegpt.WithModel(moegpt.WithDataParallel("dp")))...)
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", append([]moegpt.TrainOption{moegpt.WithRun(tinyRun()), moegpt.WithModel(moegpt.WithDataParallel("dp"))}, opts...)...)
 		if err != nil {
 			return err
 		}
@@ -131,24 +139,52 @@ func TestConfigValidate(t *testing.T) {
 // TestCheckLayout: layouts that do not split the experts or the batch are
 // rejected with a message naming the values that would work.
 func TestCheckLayout(t *testing.T) {
-	c := moegpt.Default() // E=8, B=16
+	c := moegpt.Default() // E=8
 	for _, tc := range []struct {
-		dp, ep int
-		want   string // empty: accepted
+		batch, dp, ep int
+		want          string // empty: accepted
 	}{
-		{1, 4, ""},
-		{2, 8, ""},
-		{1, 3, "ep (3) must divide the experts (8); ep can be 1, 2, 4 or 8"},
-		{3, 1, "dp × ep (3 × 1) must divide the batch (16 sequences)"},
-		{4, 8, "dp × ep (4 × 8) must divide the batch"},
-		{0, 1, "must be at least 1"},
+		{16, 1, 4, ""},
+		{16, 2, 8, ""},
+		{0, 3, 1, ""}, // no batch: the experts only
+		{16, 1, 3, "ep (3) must divide the experts (8); ep can be 1, 2, 4 or 8"},
+		{16, 3, 1, "dp × ep (3 × 1) must divide the batch (16 sequences)"},
+		{16, 4, 8, "dp × ep (4 × 8) must divide the batch"},
+		{16, 0, 1, "must be at least 1"},
 	} {
-		err := c.CheckLayout(tc.dp, tc.ep)
+		err := c.CheckLayout(tc.batch, tc.dp, tc.ep)
 		switch {
 		case tc.want == "" && err != nil:
 			t.Errorf("dp=%d ep=%d: %v", tc.dp, tc.ep, err)
 		case tc.want != "" && (!errors.Is(err, moegpt.ErrConfig) || !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), tc.want)):
 			t.Errorf("dp=%d ep=%d: %v; want ErrConfig with %q", tc.dp, tc.ep, err, tc.want)
 		}
+	}
+}
+
+// TestTrainerRejectsBadRun: a run the layout cannot split, or an invalid
+// one, is refused by NewTrainer with ErrConfig.
+func TestTrainerRejectsBadRun(t *testing.T) {
+	cfg := tiny()
+	init := moegpt.RandomInit(cfg, 7)
+	odd, slow := tinyRun(), tinyRun()
+	odd.B, slow.LR = 6, 0
+	for _, tc := range []struct {
+		name string
+		run  tinygpt.Config
+		want string
+	}{
+		{"batch", odd, "dp × ep (1 × 4) must divide the batch (6 sequences)"},
+		{"learning rate", slow, "lr=0 must be positive"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := placementtest.Simulate(context.Background(), []int{1, 4}, []string{"dp", "ep"}, func(ctx context.Context, m *mesh.Mesh) error {
+				_, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithRun(tc.run), moegpt.WithModel(moegpt.WithDataParallel("dp")))
+				return err
+			})
+			if !errors.Is(err, moegpt.ErrConfig) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("%v; want ErrConfig with %q", err, tc.want)
+			}
+		})
 	}
 }
