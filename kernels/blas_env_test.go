@@ -127,11 +127,36 @@ func TestAutoPolicy(t *testing.T) {
 	}
 }
 
+func TestNarrowCore(t *testing.T) {
+	for _, c := range []struct {
+		config, core string
+		narrow       bool
+	}{
+		{"OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Prescott MAX_THREADS=64", "Prescott", true},
+		{"OpenBLAS 0.3.20 DYNAMIC_ARCH NO_AFFINITY Sandybridge MAX_THREADS=64", "Sandybridge", true},
+		{"OpenBLAS 0.3.8 NO_AFFINITY CORE2 MAX_THREADS=8", "CORE2", true},
+		{"OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Cooperlake MAX_THREADS=64", "", false},
+		{"OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64", "", false},
+		{"OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Zen MAX_THREADS=64", "", false},
+		{"OpenBLAS 0.3.26 DYNAMIC_ARCH NO_AFFINITY neoversen1 MAX_THREADS=64", "", false},
+		{"", "", false},
+	} {
+		core, narrow := narrowCore(c.config)
+		if core != c.core || narrow != c.narrow {
+			t.Errorf("narrowCore(%q) = %q, %v; want %q, %v", c.config, core, narrow, c.core, c.narrow)
+		}
+	}
+}
+
 // TestLoadRanksInProcess checks that WithRanksInProcess picks loom's GEMM
 // for several ranks in automatic mode only: LOOM_BLAS and WithLibrary
 // still force a library, and Reason says which rule chose.
 func TestLoadRanksInProcess(t *testing.T) {
-	_, openblasErr := Load(WithLibrary("openblas"))
+	ob, openblasErr := Load(WithLibrary("openblas"))
+	oneRank, oneReason := BackendOpenBLAS, "one rank in this process"
+	if _, narrow := narrowCore(ob.Config()); openblasErr == nil && narrow && blocking32().vec {
+		oneRank, oneReason = BackendGo, "OpenBLAS runs its"
+	}
 	for _, c := range []struct {
 		name, env string
 		opts      []Option
@@ -144,7 +169,7 @@ func TestLoadRanksInProcess(t *testing.T) {
 		{"LOOM_BLAS=go, 1 rank", "go", []Option{WithRanksInProcess(1)}, BackendGo, `forced by LOOM_BLAS="go"`, false},
 		{"LOOM_BLAS=openblas, 2 ranks", "openblas", []Option{WithRanksInProcess(2)}, BackendOpenBLAS, `forced by LOOM_BLAS="openblas"`, true},
 		{"WithLibrary over LOOM_BLAS, 4 ranks", "go", []Option{WithRanksInProcess(4), WithLibrary("openblas")}, BackendOpenBLAS, `forced by WithLibrary("openblas")`, true},
-		{"auto, 1 rank", "", []Option{WithRanksInProcess(1)}, BackendOpenBLAS, "one rank in this process", true},
+		{"auto, 1 rank", "", []Option{WithRanksInProcess(1)}, oneRank, oneReason, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			if c.needLib && openblasErr != nil {

@@ -35,6 +35,13 @@
 //     1.86× one rank on the pure-Go GEMM against 1.42× on OpenBLAS. A
 //     process that is one rank of a multi-process job (mpirun, loomrun)
 //     has no such contention and keeps the library.
+//   - Except, too, when the library is an OpenBLAS that runs kernels
+//     without AVX2 and FMA (its build string names a core such as
+//     Prescott, which OpenBLAS falls back to on a CPU it does not
+//     recognise) on a CPU where the pure-Go GEMM has its AVX2 kernels:
+//     then the pure-Go GEMM, about twice as fast there, is used (with
+//     OPENBLAS_CORETYPE=Prescott on an AVX-512 EPYC, the tiny GPT ran at
+//     11,280 tokens/s on OpenBLAS and 23,280 on loom's GEMM).
 //   - The environment variable LOOM_BLAS (see [EnvVar]), or [WithLibrary],
 //     forces a choice: "openblas" or "blis" (that family's sonames only), "go"
 //     or "off" (the pure-Go GEMM), or a shared library (a path, or a name
