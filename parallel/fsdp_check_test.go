@@ -161,14 +161,7 @@ func TestFSDPTraffic(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				l, err := n.forward(ctx, m, 1, fnetB)
-				if err != nil {
-					return err
-				}
-				if err := n.tape.Backward(ctx, l); err != nil {
-					return err
-				}
-				if err := f.Finish(ctx); err != nil {
+				if err := n.step(ctx, m, f); err != nil {
 					return err
 				}
 				var wantAG, wantGroup, wantRS int64
@@ -412,17 +405,8 @@ func TestFSDPClipGradNorm(t *testing.T) {
 				}
 				params = f.Params()
 			}
-			l, err := n.forward(ctx, m, 1, fnetB)
-			if err != nil {
+			if err := n.step(ctx, m, f); err != nil {
 				return err
-			}
-			if err := n.tape.Backward(ctx, l); err != nil {
-				return err
-			}
-			if f != nil {
-				if err := f.Finish(ctx); err != nil {
-					return err
-				}
 			}
 			norm, err := optim.ClipGradNorm(ctx, params, 1e9)
 			if err != nil {
@@ -507,14 +491,7 @@ func TestFSDPBytes(t *testing.T) {
 		// Later steps reuse that memory: the accounting after each is the
 		// first's, so nothing grows with the step count.
 		for step := 2; step <= 4; step++ {
-			l, err := n.forward(ctx, m, 1, fnetB)
-			if err != nil {
-				return err
-			}
-			if err := n.tape.Backward(ctx, l); err != nil {
-				return err
-			}
-			if err := f.Finish(ctx); err != nil {
+			if err := n.step(ctx, m, f); err != nil {
 				return err
 			}
 			if got := f.Bytes(); got != b {
@@ -550,14 +527,7 @@ func TestFSDPGradientScale(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			l, err := n.forward(ctx, m, 1, fnetB)
-			if err != nil {
-				return err
-			}
-			if err := n.tape.Backward(ctx, l); err != nil {
-				return err
-			}
-			if err := f.Finish(ctx); err != nil {
+			if err := n.step(ctx, m, f); err != nil {
 				return err
 			}
 			g, err := n.head.Weight.Grad().Full(ctx)
@@ -618,14 +588,7 @@ func TestFSDPExplicitPrefetch(t *testing.T) {
 			if err := f.Wrap(ctx, "", n); err != nil {
 				return err
 			}
-			l, err := n.forward(ctx, m, 1, fnetB)
-			if err != nil {
-				return err
-			}
-			if err := n.tape.Backward(ctx, l); err != nil {
-				return err
-			}
-			if err := f.Finish(ctx); err != nil {
+			if err := n.step(ctx, m, f); err != nil {
 				return err
 			}
 			g, err := n.list.blocks[0].mlp.FC.Weight.Grad().Full(ctx)

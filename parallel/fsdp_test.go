@@ -113,6 +113,22 @@ func dataPlaces(m *mesh.Mesh) []placement.Placement {
 	return places
 }
 
+// step runs forward and backward on the first full batch and, when f is
+// not nil, f.Finish.
+func (n *fnet) step(ctx context.Context, m *mesh.Mesh, f *FSDP) error {
+	l, err := n.forward(ctx, m, 1, fnetB)
+	if err != nil {
+		return err
+	}
+	if err := n.tape.Backward(ctx, l); err != nil {
+		return err
+	}
+	if f == nil {
+		return nil
+	}
+	return f.Finish(ctx)
+}
+
 // forward records the loss of micro-batch rows (seed-drawn).
 func (n *fnet) forward(ctx context.Context, m *mesh.Mesh, seed uint64, rows int) (*autograd.Value, error) {
 	if err := n.Enter(ctx); err != nil {
