@@ -9,12 +9,17 @@
 #   - TestGPUBandwidth: GB/s of each kernel next to cuMemcpyDtoD of the
 #     same bytes, and the ratio;
 #   - the tests that need no GPU (fake driver, argument packing, ...).
-# Exits non-zero when a build or a test fails.
+# Then it trains the tiny GPT for 20 steps on one GPU rank under loomrun
+# (`loomrun -n 1 transformer -dp 1 -tp 1`, the NCCL backend end to end) and
+# checks that the run chose NCCL and finished.
+# Exits non-zero when a build, a test or the training run fails.
 #
 # Usage: scripts/gpu_check.sh [prebuilt-test-binary]
 #   With an argument, runs that binary (built elsewhere with
 #   `go test -c -o cuda.test ./kernels/cuda`) instead of building one, for
-#   machines without a Go toolchain.
+#   machines without a Go toolchain; then LOOMRUN and TRANSFORMER name
+#   prebuilt `go build ./cmd/loomrun` and `go build ./examples/transformer`
+#   binaries (without them the training run is skipped, and says so).
 # Environment: LOOM_CUDA_DRIVER, LOOM_NVRTC force the libraries (see
 # `go doc ./kernels/cuda`); GPU_CHECK_TIMEOUT bounds the run (default 15m).
 set -euo pipefail
@@ -48,6 +53,26 @@ set -e
 echo
 echo "gpu_check: bandwidth (kernel vs cuMemcpyDtoD of the same bytes):"
 grep -E 'GB/s' "$work/log" | sed -E 's/^ *gpu_test\.go:[0-9]+: /  /' || echo "  (no bandwidth lines)"
+# The training job on one GPU rank under loomrun.
+lbin=${LOOMRUN:-} tbin=${TRANSFORMER:-}
+if [[ -z $lbin || -z $tbin ]] && command -v go >/dev/null; then
+	lbin=$work/loomrun tbin=$work/transformer
+	(cd "$root" && go build -o "$lbin" ./cmd/loomrun && go build -o "$tbin" ./examples/transformer)
+fi
+if [[ -n $lbin && -n $tbin ]]; then
+	echo
+	echo "gpu_check: loomrun -n 1 transformer -dp 1 -tp 1 -steps 20"
+	if ! "$lbin" -n 1 "$tbin" -dp 1 -tp 1 -steps 20 -every 10 -json "$work/run.json"; then
+		echo "gpu_check: the training run failed" >&2
+		status=1
+	elif ! grep -q '"backend": "nccl"' "$work/run.json"; then
+		echo "gpu_check: the training run did not use NCCL: $(cat "$work/run.json")" >&2
+		status=1
+	fi
+else
+	echo "gpu_check: no go toolchain and no LOOMRUN/TRANSFORMER binaries: the training run is skipped"
+fi
+
 if [[ $status -ne 0 ]]; then
 	echo "gpu_check: FAILED (exit $status)"
 	grep -E -- '^\s*--- FAIL' "$work/log" || true
