@@ -278,6 +278,57 @@ func (t *Tape) Param(name string, dt *placement.DTensor) (*Value, error) {
 	return &Value{tape: t, data: dt, requiresGrad: true, leaf: true, name: name}, nil
 }
 
+// Relayout gives the parameter leaf v a new layout in place: dt becomes
+// its data, so that everything holding v (a module's field, a parameter
+// list collected for an optimizer or for data parallelism) sees the new
+// layout and keeps holding the parameter. It is for layout changes made
+// before training (tensor parallelism resharding a weight, FSDP keeping a
+// rank's shard), not for changing a parameter's values: dt must hold the
+// same tensor, made from v's own data by a redistribution or a slice,
+// which Relayout cannot check. It checks what it can: dt has v's dtype,
+// mesh and number of elements (the global shape may change, as for a
+// fused weight viewed as [C, out/C, in]); v is a leaf that requires grad,
+// has no gradient and no gradient hooks (nothing has taken it for
+// gradients yet: DDP registers hooks), and no op recorded on its tape
+// since the tape was last cleared uses it. Memory kept for v's next
+// gradient is dropped, as its size may change. Errors wrap ErrInvalid and
+// leave v unchanged.
+func (v *Value) Relayout(dt *placement.DTensor) error {
+	const op = "Relayout"
+	switch {
+	case v == nil || dt == nil:
+		return invalidf(op, "nil value or tensor")
+	case !v.leaf || !v.requiresGrad || v.data == nil:
+		return invalidf(op, "%q is not a parameter (a leaf that requires grad)", v.name)
+	case v.grad != nil:
+		return invalidf(op, "%q already has a gradient; change layouts before training", v.name)
+	case len(v.hooks) > 0:
+		return invalidf(op, "%q has gradient hooks (DDP or FSDP took it); change layouts before wrapping", v.name)
+	case v.tape != nil && v.tape.walking:
+		return invalidf(op, "%q: called during Backward", v.name)
+	}
+	if v.tape != nil {
+		for _, n := range v.tape.nodes {
+			if slices.Contains(n.inputs, v) {
+				return invalidf(op, "%q is used by the recorded op %s; change layouts before the forward pass (or Reset the tape)", v.name, n.op)
+			}
+		}
+	}
+	old, s := v.data.Spec(), dt.Spec()
+	if old.DType() != s.DType() {
+		return invalidf(op, "%q: new layout of dtype %v for a parameter of dtype %v", v.name, s.DType(), old.DType())
+	}
+	om, sm := old.Mesh(), s.Mesh()
+	if om.World() != sm.World() || !slices.Equal(om.Names(), sm.Names()) || !slices.Equal(om.Shape(), sm.Shape()) || !slices.Equal(om.WorldRanks(), sm.WorldRanks()) {
+		return invalidf(op, "%q: new layout on mesh %v for a parameter on mesh %v", v.name, sm, om)
+	}
+	if prod(old.Shape()) != prod(s.Shape()) {
+		return invalidf(op, "%q: new global shape %v does not hold the %v elements of %v", v.name, s.Shape(), prod(old.Shape()), old.Shape())
+	}
+	v.data, v.spare, v.ownSpare = dt, nil, false
+	return nil
+}
+
 // Constant makes a leaf that does not require grad.
 func (t *Tape) Constant(dt *placement.DTensor) (*Value, error) {
 	if t == nil {
