@@ -80,13 +80,14 @@
 // NewFSDP takes the mesh and options; Wrap makes a module a unit,
 // bottom-up with the root last; FullyShard does both for the modules
 // whose paths match Plan patterns ("h.*"). A unit's parameters (those of
-// its subtree not in units wrapped before it) are replaced by new leaves
-// laid out Shard(0) on the shard axis (ShardDim picks another dim; a dim
+// its subtree not in units wrapped before it) are laid out anew, in place,
+// as Shard(0) on the shard axis (ShardDim picks another dim; a dim
 // already sharded by tensor parallelism keeps that axis outer:
 // WithOrder(dim, "tp", "fsdp")), exactly, by the chunk rule of the
-// placement package (uneven and empty shards included). FSDP.Params (and
-// Params of the model) return these sharded leaves: the optimizer's
-// parameters, so that its state is 1/p. Every ParamHolder in a unit must
+// placement package (uneven and empty shards included). The leaves stay
+// the parameters (autograd.Value.Relayout), so FSDP.Params, Params of the
+// model and a list collected before wrapping all hold the sharded leaves:
+// the optimizer's parameters, so that its state is 1/p. Every ParamHolder in a unit must
 // implement ParamSetter (Linear, Embedding and LayerNorm do).
 //
 // The gathered form of each parameter is a second leaf, laid out as the
@@ -188,8 +189,11 @@
 // column and row parallel; RowwiseParallel on an Embedding is vocab
 // parallel) and install the redistributions at the module boundaries;
 // SequenceParallel, PrepareInput and PrepareOutput only install
-// redistributions. Resharding makes new parameter leaves, so Parallelize
-// runs before DDP, optimizers or gradient hooks see the parameters. After
+// redistributions. Resharding lays each parameter out anew in place
+// (autograd.Value.Relayout): a parameter list collected before Parallelize
+// still holds the parameters. It runs before DDP or FSDP take the
+// parameters (gradient hooks, buckets sized for a layout) and before the
+// first backward. After
 // backward (and DDP.Finish), ReduceGrads sums the gradients that sequence
 // parallelism leaves Partial(sum) on the tensor-parallel axis.
 // VocabParallelCrossEntropy takes vocab-sharded logits without gathering

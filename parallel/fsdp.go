@@ -377,7 +377,7 @@ type stageSlot struct {
 
 // Wrap makes module m (at path, for errors and prefetch lists) an FSDP
 // unit: its parameters, except those of units wrapped before it, are
-// replaced by new leaves sharded on the shard axis (Shard(0), or the dim
+// laid out anew, in place, sharded on the shard axis (Shard(0), or the dim
 // ShardDim gives; a dim that another axis already shards keeps that axis
 // outer: WithOrder(dim, tp, fsdp)). Wrap modules bottom-up and the root
 // last; a unit wrapped after units it contains is the root when it
@@ -585,13 +585,13 @@ func (u *fsdpUnit) describe() []string {
 	return out
 }
 
-// shardParams makes the sharded leaves and installs them in the modules.
+// shardParams lays every parameter of the unit out as this rank's shard,
+// in place (autograd's Relayout), so that the leaf the model and the
+// user's parameter lists hold is the sharded leaf the optimizer updates.
+// Every shard is made before any parameter changes.
 func (f *FSDP) shardParams(u *fsdpUnit) error {
-	lists := make([][]*autograd.Value, len(u.holders))
-	for i, h := range u.holders {
-		lists[i] = slices.Clone(h.OwnParams())
-	}
-	for _, p := range u.params {
+	shards := make([]*placement.DTensor, len(u.params))
+	for i, p := range u.params {
 		s := p.spec0
 		places := s.Placements()
 		places[f.axis] = placement.Shard(p.dim)
@@ -626,19 +626,15 @@ func (f *FSDP) shardParams(u *fsdpUnit) error {
 			p.extract(d, src, f.rank)
 			data = d
 		}
-		dt, err := placement.NewLocal(s1, data)
-		if err != nil {
+		if shards[i], err = placement.NewLocal(s1, data); err != nil {
 			return fmt.Errorf("sharding %q: %w", p.name, err)
 		}
-		if p.sharded, err = p.orig.Tape().Param(p.name, dt); err != nil {
-			return err
-		}
-		lists[p.holder][p.pos] = p.sharded
 	}
-	for i, h := range u.holders {
-		if err := h.SetOwnParams(lists[i]); err != nil {
-			return err
+	for i, p := range u.params {
+		if err := p.orig.Relayout(shards[i]); err != nil {
+			return fmt.Errorf("sharding %q: %w", p.name, err)
 		}
+		p.sharded = p.orig
 	}
 	return nil
 }

@@ -16,8 +16,11 @@ import (
 // parameters are laid out and which layouts its inputs and outputs are
 // redistributed to. Apply reshards the parameters (a local slice: every
 // rank holds the replicated value) and installs Boundary hooks; it runs
-// before training starts, before DDP.New or any optimizer sees the
-// parameters, since resharding makes new parameter leaves.
+// before training starts, before DDP.New or FSDP wraps the model (they
+// take the parameters' layouts as they find them). Resharding lays a
+// parameter out anew in place (autograd.Value.Relayout), so a parameter
+// list collected before Apply, for an optimizer say, still holds the
+// model's parameters.
 type Style interface {
 	Apply(ctx context.Context, m Module, axis string) error
 }
@@ -47,6 +50,11 @@ type Plan []Rule
 // replicated leaf, is an error. An error from a style (a module that does
 // not fit it) leaves the earlier rules applied: rebuild the model rather
 // than reuse it.
+//
+// Parameters keep their identity: a resharded parameter is the same
+// *autograd.Value, laid out anew (autograd.Value.Relayout), so a
+// parameter list collected before Parallelize (Params, for an optimizer)
+// works as one collected after.
 func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error {
 	type match struct {
 		path string
@@ -94,17 +102,19 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 			return fmt.Errorf("parallel: Parallelize: %w: rule %q matches no module", ErrInvalid, r.Pattern)
 		}
 	}
-	cache := &reshardCache{new: map[*autograd.Value]reshardEntry{}}
+	cache := &reshardCache{new: map[*autograd.Value]*reshardEntry{}}
 	ctx = context.WithValue(ctx, reshardCacheKey{}, cache)
 	for k, r := range plan {
 		for _, mm := range matches[k] {
+			cache.cur = reshardBy{path: mm.path, m: mm.m}
 			if err := r.Style.Apply(ctx, mm.m, axis); err != nil {
 				return fmt.Errorf("parallel: Parallelize %q on axis %q: %w", mm.path, axis, err)
 			}
 		}
 	}
-	// A tied parameter resharded in one module must not stay replicated in
-	// another: the two would silently become separate parameters.
+	// A tied parameter resharded by one module's style must be resharded
+	// by the style of every module that holds it: another module's
+	// computation and hooks expect it replicated.
 	if len(cache.new) == 0 {
 		return nil
 	}
@@ -114,7 +124,7 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 			return nil
 		}
 		for _, p := range h.OwnParams() {
-			if e, ok := cache.new[p]; ok {
+			if e, ok := cache.new[p]; ok && !slices.ContainsFunc(e.by, func(b reshardBy) bool { return b.is(path, m) }) {
 				return fmt.Errorf("parallel: Parallelize: %w: parameter %q is shared with module %q, which the plan leaves replicated on axis %q while another module lays it out %v; tied parameters must be laid out alike in every module that holds them", ErrInvalid, p.Name(), path, axis, e.pl)
 			}
 		}
@@ -125,18 +135,34 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 // isComparable reports whether m can be a map key (pointer modules can).
 func isComparable(m Module) bool { return reflect.ValueOf(m).Comparable() }
 
-// reshardCache maps, during one Parallelize call, every parameter leaf a
-// style resharded to its new leaf, so that a leaf shared by several modules
-// (tied weights) becomes one new leaf.
+// reshardCache records, during one Parallelize call, every parameter leaf
+// a style resharded, how and by which modules, so that a leaf shared by
+// several modules (tied weights) is laid out once and alike.
 type reshardCache struct {
-	new map[*autograd.Value]reshardEntry
+	new map[*autograd.Value]*reshardEntry
+	cur reshardBy // the module whose style is being applied
 }
 
 type reshardEntry struct {
-	leaf  *autograd.Value
+	from  []int // the global shape before resharding
 	axis  string
 	shape []int
 	pl    placement.Placement
+	by    []reshardBy // the modules whose styles resharded it
+}
+
+// reshardBy is a module a style was applied to: compared by identity where
+// it can be, else by path.
+type reshardBy struct {
+	path string
+	m    Module
+}
+
+func (b reshardBy) is(path string, m Module) bool {
+	if isComparable(b.m) && isComparable(m) {
+		return b.m == m
+	}
+	return b.path == path
 }
 
 type reshardCacheKey struct{}
@@ -384,25 +410,29 @@ func paramShape(what string, p *autograd.Value, dims int) ([]int, error) {
 	return sh, nil
 }
 
-// reshard returns a new parameter leaf holding p laid out pl on axis, with
+// reshard lays parameter p out pl on axis, in place (autograd's
+// Relayout: p stays the parameter, so lists that hold it stay valid), with
 // global shape shape (nil: unchanged; a new shape must have p's elements in
-// the same row-major order, and p must then be Replicate on every axis).
-// p must be Replicate on axis and carry no gradient yet. Inside
-// Parallelize, a leaf already resharded by another module (a tied
-// parameter) gives the same new leaf when the layout agrees, and an error
+// the same row-major order, and p must then be Replicate on every axis),
+// and returns p. p must be Replicate on axis and carry no gradient yet.
+// Inside Parallelize, a leaf already resharded by another module (a tied
+// parameter) is left as it is when the layout agrees, and is an error
 // when it does not.
 func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, pl placement.Placement) (*autograd.Value, error) {
 	cache, _ := ctx.Value(reshardCacheKey{}).(*reshardCache)
 	if cache != nil {
-		if e, ok := cache.new[p]; ok {
+		// The module that resharded it already, by a second rule, gets
+		// the plain "already laid out" error below.
+		if e, ok := cache.new[p]; ok && !slices.ContainsFunc(e.by, func(b reshardBy) bool { return b.is(cache.cur.path, cache.cur.m) }) {
 			want := shape
 			if want == nil {
-				want = p.Spec().Shape()
+				want = e.from
 			}
 			if e.axis == axis && e.pl == pl && slices.Equal(e.shape, want) {
-				return e.leaf, nil // a tied parameter, already laid out
+				e.by = append(e.by, cache.cur)
+				return p, nil // a tied parameter, already laid out
 			}
-			return nil, fmt.Errorf("%w: tied parameter %q is laid out as %v %v on axis %q by one module and as %v %v by another", ErrInvalid, p.Name(), e.shape, e.pl, e.axis, want, pl)
+			return nil, fmt.Errorf("%w: tied parameter %q is laid out as %v %v on axis %q by module %q and as %v %v by another", ErrInvalid, p.Name(), e.shape, e.pl, e.axis, e.by[0].path, want, pl)
 		}
 	}
 	if !p.IsLeaf() || !p.RequiresGrad() {
@@ -445,14 +475,14 @@ func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, p
 	if err != nil {
 		return nil, fmt.Errorf("laying out %q: %w", p.Name(), err)
 	}
-	np, err := p.Tape().Param(p.Name(), dt)
-	if err != nil {
-		return nil, err
+	from := p.Spec().Shape()
+	if err := p.Relayout(dt); err != nil {
+		return nil, fmt.Errorf("laying out %q: %w", p.Name(), err)
 	}
 	if cache != nil {
-		cache.new[p] = reshardEntry{leaf: np, axis: axis, shape: dst.Shape(), pl: pl}
+		cache.new[p] = &reshardEntry{from: from, axis: axis, shape: dst.Shape(), pl: pl, by: []reshardBy{cache.cur}}
 	}
-	return np, nil
+	return p, nil
 }
 
 func cloneLocal(d any) any {

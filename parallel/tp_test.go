@@ -288,8 +288,8 @@ func TestParallelizeErrors(t *testing.T) {
 	}
 }
 
-// Parallelizing after training started is refused: the new leaves would
-// lose the gradients and hooks of the old ones.
+// Parallelizing after training started is refused: the gradient would stay
+// in the parameter's old layout.
 func TestParallelizeAfterBackward(t *testing.T) {
 	placementtest.Run(t, []int{1, 2}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		b, tape, err := newBlock(m)
@@ -354,7 +354,8 @@ type twin struct {
 func (w *twin) Children() []Child { return []Child{{"a", w.a}, {"b", w.b}} }
 
 // A module reachable at two paths gets a style once; a parameter shared by
-// two modules (tied weights) stays one leaf when both lay it out alike, and
+// two modules (tied weights) stays one leaf, the same Value, laid out once
+// when both lay it out alike, and
 // is an error when they do not or when one of them keeps it replicated.
 func TestParallelizeSharedModulesAndTiedParams(t *testing.T) {
 	placementtest.Run(t, []int{2}, []string{"tp"}, func(ctx context.Context, m *mesh.Mesh) error {
@@ -374,8 +375,8 @@ func TestParallelizeSharedModulesAndTiedParams(t *testing.T) {
 		if err := Parallelize(ctx, &twin{a: b.attn.Proj, b: tied}, "tp", Plan{{"*", RowwiseParallel{}}}); err != nil {
 			return err
 		}
-		if b.attn.Proj.Weight != tied.Weight || b.attn.Proj.Weight == w {
-			return fmt.Errorf("tied weight: %p and %p after Parallelize (was %p)", b.attn.Proj.Weight, tied.Weight, w)
+		if b.attn.Proj.Weight != w || tied.Weight != w || !w.Spec().Placements()[0].IsShard() {
+			return fmt.Errorf("tied weight: %p and %p after Parallelize (was %p), laid out %v", b.attn.Proj.Weight, tied.Weight, w, w.Spec())
 		}
 
 		w = b.mlp.FC.Weight
