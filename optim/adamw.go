@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -78,8 +79,9 @@ func Update[T Float](c AdamWCoeffs, p, g, m, v []T) error {
 // update with bias correction, ε added after sqrt(v)/sqrt(bc2). Every
 // parameter has its own moments m and v (zero at first) and its own step
 // count t, which starts at 1 and advances only on steps where the
-// parameter has a gradient (a parameter with no gradient is skipped
-// entirely, like PyTorch's grad None).
+// parameter has a gradient. A parameter with no gradient is an error,
+// unless the optimizer was made with AllowFrozen: then it is skipped
+// entirely, like PyTorch's grad None.
 type AdamW struct {
 	// LR, WeightDecay, Beta1, Beta2 and Eps are the hyper-parameters, as
 	// set by NewAdamW's options; they may be changed between steps (a
@@ -88,6 +90,7 @@ type AdamW struct {
 
 	params []*autograd.Value
 	state  []adamState
+	frozen bool // AllowFrozen
 }
 
 type adamState struct {
@@ -96,15 +99,16 @@ type adamState struct {
 }
 
 // adamWOptions are the options NewAdamW takes.
-var adamWOptions = []string{"LR", "Betas", "Eps", "WeightDecay"}
+var adamWOptions = []string{"LR", "Betas", "Eps", "WeightDecay", "AllowFrozen"}
 
 // NewAdamW returns an AdamW optimizer for params (leaves that require
 // grad, each listed once, holding float32 or float64) with PyTorch 1.13's
 // defaults unless opts say otherwise: LR 1e-3, Betas (0.9, 0.999), Eps
-// 1e-8, WeightDecay 0.01. Errors wrap ErrInvalid: a bad parameter list,
-// an option AdamW does not take, or invalid hyper-parameters (a negative
-// or non-finite learning rate or weight decay, a beta outside [0, 1), an
-// ε that is not > 0 and finite).
+// 1e-8, WeightDecay 0.01, no AllowFrozen. Errors wrap ErrInvalid: a bad
+// parameter list, an option AdamW does not take, or invalid
+// hyper-parameters (NaN and ±Inf always; a negative learning rate or
+// weight decay, a beta outside [0, 1), an ε that is not > 0), naming the
+// option.
 func NewAdamW(params []*autograd.Value, opts ...Option) (*AdamW, error) {
 	const op = "NewAdamW"
 	if err := checkParams(op, params); err != nil {
@@ -118,6 +122,7 @@ func NewAdamW(params []*autograd.Value, opts ...Option) (*AdamW, error) {
 		LR: c.lr, WeightDecay: c.weightDecay, Beta1: c.beta1, Beta2: c.beta2, Eps: c.eps,
 		params: slices.Clone(params),
 		state:  make([]adamState, len(params)),
+		frozen: c.frozen,
 	}
 	if err := o.check(op); err != nil {
 		return nil, err
@@ -134,8 +139,9 @@ func (o *AdamW) StepCount(i int) int {
 	return o.state[i].t
 }
 
-// Step updates every parameter that has a gradient, in place, from the
-// local block of that gradient. Call it after Backward (which leaves the
+// Step updates every parameter, in place, from the local block of its
+// gradient; a parameter without a gradient is an error naming it, or is
+// skipped with AllowFrozen. Call it after Backward (which leaves the
 // tape empty) and before the next forward pass: it rewrites the leaves'
 // local blocks, which values recorded earlier may share. The gradient's
 // local block must line up with the parameter's: on every mesh axis of
@@ -148,15 +154,7 @@ func (o *AdamW) Step() error {
 	if err := o.check(op); err != nil {
 		return err
 	}
-	var errs []error
-	for _, p := range o.params {
-		if g := p.Grad(); g != nil {
-			if err := lineUp(p.Data(), g); err != nil {
-				errs = append(errs, fmt.Errorf("optim: %s: %w: %q: %w", op, ErrInvalid, p.Name(), err))
-			}
-		}
-	}
-	if err := errors.Join(errs...); err != nil {
+	if err := checkGrads(op, o.params, o.frozen); err != nil {
 		return err
 	}
 	for i, p := range o.params {
@@ -191,13 +189,38 @@ func (o *AdamW) Step() error {
 
 // check rejects hyper-parameters that torch.optim.AdamW rejects, and
 // those that would turn parameters into NaN or Inf (non-finite values,
-// ε = 0).
+// ε = 0), by internal/numcheck's rules. A learning rate of 0 is valid:
+// warm-up schedules start there.
 func (o *AdamW) check(op string) error {
-	lr, wd, beta1, beta2, eps := o.LR, o.WeightDecay, o.Beta1, o.Beta2, o.Eps
-	if !finite(lr, wd, beta1, beta2, eps) || !(lr >= 0) || !(wd >= 0) || !(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1) || !(eps > 0) {
-		return fmt.Errorf("optim: %s: %w: invalid hyper-parameters lr=%v weight_decay=%v betas=(%v, %v) eps=%v (want lr ≥ 0, weight_decay ≥ 0, betas in [0, 1), eps > 0, all finite)", op, ErrInvalid, lr, wd, beta1, beta2, eps)
+	return checkNums(op,
+		numcheck.NonNegative(ErrInvalid, "LR", o.LR),
+		numcheck.NonNegative(ErrInvalid, "WeightDecay", o.WeightDecay),
+		numcheck.Fraction(ErrInvalid, "Beta1", o.Beta1),
+		numcheck.Fraction(ErrInvalid, "Beta2", o.Beta2),
+		numcheck.Positive(ErrInvalid, "Eps", o.Eps))
+}
+
+// checkGrads checks, before a step changes anything, that every parameter
+// has a gradient (unless frozen ones are allowed) whose local block lines
+// up with the parameter's.
+func checkGrads(op string, params []*autograd.Value, frozen bool) error {
+	var (
+		errs    []error
+		missing []string
+	)
+	for _, p := range params {
+		g := p.Grad()
+		if g == nil {
+			if !frozen {
+				missing = append(missing, p.Name())
+			}
+			continue
+		}
+		if err := lineUp(p.Data(), g); err != nil {
+			errs = append(errs, fmt.Errorf("optim: %s: %w: %q: %w", op, ErrInvalid, p.Name(), err))
+		}
 	}
-	return nil
+	return errors.Join(append([]error{noGrad(op, missing)}, errs...)...)
 }
 
 // lineUp checks that g's local block is the gradient of p's local block.

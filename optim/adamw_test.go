@@ -90,7 +90,7 @@ func TestStepSkipsParamsWithoutGradient(t *testing.T) {
 		rep := []placement.Placement{placement.Replicate()}
 		a := param(t, tape, m, "a", rep, []float32{1, 2})
 		b := param(t, tape, m, "b", rep, []float32{3, 4})
-		opt, err := optim.NewAdamW([]*autograd.Value{a, b}, optim.LR(0.1), optim.WeightDecay(0.01), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
+		opt, err := optim.NewAdamW([]*autograd.Value{a, b}, optim.LR(0.1), optim.WeightDecay(0.01), optim.Betas(0.9, 0.999), optim.Eps(1e-8), optim.AllowFrozen())
 		if err != nil {
 			return err
 		}
@@ -188,12 +188,13 @@ func TestNewAdamWRejects(t *testing.T) {
 			{"duplicate", []*autograd.Value{a, a}, nil, "listed twice"},
 			{"constant", []*autograd.Value{c}, nil, "not a leaf that requires grad"},
 			{"nil parameter", []*autograd.Value{nil}, nil, "parameter 0 is nil"},
-			{"beta1 = 1", []*autograd.Value{a}, []optim.Option{optim.Betas(1, 0.999)}, "betas=(1, 0.999)"},
-			{"negative beta2", []*autograd.Value{a}, []optim.Option{optim.Betas(0.9, -0.1)}, "betas=(0.9, -0.1)"},
-			{"negative lr", []*autograd.Value{a}, []optim.Option{optim.LR(-1)}, "lr=-1"},
-			{"infinite lr", []*autograd.Value{a}, []optim.Option{optim.LR(math.Inf(1))}, "lr=+Inf"},
-			{"nan weight decay", []*autograd.Value{a}, []optim.Option{optim.WeightDecay(math.NaN())}, "weight_decay=NaN"},
-			{"zero eps", []*autograd.Value{a}, []optim.Option{optim.Eps(0)}, "eps=0"},
+			{"beta1 = 1", []*autograd.Value{a}, []optim.Option{optim.Betas(1, 0.999)}, "Beta1 1: must be in [0, 1)"},
+			{"negative beta2", []*autograd.Value{a}, []optim.Option{optim.Betas(0.9, -0.1)}, "Beta2 -0.1"},
+			{"negative lr", []*autograd.Value{a}, []optim.Option{optim.LR(-1)}, "LR -1"},
+			{"infinite lr", []*autograd.Value{a}, []optim.Option{optim.LR(math.Inf(1))}, "LR +Inf"},
+			{"nan weight decay", []*autograd.Value{a}, []optim.Option{optim.WeightDecay(math.NaN())}, "WeightDecay NaN"},
+			{"zero eps", []*autograd.Value{a}, []optim.Option{optim.Eps(0)}, "Eps 0: must be positive"},
+			{"clip option", []*autograd.Value{a}, []optim.Option{optim.NormType(1)}, "option NormType does not apply"},
 			{"momentum", []*autograd.Value{a}, []optim.Option{optim.Momentum(0.9)}, "option Momentum does not apply"},
 			{"maximize", []*autograd.Value{a}, []optim.Option{optim.Maximize()}, "option Maximize does not apply"},
 			{"nil option", []*autograd.Value{a}, []optim.Option{nil}, "nil option"},

@@ -8,28 +8,33 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 )
 
-// ClipOption configures ClipGradNorm.
-type ClipOption func(*clipConfig)
+// ClipOption configures ClipGradNorm: it is Option, so that the options
+// ClipGradNorm shares with the optimizers (AllowFrozen) are the same
+// values, and one it does not take is an error.
+type ClipOption = Option
 
-type clipConfig struct {
-	normType     float64
-	errNonfinite bool
-}
+// clipOptions are the options ClipGradNorm takes.
+var clipOptions = []string{"NormType", "ErrorIfNonfinite", "AllowFrozen"}
 
 // NormType sets the norm ClipGradNorm measures: p > 0 for the p-norm
 // (Σ|g|^p)^(1/p) over every element of every gradient (default 2),
 // or math.Inf(1) for the largest absolute element.
-func NormType(p float64) ClipOption { return func(c *clipConfig) { c.normType = p } }
+func NormType(p float64) ClipOption {
+	return func(c *config) { c.normType = p; c.set("NormType") }
+}
 
 // ErrorIfNonfinite makes ClipGradNorm return an error, without scaling
 // anything, when the total norm is NaN or infinite (PyTorch's
 // error_if_nonfinite=True). Without it such a norm scales the gradients
 // like any other, which turns them into NaN (PyTorch's default).
-func ErrorIfNonfinite() ClipOption { return func(c *clipConfig) { c.errNonfinite = true } }
+func ErrorIfNonfinite() ClipOption {
+	return func(c *config) { c.errNonfinite = true; c.set("ErrorIfNonfinite") }
+}
 
 // clipEps is PyTorch's 1e-6 added to the norm before dividing.
 const clipEps = 1e-6
@@ -40,8 +45,9 @@ const clipEps = 1e-6
 // over the global gradient tensors, as if every gradient were gathered on
 // one rank: each distinct element counts once whatever the placement.
 // When maxNorm/(norm + 1e-6) < 1 (or is NaN), every gradient is multiplied
-// by it; otherwise nothing changes. Parameters without a gradient are
-// skipped; with none at all the norm is 0.
+// by it; otherwise nothing changes. A parameter without a gradient is an
+// error naming it, as in the optimizers' Step, unless AllowFrozen is
+// given: then it is skipped, and with no gradient at all the norm is 0.
 //
 // Each rank sums |g|^p (or takes max |g|) over its local blocks, in
 // float64. On a mesh axis where a gradient is Shard the blocks hold
@@ -61,28 +67,27 @@ const clipEps = 1e-6
 // hold float32 or float64. A Partial gradient (on an axis of size > 1) is
 // an error, since its norm is not determined by any rank's block: reduce
 // it first (DDP's all-reduce, FSDP's reduce-scatter). Errors also for a
-// NaN or negative maxNorm, a bad NormType, or (with ErrorIfNonfinite) a
-// non-finite norm; all checks but the last run before any communication,
+// maxNorm that is not positive and finite (0 would zero every gradient),
+// a NormType that is neither positive and finite nor +Inf, an option
+// ClipGradNorm does not take, or (with ErrorIfNonfinite) a non-finite
+// norm; all checks but the last run before any communication,
 // and no gradient changes on an error. Bad arguments wrap ErrInvalid, a
 // non-finite norm ErrNonfinite (a training loop may skip that step).
 func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64, opts ...ClipOption) (float64, error) {
-	cfg := clipConfig{normType: 2}
-	for _, o := range opts {
-		if o != nil {
-			o(&cfg)
-		}
+	const what = "ClipGradNorm"
+	cfg, err := newConfig(what, config{normType: 2}, clipOptions, opts)
+	if err != nil {
+		return 0, err
 	}
 	p := cfg.normType
-	if math.IsNaN(maxNorm) || maxNorm < 0 {
-		return 0, fmt.Errorf("optim: ClipGradNorm: %w: maxNorm %v (want ≥ 0)", ErrInvalid, maxNorm)
-	}
-	if !(p > 0) || math.IsInf(p, -1) {
-		return 0, fmt.Errorf("optim: ClipGradNorm: %w: norm type %v (want p > 0 or +Inf)", ErrInvalid, p)
+	if err := checkNums(what, numcheck.Positive(ErrInvalid, "maxNorm", maxNorm), normOrder(p)); err != nil {
+		return 0, err
 	}
 	inf := math.IsInf(p, 1)
 
 	var (
 		withGrad []*autograd.Value
+		missing  []string
 		m        *mesh.Mesh
 		acc      = map[uint64]float64{} // sharding-axis mask -> local partial
 	)
@@ -92,6 +97,9 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 		}
 		g := v.Grad()
 		if g == nil {
+			if !cfg.frozen {
+				missing = append(missing, v.Name())
+			}
 			continue
 		}
 		s := g.Spec()
@@ -121,6 +129,9 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 			acc[mask] = prev + part
 		}
 		withGrad = append(withGrad, v)
+	}
+	if err := noGrad(what, missing); err != nil {
+		return 0, err
 	}
 	if len(withGrad) == 0 {
 		return 0, nil

@@ -143,7 +143,7 @@ func TestClipGradNormMatchesSerial(t *testing.T) {
 							if clip {
 								maxNorm = want / 4
 							}
-							got, err := optim.ClipGradNorm(ctx, vals, maxNorm, optim.NormType(p))
+							got, err := optim.ClipGradNorm(ctx, vals, maxNorm, optim.NormType(p), optim.AllowFrozen())
 							if err != nil {
 								return err
 							}
@@ -262,10 +262,11 @@ func TestClipGradNormRejects(t *testing.T) {
 			opts []optim.ClipOption
 			text string
 		}{
-			{-1, nil, "maxNorm -1 (want ≥ 0)"},
-			{math.NaN(), nil, "maxNorm NaN (want ≥ 0)"},
-			{1, []optim.ClipOption{optim.NormType(0)}, "norm type 0 (want p > 0"},
-			{1, []optim.ClipOption{optim.NormType(math.Inf(-1))}, "norm type -Inf (want p > 0"},
+			{-1, nil, "maxNorm -1: must be positive"},
+			{math.NaN(), nil, "maxNorm NaN: must be positive"},
+			{1, []optim.ClipOption{optim.NormType(0)}, "NormType 0: must be positive"},
+			{1, []optim.ClipOption{optim.NormType(math.Inf(-1))}, "NormType -Inf: must be positive"},
+			{1, []optim.ClipOption{optim.Momentum(0.9)}, "option Momentum does not apply"},
 		} {
 			if _, err := optim.ClipGradNorm(ctx, vals[:1], c.max, c.opts...); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), c.text) {
 				t.Errorf("maxNorm %v %d options: %v, want %q", c.max, len(c.opts), err, c.text)

@@ -4,13 +4,15 @@ import (
 	"fmt"
 	"math"
 	"strings"
+
+	"github.com/b7ea7098/loom/internal/numcheck"
 )
 
-// Option configures NewAdamW or NewSGD. Options that mean the same for
-// both (WeightDecay) are shared; giving an optimizer an option it does not
-// take (Momentum to AdamW, Betas to SGD) is an error wrapping ErrInvalid
-// rather than a setting silently ignored. When an option is given twice,
-// the last one wins.
+// Option configures NewAdamW, NewSGD or ClipGradNorm. Options that mean
+// the same for several (WeightDecay, AllowFrozen) are shared; giving one
+// an option it does not take (Momentum to AdamW, Betas to SGD, NormType
+// to an optimizer) is an error wrapping ErrInvalid rather than a setting
+// silently ignored. When an option is given twice, the last one wins.
 type Option func(*config)
 
 // config holds every optimizer's hyper-parameters, defaulted by the
@@ -20,6 +22,9 @@ type config struct {
 	lr, beta1, beta2, eps, weightDecay float64
 	momentum, dampening                float64
 	nesterov, maximize                 bool
+	frozen                             bool // AllowFrozen
+	normType                           float64
+	errNonfinite                       bool
 	given                              []string // option names, in call order
 }
 
@@ -68,6 +73,19 @@ func Nesterov() Option { return func(c *config) { c.nesterov = true; c.set("Nest
 // by default, as torch.optim.SGD.
 func Maximize() Option { return func(c *config) { c.maximize = true; c.set("Maximize") } }
 
+// AllowFrozen lets a parameter have no gradient in a step: AdamW.Step and
+// SGD.Step skip it (PyTorch's grad None: no decay, no moment or step
+// count advance) and ClipGradNorm leaves it out of the norm. Without it a
+// parameter with no gradient is an error wrapping ErrInvalid that names
+// it, because it usually means something is silently wrong: a list that
+// holds leaves the model no longer uses, a layer the loss does not reach,
+// a forgotten DDP.Finish or FSDP.Finish. Give it for parameters that are
+// frozen on purpose, or used only in some steps. The check is per rank;
+// DDP and FSDP make every rank agree on which parameters have a
+// gradient (one that no rank gave a gradient gets none), so after them
+// it fails alike on every rank.
+func AllowFrozen() Option { return func(c *config) { c.frozen = true; c.set("AllowFrozen") } }
+
 // newConfig applies opts over the defaults d and rejects any option not in
 // takes, naming it.
 func newConfig(op string, d config, takes []string, opts []Option) (config, error) {
@@ -91,12 +109,42 @@ func newConfig(op string, d config, takes []string, opts []Option) (config, erro
 	return c, nil
 }
 
-// finite reports whether every v is neither NaN nor infinite.
-func finite(vs ...float64) bool {
-	for _, v := range vs {
-		if math.IsNaN(v) || math.IsInf(v, 0) {
-			return false
+// noGrad is the error for parameters without a gradient in a step that
+// does not AllowFrozen: names lists them, in list order.
+func noGrad(op string, names []string) error {
+	if len(names) == 0 {
+		return nil
+	}
+	q := make([]string, len(names))
+	for i, n := range names {
+		q[i] = fmt.Sprintf("%q", n)
+	}
+	what := "parameter " + q[0] + " has"
+	if len(q) > 1 {
+		what = fmt.Sprintf("%d parameters have", len(q))
+		if len(q) > 8 {
+			q = append(q[:8], "...")
+		}
+		what += " (" + strings.Join(q, ", ") + ")"
+	}
+	return fmt.Errorf("optim: %s: %w: %s no gradient: a leaf the model no longer uses (collected before a layout change that replaced it?), a layer the loss does not reach, or a missing DDP or FSDP Finish; give AllowFrozen for parameters frozen on purpose", op, ErrInvalid, what)
+}
+
+// checkNums returns the first error of numcheck rules, prefixed with op.
+func checkNums(op string, errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return fmt.Errorf("optim: %s: %w", op, err)
 		}
 	}
-	return true
+	return nil
+}
+
+// normOrder checks a norm order for checkNums: p > 0 and finite, or +Inf
+// (the largest absolute element).
+func normOrder(p float64) error {
+	if math.IsInf(p, 1) {
+		return nil
+	}
+	return numcheck.Positive(ErrInvalid, "NormType", p)
 }

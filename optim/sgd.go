@@ -1,11 +1,11 @@
 package optim
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/internal/numcheck"
 )
 
 // SGD is stochastic gradient descent over a fixed list of autograd leaves
@@ -22,8 +22,9 @@ import (
 // Like AdamW it works on each rank's local blocks, so parameters of any
 // placement are updated in place from the matching block of their
 // gradient, and it never communicates. A parameter without a gradient is
-// skipped entirely (PyTorch's grad None): its momentum buffer neither
-// decays nor starts. Float32 parameters are updated in float32 arithmetic
+// an error, unless the optimizer was made with AllowFrozen: then it is
+// skipped entirely (PyTorch's grad None), its momentum buffer neither
+// decaying nor starting. Float32 parameters are updated in float32 arithmetic
 // (each coefficient rounded once), float64 in float64.
 type SGD struct {
 	// LR, Momentum, Dampening, WeightDecay, Nesterov and Maximize are the
@@ -34,19 +35,22 @@ type SGD struct {
 
 	params []*autograd.Value
 	bufs   []any // momentum buffers: nil, []float32 or []float64
+	frozen bool  // AllowFrozen
 }
 
 // sgdOptions are the options NewSGD takes.
-var sgdOptions = []string{"Momentum", "Dampening", "WeightDecay", "Nesterov", "Maximize"}
+var sgdOptions = []string{"Momentum", "Dampening", "WeightDecay", "Nesterov", "Maximize", "AllowFrozen"}
 
 // NewSGD returns an SGD optimizer for params (leaves that require grad,
 // each listed once, holding float32 or float64) with learning rate lr ≥ 0
 // (required, as in torch.optim.SGD) and PyTorch 1.13's defaults unless
 // opts say otherwise: Momentum 0, Dampening 0, WeightDecay 0, no
-// Nesterov, no Maximize. Errors wrap ErrInvalid: a bad parameter list, an
-// option SGD does not take, or hyper-parameters torch.optim.SGD rejects
-// (negative learning rate, momentum or weight decay; Nesterov without
-// momentum or with dampening) or that are not finite.
+// Nesterov, no Maximize, no AllowFrozen. Errors wrap ErrInvalid: a bad
+// parameter list, an option SGD does not take, or hyper-parameters
+// torch.optim.SGD rejects (negative learning rate, momentum or weight
+// decay; Nesterov without momentum or with dampening), NaN or ±Inf, or a
+// dampening outside [0, 1) (at 1 the momentum buffer would never take a
+// gradient again), naming the option.
 func NewSGD(params []*autograd.Value, lr float64, opts ...Option) (*SGD, error) {
 	const op = "NewSGD"
 	if err := checkParams(op, params); err != nil {
@@ -60,6 +64,7 @@ func NewSGD(params []*autograd.Value, lr float64, opts ...Option) (*SGD, error) 
 		LR: lr, Momentum: c.momentum, Dampening: c.dampening, WeightDecay: c.weightDecay,
 		Nesterov: c.nesterov, Maximize: c.maximize,
 		params: slices.Clone(params), bufs: make([]any, len(params)),
+		frozen: c.frozen,
 	}
 	if err := o.check(op); err != nil {
 		return nil, err
@@ -68,22 +73,18 @@ func NewSGD(params []*autograd.Value, lr float64, opts ...Option) (*SGD, error) 
 }
 
 // check rejects hyper-parameters that torch.optim.SGD rejects, and
-// non-finite ones.
+// non-finite ones, by internal/numcheck's rules. A learning rate of 0 is
+// valid: warm-up schedules start there.
 func (o *SGD) check(op string) error {
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("optim: %s: %w: "+format, append([]any{op, ErrInvalid}, args...)...)
+	if err := checkNums(op,
+		numcheck.NonNegative(ErrInvalid, "LR", o.LR),
+		numcheck.NonNegative(ErrInvalid, "Momentum", o.Momentum),
+		numcheck.Fraction(ErrInvalid, "Dampening", o.Dampening),
+		numcheck.NonNegative(ErrInvalid, "WeightDecay", o.WeightDecay)); err != nil {
+		return err
 	}
-	switch {
-	case !finite(o.LR, o.Momentum, o.Dampening, o.WeightDecay):
-		return bad("non-finite hyper-parameter in lr=%v momentum=%v dampening=%v weight_decay=%v", o.LR, o.Momentum, o.Dampening, o.WeightDecay)
-	case o.LR < 0:
-		return bad("invalid learning rate %v (want ≥ 0)", o.LR)
-	case o.Momentum < 0:
-		return bad("invalid momentum %v (want ≥ 0)", o.Momentum)
-	case o.WeightDecay < 0:
-		return bad("invalid weight decay %v (want ≥ 0)", o.WeightDecay)
-	case o.Nesterov && (o.Momentum <= 0 || o.Dampening != 0):
-		return bad("Nesterov momentum requires a momentum > 0 and zero dampening (momentum %v, dampening %v)", o.Momentum, o.Dampening)
+	if o.Nesterov && (o.Momentum <= 0 || o.Dampening != 0) {
+		return fmt.Errorf("optim: %s: %w: Nesterov momentum requires a momentum > 0 and zero dampening (momentum %v, dampening %v)", op, ErrInvalid, o.Momentum, o.Dampening)
 	}
 	return nil
 }
@@ -95,9 +96,10 @@ func (o *SGD) HasMomentumBuffer(i int) bool {
 	return i >= 0 && i < len(o.bufs) && o.bufs[i] != nil
 }
 
-// Step updates every parameter that has a gradient, in place, from the
-// local block of that gradient. Call it after Backward and before the
-// next forward pass, as for AdamW. The gradient's local block must line up
+// Step updates every parameter, in place, from the local block of its
+// gradient; a parameter without a gradient is an error naming it, or is
+// skipped with AllowFrozen. Call it after Backward and before the next
+// forward pass, as for AdamW. The gradient's local block must line up
 // with the parameter's (on every mesh axis of size > 1 both sharded on the
 // same dim, in the same shard order, or neither) and must not be Partial:
 // reduce it first (DDP's all-reduce, FSDP's reduce-scatter). Step checks
@@ -108,15 +110,7 @@ func (o *SGD) Step() error {
 	if err := o.check(op); err != nil {
 		return err
 	}
-	var errs []error
-	for _, p := range o.params {
-		if g := p.Grad(); g != nil {
-			if err := lineUp(p.Data(), g); err != nil {
-				errs = append(errs, fmt.Errorf("optim: %s: %w: %q: %w", op, ErrInvalid, p.Name(), err))
-			}
-		}
-	}
-	if err := errors.Join(errs...); err != nil {
+	if err := checkGrads(op, o.params, o.frozen); err != nil {
 		return err
 	}
 	for i, p := range o.params {

@@ -139,7 +139,7 @@ func runSGD(t *testing.T, ctx context.Context, m *mesh.Mesh, dt comm.DType, cfg 
 		}
 		specs[i] = s
 	}
-	opt, err := optim.NewSGD(vals, cfg.LR, cfg.opts()...)
+	opt, err := optim.NewSGD(vals, cfg.LR, append(cfg.opts(), optim.AllowFrozen())...)
 	if err != nil {
 		return err
 	}
@@ -264,7 +264,7 @@ func TestSGDSkipKeepsMomentum(t *testing.T) {
 		rep := []placement.Placement{placement.Replicate()}
 		a := param(t, tape, m, "a", rep, []float32{1, 2})
 		b := param(t, tape, m, "b", rep, []float32{3, 4})
-		opt, err := optim.NewSGD([]*autograd.Value{a, b}, 0.5, optim.Momentum(0.9), optim.WeightDecay(0.1))
+		opt, err := optim.NewSGD([]*autograd.Value{a, b}, 0.5, optim.Momentum(0.9), optim.WeightDecay(0.1), optim.AllowFrozen())
 		if err != nil {
 			return err
 		}
@@ -300,10 +300,10 @@ func TestSGDRejects(t *testing.T) {
 		cfg  sgdHyper
 		text string
 	}{
-		{"negative lr", sgdHyper{LR: -1}, "invalid learning rate -1"},
-		{"negative momentum", sgdHyper{LR: 1, Momentum: -0.1}, "invalid momentum"},
-		{"negative wd", sgdHyper{LR: 1, WeightDecay: -0.1}, "invalid weight decay"},
-		{"nan", sgdHyper{LR: math.NaN()}, "non-finite"},
+		{"negative lr", sgdHyper{LR: -1}, "LR -1: must be zero or positive"},
+		{"negative momentum", sgdHyper{LR: 1, Momentum: -0.1}, "Momentum -0.1: must be zero or positive"},
+		{"negative wd", sgdHyper{LR: 1, WeightDecay: -0.1}, "WeightDecay -0.1: must be zero or positive"},
+		{"nan", sgdHyper{LR: math.NaN()}, "LR NaN"},
 		{"nesterov no momentum", sgdHyper{LR: 1, Nesterov: true}, "Nesterov momentum requires"},
 		{"nesterov dampening", sgdHyper{LR: 1, Momentum: 0.9, Dampening: 0.1, Nesterov: true}, "zero dampening"},
 	} {

@@ -368,9 +368,18 @@ func TestUnusedParameter(t *testing.T) {
 			if err := checkReduced(n.params, want, 1e-12); err != nil {
 				return err
 			}
-			// The optimizer accepts the reduced gradients and, like serial
-			// training, leaves the unused parameter alone.
-			opt, err := optim.NewAdamW(n.params, optim.LR(1e-3), optim.WeightDecay(0.1), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
+			// By default the optimizer refuses a step that would leave a
+			// parameter silently untrained, naming it; with AllowFrozen it
+			// accepts the reduced gradients and, like serial training,
+			// leaves the unused parameter alone.
+			strict, err := optim.NewAdamW(n.params)
+			if err != nil {
+				return err
+			}
+			if err := strict.Step(); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), `"unused" has no gradient`) {
+				return fmt.Errorf("a step without the unused parameter's gradient: %v, want ErrInvalid naming it", err)
+			}
+			opt, err := optim.NewAdamW(n.params, optim.LR(1e-3), optim.WeightDecay(0.1), optim.Betas(0.9, 0.999), optim.Eps(1e-8), optim.AllowFrozen())
 			if err != nil {
 				return err
 			}
