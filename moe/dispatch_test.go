@@ -821,7 +821,7 @@ func TestDispatchErrors(t *testing.T) {
 			{"negative capacity", func() error {
 				_, _, err := moe.Dispatch(ctx, x, r, moe.DispatchConfig{Axis: "ep", Capacity: -1})
 				return err
-			}, "negative capacity"},
+			}, "Capacity -1: must be zero or positive"},
 			{"short routing", func() error {
 				_, _, err := moe.Dispatch(ctx, x, &short, moe.DispatchConfig{Axis: "ep", Capacity: 2})
 				return err

@@ -12,6 +12,7 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/internal/checked"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -338,8 +339,8 @@ func newHandle(ctx context.Context, op string, x *autograd.Value, r *Routing, cf
 	if r.NumExperts%ranks != 0 {
 		return nil, bad("%d experts do not divide over the %d ranks of axis %q", r.NumExperts, ranks, cfg.Axis)
 	}
-	if cfg.Capacity < 0 {
-		return nil, bad("negative capacity %d", cfg.Capacity)
+	if err := numcheck.NonNegativeCount(ErrInvalid, "Capacity", cfg.Capacity); err != nil {
+		return nil, fmt.Errorf("%s: %w", op, err)
 	}
 	capacity, static := cfg.Capacity, cfg.Capacity > 0
 	if !static && r.Pad {

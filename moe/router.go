@@ -8,6 +8,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -99,19 +100,26 @@ func (c RouterConfig) normalized(e int) (RouterConfig, error) {
 	if e < 1 {
 		return bad("%d experts; want at least 1", e)
 	}
-	if c.K < 1 || c.K > e {
+	if err := numcheck.Count(ErrInvalid, "K", c.K); err != nil {
+		return c, fmt.Errorf("moe: RouterConfig: %w", err)
+	}
+	if c.K > e {
 		return bad("K = %d experts per token; want 1 ≤ K ≤ E = %d", c.K, e)
 	}
 	if c.Score != Softmax && c.Score != Sigmoid {
 		return bad("unknown score function %v", c.Score)
 	}
-	finite := func(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) }
-	for _, f := range []struct {
-		name string
-		v    float64
-	}{{"GateScale", c.GateScale}, {"AuxCoef", c.AuxCoef}, {"ZCoef", c.ZCoef}, {"BiasRate", c.BiasRate}, {"CapacityFactor", c.CapacityFactor}} {
-		if !finite(f.v) || f.v < 0 {
-			return bad("%s = %v; want a finite value ≥ 0", f.name, f.v)
+	// Every one of these has a documented meaning for 0 (default, off,
+	// dropless), so the rule is NonNegative for all.
+	for _, err := range []error{
+		numcheck.NonNegative(ErrInvalid, "GateScale", c.GateScale),
+		numcheck.NonNegative(ErrInvalid, "AuxCoef", c.AuxCoef),
+		numcheck.NonNegative(ErrInvalid, "ZCoef", c.ZCoef),
+		numcheck.NonNegative(ErrInvalid, "BiasRate", c.BiasRate),
+		numcheck.NonNegative(ErrInvalid, "CapacityFactor", c.CapacityFactor),
+	} {
+		if err != nil {
+			return c, fmt.Errorf("moe: RouterConfig: %w", err)
 		}
 	}
 	if c.GateScale == 0 {
