@@ -3,9 +3,9 @@ package gpt
 import (
 	"errors"
 	"fmt"
-	"math"
 
 	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/models/internal/layout"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -57,25 +57,21 @@ func (c Config) Validate() error {
 	bad := func(format string, args ...any) {
 		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrConfig}, args...)...))
 	}
-	for _, d := range []struct {
-		name string
-		v    int
-	}{{"Vocab", c.Vocab}, {"Width", c.Width}, {"Heads", c.Heads}, {"MLPWidth", c.MLPWidth}, {"SeqLen", c.SeqLen}} {
-		if d.v < 1 {
-			bad("%s=%d must be positive", d.name, d.v)
-		}
-	}
-	if c.Layers < 0 {
-		bad("Layers=%d must not be negative", c.Layers)
-	}
+	// One numcheck rule per kind: sizes are counts, Layers may be 0 (see
+	// Config), an init std of 0 starts every weight at 0, and the
+	// LayerNorm epsilon must be positive (it keeps the square root of a
+	// constant row's variance away from 0).
+	errs = append(errs,
+		numcheck.Count(ErrConfig, "Vocab", c.Vocab),
+		numcheck.Count(ErrConfig, "Width", c.Width),
+		numcheck.Count(ErrConfig, "Heads", c.Heads),
+		numcheck.Count(ErrConfig, "MLPWidth", c.MLPWidth),
+		numcheck.Count(ErrConfig, "SeqLen", c.SeqLen),
+		numcheck.NonNegativeCount(ErrConfig, "Layers", c.Layers),
+		numcheck.NonNegative(ErrConfig, "InitStd", c.InitStd),
+		numcheck.Positive(ErrConfig, "LNEps", c.LNEps))
 	if c.Width >= 1 && c.Heads >= 1 && c.Width%c.Heads != 0 {
 		bad("Width=%d is not divisible by Heads=%d (the head width is Width/Heads)", c.Width, c.Heads)
-	}
-	if math.IsNaN(c.InitStd) || math.IsInf(c.InitStd, 0) || c.InitStd < 0 {
-		bad("InitStd=%v must be finite and not negative", c.InitStd)
-	}
-	if !(c.LNEps > 0) || math.IsInf(c.LNEps, 0) {
-		bad("LNEps=%v must be positive and finite", c.LNEps)
 	}
 	return errors.Join(errs...)
 }

@@ -34,11 +34,11 @@ package moegpt
 import (
 	"errors"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"strconv"
 
 	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/models/internal/layout"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -111,22 +111,21 @@ func (c Config) Validate() error {
 	bad := func(format string, args ...any) {
 		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrConfig}, args...)...))
 	}
-	if c.L < 1 {
-		bad("L=%d: the model needs at least one block", c.L)
-	}
-	if c.E < 1 || c.K < 1 || c.K > c.E {
+	// One numcheck rule per kind: the model needs a block (unlike the
+	// dense GPT, whose blocks are optional), an expert and a choice; 0
+	// means dropless or a loss off for the router's numbers, and an init
+	// std of 0 starts every weight at 0.
+	errs = append(errs,
+		numcheck.Count(ErrConfig, "L", c.L),
+		numcheck.Count(ErrConfig, "E", c.E),
+		numcheck.Count(ErrConfig, "K", c.K),
+		numcheck.Count(ErrConfig, "Hd", c.Hd),
+		numcheck.NonNegative(ErrConfig, "CapacityFactor", c.CapacityFactor),
+		numcheck.NonNegative(ErrConfig, "AuxCoef", c.AuxCoef),
+		numcheck.NonNegative(ErrConfig, "ZCoef", c.ZCoef),
+		numcheck.NonNegative(ErrConfig, "InitStd", c.InitStd))
+	if c.E >= 1 && c.K > c.E {
 		bad("E=%d experts and K=%d per token: want 1 ≤ K ≤ E", c.E, c.K)
-	}
-	if c.Hd < 1 {
-		bad("Hd=%d must be positive", c.Hd)
-	}
-	for _, f := range []struct {
-		name string
-		v    float64
-	}{{"capacity factor", c.CapacityFactor}, {"aux coefficient", c.AuxCoef}, {"z coefficient", c.ZCoef}, {"init std", c.InitStd}} {
-		if math.IsNaN(f.v) || math.IsInf(f.v, 0) || f.v < 0 {
-			bad("%s %v must be finite and not negative", f.name, f.v)
-		}
 	}
 	if c.Pad && c.CapacityFactor == 0 {
 		bad("padding to capacity needs a capacity factor")
