@@ -158,6 +158,11 @@ func (o *AdamW) Step() error {
 		return err
 	}
 	for i, p := range o.params {
+		if err := sameBlock(op, p, o.state[i].m); err != nil {
+			return err
+		}
+	}
+	for i, p := range o.params {
 		g := p.Grad()
 		if g == nil {
 			continue

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 
@@ -111,4 +112,64 @@ func TestNoGradientNamesSeveral(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestRelayoutAfterFirstStep: a parameter laid out anew (as Parallelize or
+// FSDP do) after the optimizer made state for it is refused, naming it,
+// rather than updated from state of another layout.
+func TestRelayoutAfterFirstStep(t *testing.T) {
+	for _, name := range []string{"AdamW", "SGD"} {
+		t.Run(name, func(t *testing.T) {
+			placementtest.Run(t, []int{2}, []string{"tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+				tape := autograd.NewTape()
+				rep := []placement.Placement{placement.Replicate()}
+				w := param(t, tape, m, "w", rep, []float32{1, 2, 3, 4})
+				step := func() error { return w.SetGrad(w.Data()) } // any gradient of w's layout
+				var run func() error
+				switch name {
+				case "AdamW":
+					o, err := optim.NewAdamW([]*autograd.Value{w})
+					if err != nil {
+						return err
+					}
+					run = o.Step
+				case "SGD":
+					o, err := optim.NewSGD([]*autograd.Value{w}, 0.1, optim.Momentum(0.9))
+					if err != nil {
+						return err
+					}
+					run = o.Step
+				}
+				if err := step(); err != nil {
+					return err
+				}
+				if err := run(); err != nil {
+					return err
+				}
+				w.ZeroGrad()
+				s, err := placement.NewSpec(m, []int{4}, w.Spec().DType(), []placement.Placement{placement.Shard(0)})
+				if err != nil {
+					return err
+				}
+				sh, err := placement.Redistribute(ctx, w.Data(), s)
+				if err != nil {
+					return err
+				}
+				if err := w.Relayout(sh); err != nil {
+					return err
+				}
+				if err := step(); err != nil {
+					return err
+				}
+				before := slices.Clone(w.Data().LocalData().([]float32))
+				if err := run(); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), `"w" was laid out anew`) {
+					return fmt.Errorf("a step after a relayout: %v, want ErrInvalid naming w", err)
+				}
+				if !slices.Equal(before, w.Data().LocalData().([]float32)) {
+					return fmt.Errorf("the refused step changed w")
+				}
+				return nil
+			})
+		})
+	}
 }

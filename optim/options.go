@@ -5,6 +5,7 @@ import (
 	"math"
 	"strings"
 
+	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/internal/numcheck"
 )
 
@@ -128,6 +129,20 @@ func noGrad(op string, names []string) error {
 		what += " (" + strings.Join(q, ", ") + ")"
 	}
 	return fmt.Errorf("optim: %s: %w: %s no gradient: a leaf the model no longer uses (collected before a layout change that replaced it?), a layer the loss does not reach, or a missing DDP or FSDP Finish; give AllowFrozen for parameters frozen on purpose", op, ErrInvalid, what)
+}
+
+// sameBlock checks that optimizer state made for p (nil: none yet) still
+// has the size of p's local block: a parameter laid out anew after the
+// optimizer's first step (Parallelize, FSDP) would otherwise be updated
+// from state of another layout.
+func sameBlock(op string, p *autograd.Value, state any) error {
+	if state == nil {
+		return nil
+	}
+	if n, want := sliceBytes(state), sliceBytes(p.Data().LocalData()); n != want {
+		return fmt.Errorf("optim: %s: %w: %q was laid out anew after the optimizer's first step (its state has %d bytes, its local block %d); lay parameters out (Parallelize, FSDP) before making the optimizer", op, ErrInvalid, p.Name(), n, want)
+	}
+	return nil
 }
 
 // checkNums returns the first error of numcheck rules, prefixed with op.

@@ -114,6 +114,11 @@ func (o *SGD) Step() error {
 		return err
 	}
 	for i, p := range o.params {
+		if err := sameBlock(op, p, o.bufs[i]); err != nil {
+			return err
+		}
+	}
+	for i, p := range o.params {
 		g := p.Grad()
 		if g == nil {
 			continue
