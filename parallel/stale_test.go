@@ -20,10 +20,22 @@ import (
 // Values, laid out anew), so that an AdamW step updates every parameter,
 // exactly as with a list collected after.
 func TestParamsCollectedBeforeLayoutChange(t *testing.T) {
-	for _, mode := range []string{"Parallelize", "FullyShard"} {
-		t.Run(mode, func(t *testing.T) {
-			init, before := staleStep(t, mode, true)
-			_, after := staleStep(t, mode, false)
+	for _, tc := range []struct {
+		name, mode string
+		dt         comm.DType
+		opts       []FSDPOption
+	}{
+		{"Parallelize", "Parallelize", comm.Float64, nil},
+		{"FullyShard", "FullyShard", comm.Float64, nil},
+		{"FullyShard Reshard(false)", "FullyShard", comm.Float64, []FSDPOption{Reshard(false)}},
+		{"FullyShard ZeRO-2", "FullyShard", comm.Float64, []FSDPOption{ZeROStage(2)}},
+		{"FullyShard ZeRO-1", "FullyShard", comm.Float64, []FSDPOption{ZeROStage(1)}},
+		{"FullyShard bf16", "FullyShard", comm.Float32, []FSDPOption{MixedPrecision(comm.BFloat16)}},
+	} {
+		mode := tc.mode
+		t.Run(tc.name, func(t *testing.T) {
+			init, before := staleStep(t, mode, true, tc.dt, tc.opts...)
+			_, after := staleStep(t, mode, false, tc.dt, tc.opts...)
 			if len(before) == 0 || len(before) != len(after) {
 				t.Fatalf("%d parameters collected before, %d after", len(before), len(after))
 			}
@@ -39,10 +51,10 @@ func TestParamsCollectedBeforeLayoutChange(t *testing.T) {
 	}
 }
 
-// staleStep builds a model, collects its parameters before or after mode
-// lays them out, runs one training step with AdamW on that list and
+// staleStep builds a model (the FSDP one of dtype dt; the block is
+// float64), collects its parameters before or after mode lays them out, runs one training step with AdamW on that list and
 // returns every trained parameter's full value before and after the step.
-func staleStep(t *testing.T, mode string, before bool) (init, final map[string][]float64) {
+func staleStep(t *testing.T, mode string, before bool, dt comm.DType, opts ...FSDPOption) (init, final map[string][]float64) {
 	t.Helper()
 	var mu sync.Mutex
 	init, final = map[string][]float64{}, map[string][]float64{}
@@ -89,14 +101,14 @@ func staleStep(t *testing.T, mode string, before bool) (init, final map[string][
 				return tape.Backward(ctx, l)
 			}
 		case "FullyShard":
-			n, err := newFnet(m, comm.Float64)
+			n, err := newFnet(m, dt)
 			if err != nil {
 				return err
 			}
 			var f *FSDP
 			model = n
 			relayout = func() (err error) {
-				f, err = FullyShard(ctx, n, []string{"h.*"})
+				f, err = FullyShard(ctx, n, []string{"h.*"}, opts...)
 				return err
 			}
 			// The spare Linear (the last two) is never used: leave it out.
