@@ -13,7 +13,8 @@
 //
 // Arguments rejected before anything changed (a bad parameter list,
 // invalid hyper-parameters, an option the optimizer does not take, a
-// gradient laid out unlike its parameter) wrap ErrInvalid.
+// parameter without a gradient when AllowFrozen is not given, a gradient
+// laid out unlike its parameter) wrap ErrInvalid.
 package optim
 
 import "github.com/b7ea7098/loom"
