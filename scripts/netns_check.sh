@@ -4,7 +4,7 @@
 # which exist only inside the namespaces). It checks that each fault ends
 # every process of the job on both "hosts" in time, naming what failed:
 #
-#   loomrun, two nodes (--nnodes 2, --node-timeout 3s), the ranks being
+#   loomrun, two nodes (--nnodes 2, --node-timeout 4s), the ranks being
 #   cmd/loomrun's test binary in its multinode mode:
 #     rank-killed      SIGKILL to a rank of node 1
 #     node1-killed     SIGKILL to node 1's loomrun
@@ -13,7 +13,7 @@
 #   each must end every process on both nodes within 2x --node-timeout.
 #
 #   mpirun across the namespaces (a plm_rsh_agent that runs `ip netns
-#   exec`), examples/transformer built with -tags mpi, LOOM_TIMEOUT=5s:
+#   exec`), examples/transformer built with -tags mpi, LOOM_TIMEOUT=8s:
 #     mpi-rank-stopped SIGSTOP to node 1's rank: rank 0 times out, reports
 #                      and aborts the job (MPI_Abort)
 #     mpi-link-down    the link taken down mid-run
@@ -35,8 +35,8 @@ ns0=loomnet0 ns1=loomnet1
 veth0=loomveth0 veth1=loomveth1
 addr0=10.213.0.1 addr1=10.213.0.2
 port=29513
-node_timeout=3 # seconds
-loom_timeout=5 # seconds
+node_timeout=4 # seconds
+loom_timeout=8 # seconds
 
 if [ "$(id -u)" != 0 ]; then
 	echo "netns: skipped: needs root to make network namespaces (ip netns)"
