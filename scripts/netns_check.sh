@@ -60,6 +60,7 @@ cleanup() {
 	rm -rf "$tmp"
 }
 trap cleanup EXIT
+trap 'exit 1' INT TERM
 
 # net makes (again) the two namespaces and the link between them.
 net() {
@@ -124,12 +125,11 @@ until_in() {
 }
 
 fails=0
-# verdict CASE T0 BOUND PROBLEMS...: one summary line.
+# verdict CASE TOOK BOUND PROBLEMS...: one summary line; TOOK is the time
+# the job took to end after the fault, in seconds.
 verdict() {
-	local name=$1 t0=$2 bound=$3
+	local name=$1 took=$2 bound=$3
 	shift 3
-	local took
-	took=$(elapsed "$t0")
 	if [ $# -eq 0 ]; then
 		echo "netns: PASS $name: ended in ${took}s (bound ${bound}s)"
 	else
@@ -138,6 +138,11 @@ verdict() {
 	fi
 }
 
+# pkill_job PATTERN: SIGKILL what is left of a failed case.
+pkill_job() {
+	local pid
+	for pid in $(pgrep -f "$1" || true); do kill -9 "$pid" 2>/dev/null || true; done
+}
 # loomrun_case NAME FAULT WANT0 WANT1: two nodes, the fault, the checks.
 # WANTn is a line node n must print ("" to skip: a killed node prints
 # nothing more).
@@ -149,7 +154,9 @@ loomrun_case() {
 	ip netns exec "$ns0" "$tmp/loomrun" --node-rank 0 "${flags[@]}" -- "$tmp/loomrun.test" -loomrun-test-child multinode 0 hold 4 "$m" >"$tmp/$name.0" 2>&1 &
 	ip netns exec "$ns1" "$tmp/loomrun" --node-rank 1 "${flags[@]}" -- "$tmp/loomrun.test" -loomrun-test-child multinode 1 hold 4 "$m" >"$tmp/$name.1" 2>&1 &
 	if ! until_in "$tmp/$name.1" "[rank 3] verified" 15 || ! until_in "$tmp/$name.0" "[rank 0] verified" 5; then
-		verdict "$name" "$(now)" 0 "the job did not start: $(cat "$tmp/$name.0" "$tmp/$name.1")"
+		verdict "$name" - 0 "the job did not start: $(cat "$tmp/$name.0" "$tmp/$name.1")"
+		pkill_job "$m"
+		wait 2>/dev/null || true
 		return
 	fi
 	sleep 0.5
@@ -162,24 +169,21 @@ loomrun_case() {
 	link) ip -n "$ns1" link set "$veth1" down ;;
 	esac
 	local problems=()
-	if ! await_end "$m" $((2 * node_timeout)); then
-		problems+=("still running after $((2 * node_timeout))s: $(pgrep -af "$m" | cut -c1-120 | tr '\n' ';')")
-	fi
 	local took
-	took=$(elapsed "$t0")
+	if ! await_end "$m" $((2 * node_timeout)); then
+		took=">$((2 * node_timeout))"
+		problems+=("still running after $((2 * node_timeout))s: $(pgrep -af "$m" | cut -c1-120 | tr '\n' ';')")
+		pkill_job "$m"
+	else
+		took=$(elapsed "$t0")
+	fi
 	wait 2>/dev/null || true
 	[ -n "$want0" ] && ! grep -qF -- "$want0" "$tmp/$name.0" && problems+=("node 0 did not print \"$want0\"")
 	[ -n "$want1" ] && ! grep -qF -- "$want1" "$tmp/$name.1" && problems+=("node 1 did not print \"$want1\"")
 	if [ ${#problems[@]} -gt 0 ]; then
 		printf '%s\n' "--- node 0:" "$(cat "$tmp/$name.0")" "--- node 1:" "$(cat "$tmp/$name.1")" >&2
 	fi
-	verdict "$name" "$t0" $((2 * node_timeout)) "${problems[@]}"
-	pkill_job "$m"
-}
-# pkill_job PATTERN: SIGKILL what is left of a failed case.
-pkill_job() {
-	local pid
-	for pid in $(pgrep -f "$1" || true); do kill -9 "$pid" 2>/dev/null || true; done
+	verdict "$name" "$took" $((2 * node_timeout)) "${problems[@]}"
 }
 
 echo "== loomrun, 2 nodes x 2 ranks, --node-timeout ${node_timeout}s"
@@ -223,7 +227,7 @@ EOF
 		"$tmp/transformer" -dp 2 -tp 1 -steps 100000 -every 20 >"$tmp/$name" 2>&1 &
 	local mpirun=$!
 	if ! until_in "$tmp/$name" "step   20" 30; then
-		verdict "$name" "$(now)" 0 "the job did not start: $(cat "$tmp/$name")"
+		verdict "$name" - 0 "the job did not start: $(cat "$tmp/$name")"
 		pkill_job "$tmp/"
 		return
 	fi
@@ -233,19 +237,22 @@ EOF
 	stop) kill -STOP "$(pgrep -f "^$tmp/transformer" | while read -r p; do [ "$(ip netns identify "$p")" = "$ns1" ] && echo "$p"; done | head -1)" ;;
 	link) ip -n "$ns1" link set "$veth1" down ;;
 	esac
-	local problems=() rc=0
+	local problems=() rc=0 took
 	if ! await_end "$tmp/" $((2 * loom_timeout)); then
+		took=">$((2 * loom_timeout))"
 		problems+=("still running after $((2 * loom_timeout))s: $(pgrep -af "$tmp/" | cut -c1-100 | tr '\n' ';')")
+		pkill_job "$tmp/"
+	else
+		took=$(elapsed "$t0")
 	fi
-	wait "$mpirun" || rc=$?
+	wait "$mpirun" 2>/dev/null || rc=$?
 	[ "$rc" = 0 ] && problems+=("mpirun exited 0")
 	[ -n "$want" ] && ! grep -qF -- "$want" "$tmp/$name" && problems+=("the output lacks \"$want\"")
 	if [ ${#problems[@]} -gt 0 ]; then
 		cat "$tmp/$name" >&2
 	fi
-	verdict "$name" "$t0" $((2 * loom_timeout)) "${problems[@]}" 
-	[ ${#problems[@]} -eq 0 ] && echo "netns:      $name: mpirun exit $rc"
-	pkill_job "$tmp/"
+	verdict "$name" "$took" $((2 * loom_timeout)) "${problems[@]}"
+	echo "netns:      $name: mpirun exit $rc"
 }
 
 if [ "$mpi" = 1 ]; then
