@@ -23,6 +23,7 @@ package launch
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -309,7 +310,11 @@ type Func func(ctx context.Context, c comm.Communicator) error
 // communicator on MPI (initialising and finalising MPI) and NCCL (GPU
 // LocalRank, bootstrapped through the rendezvous server at Addr). On MPI
 // and NCCL an error of fn aborts the world communicator, so that the other
-// processes' collectives fail promptly instead of waiting for it.
+// processes' collectives fail promptly instead of waiting for it. On MPI a
+// rank that fails on a communication error (comm.ErrTimeout,
+// comm.ErrAborted) then writes its error to stderr and ends the whole job
+// with MPI_Abort, without returning, so that mpirun exits non-zero; a
+// clean run finalises MPI.
 func (j *Job) Run(ctx context.Context, fn Func, opts ...Option) error {
 	if fn == nil {
 		return fmt.Errorf("launch: Run: %w: nil function", ErrInvalid)
@@ -327,6 +332,32 @@ func (j *Job) Run(ctx context.Context, fn Func, opts ...Option) error {
 		return runNCCL(ctx, j, fn, cfg)
 	}
 	return fmt.Errorf("launch: Run: %w: backend %q; want %s", ErrInvalid, j.Backend, strings.Join(Backends(), ", "))
+}
+
+// endMPIRank ends an MPI rank whose body returned err (nil: it succeeded).
+// A rank that failed on a communication error (comm.ErrTimeout or
+// comm.ErrAborted: a peer that never came, a peer's abort, a partition)
+// writes its error to stderr and ends the whole job with abort
+// (MPI_Abort, code 1), which makes mpirun end every process and exit
+// non-zero: its collectives stay posted in MPI, so MPI_Finalize could
+// hang, and peers that did not fail could wait for it until their own
+// timeout. Otherwise it calls finalize (MPI_Finalize); if that refuses
+// (operations are stuck in MPI), the rank reports both errors and aborts
+// the job too. It returns err, joined with finalize's error; abort does
+// not return when MPI is initialised.
+func endMPIRank(rank int, err error, finalize func() error, abort func(code int), stderr io.Writer) error {
+	if err != nil && (errors.Is(err, comm.ErrTimeout) || errors.Is(err, comm.ErrAborted)) {
+		fmt.Fprintf(stderr, "launch: mpi: %v\nlaunch: mpi: rank %d failed on a communication error; ending the MPI job (MPI_Abort)\n", err, rank)
+		abort(1)
+		return err
+	}
+	if ferr := finalize(); ferr != nil {
+		ferr = fmt.Errorf("launch: mpi: %w", ferr)
+		fmt.Fprintf(stderr, "launch: mpi: rank %d: %v\nlaunch: mpi: ending the MPI job (MPI_Abort)\n", rank, errors.Join(err, ferr))
+		abort(1)
+		return errors.Join(err, ferr)
+	}
+	return err
 }
 
 // runOne runs fn on c, this process's one rank, checking first that c is

@@ -3,6 +3,7 @@ package launch
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -138,5 +139,57 @@ func TestRunNCCLUnavailable(t *testing.T) {
 	local, err := InProcess(2)
 	if err != nil || local.Check() != nil {
 		t.Errorf("InProcess(2) = %+v, %v; Check = %v", local, err, local.Check())
+	}
+}
+
+// TestEndMPIRank: a rank that failed on a communication error reports it
+// and aborts the MPI job without finalizing; a clean rank finalizes; a
+// Finalize that refuses aborts too.
+func TestEndMPIRank(t *testing.T) {
+	timeout := &comm.Error{Backend: "mpi", Rank: 1, Op: comm.OpAllReduce, Seq: 33, Peer: -1, Err: fmt.Errorf("%w after 10s", comm.ErrTimeout)}
+	aborted := &comm.Error{Backend: "mpi", Rank: 1, Op: comm.OpAllReduce, Seq: 34, Peer: -1, Err: &comm.AbortError{Rank: 0, Cause: errors.New("rank 0 failed")}}
+	stuck := errors.New("mpi: Finalize: 1 operations abandoned")
+	bad := fmt.Errorf("setup: %w", ErrInvalid)
+	tests := []struct {
+		name        string
+		err, ferr   error
+		finalized   bool
+		aborted     bool
+		stderrWants []string
+	}{
+		{name: "clean", finalized: true},
+		{name: "timeout", err: fmt.Errorf("rank 1: step 3: %w", timeout), aborted: true,
+			stderrWants: []string{"allreduce #33: timed out after 10s", "rank 1 failed on a communication error; ending the MPI job (MPI_Abort)"}},
+		{name: "peer aborted", err: fmt.Errorf("rank 1: %w", aborted), aborted: true,
+			stderrWants: []string{"communicator aborted by rank 0", "ending the MPI job (MPI_Abort)"}},
+		{name: "other error", err: bad, finalized: true},
+		{name: "finalize refuses", err: bad, ferr: stuck, finalized: true, aborted: true,
+			stderrWants: []string{"rank 1: setup: invalid job", "Finalize: 1 operations abandoned", "ending the MPI job (MPI_Abort)"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var finalized, abortedJob bool
+			var stderr strings.Builder
+			err := endMPIRank(1, tc.err, func() error { finalized = true; return tc.ferr }, func(code int) {
+				if code == 0 {
+					t.Errorf("abort code 0")
+				}
+				abortedJob = true
+			}, &stderr)
+			if finalized != tc.finalized || abortedJob != tc.aborted {
+				t.Errorf("finalized %v, aborted %v; want %v, %v", finalized, abortedJob, tc.finalized, tc.aborted)
+			}
+			if tc.err != nil && !errors.Is(err, tc.err) || tc.ferr != nil && !strings.Contains(fmt.Sprint(err), tc.ferr.Error()) || tc.err == nil && tc.ferr == nil && err != nil {
+				t.Errorf("returned %v; want %v and %v", err, tc.err, tc.ferr)
+			}
+			for _, w := range tc.stderrWants {
+				if !strings.Contains(stderr.String(), w) {
+					t.Errorf("stderr %q lacks %q", stderr.String(), w)
+				}
+			}
+			if len(tc.stderrWants) == 0 && stderr.Len() > 0 {
+				t.Errorf("stderr %q, want nothing", stderr.String())
+			}
+		})
 	}
 }

@@ -48,11 +48,16 @@
 // its --timeout passed) records it in the store, and every node, watching
 // that record, ends its ranks as described below and exits with status 1
 // and the message "job failed: rank R (node K) ..." naming the failed rank
-// and its node (or the node, for a signal or a timeout). A node whose loomrun dies is caught too: when node 0
-// dies, its server goes with it, and every other node ends its ranks at
-// once; every other node beats a heartbeat in the store, and when node 0
+// and its node (or the node, for a signal or a timeout). A node whose
+// loomrun dies or can no longer be reached is caught too, by every node:
+// every node other than 0 beats a heartbeat in the store, and when node 0
 // has not heard one from a node for --node-timeout (default 30s), it
-// fails the job naming the node. Node 0 exits only once every node has
+// fails the job naming the node; a node whose heartbeats node 0's server
+// has not answered for --node-timeout (node 0 partitioned away, frozen,
+// or its host gone) concludes that node 0 is lost and ends its ranks with
+// "job failed: node 0's loomrun stopped responding"; and when node 0's
+// loomrun dies, its server's connections close, and every other node ends
+// its ranks at once. Node 0 exits only once every node has
 // reported its end (or, after a failure, once they had the time to end
 // their ranks), so its server outlives the other nodes' use of it, and
 // its exit status is 1 if any node failed.
@@ -135,7 +140,7 @@ type config struct {
 	nnodes      int           // nodes of the job; 0 counts as 1
 	nodeRank    int           // this node, 0..nnodes-1
 	joinTimeout time.Duration // how long the nodes wait for each other
-	nodeTimeout time.Duration // how long node 0 waits for a silent node
+	nodeTimeout time.Duration // how long a node waits for a silent node (or node 0's server)
 	masterAddr  string
 	masterPort  int
 	timeout     time.Duration // whole job; 0: none
@@ -156,7 +161,7 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&cfg.masterAddr, "master-addr", "127.0.0.1", "address of node 0's rendezvous server (MASTER_ADDR)")
 	fs.IntVar(&cfg.masterPort, "master-port", 0, "port of the rendezvous server (MASTER_PORT); 0 picks a free one (one node only)")
 	fs.DurationVar(&cfg.joinTimeout, "join-timeout", 5*time.Minute, "how long the nodes wait for each other to join")
-	fs.DurationVar(&cfg.nodeTimeout, "node-timeout", 30*time.Second, "end the job when another node's loomrun has not been heard from for this long")
+	fs.DurationVar(&cfg.nodeTimeout, "node-timeout", 30*time.Second, "end the job when another node's loomrun (or node 0's rendezvous server) has not been heard from for this long")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "end the whole job after this long (0: no limit)")
 	fs.DurationVar(&cfg.grace, "grace", 5*time.Second, "time between SIGTERM and SIGKILL when ending processes")
 	fs.Usage = func() {

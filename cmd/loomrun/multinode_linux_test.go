@@ -5,11 +5,13 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -311,6 +313,112 @@ func TestKilledNodeEndsAll(t *testing.T) {
 	} {
 		if !strings.Contains(node0.out.String(), want) {
 			t.Errorf("node 0's output lacks %q", want)
+		}
+	}
+	checkNoneLeft(t, m)
+}
+
+// blackhole is a TCP proxy to target that, once frozen, forwards nothing
+// more in either direction and keeps every connection open: to the nodes
+// behind it, a partition that no error reveals (a link taken down).
+type blackhole struct {
+	ln     net.Listener
+	frozen atomic.Bool
+}
+
+// newBlackhole starts a proxy on a loopback port to target; the test's
+// cleanup closes its listener (the connections end with the test binary).
+func newBlackhole(t *testing.T, target string) *blackhole {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &blackhole{ln: ln}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go b.serve(c, target)
+		}
+	}()
+	return b
+}
+
+func (b *blackhole) port() int { return b.ln.Addr().(*net.TCPAddr).Port }
+
+// serve connects c to target and copies both ways until frozen; from then
+// on what arrives is read and dropped, and nothing is closed.
+func (b *blackhole) serve(c net.Conn, target string) {
+	if b.frozen.Load() {
+		go io.Copy(io.Discard, c)
+		return
+	}
+	s, err := net.Dial("tcp", target)
+	if err != nil {
+		c.Close()
+		return
+	}
+	pump := func(dst, src net.Conn) {
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := src.Read(buf)
+			if err != nil {
+				return
+			}
+			if b.frozen.Load() {
+				continue
+			}
+			if _, err := dst.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+	}
+	go pump(s, c)
+	go pump(c, s)
+}
+
+// TestPartitionedNodesEndAll reaches node 0's store from node 1 (loomrun
+// and ranks) through a proxy, which then stops forwarding without closing
+// anything. Node 0 misses node 1's heartbeat; node 1, whose requests to
+// the store go unanswered, concludes that node 0 is lost. Each ends its
+// ranks within 2× --node-timeout, naming the other node.
+func TestPartitionedNodesEndAll(t *testing.T) {
+	const nodeTimeout = 2 * time.Second
+	port := freePort(t)
+	proxy := newBlackhole(t, net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+	m := argMarker(t)
+	nt := []string{"--node-timeout", nodeTimeout.String()}
+	nodes := []*launcher{
+		startNode(t, nodeFlags(port, 0, 2, nt...), "0", "hold", "4", m),
+		startNode(t, nodeFlags(proxy.port(), 1, 2, nt...), "1", "hold", "4", m),
+	}
+	if got := waitMarked(m, 10, 10*time.Second); got != 10 {
+		t.Fatalf("%d loomruns, ranks and supervisors running, want 10", got)
+	}
+	started := time.Now()
+	for !strings.Contains(nodes[1].out.String(), "[rank 3] verified") {
+		if time.Since(started) > 10*time.Second {
+			t.Fatal("rank 3 did not verify the job")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cut := time.Now()
+	proxy.frozen.Store(true)
+	wants := []string{
+		"loomrun[node 0]: job failed: node 1's loomrun stopped responding (no heartbeat for 2s)",
+		"loomrun[node 1]: job failed: node 0's loomrun stopped responding (its rendezvous server at 127.0.0.1:",
+	}
+	for i, l := range nodes {
+		if code := waitExit(t, l, 2*nodeTimeout-time.Since(cut)); code != 1 {
+			t.Errorf("node %d: exit %d, want 1", i, code)
+		}
+		t.Logf("node %d ended %v after the partition", i, time.Since(cut))
+		if !strings.Contains(l.out.String(), wants[i]) {
+			t.Errorf("node %d's output lacks %q", i, wants[i])
 		}
 	}
 	checkNoneLeft(t, m)

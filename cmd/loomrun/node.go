@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/b7ea7098/loom/comm/rendezvous"
@@ -86,6 +87,7 @@ type cluster struct {
 	// failed delivers the first failure published by any node (this one
 	// included), or the loss of node 0's server; it is written once.
 	failed     chan string
+	serverLost atomic.Bool // node 0's server is gone or unreachable: finish skips it
 	stopWatch  context.CancelFunc
 	watchDone  chan struct{}
 	publishing sync.WaitGroup
@@ -120,10 +122,14 @@ func dialCluster(cfg *config, addr string, logf func(string, ...any)) (*cluster,
 
 // startBeats starts, once the nodes have joined, the heartbeat of a node
 // other than 0, or on node 0 the monitor of the others' heartbeats: a
-// node whose loomrun dies, even by SIGKILL, stops beating, and node 0
-// publishes that as the job's failure after --node-timeout. (Node 0's
-// death needs no heartbeat: its server goes with it, which every other
-// node's watch sees at once.)
+// node whose loomrun dies, even by SIGKILL, or that node 0 can no longer
+// reach, stops beating, and node 0 publishes that as the job's failure
+// after --node-timeout. The heartbeat is also how the other nodes watch
+// node 0: its loomrun holds the server, so a node whose beats go
+// unanswered for --node-timeout (node 0 partitioned away, frozen, or its
+// host gone without closing the connection) fails the job on its side,
+// naming node 0. (A node 0 that dies closes its connections, which every
+// other node's watch sees at once.)
 func (cl *cluster) startBeats() {
 	ctx, cancel := context.WithCancel(context.Background())
 	cl.stopBeats = cancel
@@ -131,46 +137,92 @@ func (cl *cluster) startBeats() {
 	cl.beats.Add(1)
 	go func() {
 		defer cl.beats.Done()
-		t := time.NewTicker(every)
-		defer t.Stop()
-		last := map[int]int64{}
-		heard := map[int]time.Time{}
-		for j := 1; j < cl.nnodes; j++ {
-			heard[j] = time.Now()
+		if cl.node != 0 {
+			cl.beat(ctx, every)
+			return
 		}
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			if cl.node != 0 {
-				cctx, cancel := context.WithTimeout(ctx, cl.nodeTimeout)
-				// A failure is a lost server, which the watch reports.
-				_, _ = cl.c.Add(cctx, aliveKey(cl.node), 1)
-				cancel()
-				continue
-			}
-			for j, at := range heard {
-				cctx, cancel := context.WithTimeout(ctx, every)
-				v, err := cl.c.Add(cctx, aliveKey(j), 0)
-				cancel()
-				switch {
-				case err != nil:
-					// Our own server: only a call cut short by its
-					// timeout or by stopBeats; the next tick retries.
-				case v >= aliveDone:
-					delete(heard, j)
-				case v != last[j]:
-					last[j], heard[j] = v, time.Now()
-				case time.Since(at) > cl.nodeTimeout:
-					delete(heard, j)
-					cl.lost <- j // once per node: fits the buffer
-					cl.publish(fmt.Sprintf("node %d's loomrun stopped responding (no heartbeat for %v)", j, cl.nodeTimeout))
-				}
-			}
-		}
+		cl.monitor(ctx, every)
 	}()
+}
+
+// beat adds to this node's heartbeat counter every interval until ctx
+// ends. Each call may take until --node-timeout after the last answered
+// one; when it gets no answer by then, node 0 is lost: beat reports it on
+// cl.failed and returns.
+func (cl *cluster) beat(ctx context.Context, every time.Duration) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	answered := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		by := answered.Add(cl.nodeTimeout)
+		cctx, cancel := context.WithDeadline(ctx, by)
+		_, err := cl.c.Add(cctx, aliveKey(cl.node), 1)
+		cancel()
+		switch {
+		case err == nil:
+			answered = time.Now()
+		case ctx.Err() != nil: // stopped: this node is done
+			return
+		case !time.Now().Before(by):
+			cl.lose(fmt.Sprintf("node 0's loomrun stopped responding (its rendezvous server at %s did not answer for %v)", cl.addr, cl.nodeTimeout))
+			return
+		}
+		// Otherwise a lost connection that reconnecting could not mend
+		// yet: the watch reports a closed one; the next tick retries.
+	}
+}
+
+// monitor, on node 0, checks every interval that each other node's
+// heartbeat counter moved within --node-timeout, and publishes the first
+// node that stopped as the job's failure (and sends it on cl.lost).
+func (cl *cluster) monitor(ctx context.Context, every time.Duration) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	last := map[int]int64{}
+	heard := map[int]time.Time{}
+	for j := 1; j < cl.nnodes; j++ {
+		heard[j] = time.Now()
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for j, at := range heard {
+			cctx, cancel := context.WithTimeout(ctx, every)
+			v, err := cl.c.Add(cctx, aliveKey(j), 0)
+			cancel()
+			switch {
+			case err != nil:
+				// Our own server: only a call cut short by its
+				// timeout or by stopBeats; the next tick retries.
+			case v >= aliveDone:
+				delete(heard, j)
+			case v != last[j]:
+				last[j], heard[j] = v, time.Now()
+			case time.Since(at) > cl.nodeTimeout:
+				delete(heard, j)
+				cl.lost <- j // once per node: fits the buffer
+				cl.publish(fmt.Sprintf("node %d's loomrun stopped responding (no heartbeat for %v)", j, cl.nodeTimeout))
+			}
+		}
+	}
+}
+
+// lose records that node 0's server is gone or unreachable and delivers
+// reason on cl.failed, unless a failure is already there.
+func (cl *cluster) lose(reason string) {
+	cl.serverLost.Store(true)
+	select {
+	case cl.failed <- reason:
+	default:
+	}
 }
 
 // watch waits for the job's failure key and delivers it on cl.failed. If
@@ -180,10 +232,13 @@ func (cl *cluster) watch(ctx context.Context) {
 	v, err := cl.c.Get(ctx, keyFailed)
 	switch {
 	case err == nil:
-		cl.failed <- string(v)
+		select {
+		case cl.failed <- string(v):
+		default: // the heartbeat reported node 0 lost first
+		}
 	case ctx.Err() != nil: // stopped: this node is done
 	default:
-		cl.failed <- fmt.Sprintf("lost node 0's rendezvous server at %s: %v", cl.addr, err)
+		cl.lose(fmt.Sprintf("lost node 0's rendezvous server at %s: %v", cl.addr, err))
 	}
 }
 
@@ -320,6 +375,11 @@ func (cl *cluster) finish(outcome string) {
 	cl.stopBeats()
 	cl.beats.Wait()
 	cl.publishing.Wait()
+	if cl.serverLost.Load() {
+		// Nobody is there to tell: do not wait publishTimeout for it.
+		cl.close()
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), publishTimeout)
 	defer cancel()
 	if _, err := cl.c.Add(ctx, aliveKey(cl.node), aliveDone); err != nil {

@@ -127,7 +127,21 @@
 // WithHardAbort (or LOOM_MPI_HARD_ABORT=1) so that Abort and timeouts call
 // MPI_Abort after marking the communicator. Without it, Finalize refuses
 // to call MPI_Finalize while operations are stuck, and the program should
-// call AbortJob.
+// call AbortJob. A program that runs its ranks with launch.Job.Run (as
+// the training programs do, through train.Run) need not: a rank whose
+// body fails with a timeout or an abort writes its error to stderr and
+// ends the job with MPI_Abort there, so mpirun exits non-zero at once; a
+// rank that succeeds calls MPI_Finalize.
+//
+// MPI_Abort travels through Open MPI's daemons (mpirun and each host's
+// orted), so across a network partition it cannot reach the other side.
+// Open MPI's runtime learns that a daemon is lost only through TCP
+// keepalive on its own connections, after 300 s of silence by default;
+// for a job across hosts, pass smaller values to mpirun, e.g.
+// --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1
+// --mca oob_tcp_keepalive_probes 3, and mpirun and every orted end within
+// seconds of a partition (scripts/netns_check.sh checks this on two
+// network namespaces).
 //
 // The backend chooses no algorithms of its own (MPI does): a call that
 // forces one other than comm.Auto is rejected with comm.ErrUnsupported,

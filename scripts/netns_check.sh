@@ -1,0 +1,268 @@
+#!/usr/bin/env bash
+# Multi-host faults on one machine: two network namespaces joined by a veth
+# pair are the two hosts of a job (addresses 10.213.0.1 and 10.213.0.2,
+# which exist only inside the namespaces). It checks that each fault ends
+# every process of the job on both "hosts" in time, naming what failed:
+#
+#   loomrun, two nodes (--nnodes 2, --node-timeout 4s), the ranks being
+#   cmd/loomrun's test binary in its multinode mode:
+#     rank-killed      SIGKILL to a rank of node 1
+#     node1-killed     SIGKILL to node 1's loomrun
+#     node0-killed     SIGKILL to node 0's loomrun (the store's host)
+#     link-down        the veth link taken down mid-run
+#   each must end every process on both nodes within 2x --node-timeout.
+#
+#   mpirun across the namespaces (a plm_rsh_agent that runs `ip netns
+#   exec`), examples/transformer built with -tags mpi, LOOM_TIMEOUT=8s:
+#     mpi-rank-stopped SIGSTOP to node 1's rank: rank 0 times out, reports
+#                      and aborts the job (MPI_Abort)
+#     mpi-link-down    the link taken down mid-run
+#   mpirun must exit non-zero within 2x LOOM_TIMEOUT, leaving no orted and
+#   no rank behind.
+#
+# Each case prints one line: "netns: PASS|FAIL <case>: ended in <s> (bound
+# <s>) ...". Needs root and `ip netns`; without them it says so and exits
+# 0. It cleans up the namespaces on exit and removes leftovers of an
+# earlier run first.
+#
+# Usage: scripts/netns_check.sh   (Debian: iproute2, openmpi-bin, libopenmpi-dev)
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+ns0=loomnet0 ns1=loomnet1
+veth0=loomveth0 veth1=loomveth1
+addr0=10.213.0.1 addr1=10.213.0.2
+port=29513
+node_timeout=4 # seconds
+loom_timeout=8 # seconds
+
+if [ "$(id -u)" != 0 ]; then
+	echo "netns: skipped: needs root to make network namespaces (ip netns)"
+	exit 0
+fi
+if ! command -v ip >/dev/null || ! ip netns add loomnet-probe 2>/dev/null; then
+	echo "netns: skipped: ip netns add does not work here (iproute2 missing, or no CAP_SYS_ADMIN)"
+	exit 0
+fi
+ip netns del loomnet-probe
+
+tmp="$(mktemp -d)"
+cleanup() {
+	# Only what this run started: every process of the job carries $tmp
+	# in its argv (the binaries, the rsh agent in orted's).
+	for pid in $(pgrep -f "$tmp/" || true); do
+		kill -9 "$pid" 2>/dev/null || true
+	done
+	ip netns del "$ns0" 2>/dev/null || true
+	ip netns del "$ns1" 2>/dev/null || true
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+
+# net makes (again) the two namespaces and the link between them.
+net() {
+	ip netns del "$ns0" 2>/dev/null || true
+	ip netns del "$ns1" 2>/dev/null || true
+	ip netns add "$ns0"
+	ip netns add "$ns1"
+	ip link add "$veth0" netns "$ns0" type veth peer name "$veth1" netns "$ns1"
+	ip -n "$ns0" addr add "$addr0/24" dev "$veth0"
+	ip -n "$ns1" addr add "$addr1/24" dev "$veth1"
+	for n in "$ns0:$veth0" "$ns1:$veth1"; do
+		ip -n "${n%%:*}" link set lo up
+		ip -n "${n%%:*}" link set "${n#*:}" up
+	done
+}
+net
+
+echo "== go build ./cmd/loomrun, go test -c ./cmd/loomrun, go build -tags mpi ./examples/transformer"
+go build -o "$tmp/loomrun" ./cmd/loomrun
+go test -c -o "$tmp/loomrun.test" ./cmd/loomrun
+mpi=1
+if command -v mpirun >/dev/null && pkg-config --exists ompi-c 2>/dev/null; then
+	go build -tags mpi -o "$tmp/transformer" ./examples/transformer
+else
+	mpi=0
+	echo "netns: the mpirun cases need Open MPI (apt-get install -y openmpi-bin libopenmpi-dev)" >&2
+fi
+
+now() { date +%s.%N; }
+# elapsed T0: seconds since T0, two decimals.
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
+# alive PATTERN: whether a live (not zombie) process's argv matches.
+alive() {
+	local pid
+	for pid in $(pgrep -f "$1" || true); do
+		if [ "$(ps -o stat= -p "$pid" 2>/dev/null | cut -c1)" != Z ] && [ -n "$(ps -o stat= -p "$pid" 2>/dev/null)" ]; then
+			return 0
+		fi
+	done
+	return 1
+}
+# await_end PATTERN LIMIT: waits until no process matching PATTERN lives,
+# at most LIMIT seconds.
+await_end() {
+	local deadline
+	deadline=$(awk -v a="$(now)" -v d="$2" 'BEGIN { printf "%.3f", a + d }')
+	while alive "$1"; do
+		if awk -v a="$(now)" -v d="$deadline" 'BEGIN { exit !(a > d) }'; then
+			return 1
+		fi
+		sleep 0.05
+	done
+}
+# until_in FILE TEXT LIMIT: waits until FILE contains TEXT.
+until_in() {
+	local i
+	for ((i = 0; i < $3 * 20; i++)); do
+		grep -qF -- "$2" "$1" 2>/dev/null && return 0
+		sleep 0.05
+	done
+	return 1
+}
+
+fails=0
+# verdict CASE TOOK BOUND PROBLEMS...: one summary line; TOOK is the time
+# the job took to end after the fault, in seconds.
+verdict() {
+	local name=$1 took=$2 bound=$3
+	shift 3
+	if [ $# -eq 0 ]; then
+		echo "netns: PASS $name: ended in ${took}s (bound ${bound}s)"
+	else
+		echo "netns: FAIL $name: ${took}s (bound ${bound}s): $*"
+		fails=$((fails + 1))
+	fi
+}
+
+# pkill_job PATTERN: SIGKILL what is left of a failed case.
+pkill_job() {
+	local pid
+	for pid in $(pgrep -f "$1" || true); do kill -9 "$pid" 2>/dev/null || true; done
+}
+# loomrun_case NAME FAULT WANT0 WANT1: two nodes, the fault, the checks.
+# WANTn is a line node n must print ("" to skip: a killed node prints
+# nothing more).
+loomrun_case() {
+	local name=$1 fault=$2 want0=$3 want1=$4
+	local m="$tmp/job-$name" # in every argv of the job: the ranks' marker
+	local flags=(--nnodes 2 -n 2 --master-addr "$addr0" --master-port "$port" --node-timeout "${node_timeout}s" --grace 1s --timeout 60s)
+	net
+	ip netns exec "$ns0" "$tmp/loomrun" --node-rank 0 "${flags[@]}" -- "$tmp/loomrun.test" -loomrun-test-child multinode 0 hold 4 "$m" >"$tmp/$name.0" 2>&1 &
+	ip netns exec "$ns1" "$tmp/loomrun" --node-rank 1 "${flags[@]}" -- "$tmp/loomrun.test" -loomrun-test-child multinode 1 hold 4 "$m" >"$tmp/$name.1" 2>&1 &
+	if ! until_in "$tmp/$name.1" "[rank 3] verified" 15 || ! until_in "$tmp/$name.0" "[rank 0] verified" 5; then
+		verdict "$name" - 0 "the job did not start: $(cat "$tmp/$name.0" "$tmp/$name.1")"
+		pkill_job "$m"
+		wait 2>/dev/null || true
+		return
+	fi
+	sleep 0.5
+	local t0
+	t0=$(now)
+	case $fault in
+	rank) kill -9 "$(pgrep -f "^$tmp/loomrun.test -loomrun-test-child multinode 1 hold 4 $m" | head -1)" ;;
+	node1) kill -9 "$(pgrep -f "^$tmp/loomrun --node-rank 1 .*$m")" ;;
+	node0) kill -9 "$(pgrep -f "^$tmp/loomrun --node-rank 0 .*$m")" ;;
+	link) ip -n "$ns1" link set "$veth1" down ;;
+	esac
+	local problems=()
+	local took
+	if ! await_end "$m" $((2 * node_timeout)); then
+		took=">$((2 * node_timeout))"
+		problems+=("still running after $((2 * node_timeout))s: $(pgrep -af "$m" | cut -c1-120 | tr '\n' ';')")
+		pkill_job "$m"
+	else
+		took=$(elapsed "$t0")
+	fi
+	wait 2>/dev/null || true
+	[ -n "$want0" ] && ! grep -qF -- "$want0" "$tmp/$name.0" && problems+=("node 0 did not print \"$want0\"")
+	[ -n "$want1" ] && ! grep -qF -- "$want1" "$tmp/$name.1" && problems+=("node 1 did not print \"$want1\"")
+	if [ ${#problems[@]} -gt 0 ]; then
+		printf '%s\n' "--- node 0:" "$(cat "$tmp/$name.0")" "--- node 1:" "$(cat "$tmp/$name.1")" >&2
+	fi
+	verdict "$name" "$took" $((2 * node_timeout)) "${problems[@]}"
+}
+
+echo "== loomrun, 2 nodes x 2 ranks, --node-timeout ${node_timeout}s"
+loomrun_case rank-killed rank \
+	"loomrun[node 0]: job failed: rank " "loomrun[node 1]: job failed: rank "
+grep -qE "job failed: rank [23] \(node 1\) was killed by signal SIGKILL" "$tmp/rank-killed.0" ||
+	{ echo "netns: FAIL rank-killed: node 0 does not name the killed rank of node 1"; fails=$((fails + 1)); }
+loomrun_case node1-killed node1 \
+	"loomrun[node 0]: job failed: node 1's loomrun stopped responding (no heartbeat for ${node_timeout}s)" ""
+loomrun_case node0-killed node0 \
+	"" "loomrun[node 1]: job failed: lost node 0's rendezvous server at $addr0:$port"
+loomrun_case link-down link \
+	"loomrun[node 0]: job failed: node 1's loomrun stopped responding (no heartbeat for ${node_timeout}s)" \
+	"loomrun[node 1]: job failed: node 0's loomrun stopped responding (its rendezvous server at $addr0:$port did not answer for ${node_timeout}s)"
+
+# mpi_case NAME FAULT WANT: mpirun in ns0, one rank on each "host".
+mpi_case() {
+	local name=$1 fault=$2 want=$3
+	net
+	cat >"$tmp/agent.sh" <<EOF
+#!/bin/sh
+# plm_rsh_agent: "ssh" to a namespace. \$1 is the host, the rest the command.
+host=\$1
+shift
+case \$host in
+$addr0) ns=$ns0 ;;
+$addr1) ns=$ns1 ;;
+*) echo "agent.sh: unknown host \$host" >&2; exit 1 ;;
+esac
+exec ip netns exec "\$ns" sh -c "\$*"
+EOF
+	chmod +x "$tmp/agent.sh"
+	# Open MPI's runtime learns of a lost daemon (mpirun <-> orted) only
+	# through TCP keepalive on its own connections; its default (300 s
+	# idle) would keep mpirun and orted up for minutes after a partition.
+	ip netns exec "$ns0" mpirun --allow-run-as-root --oversubscribe \
+		--mca plm_rsh_agent "$tmp/agent.sh" --host "$addr0:1,$addr1:1" -np 2 \
+		--mca btl tcp,self --mca btl_tcp_if_include 10.213.0.0/24 --mca oob_tcp_if_include 10.213.0.0/24 \
+		--mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 --mca oob_tcp_keepalive_probes 3 \
+		-x LOOM_TIMEOUT=${loom_timeout}s -x LOOM_COSTMODEL=off \
+		"$tmp/transformer" -dp 2 -tp 1 -steps 100000 -every 20 >"$tmp/$name" 2>&1 &
+	local mpirun=$!
+	if ! until_in "$tmp/$name" "step   20" 30; then
+		verdict "$name" - 0 "the job did not start: $(cat "$tmp/$name")"
+		pkill_job "$tmp/"
+		return
+	fi
+	local t0
+	t0=$(now)
+	case $fault in
+	stop) kill -STOP "$(pgrep -f "^$tmp/transformer" | while read -r p; do [ "$(ip netns identify "$p")" = "$ns1" ] && echo "$p"; done | head -1)" ;;
+	link) ip -n "$ns1" link set "$veth1" down ;;
+	esac
+	local problems=() rc=0 took
+	if ! await_end "$tmp/" $((2 * loom_timeout)); then
+		took=">$((2 * loom_timeout))"
+		problems+=("still running after $((2 * loom_timeout))s: $(pgrep -af "$tmp/" | cut -c1-100 | tr '\n' ';')")
+		pkill_job "$tmp/"
+	else
+		took=$(elapsed "$t0")
+	fi
+	wait "$mpirun" 2>/dev/null || rc=$?
+	[ "$rc" = 0 ] && problems+=("mpirun exited 0")
+	[ -n "$want" ] && ! grep -qF -- "$want" "$tmp/$name" && problems+=("the output lacks \"$want\"")
+	if [ ${#problems[@]} -gt 0 ]; then
+		cat "$tmp/$name" >&2
+	fi
+	verdict "$name" "$took" $((2 * loom_timeout)) "${problems[@]}"
+	echo "netns:      $name: mpirun exit $rc"
+}
+
+if [ "$mpi" = 1 ]; then
+	echo "== mpirun across the namespaces, 1 rank on each, LOOM_TIMEOUT=${loom_timeout}s"
+	mpi_case mpi-rank-stopped stop "rank 0 failed on a communication error; ending the MPI job (MPI_Abort)"
+	mpi_case mpi-link-down link ""
+fi
+
+if [ "$fails" -gt 0 ]; then
+	echo "netns: $fails case(s) failed"
+	exit 1
+fi
+echo "netns: all cases passed"
