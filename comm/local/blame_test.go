@@ -16,7 +16,7 @@ import (
 
 // blameTimeout is the communicator timeout of the blame cases; stagger
 // (a fraction of it) orders which rank's timeout fires first.
-const blameTimeout = 240 * time.Millisecond
+const blameTimeout = 300 * time.Millisecond
 
 // blameRank is one rank's part in a blame case: the communicators it
 // holds (the world's "w" and the splits of the case by name; a split
@@ -129,11 +129,11 @@ func TestTimeoutNamesLateRank(t *testing.T) {
 				case 0:
 					after(12)
 					return b.allReduce("low")
-				case 1:
-					after(2)
+				case 1: // blocked before rank 2 times out, times out after it
+					time.Sleep(2 * blameTimeout / 3)
 					return b.allReduce("low")
-				case 2:
-					after(1)
+				case 2: // blocked before rank 3 times out, times out after it
+					time.Sleep(blameTimeout / 3)
 					return b.allReduce("mid")
 				}
 				return b.allReduce("w")
@@ -141,7 +141,7 @@ func TestTimeoutNamesLateRank(t *testing.T) {
 			says: func(r int) []string {
 				switch r {
 				case 2: // a communicator whose ranks are not the world's
-					return []string{"world/split2.c0: rank 1 (world rank 2): allreduce #1", "waiting for world rank 0, which has not joined (",
+					return []string{"world/split2.c0: rank 1 (world rank 2): allreduce #1", "timed out after 300ms waiting for world rank 0, which has not joined (",
 						"rank 0 (world rank 1) waits in world/split1.c0 allreduce #1 [unit h.1 all-gather] for world rank 0"}
 				case 3:
 					return []string{"waiting for rank 0, which has not joined this call (",
