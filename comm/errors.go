@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/b7ea7098/loom"
 )
@@ -24,21 +25,41 @@ var (
 )
 
 // Error is the error every blocking call returns: it names the rank that saw
-// it, the operation and its sequence number on the communicator, and the peer
-// involved when there is one (-1 otherwise).
+// it, the operation and its sequence number on the communicator, the label
+// the caller gave the operation (WithLabel) and the peer involved when there
+// is one (-1 otherwise).
 type Error struct {
 	Backend string
-	Rank    int
-	Op      Op
-	Seq     uint64
-	Peer    int
-	Err     error
+	// Comm names the communicator when it is not the world one and the
+	// backend knows its name ("world/split3.c0"); "" otherwise.
+	Comm string
+	// Rank is this rank in the communicator; WorldRank is its rank in the
+	// world, meaningful only when Comm is set.
+	Rank, WorldRank int
+	Op              Op
+	Seq             uint64
+	// Label is the label the caller attached to the operation with
+	// WithLabel ("fsdp unit blocks.1 all-gather"), or "".
+	Label string
+	Peer  int
+	Err   error
 }
 
 // Error implements error.
 func (e *Error) Error() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "loom/comm %s: rank %d: %v #%d", e.Backend, e.Rank, e.Op, e.Seq)
+	fmt.Fprintf(&b, "loom/comm %s", e.Backend)
+	if e.Comm != "" {
+		fmt.Fprintf(&b, " %s", e.Comm)
+	}
+	fmt.Fprintf(&b, ": rank %d", e.Rank)
+	if e.Comm != "" && e.WorldRank != e.Rank {
+		fmt.Fprintf(&b, " (world rank %d)", e.WorldRank)
+	}
+	fmt.Fprintf(&b, ": %v #%d", e.Op, e.Seq)
+	if e.Label != "" {
+		fmt.Fprintf(&b, " [%s]", e.Label)
+	}
 	if e.Peer >= 0 {
 		fmt.Fprintf(&b, " (peer %d)", e.Peer)
 	}
@@ -90,3 +111,48 @@ func (e *MismatchError) Error() string {
 
 // Unwrap returns ErrMismatch.
 func (e *MismatchError) Unwrap() error { return ErrMismatch }
+
+// TimeoutError is the cause of a call that outlived the communicator's
+// timeout, from a backend that can tell which ranks kept it waiting (the
+// local backend: every member of a collective registers its arrival, so
+// a timed-out call looks up who has not arrived and, when such a rank is
+// itself blocked in another communicator's call, whom that call waits
+// for, down to the ranks that wait for nothing). NCCL and MPI cannot tell:
+// their timeouts wrap ErrTimeout without a TimeoutError.
+type TimeoutError struct {
+	// After is the timeout that expired.
+	After time.Duration
+	// Late lists, in world ranks and ascending, the ranks found to keep the
+	// call waiting without waiting for any other: the ranks to blame. It is
+	// empty when every rank has arrived (one is slow inside the call) or
+	// when the ranks wait for each other in a cycle.
+	Late []int
+	// Detail says what the call waited for, in words: "waiting for rank 1,
+	// which has not joined this call".
+	Detail string
+}
+
+// Error implements error.
+func (e *TimeoutError) Error() string {
+	s := ErrTimeout.Error()
+	if e.After > 0 {
+		s += " after " + e.After.String()
+	}
+	if e.Detail != "" {
+		s += " " + e.Detail
+	}
+	return s
+}
+
+// Unwrap returns ErrTimeout.
+func (e *TimeoutError) Unwrap() error { return ErrTimeout }
+
+// LateRanks returns the world ranks err blames for a timeout (its
+// TimeoutError's Late, also through an abort that carries one), or nil.
+func LateRanks(err error) []int {
+	var te *TimeoutError
+	if errors.As(err, &te) {
+		return te.Late
+	}
+	return nil
+}

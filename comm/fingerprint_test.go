@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/b7ea7098/loom/comm"
 )
@@ -189,6 +191,8 @@ func TestErrorFormatting(t *testing.T) {
 			"loom/comm mpi: rank 1: recv #3 (peer 0): timed out"},
 		{"peer 5, wrapped cause", &comm.Error{Backend: "local", Rank: 0, Op: comm.OpSend, Seq: 12, Peer: 5, Err: fmt.Errorf("%w: boom", comm.ErrInvalid)},
 			"loom/comm local: rank 0: send #12 (peer 5): invalid call: boom"},
+		{"split, label", &comm.Error{Backend: "local", Comm: "world/split2.c0", Rank: 1, WorldRank: 3, Op: comm.OpAllGather, Seq: 4, Label: "unit h.1 all-gather", Peer: -1, Err: &comm.TimeoutError{After: time.Second, Late: []int{0}, Detail: "waiting for world rank 0, which has not joined"}},
+			"loom/comm local world/split2.c0: rank 1 (world rank 3): allgather #4 [unit h.1 all-gather]: timed out after 1s waiting for world rank 0, which has not joined"},
 	}
 	for _, tc := range tests {
 		if got := tc.e.Error(); got != tc.want {
@@ -197,6 +201,11 @@ func TestErrorFormatting(t *testing.T) {
 	}
 	if e := tests[2].e; !errors.Is(e, comm.ErrInvalid) || errors.Is(e, comm.ErrTimeout) {
 		t.Error("Error does not unwrap to exactly its cause")
+	}
+	// A TimeoutError is an ErrTimeout, and LateRanks finds it through an abort.
+	abort := &comm.Error{Backend: "local", Rank: 2, Op: comm.OpAllGather, Seq: 4, Peer: -1, Err: &comm.AbortError{Rank: 1, Cause: tests[3].e}}
+	if !errors.Is(abort, comm.ErrTimeout) || !slices.Equal(comm.LateRanks(abort), []int{0}) || comm.LateRanks(tests[0].e) != nil {
+		t.Errorf("LateRanks(%v) = %v, want [0]", abort, comm.LateRanks(abort))
 	}
 }
 

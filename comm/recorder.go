@@ -1,6 +1,7 @@
 package comm
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -55,6 +56,7 @@ func (s *State) UnmarshalText(b []byte) error {
 type Entry struct {
 	Seq       uint64    `json:"seq"`
 	Op        string    `json:"op"`
+	Label     string    `json:"label,omitempty"` // the caller's, see WithLabel
 	DType     string    `json:"dtype,omitempty"`
 	Bytes     int64     `json:"bytes"`
 	Algorithm string    `json:"algorithm,omitempty"`
@@ -87,10 +89,37 @@ func NewRecorder(name string, rank, capacity int) *Recorder {
 	return &Recorder{name: name, rank: rank, entries: make([]Entry, capacity)}
 }
 
+// labelKey is the context key of WithLabel.
+type labelKey struct{}
+
+// WithLabel returns a context whose calls are recorded, and reported in
+// their errors, with label: what the caller does, in its own words
+// ("fsdp unit blocks.1 all-gather"). A label given inside a labelled
+// context is appended to the outer one after " / ". Every backend records
+// the label of the context a call is issued with.
+func WithLabel(ctx context.Context, label string) context.Context {
+	if outer := LabelOf(ctx); outer != "" && label != "" {
+		label = outer + " / " + label
+	}
+	return context.WithValue(ctx, labelKey{}, label)
+}
+
+// LabelOf returns the label WithLabel attached to ctx, or "".
+func LabelOf(ctx context.Context) string {
+	s, _ := ctx.Value(labelKey{}).(string)
+	return s
+}
+
 // Begin records an issued operation and returns its id for Update.
 func (r *Recorder) Begin(seq uint64, c *Call, algo Algorithm) uint64 {
+	return r.BeginLabeled("", seq, c, algo)
+}
+
+// BeginLabeled is Begin for an operation the caller labelled (LabelOf
+// its context).
+func (r *Recorder) BeginLabeled(label string, seq uint64, c *Call, algo Algorithm) uint64 {
 	var e Entry
-	e.Seq, e.Op, e.Algorithm, e.Peer, e.State = seq, c.Op.String(), "", -1, Issued
+	e.Seq, e.Op, e.Label, e.Algorithm, e.Peer, e.State = seq, c.Op.String(), label, "", -1, Issued
 	if algo != Auto {
 		e.Algorithm = algo.String()
 	}
@@ -154,6 +183,22 @@ func (r *Recorder) SetAlgorithm(id uint64, a Algorithm) {
 	r.entries[id%uint64(len(r.entries))].Algorithm = a.String()
 }
 
+// Find returns the newest retained entry with sequence number seq among
+// the sends and receives (p2p true) or the other operations, which
+// backends number apart; ok is false when it is not retained.
+func (r *Recorder) Find(seq uint64, p2p bool) (e Entry, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := min(r.total, uint64(len(r.entries)))
+	for id := r.total; id > r.total-n; id-- {
+		x := &r.entries[(id-1)%uint64(len(r.entries))]
+		if x.Seq == seq && (x.Op == OpSend.String() || x.Op == OpRecv.String()) == p2p {
+			return *x, true
+		}
+	}
+	return Entry{}, false
+}
+
 // Entries returns a copy of the retained entries, oldest first.
 func (r *Recorder) Entries() []Entry {
 	r.mu.Lock()
@@ -210,8 +255,12 @@ func (r *Recorder) WriteText(w io.Writer) error {
 		if e.Splits != nil {
 			peer = fmt.Sprintf("splits=%v", e.Splits)
 		}
-		if _, err := fmt.Fprintf(w, "  #%-6d %-13s %-8s %10dB %-18s %-9s %-14s %s %s\n",
-			e.Seq, e.Op, e.DType, e.Bytes, e.Algorithm, e.State, dur, peer, e.Err); err != nil {
+		label := ""
+		if e.Label != "" {
+			label = "[" + e.Label + "] "
+		}
+		if _, err := fmt.Fprintf(w, "  #%-6d %-13s %-8s %10dB %-18s %-9s %-14s %s %s%s\n",
+			e.Seq, e.Op, e.DType, e.Bytes, e.Algorithm, e.State, dur, peer, label, e.Err); err != nil {
 			return err
 		}
 	}

@@ -2,6 +2,7 @@ package comm_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"os"
@@ -352,5 +353,63 @@ func TestRecorderConcurrent(t *testing.T) {
 		if e.State != comm.Completed || e.Algorithm != "ring" {
 			t.Errorf("entry %+v not completed with ring", e)
 		}
+	}
+}
+
+// TestRecorderFind: Find returns the newest retained entry of a sequence
+// number, collectives and point-to-point apart, and nothing once the ring
+// has dropped it.
+func TestRecorderFind(t *testing.T) {
+	r := comm.NewRecorder("world", 0, 4)
+	x := comm.Host([]float32{1})
+	r.BeginLabeled("old", 1, &comm.Call{Op: comm.OpAllReduce, Send: x, Recv: x}, comm.Auto)
+	r.BeginLabeled("p2p", 1, &comm.Call{Op: comm.OpSend, Send: x, Peer: 1}, comm.Auto)
+	r.BeginLabeled("unit a", 2, &comm.Call{Op: comm.OpBroadcast, Send: x, Recv: x}, comm.Auto)
+	tests := []struct {
+		seq       uint64
+		p2p, ok   bool
+		op, label string
+	}{
+		{1, false, true, "allreduce", "old"},
+		{1, true, true, "send", "p2p"},
+		{2, false, true, "broadcast", "unit a"},
+		{2, true, false, "", ""},
+		{3, false, false, "", ""},
+	}
+	for _, tc := range tests {
+		e, ok := r.Find(tc.seq, tc.p2p)
+		if ok != tc.ok || e.Op != tc.op || e.Label != tc.label {
+			t.Errorf("Find(%d, %v) = %q %q %v, want %q %q %v", tc.seq, tc.p2p, e.Op, e.Label, ok, tc.op, tc.label, tc.ok)
+		}
+	}
+	for seq := uint64(3); seq <= 6; seq++ { // push seq 1 and 2 out of the ring
+		r.Begin(seq, &comm.Call{Op: comm.OpBarrier}, comm.Auto)
+	}
+	if e, ok := r.Find(1, false); ok {
+		t.Errorf("Find(1) after the ring wrapped: %+v", e)
+	}
+}
+
+// TestWithLabel: labels nest outer / inner, are recorded by
+// BeginLabeled and shown in the text dump.
+func TestWithLabel(t *testing.T) {
+	ctx := context.Background()
+	if got := comm.LabelOf(ctx); got != "" {
+		t.Errorf("LabelOf(Background) = %q", got)
+	}
+	ctx = comm.WithLabel(ctx, "step 3")
+	ctx = comm.WithLabel(ctx, "fsdp unit blocks.1 all-gather")
+	const want = "step 3 / fsdp unit blocks.1 all-gather"
+	if got := comm.LabelOf(ctx); got != want {
+		t.Errorf("LabelOf = %q, want %q", got, want)
+	}
+	r := comm.NewRecorder("world", 0, 4)
+	r.BeginLabeled(comm.LabelOf(ctx), 1, &comm.Call{Op: comm.OpBarrier}, comm.Auto)
+	var b bytes.Buffer
+	if err := r.WriteText(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "["+want+"]") {
+		t.Errorf("text dump without the label:\n%s", b.String())
 	}
 }

@@ -22,6 +22,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
@@ -129,6 +130,11 @@ func MedianTokensPerS(tokens float64, stepTimes []time.Duration) float64 {
 }
 
 // WriteJSON writes v, indented, to path; an empty path writes nothing.
+// The file is replaced at once (a temporary file in the same folder,
+// renamed), so a reader, or a run that ends meanwhile, sees the old file
+// or the whole new one, never part of it. In a job of several processes
+// call it on one only (launch.Job.Root, as the examples do), the process
+// that holds the results.
 func WriteJSON(path string, v any) error {
 	if path == "" {
 		return nil
@@ -137,7 +143,31 @@ func WriteJSON(path string, v any) error {
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(path, append(b, '\n'), 0o644)
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
+	if err != nil {
+		return err
+	}
+	// fail abandons the temporary file: err is the failure, and closing
+	// and removing the file are only tidying.
+	fail := func(err error) error {
+		_ = f.Close()
+		_ = os.Remove(f.Name())
+		return err
+	}
+	if _, err := f.Write(append(b, '\n')); err != nil {
+		return fail(err)
+	}
+	if err := f.Chmod(0o644); err != nil { // CreateTemp makes files private
+		return fail(err)
+	}
+	if err := f.Close(); err != nil {
+		return fail(err)
+	}
+	if err := os.Rename(f.Name(), path); err != nil {
+		_ = os.Remove(f.Name()) // tidying, as in fail
+		return err
+	}
+	return nil
 }
 
 // StepSpan prefixes the name of the trace span of each training step.

@@ -149,6 +149,59 @@ func TestWriteJSON(t *testing.T) {
 	if err := WriteJSON(path, func() {}); err == nil {
 		t.Error("a func was encoded")
 	}
+	if b, err := os.ReadFile(path); err != nil || string(b) != "{\n  \"a\": 1\n}\n" {
+		t.Errorf("a failed write changed the file: %q, %v", b, err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(filepath.Dir(path), ".*tmp*")); len(left) > 0 {
+		t.Errorf("temporary files left: %v", left)
+	}
+}
+
+// TestWriteJSONWhole: while one process rewrites -json, another reading it
+// (a monitor, or a script started when the run ends) sees the old file or
+// the new one whole, never a truncated one.
+func TestWriteJSONWhole(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "run.json")
+	losses := make([]float64, 20000) // about 200 KB of JSON
+	for i := range losses {
+		losses[i] = 1 / float64(i+3)
+	}
+	if err := WriteJSON(path, map[string]any{"losses": losses}); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		for i := range 30 {
+			losses[0] = float64(i)
+			if err := WriteJSON(path, map[string]any{"losses": losses}); err != nil {
+				done <- err
+				return
+			}
+		}
+		done <- nil
+	}()
+	reads, partial := 0, 0
+	for {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+			if partial > 0 {
+				t.Errorf("%d of %d reads saw a partial file", partial, reads)
+			}
+			return
+		default:
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		reads++
+		if !json.Valid(b) {
+			partial++
+		}
+	}
 }
 
 func TestOverlap(t *testing.T) {

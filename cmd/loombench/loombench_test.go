@@ -2,12 +2,21 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"encoding/csv"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/local"
 )
 
 func op(t *testing.T, name string) benchOp {
@@ -321,5 +330,75 @@ func TestParseFlags(t *testing.T) {
 	if code := run(t.Context(), []string{"-backend", "mpi"}, &stderr, &stderr); code != 2 ||
 		!strings.Contains(stderr.String(), `backend "mpi" is not available`) {
 		t.Errorf("run -backend mpi = %d, stderr %q", code, stderr.String())
+	}
+}
+
+// TestCSVOneWriter runs loombench as a job of one rank per process does:
+// each simulated process runs bench with the same -csv path, holding one
+// rank of a shared in-process world, and the process of rank 1 (which
+// measures but builds no rows) finishes last. The file must hold rank 0's
+// rows, whichever process ends last.
+func TestCSVOneWriter(t *testing.T) {
+	t.Setenv(comm.CostModelEnv, comm.CostModelOff)
+	const procs = 3
+	path := filepath.Join(t.TempDir(), "out.csv")
+	for _, last := range []int{0, procs - 1} {
+		t.Run(fmt.Sprint("last=", last), func(t *testing.T) {
+			if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				t.Fatal(err)
+			}
+			wd, err := local.NewWorld(procs, local.WithOptions(comm.Options{Timeout: 30 * time.Second}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			codes := make([]int, procs)
+			outs := make([]bytes.Buffer, procs)
+			var wg sync.WaitGroup
+			for i := range procs {
+				be := backend{
+					run: func(ctx context.Context, p int, _ comm.Options, fn func(context.Context, comm.Communicator) error) error {
+						err := fn(ctx, wd.Comm(i))
+						if i == last {
+							time.Sleep(100 * time.Millisecond) // reaches -csv after the others
+						}
+						return err
+					},
+					algorithms: local.Algorithms,
+					world:      func() (int, int, error) { return procs, i, nil },
+				}
+				cfg, err := parseFlags([]string{"-backend", "fake", "-op", "allreduce,allgather", "-b", "1K", "-e", "4K", "-f", "4", "-iters", "2", "-warmup", "0", "-csv", path}, &outs[i])
+				if err != nil {
+					t.Fatal(err)
+				}
+				cfg.copySize = 1 << 16
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					codes[i] = bench(t.Context(), cfg, be, &outs[i], &outs[i])
+				}()
+			}
+			wg.Wait()
+			for i, code := range codes {
+				if code != 0 {
+					t.Fatalf("process %d: exit %d: %s", i, code, outs[i].String())
+				}
+			}
+			f, err := os.Open(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			recs, err := csv.NewReader(f).ReadAll()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A header, and one row per op and size (1K and 4K).
+			if len(recs) != 1+2*2 {
+				t.Errorf("%d CSV lines, want %d:\n%v", len(recs), 1+2*2, recs)
+			}
+			if tmp, _ := filepath.Glob(filepath.Join(filepath.Dir(path), ".*tmp*")); len(tmp) > 0 {
+				t.Errorf("temporary files left: %v", tmp)
+			}
+		})
 	}
 }

@@ -18,8 +18,11 @@
 // After the warmup iterations, every rank times each iteration on its own
 // (the ranks run in lockstep through the operation); an iteration counts as
 // the slowest rank's time, and the table shows the median over iterations
-// (the CSV also the minimum). Exit status
-// is 1 if any element was wrong or any operation failed, 2 on bad flags.
+// (the CSV also the minimum). With one rank per process (-backend mpi),
+// only the process of rank 0 prints the tables and writes -csv, replacing
+// the file at once (a temporary file renamed) so that it is complete or
+// absent. Exit status is 1 if any element was wrong or any operation
+// failed, 2 on bad flags.
 package main
 
 import (
@@ -164,6 +167,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "loombench: %v\n", err)
 		return 2
 	}
+	return bench(ctx, cfg, be, stdout, stderr)
+}
+
+// bench runs the measurements cfg asks for on be; it returns the exit
+// status. With one rank per process, every process runs it, and only the
+// one holding rank 0 prints the tables and writes -csv: the rows are
+// built on rank 0, and the other processes have none to write.
+func bench(ctx context.Context, cfg *config, be backend, stdout, stderr io.Writer) int {
+	writer := true // this process writes -csv
 	opts, err := comm.OptionsFromEnv()
 	if err != nil {
 		fmt.Fprintf(stderr, "loombench: %v\n", err)
@@ -194,7 +206,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		if rank != 0 {
-			stdout = io.Discard
+			stdout, writer = io.Discard, false
 		}
 	}
 
@@ -270,7 +282,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			mu.Unlock()
 		}
 	}
-	if cfg.csvPath != "" {
+	if cfg.csvPath != "" && writer {
 		if err := writeCSV(cfg.csvPath, records); err != nil {
 			fmt.Fprintf(stderr, "loombench: writing %s: %v\n", cfg.csvPath, err)
 			return 1

@@ -63,11 +63,13 @@ func newComm(g *group, rank int) *Comm {
 	case g.size <= g.w.cores:
 		spin, yield = spinFor, yieldFor
 	}
-	return &Comm{
+	c := &Comm{
 		g: g, rank: rank, spin: spin, yield: yield,
 		rec:   comm.NewRecorder(g.name, rank, g.w.opts.RecorderSize),
 		plans: map[shapeKey]*schedule{},
 	}
+	g.slots[rank].rec.Store(c.rec)
+	return c
 }
 
 // Rank implements comm.Communicator.
@@ -118,7 +120,7 @@ func (c *Comm) Do(ctx context.Context, call comm.Call) error {
 	c.seq++
 	seq := c.seq
 	c.fillAlgorithm(&call)
-	id := c.rec.Begin(seq, &call, call.Algorithm)
+	id := c.rec.BeginLabeled(comm.LabelOf(ctx), seq, &call, call.Algorithm)
 	if err := c.admit(ctx, call.Op, seq, -1); err != nil {
 		c.rec.Update(id, comm.Failed, err)
 		return err
@@ -184,7 +186,7 @@ func (c *Comm) Start(ctx context.Context, call comm.Call) (comm.Work, error) {
 	c.seq++
 	c.fillAlgorithm(&call)
 	t := &task{c: c, ctx: ctx, call: call, seq: c.seq, done: make(chan struct{})}
-	t.id = c.rec.Begin(t.seq, &t.call, call.Algorithm)
+	t.id = c.rec.BeginLabeled(comm.LabelOf(ctx), t.seq, &t.call, call.Algorithm)
 	if err := c.admit(ctx, call.Op, t.seq, -1); err != nil {
 		c.rec.Update(t.id, comm.Failed, err)
 		return nil, err
@@ -358,7 +360,9 @@ func (c *Comm) waitFailed(op comm.Op, seq uint64, err error) error {
 	}
 	e := c.wrap(op, seq, ew.peer, ew.cause)
 	if errors.Is(ew.cause, comm.ErrTimeout) {
-		e.Err = fmt.Errorf("%w%s", ew.cause, c.dump(seq))
+		te, peer := c.blameCollective(seq, ew.peer)
+		te.Detail += c.dump(seq)
+		e.Peer, e.Err = peer, te
 	}
 	return c.abortFor(e)
 }
@@ -378,8 +382,17 @@ func (c *Comm) dump(seq uint64) string {
 	return fmt.Sprintf(" (flight recorder dumped to %s)", strings.Join(paths, ", "))
 }
 
+// wrap makes err the error of this rank's call op #seq, with the label
+// the flight recorder holds for it.
 func (c *Comm) wrap(op comm.Op, seq uint64, peer int, err error) *comm.Error {
-	return &comm.Error{Backend: "local", Rank: c.rank, Op: op, Seq: seq, Peer: peer, Err: err}
+	e := &comm.Error{Backend: "local", Rank: c.rank, WorldRank: c.g.worldRanks[c.rank], Op: op, Seq: seq, Peer: peer, Err: err}
+	if c.g.name != worldName {
+		e.Comm = c.g.name
+	}
+	if en, ok := c.rec.Find(seq, !op.Collective()); ok && en.Op == op.String() {
+		e.Label = en.Label
+	}
+	return e
 }
 
 func (c *Comm) errorf(op comm.Op, seq uint64, peer int, format string, args ...any) *comm.Error {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"weak"
 
 	"github.com/b7ea7098/loom/comm"
 )
@@ -42,6 +43,39 @@ type world struct {
 	left   []atomic.Bool
 	leftMu sync.Mutex
 	leftCh chan struct{}
+
+	// groups lists the world's communicators, for a timed-out call to
+	// find where the ranks it waits for are blocked (blame.go); weak, so
+	// that a communicator no rank holds any more is not kept.
+	groupsMu sync.Mutex
+	groups   []weak.Pointer[group]
+}
+
+// register adds g to the world's list, dropping communicators gone since.
+func (w *world) register(g *group) {
+	w.groupsMu.Lock()
+	defer w.groupsMu.Unlock()
+	live := w.groups[:0]
+	for _, p := range w.groups {
+		if p.Value() != nil {
+			live = append(live, p)
+		}
+	}
+	clear(w.groups[len(live):])
+	w.groups = append(live, weak.Make(g))
+}
+
+// liveGroups returns the world's communicators that still exist.
+func (w *world) liveGroups() []*group {
+	w.groupsMu.Lock()
+	defer w.groupsMu.Unlock()
+	out := make([]*group, 0, len(w.groups))
+	for _, p := range w.groups {
+		if g := p.Value(); g != nil {
+			out = append(out, g)
+		}
+	}
+	return out
 }
 
 // leave records that world rank r will issue no more calls: peers waiting
@@ -102,7 +136,10 @@ type slot struct {
 	parked   atomic.Bool
 	wake     chan struct{}
 	desc     descriptor
-	_        [64]byte
+	// rec is the member's flight recorder, where a peer that times out
+	// reads what the member is blocked in.
+	rec atomic.Pointer[comm.Recorder]
+	_   [64]byte
 }
 
 func newGroup(w *world, name string, worldRanks []int) *group {
@@ -119,6 +156,7 @@ func newGroup(w *world, name string, worldRanks []int) *group {
 	for i := range g.slots {
 		g.slots[i].wake = make(chan struct{}, 1)
 	}
+	w.register(g)
 	return g
 }
 
@@ -291,7 +329,7 @@ func (wt *waiter) check(peer int, ready func() bool) error {
 		return &errWait{peer: peer, cause: fmt.Errorf("%w (context: %w)", errCancelled, err)}
 	}
 	if !time.Now().Before(wt.deadline) {
-		return &errWait{peer: peer, cause: fmt.Errorf("%w waiting for rank %d", comm.ErrTimeout, peer)}
+		return &errWait{peer: peer, cause: comm.ErrTimeout} // waitFailed says for whom
 	}
 	if wt.g.w.left[wt.g.worldRanks[peer]].Load() && !ready() {
 		return &errWait{peer: peer, cause: fmt.Errorf("%w: rank %d finished without joining this call", ErrRankLeft, peer)}

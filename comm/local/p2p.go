@@ -40,7 +40,7 @@ type p2pOp struct {
 
 func (c *Comm) postP2P(ctx context.Context, call comm.Call) (*p2pOp, error) {
 	seq := c.p2pSeq.Add(1)
-	id := c.rec.Begin(seq, &call, comm.Auto)
+	id := c.rec.BeginLabeled(comm.LabelOf(ctx), seq, &call, comm.Auto)
 	fail := func(err error) (*p2pOp, error) {
 		e := c.wrap(call.Op, seq, call.Peer, err)
 		c.rec.Update(id, comm.Failed, e)
@@ -187,7 +187,9 @@ func (o *p2pOp) Wait(ctx context.Context) error {
 		case <-ctx.Done():
 			cause = fmt.Errorf("%w while waiting (context: %w)", errCancelled, ctx.Err())
 		case <-timer.C:
-			cause = fmt.Errorf("%w waiting for rank %d (tag %d)%s", comm.ErrTimeout, o.peer, o.tag, o.c.dump(o.seq))
+			te := o.c.blameP2P(o.peer, o.tag)
+			te.Detail += o.c.dump(o.seq)
+			cause = te
 		case <-left:
 		}
 	}

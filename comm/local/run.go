@@ -110,7 +110,7 @@ func NewWorld(p int, opts ...Option) (*World, error) {
 	for i := range ranks {
 		ranks[i] = i
 	}
-	g := newGroup(w, "world", ranks)
+	g := newGroup(w, worldName, ranks)
 	wd := &World{w: w, comms: make([]*Comm, p)}
 	for r := range wd.comms {
 		wd.comms[r] = newComm(g, r)
@@ -134,6 +134,9 @@ func (wd *World) Leave(rank int) { wd.w.leave(rank) }
 func (wd *World) Abort(rank int, cause error) {
 	wd.w.abort(&comm.AbortError{Rank: rank, Cause: cause})
 }
+
+// worldName is the name of a world's own communicator; splits extend it.
+const worldName = "world"
 
 // RankFunc is the body one rank runs.
 type RankFunc func(ctx context.Context, c comm.Communicator) error

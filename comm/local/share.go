@@ -25,7 +25,7 @@ func (c *Comm) Share(ctx context.Context, v any, use func(peers []any) error) er
 	c.seq++
 	seq := c.seq
 	c.fillAlgorithm(&call)
-	id := c.rec.Begin(seq, &call, call.Algorithm)
+	id := c.rec.BeginLabeled(comm.LabelOf(ctx), seq, &call, call.Algorithm)
 	if err := c.admit(ctx, call.Op, seq, -1); err != nil {
 		c.rec.Update(id, comm.Failed, err)
 		return err

@@ -36,7 +36,7 @@ func (c *Comm) Split(ctx context.Context, color, key int) (comm.Communicator, er
 	c.seq++
 	seq := c.seq
 	call := comm.Call{Op: comm.OpSplit}
-	id := c.rec.Begin(seq, &call, comm.Auto)
+	id := c.rec.BeginLabeled(comm.LabelOf(ctx), seq, &call, comm.Auto)
 	nc, err := c.split(c.waiter(ctx), seq, color, key)
 	if err != nil {
 		c.rec.Update(id, comm.Failed, err)

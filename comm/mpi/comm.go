@@ -475,7 +475,13 @@ func (c *Comm) SplitComm(ctx context.Context, color, key int) (*Comm, error) {
 }
 
 func (c *Comm) wrap(op comm.Op, seq uint64, peer int, err error) *comm.Error {
-	return &comm.Error{Backend: "mpi", Rank: c.rank, Op: op, Seq: seq, Peer: peer, Err: err}
+	e := &comm.Error{Backend: "mpi", Rank: c.rank, Op: op, Seq: seq, Peer: peer, Err: err}
+	if c.rec != nil {
+		if en, ok := c.rec.Find(seq, !op.Collective()); ok && en.Op == op.String() {
+			e.Label = en.Label // the caller's WithLabel
+		}
+	}
+	return e
 }
 
 func (c *Comm) errorf(op comm.Op, seq uint64, peer int, format string, args ...any) *comm.Error {

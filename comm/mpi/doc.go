@@ -121,7 +121,11 @@
 // operation's buffers must not be reused for anything that matters.
 // Abort and timeouts also send a small notice to every peer on a reserved
 // tag, so the peers' pending and later calls fail too, naming the rank
-// that aborted.
+// that aborted. A timeout cannot name the late rank: MPI tells no rank
+// how far its peers are through a collective, so the error names the
+// call (and, for a Send or Recv, the peer it waits for, which may itself
+// be waiting for another rank), with no comm.TimeoutError; comm/local,
+// whose ranks publish their arrival, names the rank that never joined.
 //
 // What really ends a stuck job is MPI_Abort: call AbortJob, or configure
 // WithHardAbort (or LOOM_MPI_HARD_ABORT=1) so that Abort and timeouts call

@@ -192,7 +192,7 @@ func (c *Comm) newWork(ctx context.Context, call *comm.Call, seq uint64) *work {
 	if call.Op == comm.OpSend || call.Op == comm.OpRecv {
 		w.peer = call.Peer
 	}
-	w.id = c.rec.Begin(seq, call, call.Algorithm)
+	w.id = c.rec.BeginLabeled(comm.LabelOf(ctx), seq, call, call.Algorithm)
 	return w
 }
 

@@ -726,7 +726,13 @@ func (c *Comm) wrap(op comm.Op, seq uint64, peer int, err error) *comm.Error {
 	if ce, ok := err.(*comm.Error); ok && ce.Backend == "nccl" && ce.Rank == c.rank && ce.Op == op && ce.Seq == seq {
 		return ce
 	}
-	return &comm.Error{Backend: "nccl", Rank: c.rank, Op: op, Seq: seq, Peer: peer, Err: err}
+	e := &comm.Error{Backend: "nccl", Rank: c.rank, Op: op, Seq: seq, Peer: peer, Err: err}
+	if c.rec != nil {
+		if en, ok := c.rec.Find(seq, !op.Collective()); ok && en.Op == op.String() {
+			e.Label = en.Label // the caller's WithLabel
+		}
+	}
+	return e
 }
 
 func (c *Comm) errorf(op comm.Op, seq uint64, peer int, format string, args ...any) *comm.Error {

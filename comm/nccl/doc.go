@@ -98,7 +98,12 @@
 // the buffers. Waiting for another goroutine's abort ends, though, when the
 // caller's context does or the operation's time is up; the call then
 // returns its own cause. A timeout also
-// dumps the flight recorder to comm.Options.DumpDir. A communicator made
+// dumps the flight recorder to comm.Options.DumpDir. A timeout cannot
+// name the late rank: NCCL's kernels wait on the GPU and report no
+// peer's progress, so the error names the call (and, for a Send or Recv,
+// the peer it waits for, which may itself be waiting for another rank),
+// with no comm.TimeoutError; comm/local, whose ranks publish their
+// arrival, names the rank that never joined. A communicator made
 // with NewComm also watches key+"/abort" in the store and posts there when
 // it aborts, so that an abort on one rank promptly fails the others even
 // where NCCL's transport would leave their kernels waiting (over NVLink).

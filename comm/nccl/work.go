@@ -104,7 +104,7 @@ func (c *Comm) newWork(ctx context.Context, call *comm.Call, seq uint64, interna
 		w.peer, w.tag, w.p2p = call.Peer, call.Tag, true
 	}
 	if !internal {
-		w.id = c.rec.Begin(seq, call, comm.Auto)
+		w.id = c.rec.BeginLabeled(comm.LabelOf(ctx), seq, call, comm.Auto)
 		w.recorded = true
 	}
 	return w
