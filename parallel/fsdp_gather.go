@@ -151,6 +151,14 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 			return err
 		}
 	}
+	if !u.params[0].orig.Tape().Recomputing() {
+		if f.backward {
+			// A forward after a backward with no Finish between: the
+			// step's next pass, whose gradients add to this one's.
+			f.nextPass(ctx)
+		}
+		f.record(u)
+	}
 	if !f.entered[u.index] {
 		f.entered[u.index] = true
 		f.order = append(f.order, u.index)
@@ -209,6 +217,7 @@ func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*aut
 // preBackward gathers u again if it was resharded and prefetches the unit
 // that backward reaches next.
 func (f *FSDP) preBackward(ctx context.Context, u *fsdpUnit) error {
+	f.backward = true
 	if f.cfg.stage == 3 {
 		if err := f.gather(ctx, u); err != nil {
 			return err
@@ -358,7 +367,7 @@ func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, err
 	}
 	w, err := comm.AllGatherAsync(ctx, c, send, recv)
 	if err != nil {
-		return false, fmt.Errorf("parallel: FSDP all-gather of unit %q: %w", u.path, err)
+		return false, f.gatherError(u, group, err)
 	}
 	f.traffic.AllGather += int64(c.Size()-1) * int64(len(send.Bytes()))
 	u.agWork, u.agGroup, u.stageAt = w, group, at
@@ -378,7 +387,7 @@ func (f *FSDP) complete(ctx context.Context, u *fsdpUnit) error {
 	st := f.stage[u.stageAt]
 	st.owner = nil
 	if err := w.Wait(ctx); err != nil {
-		return fmt.Errorf("parallel: FSDP all-gather of unit %q: %w", u.path, err)
+		return f.gatherError(u, u.agGroup, err)
 	}
 	blk := u.L + tagElems
 	recv := st.buf.SliceHost(0, f.p*blk)
@@ -414,6 +423,16 @@ func (f *FSDP) complete(ctx context.Context, u *fsdpUnit) error {
 	}
 	u.gathered = true
 	return nil
+}
+
+// gatherError wraps an error of u's all-gather, over the shard axis or
+// (group) within its ReshardTo group, whose communicator numbers its
+// ranks from 0.
+func (f *FSDP) gatherError(u *fsdpUnit, group bool, err error) error {
+	if group {
+		return fmt.Errorf("parallel: FSDP all-gather of unit %q within its ReshardTo(%d) group%s: %w", u.path, f.cfg.reshard, f.groupNote(), err)
+	}
+	return fmt.Errorf("parallel: FSDP all-gather of unit %q: %w", u.path, err)
 }
 
 // putTag writes unit index i into the two elements at off (exact in
