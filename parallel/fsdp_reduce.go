@@ -80,7 +80,7 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 	if !f.compared {
 		// The pass's first reduction: the ranks compare what they ran.
 		f.compared = true
-		if err := f.compare(ctx); err != nil {
+		if err := f.compare(ctx, u); err != nil {
 			f.fail(err)
 			return err
 		}

@@ -54,6 +54,7 @@ type unitTrace struct {
 	recv  []int64
 	sent  []int32 // the items whose hash is in flight
 	sentN int
+	at    string // the reduction it was issued before, for errors
 
 	// A comparison that found a difference, kept for the end of the pass.
 	bad    bool
@@ -93,7 +94,7 @@ func (f *FSDP) endTrace() {
 // compare issues the comparison of the trace across the data-parallel
 // group and starts a new trace. It waits for the previous comparison
 // first (issued a pass ago: complete by now, in practice).
-func (f *FSDP) compare(ctx context.Context) error {
+func (f *FSDP) compare(ctx context.Context, at *fsdpUnit) error {
 	t := &f.trace
 	if f.fpc == nil { // one data-parallel rank: nothing to compare
 		t.reset()
@@ -108,10 +109,11 @@ func (f *FSDP) compare(ctx context.Context) error {
 	}
 	t.send[0] = int64(t.hash)
 	t.sent, t.sentN = append(t.sent[:0], t.items...), t.n
+	t.at = fmt.Sprintf("%s of unit %q", f.reduceOp(), at.path)
 	t.reset()
 	w, err := comm.AllGatherAsync(ctx, f.fpc, comm.Host(t.send), comm.Host(t.recv))
 	if err != nil {
-		return fmt.Errorf("parallel: FSDP SPMD check (all-gather of the hashes of the units entered in forward): %w", err)
+		return t.waitError(err)
 	}
 	t.work = w
 	return nil
@@ -127,12 +129,17 @@ func (f *FSDP) checkTrace(ctx context.Context) error {
 	}
 	t.work = nil
 	if err := w.Wait(ctx); err != nil {
-		return fmt.Errorf("parallel: FSDP SPMD check (all-gather of the hashes of the units entered in forward): %w", err)
+		return t.waitError(err)
 	}
 	if !t.bad && slices.ContainsFunc(t.recv, func(h int64) bool { return h != t.recv[0] }) {
 		t.bad, t.badOf, t.badN, t.hashes = true, slices.Clone(t.sent), t.sentN, slices.Clone(t.recv)
 	}
 	return nil
+}
+
+// waitError wraps an error of the hashes' all-gather.
+func (t *unitTrace) waitError(err error) error {
+	return fmt.Errorf("parallel: FSDP SPMD check (all-gather of the hashes of the units entered in forward, issued with the %s): %w", t.at, err)
 }
 
 // spmdError completes the comparisons and, when one found a difference,
