@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -709,5 +710,62 @@ func TestFSDPSlotConflict(t *testing.T) {
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), `is held by unit "h.0`) {
 			t.Errorf("rank %d: %v; want ErrInvalid naming the slot's holder", r, err)
 		}
+	}
+}
+
+// TestFSDPErrorsNameUnit: under ReshardTo(2) on fsdp=4, rank 3 sleeps in
+// proj's enter hook past the timeout. Every rank's error is a timeout
+// wrapped with the FSDP operation and the unit it was in; rank 2, which
+// waits for rank 3 in proj's all-gather within their ReshardTo group,
+// says which shard-axis rank each rank of the group's communicator is
+// (its errors count from 0 within the group, so its "rank 1" is rank 3).
+func TestFSDPErrorsNameUnit(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	errs := make([]error, 4)
+	_ = local.Run(context.Background(), 4, func(ctx context.Context, world comm.Communicator) error {
+		m, err := mesh.New(world, []int{4}, []string{"fsdp"})
+		if err != nil {
+			return err
+		}
+		err = func() error {
+			mlp, tape, x, err := newShardMLP(m, comm.Float64)
+			if err != nil {
+				return err
+			}
+			f, err := FullyShard(ctx, mlp, []string{"fc", "proj"}, ReshardTo(2))
+			if err != nil {
+				return err
+			}
+			if m.Rank() == 3 {
+				mlp.Proj.OnEnter(func(context.Context) error {
+					time.Sleep(timeout * 3 / 2)
+					return nil
+				})
+			}
+			y, err := mlp.Forward(ctx, x)
+			if err != nil {
+				return errors.Join(err, f.Discard(ctx))
+			}
+			l, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, l); err != nil {
+				return errors.Join(err, f.Discard(ctx))
+			}
+			return f.Finish(ctx)
+		}()
+		errs[world.Rank()] = err
+		return err
+	}, local.WithOptions(comm.Options{Timeout: timeout}))
+	op := regexp.MustCompile(`parallel: FSDP (all-gather|reduce-scatter|SPMD check) .*unit "(fc|proj)"`)
+	for r, err := range errs {
+		if !errors.Is(err, comm.ErrTimeout) || !op.MatchString(err.Error()) {
+			t.Errorf("rank %d: %v; want a timeout naming the FSDP operation and unit", r, err)
+		}
+	}
+	const group = `parallel: FSDP all-gather of unit "proj" within its ReshardTo(2) group (on its communicator group rank 0 is rank 2, group rank 1 is rank 3)`
+	if err := errs[2]; err == nil || !strings.Contains(err.Error(), group) {
+		t.Errorf("rank 2: %v; want %s", err, group)
 	}
 }
