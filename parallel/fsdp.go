@@ -138,7 +138,8 @@ type UnitInfo struct {
 	Elems int
 	// Chunk is the element count of every rank's all-gather chunk: the
 	// largest rank's share of Elems (shorter shares are padded to it),
-	// plus 2 elements naming the unit (the SPMD check).
+	// plus 2 elements naming the unit (the tag that makes ranks gathering
+	// or reducing different units at the same point an error).
 	Chunk int
 	// Reshard is the unit's policy after forward: 0 keeps the
 	// parameters gathered, -1 frees them, n > 0 keeps 1/n.

@@ -464,18 +464,18 @@ func (n faultCounts) String() string {
 		n.cases, n.errors, n.successes, n.hangs, n.panics, n.wrong)
 }
 
-// faultFamilies are the row families counted apart, by name prefix; the
-// rest are the communicator's rows.
-var faultFamilies = []string{"FSDP", "DDP", "comm"}
+// faultFamilies are the row families counted apart: rows named with the
+// prefix "FSDP " or "DDP ", and the communicator's rows (the rest).
+func faultFamilies() []string { return []string{"FSDP", "DDP", "comm"} }
 
 // familyOf is the family of a row's name.
 func familyOf(name string) string {
-	for _, f := range faultFamilies[:len(faultFamilies)-1] {
+	for _, f := range []string{"FSDP", "DDP"} {
 		if strings.HasPrefix(name, f+" ") {
 			return f
 		}
 	}
-	return faultFamilies[len(faultFamilies)-1]
+	return "comm"
 }
 
 // faultOutcome is what one case did on each rank.
@@ -550,7 +550,7 @@ func TestFaultTable(t *testing.T) {
 	t.Setenv(comm.CostModelEnv, comm.CostModelOff) // worlds need no calibration
 	var n faultCounts
 	family := map[string]*faultCounts{}
-	for _, f := range faultFamilies {
+	for _, f := range faultFamilies() {
 		family[f] = &faultCounts{}
 	}
 	for _, fc := range append(faultCases(), fsdpFaultCases()...) {
@@ -594,7 +594,7 @@ func TestFaultTable(t *testing.T) {
 		}
 	}
 	t.Logf("fault table: %v", n)
-	for _, f := range faultFamilies {
+	for _, f := range faultFamilies() {
 		t.Logf("  %s rows: %v", f, *family[f])
 	}
 	if n.hangs+n.panics+n.wrong > 0 {
