@@ -25,6 +25,9 @@ type fsdpVariant struct {
 	names []string
 	dt    comm.DType
 	opts  []FSDPOption
+	// ckpt checkpoints the blocks (the units): their bodies run again
+	// during backward.
+	ckpt bool
 }
 
 // fsdpVariants are every reshard policy, ZeRO stage, HSDP, bfloat16
@@ -33,14 +36,14 @@ func fsdpVariants() []fsdpVariant {
 	one, hsdp := []string{"fsdp"}, []string{"dp", "fsdp"}
 	f64 := comm.Float64
 	return []fsdpVariant{
-		{"reshard", []int{4}, one, f64, nil},
-		{"reshard false", []int{4}, one, f64, []FSDPOption{Reshard(false)}},
-		{"reshard to 2 of 4", []int{4}, one, f64, []FSDPOption{ReshardTo(2)}},
-		{"zero2", []int{4}, one, f64, []FSDPOption{ZeROStage(2)}},
-		{"zero1", []int{4}, one, f64, []FSDPOption{ZeROStage(1)}},
-		{"hsdp 2x2", []int{2, 2}, hsdp, f64, []FSDPOption{ReplicateAxis("dp")}},
-		{"bfloat16 gathers", []int{4}, one, comm.Float32, []FSDPOption{MixedPrecision(comm.BFloat16)}},
-		{"no prefetch", []int{4}, one, f64, []FSDPOption{Prefetch(false)}},
+		{name: "reshard", shape: []int{4}, names: one, dt: f64},
+		{name: "reshard false", shape: []int{4}, names: one, dt: f64, opts: []FSDPOption{Reshard(false)}},
+		{name: "reshard to 2 of 4", shape: []int{4}, names: one, dt: f64, opts: []FSDPOption{ReshardTo(2)}},
+		{name: "zero2", shape: []int{4}, names: one, dt: f64, opts: []FSDPOption{ZeROStage(2)}},
+		{name: "zero1", shape: []int{4}, names: one, dt: f64, opts: []FSDPOption{ZeROStage(1)}},
+		{name: "hsdp 2x2", shape: []int{2, 2}, names: hsdp, dt: f64, opts: []FSDPOption{ReplicateAxis("dp")}},
+		{name: "bfloat16 gathers", shape: []int{4}, names: one, dt: comm.Float32, opts: []FSDPOption{MixedPrecision(comm.BFloat16)}},
+		{name: "no prefetch", shape: []int{4}, names: one, dt: f64, opts: []FSDPOption{Prefetch(false)}},
 	}
 }
 
@@ -72,6 +75,11 @@ func passGrads(t *testing.T, v fsdpVariant, fsdp bool, pattern string) map[strin
 				return err
 			}
 			params = f.Params()
+		}
+		if v.ckpt {
+			if err := Checkpoint(n, []string{"h.*"}); err != nil {
+				return err
+			}
 		}
 		for i, c := range pattern {
 			run := func() error {
@@ -128,7 +136,8 @@ func passGrads(t *testing.T, v fsdpVariant, fsdp bool, pattern string) map[strin
 // accumulation, which TestFSDPParity checks against one rank). FSDP used
 // to drop every pass after the first, with no error.
 func TestFSDPBackwardPasses(t *testing.T) {
-	for _, v := range fsdpVariants() {
+	ckpt := fsdpVariant{name: "checkpointed units", shape: []int{4}, names: []string{"fsdp"}, dt: comm.Float64, ckpt: true}
+	for _, v := range append(fsdpVariants(), ckpt) {
 		patterns := []string{"PP", "PPP", "PNP", "NPP"}
 		if len(v.shape) == 2 {
 			patterns = append(patterns, "PRP", "RPRP")
