@@ -201,9 +201,9 @@ func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*aut
 			f.release(u)
 		}
 	}
-	if !v.RequiresGrad() {
-		return v, nil
-	}
+	// The identity is recorded whether or not v requires grad: inside a
+	// checkpointed region v requires none in the first forward and does
+	// when recomputed, and the region must run the same ops both times.
 	return autograd.Custom("FSDPPreBackward "+u.path, []*autograd.Value{v},
 		func() (*placement.DTensor, error) { return v.Data(), nil },
 		func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {

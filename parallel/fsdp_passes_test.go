@@ -25,9 +25,11 @@ type fsdpVariant struct {
 	names []string
 	dt    comm.DType
 	opts  []FSDPOption
-	// ckpt checkpoints the blocks (the units): their bodies run again
-	// during backward.
-	ckpt bool
+	// units are the FullyShard patterns (default "h.*"); ckpt
+	// checkpoints the blocks: their bodies, and the units inside them,
+	// run again during backward.
+	units []string
+	ckpt  bool
 }
 
 // fsdpVariants are every reshard policy, ZeRO stage, HSDP, bfloat16
@@ -71,7 +73,11 @@ func passGrads(t *testing.T, v fsdpVariant, fsdp bool, pattern string) map[strin
 			return err
 		}
 		if fsdp {
-			if f, err = FullyShard(ctx, n, []string{"h.*"}, v.opts...); err != nil {
+			units := v.units
+			if units == nil {
+				units = []string{"h.*"}
+			}
+			if f, err = FullyShard(ctx, n, units, v.opts...); err != nil {
 				return err
 			}
 			params = f.Params()
@@ -134,10 +140,17 @@ func passGrads(t *testing.T, v fsdpVariant, fsdp bool, pattern string) map[strin
 // every configuration: the gradients are one rank's gradients of all the
 // passes (bfloat16 gathers: the same configuration's NoSync
 // accumulation, which TestFSDPParity checks against one rank). FSDP used
-// to drop every pass after the first, with no error.
+// to drop every pass after the first, with no error. Units inside
+// checkpointed blocks are entered again while backward recomputes the
+// blocks: that is no new pass (and their enter and output hooks must
+// record the same ops both times; they used to fail the recomputation).
 func TestFSDPBackwardPasses(t *testing.T) {
-	ckpt := fsdpVariant{name: "checkpointed units", shape: []int{4}, names: []string{"fsdp"}, dt: comm.Float64, ckpt: true}
-	for _, v := range append(fsdpVariants(), ckpt) {
+	one := []string{"fsdp"}
+	ckpt := []fsdpVariant{
+		{name: "checkpointed units", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true},
+		{name: "units in checkpointed blocks, reshard false", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []FSDPOption{Reshard(false)}},
+	}
+	for _, v := range append(fsdpVariants(), ckpt...) {
 		patterns := []string{"PP", "PPP", "PNP", "NPP"}
 		if len(v.shape) == 2 {
 			patterns = append(patterns, "PRP", "RPRP")
