@@ -738,7 +738,7 @@ func TestFSDPErrorsNameUnit(t *testing.T) {
 			}
 			if m.Rank() == 3 {
 				mlp.Proj.OnEnter(func(context.Context) error {
-					time.Sleep(timeout * 3 / 2)
+					time.Sleep(2 * timeout)
 					return nil
 				})
 			}
