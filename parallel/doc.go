@@ -228,10 +228,8 @@
 // matrix products' results are kept, the rest recomputed). It composes
 // with Parallelize (in either order), DDP (each hook fires once, after the
 // checkpointed module's backward) and FSDP (Tape.Recomputing tells a hook
-// that the region is being rerun: a unit entered again then starts no new
-// pass). FSDP units inside a checkpointed module need their parameters
-// kept gathered (Reshard(false), ZeRO-1 or ZeRO-2): a resharded one fails
-// the recomputation with ErrInvalid, its pooled buffer slot being held;
-// checkpoint the units themselves instead. Tape.PeakActivationBytes
-// measures the saving.
+// that the region is being rerun: a unit entered again then keeps its
+// parameters for the backward that follows, prefetches nothing and starts
+// no new pass), whether the checkpointed modules are FSDP units or
+// contain them. Tape.PeakActivationBytes measures the saving.
 package parallel

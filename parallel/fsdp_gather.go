@@ -151,7 +151,8 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 			return err
 		}
 	}
-	if !u.params[0].orig.Tape().Recomputing() {
+	recomputing := u.params[0].orig.Tape().Recomputing()
+	if !recomputing {
 		if f.backward {
 			// A forward after a backward with no Finish between: the
 			// step's next pass, whose gradients add to this one's.
@@ -169,7 +170,10 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 	if err := f.swap(u, true); err != nil {
 		return err
 	}
-	if !f.cfg.prefetch {
+	// In a checkpointed region's recomputation the unit that forward
+	// entered next has had its backward already: gathering it again
+	// would only hold a pooled slot that the units before need.
+	if !f.cfg.prefetch || recomputing {
 		return nil
 	}
 	next := u.fwdNext
@@ -187,9 +191,9 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 }
 
 // output is a unit's output hook: on the first output after the enter it
-// swaps the sharded parameters back and reshards; every output that
-// requires grad is wrapped in an identity whose backward is the unit's
-// pre-backward (re-gather, prefetch).
+// swaps the sharded parameters back and reshards; every output is wrapped
+// in an identity whose backward is the unit's pre-backward (re-gather,
+// prefetch).
 func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*autograd.Value, error) {
 	// A checkpointed forward recomputed during backward needs the
 	// parameters right away: keep them.

@@ -142,12 +142,17 @@ func passGrads(t *testing.T, v fsdpVariant, fsdp bool, pattern string) map[strin
 // accumulation, which TestFSDPParity checks against one rank). FSDP used
 // to drop every pass after the first, with no error. Units inside
 // checkpointed blocks are entered again while backward recomputes the
-// blocks: that is no new pass (and their enter and output hooks must
-// record the same ops both times; they used to fail the recomputation).
+// blocks: that is no new pass, their output hooks must record the same
+// ops both times, and their enter hooks must not prefetch the next unit
+// of forward (they used to fail the recomputation: an op that differs,
+// then a pooled slot held by that prefetch).
 func TestFSDPBackwardPasses(t *testing.T) {
 	one := []string{"fsdp"}
 	ckpt := []fsdpVariant{
 		{name: "checkpointed units", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true},
+		{name: "units in checkpointed blocks", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}},
+		{name: "units in checkpointed blocks, reshard to 2", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []FSDPOption{ReshardTo(2)}},
+		{name: "units in checkpointed blocks, zero2", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []FSDPOption{ZeROStage(2)}},
 		{name: "units in checkpointed blocks, reshard false", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []FSDPOption{Reshard(false)}},
 	}
 	for _, v := range append(fsdpVariants(), ckpt...) {
