@@ -9,6 +9,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -51,12 +52,13 @@ type config struct {
 func WithAxis(name string) Option { return func(c *config) { c.axis = name } }
 
 // WithFirstBucket sets the byte limit of the first bucket (default
-// DefaultFirstBucket). It must be positive.
+// DefaultFirstBucket). It must be at least 1: New fails with ErrInvalid
+// otherwise.
 func WithFirstBucket(bytes int64) Option { return func(c *config) { c.first = bytes } }
 
 // WithBucketCap sets the byte limit of every bucket after the first
 // (default DefaultBucketCap; see ScaledBucketCap for large dp). It must be
-// positive.
+// at least 1: New fails with ErrInvalid otherwise.
 func WithBucketCap(bytes int64) Option { return func(c *config) { c.cap = bytes } }
 
 // GradientAsBucketView makes the reduced gradients DDP installs views of
@@ -158,8 +160,8 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 	for _, o := range opts {
 		o(&cfg)
 	}
-	if cfg.first <= 0 || cfg.cap <= 0 {
-		return nil, fmt.Errorf("%w: bucket limits must be positive (first %d, cap %d)", ErrInvalid, cfg.first, cfg.cap)
+	if err := errors.Join(numcheck.Count(ErrInvalid, "WithFirstBucket bytes", int(cfg.first)), numcheck.Count(ErrInvalid, "WithBucketCap bytes", int(cfg.cap))); err != nil {
+		return nil, fmt.Errorf("parallel: New: %w", err)
 	}
 	if len(params) == 0 {
 		return nil, fmt.Errorf("%w: no parameters", ErrInvalid)
@@ -337,8 +339,16 @@ func (d *DDP) Comm() comm.Communicator { return d.c }
 // divided by dp). Set it before the synced backward of a step: the hooks
 // apply it when they copy gradients into the buckets. For example, with a
 // per-rank mean loss over n of N global tokens use n/N; with a per-rank
-// sum of token losses use 1/N.
-func (d *DDP) SetScale(s float64) { d.scale = s }
+// sum of token losses use 1/N. s must be finite (zero drops this rank's
+// contribution, for a rank with no tokens); NaN or ±Inf is refused with
+// ErrInvalid and the scale stays as it was.
+func (d *DDP) SetScale(s float64) error {
+	if err := numcheck.Finite(ErrInvalid, "DDP.SetScale", s); err != nil {
+		return fmt.Errorf("parallel: %w", err)
+	}
+	d.scale = s
+	return nil
+}
 
 // NoSync runs fn (typically a micro-batch's forward and backward) with
 // DDP's hooks disabled: gradients accumulate locally, Partial(sum) on dp,

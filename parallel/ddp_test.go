@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -121,7 +122,8 @@ func TestNewRejects(t *testing.T) {
 			"no parameters": {nil, nil},
 			"listed twice":  {[]*autograd.Value{n.params[0], n.params[0]}, nil},
 			"no axis":       {n.params, []Option{WithAxis("tp")}},
-			"positive":      {n.params, []Option{WithBucketCap(0)}},
+			"WithBucketCap bytes 0: must be at least 1":    {n.params, []Option{WithBucketCap(0)}},
+			"WithFirstBucket bytes -1: must be at least 1": {n.params, []Option{WithFirstBucket(-1)}},
 		} {
 			if _, err := New(ctx, tc.params, tc.opts...); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), name) {
 				return fmt.Errorf("%s: error %v", name, err)
@@ -249,7 +251,9 @@ func TestAverageAndScale(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				d.SetScale(tc.scale)
+				if err := d.SetScale(tc.scale); err != nil {
+					return err
+				}
 				if err := n.step(ctx, m, 0, 12); err != nil {
 					return err
 				}
@@ -260,6 +264,34 @@ func TestAverageAndScale(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestSetScaleRejects: a scale that is NaN or ±Inf would make every
+// gradient NaN or infinite; SetScale refuses it with ErrInvalid and keeps
+// the scale it had. Zero (a rank with no tokens) is accepted.
+func TestSetScaleRejects(t *testing.T) {
+	placementtest.Run(t, []int{2}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		n, err := newMLP(m, false)
+		if err != nil {
+			return err
+		}
+		d, err := New(ctx, n.params)
+		if err != nil {
+			return err
+		}
+		for _, s := range []float64{math.NaN(), math.Inf(1), math.Inf(-1)} {
+			if err := d.SetScale(s); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "SetScale") {
+				return fmt.Errorf("SetScale(%v): %v, want ErrInvalid", s, err)
+			}
+		}
+		if d.scale != 1 {
+			return fmt.Errorf("scale %v after refused values, want 1", d.scale)
+		}
+		if err := d.SetScale(0); err != nil {
+			return fmt.Errorf("SetScale(0): %v", err)
+		}
+		return nil
+	})
 }
 
 // TestNoSyncAccumulation: two micro-batches, the first under NoSync, give
@@ -319,7 +351,9 @@ func TestNoSyncAccumulation(t *testing.T) {
 					return fmt.Errorf("%s: accumulated gradient is %v, want Partial(sum)", p.Name(), pl)
 				}
 			}
-			d.SetScale(0.5)
+			if err := d.SetScale(0.5); err != nil {
+				return err
+			}
 			if err := n.step(ctx, m, 6, 12); err != nil {
 				return err
 			}

@@ -135,10 +135,16 @@
 //
 // HSDP: with ReplicateAxis (a mesh ("dp", "fsdp") and the batch sharded on
 // both), each unit's reduce-scatter on the shard axis is followed by an
-// all-reduce of its shard over the replicate axis. Accumulation: NoSync
-// runs micro-batches without reduction (the gathered leaves accumulate
-// gradients); NoReplicaSync reduce-scatters each micro-batch and skips the
-// replicate all-reduce until the synced one. ZeROStage(2) keeps the
+// all-reduce of its shard over the replicate axis. Accumulation: several
+// forward and backward passes before one Finish add up as on one rank,
+// in every configuration, as in FSDP2: each pass reduces its gradients (a
+// forward that follows a backward first launches the reductions the
+// previous pass left: every pass issues every unit's) and adds them to the
+// sharded gradient (HSDP reduces a later pass's sum over the replicas on
+// its own and adds it). NoSync runs micro-batches without reduction (the
+// gathered leaves accumulate gradients); NoReplicaSync reduce-scatters
+// each micro-batch and skips the replicate all-reduce until the synced
+// one. ZeROStage(2) keeps the
 // parameters gathered from a step's first forward to Finish; ZeROStage(1)
 // also all-reduces gradients in full, each rank keeping its slice.
 // MixedPrecision(comm.BFloat16) all-gathers bfloat16 copies of the float32
@@ -147,8 +153,24 @@
 // Ranks that run different modules (non-SPMD control flow) gather or
 // reduce different units at the same point: the unit tags in every chunk
 // make that an error on every rank naming the units (ErrMismatch), or the
-// communicator's timeout, wrapped with the unit's path, never silent
-// mixing. Bytes reports the memory FSDP holds; Traffic the bytes each rank
+// communicator's timeout, wrapped with the operation and the unit's path.
+// A rank can also skip a unit and still issue its peers' collectives (the
+// unit was prefetched, or kept gathered by Reshard(false) or ZeRO-1/2, and
+// is reduced with zeros), which the tags cannot see. So each rank keeps a
+// trace of the units it enters in forward (not a checkpointed region's
+// recomputation), and at the first reduction of every pass the
+// data-parallel ranks (shard and replicate axes) compare its 64-bit hash:
+// an all-gather of 8 bytes a rank on a communicator of its own, in flight
+// while the reductions run. When the hashes differ, the end of the pass
+// (Finish, Discard, NoReplicaSync), where every rank has issued the same
+// collectives, exchanges the traces and fails on every rank with the same
+// *comm.DisagreementError naming the ranks and the first unit that
+// differs ("rank 1 has nothing at position 1 where ranks 0, 2, 3 have
+// "proj""), before any gradient is installed. A unit that some ranks skip
+// is therefore an error, never a sum with zeros (DDP, by contrast, sums a
+// parameter that only some ranks used). A ReshardTo group's communicator
+// numbers its ranks from 0: errors of its all-gathers say which
+// shard-axis rank each group rank is. Bytes reports the memory FSDP holds; Traffic the bytes each rank
 // sent: an all-gather of chunk c bytes over k ranks sends (k−1)·c, that
 // is (k−1)/k of the padded unit, and the flight recorders of the
 // communicators count c per call.
@@ -210,6 +232,8 @@
 // matrix products' results are kept, the rest recomputed). It composes
 // with Parallelize (in either order), DDP (each hook fires once, after the
 // checkpointed module's backward) and FSDP (Tape.Recomputing tells a hook
-// that the region is being rerun). Tape.PeakActivationBytes measures the
-// saving.
+// that the region is being rerun: a unit entered again then keeps its
+// parameters for the backward that follows, prefetches nothing and starts
+// no new pass), whether the checkpointed modules are FSDP units or
+// contain them. Tape.PeakActivationBytes measures the saving.
 package parallel

@@ -8,6 +8,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -17,11 +18,13 @@ type FSDPOption func(*fsdpConfig)
 
 type fsdpConfig struct {
 	axis, repAxis string
-	reshard       int // 0: keep gathered; -1: reshard fully; n > 0: to groups of n
+	reshard       int  // 0: keep gathered; -1: reshard fully; n > 0: to groups of n
+	reshardTo     bool // reshard is ReshardTo's n, checked as a count
 	stage         int
 	mp            comm.DType // 0: gather in the parameters' dtype
 	avg           bool
 	divide        float64
+	divideSet     bool // GradientDivideFactor was given (divide is checked, never "none")
 	prefetch      bool
 }
 
@@ -40,7 +43,7 @@ func ReplicateAxis(name string) FSDPOption { return func(c *fsdpConfig) { c.repA
 // The root unit never reshards after forward.
 func Reshard(on bool) FSDPOption {
 	return func(c *fsdpConfig) {
-		c.reshard = 0
+		c.reshard, c.reshardTo = 0, false
 		if on {
 			c.reshard = -1
 		}
@@ -50,11 +53,13 @@ func Reshard(on bool) FSDPOption {
 // ReshardTo makes units keep, after their forward, the 1/n of the
 // gathered unit that the backward all-gather within a group of n
 // consecutive shard-axis ranks rebuilds (FSDP2's reshard_after_forward=n).
-// n must divide the shard axis size; n equal to it is Reshard(true), 1 is
+// n must be at least 1 and divide the shard axis size (NewFSDP fails with
+// ErrInvalid otherwise); n equal to it is Reshard(true), 1 is
 // Reshard(false) with less memory.
-func ReshardTo(n int) FSDPOption { return func(c *fsdpConfig) { c.reshard = n } }
+func ReshardTo(n int) FSDPOption { return func(c *fsdpConfig) { c.reshard, c.reshardTo = n, true } }
 
-// ZeROStage selects the ZeRO stage (default 3): 3 shards parameters,
+// ZeROStage selects the ZeRO stage, 1, 2 or 3 (default 3; NewFSDP fails
+// with ErrInvalid on another): 3 shards parameters,
 // gradients and optimizer state (the units gather their parameters in
 // forward and, when resharded, again in backward); 2 keeps every unit's
 // parameters gathered from its first forward of a step to Finish (no
@@ -78,8 +83,11 @@ func FSDPAverage() FSDPOption { return func(c *fsdpConfig) { c.avg = true } }
 
 // GradientDivideFactor divides every rank's gradient contribution by f
 // (FSDP2's set_gradient_divide_factor); it replaces FSDPAverage's factor.
-// f must be positive.
-func GradientDivideFactor(f float64) FSDPOption { return func(c *fsdpConfig) { c.divide = f } }
+// f must be positive and finite: NewFSDP fails with ErrInvalid on zero, a
+// negative value, NaN or ±Inf (+Inf would zero every gradient).
+func GradientDivideFactor(f float64) FSDPOption {
+	return func(c *fsdpConfig) { c.divide, c.divideSet = f, true }
+}
 
 // Prefetch turns on (default) or off the all-gather of the next unit
 // while the current one computes, in forward and in backward.
@@ -130,7 +138,8 @@ type UnitInfo struct {
 	Elems int
 	// Chunk is the element count of every rank's all-gather chunk: the
 	// largest rank's share of Elems (shorter shares are padded to it),
-	// plus 2 elements naming the unit (the SPMD check).
+	// plus 2 elements naming the unit (the tag that makes ranks gathering
+	// or reducing different units at the same point an error).
 	Chunk int
 	// Reshard is the unit's policy after forward: 0 keeps the
 	// parameters gathered, -1 frees them, n > 0 keeps 1/n.
@@ -181,6 +190,18 @@ type FSDPTraffic struct {
 // FSDP shards parameters, gradients and optimizer state over a mesh axis
 // (ZeRO, PyTorch's FSDP2 fully_shard), optionally replicating over
 // another (HSDP). See the package documentation.
+//
+// A step is one or more forward and backward passes, then Finish, then
+// the optimizer step. Gradients accumulate over the passes as one rank's
+// would, in every configuration: each pass reduces its own (a forward
+// that follows a backward launches the reductions the previous pass left)
+// and adds them to the sharded gradient, as FSDP2 does; NoSync saves
+// those per-pass reductions. Every data-parallel rank must enter the same
+// units in the same order: at each pass's first reduction the ranks
+// compare a hash of the units they entered in forward, and Finish (or
+// Discard, or NoReplicaSync) returns an error matching loom.ErrMismatch
+// on every rank, naming the ranks and the first unit that differs, when
+// they did not.
 type FSDP struct {
 	cfg      fsdpConfig
 	m        *mesh.Mesh
@@ -212,13 +233,29 @@ type FSDP struct {
 	noRep   int
 	err     error
 	traffic FSDPTraffic
+
+	// backward reports that a backward reached the units in this pass:
+	// the next forward starts another pass of the step.
+	backward bool
+	// compared reports that this pass's first reduction compared the
+	// trace.
+	compared bool
+	trace    unitTrace         // the SPMD check (fsdp_spmd.go)
+	fpc      comm.Communicator // its communicator: the data-parallel group's; nil for one rank
+	fpAlong  string            // what its ranks are, for errors
 }
 
 // NewFSDP prepares FSDP on mesh m; Wrap then shards modules, bottom-up,
-// root last. It checks the options and creates the communicators (a
-// collective over m): the shard-axis communicator is split twice, one
-// duplicate for all-gathers and one for reduce-scatters, so that their
-// relative order cannot differ across ranks. Errors wrap ErrInvalid.
+// root last. It checks the options, before any communication, and creates
+// the communicators (a collective over m): the shard-axis communicator is
+// split twice, one duplicate for all-gathers and one for reduce-scatters,
+// so that their relative order cannot differ across ranks, and the
+// data-parallel group's (shard and replicate axes) once for the SPMD
+// check (see FSDP). Errors wrap ErrInvalid: a missing axis, ZeROStage
+// other than 1, 2 or 3, ReshardTo(n) with n < 1 or not dividing the shard
+// axis, GradientDivideFactor not positive and finite, MixedPrecision in
+// another dtype than bfloat16 or float32; ranks whose options differ get
+// a *comm.DisagreementError.
 func NewFSDP(ctx context.Context, m *mesh.Mesh, opts ...FSDPOption) (*FSDP, error) {
 	cfg := fsdpConfig{axis: "fsdp", reshard: -1, stage: 3, prefetch: true}
 	for _, o := range opts {
@@ -240,19 +277,23 @@ func NewFSDP(ctx context.Context, m *mesh.Mesh, opts ...FSDPOption) (*FSDP, erro
 	}
 	f.p = m.Shape()[f.axis]
 	if cfg.stage < 1 || cfg.stage > 3 {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: ZeRO stage %d; want 1, 2 or 3", ErrInvalid, cfg.stage)
+		return nil, fmt.Errorf("parallel: NewFSDP: %w: ZeROStage %d: must be 1, 2 or 3", ErrInvalid, cfg.stage)
 	}
-	if cfg.reshard > 0 && f.p%cfg.reshard != 0 {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: ReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, cfg.axis, f.p)
+	if cfg.reshardTo {
+		if err := numcheck.Count(ErrInvalid, "ReshardTo", cfg.reshard); err != nil {
+			return nil, fmt.Errorf("parallel: NewFSDP: %w", err)
+		}
+		if f.p%cfg.reshard != 0 {
+			return nil, fmt.Errorf("parallel: NewFSDP: %w: ReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, cfg.axis, f.p)
+		}
+		if cfg.reshard == f.p {
+			f.cfg.reshard = -1
+		}
 	}
-	if cfg.reshard < -1 {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: ReshardTo(%d); want a positive group size", ErrInvalid, cfg.reshard)
-	}
-	if cfg.reshard == f.p {
-		f.cfg.reshard = -1
-	}
-	if cfg.divide < 0 || cfg.divide != cfg.divide {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: gradient divide factor %v; want a positive number", ErrInvalid, cfg.divide)
+	if cfg.divideSet {
+		if err := numcheck.Positive(ErrInvalid, "GradientDivideFactor", cfg.divide); err != nil {
+			return nil, fmt.Errorf("parallel: NewFSDP: %w", err)
+		}
 	}
 	if cfg.mp == comm.Float32 {
 		f.cfg.mp = 0
@@ -287,11 +328,46 @@ func NewFSDP(ctx context.Context, m *mesh.Mesh, opts ...FSDPOption) (*FSDP, erro
 			return nil, err
 		}
 	}
-	desc := []string{fmt.Sprintf("axis %s rep %s reshard %d stage %d mp %v avg %v divide %v prefetch %v", cfg.axis, cfg.repAxis, f.cfg.reshard, cfg.stage, f.cfg.mp, cfg.avg, cfg.divide, cfg.prefetch)}
+	if err := f.traceComm(ctx); err != nil {
+		return nil, fmt.Errorf("parallel: NewFSDP: SPMD check communicator: %w", err)
+	}
+	desc := []string{fmt.Sprintf("axis %s rep %s reshard %d stage %d mp %v avg %v divide %v %v prefetch %v", cfg.axis, cfg.repAxis, f.cfg.reshard, cfg.stage, f.cfg.mp, cfg.avg, cfg.divideSet, cfg.divide, cfg.prefetch)}
 	if err := f.agree(ctx, "the FSDP options", desc); err != nil {
 		return nil, fmt.Errorf("parallel: NewFSDP: %w", err)
 	}
 	return f, nil
+}
+
+// traceComm creates the communicator of the SPMD check: a duplicate of
+// the data-parallel group's (the shard axis, and the replicate axis for
+// HSDP, in mesh order), so that its ranks are the mesh's when those are
+// its only axes.
+func (f *FSDP) traceComm(ctx context.Context) error {
+	f.trace.reset()
+	names := []string{f.cfg.axis}
+	g := f.shard
+	if f.rep >= 0 {
+		names = []string{f.cfg.axis, f.cfg.repAxis}
+		if f.rep < f.axis {
+			names[0], names[1] = names[1], names[0]
+		}
+		var err error
+		if g, err = f.m.Group(ctx, names...); err != nil {
+			return err
+		}
+	}
+	if g.Size() == 1 {
+		return nil
+	}
+	if f.m.NDim() > len(names) {
+		f.fpAlong = fmt.Sprintf(" (ranks along axis %q)", names[0])
+		if len(names) == 2 {
+			f.fpAlong = fmt.Sprintf(" (ranks over axes %q, %q)", names[0], names[1])
+		}
+	}
+	var err error
+	f.fpc, err = g.Split(ctx, 0, g.Rank())
+	return err
 }
 
 // agree checks that the ranks of the shard and replicate groups pass the
@@ -357,10 +433,17 @@ type fsdpUnit struct {
 	rsWork   comm.Work
 	rsAt     int
 	arWork   comm.Work
-	acc      any // the sharded gradient: []float32 or []float64, chunk[rank] elements
+	arAdd    bool // arWork reduces pend, to be added into acc
+	acc      any  // the sharded gradient: []float32 or []float64, chunk[rank] elements
 	accum    bool
-	fwdNext  []int
-	bwdNext  []int
+	// HSDP, once a pass's replicate all-reduce has summed acc over the
+	// replicas: the later passes' shard-axis sum, reduced over the
+	// replicas on its own and then added to acc.
+	repDone   bool
+	pend      any
+	pendAccum bool
+	fwdNext   []int
+	bwdNext   []int
 }
 
 // poolSlot is an unsharded buffer shared by units resharded after forward.
@@ -776,7 +859,7 @@ func (f *FSDP) Bytes() FSDPBytes {
 		if u.kept != nil {
 			b.Kept += int64(len(u.kept.Bytes()))
 		}
-		b.ShardedGrads += size(u.acc)
+		b.ShardedGrads += size(u.acc) + size(u.pend)
 	}
 	return b
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -277,6 +279,49 @@ func TestFSDPBadInput(t *testing.T) {
 			_, err := NewFSDP(ctx, m, ZeROStage(4))
 			return err
 		}},
+		{"stage 0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
+			_, err := NewFSDP(ctx, m, ZeROStage(0))
+			return err
+		}},
+		// ReshardTo(0) used to mean Reshard(false) and ReshardTo(-1)
+		// Reshard(true), while ReshardTo(-2) was refused.
+		{"reshard to 0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
+			_, err := FullyShard(ctx, n, []string{"h.*"}, ReshardTo(0))
+			return err
+		}},
+		{"reshard to -1", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
+			_, err := FullyShard(ctx, n, []string{"h.*"}, ReshardTo(-1))
+			return err
+		}},
+		{"reshard to -2", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
+			_, err := NewFSDP(ctx, m, ReshardTo(-2))
+			return err
+		}},
+		// +Inf used to zero every gradient, 0 to mean no division.
+		{"divide by +Inf", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
+			_, err := FullyShard(ctx, n, []string{"h.*"}, GradientDivideFactor(math.Inf(1)))
+			return err
+		}},
+		{"divide by 0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
+			_, err := FullyShard(ctx, n, []string{"h.*"}, GradientDivideFactor(0))
+			return err
+		}},
+		{"divide by -0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
+			_, err := NewFSDP(ctx, m, GradientDivideFactor(math.Copysign(0, -1)))
+			return err
+		}},
+		{"divide by -2", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
+			_, err := NewFSDP(ctx, m, GradientDivideFactor(-2))
+			return err
+		}},
+		{"divide by NaN", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
+			_, err := NewFSDP(ctx, m, GradientDivideFactor(math.NaN()))
+			return err
+		}},
+		{"divide by -Inf", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
+			_, err := NewFSDP(ctx, m, GradientDivideFactor(math.Inf(-1)))
+			return err
+		}},
 		{"wrapped twice", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
 			f, err := NewFSDP(ctx, m)
 			if err != nil {
@@ -328,9 +373,19 @@ func TestFSDPBadInput(t *testing.T) {
 					return err
 				}
 				before := n.head.Weight
+				sent := traffic(m)
 				err = c.fn(ctx, m, n)
 				if c.name == "shard dim" && n.head.Weight != before {
 					return fmt.Errorf("a refused Wrap replaced the parameter")
+				}
+				// A bad option is refused before any data moves.
+				if strings.Contains(c.name, "divide") || strings.HasPrefix(c.name, "reshard to") || strings.HasPrefix(c.name, "stage") {
+					if n.head.Weight != before {
+						return errors.Join(err, fmt.Errorf("a refused option replaced the parameters"))
+					}
+					if now := traffic(m); now != sent {
+						return errors.Join(err, fmt.Errorf("a refused option issued %d collectives", now-sent))
+					}
 				}
 				return err
 			})
@@ -341,6 +396,12 @@ func TestFSDPBadInput(t *testing.T) {
 			}
 		})
 	}
+}
+
+// traffic counts the calls the flight recorder of m's world communicator
+// holds.
+func traffic(m *mesh.Mesh) int {
+	return len(m.World().Recorder().Entries())
 }
 
 // TestFSDPNonSPMD runs a step where rank 1 skips block h.1's forward:
@@ -652,63 +713,59 @@ func TestFSDPSlotConflict(t *testing.T) {
 	}
 }
 
-// TestFSDPUsedOnOneRank skips block h.1 on rank 1 with Reshard(false) and
-// prefetch on, where every rank still issues the same collectives (h.1 is
-// gathered by the prefetch, and not gathered again in backward): as in
-// DDP, rank 1 contributes zeros and every rank gets rank 0's gradient,
-// the same on both.
-func TestFSDPUsedOnOneRank(t *testing.T) {
-	var mu sync.Mutex
-	got := map[int][]float64{}
-	errs := fsdpRun(t, 2, func(ctx context.Context, m *mesh.Mesh) error {
-		n, err := newFnet(m, comm.Float64)
+// TestFSDPErrorsNameUnit: under ReshardTo(2) on fsdp=4, rank 3 sleeps in
+// proj's enter hook past the timeout. Every rank's error is a timeout
+// wrapped with the FSDP operation and the unit it was in; rank 2, which
+// waits for rank 3 in proj's all-gather within their ReshardTo group,
+// says which shard-axis rank each rank of the group's communicator is
+// (its errors count from 0 within the group, so its "rank 1" is rank 3).
+func TestFSDPErrorsNameUnit(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	errs := make([]error, 4)
+	_ = local.Run(context.Background(), 4, func(ctx context.Context, world comm.Communicator) error {
+		m, err := mesh.New(world, []int{4}, []string{"fsdp"})
 		if err != nil {
 			return err
 		}
-		f, err := FullyShard(ctx, n, []string{"h.*"}, Reshard(false))
-		if err != nil {
-			return err
-		}
-		h1 := n.list.blocks[1]
-		if m.Rank() == 1 {
-			n.list.blocks = append(n.list.blocks[:1:1], n.list.blocks[2:]...)
-		}
-		l, err := n.forward(ctx, m, 1, fnetB)
-		if err != nil {
-			return err
-		}
-		if err := n.tape.Backward(ctx, l); err != nil {
-			return errors.Join(err, f.Discard(ctx))
-		}
-		if err := f.Finish(ctx); err != nil {
-			return err
-		}
-		g := h1.mlp.FC.Weight.Grad()
-		if g == nil {
-			return fmt.Errorf("h.1 has no gradient")
-		}
-		full, err := g.Full(ctx)
-		if err != nil {
-			return err
-		}
-		mu.Lock()
-		got[m.Rank()] = full.([]float64)
-		mu.Unlock()
-		return nil
-	})
+		err = func() error {
+			mlp, tape, x, err := newShardMLP(m, comm.Float64)
+			if err != nil {
+				return err
+			}
+			f, err := FullyShard(ctx, mlp, []string{"fc", "proj"}, ReshardTo(2))
+			if err != nil {
+				return err
+			}
+			if m.Rank() == 3 {
+				mlp.Proj.OnEnter(func(context.Context) error {
+					time.Sleep(2 * timeout)
+					return nil
+				})
+			}
+			y, err := mlp.Forward(ctx, x)
+			if err != nil {
+				return errors.Join(err, f.Discard(ctx))
+			}
+			l, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, l); err != nil {
+				return errors.Join(err, f.Discard(ctx))
+			}
+			return f.Finish(ctx)
+		}()
+		errs[world.Rank()] = err
+		return err
+	}, local.WithOptions(comm.Options{Timeout: timeout}))
+	op := regexp.MustCompile(`parallel: FSDP (all-gather|reduce-scatter|SPMD check) .*unit "(fc|proj)"`)
 	for r, err := range errs {
-		if err != nil {
-			t.Fatalf("rank %d: %v", r, err)
+		if !errors.Is(err, comm.ErrTimeout) || !op.MatchString(err.Error()) {
+			t.Errorf("rank %d: %v; want a timeout naming the FSDP operation and unit", r, err)
 		}
 	}
-	nonzero := false
-	for k, v := range got[0] {
-		nonzero = nonzero || v != 0
-		if got[1][k] != v {
-			t.Fatalf("ranks disagree on h.1.mlp.fc.weight[%d]: %g, %g", k, v, got[1][k])
-		}
-	}
-	if !nonzero {
-		t.Fatal("rank 0's contribution is missing")
+	const group = `parallel: FSDP all-gather of unit "proj" within its ReshardTo(2) group (on its communicator group rank 0 is rank 2, group rank 1 is rank 3)`
+	if err := errs[2]; err == nil || !strings.Contains(err.Error(), group) {
+		t.Errorf("rank 2: %v; want %s", err, group)
 	}
 }

@@ -151,6 +151,15 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 			return err
 		}
 	}
+	recomputing := u.params[0].orig.Tape().Recomputing()
+	if !recomputing {
+		if f.backward {
+			// A forward after a backward with no Finish between: the
+			// step's next pass, whose gradients add to this one's.
+			f.nextPass(ctx)
+		}
+		f.record(u)
+	}
 	if !f.entered[u.index] {
 		f.entered[u.index] = true
 		f.order = append(f.order, u.index)
@@ -161,7 +170,10 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 	if err := f.swap(u, true); err != nil {
 		return err
 	}
-	if !f.cfg.prefetch {
+	// In a checkpointed region's recomputation the unit that forward
+	// entered next has had its backward already: gathering it again
+	// would only hold a pooled slot that the units before need.
+	if !f.cfg.prefetch || recomputing {
 		return nil
 	}
 	next := u.fwdNext
@@ -179,9 +191,9 @@ func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 }
 
 // output is a unit's output hook: on the first output after the enter it
-// swaps the sharded parameters back and reshards; every output that
-// requires grad is wrapped in an identity whose backward is the unit's
-// pre-backward (re-gather, prefetch).
+// swaps the sharded parameters back and reshards; every output is wrapped
+// in an identity whose backward is the unit's pre-backward (re-gather,
+// prefetch).
 func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*autograd.Value, error) {
 	// A checkpointed forward recomputed during backward needs the
 	// parameters right away: keep them.
@@ -193,9 +205,9 @@ func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*aut
 			f.release(u)
 		}
 	}
-	if !v.RequiresGrad() {
-		return v, nil
-	}
+	// The identity is recorded whether or not v requires grad: inside a
+	// checkpointed region v requires none in the first forward and does
+	// when recomputed, and the region must run the same ops both times.
 	return autograd.Custom("FSDPPreBackward "+u.path, []*autograd.Value{v},
 		func() (*placement.DTensor, error) { return v.Data(), nil },
 		func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
@@ -209,6 +221,7 @@ func (f *FSDP) output(ctx context.Context, u *fsdpUnit, v *autograd.Value) (*aut
 // preBackward gathers u again if it was resharded and prefetches the unit
 // that backward reaches next.
 func (f *FSDP) preBackward(ctx context.Context, u *fsdpUnit) error {
+	f.backward = true
 	if f.cfg.stage == 3 {
 		if err := f.gather(ctx, u); err != nil {
 			return err
@@ -358,7 +371,7 @@ func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, err
 	}
 	w, err := comm.AllGatherAsync(ctx, c, send, recv)
 	if err != nil {
-		return false, fmt.Errorf("parallel: FSDP all-gather of unit %q: %w", u.path, err)
+		return false, f.gatherError(u, group, err)
 	}
 	f.traffic.AllGather += int64(c.Size()-1) * int64(len(send.Bytes()))
 	u.agWork, u.agGroup, u.stageAt = w, group, at
@@ -378,7 +391,7 @@ func (f *FSDP) complete(ctx context.Context, u *fsdpUnit) error {
 	st := f.stage[u.stageAt]
 	st.owner = nil
 	if err := w.Wait(ctx); err != nil {
-		return fmt.Errorf("parallel: FSDP all-gather of unit %q: %w", u.path, err)
+		return f.gatherError(u, u.agGroup, err)
 	}
 	blk := u.L + tagElems
 	recv := st.buf.SliceHost(0, f.p*blk)
@@ -414,6 +427,16 @@ func (f *FSDP) complete(ctx context.Context, u *fsdpUnit) error {
 	}
 	u.gathered = true
 	return nil
+}
+
+// gatherError wraps an error of u's all-gather, over the shard axis or
+// (group) within its ReshardTo group, whose communicator numbers its
+// ranks from 0.
+func (f *FSDP) gatherError(u *fsdpUnit, group bool, err error) error {
+	if group {
+		return fmt.Errorf("parallel: FSDP all-gather of unit %q within its ReshardTo(%d) group%s: %w", u.path, f.cfg.reshard, f.groupNote(), err)
+	}
+	return fmt.Errorf("parallel: FSDP all-gather of unit %q: %w", u.path, err)
 }
 
 // putTag writes unit index i into the two elements at off (exact in

@@ -17,6 +17,7 @@ import (
 // rsOrder. As in DDP, only a launch error (which every rank sees) stops
 // Backward; a rank-local problem is kept for Finish.
 func (f *FSDP) gradReady(ctx context.Context, u *fsdpUnit, p *fsdpParam) error {
+	f.backward = true
 	if p.fired {
 		return nil
 	}
@@ -63,7 +64,7 @@ func (f *FSDP) launchReady(ctx context.Context) error {
 // factor is the scale of every rank's contribution.
 func (f *FSDP) factor() float64 {
 	switch {
-	case f.cfg.divide > 0:
+	case f.cfg.divideSet:
 		return 1 / f.cfg.divide
 	case f.cfg.avg:
 		return 1 / float64(f.p*f.repN)
@@ -76,6 +77,14 @@ func (f *FSDP) factor() float64 {
 // all-gather's, drops them, and starts the reduce-scatter (ZeRO-1: the
 // all-reduce) on the reduce-scatter communicator.
 func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
+	if !f.compared {
+		// The pass's first reduction: the ranks compare what they ran.
+		f.compared = true
+		if err := f.compare(ctx, u); err != nil {
+			f.fail(err)
+			return err
+		}
+	}
 	blk := u.L + tagElems
 	n := f.p * blk
 	st, err := f.stageFor(ctx, &f.rstage, at, u.dtype, n, f.finishRS)
@@ -118,13 +127,21 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 		f.traffic.ReduceScatter += int64(f.p-1) * int64(len(recv.Bytes()))
 	}
 	if err != nil {
-		err = fmt.Errorf("parallel: FSDP reduce-scatter of unit %q: %w", u.path, err)
+		err = fmt.Errorf("parallel: FSDP %s of unit %q: %w", f.reduceOp(), u.path, err)
 		f.fail(err)
 		return err
 	}
 	u.rsWork, u.rsAt = w, at
 	st.owner = u
 	return nil
+}
+
+// reduceOp names the shard-axis reduction, for errors.
+func (f *FSDP) reduceOp() string {
+	if f.cfg.stage == 1 {
+		return "all-reduce (ZeRO-1)"
+	}
+	return "reduce-scatter"
 }
 
 // fillGrad copies p's unsharded gradient into the rank chunks of buf and
@@ -231,7 +248,7 @@ func (f *FSDP) finishRS(ctx context.Context, u *fsdpUnit) error {
 	st := f.rstage[u.rsAt]
 	st.owner = nil
 	if err := w.Wait(ctx); err != nil {
-		return fmt.Errorf("parallel: FSDP reduce-scatter of unit %q: %w", u.path, err)
+		return fmt.Errorf("parallel: FSDP %s of unit %q: %w", f.reduceOp(), u.path, err)
 	}
 	blk := u.L + tagElems
 	own := st.buf.SliceHost(f.rank*blk, (f.rank+1)*blk)
@@ -246,46 +263,80 @@ func (f *FSDP) finishRS(ctx context.Context, u *fsdpUnit) error {
 	}
 	// Σt = p·a and Σt² = p·a² hold only when every rank's t is a.
 	if s1 != p*a || s2 != p*a*a {
-		return fmt.Errorf("parallel: FSDP reduce-scatter of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", u.path, loom.ErrMismatch)
+		return fmt.Errorf("parallel: FSDP %s of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", f.reduceOp(), u.path, loom.ErrMismatch)
+	}
+	// The sharded gradient must not change under a replicate all-reduce
+	// of an earlier pass.
+	if err := f.finishAR(ctx, u); err != nil {
+		return err
 	}
 	n := u.chunk[f.rank]
-	if u.acc == nil {
-		u.acc = allocBlock(u.dtype, n)
+	// Once a pass's replicate all-reduce has summed the replicas into
+	// acc, later passes reduce their own sum (pend) and add it: summing
+	// acc over the replicas again would count the earlier passes repN
+	// times.
+	dst, started := &u.acc, &u.accum
+	if u.repDone {
+		dst, started = &u.pend, &u.pendAccum
 	}
-	switch acc := u.acc.(type) {
+	if *dst == nil {
+		*dst = allocBlock(u.dtype, n)
+	}
+	switch d := (*dst).(type) {
 	case []float32:
-		src := own.Float32s()[:n]
-		if !u.accum {
-			copy(acc, src)
-		} else {
-			for i, v := range src {
-				acc[i] += v
-			}
-		}
+		accumulate(d, own.Float32s()[:n], *started)
 	case []float64:
-		src := own.Float64s()[:n]
-		if !u.accum {
-			copy(acc, src)
-		} else {
-			for i, v := range src {
-				acc[i] += v
-			}
-		}
+		accumulate(d, own.Float64s()[:n], *started)
 	}
-	u.accum = true
+	*started = true
 	if f.repc != nil && f.noRep == 0 {
 		var buf comm.Buffer
-		if acc, ok := u.acc.([]float32); ok {
-			buf = comm.Host(acc)
+		if d, ok := (*dst).([]float32); ok {
+			buf = comm.Host(d)
 		} else {
-			buf = comm.Host(u.acc.([]float64))
+			buf = comm.Host((*dst).([]float64))
 		}
 		w, err := comm.AllReduceAsync(ctx, f.repc, buf, buf, comm.Sum)
 		if err != nil {
 			return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
 		}
 		f.traffic.AllReduce += int64(2*(f.repN-1)) * int64(n*u.dtype.Size()) / int64(f.repN)
-		u.arWork = w
+		u.arWork, u.arAdd = w, u.repDone
+		u.repDone = true
+	}
+	return nil
+}
+
+// accumulate copies src into dst, or adds it when add is set.
+func accumulate[T float32 | float64](dst, src []T, add bool) {
+	if !add {
+		copy(dst, src)
+		return
+	}
+	for i, v := range src {
+		dst[i] += v
+	}
+}
+
+// finishAR waits for u's replicate all-reduce and, when it reduced a
+// later pass's sum (pend), adds that into the sharded gradient.
+func (f *FSDP) finishAR(ctx context.Context, u *fsdpUnit) error {
+	w := u.arWork
+	if w == nil {
+		return nil
+	}
+	u.arWork = nil
+	if err := w.Wait(ctx); err != nil {
+		return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
+	}
+	if u.arAdd {
+		u.arAdd, u.pendAccum = false, false
+		switch acc := u.acc.(type) {
+		case []float32:
+			accumulate(acc, u.pend.([]float32), true)
+		case []float64:
+			accumulate(acc, u.pend.([]float64), true)
+		}
 	}
 	return nil
 }
@@ -301,33 +352,52 @@ func (f *FSDP) drain(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
-	for ; f.next < len(f.rsOrder); f.next++ {
-		u := f.units[f.rsOrder[f.next]]
-		if f.cfg.stage == 3 {
-			f.release(u)
-		}
-		u.rsReady = true
-		// A launch error is kept in f.err; later units are still issued
-		// so that every rank's sequence matches.
-		_ = f.launch(ctx, u, f.next%2)
-	}
+	f.launchRest(ctx)
 	for _, i := range f.rsOrder {
 		if err := f.finishRS(ctx, f.units[i]); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	for _, u := range f.units {
-		if u.arWork != nil {
-			if err := u.arWork.Wait(ctx); err != nil {
-				errs = append(errs, fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err))
-			}
-			u.arWork = nil
+		if err := f.finishAR(ctx, u); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if f.err != nil {
 		errs = append([]error{f.err}, errs...)
 	}
+	// Every rank has issued the same collectives: the point to name the
+	// ranks and units of a failed SPMD check, the root cause of any other
+	// error.
+	if err := f.spmdError(ctx); err != nil {
+		errs = append([]error{err}, errs...)
+	}
 	return errors.Join(errs...)
+}
+
+// launchRest launches, in order, every reduction of the pass not launched
+// yet (parameters without a gradient contribute zeros, those accumulated
+// under NoSync their sum), so that every pass issues every unit's.
+// A launch error is kept in f.err; later units are still issued so that
+// every rank's sequence matches.
+func (f *FSDP) launchRest(ctx context.Context) {
+	for ; f.next < len(f.rsOrder); f.next++ {
+		u := f.units[f.rsOrder[f.next]]
+		if f.cfg.stage == 3 {
+			f.release(u)
+		}
+		u.rsReady = true
+		_ = f.launch(ctx, u, f.next%2)
+	}
+}
+
+// nextPass ends a synced pass when the step's next forward starts without
+// a Finish: its remaining reductions launch now, and their results add to
+// the sharded gradients with the next pass's (as a rank alone would
+// accumulate the passes' gradients). Errors are kept for Finish.
+func (f *FSDP) nextPass(ctx context.Context) {
+	f.launchRest(ctx)
+	f.endPass()
 }
 
 // Finish completes the step's gradient reduction and installs every
@@ -337,9 +407,16 @@ func (f *FSDP) drain(ctx context.Context) error {
 // parameter no rank gave a gradient keeps none, so the optimizer skips
 // it. The installed gradients are views of FSDP's sharded gradient
 // buffers, valid until the next step's reduction. Every rank calls it
-// after the synced backward, before the optimizer step; the gathered
-// parameters are then stale, and the next forward gathers again. It must
-// not be called inside NoSync.
+// after the step's last backward (one pass or several: the gradients are
+// their sum), before the optimizer step; the gathered parameters are then
+// stale, and the next forward gathers again. It must not be called inside
+// NoSync or NoReplicaSync (ErrInvalid).
+//
+// When the ranks entered different units in forward, Finish fails on
+// every rank of the data-parallel group with the same
+// *comm.DisagreementError (matching loom.ErrMismatch), naming the ranks
+// and the first unit that differs, and installs nothing. A failed
+// collective is returned wrapped with the operation and the unit's path.
 func (f *FSDP) Finish(ctx context.Context) error {
 	if f.noSync > 0 || f.noRep > 0 {
 		return fmt.Errorf("parallel: FSDP.Finish: %w: called inside NoSync or NoReplicaSync", ErrInvalid)
@@ -359,11 +436,11 @@ func (f *FSDP) Finish(ctx context.Context) error {
 	}
 	flags := comm.Host(has)
 	if err := comm.AllReduce(ctx, f.rs, flags, flags, comm.Sum); err != nil {
-		return fmt.Errorf("parallel: FSDP.Finish: %w", err)
+		return fmt.Errorf("parallel: FSDP.Finish: gradient-presence all-reduce: %w", err)
 	}
 	if f.repc != nil {
 		if err := comm.AllReduce(ctx, f.repc, flags, flags, comm.Sum); err != nil {
-			return fmt.Errorf("parallel: FSDP.Finish: %w", err)
+			return fmt.Errorf("parallel: FSDP.Finish: replicate gradient-presence all-reduce: %w", err)
 		}
 	}
 	k := 0
@@ -392,7 +469,8 @@ func (f *FSDP) Finish(ctx context.Context) error {
 
 // Discard abandons the step after a failed Backward: it issues and waits
 // for the same collectives as Finish (peers that call Finish are
-// matched) but installs nothing. Zero the gradients before retrying.
+// matched) but installs nothing. It returns Finish's errors, the SPMD
+// check's included. Zero the gradients before retrying.
 func (f *FSDP) Discard(ctx context.Context) error {
 	if !f.ready {
 		return nil
@@ -403,10 +481,12 @@ func (f *FSDP) Discard(ctx context.Context) error {
 	}
 	flags := comm.Host(make([]int32, len(f.Params())))
 	if err := comm.AllReduce(ctx, f.rs, flags, flags, comm.Sum); err != nil {
-		return err
+		return fmt.Errorf("parallel: FSDP.Discard: gradient-presence all-reduce: %w", err)
 	}
 	if f.repc != nil {
-		return comm.AllReduce(ctx, f.repc, flags, flags, comm.Sum)
+		if err := comm.AllReduce(ctx, f.repc, flags, flags, comm.Sum); err != nil {
+			return fmt.Errorf("parallel: FSDP.Discard: replicate gradient-presence all-reduce: %w", err)
+		}
 	}
 	return nil
 }
@@ -414,7 +494,9 @@ func (f *FSDP) Discard(ctx context.Context) error {
 // NoSync runs fn (a micro-batch's forward and backward) without gradient
 // reduction: the gathered parameters' gradients accumulate, unsharded,
 // and the next synced backward reduces their sum. ZeRO-3 still reshards
-// (the next micro-batch gathers again). It returns fn's error.
+// (the next micro-batch gathers again). Passes outside NoSync accumulate
+// too, each with its own reduction; NoSync saves those. It returns fn's
+// error.
 func (f *FSDP) NoSync(fn func() error) error {
 	f.noSync++
 	err := fn()
@@ -463,6 +545,8 @@ func (f *FSDP) endPass() {
 		}
 	}
 	f.next = 0
+	f.backward, f.compared = false, false
+	f.endTrace()
 	if len(f.order) > 0 {
 		f.prevFwd = append(f.prevFwd[:0], f.order...)
 	}
@@ -477,7 +561,7 @@ func (f *FSDP) reset() {
 	f.endPass()
 	for _, u := range f.units {
 		f.release(u)
-		u.keptOK, u.accum = false, false
+		u.keptOK, u.accum, u.repDone, u.pendAccum = false, false, false, false
 		for _, p := range u.params {
 			p.has = 0
 		}

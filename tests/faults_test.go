@@ -464,6 +464,20 @@ func (n faultCounts) String() string {
 		n.cases, n.errors, n.successes, n.hangs, n.panics, n.wrong)
 }
 
+// faultFamilies are the row families counted apart: rows named with the
+// prefix "FSDP " or "DDP ", and the communicator's rows (the rest).
+func faultFamilies() []string { return []string{"FSDP", "DDP", "comm"} }
+
+// familyOf is the family of a row's name.
+func familyOf(name string) string {
+	for _, f := range []string{"FSDP", "DDP"} {
+		if strings.HasPrefix(name, f+" ") {
+			return f
+		}
+	}
+	return "comm"
+}
+
 // faultOutcome is what one case did on each rank.
 type faultOutcome struct {
 	errs   []error
@@ -535,9 +549,15 @@ func judge(fc faultCase, p int, o faultOutcome) (problems []string, panicked boo
 func TestFaultTable(t *testing.T) {
 	t.Setenv(comm.CostModelEnv, comm.CostModelOff) // worlds need no calibration
 	var n faultCounts
-	for _, fc := range faultCases() {
+	family := map[string]*faultCounts{}
+	for _, f := range faultFamilies() {
+		family[f] = &faultCounts{}
+	}
+	for _, fc := range append(faultCases(), fsdpFaultCases()...) {
+		fam := family[familyOf(fc.name)]
 		for _, p := range []int{2, 3, 4} {
 			n.cases++
+			fam.cases++
 			name := fmt.Sprintf("%s/p=%d", fc.name, p)
 			done := make(chan faultOutcome, 1)
 			go func() { done <- runFault(fc, p) }()
@@ -547,19 +567,22 @@ func TestFaultTable(t *testing.T) {
 			case <-time.After(hangAfter):
 				// The case's goroutines stay behind; the table goes on.
 				n.hangs++
+				fam.hangs++
 				t.Errorf("%s: HANG: not ended after %v", name, hangAfter)
 				continue
 			}
 			problems, panicked := judge(fc, p, o)
-			switch {
-			case panicked:
-				n.panics++
-			case problems != nil:
-				n.wrong++
-			case slices.ContainsFunc(o.errs, func(e error) bool { return e != nil }):
-				n.errors++
-			default:
-				n.successes++
+			for _, c := range []*faultCounts{&n, fam} {
+				switch {
+				case panicked:
+					c.panics++
+				case problems != nil:
+					c.wrong++
+				case slices.ContainsFunc(o.errs, func(e error) bool { return e != nil }):
+					c.errors++
+				default:
+					c.successes++
+				}
 			}
 			for _, pr := range problems {
 				note := ""
@@ -571,6 +594,9 @@ func TestFaultTable(t *testing.T) {
 		}
 	}
 	t.Logf("fault table: %v", n)
+	for _, f := range faultFamilies() {
+		t.Logf("  %s rows: %v", f, *family[f])
+	}
 	if n.hangs+n.panics+n.wrong > 0 {
 		t.Errorf("fault table: %v; hangs, panics and wrong results must all be 0", n)
 	}
