@@ -369,7 +369,7 @@ func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, err
 		clearRange(send, u.chunk[f.rank], u.L) // the padding of a short chunk
 		putTag(send, u.L, u.index)
 	}
-	w, err := comm.AllGatherAsync(ctx, c, send, recv)
+	w, err := comm.AllGatherAsync(comm.WithLabel(ctx, "fsdp all-gather "+u.path), c, send, recv)
 	if err != nil {
 		return false, f.gatherError(u, group, err)
 	}

@@ -118,6 +118,7 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 		}
 	}
 	var w comm.Work
+	ctx = comm.WithLabel(ctx, "fsdp "+f.reduceOp()+" "+u.path)
 	if f.cfg.stage == 1 {
 		w, err = comm.AllReduceAsync(ctx, f.rs, buf, buf, comm.Sum)
 		f.traffic.AllReduce += int64(2*(f.p-1)) * int64(len(buf.Bytes())) / int64(f.p)
@@ -296,7 +297,7 @@ func (f *FSDP) finishRS(ctx context.Context, u *fsdpUnit) error {
 		} else {
 			buf = comm.Host((*dst).([]float64))
 		}
-		w, err := comm.AllReduceAsync(ctx, f.repc, buf, buf, comm.Sum)
+		w, err := comm.AllReduceAsync(comm.WithLabel(ctx, "fsdp replicate all-reduce "+u.path), f.repc, buf, buf, comm.Sum)
 		if err != nil {
 			return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
 		}

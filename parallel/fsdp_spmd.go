@@ -111,7 +111,7 @@ func (f *FSDP) compare(ctx context.Context, at *fsdpUnit) error {
 	t.sent, t.sentN = append(t.sent[:0], t.items...), t.n
 	t.at = fmt.Sprintf("%s of unit %q", f.reduceOp(), at.path)
 	t.reset()
-	w, err := comm.AllGatherAsync(ctx, f.fpc, comm.Host(t.send), comm.Host(t.recv))
+	w, err := comm.AllGatherAsync(comm.WithLabel(ctx, "fsdp unit-order check"), f.fpc, comm.Host(t.send), comm.Host(t.recv))
 	if err != nil {
 		return t.waitError(err)
 	}

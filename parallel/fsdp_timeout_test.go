@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -50,6 +51,8 @@ func TestFSDPTimeoutNamesLateRank(t *testing.T) {
 				t.Errorf("run %d, rank %d: %v, want a timeout", run, r, err)
 			} else if got := comm.LateRanks(err); !slices.Equal(got, []int{late}) {
 				t.Errorf("run %d, rank %d blames ranks %v, want [%d]: %v", run, r, got, late, err)
+			} else if !strings.Contains(err.Error(), "[fsdp ") {
+				t.Errorf("run %d, rank %d: %v, want the call's FSDP label", run, r, err)
 			}
 		}
 	}
