@@ -268,7 +268,7 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 		copy(me.recv, slots[call.Root].desc.send[c.rank*n:(c.rank+1)*n])
 		return nil
 	}
-	s, err := c.schedule(call, me)
+	s, tr, err := c.schedule(call, me)
 	if err != nil {
 		return c.wrap(call.Op, seq, -1, err)
 	}
@@ -281,7 +281,17 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 		}
 		me.scratch = c.scratch[:need]
 	}
-	return c.execute(wt, seq, call, s, me.dtype)
+	if tr == nil {
+		return c.execute(wt, seq, call, s, me.dtype)
+	}
+	// A tuning trial: the time is recorded before this member departs, so
+	// that it is there for the decision (see tune.go).
+	start := time.Now()
+	if err := c.execute(wt, seq, call, s, me.dtype); err != nil {
+		return err
+	}
+	c.g.record(tr, c.rank, time.Since(start), call.Count())
+	return nil
 }
 
 // execute runs this rank's steps of s.

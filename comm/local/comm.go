@@ -47,6 +47,7 @@ type Comm struct {
 	prescaled []byte // 16-bit Avg inputs divided by the group size
 	wt        waiter
 	plans     map[shapeKey]*schedule // this rank's lock-free front of the group cache
+	tuneCalls map[tuneKey]int        // calls this rank made of each size class being tuned
 
 	mu    sync.Mutex // guards queue and busy
 	queue []*task
@@ -66,7 +67,7 @@ func newComm(g *group, rank int) *Comm {
 	return &Comm{
 		g: g, rank: rank, spin: spin, yield: yield,
 		rec:   comm.NewRecorder(g.name, rank, g.w.opts.RecorderSize),
-		plans: map[shapeKey]*schedule{},
+		plans: map[shapeKey]*schedule{}, tuneCalls: map[tuneKey]int{},
 	}
 }
 

@@ -31,6 +31,10 @@ type world struct {
 	model *comm.CostModel
 	cores int
 	bound bool // every rank runs on CPUs of its own (WithCPUBinding)
+	tune  bool // time close candidates (WithTuning)
+	// trialTime, when set (by tests), replaces the measured time of a
+	// tuning trial of an algorithm.
+	trialTime func(comm.Algorithm, time.Duration) time.Duration
 
 	failure atomic.Pointer[comm.AbortError]
 	failed  chan struct{}
@@ -88,6 +92,10 @@ type group struct {
 	schedMu   sync.Mutex
 	schedules map[schedKey]*schedule
 	choices   map[choiceKey]comm.Algorithm
+	// tunes holds the online tuning of each size class (tune.go). Entries
+	// are never removed: members decide from them at different moments,
+	// and a removed entry would let two members decide differently.
+	tunes map[tuneKey]*tuning
 
 	splitMu sync.Mutex
 	splits  map[splitKey]*splitResult
@@ -113,6 +121,7 @@ func newGroup(w *world, name string, worldRanks []int) *group {
 		failed:    make(chan struct{}),
 		schedules: map[schedKey]*schedule{},
 		choices:   map[choiceKey]comm.Algorithm{},
+		tunes:     map[tuneKey]*tuning{},
 		splits:    map[splitKey]*splitResult{},
 		p2p:       make([]pairQueue, size*size),
 	}
