@@ -237,22 +237,33 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 	case comm.OpBarrier:
 		return nil
 	case comm.OpAllToAll:
+		// Each rank starts with its own block and then reads its peers in
+		// turn from the next rank on (Open MPI's linear shift), so that the
+		// ranks read different peers' buffers at once rather than all
+		// reading rank 0's, then rank 1's.
 		n := len(me.send) / p
-		for q := 0; q < p; q++ {
+		for i := 0; i < p; i++ {
+			q := (c.rank + i) % p
 			copy(me.recv[q*n:(q+1)*n], slots[q].desc.send[c.rank*n:(c.rank+1)*n])
 		}
 		return nil
 	case comm.OpAllToAllV:
+		offs := c.a2avOffsets[:0]
 		at := 0
 		for q := 0; q < p; q++ {
+			offs = append(offs, at)
+			at += me.recvCounts[q] * es
+		}
+		c.a2avOffsets = offs
+		for i := 0; i < p; i++ {
+			q := (c.rank + i) % p
 			peer := &slots[q].desc
 			off := 0
 			for j := 0; j < c.rank; j++ {
 				off += peer.sendCounts[j]
 			}
 			n := me.recvCounts[q] * es
-			copy(me.recv[at:at+n], peer.send[off*es:off*es+n])
-			at += n
+			copy(me.recv[offs[q]:offs[q]+n], peer.send[off*es:off*es+n])
 		}
 		return nil
 	case comm.OpGather:
@@ -290,7 +301,7 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 	if err := c.execute(wt, seq, call, s, me.dtype); err != nil {
 		return err
 	}
-	c.g.record(tr, c.rank, time.Since(start), call.Count())
+	c.g.record(tr, c.rank, start, time.Now(), call.Count())
 	return nil
 }
 

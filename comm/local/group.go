@@ -32,7 +32,7 @@ type world struct {
 	cores int
 	bound bool // every rank runs on CPUs of its own (WithCPUBinding)
 	tune  bool // time close candidates (WithTuning)
-	// trialTime, when set (by tests), replaces the measured time of a
+	// trialTime, when set (by tests), replaces the measured span of a
 	// tuning trial of an algorithm.
 	trialTime func(comm.Algorithm, time.Duration) time.Duration
 

@@ -37,9 +37,13 @@
 //
 // Where the model prices several algorithms of a call within 50% of each
 // other, the first calls of its size class (op, dtype, power of two of the
-// count) run each of them three times, timed as the slowest rank, and
-// later calls keep the fastest. Every rank takes the same decision from
-// shared timings, so the ranks never disagree on an algorithm. Float sums
+// count) run each of them, timed from the last rank starting to the last
+// finishing: once, then up to three more times (seven under 256 KiB) for
+// those within three, then twice the best time (at most MaxTuningCalls
+// calls). Later calls
+// keep the fastest, or the model's choice unless another beat it by over
+// 20%. Every rank takes the same decision from shared timings, so the
+// ranks never disagree on an algorithm. Float sums
 // depend on the algorithm's order of additions, so tuning can change a
 // reduction's last bits from one run to the next; WithTuning(false),
 // LOOM_TUNE=off or LOOM_ALGO make the choice reproducible.

@@ -35,9 +35,19 @@ import (
 //     there because every member has arrived at that call. It is taken
 //     once, under the group's lock, and every member reads the result.
 //
-// A trial's time is the slowest member's, per element, so that calls of
-// one class with different counts compare fairly; a candidate's score is
-// its fastest trial, since other work on the machine only adds time.
+// A trial's time is the span from the last member starting to move data
+// (when all are in: members start apart by however late each noticed the
+// last arrival, which is no part of the algorithm) to the last one
+// finishing (the members share one monotonic clock), per element, so that
+// calls of one class with different counts compare fairly; a candidate's
+// score is its fastest trial, since other work on the machine only adds
+// time. The first call of a class is an untimed warmup of the model's
+// choice; the first round runs every candidate once, the second those
+// within firstPruneFactor of the best, and each later one those within
+// pruneFactor, so that a hopeless candidate costs one call. The trials of
+// each round are planned, like the decision, once every member has
+// recorded the round before, by the first member to need the plan, and the
+// others read it.
 
 // TuneEnv turns online tuning off for every world given no WithTuning
 // option: "0", "false" or "off" chooses every algorithm from the cost
@@ -49,8 +59,11 @@ const TuneEnv = "LOOM_TUNE"
 // WithTuning turns online tuning of the automatic algorithm choice on or
 // off for one world, whatever TuneEnv says. With it on (the default), the
 // first calls of each (op, dtype, size class) whose candidates the cost
-// model finds close run each of them tunedRounds times and keep the
-// fastest. Float sums depend on the order in which an algorithm adds, so
+// model finds close time them (after one warmup call, up to 4 times each,
+// 8 for calls under 256 KiB, dropping after each round those more than
+// three, then two, times slower than the best; at most MaxTuningCalls
+// calls) and keep the fastest, or the model's choice unless another beats
+// it by more than keepMargin. Float sums depend on the order in which an algorithm adds, so
 // with tuning on a reduction's last bits can differ between two runs of
 // the same program (never between the ranks of one run), and the first
 // calls of a run may use different algorithms from the later ones. Turn it
@@ -87,9 +100,29 @@ const (
 	tuneMargin = 0.5
 	// maxCandidates bounds the candidates timed per size class.
 	maxCandidates = 4
-	// tunedRounds is how many times each candidate runs.
-	tunedRounds = 3
+	// tunedRounds is how many times a candidate that stays close runs;
+	// calls of fewer than smallCallBytes per rank take a few microseconds,
+	// where one preemption is many times the call, so they run
+	// smallRounds times: more samples for the same cost.
+	tunedRounds    = 4
+	smallRounds    = 8
+	smallCallBytes = 256 << 10
+	// pruneFactor: after the second round, candidates slower than this
+	// many times the best score so far are not timed again; after the
+	// first, with one sample each, those slower than firstPruneFactor.
+	pruneFactor      = 2
+	firstPruneFactor = 3
+	// keepMargin: the model's choice is kept unless another candidate's
+	// score beats it by more than this fraction, so that timing noise
+	// alone does not overturn the model.
+	keepMargin = 0.2
 )
+
+// MaxTuningCalls bounds the calls of one size class that tuning times (and
+// the untimed warmup before them): after these, every call of the class
+// runs the chosen algorithm. Benchmarks that want the steady state warm up
+// for this many calls.
+const MaxTuningCalls = 1 + maxCandidates*max(tunedRounds, smallRounds)
 
 // tuneKey is a size class of calls that share one decision. Roots and
 // in-place patterns share it: they change the schedule, not which
@@ -104,10 +137,19 @@ type tuneKey struct {
 
 // tuning is the shared state of one size class.
 type tuning struct {
-	cands   []comm.Algorithm
-	secs    [][]float64 // [trial][member]: seconds per element, 0 until recorded
+	cands   []comm.Algorithm // the model's choice first
+	plan    []int            // the candidate of each trial planned so far
+	trials  []timedCall      // by trial, as the members record them
+	round   int              // rounds planned
+	rounds  int              // rounds to run
 	decided bool
 	best    comm.Algorithm
+}
+
+// timedCall is what the members record of one trial.
+type timedCall struct {
+	n          int         // elements per member
+	start, end []time.Time // by member; zero until recorded
 }
 
 // trial is one member's part in a timed call.
@@ -132,7 +174,15 @@ func (c *Comm) autoAlgorithm(pl plan, inPlace []byte, dt comm.DType) (comm.Algor
 		cands := g.candidates(pl, inPlace, dt)
 		g.schedMu.Lock()
 		if t = g.tunes[key]; t == nil {
-			t = &tuning{cands: cands, secs: make([][]float64, len(cands)*tunedRounds)}
+			// Trial 0 is a warmup, not scored: a class's first call pays
+			// for first touches of buffers and for waking parked ranks.
+			t = &tuning{cands: cands, round: 1, rounds: tunedRounds, plan: []int{0}}
+			if pl.n*dt.Size() < smallCallBytes {
+				t.rounds = smallRounds
+			}
+			for i := range cands {
+				t.plan = append(t.plan, i)
+			}
 			if len(cands) == 1 {
 				t.decided, t.best = true, cands[0]
 			}
@@ -143,55 +193,96 @@ func (c *Comm) autoAlgorithm(pl plan, inPlace []byte, dt comm.DType) (comm.Algor
 	k := c.tuneCalls[key]
 	g.schedMu.Lock()
 	defer g.schedMu.Unlock()
-	if !t.decided && k < len(t.secs) {
-		c.tuneCalls[key] = k + 1
-		return t.cands[k%len(t.cands)], &trial{t: t, k: k}
+	if !t.decided && k == len(t.plan) {
+		// Every member has recorded every trial planned so far (each has
+		// arrived at this call): plan the next round, or decide.
+		t.next(g.w.trialTime)
 	}
-	if !t.decided {
-		t.best = t.decide()
-		t.decided = true
+	if !t.decided && k < len(t.plan) {
+		c.tuneCalls[key] = k + 1
+		return t.cands[t.plan[k]], &trial{t: t, k: k}
 	}
 	return t.best, nil
 }
 
-// decide returns the candidate with the fastest trial, each trial timed as
-// its slowest member. Called once every trial is recorded.
-func (t *tuning) decide() comm.Algorithm {
-	best, bestScore := t.cands[0], math.Inf(1)
-	for i, cand := range t.cands {
-		score := math.Inf(1)
-		for k := i; k < len(t.secs); k += len(t.cands) {
-			slowest := 0.0
-			for _, s := range t.secs[k] {
-				slowest = max(slowest, s)
-			}
-			if slowest > 0 {
-				score = min(score, slowest)
-			}
-		}
-		if score < bestScore {
-			best, bestScore = cand, score
+// next plans the next round of trials from the scores so far, or, after
+// its rounds or when one candidate is left, decides.
+func (t *tuning) next(trialTime func(comm.Algorithm, time.Duration) time.Duration) {
+	scores := t.scores(trialTime)
+	best := 0
+	for i, s := range scores {
+		if s < scores[best] {
+			best = i
 		}
 	}
-	return best
+	var left []int
+	for i, s := range scores {
+		// One sample may be disturbed: prune only the hopeless at first.
+		if s <= scores[best]*t.pruneAt() {
+			left = append(left, i)
+		}
+	}
+	if t.round < t.rounds && len(left) > 1 {
+		t.plan = append(t.plan, left...)
+		t.round++
+		return
+	}
+	if scores[0] <= scores[best]*(1+keepMargin) {
+		best = 0
+	}
+	t.best, t.decided = t.cands[best], true
 }
 
-// record stores this member's time for its trial.
-func (g *group) record(tr *trial, rank int, elapsed time.Duration, n int) {
-	if g.w.trialTime != nil {
-		elapsed = g.w.trialTime(tr.t.cands[tr.k%len(tr.t.cands)], elapsed)
+// scores returns each candidate's fastest trial in seconds per element
+// (+Inf for a candidate never timed).
+func (t *tuning) scores(trialTime func(comm.Algorithm, time.Duration) time.Duration) []float64 {
+	out := make([]float64, len(t.cands))
+	for i := range out {
+		out[i] = math.Inf(1)
 	}
-	secs := max(elapsed.Seconds(), 1e-9) / float64(max(n, 1))
+	for k, tc := range t.trials {
+		if k == 0 {
+			continue // the warmup
+		}
+		var first, last time.Time
+		for m := range tc.start {
+			if tc.start[m].IsZero() || tc.end[m].IsZero() {
+				continue // cannot happen: every member records before the next call
+			}
+			if tc.start[m].After(first) {
+				first = tc.start[m]
+			}
+			if tc.end[m].After(last) {
+				last = tc.end[m]
+			}
+		}
+		if first.IsZero() {
+			continue
+		}
+		i := t.plan[k]
+		span := last.Sub(first)
+		if trialTime != nil {
+			span = trialTime(t.cands[i], span)
+		}
+		out[i] = min(out[i], max(span.Seconds(), 1e-9)/float64(max(tc.n, 1)))
+	}
+	return out
+}
+
+// record stores when this member started and finished moving the data of
+// its trial.
+func (g *group) record(tr *trial, rank int, start, end time.Time, n int) {
 	g.schedMu.Lock()
 	defer g.schedMu.Unlock()
-	if tr.t.secs[tr.k] == nil {
-		tr.t.secs[tr.k] = make([]float64, g.size)
+	t := tr.t
+	for len(t.trials) <= tr.k {
+		t.trials = append(t.trials, timedCall{n: n, start: make([]time.Time, g.size), end: make([]time.Time, g.size)})
 	}
-	tr.t.secs[tr.k][rank] = secs
+	t.trials[tr.k].start[rank], t.trials[tr.k].end[rank] = start, end
 }
 
-// candidates lists the algorithms worth timing for pl: those the model
-// prices within tuneMargin of its best (the best first, at most
+// candidates lists the algorithms worth timing for pl: the model's choice
+// first, then the others it prices within tuneMargin of its best (at most
 // maxCandidates), and the built-in model's choice, so that a model skewed
 // by a disturbed calibration cannot hide the algorithm a typical machine
 // runs best.
@@ -200,17 +291,21 @@ func (g *group) candidates(pl plan, inPlace []byte, dt comm.DType) []comm.Algori
 		a    comm.Algorithm
 		cost float64
 	}
+	first := g.chooseBy(g.w.model, pl, inPlace, dt)
+	out := []comm.Algorithm{first}
 	var ps []priced
+	bestCost := math.Inf(1)
 	for _, cand := range Algorithms(pl.op) {
 		pl.algo = cand
 		s, err := g.compiled(pl, inPlace)
 		if err != nil {
 			continue
 		}
-		ps = append(ps, priced{cand, s.cost(g.w.model, dt)})
-	}
-	if len(ps) == 0 {
-		return []comm.Algorithm{comm.Direct}
+		c := s.cost(g.w.model, dt)
+		bestCost = min(bestCost, c)
+		if cand != first {
+			ps = append(ps, priced{cand, c})
+		}
 	}
 	slices.SortStableFunc(ps, func(x, y priced) int {
 		switch {
@@ -221,9 +316,8 @@ func (g *group) candidates(pl plan, inPlace []byte, dt comm.DType) []comm.Algori
 		}
 		return 0
 	})
-	var out []comm.Algorithm
 	for _, p := range ps {
-		if len(out) < maxCandidates && p.cost <= ps[0].cost*(1+tuneMargin) {
+		if len(out) < maxCandidates && p.cost <= bestCost*(1+tuneMargin) {
 			out = append(out, p.a)
 		}
 	}
@@ -234,4 +328,13 @@ func (g *group) candidates(pl plan, inPlace []byte, dt comm.DType) []comm.Algori
 		out = append(out, b)
 	}
 	return out
+}
+
+// pruneAt is the factor over the best score beyond which a candidate is
+// not timed in the next round.
+func (t *tuning) pruneAt() float64 {
+	if t.round < 2 {
+		return firstPruneFactor
+	}
+	return pruneFactor
 }
