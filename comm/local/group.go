@@ -30,8 +30,8 @@ type world struct {
 	opts  comm.Options
 	model *comm.CostModel
 	cores int
-	bound bool // every rank runs on CPUs of its own (WithCPUBinding)
-	tune  bool // time close candidates (WithTuning)
+	bound bool   // every rank runs on CPUs of its own (WithCPUBinding)
+	tune  Tuning // which calls may time close candidates (WithTuning)
 	// trialTime, when set (by tests), replaces the measured span of a
 	// tuning trial of an algorithm.
 	trialTime func(comm.Algorithm, time.Duration) time.Duration

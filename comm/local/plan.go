@@ -43,7 +43,7 @@ func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, *trial, err
 	}
 	var tr *trial
 	if pl.algo == comm.Auto {
-		pl.algo, tr = c.autoAlgorithm(pl, inPlace, me.dtype)
+		pl.algo, tr = c.autoAlgorithm(pl, inPlace, me.dtype, call.Reduce)
 	}
 	s, err := c.g.compiled(pl, inPlace)
 	if err == nil && cacheable && tr == nil { // a trial's algorithm is not the call's for good

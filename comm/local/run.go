@@ -33,6 +33,11 @@
 // much that the machine was evidently busy, the next process measures
 // again) and kept for the rest of the process.
 //
+// The environment variable comm.CostModelEnv (LOOM_COSTMODEL) changes this:
+// a path moves the file; comm.CostModelOff ("off", or "none") turns measuring
+// off: nothing is measured, read or written and comm.BuiltinCostModel is
+// used. WithCostModel(comm.BuiltinCostModel()) does the same for one world.
+//
 // # Tuning
 //
 // Where the model prices several algorithms of a call within 50% of each
@@ -40,18 +45,15 @@
 // count) run each of them, timed from the last rank starting to the last
 // finishing: once, then up to three more times (seven under 256 KiB) for
 // those within three, then twice the best time (at most MaxTuningCalls
-// calls). Later calls
-// keep the fastest, or the model's choice unless another beat it by over
-// 20%. Every rank takes the same decision from shared timings, so the
-// ranks never disagree on an algorithm. Float sums
-// depend on the algorithm's order of additions, so tuning can change a
-// reduction's last bits from one run to the next; WithTuning(false),
-// LOOM_TUNE=off or LOOM_ALGO make the choice reproducible.
-//
-// The environment variable comm.CostModelEnv (LOOM_COSTMODEL) changes this:
-// a path moves the file; comm.CostModelOff ("off", or "none") turns measuring
-// off: nothing is measured, read or written and comm.BuiltinCostModel is
-// used. WithCostModel(comm.BuiltinCostModel()) does the same for one world.
+// calls). Later calls keep the fastest, or the model's choice unless
+// another beat it by over 20%. Every rank takes the same decision from
+// shared timings, so the ranks never disagree on an algorithm. By default
+// (TuneExact) only calls whose result bits no algorithm can change are
+// tuned: copies, integer reductions and float sums and products over two
+// ranks. Float reductions over more ranks add in an order that depends on
+// the algorithm, so tuning them (TuneAll, LOOM_TUNE=all) can change their
+// last bits from one run to the next; TuneOff (LOOM_TUNE=off) tunes
+// nothing, and LOOM_ALGO forces algorithms.
 package local
 
 import (
@@ -75,7 +77,8 @@ type config struct {
 	model         *comm.CostModel
 	bind, bindSet bool // Run only
 	bound         bool // set by Run when it binds the ranks
-	tune, tuneSet bool
+	tune          Tuning
+	tuneSet       bool
 }
 
 // WithOptions sets the communicator options. Without it, comm.OptionsFromEnv

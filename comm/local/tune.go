@@ -49,49 +49,98 @@ import (
 // recorded the round before, by the first member to need the plan, and the
 // others read it.
 
-// TuneEnv turns online tuning off for every world given no WithTuning
-// option: "0", "false" or "off" chooses every algorithm from the cost
-// model alone; unset, "", "1", "true" or "on" tunes. Case and surrounding
-// blanks do not matter; any other value makes NewWorld and Run fail with
-// an error wrapping comm.ErrInvalid.
-const TuneEnv = "LOOM_TUNE"
+// Tuning says which calls online tuning may time (WithTuning, TuneEnv).
+type Tuning uint8
 
-// WithTuning turns online tuning of the automatic algorithm choice on or
-// off for one world, whatever TuneEnv says. With it on (the default), the
-// first calls of each (op, dtype, size class) whose candidates the cost
-// model finds close time them (after one warmup call, up to 4 times each,
-// 8 for calls under 256 KiB, dropping after each round those more than
-// three, then two, times slower than the best; at most MaxTuningCalls
-// calls) and keep the fastest, or the model's choice unless another beats
-// it by more than keepMargin. Float sums depend on the order in which an algorithm adds, so
-// with tuning on a reduction's last bits can differ between two runs of
-// the same program (never between the ranks of one run), and the first
-// calls of a run may use different algorithms from the later ones. Turn it
-// off, or force the algorithms with comm.AlgorithmEnv (LOOM_ALGO), for
-// bitwise reproducible runs; copies (AllGather, Broadcast) and integer,
-// Min and Max reductions give the same bits whatever the algorithm.
-func WithTuning(on bool) Option {
-	return func(c *config) { c.tune, c.tuneSet = on, true }
+const (
+	// TuneExact, the default, tunes only calls whose result cannot depend
+	// on the algorithm: copies (AllGather, Broadcast), integer reductions,
+	// and float Sum, Avg and Prod over two ranks (one operation per
+	// element, and IEEE addition and multiplication are commutative). So
+	// tuning never changes a result bit (NaN payloads aside), and a program
+	// run twice computes the same bits.
+	TuneExact Tuning = iota
+	// TuneAll also tunes float reductions over three or more ranks, and
+	// float Min and Max (whose result for +0 against -0 depends on the
+	// order). Algorithms add in different orders, so a reduction's last
+	// bits can then differ between two runs of one program, and between
+	// the first calls of a run and the later ones (never between ranks).
+	TuneAll
+	// TuneOff chooses every algorithm from the cost model alone.
+	TuneOff
+)
+
+// String returns the mode's name as TuneEnv accepts it.
+func (t Tuning) String() string {
+	switch t {
+	case TuneExact:
+		return "exact"
+	case TuneAll:
+		return "all"
+	case TuneOff:
+		return "off"
+	}
+	return fmt.Sprintf("Tuning(%d)", uint8(t))
 }
 
-// tuning reports whether worlds made with c tune: as WithTuning says, else
+// TuneEnv sets the Tuning of every world given no WithTuning option:
+// "exact" (or unset, or blank) is TuneExact, "all" TuneAll, "off" (or
+// "0", "false", "none") TuneOff. Case and surrounding blanks do not
+// matter; any other value makes NewWorld and Run fail with an error
+// wrapping comm.ErrInvalid.
+const TuneEnv = "LOOM_TUNE"
+
+// WithTuning sets which calls online tuning of the automatic algorithm
+// choice may time, for one world, whatever TuneEnv says. A call it may
+// time, whose candidates the cost model finds close, is timed on the first
+// calls of its (op, dtype, size class): after one warmup call, each
+// candidate up to 4 times, 8 for calls under 256 KiB, dropping after each
+// round those more than three, then two, times slower than the best (at
+// most MaxTuningCalls calls); the rest of the run keeps the fastest, or
+// the model's choice unless another beats it by more than keepMargin.
+// For bitwise reproducible float reductions over more than two ranks keep
+// TuneExact (the default) or TuneOff, or force the algorithms with
+// comm.AlgorithmEnv (LOOM_ALGO). An unknown mode makes NewWorld and Run
+// fail with an error wrapping comm.ErrInvalid.
+func WithTuning(mode Tuning) Option {
+	return func(c *config) { c.tune, c.tuneSet = mode, true }
+}
+
+// tuning returns the mode of worlds made with c: as WithTuning says, else
 // as TuneEnv says.
-func (c *config) tuning() (bool, error) {
+func (c *config) tuning() (Tuning, error) {
 	if c.tuneSet {
+		if c.tune > TuneOff {
+			return 0, fmt.Errorf("local: WithTuning(%v): %w: want TuneExact, TuneAll or TuneOff", c.tune, comm.ErrInvalid)
+		}
 		return c.tune, nil
 	}
 	return parseTune(os.Getenv(TuneEnv))
 }
 
 // parseTune parses a TuneEnv value.
-func parseTune(v string) (bool, error) {
+func parseTune(v string) (Tuning, error) {
 	switch strings.ToLower(strings.TrimSpace(v)) {
-	case "", "1", "true", "on":
-		return true, nil
-	case "0", "false", "off":
-		return false, nil
+	case "", "exact":
+		return TuneExact, nil
+	case "all":
+		return TuneAll, nil
+	case "off", "0", "false", "none":
+		return TuneOff, nil
 	}
-	return false, fmt.Errorf("local: %s=%q: %w: want 0, false or off to choose algorithms from the cost model alone, or 1, true or on", TuneEnv, v, comm.ErrInvalid)
+	return 0, fmt.Errorf("local: %s=%q: %w: want exact (tune only where the result cannot change: the default), all (tune float reductions too; their last bits may differ between runs) or off", TuneEnv, v, comm.ErrInvalid)
+}
+
+// exact reports whether every algorithm gives op over p ranks the same
+// result bits, so that TuneExact may time it.
+func exact(op comm.Op, red comm.ReduceOp, dt comm.DType, p int) bool {
+	switch {
+	case !op.Reduces(), !dt.IsFloat():
+		return true
+	case p == 2:
+		return red == comm.Sum || red == comm.Avg || red == comm.Prod
+	}
+	return false
 }
 
 const (
@@ -160,9 +209,10 @@ type trial struct {
 
 // autoAlgorithm returns the algorithm of a call left to the backend and,
 // while its size class is being tuned, the trial this call is.
-func (c *Comm) autoAlgorithm(pl plan, inPlace []byte, dt comm.DType) (comm.Algorithm, *trial) {
+func (c *Comm) autoAlgorithm(pl plan, inPlace []byte, dt comm.DType, red comm.ReduceOp) (comm.Algorithm, *trial) {
 	g := c.g
-	if !g.w.tune || g.size == 1 || len(Algorithms(pl.op)) < 2 {
+	switch {
+	case g.w.tune == TuneOff, g.w.tune == TuneExact && !exact(pl.op, red, dt, g.size), g.size == 1, len(Algorithms(pl.op)) < 2:
 		return g.choose(pl, inPlace, dt), nil
 	}
 	key := tuneKey{op: pl.op, dtype: dt, class: bits.Len(uint(pl.n)), avg: pl.avg, stream: pl.stream}

@@ -111,7 +111,7 @@ func TestSkewedCalibrationRecovers(t *testing.T) {
 			if tt.check != nil {
 				tt.check(t, m)
 			}
-			wd, err := NewWorld(2, WithCostModel(m), WithTuning(false))
+			wd, err := NewWorld(2, WithCostModel(m), WithTuning(TuneOff))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -182,7 +182,7 @@ func TestMachineID(t *testing.T) {
 // to 4 MiB is direct, which is fastest there; double tree and ring cost
 // the same in the model and take more steps.
 func TestBuiltinCrossover(t *testing.T) {
-	wd, err := NewWorld(2, WithCostModel(comm.BuiltinCostModel()), WithTuning(false))
+	wd, err := NewWorld(2, WithCostModel(comm.BuiltinCostModel()), WithTuning(TuneOff))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -202,7 +202,7 @@ func TestBuiltinCrossover(t *testing.T) {
 // the candidate the model ranks last takes 50 µs, every other 300 µs.
 func TestTuningPicksFaster(t *testing.T) {
 	for _, p := range []int{2, 3, 4} {
-		wd, err := NewWorld(p, WithCostModel(comm.BuiltinCostModel()), WithTuning(true))
+		wd, err := NewWorld(p, WithCostModel(comm.BuiltinCostModel()), WithTuning(TuneAll))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -243,7 +243,7 @@ func TestTuningPicksFaster(t *testing.T) {
 // results are right, for several size classes at once.
 func TestTuningRealClock(t *testing.T) {
 	for _, p := range []int{2, 3} {
-		wd, err := NewWorld(p, WithCostModel(comm.BuiltinCostModel()), WithTuning(true))
+		wd, err := NewWorld(p, WithCostModel(comm.BuiltinCostModel()), WithTuning(TuneAll))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -261,12 +261,12 @@ func TestTuningRealClock(t *testing.T) {
 func TestTuneEnv(t *testing.T) {
 	tests := []struct {
 		v    string
-		want bool
+		want Tuning
 		bad  bool
 	}{
-		{"", true, false}, {" on ", true, false}, {"1", true, false}, {"TRUE", true, false},
-		{"off", false, false}, {"0", false, false}, {"False", false, false},
-		{"maybe", false, true}, {"of", false, true},
+		{"", TuneExact, false}, {" exact ", TuneExact, false}, {"ALL", TuneAll, false},
+		{"off", TuneOff, false}, {"0", TuneOff, false}, {"False", TuneOff, false}, {"none", TuneOff, false},
+		{"on", 0, true}, {"1", 0, true}, {"maybe", 0, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.v, func(t *testing.T) {
@@ -285,9 +285,55 @@ func TestTuneEnv(t *testing.T) {
 				t.Errorf("%s=%q: tune %v, want %v", TuneEnv, tt.v, wd.w.tune, tt.want)
 			}
 			// WithTuning wins over the variable.
-			if wd, err = NewWorld(2, WithCostModel(comm.BuiltinCostModel()), WithTuning(!tt.want)); err != nil || wd.w.tune == tt.want {
-				t.Errorf("WithTuning(%v) under %s=%q: %v", !tt.want, TuneEnv, tt.v, err)
+			other := (tt.want + 1) % 3
+			if wd, err = NewWorld(2, WithCostModel(comm.BuiltinCostModel()), WithTuning(other)); err != nil || wd.w.tune != other {
+				t.Errorf("WithTuning(%v) under %s=%q: %v", other, TuneEnv, tt.v, err)
 			}
 		})
+	}
+	if _, err := NewWorld(2, WithCostModel(comm.BuiltinCostModel()), WithTuning(Tuning(9))); !errors.Is(err, comm.ErrInvalid) {
+		t.Errorf("WithTuning(9): %v, want ErrInvalid", err)
+	}
+}
+
+// TestTuneExact: by default only calls whose result no algorithm can
+// change are tuned, so float sums over more than two ranks keep the
+// model's algorithm from the first call on, and a program gives the same
+// bits every run.
+func TestTuneExact(t *testing.T) {
+	tests := []struct {
+		op    comm.Op
+		red   comm.ReduceOp
+		dt    comm.DType
+		p     int
+		exact bool
+	}{
+		{comm.OpAllGather, comm.Sum, comm.Float32, 4, true},
+		{comm.OpBroadcast, comm.Sum, comm.BFloat16, 8, true},
+		{comm.OpAllReduce, comm.Sum, comm.Int32, 4, true},
+		{comm.OpAllReduce, comm.Max, comm.Int64, 3, true},
+		{comm.OpAllReduce, comm.Sum, comm.Float32, 2, true},
+		{comm.OpAllReduce, comm.Avg, comm.BFloat16, 2, true},
+		{comm.OpReduceScatter, comm.Prod, comm.Float64, 2, true},
+		{comm.OpAllReduce, comm.Min, comm.Float32, 2, false}, // min(+0, -0) depends on the order
+		{comm.OpAllReduce, comm.Sum, comm.Float32, 3, false},
+		{comm.OpReduceScatter, comm.Sum, comm.Float16, 4, false},
+	}
+	for _, tt := range tests {
+		if got := exact(tt.op, tt.red, tt.dt, tt.p); got != tt.exact {
+			t.Errorf("exact(%v, %v, %v, p=%d) = %v, want %v", tt.op, tt.red, tt.dt, tt.p, got, tt.exact)
+		}
+	}
+	// A float sum over three ranks, timed under TuneExact: no trials.
+	wd, err := NewWorld(3, WithCostModel(comm.BuiltinCostModel()), WithTuning(TuneExact))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wd.w.trialTime = func(comm.Algorithm, time.Duration) time.Duration { t.Error("a trial was timed"); return time.Second }
+	got := algorithms(t, wd, 20, 1<<18)
+	for _, a := range got[0] {
+		if a != got[0][0] {
+			t.Fatalf("the calls ran %v, want one algorithm", got[0])
+		}
 	}
 }
