@@ -50,6 +50,7 @@ func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64, sh
 		return err
 	}
 	if err := c.move(wt, seq, call, id); err != nil {
+		c.trial = nil
 		return err
 	}
 	var useErr error
@@ -58,6 +59,12 @@ func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64, sh
 	}
 	err := c.depart(wt, seq, call.Op)
 	d.shared = nil // not kept alive until the next call
+	if c.trial != nil {
+		if err == nil {
+			c.g.record(c.trial, c.rank, c.trialStart, time.Now(), c.trialN)
+		}
+		c.trial = nil
+	}
 	if err != nil {
 		return err
 	}
@@ -292,17 +299,12 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 		}
 		me.scratch = c.scratch[:need]
 	}
-	if tr == nil {
-		return c.execute(wt, seq, call, s, me.dtype)
+	if tr != nil {
+		// A tuning trial: collective records it once this member has
+		// departed, before its next call can arrive (see tune.go).
+		c.trial, c.trialStart, c.trialN = tr, time.Now(), call.Count()
 	}
-	// A tuning trial: the time is recorded before this member departs, so
-	// that it is there for the decision (see tune.go).
-	start := time.Now()
-	if err := c.execute(wt, seq, call, s, me.dtype); err != nil {
-		return err
-	}
-	c.g.record(tr, c.rank, start, time.Now(), call.Count())
-	return nil
+	return c.execute(wt, seq, call, s, me.dtype)
 }
 
 // execute runs this rank's steps of s.

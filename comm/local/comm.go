@@ -40,15 +40,21 @@ type Comm struct {
 	spin  time.Duration // wait phases, see spinFor
 	yield time.Duration
 
-	p2pSeq      atomic.Uint64
-	scratch     []byte
-	srcs        [][]byte // reused by execute
-	dsts        [][]byte
-	prescaled   []byte // 16-bit Avg inputs divided by the group size
-	wt          waiter
-	plans       map[shapeKey]*schedule // this rank's lock-free front of the group cache
-	tuneCalls   map[tuneKey]int        // calls this rank made of each size class being tuned
-	a2avOffsets []int                  // reused by AllToAllV: where each peer's block lands
+	p2pSeq    atomic.Uint64
+	scratch   []byte
+	srcs      [][]byte // reused by execute
+	dsts      [][]byte
+	prescaled []byte // 16-bit Avg inputs divided by the group size
+	wt        waiter
+	plans     map[shapeKey]*schedule // this rank's lock-free front of the group cache
+
+	tuneCalls map[tuneKey]int // calls this rank made of each size class being tuned
+	// trial is the tuning trial the current call is, with when this rank
+	// started moving its data and its count; recorded after departure.
+	trial       *trial
+	trialStart  time.Time
+	trialN      int
+	a2avOffsets []int // reused by AllToAllV: where each peer's block lands
 
 	mu    sync.Mutex // guards queue and busy
 	queue []*task

@@ -41,18 +41,19 @@
 // # Tuning
 //
 // Where the model prices several algorithms of a call within 50% of each
-// other, the first calls of its size class (op, dtype, power of two of the
-// count) run each of them, timed from the last rank starting to the last
-// finishing: once, then up to three more times (seven under 256 KiB) for
+// other, and the best at 10 µs or more, the first calls of its size class (op, dtype, power of two of the
+// count) run each of them, timed from the last rank starting to move data
+// to the last departing, each timed call after an untimed one of the same
+// algorithm: once, then up to three more times (five under 256 KiB) for
 // those within three, then twice the best time (at most MaxTuningCalls
-// calls). Later calls keep the fastest, or the model's choice unless
-// another beat it by over 20%. Every rank takes the same decision from
-// shared timings, so the ranks never disagree on an algorithm. By default
-// (TuneExact) only calls whose result bits no algorithm can change are
-// tuned: copies, integer reductions and float sums and products over two
-// ranks. Float reductions over more ranks add in an order that depends on
-// the algorithm, so tuning them (TuneAll, LOOM_TUNE=all) can change their
-// last bits from one run to the next; TuneOff (LOOM_TUNE=off) tunes
+// calls). Later calls keep the fastest by median, or the model's choice
+// unless another beat it by over 20%. Every rank takes the same decision
+// from shared timings, so the ranks never disagree on an algorithm. By
+// default (TuneExact) only calls whose result bits no algorithm can change
+// are tuned: copies, integer reductions and float sums and products over
+// two ranks. Float reductions over more ranks add in an order that depends
+// on the algorithm, so tuning them (TuneAll, LOOM_TUNE=all) can change
+// their last bits from one run to the next; TuneOff (LOOM_TUNE=off) tunes
 // nothing, and LOOM_ALGO forces algorithms.
 package local
 

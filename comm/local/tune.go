@@ -38,16 +38,17 @@ import (
 // A trial's time is the span from the last member starting to move data
 // (when all are in: members start apart by however late each noticed the
 // last arrival, which is no part of the algorithm) to the last one
-// finishing (the members share one monotonic clock), per element, so that
-// calls of one class with different counts compare fairly; a candidate's
-// score is its fastest trial, since other work on the machine only adds
-// time. The first call of a class is an untimed warmup of the model's
-// choice; the first round runs every candidate once, the second those
-// within firstPruneFactor of the best, and each later one those within
-// pruneFactor, so that a hopeless candidate costs one call. The trials of
-// each round are planned, like the decision, once every member has
-// recorded the round before, by the first member to need the plan, and the
-// others read it.
+// departing, so that peers still reading a member's buffers count (the
+// members share one monotonic clock), per element, so that calls of one
+// class with different counts compare fairly; a candidate's score is its
+// median trial. Each timed call follows an untimed one of the same
+// candidate, which pays for first touches and for the cache state the
+// previous candidate left. The first round times every candidate once, the
+// second those within firstPruneFactor of the best, and each later one
+// those within pruneFactor, so that a hopeless candidate costs two calls.
+// The trials of each round are planned, like the decision, once every
+// member has recorded the round before, by the first member to need the
+// plan, and the others read it.
 
 // Tuning says which calls online tuning may time (WithTuning, TuneEnv).
 type Tuning uint8
@@ -93,8 +94,9 @@ const TuneEnv = "LOOM_TUNE"
 // WithTuning sets which calls online tuning of the automatic algorithm
 // choice may time, for one world, whatever TuneEnv says. A call it may
 // time, whose candidates the cost model finds close, is timed on the first
-// calls of its (op, dtype, size class): after one warmup call, each
-// candidate up to 4 times, 8 for calls under 256 KiB, dropping after each
+// calls of its (op, dtype, size class): each candidate up to 4 times, 6
+// for calls under 256 KiB, each timed call after an untimed one, dropping
+// after each
 // round those more than three, then two, times slower than the best (at
 // most MaxTuningCalls calls); the rest of the run keeps the fastest, or
 // the model's choice unless another beats it by more than keepMargin.
@@ -154,24 +156,28 @@ const (
 	// where one preemption is many times the call, so they run
 	// smallRounds times: more samples for the same cost.
 	tunedRounds    = 4
-	smallRounds    = 8
+	smallRounds    = 6
 	smallCallBytes = 256 << 10
 	// pruneFactor: after the second round, candidates slower than this
 	// many times the best score so far are not timed again; after the
 	// first, with one sample each, those slower than firstPruneFactor.
 	pruneFactor      = 2
 	firstPruneFactor = 3
+	// minTunedCost: calls the model prices below this many seconds are
+	// not tuned. Their time is their synchronisations, which the model
+	// counts, and one such call varies by more than the algorithms differ.
+	minTunedCost = 10e-6
 	// keepMargin: the model's choice is kept unless another candidate's
 	// score beats it by more than this fraction, so that timing noise
 	// alone does not overturn the model.
 	keepMargin = 0.2
 )
 
-// MaxTuningCalls bounds the calls of one size class that tuning times (and
-// the untimed warmup before them): after these, every call of the class
+// MaxTuningCalls bounds the calls of one size class that tuning spends
+// (timed and untimed): after these, every call of the class
 // runs the chosen algorithm. Benchmarks that want the steady state warm up
 // for this many calls.
-const MaxTuningCalls = 1 + maxCandidates*max(tunedRounds, smallRounds)
+const MaxTuningCalls = 2 * maxCandidates * max(tunedRounds, smallRounds)
 
 // tuneKey is a size class of calls that share one decision. Roots and
 // in-place patterns share it: they change the schedule, not which
@@ -188,6 +194,7 @@ type tuneKey struct {
 type tuning struct {
 	cands   []comm.Algorithm // the model's choice first
 	plan    []int            // the candidate of each trial planned so far
+	timed   []bool           // whether each trial counts (the others warm up)
 	trials  []timedCall      // by trial, as the members record them
 	round   int              // rounds planned
 	rounds  int              // rounds to run
@@ -224,15 +231,11 @@ func (c *Comm) autoAlgorithm(pl plan, inPlace []byte, dt comm.DType, red comm.Re
 		cands := g.candidates(pl, inPlace, dt)
 		g.schedMu.Lock()
 		if t = g.tunes[key]; t == nil {
-			// Trial 0 is a warmup, not scored: a class's first call pays
-			// for first touches of buffers and for waking parked ranks.
-			t = &tuning{cands: cands, round: 1, rounds: tunedRounds, plan: []int{0}}
+			t = &tuning{cands: cands, round: 1, rounds: tunedRounds}
 			if pl.n*dt.Size() < smallCallBytes {
 				t.rounds = smallRounds
 			}
-			for i := range cands {
-				t.plan = append(t.plan, i)
-			}
+			t.add(identity(len(cands)))
 			if len(cands) == 1 {
 				t.decided, t.best = true, cands[0]
 			}
@@ -273,7 +276,7 @@ func (t *tuning) next(trialTime func(comm.Algorithm, time.Duration) time.Duratio
 		}
 	}
 	if t.round < t.rounds && len(left) > 1 {
-		t.plan = append(t.plan, left...)
+		t.add(left)
 		t.round++
 		return
 	}
@@ -283,21 +286,20 @@ func (t *tuning) next(trialTime func(comm.Algorithm, time.Duration) time.Duratio
 	t.best, t.decided = t.cands[best], true
 }
 
-// scores returns each candidate's fastest trial in seconds per element
-// (+Inf for a candidate never timed).
+// scores returns each candidate's median trial in seconds per element
+// (+Inf for a candidate never timed). The median, not the minimum: calls
+// of a few microseconds vary by more than the algorithms differ, and the
+// minimum of such samples favours whichever varies most.
 func (t *tuning) scores(trialTime func(comm.Algorithm, time.Duration) time.Duration) []float64 {
-	out := make([]float64, len(t.cands))
-	for i := range out {
-		out[i] = math.Inf(1)
-	}
+	samples := make([][]float64, len(t.cands))
 	for k, tc := range t.trials {
-		if k == 0 {
-			continue // the warmup
+		if !t.timed[k] {
+			continue // a warmup
 		}
 		var first, last time.Time
 		for m := range tc.start {
 			if tc.start[m].IsZero() || tc.end[m].IsZero() {
-				continue // cannot happen: every member records before the next call
+				continue // cannot happen: every member records before its next call
 			}
 			if tc.start[m].After(first) {
 				first = tc.start[m]
@@ -314,13 +316,21 @@ func (t *tuning) scores(trialTime func(comm.Algorithm, time.Duration) time.Durat
 		if trialTime != nil {
 			span = trialTime(t.cands[i], span)
 		}
-		out[i] = min(out[i], max(span.Seconds(), 1e-9)/float64(max(tc.n, 1)))
+		samples[i] = append(samples[i], max(span.Seconds(), 1e-9)/float64(max(tc.n, 1)))
+	}
+	out := make([]float64, len(t.cands))
+	for i, xs := range samples {
+		out[i] = math.Inf(1)
+		if len(xs) > 0 {
+			slices.Sort(xs)
+			out[i] = (xs[(len(xs)-1)/2] + xs[len(xs)/2]) / 2
+		}
 	}
 	return out
 }
 
-// record stores when this member started and finished moving the data of
-// its trial.
+// record stores when this member started moving the data of its trial
+// and when it departed.
 func (g *group) record(tr *trial, rank int, start, end time.Time, n int) {
 	g.schedMu.Lock()
 	defer g.schedMu.Unlock()
@@ -331,7 +341,8 @@ func (g *group) record(tr *trial, rank int, start, end time.Time, n int) {
 	t.trials[tr.k].start[rank], t.trials[tr.k].end[rank] = start, end
 }
 
-// candidates lists the algorithms worth timing for pl: the model's choice
+// candidates lists the algorithms worth timing for pl (only the model's
+// choice when the model prices it below minTunedCost): the model's choice
 // first, then the others it prices within tuneMargin of its best (at most
 // maxCandidates), and the built-in model's choice, so that a model skewed
 // by a disturbed calibration cannot hide the algorithm a typical machine
@@ -356,6 +367,9 @@ func (g *group) candidates(pl plan, inPlace []byte, dt comm.DType) []comm.Algori
 		if cand != first {
 			ps = append(ps, priced{cand, c})
 		}
+	}
+	if bestCost < minTunedCost {
+		return out
 	}
 	slices.SortStableFunc(ps, func(x, y priced) int {
 		switch {
@@ -387,4 +401,14 @@ func (t *tuning) pruneAt() float64 {
 		return firstPruneFactor
 	}
 	return pruneFactor
+}
+
+// add plans a round: each candidate twice in a row, the first call untimed,
+// so that the timed one does not pay for the state (whose cache holds
+// which lines of the buffers) that the previous candidate left.
+func (t *tuning) add(cands []int) {
+	for _, i := range cands {
+		t.plan = append(t.plan, i, i)
+		t.timed = append(t.timed, false, true)
+	}
 }

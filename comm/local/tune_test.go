@@ -247,7 +247,7 @@ func TestTuningRealClock(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, count := range []int{1 << 10, 1 << 15, 3 << 15} {
+		for _, count := range []int{1 << 10, 1 << 15, 3 << 15, 1 << 18} {
 			got := algorithms(t, wd, 20, count)
 			for r := 1; r < p; r++ {
 				if strings.Join(got[r], ",") != strings.Join(got[0], ",") {
