@@ -44,11 +44,70 @@ type CostModel struct {
 	// Cores is the number of ranks that can run at once (GOMAXPROCS when
 	// measured).
 	Cores int `json:"cores"`
-	// Machine identifies where it was measured; a cached model for another
-	// machine is ignored.
+	// Machine identifies where and with what it was measured (for
+	// comm/local: OS, architecture, CPU model, CPU count, GOMAXPROCS, Go
+	// version and the version of loom's algorithm set); a cached model
+	// whose Machine differs is ignored and measured over.
 	Machine string `json:"machine"`
 	// Measured is when it was measured.
 	Measured time.Time `json:"measured"`
+	// Spread says how disturbed the measurement was: the largest ratio,
+	// over the timed parameters, of the median sample to the one kept. A
+	// quiet machine gives about 1; other work running during calibration
+	// gives more. A model with Spread above NoisySpread is used but not
+	// cached, so the next process measures again. 0 means not recorded.
+	Spread float64 `json:"spread,omitempty"`
+}
+
+// NoisySpread is the CostModel.Spread above which a calibration counts as
+// taken on a busy machine.
+const NoisySpread = 1.5
+
+// plausibleFactor bounds a measured parameter: one more than this many
+// times larger or smaller than the built-in model's is a measuring
+// accident (a preempted timer, a busy machine), not hardware.
+const plausibleFactor = 10
+
+// Plausible returns a copy of m in which every parameter that lies more
+// than a factor of 10 away from BuiltinCostModel's, or that contradicts
+// another (a cache slower than memory, all cores together slower than
+// one), is replaced by the built-in value, and the JSON names of the
+// parameters replaced, in field order (nil when none was). Cores,
+// CacheBytes, Machine, Measured and Spread are kept. m must be Valid.
+func (m *CostModel) Plausible() (*CostModel, []string) {
+	b := BuiltinCostModel()
+	out := *m
+	var replaced []string
+	bound := func(name string, x *float64, builtin float64) {
+		if *x < builtin/plausibleFactor || *x > builtin*plausibleFactor {
+			*x = builtin
+			replaced = append(replaced, name)
+		}
+	}
+	bound("alpha_s", &out.Alpha, b.Alpha)
+	bound("switch_s", &out.Switch, b.Switch)
+	bound("beta_s_per_byte", &out.Beta, b.Beta)
+	bound("gamma_s_per_byte", &out.Gamma, b.Gamma)
+	bound("gamma_stream_s_per_byte", &out.GammaStream, b.GammaStream)
+	bound("beta_cache_s_per_byte", &out.BetaCache, b.BetaCache)
+	bound("gamma_cache_s_per_byte", &out.GammaCache, b.GammaCache)
+	bound("bandwidth_Bps", &out.Bandwidth, b.Bandwidth)
+	// Within the cache data moves at least as fast as from memory; a
+	// measurement that says otherwise was disturbed in the cached part.
+	if out.BetaCache > out.Beta {
+		out.BetaCache = min(b.BetaCache, out.Beta)
+		replaced = append(replaced, "beta_cache_s_per_byte")
+	}
+	if out.GammaCache > out.Gamma {
+		out.GammaCache = min(b.GammaCache, out.Gamma)
+		replaced = append(replaced, "gamma_cache_s_per_byte")
+	}
+	// All cores together copy at least as fast as one.
+	if out.Bandwidth*out.Beta < 1 {
+		out.Bandwidth = 1 / out.Beta
+		replaced = append(replaced, "bandwidth_Bps")
+	}
+	return &out, replaced
 }
 
 // Valid reports whether every parameter is positive and finite.

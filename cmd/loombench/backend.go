@@ -22,6 +22,11 @@ type backend struct {
 	world func() (size, rank int, err error)
 	// finish, if set, runs once after the last measurement (MPI_Finalize).
 	finish func() error
+	// tuningCalls is how many calls of one size class the backend's
+	// automatic choice may spend timing candidates before it settles
+	// (local.MaxTuningCalls); auto's warmup is longer by as many, so that
+	// it is measured in its steady state.
+	tuningCalls int
 }
 
 // backends holds the registered backends by name; each backend_*.go file

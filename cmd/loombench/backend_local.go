@@ -12,6 +12,7 @@ func init() {
 		run: func(ctx context.Context, p int, opts comm.Options, fn func(context.Context, comm.Communicator) error) error {
 			return local.Run(ctx, p, fn, local.WithOptions(opts))
 		},
-		algorithms: local.Algorithms,
+		algorithms:  local.Algorithms,
+		tuningCalls: local.MaxTuningCalls,
 	}
 }

@@ -121,7 +121,9 @@ func compareAll(ctx context.Context, cfg *config, be backend, opts comm.Options,
 }
 
 // compareSize measures one size: rounds of (warmup, timed iterations) for
-// each variant in turn. It returns the median per variant over all rounds
+// each variant in turn; auto's first warmup is longer by the backend's
+// tuningCalls, so that its medians are of the algorithm it settles on, as
+// the forced ones' are (its tuning is a cost paid once per size class). It returns the median per variant over all rounds
 // (an iteration's time is the slowest rank's) and what auto chose for the
 // first variant.
 func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options, vs []variant, shapes []shape) ([]time.Duration, string, error) {
@@ -156,7 +158,11 @@ func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options
 		}
 		for round := 0; round < cfg.compare; round++ {
 			for i, v := range vs {
-				for range cfg.warmup {
+				warmup := cfg.warmup
+				if v.algo == comm.Auto && round == 0 {
+					warmup += be.tuningCalls
+				}
+				for range warmup {
 					if err := ls[i].issue(ctx, c); err != nil {
 						return fmt.Errorf("%v: %w", v, err)
 					}

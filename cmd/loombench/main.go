@@ -15,7 +15,9 @@
 //
 //	loombench -ranks 4 -op allreduce,allgather -b 8 -e 64M -f 2 -csv out.csv
 //
-// After the warmup iterations, every rank times each iteration on its own
+// After the warmup iterations (for auto on the local backend, plus
+// local.MaxTuningCalls, which its online tuning may spend timing
+// candidates), every rank times each iteration on its own
 // (the ranks run in lockstep through the operation); an iteration counts as
 // the slowest rank's time, and the table shows the median over iterations
 // (the CSV also the minimum). With one rank per process (-backend mpi),
@@ -81,7 +83,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&cfg.algoFlag, "algo", "auto", "algorithm: auto, an algorithm name, a comma list, or all")
 	fs.IntVar(&cfg.root, "root", 0, "root rank of broadcast and reduce")
 	fs.IntVar(&cfg.iters, "iters", 20, "timed iterations per size")
-	fs.IntVar(&cfg.warmup, "warmup", 5, "untimed warmup iterations per size")
+	fs.IntVar(&cfg.warmup, "warmup", 5, "untimed warmup iterations per size (auto on the local backend adds the calls its online tuning may take)")
 	fs.BoolVar(&cfg.inplace, "inplace", false, "also measure in place (allreduce, allgather, reducescatter, broadcast)")
 	fs.BoolVar(&cfg.check, "check", true, "run one extra iteration per size and count wrong elements")
 	fs.StringVar(&cfg.csvPath, "csv", "", "also write results as CSV to this file")
@@ -253,6 +255,9 @@ func bench(ctx context.Context, cfg *config, be backend, stdout, stderr io.Write
 				break
 			}
 			j := newJob(cfg, op, algo)
+			if algo == comm.Auto {
+				j.warmup += be.tuningCalls
+			}
 			if len(cfg.ops) > 1 || len(algos) > 1 || blocks > 0 {
 				fmt.Fprintf(stdout, "#\n# op=%v algo=%v\n", op, algo)
 			}

@@ -50,6 +50,7 @@ func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64, sh
 		return err
 	}
 	if err := c.move(wt, seq, call, id); err != nil {
+		c.trial = nil
 		return err
 	}
 	var useErr error
@@ -58,6 +59,12 @@ func (c *Comm) collective(wt *waiter, seq uint64, call *comm.Call, id uint64, sh
 	}
 	err := c.depart(wt, seq, call.Op)
 	d.shared = nil // not kept alive until the next call
+	if c.trial != nil {
+		if err == nil {
+			c.g.record(c.trial, c.rank, c.trialStart, time.Now(), c.trialN)
+		}
+		c.trial = nil
+	}
 	if err != nil {
 		return err
 	}
@@ -237,22 +244,33 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 	case comm.OpBarrier:
 		return nil
 	case comm.OpAllToAll:
+		// Each rank starts with its own block and then reads its peers in
+		// turn from the next rank on (Open MPI's linear shift), so that the
+		// ranks read different peers' buffers at once rather than all
+		// reading rank 0's, then rank 1's.
 		n := len(me.send) / p
-		for q := 0; q < p; q++ {
+		for i := 0; i < p; i++ {
+			q := (c.rank + i) % p
 			copy(me.recv[q*n:(q+1)*n], slots[q].desc.send[c.rank*n:(c.rank+1)*n])
 		}
 		return nil
 	case comm.OpAllToAllV:
+		offs := c.a2avOffsets[:0]
 		at := 0
 		for q := 0; q < p; q++ {
+			offs = append(offs, at)
+			at += me.recvCounts[q] * es
+		}
+		c.a2avOffsets = offs
+		for i := 0; i < p; i++ {
+			q := (c.rank + i) % p
 			peer := &slots[q].desc
 			off := 0
 			for j := 0; j < c.rank; j++ {
 				off += peer.sendCounts[j]
 			}
 			n := me.recvCounts[q] * es
-			copy(me.recv[at:at+n], peer.send[off*es:off*es+n])
-			at += n
+			copy(me.recv[offs[q]:offs[q]+n], peer.send[off*es:off*es+n])
 		}
 		return nil
 	case comm.OpGather:
@@ -268,7 +286,7 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 		copy(me.recv, slots[call.Root].desc.send[c.rank*n:(c.rank+1)*n])
 		return nil
 	}
-	s, err := c.schedule(call, me)
+	s, tr, err := c.schedule(call, me)
 	if err != nil {
 		return c.wrap(call.Op, seq, -1, err)
 	}
@@ -280,6 +298,11 @@ func (c *Comm) move(wt *waiter, seq uint64, call *comm.Call, id uint64) error {
 			c.scratch = make([]byte, need, need+need/4)
 		}
 		me.scratch = c.scratch[:need]
+	}
+	if tr != nil {
+		// A tuning trial: collective records it once this member has
+		// departed, before its next call can arrive (see tune.go).
+		c.trial, c.trialStart, c.trialN = tr, time.Now(), call.Count()
 	}
 	return c.execute(wt, seq, call, s, me.dtype)
 }

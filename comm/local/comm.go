@@ -48,6 +48,14 @@ type Comm struct {
 	wt        waiter
 	plans     map[shapeKey]*schedule // this rank's lock-free front of the group cache
 
+	tuneCalls map[tuneKey]int // calls this rank made of each size class being tuned
+	// trial is the tuning trial the current call is, with when this rank
+	// started moving its data and its count; recorded after departure.
+	trial       *trial
+	trialStart  time.Time
+	trialN      int
+	a2avOffsets []int // reused by AllToAllV: where each peer's block lands
+
 	mu    sync.Mutex // guards queue and busy
 	queue []*task
 	busy  bool
@@ -66,7 +74,7 @@ func newComm(g *group, rank int) *Comm {
 	c := &Comm{
 		g: g, rank: rank, spin: spin, yield: yield,
 		rec:   comm.NewRecorder(g.name, rank, g.w.opts.RecorderSize),
-		plans: map[shapeKey]*schedule{},
+		plans: map[shapeKey]*schedule{}, tuneCalls: map[tuneKey]int{},
 	}
 	g.slots[rank].rec.Store(c.rec)
 	return c

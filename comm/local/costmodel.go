@@ -20,10 +20,14 @@ import (
 // MachineModel returns this machine's cost model, as comm.CostModelEnv
 // says. With it set to comm.CostModelOff it is comm.BuiltinCostModel:
 // nothing is measured, read or written. Otherwise it is the model cached in
-// comm.CostModelFile if that was measured on this machine (same CPU model,
-// OS, architecture and GOMAXPROCS), else a fresh Calibrate, about a second,
-// then written to that file. A process measures once per file: the model
-// describes the hardware, not program state. Each call returns a new copy.
+// comm.CostModelFile if that was measured on this machine with this
+// software (same CPU model, CPU count, OS, architecture, GOMAXPROCS, Go
+// version and algorithm set), else a fresh Calibrate, about a second, then
+// written to that file unless the measurement was disturbed (Spread above
+// comm.NoisySpread). Parameters outside the plausible range
+// (comm.CostModel.Plausible) are replaced by the built-in values. A
+// process measures once per file: the model describes the hardware, not
+// program state. Each call returns a new copy.
 func MachineModel() *comm.CostModel { return processModels.get(Calibrate) }
 
 // processModels is the per-process memory of MachineModel.
@@ -61,16 +65,25 @@ func (c *modelCache) get(calibrate func() *comm.CostModel) *comm.CostModel {
 
 // loadOrCalibrate reads the model cached at path for this machine, or
 // measures one and saves it there; path "" means measure without saving.
+// Either way a parameter outside the plausible range (comm.CostModel.Plausible)
+// is replaced by the built-in value, and a measurement disturbed by other
+// work (Spread above comm.NoisySpread) is used but not saved, so that one
+// busy moment does not decide the algorithms of every later process.
 func loadOrCalibrate(path string, calibrate func() *comm.CostModel) *comm.CostModel {
 	id := machineID()
 	if path != "" {
 		if m, err := comm.LoadCostModel(path, id); err == nil {
+			m, _ = m.Plausible()
 			return m
 		}
 	}
 	m := calibrate()
 	m.Machine = id
-	if path != "" && m.Valid() {
+	if !m.Valid() {
+		return m // NewWorld reports it
+	}
+	m, _ = m.Plausible()
+	if path != "" && m.Spread <= comm.NoisySpread {
 		// Not being able to save (a read-only home, a full disk) costs the
 		// next process a second of re-measurement and nothing else, so it
 		// is not worth failing the world for.
@@ -79,7 +92,15 @@ func loadOrCalibrate(path string, calibrate func() *comm.CostModel) *comm.CostMo
 	return m
 }
 
-// machineID names the hardware a model was measured on.
+// algorithmSet names the version of the local backend's algorithms and of
+// their cost simulation: a model cached by a loom whose algorithms differ
+// is measured over. Change it whenever an algorithm, a schedule generator
+// or schedule.cost changes.
+const algorithmSet = "local-algorithms-2"
+
+// machineID names the hardware a model was measured on, and the software
+// that measured it: CPU model, CPU count, GOMAXPROCS, Go version and
+// algorithmSet.
 func machineID() string {
 	cpu := "unknown-cpu"
 	if f, err := os.Open("/proc/cpuinfo"); err == nil {
@@ -92,7 +113,8 @@ func machineID() string {
 		}
 		_ = f.Close() // read only: closing loses nothing; no name means unknown-cpu
 	}
-	return fmt.Sprintf("%s/%s/%s/procs=%d", runtime.GOOS, runtime.GOARCH, cpu, runtime.GOMAXPROCS(0))
+	return fmt.Sprintf("%s/%s/%s/cpus=%d/procs=%d/%s/%s", runtime.GOOS, runtime.GOARCH, cpu,
+		runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version(), algorithmSet)
 }
 
 // Calibrate measures α (a handoff between two spinning goroutines); β and
@@ -100,11 +122,22 @@ func machineID() string {
 // byte) from memory, with and without streaming stores, and within the
 // cache; the aggregate copy bandwidth of all cores; and reads the size of
 // the last-level cache. It takes about a second.
+//
+// Each parameter is timed calibrationSamples times and the fastest sample
+// that another confirms is kept (see fastest): other work on the machine
+// only ever adds time, so minima, not means, describe the hardware. The
+// model's Spread records how much the samples varied.
 func Calibrate() *comm.CostModel {
 	cores := runtime.GOMAXPROCS(0)
 	m := &comm.CostModel{Cores: cores, CacheBytes: lastLevelCache(), Measured: time.Now().UTC()}
-	m.Alpha = median(5, measureHandoff)
-	m.Switch = median(5, measureSwitch)
+	spread := 0.0
+	take := func(f func() float64) float64 {
+		x, s := fastest(calibrationSamples, f)
+		spread = max(spread, s)
+		return x
+	}
+	m.Alpha = take(measureHandoff)
+	m.Switch = take(measureSwitch)
 
 	// From memory: three 32 MiB buffers exceed any last-level cache here.
 	const big = 32 << 20
@@ -112,16 +145,18 @@ func Calibrate() *comm.CostModel {
 	for i := range b {
 		a[i], b[i] = byte(i), byte(i>>8) // real pages, not the shared zero page
 	}
-	m.Beta = median(5, func() float64 { return timeCopy(a, b, 1) })
-	m.Gamma = median(5, func() float64 { return timeReduce(kernel.Reduce, f, a, b, 1) })
-	m.GammaStream = median(5, func() float64 { return timeReduce(kernel.ReduceStream, f, a, b, 1) })
+	m.Beta = take(func() float64 { return timeCopy(a, b, 1) })
+	m.Gamma = take(func() float64 { return timeReduce(kernel.Reduce, f, a, b, 1) })
+	m.GammaStream = take(func() float64 { return timeReduce(kernel.ReduceStream, f, a, b, 1) })
 
 	// Within the cache: small buffers, reused.
 	const small = 128 << 10
-	m.BetaCache = median(5, func() float64 { return timeCopy(a[:small], b[:small], 64) })
-	m.GammaCache = median(5, func() float64 { return timeReduce(kernel.Reduce, f[:small], a[:small], b[:small], 64) })
+	m.BetaCache = take(func() float64 { return timeCopy(a[:small], b[:small], 64) })
+	m.GammaCache = take(func() float64 { return timeReduce(kernel.Reduce, f[:small], a[:small], b[:small], 64) })
 
-	m.Bandwidth = median(5, func() float64 {
+	// Seconds per byte of all cores copying at once; the bandwidth is its
+	// inverse.
+	m.Bandwidth = 1 / take(func() float64 {
 		var wg sync.WaitGroup
 		part := big / cores
 		t := time.Now()
@@ -133,10 +168,44 @@ func Calibrate() *comm.CostModel {
 			}(i)
 		}
 		wg.Wait()
-		return float64(part*cores) / time.Since(t).Seconds()
+		return time.Since(t).Seconds() / float64(part*cores)
 	})
+	m.Spread = spread
 	return m
 }
+
+// calibrationSamples is how many times Calibrate times each parameter.
+const calibrationSamples = 7
+
+// fastest calls f, which times something, k times and returns the smallest
+// result that another result confirms (lies within confirmFactor of it),
+// so that a single sample made too fast by a measuring accident (a clock
+// step) is rejected as an outlier; with no confirmed pair, the median. It
+// also returns the spread: the median divided by the result (by the
+// smallest sample when none was confirmed).
+func fastest(k int, f func() float64) (x, spread float64) {
+	xs := make([]float64, k)
+	for i := range xs {
+		xs[i] = f()
+	}
+	slices.Sort(xs)
+	med := xs[k/2]
+	x, low := med, xs[0] // with no confirmed pair: the median, spread from the lowest
+	for i := 0; i+1 < k; i++ {
+		if xs[i] > 0 && xs[i+1] <= xs[i]*confirmFactor {
+			x, low = xs[i], xs[i]
+			break
+		}
+	}
+	if !(low > 0) || math.IsInf(med, 0) {
+		return x, 0
+	}
+	return x, med / low
+}
+
+// confirmFactor is how close two samples must be for the smaller to count
+// as confirmed by fastest.
+const confirmFactor = 1.25
 
 // timeCopy returns seconds per byte of copying src to dst reps times.
 func timeCopy(dst, src []byte, reps int) float64 {
@@ -188,15 +257,6 @@ func lastLevelCache() int64 {
 	return best
 }
 
-func median(k int, f func() float64) float64 {
-	xs := make([]float64, k)
-	for i := range xs {
-		xs[i] = f()
-	}
-	slices.Sort(xs)
-	return xs[k/2]
-}
-
 // measureHandoff is half the round trip of a flag bounced between two
 // goroutines, in seconds; with one core it includes the scheduler.
 func measureHandoff() float64 {
@@ -245,8 +305,9 @@ type choiceKey struct {
 	inPlace string
 }
 
-// choose picks the algorithm with the lowest simulated cost. Every member
-// computes the same answer: the inputs and the model are shared.
+// choose picks the algorithm with the lowest simulated cost under the
+// world's model. Every member computes the same answer: the inputs and the
+// model are shared.
 func (g *group) choose(pl plan, inPlace []byte, dt comm.DType) comm.Algorithm {
 	key := choiceKey{op: pl.op, n: pl.n, root: pl.root, dtype: dt, avg: pl.avg, stream: pl.stream, inPlace: string(inPlace)}
 	g.schedMu.Lock()
@@ -255,17 +316,7 @@ func (g *group) choose(pl plan, inPlace []byte, dt comm.DType) comm.Algorithm {
 	if ok {
 		return a
 	}
-	best, bestCost := comm.Direct, math.Inf(1)
-	for _, cand := range Algorithms(pl.op) {
-		pl.algo = cand
-		s, err := g.compiled(pl, inPlace)
-		if err != nil {
-			continue
-		}
-		if c := s.cost(g.w.model, dt); c < bestCost {
-			best, bestCost = cand, c
-		}
-	}
+	best := g.chooseBy(g.w.model, pl, inPlace, dt)
 	g.schedMu.Lock()
 	if len(g.choices) >= maxCachedSchedules {
 		clear(g.choices)
@@ -273,6 +324,40 @@ func (g *group) choose(pl plan, inPlace []byte, dt comm.DType) comm.Algorithm {
 	g.choices[key] = best
 	g.schedMu.Unlock()
 	return best
+}
+
+// tieMargin: costs within this fraction of each other count as a tie,
+// which the schedule with fewer steps wins. A model prices the work of
+// two such schedules alike, but every extra step is a synchronisation
+// and, in the hardware, a peer reading data another core has just
+// written, which the model does not price.
+const tieMargin = 0.02
+
+// chooseBy picks the algorithm with the lowest simulated cost under m,
+// ties going to the one with fewer steps.
+func (g *group) chooseBy(m *comm.CostModel, pl plan, inPlace []byte, dt comm.DType) comm.Algorithm {
+	best, bestCost, bestSteps := comm.Direct, math.Inf(1), 0
+	for _, cand := range Algorithms(pl.op) {
+		pl.algo = cand
+		s, err := g.compiled(pl, inPlace)
+		if err != nil {
+			continue
+		}
+		c, n := s.cost(m, dt), s.stepCount()
+		if c < bestCost*(1-tieMargin) || (c <= bestCost*(1+tieMargin) && n < bestSteps) {
+			best, bestCost, bestSteps = cand, c, n
+		}
+	}
+	return best
+}
+
+// stepCount is the number of steps of every member together.
+func (s *schedule) stepCount() int {
+	n := 0
+	for _, st := range s.steps {
+		n += len(st)
+	}
+	return n
 }
 
 // gammaScale is the reduction cost of a dtype relative to float32 per byte:

@@ -31,7 +31,11 @@ type world struct {
 	opts  comm.Options
 	model *comm.CostModel
 	cores int
-	bound bool // every rank runs on CPUs of its own (WithCPUBinding)
+	bound bool   // every rank runs on CPUs of its own (WithCPUBinding)
+	tune  Tuning // which calls may time close candidates (WithTuning)
+	// trialTime, when set (by tests), replaces the measured span of a
+	// tuning trial of an algorithm.
+	trialTime func(comm.Algorithm, time.Duration) time.Duration
 
 	failure atomic.Pointer[comm.AbortError]
 	failed  chan struct{}
@@ -122,6 +126,10 @@ type group struct {
 	schedMu   sync.Mutex
 	schedules map[schedKey]*schedule
 	choices   map[choiceKey]comm.Algorithm
+	// tunes holds the online tuning of each size class (tune.go). Entries
+	// are never removed: members decide from them at different moments,
+	// and a removed entry would let two members decide differently.
+	tunes map[tuneKey]*tuning
 
 	splitMu sync.Mutex
 	splits  map[splitKey]*splitResult
@@ -150,6 +158,7 @@ func newGroup(w *world, name string, worldRanks []int) *group {
 		failed:    make(chan struct{}),
 		schedules: map[schedKey]*schedule{},
 		choices:   map[choiceKey]comm.Algorithm{},
+		tunes:     map[tuneKey]*tuning{},
 		splits:    map[splitKey]*splitResult{},
 		p2p:       make([]pairQueue, size*size),
 	}

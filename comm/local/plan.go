@@ -6,8 +6,9 @@ import (
 )
 
 // schedule returns the compiled schedule for call, choosing the algorithm
-// if the call left it to the backend.
-func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, error) {
+// if the call left it to the backend, and the trial the call is when its
+// size class is being tuned (nil otherwise).
+func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, *trial, error) {
 	p := c.g.size
 	key := shapeKey{op: call.Op, algo: call.Algorithm, n: call.Count(), root: call.Root, dtype: me.dtype, reduce: call.Reduce}
 	cacheable := p <= 64
@@ -18,7 +19,7 @@ func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, error) {
 			}
 		}
 		if s, ok := c.plans[key]; ok {
-			return s, nil
+			return s, nil, nil
 		}
 	}
 	inPlace := make([]byte, p)
@@ -40,17 +41,18 @@ func (c *Comm) schedule(call *comm.Call, me *descriptor) (*schedule, error) {
 	if !call.Op.Rooted() {
 		pl.root = 0
 	}
+	var tr *trial
 	if pl.algo == comm.Auto {
-		pl.algo = c.g.choose(pl, inPlace, me.dtype)
+		pl.algo, tr = c.autoAlgorithm(pl, inPlace, me.dtype, call.Reduce)
 	}
 	s, err := c.g.compiled(pl, inPlace)
-	if err == nil && cacheable {
+	if err == nil && cacheable && tr == nil { // a trial's algorithm is not the call's for good
 		if len(c.plans) >= maxCachedSchedules {
 			clear(c.plans)
 		}
 		c.plans[key] = s
 	}
-	return s, err
+	return s, tr, err
 }
 
 // shapeKey identifies a call's shape for this rank's schedule cache.

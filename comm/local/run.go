@@ -8,7 +8,9 @@
 // the classic algorithms: ring, recursive doubling, Rabenseifner's halving
 // and doubling, binary and double binary trees, a two-level hierarchical
 // form, and direct reads. The algorithm is chosen per call from a cost
-// model measured on the machine, or forced per call or with LOOM_ALGO.
+// model measured on the machine, refined by timing the close candidates on
+// the first calls of each size class (see Tuning below), or forced per call
+// or with LOOM_ALGO.
 //
 // # Calibration
 //
@@ -16,20 +18,43 @@
 // uses MachineModel. The first time in a process, that reads the file
 // comm.CostModelFile names, by default loom/costmodel.json in the user
 // cache folder ($XDG_CACHE_HOME/loom or ~/.cache/loom on Linux), and uses the
-// model in it if it was measured on the same CPU model, OS, architecture and
-// GOMAXPROCS. Otherwise Calibrate measures, for about a second and with 96
+// model in it if it was measured on the same CPU model, CPU count, OS,
+// architecture and GOMAXPROCS, by the same Go version and algorithm set.
+// Otherwise Calibrate measures, for about a second and with 96
 // MiB of buffers: the latency of a handoff between two spinning goroutines,
 // and between two that share a core (setting GOMAXPROCS to 1 for about a
 // millisecond); one core's copy and float32-sum time per byte from memory,
 // with and without streaming stores, and within the cache; and the copy
-// bandwidth of all cores together. It reads the last-level cache size from
-// sysfs. The model is then written to that file (if it cannot be, the next
-// process measures again) and kept for the rest of the process.
+// bandwidth of all cores together. Each is timed seven times and the
+// fastest confirmed sample kept, since other work only adds time. It reads
+// the last-level cache size from sysfs. A parameter more than ten times
+// off the built-in model's is replaced by the built-in value. The model is
+// then written to that file (if it cannot be, or the samples varied so
+// much that the machine was evidently busy, the next process measures
+// again) and kept for the rest of the process.
 //
 // The environment variable comm.CostModelEnv (LOOM_COSTMODEL) changes this:
 // a path moves the file; comm.CostModelOff ("off", or "none") turns measuring
 // off: nothing is measured, read or written and comm.BuiltinCostModel is
 // used. WithCostModel(comm.BuiltinCostModel()) does the same for one world.
+//
+// # Tuning
+//
+// Where the model prices several algorithms of a call within 50% of each
+// other, and the best at 10 µs or more, the first calls of its size class (op, dtype, power of two of the
+// count) run each of them, timed from the last rank starting to move data
+// to the last departing, each timed call after an untimed one of the same
+// algorithm: once, then up to three more times (five under 256 KiB) for
+// those within three, then twice the best time (at most MaxTuningCalls
+// calls). Later calls keep the fastest by median, or the model's choice
+// unless another beat it by over 20%. Every rank takes the same decision
+// from shared timings, so the ranks never disagree on an algorithm. By
+// default (TuneExact) only calls whose result bits no algorithm can change
+// are tuned: copies, integer reductions and float sums and products over
+// two ranks. Float reductions over more ranks add in an order that depends
+// on the algorithm, so tuning them (TuneAll, LOOM_TUNE=all) can change
+// their last bits from one run to the next; TuneOff (LOOM_TUNE=off) tunes
+// nothing, and LOOM_ALGO forces algorithms.
 package local
 
 import (
@@ -53,6 +78,8 @@ type config struct {
 	model         *comm.CostModel
 	bind, bindSet bool // Run only
 	bound         bool // set by Run when it binds the ranks
+	tune          Tuning
+	tuneSet       bool
 }
 
 // WithOptions sets the communicator options. Without it, comm.OptionsFromEnv
@@ -102,8 +129,12 @@ func NewWorld(p int, opts ...Option) (*World, error) {
 	if !model.Valid() {
 		return nil, fmt.Errorf("local: invalid cost model %+v", *model)
 	}
+	tune, err := cfg.tuning()
+	if err != nil {
+		return nil, err
+	}
 	w := &world{
-		opts: o, model: model, cores: runtime.GOMAXPROCS(0), bound: cfg.bound, failed: make(chan struct{}),
+		opts: o, model: model, cores: runtime.GOMAXPROCS(0), bound: cfg.bound, tune: tune, failed: make(chan struct{}),
 		left: make([]atomic.Bool, p), leftCh: make(chan struct{}),
 	}
 	ranks := make([]int, p)
