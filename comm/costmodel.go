@@ -35,6 +35,13 @@ type CostModel struct {
 	// fits in the last-level cache.
 	BetaCache  float64 `json:"beta_cache_s_per_byte"`
 	GammaCache float64 `json:"gamma_cache_s_per_byte"`
+	// Invalidate is the extra time, in seconds per byte, to write data that
+	// another core has read or written since: each store must first take
+	// the line from that core's cache. Within the cache this is several
+	// times the cost of the write itself; a schedule whose ranks overwrite
+	// what a peer read in the previous call (a tree's or chain's partial
+	// sums) pays it on every call. 0 means not measured (no charge).
+	Invalidate float64 `json:"invalidate_s_per_byte,omitempty"`
 	// CacheBytes is the last-level cache size: working sets larger than
 	// this run at memory speed.
 	CacheBytes int64 `json:"cache_bytes"`
@@ -91,6 +98,9 @@ func (m *CostModel) Plausible() (*CostModel, []string) {
 	bound("gamma_stream_s_per_byte", &out.GammaStream, b.GammaStream)
 	bound("beta_cache_s_per_byte", &out.BetaCache, b.BetaCache)
 	bound("gamma_cache_s_per_byte", &out.GammaCache, b.GammaCache)
+	if out.Invalidate > 0 {
+		bound("invalidate_s_per_byte", &out.Invalidate, b.Invalidate)
+	}
 	bound("bandwidth_Bps", &out.Bandwidth, b.Bandwidth)
 	// Within the cache data moves at least as fast as from memory; a
 	// measurement that says otherwise was disturbed in the cached part.
@@ -110,11 +120,13 @@ func (m *CostModel) Plausible() (*CostModel, []string) {
 	return &out, replaced
 }
 
-// Valid reports whether every parameter is positive and finite.
+// Valid reports whether every parameter is positive and finite (Invalidate
+// may also be 0: not measured).
 func (m *CostModel) Valid() bool {
 	ok := func(x float64) bool { return x > 0 && !math.IsInf(x, 0) && !math.IsNaN(x) }
 	return m != nil && ok(m.Alpha) && ok(m.Switch) && ok(m.Beta) && ok(m.Gamma) && ok(m.GammaStream) &&
-		ok(m.BetaCache) && ok(m.GammaCache) && ok(m.Bandwidth) && m.CacheBytes > 0 && m.Cores > 0
+		ok(m.BetaCache) && ok(m.GammaCache) && ok(m.Bandwidth) && m.CacheBytes > 0 && m.Cores > 0 &&
+		(m.Invalidate == 0 || ok(m.Invalidate))
 }
 
 // Estimate prices op over p ranks for a per-rank payload of bytes (the
@@ -164,7 +176,8 @@ const (
 
 // BuiltinCostModel returns a fixed model of a typical x86-64 server core
 // (about 0.3 µs per handoff, 7 GB/s copies from memory, 30 GB/s within a
-// 32 MiB cache, 20 GB/s for all cores together) with Cores set to
+// 32 MiB cache, 20 GB/s for all cores together, 0.1 ns per byte to take
+// lines from another core's cache) with Cores set to
 // GOMAXPROCS. It is used when measuring is off; its algorithm choices are
 // reasonable everywhere and best nowhere. Each call returns a new model.
 func BuiltinCostModel() *CostModel {
@@ -176,6 +189,7 @@ func BuiltinCostModel() *CostModel {
 		GammaStream: 1e-10,
 		BetaCache:   3e-11,
 		GammaCache:  2e-11,
+		Invalidate:  1e-10,
 		CacheBytes:  32 << 20,
 		Bandwidth:   2e10,
 		Cores:       runtime.GOMAXPROCS(0),

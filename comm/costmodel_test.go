@@ -1,6 +1,7 @@
 package comm_test
 
 import (
+	"math"
 	"slices"
 	"testing"
 
@@ -36,6 +37,10 @@ func TestPlausible(t *testing.T) {
 			func(m *comm.CostModel) bool { return m.Bandwidth*m.Beta >= 1 }},
 		{"bandwidth 100x high", func(m *comm.CostModel) { m.Bandwidth *= 100 }, []string{"bandwidth_Bps"},
 			func(m *comm.CostModel) bool { return m.Bandwidth == b.Bandwidth }},
+		{"invalidation 50x slow", func(m *comm.CostModel) { m.Invalidate *= 50 }, []string{"invalidate_s_per_byte"},
+			func(m *comm.CostModel) bool { return m.Invalidate == b.Invalidate }},
+		{"invalidation not measured", func(m *comm.CostModel) { m.Invalidate = 0 }, nil,
+			func(m *comm.CostModel) bool { return m.Invalidate == 0 }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -57,5 +62,20 @@ func TestPlausible(t *testing.T) {
 				t.Errorf("result %+v lost its identity or validity", *got)
 			}
 		})
+	}
+}
+
+// TestInvalidateValid: Invalidate may be 0 (not measured, as in models
+// cached before it existed) but not negative, infinite or NaN.
+func TestInvalidateValid(t *testing.T) {
+	for _, tc := range []struct {
+		v     float64
+		valid bool
+	}{{0, true}, {1e-10, true}, {-1e-10, false}, {math.Inf(1), false}, {math.NaN(), false}} {
+		m := comm.BuiltinCostModel()
+		m.Invalidate = tc.v
+		if got := m.Valid(); got != tc.valid {
+			t.Errorf("Invalidate %v: Valid = %v, want %v", tc.v, got, tc.valid)
+		}
 	}
 }

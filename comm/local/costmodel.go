@@ -96,7 +96,7 @@ func loadOrCalibrate(path string, calibrate func() *comm.CostModel) *comm.CostMo
 // their cost simulation: a model cached by a loom whose algorithms differ
 // is measured over. Change it whenever an algorithm, a schedule generator
 // or schedule.cost changes.
-const algorithmSet = "local-algorithms-2"
+const algorithmSet = "local-algorithms-3"
 
 // machineID names the hardware a model was measured on, and the software
 // that measured it: CPU model, CPU count, GOMAXPROCS, Go version and
@@ -120,8 +120,9 @@ func machineID() string {
 // Calibrate measures α (a handoff between two spinning goroutines); β and
 // γ (one core's copy time per byte and float32 reduction time per source
 // byte) from memory, with and without streaming stores, and within the
-// cache; the aggregate copy bandwidth of all cores; and reads the size of
-// the last-level cache. It takes about a second.
+// cache; the cost of overwriting data another core has just read (on two
+// CPUs it binds to; 0 where it cannot); the aggregate copy bandwidth of
+// all cores; and reads the size of the last-level cache. It takes about a second.
 //
 // Each parameter is timed calibrationSamples times and the fastest sample
 // that another confirms is kept (see fastest): other work on the machine
@@ -152,6 +153,9 @@ func Calibrate() *comm.CostModel {
 	// Within the cache: small buffers, reused.
 	const small = 128 << 10
 	m.BetaCache = take(func() float64 { return timeCopy(a[:small], b[:small], 64) })
+	if cores > 1 {
+		m.Invalidate = take(func() float64 { return measureInvalidate(a[:small], b[:small]) })
+	}
 	m.GammaCache = take(func() float64 { return timeReduce(kernel.Reduce, f[:small], a[:small], b[:small], 64) })
 
 	// Seconds per byte of all cores copying at once; the bandwidth is its
@@ -255,6 +259,57 @@ func lastLevelCache() int64 {
 		return fallback
 	}
 	return best
+}
+
+// measureInvalidate returns the extra seconds per byte of writing a sum of
+// src over dst, with ordinary stores as the reduction kernels use, just
+// after another core has read dst, compared with writing it again at once:
+// the time to take the lines from that core's cache. (A copy would not
+// show it: memmove's string stores write whole lines without reading them
+// for ownership.) The two sides run on goroutines bound to two different
+// CPUs; where binding is impossible it returns 0, which charges nothing.
+func measureInvalidate(dst, src []byte) float64 {
+	cpus, err := usableCPUs()
+	if err != nil || len(cpus) < 2 {
+		return 0
+	}
+	on := func(cpu int, f func()) bool {
+		ok := make(chan bool, 1)
+		go func() {
+			unbind, err := bindThread([]int{cpu})
+			if err != nil {
+				ok <- false
+				return
+			}
+			defer unbind()
+			f()
+			ok <- true
+		}()
+		return <-ok
+	}
+	const rounds = 4
+	shared, own := time.Duration(math.MaxInt64), time.Duration(math.MaxInt64)
+	sink := 0
+	for range rounds {
+		read := func() {
+			for j := 0; j < len(dst); j += 64 {
+				sink += int(dst[j])
+			}
+		}
+		write := func() {
+			t := time.Now()
+			_ = kernel.Reduce(comm.Float32, comm.Sum, dst, src, src)
+			shared = min(shared, time.Since(t))
+			t = time.Now()
+			_ = kernel.Reduce(comm.Float32, comm.Sum, dst, src, src)
+			own = min(own, time.Since(t))
+		}
+		if !on(cpus[1], read) || !on(cpus[0], write) {
+			return 0
+		}
+	}
+	_ = sink
+	return max(shared-own, 0).Seconds() / float64(len(dst))
 }
 
 // measureHandoff is half the round trip of a flag bounced between two
@@ -437,6 +492,11 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 				case stepScale:
 					dur = bytes * gamma
 					traffic += bytes
+				}
+				if !s.stream {
+					// Overwriting lines a peer holds takes them from its
+					// cache first; from memory they have long left it.
+					dur += float64(st.contended) * bytes * m.Invalidate
 				}
 				work += dur
 				clock[r] = start + dur

@@ -61,6 +61,10 @@ type step struct {
 	srcs   []ref
 	deps   []dep
 	signal bool // a peer waits on this step: publish progress after it
+	// contended counts the destinations another rank also reads or writes
+	// in the collective: in a loop of calls their lines lie in that rank's
+	// cache when this step overwrites them (see schedule.cost).
+	contended int
 }
 
 // schedule is the compiled form of one collective for every rank.
@@ -207,6 +211,17 @@ func sortDeps(d []dep) {
 	}
 }
 
+// touchedByOther reports whether a step of a rank other than actor
+// accessed region x.
+func touchedByOther(list []access, x ref, actor int) bool {
+	for _, a := range list {
+		if a.rank != actor && overlaps(a, x.buf, x.off, x.off+x.n) {
+			return true
+		}
+	}
+	return false
+}
+
 func (b *builder) copyTo(dst, src ref)           { b.emit(stepCopy, dst, src) }
 func (b *builder) reduceTo(dst ref, srcs ...ref) { b.emit(stepReduce, dst, srcs...) }
 
@@ -219,6 +234,16 @@ func (b *builder) build() (*schedule, error) {
 	for r, s := range b.steps {
 		if len(s) > maxSteps {
 			return nil, fmt.Errorf("schedule for rank %d has %d steps, more than %d", r, len(s), maxSteps)
+		}
+	}
+	for r := range b.steps {
+		for i := range b.steps[r] {
+			st := &b.steps[r][i]
+			for _, d := range st.dsts {
+				if touchedByOther(b.reads[d.rank], d, r) || touchedByOther(b.writes[d.rank], d, r) {
+					st.contended++
+				}
+			}
 		}
 	}
 	return &schedule{steps: b.steps, scratch: b.scratch}, nil
