@@ -742,7 +742,9 @@ func (p *fsdpParam) extract(dst, src any, r int) {
 // FullyShard wraps every module of root whose path matches one of
 // patterns (Plan patterns such as "h.*"), deepest first and in Walk order
 // among equals, then root itself (unless the matches hold every
-// parameter), on a new FSDP over the mesh of root's parameters.
+// parameter), on a new FSDP over the mesh of root's parameters. A
+// pattern that matches no module is an error wrapping ErrInvalid, as in
+// Parallelize.
 func FullyShard(ctx context.Context, root Module, patterns []string, opts ...FSDPOption) (*FSDP, error) {
 	params, err := Params(root)
 	if err != nil {
@@ -770,6 +772,13 @@ func FullyShard(ctx context.Context, root Module, patterns []string, opts ...FSD
 		return nil
 	}); err != nil {
 		return nil, err
+	}
+	// A pattern that matches nothing is a typo, as in Parallelize and
+	// Checkpoint: silently sharding only the root would hide it.
+	for _, pat := range patterns {
+		if !slices.ContainsFunc(ms, func(mm match) bool { return matchPath(strings.Split(pat, "."), mm.path) }) {
+			return nil, fmt.Errorf("parallel: FullyShard: %w: pattern %q matches no module", ErrInvalid, pat)
+		}
 	}
 	slices.SortStableFunc(ms, func(a, b match) int { return b.depth - a.depth })
 	f, err := NewFSDP(ctx, params[0].Spec().Mesh(), opts...)

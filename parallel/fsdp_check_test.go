@@ -285,6 +285,10 @@ func TestFSDPBadInput(t *testing.T) {
 		}},
 		// ReshardTo(0) used to mean Reshard(false) and ReshardTo(-1)
 		// Reshard(true), while ReshardTo(-2) was refused.
+		{"pattern matches no module", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
+			_, err := FullyShard(ctx, n, []string{"h.*", "blocks.*"})
+			return err
+		}},
 		{"reshard to 0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
 			_, err := FullyShard(ctx, n, []string{"h.*"}, ReshardTo(0))
 			return err

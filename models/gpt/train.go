@@ -189,7 +189,11 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		if dp > 1 {
 			fsOpts = append(fsOpts, parallel.ReplicateAxis(tc.dp))
 		}
-		if tr.fsdp, err = parallel.FullyShard(ctx, md, []string{"h.*"}, append(fsOpts, tc.fsOpts...)...); err != nil {
+		var units []string // one unit per block; a model of no blocks has the root alone
+		if len(md.Blocks) > 0 {
+			units = []string{"h.*"}
+		}
+		if tr.fsdp, err = parallel.FullyShard(ctx, md, units, append(fsOpts, tc.fsOpts...)...); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	case dp > 1:
