@@ -344,7 +344,7 @@ func (d *DDP) Comm() comm.Communicator { return d.c }
 // ErrInvalid and the scale stays as it was.
 func (d *DDP) SetScale(s float64) error {
 	if err := numcheck.Finite(ErrInvalid, "DDP.SetScale", s); err != nil {
-		return fmt.Errorf("parallel: %w", err)
+		return err // the sentinel's text already says "parallel: "
 	}
 	d.scale = s
 	return nil

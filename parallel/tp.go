@@ -392,7 +392,7 @@ func orders(spec *placement.Spec, places []placement.Placement) []placement.Spec
 func axisIndex(spec *placement.Spec, axis string) (int, error) {
 	i := slices.Index(spec.Mesh().Names(), axis)
 	if i < 0 {
-		return 0, fmt.Errorf("parallel: %w: mesh %v has no axis %q", ErrInvalid, spec.Mesh(), axis)
+		return 0, fmt.Errorf("%w: mesh %v has no axis %q", ErrInvalid, spec.Mesh(), axis)
 	}
 	return i, nil
 }
