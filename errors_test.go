@@ -37,6 +37,7 @@ func TestOneVocabulary(t *testing.T) {
 		{"placement.ErrMismatch", placement.ErrMismatch, loom.ErrMismatch},
 		{"placement.ErrUnsupported", placement.ErrUnsupported, loom.ErrUnsupported},
 		{"autograd.ErrInvalid", autograd.ErrInvalid, loom.ErrInvalid},
+		{"autograd.ErrRule", autograd.ErrRule, loom.ErrInvalid},
 		{"parallel.ErrInvalid", parallel.ErrInvalid, loom.ErrInvalid},
 		{"moe.ErrInvalid", moe.ErrInvalid, loom.ErrInvalid},
 		{"moe.ErrMismatch", moe.ErrMismatch, loom.ErrMismatch},

@@ -15,8 +15,9 @@ var (
 	// loss that is not a scalar, a value from a tape pass already cleared).
 	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
 	// ErrRule: an op's sharding rule rejects its input placements. The
-	// message names the mismatch and the placements that would work.
-	ErrRule = errors.New("sharding rule")
+	// message names the mismatch and the placements that would work. It
+	// matches loom.ErrInvalid: the op is refused before any data moves.
+	ErrRule = loom.NewSentinel("sharding rule", loom.ErrInvalid)
 	// ErrGradPlacement: gradients meeting at one value (or a gradient
 	// arriving at an op's backward) are laid out so that combining them
 	// would need a collective. loom never inserts one the caller did not
