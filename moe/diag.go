@@ -27,10 +27,12 @@ type Timings struct {
 	// zero for a static-capacity dispatch without diagnostics).
 	CountExchange time.Duration
 	// PayloadExchange is the token rows' all-to-all-v's, of dispatch and
-	// of combine (one, or one per local expert; see Dispatch). On the
-	// fused path it is the whole of each pass, permute and weighted sum
-	// included, and Permute and Combine stay zero.
+	// of combine (one, or one per local expert; see Dispatch).
 	PayloadExchange time.Duration
+	// Fused is the whole of each pass on the fused path, where the ranks
+	// pull rows from each other's memory: permute, exchange and weighted
+	// sum in one (Permute, PayloadExchange and Combine then stay zero).
+	Fused time.Duration
 	// Experts is the experts' compute (Experts.Forward and its backward).
 	Experts time.Duration
 	// Combine is the local row movement of combine: the regrouping by
@@ -41,7 +43,45 @@ type Timings struct {
 
 // Total is the sum of the fields.
 func (t Timings) Total() time.Duration {
-	return t.Wait + t.Permute + t.CountExchange + t.PayloadExchange + t.Experts + t.Combine
+	return t.Wait + t.Permute + t.CountExchange + t.PayloadExchange + t.Fused + t.Experts + t.Combine
+}
+
+// Add returns the field-wise sum of t and u.
+func (t Timings) Add(u Timings) Timings {
+	t.Wait += u.Wait
+	t.Permute += u.Permute
+	t.CountExchange += u.CountExchange
+	t.PayloadExchange += u.PayloadExchange
+	t.Fused += u.Fused
+	t.Experts += u.Experts
+	t.Combine += u.Combine
+	return t
+}
+
+// String lists the parts of t that the path taken has ("fused" for the
+// fused path's passes, "permute", "payload" and "combine" for the
+// all-to-all path's), each with its duration; "wait" only when measured.
+func (t Timings) String() string {
+	parts := []struct {
+		name string
+		d    time.Duration
+		keep bool
+	}{
+		{"wait", t.Wait, t.Wait > 0},
+		{"fused", t.Fused, t.Fused > 0},
+		{"permute", t.Permute, t.Fused == 0},
+		{"counts", t.CountExchange, true},
+		{"payload", t.PayloadExchange, t.Fused == 0},
+		{"experts", t.Experts, true},
+		{"combine", t.Combine, t.Fused == 0},
+	}
+	var out []string
+	for _, p := range parts {
+		if p.keep {
+			out = append(out, fmt.Sprintf("%s %v", p.name, p.d))
+		}
+	}
+	return strings.Join(out, ", ")
 }
 
 // Stats are the diagnostics of one dispatch, from the counts the dispatch
@@ -161,8 +201,7 @@ func (s Stats) String() string {
 		name string
 		t    Timings
 	}{{"forward", s.Forward}, {"backward", s.Backward}} {
-		fmt.Fprintf(&b, "\n  %s: wait %v, permute %v, counts %v, payload %v, experts %v, combine %v",
-			t.name, t.t.Wait, t.t.Permute, t.t.CountExchange, t.t.PayloadExchange, t.t.Experts, t.t.Combine)
+		fmt.Fprintf(&b, "\n  %s: %v", t.name, t.t)
 	}
 	return b.String()
 }

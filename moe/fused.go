@@ -36,7 +36,7 @@ import (
 // lengths in every pass, so handles that disagree fail alike on all ranks
 // before any row moves; after that check no kernel can fail, which the
 // combine's backward relies on, since there one rank writes into another's
-// gate gradient. The time of a fused pass counts as PayloadExchange.
+// gate gradient. The time of a fused pass counts as Timings.Fused.
 
 // fusedView is what one rank publishes in a fused pass.
 type fusedView[T kernels.Float] struct {
@@ -83,7 +83,7 @@ func share[T kernels.Float](ctx context.Context, h *Handle, what string, v *fuse
 		}
 		return pull(peers)
 	})
-	phase.PayloadExchange += time.Since(start)
+	phase.Fused += time.Since(start)
 	if err != nil {
 		return fmt.Errorf("%s over axis %q (fused): %w", what, h.axis, err)
 	}

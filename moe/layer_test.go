@@ -156,8 +156,13 @@ func TestLayerParity(t *testing.T) {
 				if !slices.Contains(mc.names, "dp") && !slices.Equal(st.TokensPerExpert, out.Routing.Counts) {
 					return fmt.Errorf("stats: tokens per expert %v, routing counts %v", st.TokensPerExpert, out.Routing.Counts)
 				}
-				if st.Ranks > 1 && (st.Forward.PayloadExchange <= 0 || st.Backward.PayloadExchange <= 0 || st.Backward.Experts <= 0) {
+				if st.Ranks > 1 && (st.Forward.PayloadExchange+st.Forward.Fused <= 0 || st.Backward.PayloadExchange+st.Backward.Fused <= 0 || st.Backward.Experts <= 0) {
 					return fmt.Errorf("stats: timings not recorded: %v", st)
+				}
+				for _, tm := range []moe.Timings{st.Forward, st.Backward} {
+					if tm.Fused > 0 && tm.Permute+tm.PayloadExchange+tm.Combine > 0 {
+						return fmt.Errorf("stats: a fused pass also counted separate parts: %+v", tm)
+					}
 				}
 				if m.Rank() == 0 {
 					t.Logf("y relative L2 error %.3g, largest gradient relative L2 error %.3g", yErr, worst)

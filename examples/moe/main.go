@@ -295,19 +295,9 @@ type interval struct {
 func (iv *interval) add(r *moegpt.StepResult) {
 	iv.steps++
 	for _, l := range r.Layers {
-		iv.t = addTimings(iv.t, l.Dispatch.Forward)
-		iv.t = addTimings(iv.t, l.Dispatch.Backward)
+		iv.t = iv.t.Add(l.Dispatch.Forward)
+		iv.t = iv.t.Add(l.Dispatch.Backward)
 	}
-}
-
-func addTimings(a, b moe.Timings) moe.Timings {
-	a.Wait += b.Wait
-	a.Permute += b.Permute
-	a.CountExchange += b.CountExchange
-	a.PayloadExchange += b.PayloadExchange
-	a.Experts += b.Experts
-	a.Combine += b.Combine
-	return a
 }
 
 // rank is one rank's trainer, as train.Run drives it: rank 0 adds every
@@ -370,7 +360,7 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 	progress := func(_ int, r *moegpt.StepResult, _ float64) {
 		now := time.Now()
 		report(out, r, &iv, now.Sub(iv.start), tokens, o.diag)
-		total = addTimings(total, iv.t)
+		total = total.Add(iv.t)
 		iv = interval{start: now}
 	}
 	run, err := train.Run(ctx, out, job, o.loop, setup, progress)
@@ -395,7 +385,7 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 	res.TimeUS = map[string]float64{
 		"wait": us(total.Wait), "permute": us(total.Permute), "count_exchange": us(total.CountExchange),
-		"payload_exchange": us(total.PayloadExchange), "experts": us(total.Experts), "combine": us(total.Combine),
+		"payload_exchange": us(total.PayloadExchange), "fused": us(total.Fused), "experts": us(total.Experts), "combine": us(total.Combine),
 	}
 	overlap(out, run.Events, o)
 	return res, params, nil
@@ -421,8 +411,18 @@ func report(out io.Writer, r *moegpt.StepResult, iv *interval, wall time.Duratio
 	if diag {
 		wait = "wait " + ms(t.Wait) + "  "
 	}
-	fmt.Fprintf(out, "           moe time (rank 0, %d step(s), fwd+bwd): %spermute %s  count exchange %s  payload exchange %s  experts %s  combine %s  = %s of %s\n",
-		iv.steps, wait, ms(t.Permute), ms(t.CountExchange), ms(t.PayloadExchange), ms(t.Experts), ms(t.Combine), ms(t.Total()), ms(wall))
+	// The fused path has no separate permute, exchange and combine: its
+	// passes are one figure.
+	movement := "permute " + ms(t.Permute) + "  count exchange " + ms(t.CountExchange) + "  payload exchange " + ms(t.PayloadExchange)
+	combine := "  combine " + ms(t.Combine)
+	if t.Fused > 0 {
+		movement, combine = "fused dispatch and combine "+ms(t.Fused), ""
+		if t.CountExchange > 0 {
+			movement += "  count exchange " + ms(t.CountExchange)
+		}
+	}
+	fmt.Fprintf(out, "           moe time (rank 0, %d step(s), fwd+bwd): %s%s  experts %s%s  = %s of %s\n",
+		iv.steps, wait, movement, ms(t.Experts), combine, ms(t.Total()), ms(wall))
 	if !diag {
 		return
 	}

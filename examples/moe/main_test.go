@@ -85,7 +85,7 @@ func TestRun(t *testing.T) {
 	if err := run(context.Background(), args, &out); err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
 	}
-	for _, want := range []string{"step    2", "balance max/mean", "padded", "wait ", "payload exchange", "send matrix", "largest loss difference", "MoE payload passes"} {
+	for _, want := range []string{"step    2", "balance max/mean", "padded", "wait ", "fused dispatch and combine", "send matrix", "largest loss difference", "MoE payload passes"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}
@@ -98,7 +98,7 @@ func TestRun(t *testing.T) {
 	if err := json.Unmarshal(b, &res); err != nil {
 		t.Fatal(err)
 	}
-	if res.EP != 2 || len(res.Losses) != 2 || res.LossDiff == nil || res.Backend != "local" || res.Processes != 1 || res.WorldSize != 2 || res.TimeUS["payload_exchange"] <= 0 || res.TimeUS["wait"] <= 0 {
+	if res.EP != 2 || len(res.Losses) != 2 || res.LossDiff == nil || res.Backend != "local" || res.Processes != 1 || res.WorldSize != 2 || res.TimeUS["fused"] <= 0 || res.TimeUS["payload_exchange"] != 0 || res.TimeUS["wait"] <= 0 {
 		t.Errorf("-json wrote %s", b)
 	}
 	if fi, err := os.Stat(tr); err != nil || fi.Size() == 0 {
