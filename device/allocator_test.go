@@ -395,42 +395,42 @@ func TestDriverErrors(t *testing.T) {
 		name string
 		// do breaks something, makes the failing call and returns its
 		// error, the undo of the break and the call to repeat.
-		do   func(a *Allocator, raw *fakeRaw, dev *fakeDevice, s, comm *fakeStream) (err error, undo func(), again func() error)
+		do   func(a *Allocator, raw *fakeRaw, dev *fakeDevice, s, comm *fakeStream) (undo func(), again func() error, err error)
 		want string
 	}{
-		{"Malloc fails, not out of memory", func(a *Allocator, raw *fakeRaw, _ *fakeDevice, s, _ *fakeStream) (error, func(), func() error) {
+		{"Malloc fails, not out of memory", func(a *Allocator, raw *fakeRaw, _ *fakeDevice, s, _ *fakeStream) (func(), func() error, error) {
 			raw.failMalloc = broken
 			again := func() error { _, err := a.Alloc(100, s); return err }
-			return again(), func() { raw.failMalloc = nil }, again
+			return func() { raw.failMalloc = nil }, again, again()
 		}, "allocating a segment of 2097152 bytes: device lost"},
-		{"Record fails: the block stays allocated", func(a *Allocator, _ *fakeRaw, dev *fakeDevice, s, comm *fakeStream) (error, func(), func() error) {
+		{"Record fails: the block stays allocated", func(a *Allocator, _ *fakeRaw, dev *fakeDevice, s, comm *fakeStream) (func(), func() error, error) {
 			b, _ := a.Alloc(100, s)
 			_ = a.RecordStream(b, comm)
 			dev.failRecord = broken
 			again := func() error { return a.Free(b) }
-			return again(), func() { dev.failRecord = nil }, again
+			return func() { dev.failRecord = nil }, again, again()
 		}, "Free: recording an event on a stream the block was used on: device lost"},
-		{"Query fails", func(a *Allocator, _ *fakeRaw, dev *fakeDevice, s, comm *fakeStream) (error, func(), func() error) {
+		{"Query fails", func(a *Allocator, _ *fakeRaw, dev *fakeDevice, s, comm *fakeStream) (func(), func() error, error) {
 			b, _ := a.Alloc(100, s)
 			_ = a.RecordStream(b, comm)
 			_ = a.Free(b)
 			dev.failQuery = broken
 			again := func() error { _, err := a.Alloc(100, s); return err }
-			return again(), func() { dev.failQuery = nil }, again
+			return func() { dev.failQuery = nil }, again, again()
 		}, "querying an event of a pending free: device lost"},
-		{"driver Free fails: the segment stays", func(a *Allocator, raw *fakeRaw, _ *fakeDevice, s, _ *fakeStream) (error, func(), func() error) {
+		{"driver Free fails: the segment stays", func(a *Allocator, raw *fakeRaw, _ *fakeDevice, s, _ *fakeStream) (func(), func() error, error) {
 			b, _ := a.Alloc(100, s)
 			_ = a.Free(b)
 			raw.failFree = broken
 			again := a.EmptyCache
-			return again(), func() { raw.failFree = nil }, again
+			return func() { raw.failFree = nil }, again, again()
 		}, "freeing a segment of 2097152 bytes: device lost"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			a, raw, dev := newTest(t, 1<<30)
 			s, comm := dev.stream("s"), dev.stream("comm")
-			err, undo, again := tt.do(a, raw, dev, s, comm)
+			undo, again, err := tt.do(a, raw, dev, s, comm)
 			if !errors.Is(err, broken) || errors.Is(err, ErrOutOfMemory) || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("err = %v, want it to wrap the driver's error and say %q", err, tt.want)
 			}

@@ -510,20 +510,20 @@ func TestSegmentKernelsErrors(t *testing.T) {
 		name string
 		// run calls the kernel on fresh sentinel outputs and returns its
 		// error and the outputs (and inputs it must not write).
-		run  func() (error, [][]float32)
+		run  func() ([][]float32, error)
 		want string
 	}
-	pe := func(out, x []float32, d int, r *Routing, e int) func() (error, [][]float32) {
-		return func() (error, [][]float32) { return PermuteExpert(out, x, d, r, e), [][]float32{out} }
+	pe := func(out, x []float32, d int, r *Routing, e int) func() ([][]float32, error) {
+		return func() ([][]float32, error) { return [][]float32{out}, PermuteExpert(out, x, d, r, e) }
 	}
-	ube := func(dpacked, dgates, dout, packed, gates []float32, d int, r *Routing, e int) func() (error, [][]float32) {
-		return func() (error, [][]float32) {
-			return UnpermuteBackwardExpert(dpacked, dgates, dout, packed, gates, d, r, e), [][]float32{dpacked, dgates, packed}
+	ube := func(dpacked, dgates, dout, packed, gates []float32, d int, r *Routing, e int) func() ([][]float32, error) {
+		return func() ([][]float32, error) {
+			return [][]float32{dpacked, dgates, packed}, UnpermuteBackwardExpert(dpacked, dgates, dout, packed, gates, d, r, e)
 		}
 	}
-	us := func(out []float32, segs [][]float32, gates []float32, d int, r *Routing) func() (error, [][]float32) {
-		return func() (error, [][]float32) {
-			return UnpermuteSegments(out, segs, gates, d, r), append([][]float32{out}, segs...)
+	us := func(out []float32, segs [][]float32, gates []float32, d int, r *Routing) func() ([][]float32, error) {
+		return func() ([][]float32, error) {
+			return append([][]float32{out}, segs...), UnpermuteSegments(out, segs, gates, d, r)
 		}
 	}
 	calls := []call{
@@ -592,7 +592,7 @@ func TestSegmentKernelsErrors(t *testing.T) {
 						t.Fatalf("panic: %v", p)
 					}
 				}()
-				err, bufs = c.run()
+				bufs, err = c.run()
 			}()
 			if err == nil || !strings.Contains(err.Error(), c.want) {
 				t.Fatalf("err = %v, want it to mention %q", err, c.want)

@@ -106,7 +106,7 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 	ctx = context.WithValue(ctx, reshardCacheKey{}, cache)
 	for k, r := range plan {
 		for _, mm := range matches[k] {
-			cache.cur = reshardBy{path: mm.path, m: mm.m}
+			cache.cur = reshardBy(mm)
 			if err := r.Style.Apply(ctx, mm.m, axis); err != nil {
 				return fmt.Errorf("parallel: Parallelize %q on axis %q: %w", mm.path, axis, err)
 			}

@@ -224,7 +224,6 @@ func TestBackwardMaxMin(t *testing.T) {
 // TestAdjointCrossMesh runs the adjoint test between a 2x4 and an 8 mesh
 // (and a 3x2 and a 2x3 transposed view) over the same world.
 func TestAdjointCrossMesh(t *testing.T) {
-	type pc struct{ a, b [][]placement.Placement }
 	run := func(t *testing.T, shapeA, shapeB []int, namesA, namesB []string, pa, pb [][]placement.Placement) {
 		p := placement.NewPlanner(testModel)
 		n := 1

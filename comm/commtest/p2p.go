@@ -399,7 +399,7 @@ func asyncCase(k *kase) (rankFunc, func(int) error) {
 			select {
 			case <-w.Done():
 			default:
-				return failed(c, "Done", errors.New("Wait returned but Done is not closed"))
+				return failed(c, "Done", errors.New("the channel is not closed after WaitAll returned"))
 			}
 		}
 

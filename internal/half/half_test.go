@@ -140,14 +140,12 @@ func roundingInputs() []float32 {
 		add(b - 1)
 		add(b + 1)
 	}
-	for _, v := range []float32{
+	xs = append(xs, []float32{
 		0, float32(math.Copysign(0, -1)), 1, -1, 0.1, 65504, 65519, 65519.996, 65520, 65536, 1e10, -65520,
 		math.MaxFloat32, -math.MaxFloat32, math.SmallestNonzeroFloat32, 1e-40,
 		0x1p-24, 0x1p-25, 0x1.000002p-25, 0x1.8p-24, 0x1.4p-24, 0x1.cp-24, 0x1p-14, 0x1.ffcp-15, 0x1.ffep-15, 0x1p-26,
 		1 + 0x1p-11, 1 + 0x1p-11 + 0x1p-23, 1 + 0x3p-11, 1 + 0x1p-8, 1 + 0x3p-8,
-	} {
-		xs = append(xs, v)
-	}
+	}...)
 	return xs
 }
 
