@@ -107,16 +107,7 @@ func TestFSDPOverTP(t *testing.T) {
 // communicator timeout and returns every rank's error.
 func fsdpRun(t *testing.T, p int, fn func(ctx context.Context, m *mesh.Mesh) error) []error {
 	t.Helper()
-	errs := make([]error, p)
-	_ = local.Run(context.Background(), p, func(ctx context.Context, world comm.Communicator) error {
-		m, err := mesh.New(world, []int{p}, []string{"fsdp"})
-		if err == nil {
-			err = fn(ctx, m)
-		}
-		errs[world.Rank()] = err
-		return err
-	}, local.WithOptions(comm.Options{Timeout: 2 * time.Second}))
-	return errs
+	return meshRun([]int{p}, []string{"fsdp"}, fn)
 }
 
 // TestFSDPTraffic checks the collectives of one step against the formula
