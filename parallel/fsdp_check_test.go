@@ -401,17 +401,28 @@ func traffic(m *mesh.Mesh) int {
 
 // TestFSDPNonSPMD runs a step where rank 1 skips block h.1's forward:
 // every rank must fail with an error naming a unit, within the timeout,
-// with prefetch on and off.
+// with prefetch on and off; under Reshard(false), where rank 1 issues
+// the same collectives as rank 0 and only the unit-order check can tell,
+// with ErrMismatch naming rank 1 and the units that differ.
 func TestFSDPNonSPMD(t *testing.T) {
-	for _, prefetch := range []bool{true, false} {
-		t.Run(fmt.Sprintf("prefetch=%v", prefetch), func(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		opt      FSDPOption
+		want     string
+		mismatch bool
+	}{
+		{"prefetch=true", Prefetch(true), `unit "h.`, false},
+		{"prefetch=false", Prefetch(false), `unit "h.`, false},
+		{"reshard=false", Reshard(false), `rank 1 has "h.2" at position 2 where rank 0 has "h.1"`, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
 			start := time.Now()
 			errs := fsdpRun(t, 2, func(ctx context.Context, m *mesh.Mesh) error {
 				n, err := newFnet(m, comm.Float64)
 				if err != nil {
 					return err
 				}
-				f, err := FullyShard(ctx, n, []string{"h.*"}, Prefetch(prefetch))
+				f, err := FullyShard(ctx, n, []string{"h.*"}, c.opt)
 				if err != nil {
 					return err
 				}
@@ -428,8 +439,8 @@ func TestFSDPNonSPMD(t *testing.T) {
 				return f.Finish(ctx)
 			})
 			for r, err := range errs {
-				if err == nil || !strings.Contains(err.Error(), `unit "h.`) {
-					t.Errorf("rank %d: %v; want an error naming the unit", r, err)
+				if err == nil || !strings.Contains(err.Error(), c.want) || c.mismatch && !errors.Is(err, loom.ErrMismatch) {
+					t.Errorf("rank %d: %v; want an error containing %s (ErrMismatch: %v)", r, err, c.want, c.mismatch)
 				}
 			}
 			if d := time.Since(start); d > 10*time.Second {
