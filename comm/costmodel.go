@@ -31,6 +31,14 @@ type CostModel struct {
 	// GammaStream is Gamma with stores that bypass the cache, which large
 	// results use.
 	GammaStream float64 `json:"gamma_stream_s_per_byte"`
+	// GammaStream3 and GammaStream8 are GammaStream for reductions of
+	// three and of eight sources, per source byte. Two sources stream
+	// through in one pass; more are folded block by block, switching
+	// between the source streams, which costs more per byte the more
+	// sources there are. Other counts lie on the line through the two
+	// (see FanIn). 0 means not measured (every count costs GammaStream).
+	GammaStream3 float64 `json:"gamma_stream3_s_per_byte,omitempty"`
+	GammaStream8 float64 `json:"gamma_stream8_s_per_byte,omitempty"`
 	// BetaCache and GammaCache are Beta and Gamma when the whole working set
 	// fits in the last-level cache.
 	BetaCache  float64 `json:"beta_cache_s_per_byte"`
@@ -96,6 +104,10 @@ func (m *CostModel) Plausible() (*CostModel, []string) {
 	bound("beta_s_per_byte", &out.Beta, b.Beta)
 	bound("gamma_s_per_byte", &out.Gamma, b.Gamma)
 	bound("gamma_stream_s_per_byte", &out.GammaStream, b.GammaStream)
+	if out.GammaStream3 > 0 || out.GammaStream8 > 0 {
+		bound("gamma_stream3_s_per_byte", &out.GammaStream3, b.GammaStream3)
+		bound("gamma_stream8_s_per_byte", &out.GammaStream8, b.GammaStream8)
+	}
 	bound("beta_cache_s_per_byte", &out.BetaCache, b.BetaCache)
 	bound("gamma_cache_s_per_byte", &out.GammaCache, b.GammaCache)
 	if out.Invalidate > 0 {
@@ -112,6 +124,15 @@ func (m *CostModel) Plausible() (*CostModel, []string) {
 		out.GammaCache = min(b.GammaCache, out.Gamma)
 		replaced = append(replaced, "gamma_cache_s_per_byte")
 	}
+	// Folding more sources costs no less per byte than folding fewer.
+	if out.GammaStream3 > 0 && out.GammaStream3 < out.GammaStream {
+		out.GammaStream3 = out.GammaStream
+		replaced = append(replaced, "gamma_stream3_s_per_byte")
+	}
+	if out.GammaStream8 > 0 && out.GammaStream8 < out.GammaStream3 {
+		out.GammaStream8 = out.GammaStream3
+		replaced = append(replaced, "gamma_stream8_s_per_byte")
+	}
 	// All cores together copy at least as fast as one.
 	if out.Bandwidth*out.Beta < 1 {
 		out.Bandwidth = 1 / out.Beta
@@ -121,12 +142,25 @@ func (m *CostModel) Plausible() (*CostModel, []string) {
 }
 
 // Valid reports whether every parameter is positive and finite (Invalidate
-// may also be 0: not measured).
+// may also be 0, and GammaStream3 and GammaStream8 both 0: not measured).
 func (m *CostModel) Valid() bool {
 	ok := func(x float64) bool { return x > 0 && !math.IsInf(x, 0) && !math.IsNaN(x) }
 	return m != nil && ok(m.Alpha) && ok(m.Switch) && ok(m.Beta) && ok(m.Gamma) && ok(m.GammaStream) &&
 		ok(m.BetaCache) && ok(m.GammaCache) && ok(m.Bandwidth) && m.CacheBytes > 0 && m.Cores > 0 &&
-		(m.Invalidate == 0 || ok(m.Invalidate))
+		(m.Invalidate == 0 || ok(m.Invalidate)) &&
+		(m.GammaStream3 == 0 && m.GammaStream8 == 0 || ok(m.GammaStream3) && ok(m.GammaStream8))
+}
+
+// FanIn is how many times GammaStream a reduction of sources sources costs
+// per source byte from memory: 1 for one or two, the line through
+// GammaStream3 and GammaStream8 for more (never below 1), and 1 for every
+// count when those are not measured.
+func (m *CostModel) FanIn(sources int) float64 {
+	if sources <= 2 || m.GammaStream3 <= 0 || m.GammaStream8 <= 0 || m.GammaStream <= 0 {
+		return 1
+	}
+	g := m.GammaStream3 + float64(sources-3)*(m.GammaStream8-m.GammaStream3)/5
+	return max(g/m.GammaStream, 1)
 }
 
 // Estimate prices op over p ranks for a per-rank payload of bytes (the
@@ -177,23 +211,26 @@ const (
 // BuiltinCostModel returns a fixed model of a typical x86-64 server core
 // (about 0.3 µs per handoff, 7 GB/s copies from memory, 30 GB/s within a
 // 32 MiB cache, 20 GB/s for all cores together, 0.1 ns per byte to take
-// lines from another core's cache) with Cores set to
+// lines from another core's cache, reductions of three and eight sources
+// 1.35 and 1.9 times as costly per byte as of two) with Cores set to
 // GOMAXPROCS. It is used when measuring is off; its algorithm choices are
 // reasonable everywhere and best nowhere. Each call returns a new model.
 func BuiltinCostModel() *CostModel {
 	return &CostModel{
-		Alpha:       3e-7,
-		Switch:      5e-7,
-		Beta:        1.5e-10,
-		Gamma:       1.3e-10,
-		GammaStream: 1e-10,
-		BetaCache:   3e-11,
-		GammaCache:  2e-11,
-		Invalidate:  1e-10,
-		CacheBytes:  32 << 20,
-		Bandwidth:   2e10,
-		Cores:       runtime.GOMAXPROCS(0),
-		Machine:     "builtin",
+		Alpha:        3e-7,
+		Switch:       5e-7,
+		Beta:         1.5e-10,
+		Gamma:        1.3e-10,
+		GammaStream:  1e-10,
+		GammaStream3: 1.35e-10,
+		GammaStream8: 1.9e-10,
+		BetaCache:    3e-11,
+		GammaCache:   2e-11,
+		Invalidate:   1e-10,
+		CacheBytes:   32 << 20,
+		Bandwidth:    2e10,
+		Cores:        runtime.GOMAXPROCS(0),
+		Machine:      "builtin",
 	}
 }
 

@@ -41,6 +41,14 @@ func TestPlausible(t *testing.T) {
 			func(m *comm.CostModel) bool { return m.Invalidate == b.Invalidate }},
 		{"invalidation not measured", func(m *comm.CostModel) { m.Invalidate = 0 }, nil,
 			func(m *comm.CostModel) bool { return m.Invalidate == 0 }},
+		{"eight sources 50x slow", func(m *comm.CostModel) { m.GammaStream8 *= 50 }, []string{"gamma_stream8_s_per_byte"},
+			func(m *comm.CostModel) bool { return m.GammaStream8 == b.GammaStream8 }},
+		{"three sources cheaper than two", func(m *comm.CostModel) { m.GammaStream3 = m.GammaStream / 2 }, []string{"gamma_stream3_s_per_byte"},
+			func(m *comm.CostModel) bool { return m.GammaStream3 == m.GammaStream }},
+		{"eight sources cheaper than three", func(m *comm.CostModel) { m.GammaStream8 = m.GammaStream3 / 1.2 }, []string{"gamma_stream8_s_per_byte"},
+			func(m *comm.CostModel) bool { return m.GammaStream8 == m.GammaStream3 }},
+		{"fan-in not measured", func(m *comm.CostModel) { m.GammaStream3, m.GammaStream8 = 0, 0 }, nil,
+			func(m *comm.CostModel) bool { return m.GammaStream3 == 0 && m.GammaStream8 == 0 }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -77,5 +85,37 @@ func TestInvalidateValid(t *testing.T) {
 		if got := m.Valid(); got != tc.valid {
 			t.Errorf("Invalidate %v: Valid = %v, want %v", tc.v, got, tc.valid)
 		}
+	}
+}
+
+// TestFanIn: one or two sources cost GammaStream per byte; more lie on the
+// line through the three- and eight-source measurements, never below
+// GammaStream; an unmeasured or half-measured fan-in charges nothing extra
+// (half-measured is also invalid).
+func TestFanIn(t *testing.T) {
+	m := comm.BuiltinCostModel()
+	m.GammaStream, m.GammaStream3, m.GammaStream8 = 2e-11, 3e-11, 4e-11
+	for _, tc := range []struct {
+		sources int
+		want    float64
+	}{{0, 1}, {1, 1}, {2, 1}, {3, 1.5}, {4, 1.6}, {8, 2}, {13, 2.5}} {
+		if got := m.FanIn(tc.sources); math.Abs(got-tc.want) > 1e-12 {
+			t.Errorf("FanIn(%d) = %v, want %v", tc.sources, got, tc.want)
+		}
+	}
+	flat := *m
+	flat.GammaStream3, flat.GammaStream8 = 3e-11, 2.5e-11 // falling: clamped, never below GammaStream
+	if got := flat.FanIn(30); got != 1 {
+		t.Errorf("falling fan-in: FanIn(30) = %v, want 1", got)
+	}
+	unmeasured := *m
+	unmeasured.GammaStream3, unmeasured.GammaStream8 = 0, 0
+	if got := unmeasured.FanIn(8); got != 1 || !unmeasured.Valid() {
+		t.Errorf("unmeasured fan-in: FanIn(8) = %v, valid %v; want 1, true", got, unmeasured.Valid())
+	}
+	half := *m
+	half.GammaStream8 = 0
+	if got := half.FanIn(8); got != 1 || half.Valid() {
+		t.Errorf("half-measured fan-in: FanIn(8) = %v, valid %v; want 1, false", got, half.Valid())
 	}
 }

@@ -96,7 +96,7 @@ func loadOrCalibrate(path string, calibrate func() *comm.CostModel) *comm.CostMo
 // their cost simulation: a model cached by a loom whose algorithms differ
 // is measured over. Change it whenever an algorithm, a schedule generator
 // or schedule.cost changes.
-const algorithmSet = "local-algorithms-3"
+const algorithmSet = "local-algorithms-4"
 
 // machineID names the hardware a model was measured on, and the software
 // that measured it: CPU model, CPU count, GOMAXPROCS, Go version and
@@ -120,7 +120,7 @@ func machineID() string {
 // Calibrate measures α (a handoff between two spinning goroutines); β and
 // γ (one core's copy time per byte and float32 reduction time per source
 // byte) from memory, with and without streaming stores, and within the
-// cache; the cost of overwriting data another core has just read (on two
+// cache; γ of three- and eight-source reductions from memory; the cost of overwriting data another core has just read (on two
 // CPUs it binds to; 0 where it cannot); the aggregate copy bandwidth of
 // all cores; and reads the size of the last-level cache. It takes about a second.
 //
@@ -147,8 +147,16 @@ func Calibrate() *comm.CostModel {
 		a[i], b[i] = byte(i), byte(i>>8) // real pages, not the shared zero page
 	}
 	m.Beta = take(func() float64 { return timeCopy(a, b, 1) })
-	m.Gamma = take(func() float64 { return timeReduce(kernel.Reduce, f, a, b, 1) })
-	m.GammaStream = take(func() float64 { return timeReduce(kernel.ReduceStream, f, a, b, 1) })
+	m.Gamma = take(func() float64 { return timeReduce(kernel.Reduce, f, 1, a, b) })
+	m.GammaStream = take(func() float64 { return timeReduce(kernel.ReduceStream, f, 1, a, b) })
+	// Three sources of 16 MiB and eight of 8 MiB: both exceed the cache.
+	m.GammaStream3 = take(func() float64 {
+		return timeReduce(kernel.ReduceStream, f[:big/2], 1, a[:big/2], a[big/2:], b[:big/2])
+	})
+	m.GammaStream8 = take(func() float64 {
+		const q = big / 4
+		return timeReduce(kernel.ReduceStream, f[:q], 1, a[:q], a[q:2*q], a[2*q:3*q], a[3*q:], b[:q], b[q:2*q], b[2*q:3*q], b[3*q:])
+	})
 
 	// Within the cache: small buffers, reused.
 	const small = 128 << 10
@@ -156,7 +164,7 @@ func Calibrate() *comm.CostModel {
 	if cores > 1 {
 		m.Invalidate = take(func() float64 { return measureInvalidate(a[:small], b[:small]) })
 	}
-	m.GammaCache = take(func() float64 { return timeReduce(kernel.Reduce, f[:small], a[:small], b[:small], 64) })
+	m.GammaCache = take(func() float64 { return timeReduce(kernel.Reduce, f[:small], 64, a[:small], b[:small]) })
 
 	// Seconds per byte of all cores copying at once; the bandwidth is its
 	// inverse.
@@ -220,17 +228,18 @@ func timeCopy(dst, src []byte, reps int) float64 {
 	return time.Since(t).Seconds() / float64(reps*len(dst))
 }
 
-// timeReduce returns seconds per source byte of a two-source float32 sum.
-func timeReduce(reduce func(comm.DType, comm.ReduceOp, []byte, ...[]byte) error, dst, a, b []byte, reps int) float64 {
+// timeReduce returns seconds per source byte of a float32 sum of srcs
+// into dst, done reps times.
+func timeReduce(reduce func(comm.DType, comm.ReduceOp, []byte, ...[]byte) error, dst []byte, reps int, srcs ...[]byte) float64 {
 	t := time.Now()
 	for range reps {
-		if err := reduce(comm.Float32, comm.Sum, dst, a, b); err != nil {
+		if err := reduce(comm.Float32, comm.Sum, dst, srcs...); err != nil {
 			// Cannot happen with Calibrate's buffers; a NaN makes the model
 			// invalid, which NewWorld reports, rather than a wrong choice.
 			return math.NaN()
 		}
 	}
-	return time.Since(t).Seconds() / float64(2*reps*len(dst))
+	return time.Since(t).Seconds() / float64(len(srcs)*reps*len(dst))
 }
 
 // lastLevelCache reads the size of the largest CPU cache from sysfs, or
@@ -485,6 +494,9 @@ func (s *schedule) cost(m *comm.CostModel, dt comm.DType) float64 {
 					g := gamma
 					if s.stream && bytes >= kernel.StreamBytes && (dt == comm.Float32 || dt == comm.Float64) {
 						g = gammaStream
+					}
+					if s.stream {
+						g *= m.FanIn(len(st.srcs))
 					}
 					// Extra destinations are copies of a block still in L1.
 					dur = float64(len(st.srcs))*bytes*g + (outs-1)*bytes*beta
