@@ -123,12 +123,15 @@ func compareAll(ctx context.Context, cfg *config, be backend, opts comm.Options,
 // compareSize measures one size: rounds of (warmup, timed iterations) for
 // each variant in turn; auto's first warmup is longer by the backend's
 // tuningCalls, so that its medians are of the algorithm it settles on, as
-// the forced ones' are (its tuning is a cost paid once per size class). It returns the median per variant over all rounds
-// (an iteration's time is the slowest rank's) and what auto chose for the
-// first variant.
+// the forced ones' are (its tuning is a cost paid once per size class).
+// Each round times its iterations as one loop, as nccl-tests does: a
+// round's time per call is the slowest rank's loop time over the
+// iterations, which averages out the scheduling delays of single calls
+// (large where ranks outnumber cores). It returns the median per variant
+// over the rounds and what auto chose for the first variant.
 func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options, vs []variant, shapes []shape) ([]time.Duration, string, error) {
-	n := cfg.compare * cfg.iters
-	durs := make([][][]time.Duration, len(vs)) // [variant][rank][iteration]
+	n := cfg.compare
+	durs := make([][][]time.Duration, len(vs)) // [variant][rank][round]
 	for i := range durs {
 		durs[i] = make([][]time.Duration, cfg.ranks)
 		for r := range durs[i] {
@@ -167,13 +170,13 @@ func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options
 						return fmt.Errorf("%v: %w", v, err)
 					}
 				}
-				for it := 0; it < cfg.iters; it++ {
-					t0 := time.Now()
+				t0 := time.Now()
+				for range cfg.iters {
 					if err := ls[i].issue(ctx, c); err != nil {
 						return fmt.Errorf("%v: %w", v, err)
 					}
-					durs[i][r][round*cfg.iters+it] = time.Since(t0)
 				}
+				durs[i][r][round] = time.Since(t0) / time.Duration(cfg.iters)
 				if i == 0 && v.algo == comm.Auto && r == 0 {
 					chose = lastAlgorithm(c.Recorder(), v.op.op)
 				}

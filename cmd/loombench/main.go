@@ -20,7 +20,9 @@
 // candidates), every rank times each iteration on its own
 // (the ranks run in lockstep through the operation); an iteration counts as
 // the slowest rank's time, and the table shows the median over iterations
-// (the CSV also the minimum). With one rank per process (-backend mpi),
+// (the CSV also the minimum). With -compare N, the variants take turns,
+// each round timing its -iters calls as one loop (as nccl-tests does), and
+// the table shows the median over the N rounds. With one rank per process (-backend mpi),
 // only the process of rank 0 prints the tables and writes -csv, replacing
 // the file at once (a temporary file renamed) so that it is complete or
 // absent. Exit status is 1 if any element was wrong or any operation
@@ -87,7 +89,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&cfg.inplace, "inplace", false, "also measure in place (allreduce, allgather, reducescatter, broadcast)")
 	fs.BoolVar(&cfg.check, "check", true, "run one extra iteration per size and count wrong elements")
 	fs.StringVar(&cfg.csvPath, "csv", "", "also write results as CSV to this file")
-	fs.IntVar(&cfg.compare, "compare", 0, "instead of tables, compare auto with every forced algorithm: this many rounds per size, algorithms interleaved, medians over all rounds")
+	fs.IntVar(&cfg.compare, "compare", 0, "instead of tables, compare auto with every forced algorithm: this many rounds per size, algorithms interleaved, each round timing -iters calls as one loop; medians over the rounds")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "give up after this long, and bound each call by it (0: no overall limit, calls bounded by LOOM_TIMEOUT or 10m)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: loombench [flags]\n\nBenchmarks loom's collectives in the manner of nccl-tests.\n\n")
