@@ -698,7 +698,7 @@ type GemmStats struct {
 // library has it; cuBLASLt gets it on every call). A workspace of 0 bytes
 // lets cuBLAS use its own. The calling thread's current CUDA context must
 // be the device's, as cuBLAS binds a handle to the current device.
-// Errors: blasInvalid (matching loom.ErrInvalid) for a negative size or a
+// Errors: one matching loom.ErrInvalid for a negative size or a
 // size without an address, [*BLASError] for a failed call.
 func (b *BLAS) NewHandle(stream, workspace uintptr, wsBytes int64) (*BLASHandle, error) {
 	if b == nil {
@@ -781,7 +781,7 @@ func (h *BLASHandle) Path() string {
 // when cuBLASLt is not loaded, or its heuristic has no algorithm for g, it
 // computes the product alone on plain cuBLAS and returns fused false, and
 // the caller adds the bias or computes the bias gradient itself. Errors:
-// blasInvalid (matching loom.ErrInvalid) for a malformed g or TF32 not
+// an error matching loom.ErrInvalid for a malformed g or TF32 not
 // allowed, before any call; [*BLASError] for a failed call.
 func (h *BLASHandle) Gemm(g Gemm) (fused bool, err error) {
 	cm, err := g.check(h.b.tf32)
