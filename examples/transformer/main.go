@@ -124,6 +124,8 @@ type options struct {
 	// fixture: the reference's shape, batch and init on its corpus, with
 	// PyTorch's losses; otherwise a random init on random tokens.
 	fixture bool
+	// overridden: a flag changed the preset's shape or batch.
+	overridden bool
 }
 
 // otherBatch is the global batch of the presets other than tiny (whose
@@ -210,10 +212,12 @@ func (o *options) model(fs *flag.FlagSet, ref tinygpt.Config) error {
 	if name == "tiny" {
 		cfg, batch = gpt.FromReference(ref), ref.B
 	}
-	sh, err := o.shape.Apply(fs, train.Shape{Layers: cfg.Layers, Width: cfg.Width, Heads: cfg.Heads, FF: cfg.MLPWidth, Seq: cfg.SeqLen, Vocab: cfg.Vocab, Batch: batch})
+	preset := train.Shape{Layers: cfg.Layers, Width: cfg.Width, Heads: cfg.Heads, FF: cfg.MLPWidth, Seq: cfg.SeqLen, Vocab: cfg.Vocab, Batch: batch}
+	sh, err := o.shape.Apply(fs, preset)
 	if err != nil {
 		return err
 	}
+	o.overridden = sh != preset
 	cfg.Layers, cfg.Width, cfg.Heads, cfg.MLPWidth, cfg.SeqLen, cfg.Vocab = sh.Layers, sh.Width, sh.Heads, sh.FF, sh.Seq, sh.Vocab
 	seeded := false
 	fs.Visit(func(f *flag.Flag) { seeded = seeded || f.Name == "seed" })
@@ -238,7 +242,11 @@ func (o options) describe() string {
 	if o.fixture {
 		return "tiny GPT " + s
 	}
-	return fmt.Sprintf("GPT -model %s %s from a random init on random tokens (seed %d: a throughput run, no reference losses)", o.shape.Model, s, o.seed)
+	name := o.shape.Model
+	if o.overridden {
+		name += " changed by flags"
+	}
+	return fmt.Sprintf("GPT -model %s %s from a random init on random tokens (seed %d: a throughput run, no reference losses)", name, s, o.seed)
 }
 
 // checkSharding checks -ac, -reshard, -zero and -mp, which (but for -ac)

@@ -172,7 +172,7 @@ func TestRunShape(t *testing.T) {
 		t.Fatalf("run %v: %v\n%s", args, err, out.String())
 	}
 	first, _, _ := strings.Cut(out.String(), "\n")
-	for _, want := range []string{"V=4096 D=32 H=2 L=1 F=64 T=16", "batch 4×16", "random init on random tokens (seed 1"} {
+	for _, want := range []string{"V=4096 D=32 H=2 L=1 F=64 T=16", "batch 4×16", "-model tiny changed by flags (", "random init on random tokens (seed 1"} {
 		if !strings.Contains(first, want) {
 			t.Errorf("first line %q lacks %q", first, want)
 		}
