@@ -76,19 +76,25 @@ var ErrNoPeak = loom.NewSentinel("train: no peak known", loom.ErrInvalid)
 // gpuPeaks are the dense (no 2:4 sparsity) peaks in TFLOP/s of the GPUs
 // loom is run on, by a part of the name cuDeviceGetName reports (e.g.
 // "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"), most specific
-// first. Sources, read 2026-12:
+// first. Sources:
 //   - H100/H200 SXM (and GH200, the same GH100 part and clocks): NVIDIA
 //     H100 Tensor Core GPU Architecture whitepaper (2022), the H100 SXM5
-//     column: FP32 66.9, TF32 tensor 494.7, BF16 tensor 989.4 (the
-//     datasheets' 989 and 1,979 TFLOP/s for TF32 and BF16 are with
-//     sparsity, twice these); the H200 is the same compute with HBM3e
-//     (NVIDIA H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/).
+//     column: FP32 66.9, TF32 tensor 494.7, BF16 tensor 989.4 (checked
+//     against the copy of that table at
+//     https://glennklockwood.com/garden/processors/h100; the datasheets'
+//     989 and 1,979 TFLOP/s for TF32 and BF16 are with sparsity, twice
+//     these); the H200 is the same compute with HBM3e (NVIDIA H200
+//     datasheet, https://www.nvidia.com/en-us/data-center/h200/).
 //   - H100 PCIe: the same whitepaper: FP32 51.2, TF32 378, BF16 756.
 //   - H100 NVL and H200 NVL: their datasheets (nvidia.com/en-us/data-center/h100/,
 //     .../h200/): FP32 60, TF32 835 and BF16 1,671 with sparsity, halved here.
 //   - A100 (SXM4 and PCIe, 40 and 80 GB alike): NVIDIA A100 datasheet
 //     (https://www.nvidia.com/en-us/data-center/a100/): FP32 19.5, TF32
 //     156, BF16 312.
+//
+// Only the H100 SXM5 row was checked against a copy of its source while
+// this table was written; the others are the datasheets' figures as
+// published, to be rechecked on the device (nvidia-smi names it).
 var gpuPeaks = []struct {
 	match            string // upper-case part of the device name
 	label            string
