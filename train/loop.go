@@ -13,6 +13,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/trace"
@@ -62,6 +63,9 @@ func (l Loop) Validate() error {
 	}
 	if l.Flags.Threads < 0 {
 		bad("-threads %d; want 0 (the CPUs shared among the ranks) or more", l.Flags.Threads)
+	}
+	if err := numcheck.NonNegative(ErrInvalid, "-peak", l.Flags.Peak); err != nil {
+		errs = append(errs, err)
 	}
 	if l.Flags.TraceSteps < 1 {
 		bad("-trace-steps %d; want at least 1", l.Flags.TraceSteps)

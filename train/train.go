@@ -7,11 +7,16 @@
 // progress, traces the last steps and returns rank 0's results with the
 // median throughput. Loop describes the run and checks it before any rank
 // starts; Flags are the common command-line flags (-threads, -bind,
-// -trace, -trace-steps, -json) and Loop.RegisterLoop adds -steps and
-// -every. The pieces Run is made of are public too: one BLAS whose thread
-// pool the ranks share (LoadBLAS), the Tracer with the part of the
-// communication hidden behind compute (Overlap), the median-step
-// throughput and the JSON summary (WriteJSON).
+// -trace, -trace-steps, -json, -backend, -peak) and Loop.RegisterLoop adds
+// -steps and -every; ShapeFlags are the model-shape flags (-model and the
+// fields that override its preset). The pieces Run is made of are public
+// too: one BLAS whose thread pool the ranks share (LoadBLAS), the Tracer
+// with the part of the communication hidden behind compute (Overlap), the
+// median-step throughput and the JSON summary (WriteJSON). MFU is the
+// model FLOPs utilization the examples print: FlopsPerToken (PaLM's
+// formula) over a peak from DevicePeak (a table of GPU datasheet figures
+// by device name and Precision), HostPeak (the CPUs' estimate) or -peak
+// (Loop.JobPeak).
 package train
 
 import (
@@ -56,6 +61,10 @@ type Flags struct {
 	// Backend is -backend: local, mpi or nccl, empty to decide from
 	// launch.BackendEnv and how the program was launched (launch.Detect).
 	Backend string
+	// Peak is -peak: the peak of one device in TFLOP/s for the MFU line
+	// (one GPU, or the CPUs of one host's ranks), 0 for the table or
+	// estimate (Loop.JobPeak).
+	Peak float64
 }
 
 // Register defines the flags on fs, storing their values in f.
@@ -66,6 +75,7 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
 	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
 	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi) or nccl (under loomrun or torchrun); default: "+launch.BackendEnv+", else how the program was launched")
+	fs.Float64Var(&f.Peak, "peak", 0, "peak of one device in TFLOP/s for the MFU line: one GPU, or the CPUs one host's ranks use (default: the GPU's datasheet figure, or the CPUs' estimate)")
 }
 
 // Job decides how this process takes part in a job of ranks ranks, from

@@ -11,16 +11,34 @@
 // (where it is the only way).
 // Attention, embedding, norm and router weights are replicated; their
 // gradients are all-reduced over ep by DDP (overlapping backward) and
-// over dp, the experts' over dp. The model is models/moegpt
-// (D=64, H=4, L=2, E=8 experts of width 128, top-2, 16 sequences of 64
-// bytes of the tiny GPT's corpus), trained with AdamW from a random init.
+// over dp, the experts' over dp. The model is models/moegpt, trained
+// with AdamW from a random init drawn from -seed: by default its tiny
+// preset (D=64, H=4, L=2, E=8 experts of width 128, top-2, 16 sequences
+// of 64 bytes of the tiny GPT's corpus). -model picks another preset
+// (moegpt.Preset: gpt2-small, gpt2-medium: GPT-2's attention with 8
+// experts of width 4·D, V=50304, T=1024, 8 sequences), and -layers,
+// -width, -heads, -ff (each expert's width), -seq, -vocab and -batch
+// (the global batch in sequences) override its fields; any shape or batch
+// but the tiny preset's trains on random tokens drawn from -seed (the
+// same global batches on every layout), a throughput run, which the first
+// line says.
 //
 // Usage:
 //
 //	go run ./examples/moe [-dp 1] [-ep 4] [-steps 100] [-every 10]
+//	                      [-model tiny|gpt2-small|gpt2-medium] [-layers L] [-width D]
+//	                      [-heads H] [-ff F] [-seq T] [-vocab V] [-batch B] [-seed 1]
 //	                      [-capacity 0] [-diag] [-experts 8] [-topk 2]
 //	                      [-trace trace.json] [-json run.json] [-compare]
-//	                      [-collectives] [-backend local|mpi|nccl]
+//	                      [-collectives] [-backend local|mpi|nccl] [-peak TFLOP/s]
+//
+// The final lines give the loss, tokens/s and the MFU: tokens/s times
+// the model FLOPs per token (train.FlopsPerToken: PaLM's 6·N + 12·L·D·T,
+// N the parameters one token uses, K of the E experts, without the
+// embedding tables) over the peak of the job's devices (on the host the
+// estimated peak of the CPUs each host's ranks use, or -peak, one
+// device's peak in TFLOP/s); -json has them as "mfu", "flops_per_token",
+// "peak_flops" and "peak_source".
 //
 // Every -every steps rank 0 prints the loss (with the load-balancing and
 // z-losses), tokens/s, the balance of every layer (largest tokens per
@@ -102,10 +120,20 @@ type options struct {
 	collectives bool
 	loop        train.Loop
 	run         tinygpt.Config // the batch, corpus and optimizer
+	shape       train.ShapeFlags
+	// random: random tokens (seed) instead of the tiny GPT's corpus, for
+	// a shape or batch other than the tiny preset's.
+	random bool
 }
+
+// otherBatch is the global batch of the presets other than tiny: the
+// sequences of one step of a GPT-2-sized throughput run on one GPU.
+const otherBatch = 8
 
 // result is what -json writes.
 type result struct {
+	Model      string    `json:"model"`
+	Params     int       `json:"params"`
 	DP         int       `json:"dp"`
 	EP         int       `json:"ep"`
 	Experts    int       `json:"experts"`
@@ -132,6 +160,7 @@ type result struct {
 	// one-rank run.
 	LossDiff  *float64 `json:"compare_loss_diff,omitempty"`
 	ParamDiff *float64 `json:"compare_param_diff,omitempty"`
+	train.MFU
 }
 
 // parse reads the flags and checks them and the layout, so that a bad one
@@ -151,6 +180,7 @@ func parse(args []string, errOut io.Writer) (options, moegpt.Config, error) {
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init")
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest differences")
 	fs.BoolVar(&o.collectives, "collectives", false, "move the token rows by all-to-all-v (the MPI and NCCL path) instead of straight from the peers' memory")
+	o.shape.Register(fs, "tiny", moegpt.Presets())
 	if err := fs.Parse(args); err != nil {
 		return o, moegpt.Config{}, err
 	}
@@ -163,9 +193,39 @@ func parse(args []string, errOut io.Writer) (options, moegpt.Config, error) {
 	case o.capacity < 0 || math.IsNaN(o.capacity) || math.IsInf(o.capacity, 0):
 		return o, moegpt.Config{}, errors.New("-capacity must be 0 (dropless) or a positive capacity factor")
 	}
-	cfg := config(o)
-	o.run = tinygpt.Default()
+	cfg, err := o.model(fs)
+	if err != nil {
+		return o, moegpt.Config{}, err
+	}
 	return o, cfg, check(cfg, &o)
+}
+
+// model returns the model -model, the flags that override its shape and
+// the expert flags ask for (set on fs), and sets o's run: the tiny GPT's,
+// with -batch; a shape or batch other than the tiny preset's trains on
+// random tokens.
+func (o *options) model(fs *flag.FlagSet) (moegpt.Config, error) {
+	name, err := o.shape.Preset()
+	if err != nil {
+		return moegpt.Config{}, err
+	}
+	cfg, err := moegpt.Preset(name)
+	if err != nil {
+		return moegpt.Config{}, err
+	}
+	o.run = tinygpt.Default()
+	batch := o.run.B
+	if name != "tiny" {
+		batch = otherBatch
+	}
+	sh, err := o.shape.Apply(fs, train.Shape{Layers: cfg.L, Width: cfg.D, Heads: cfg.H, FF: cfg.Hd, Seq: cfg.T, Vocab: cfg.V, Batch: batch})
+	if err != nil {
+		return moegpt.Config{}, err
+	}
+	cfg.L, cfg.D, cfg.H, cfg.Hd, cfg.T, cfg.V = sh.Layers, sh.Width, sh.Heads, sh.FF, sh.Seq, sh.Vocab
+	o.random = cfg != moegpt.Default() || sh.Batch != o.run.B
+	o.run.B = sh.Batch
+	return config(o, cfg), nil
 }
 
 // check validates cfg, o's run and the layout o asks for and completes
@@ -183,9 +243,9 @@ func check(cfg moegpt.Config, o *options) error {
 	return o.loop.Validate()
 }
 
-// config is the model configuration the options ask for.
-func config(o options) moegpt.Config {
-	cfg := moegpt.Default()
+// config is cfg with the experts, routing and capacity the options ask
+// for.
+func config(o *options, cfg moegpt.Config) moegpt.Config {
 	if o.experts > 0 {
 		cfg.E = o.experts
 	}
@@ -229,15 +289,29 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 	if !job.Root() {
 		out = io.Discard // world rank 0 reports for the job
 	}
-	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) on dp=%d × ep=%d, %s, %d steps\n",
-		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), o.run.B, cfg.T, o.dp, o.ep, job, steps)
+	data := "the tiny GPT's corpus"
+	if o.random {
+		data = fmt.Sprintf("random tokens (seed %d: a throughput run)", o.seed)
+	}
+	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) from a random init (seed %d) on %s, on dp=%d × ep=%d, %s, %d steps\n",
+		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), o.run.B, cfg.T, o.seed, data, o.dp, o.ep, job, steps)
 	init := moegpt.RandomInit(cfg, o.seed)
 
 	res, params, err := trainLayout(ctx, job, cfg, init, o, out)
 	if err != nil {
 		return err
 	}
+	fpt, err := train.FlopsPerToken(cfg.ActiveParams(), cfg.L, cfg.D, cfg.T)
+	if err != nil {
+		return err
+	}
+	peak, devices := o.loop.JobPeak(job)
+	if res.MFU, err = train.NewMFU(res.TokensPerS, fpt, peak, devices); err != nil {
+		return err
+	}
+	res.Model, res.Params = o.shape.Model, cfg.NumParams()
 	fmt.Fprintf(out, "final loss %.6f (cross-entropy %.6f), median %.0f tokens/s\n", res.FinalLoss, res.FinalCE, res.TokensPerS)
+	fmt.Fprintln(out, res.MFU)
 
 	if o.compare {
 		one := o
@@ -348,7 +422,11 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 		if o.collectives {
 			model = append(model, moegpt.WithCollectives())
 		}
-		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...))
+		opts := []moegpt.TrainOption{moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...)}
+		if o.random {
+			opts = append(opts, moegpt.WithRandomTokens(o.seed))
+		}
+		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", opts...)
 		if err != nil {
 			return nil, err
 		}

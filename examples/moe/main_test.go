@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -145,6 +146,14 @@ func TestParse(t *testing.T) {
 		{[]string{"-trace-steps", "0"}, []string{"-trace-steps 0"}},
 		{[]string{"-capacity", "-1"}, []string{"-capacity"}},
 		{[]string{"extra"}, []string{"unexpected arguments"}},
+		{[]string{"-peak", "-3"}, []string{"-peak -3: must be zero or positive"}},
+		{[]string{"-model", "gpt5"}, []string{`-model "gpt5"; want tiny, gpt2-small, gpt2-medium`}},
+		{[]string{"-width", "0", "-batch", "-1"}, []string{"-width 0: must be at least 1", "-batch -1: must be at least 1"}},
+		{[]string{"-layers", "0"}, []string{"L 0: must be at least 1"}},
+		{[]string{"-width", "66"}, []string{"D=66 is not divisible by H=4"}},
+		{[]string{"-vocab", "64"}, []string{"V=64 is below 128"}},
+		{[]string{"-batch", "6", "-ep", "4"}, []string{"dp × ep (1 × 4) must divide the batch (6 sequences); dp × ep can be 1, 2, 3 or 6"}},
+		{[]string{"-model", "gpt2-small", "-dp", "3", "-ep", "1"}, []string{"dp × ep (3 × 1) must divide the batch (8 sequences)"}},
 	} {
 		_, _, err := parse(tc.args, io.Discard)
 		if err == nil {
@@ -163,5 +172,88 @@ func TestParse(t *testing.T) {
 	}
 	if err := runConfig(context.Background(), tiny(), options{dp: 1, ep: 3, run: tinyRun(), loop: train.Loop{Steps: 1, Every: 1, Flags: train.Flags{TraceSteps: 1}}}, io.Discard); err == nil {
 		t.Error("4 experts over 3 ranks accepted")
+	}
+}
+
+// TestParseShape: -model picks a preset, each override flag replaces its
+// field, the expert flags still apply, and any shape or batch but the
+// tiny preset's trains on random tokens.
+func TestParseShape(t *testing.T) {
+	def := moegpt.Default()
+	small, err := moegpt.Preset("gpt2-small")
+	if err != nil {
+		t.Fatal(err)
+	}
+	with := func(c moegpt.Config, f func(*moegpt.Config)) moegpt.Config { f(&c); return c }
+	for _, tc := range []struct {
+		args   []string
+		cfg    moegpt.Config
+		batch  int
+		random bool
+	}{
+		{nil, def, 16, false},
+		{[]string{"-experts", "4", "-topk", "1"}, with(def, func(c *moegpt.Config) { c.E, c.K = 4, 1 }), 16, false},
+		{[]string{"-width", "64", "-batch", "16"}, def, 16, false}, // the tiny preset's values, set explicitly
+		{[]string{"-batch", "8"}, def, 8, true},
+		{[]string{"-layers", "1", "-ff", "32"}, with(def, func(c *moegpt.Config) { c.L, c.Hd = 1, 32 }), 16, true},
+		{[]string{"-model", "gpt2-small"}, small, 8, true},
+		{[]string{"-model", "gpt2-small", "-seq", "256", "-vocab", "1024", "-heads", "6"}, with(small, func(c *moegpt.Config) { c.T, c.V, c.H = 256, 1024, 6 }), 8, true},
+	} {
+		o, cfg, err := parse(tc.args, io.Discard)
+		if err != nil {
+			t.Errorf("parse(%q): %v", tc.args, err)
+			continue
+		}
+		if cfg != tc.cfg || o.run.B != tc.batch || o.random != tc.random || o.loop.Tokens != tc.batch*tc.cfg.T {
+			t.Errorf("parse(%q): model %+v, batch %d, random %v, tokens %d; want %+v, %d, %v", tc.args, cfg, o.run.B, o.random, o.loop.Tokens, tc.cfg, tc.batch, tc.random)
+		}
+	}
+}
+
+// TestRunShape trains a small custom shape on random tokens for five
+// steps on dp=2 × ep=2 with -compare and -json: the first line says where
+// the data come from, the cross-entropy stays at ln V (random tokens
+// cannot be learnt; on the corpus, whose bytes are below 128, it falls
+// by a quarter of a nat in these steps), and the MFU counts the active
+// parameters (K of E experts per token) on one host's peak (in-process
+// ranks share its CPUs).
+func TestRunShape(t *testing.T) {
+	js := filepath.Join(t.TempDir(), "run.json")
+	var out bytes.Buffer
+	args := []string{"-dp", "2", "-ep", "2", "-layers", "1", "-width", "16", "-heads", "2", "-ff", "16", "-seq", "16", "-vocab", "4096", "-batch", "4",
+		"-experts", "4", "-steps", "5", "-every", "1", "-threads", "1", "-compare", "-json", js, "-peak", "0.25"}
+	if err := run(context.Background(), args, &out); err != nil {
+		t.Fatalf("run %v: %v\n%s", args, err, out.String())
+	}
+	first, _, _ := strings.Cut(out.String(), "\n")
+	for _, want := range []string{"V=4096 D=16 H=2 L=1, E=4 experts of width 16, top-2", "batch 4×16", "random tokens (seed 1"} {
+		if !strings.Contains(first, want) {
+			t.Errorf("first line %q lacks %q", first, want)
+		}
+	}
+	for _, want := range []string{"MFU ", "-peak 0.25 TFLOP/s", "largest loss difference"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	b, err := os.ReadFile(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var res result
+	if err := json.Unmarshal(b, &res); err != nil {
+		t.Fatal(err)
+	}
+	// Active parameters by hand: ln1, qkv, proj, ln2, router, two of the
+	// four experts (W1, b1, W2, b2), ln_f and lm_head; not wte, wpe.
+	const d, hd, v, seq = 16, 16, 4096, 16
+	active := 2*d + 3*d*d + 3*d + d*d + d + 2*d + 4*d + 2*(hd*d+hd+d*hd+d) + 2*d + v*d
+	wantFPT := float64(6*active + 12*1*d*seq)
+	if d := res.FinalCE - math.Log(v); d > 0.1 || d < -0.1 {
+		t.Errorf("final cross-entropy %v, want ln %d = %.3f ± 0.1 on random tokens", res.FinalCE, v, math.Log(v))
+	}
+	if len(res.Losses) != 5 || math.IsNaN(res.FinalLoss) || math.IsInf(res.FinalLoss, 0) || res.FlopsPerToken != wantFPT ||
+		res.PeakFLOPS != 0.25e12 || !(res.MFU.MFU > 0) || res.LossDiff == nil {
+		t.Errorf("-json wrote %s; want flops_per_token %v", b, wantFPT)
 	}
 }

@@ -148,8 +148,7 @@ func TestExternalModule(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := gpt.FromReference(ref)
-	o, err := parse([]string{"-dp", "2", "-tp", "2", "-steps", "10", "-threads", "1"}, io.Discard, cfg, ref)
+	o, err := parse([]string{"-dp", "2", "-tp", "2", "-steps", "10", "-threads", "1"}, io.Discard, ref)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,7 +156,10 @@ func TestExternalModule(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, _, err := trainLayout(context.Background(), io.Discard, job, cfg, ref, init, o, nil)
+	if !o.fixture {
+		t.Fatal("the default flags are not the reference run")
+	}
+	res, _, err := trainLayout(context.Background(), io.Discard, job, gpt.WithParams(init), o, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,5 +1,6 @@
-// Command transformer trains the tiny GPT of reference/TINY_GPT.md with
-// tensor, data and fully sharded data parallelism: dp × fsdp × tp ranks,
+// Command transformer trains a GPT (models/gpt; by default the tiny GPT of
+// reference/TINY_GPT.md) with tensor, data and fully sharded data
+// parallelism: dp × fsdp × tp ranks,
 // the batch sharded over dp with DDP's overlapped gradient all-reduce (or,
 // with -fsdp, over dp × fsdp with the parameters, gradients and optimizer
 // state sharded over fsdp: FSDP/ZeRO, HSDP when dp > 1 too), the model
@@ -17,31 +18,54 @@
 // Only world rank 0 prints and writes -json and -trace (the trace merges
 // every process's timeline).
 //
-// It starts from the reference's initial parameters
-// (reference/tiny_gpt.safetensors, embedded in the binary) and prints the
-// loss next to PyTorch's every 20 steps, with tokens/s.
+// The tiny model starts from the reference's initial parameters
+// (reference/tiny_gpt.safetensors, embedded in the binary), trains on its
+// corpus and prints the loss next to PyTorch's every 20 steps, with
+// tokens/s.
+//
+// The model's shape is -model's preset (gpt.Preset: tiny, the default,
+// gpt2-small, gpt2-medium, gpt2-large, gpt2-xl), whose fields -layers,
+// -width, -heads, -ff (the MLP's width), -seq, -vocab and -batch (the
+// global batch in sequences: 16 for tiny, 8 for the others) override one
+// by one. Any shape or batch but the reference's, or an explicit -seed,
+// starts from a random init drawn from -seed (default 1) and trains on
+// random tokens drawn from it (the same global batches on every layout,
+// each data-parallel rank keeping its rows): a throughput run, which the
+// first line says, with no PyTorch numbers.
 //
 // Usage:
 //
 //	go run ./examples/transformer [-dp 2] [-tp 2] [-sp] [-steps 200] [-every 20]
+//	                              [-model tiny|gpt2-small|gpt2-medium|gpt2-large|gpt2-xl]
+//	                              [-layers L] [-width D] [-heads H] [-ff F] [-seq T]
+//	                              [-vocab V] [-batch B] [-seed 1]
 //	                              [-fsdp 1] [-reshard true|false|N] [-zero 1|2|3]
 //	                              [-mp bf16] [-ac none|full|selective]
 //	                              [-trace trace.json] [-json run.json] [-compare]
-//	                              [-backend local|mpi|nccl]
+//	                              [-backend local|mpi|nccl] [-peak TFLOP/s]
 //
-// The layout is checked before any rank starts: tp must divide the heads
-// (4: tp is 1, 2 or 4), dp × fsdp the batch (16 sequences), -reshard N
-// divides -fsdp, -sp needs tp ≥ 2 and a
+// The model and the layout are checked before any rank starts: the
+// shape's values (heads dividing the width, a vocabulary of at least
+// 128), tp must divide the heads (4 for tiny: tp is 1, 2 or 4), dp × fsdp
+// the batch, -reshard N divides -fsdp, -sp needs tp ≥ 2 and a
 // sequence length divisible by tp, and -steps is at least 1 (default 200,
 // the reference run's length); a bad one prints one message saying what
 // would work.
 //
+// At the end it prints the MFU: the median tokens/s times the model
+// FLOPs per token (train.FlopsPerToken: PaLM's 6·N + 12·L·D·T, N the
+// parameters without the embedding tables) over the peak of the job's
+// devices: on the host, the estimated peak of the CPUs each host's ranks
+// use (train.HostPeak), or -peak, one device's peak in TFLOP/s.
+//
 // -trace writes a Chrome trace of every rank's compute, collectives and
 // waits (open it at https://ui.perfetto.dev or chrome://tracing); -json
-// writes {"dp","fsdp","tp","sp","ac","backend","processes","world_size",
-// "steps","tokens_per_s","final_loss","losses","mem"} ("mem": the largest
-// rank's bytes of params, grads, optim, activations, comm and their peak,
-// also printed at the end); -compare (in-process ranks only)
+// writes {"model","params","dp","fsdp","tp","sp","ac","backend",
+// "processes","world_size","steps","tokens_per_s","final_loss","losses",
+// "mem","mfu","flops_per_token","peak_flops","peak_source"} ("mem": the
+// largest rank's bytes of params, grads, optim, activations, comm and
+// their peak, also printed at the end; "mfu" a fraction, "peak_flops" all
+// devices' FLOP/s); -compare (in-process ranks only)
 // also trains on one rank and reports the largest difference.
 package main
 
@@ -93,10 +117,26 @@ type options struct {
 	mp           string // "" or bf16
 	compare      bool
 	loop         train.Loop
+	shape        train.ShapeFlags
+	seed         uint64
+	cfg          gpt.Config     // the model's shape
+	run          tinygpt.Config // the batch and the optimizer
+	// fixture: the reference's shape, batch and init on its corpus, with
+	// PyTorch's losses; otherwise a random init on random tokens.
+	fixture bool
+	// overridden: a flag changed the preset's shape or batch.
+	overridden bool
 }
+
+// otherBatch is the global batch of the presets other than tiny (whose
+// batch is the reference's): the sequences of one step of a GPT-2-sized
+// throughput run on one GPU.
+const otherBatch = 8
 
 // result is what -json writes.
 type result struct {
+	Model      string        `json:"model"`
+	Params     int           `json:"params"`
 	DP         int           `json:"dp"`
 	FSDP       int           `json:"fsdp"`
 	TP         int           `json:"tp"`
@@ -110,11 +150,14 @@ type result struct {
 	TokensPerS float64       `json:"tokens_per_s"`
 	FinalLoss  float64       `json:"final_loss"`
 	Losses     []float64     `json:"losses"`
+	train.MFU
 }
 
-// parse reads the flags and checks the layout against the model and the
-// run (cfg, run), so that a bad layout fails once, before any rank starts.
-func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) (options, error) {
+// parse reads the flags, the model's shape (-model and the flags that
+// override it) and the run (ref: the reference's batch, corpus and
+// optimizer), and checks them and the layout, so that a bad one fails
+// once, before any rank starts.
+func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("transformer", flag.ContinueOnError)
 	fs.SetOutput(errOut)
@@ -126,24 +169,84 @@ func parse(args []string, errOut io.Writer, cfg gpt.Config, run tinygpt.Config) 
 	fs.IntVar(&o.zero, "zero", 3, "with -fsdp: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
 	fs.StringVar(&o.mp, "mp", "", "with -fsdp: mixed precision: bf16 gathers parameters in bfloat16 (float32 master weights, gradients and optimizer state)")
 	fs.StringVar(&o.ac, "ac", "none", "activation checkpointing of every block: none, full (recompute the block in backward) or selective (keep the matrix products)")
-	o.loop.RegisterLoop(fs, run.Steps, 20)
+	o.loop.RegisterLoop(fs, ref.Steps, 20)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
+	o.shape.Register(fs, "tiny", gpt.Presets())
+	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init and the random tokens (setting it trains the tiny model that way too)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
+	if err := o.model(fs, ref); err != nil {
+		return o, err
+	}
 	o.loop.Ranks = o.dp * o.fsdp * o.tp
 	o.loop.Shape = []int{o.dp, o.fsdp, o.tp}
-	o.loop.Tokens = run.B * run.T
-	if err := cfg.CheckLayout(run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp}); err != nil {
+	o.loop.Tokens = o.run.B * o.cfg.SeqLen
+	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp}); err != nil {
 		return o, err
 	}
 	if err := o.checkSharding(); err != nil {
 		return o, err
 	}
 	return o, o.loop.Validate()
+}
+
+// model sets o's model and run from -model, the flags that override its
+// fields and -seed (set on fs), and ref: the tiny preset with nothing
+// changed is the reference run (its init, corpus and PyTorch's losses);
+// anything else starts from a random init and trains on random tokens.
+// It checks the model and the run.
+func (o *options) model(fs *flag.FlagSet, ref tinygpt.Config) error {
+	name, err := o.shape.Preset()
+	if err != nil {
+		return err
+	}
+	cfg, err := gpt.Preset(name)
+	if err != nil {
+		return err
+	}
+	batch := otherBatch
+	if name == "tiny" {
+		cfg, batch = gpt.FromReference(ref), ref.B
+	}
+	preset := train.Shape{Layers: cfg.Layers, Width: cfg.Width, Heads: cfg.Heads, FF: cfg.MLPWidth, Seq: cfg.SeqLen, Vocab: cfg.Vocab, Batch: batch}
+	sh, err := o.shape.Apply(fs, preset)
+	if err != nil {
+		return err
+	}
+	o.overridden = sh != preset
+	cfg.Layers, cfg.Width, cfg.Heads, cfg.MLPWidth, cfg.SeqLen, cfg.Vocab = sh.Layers, sh.Width, sh.Heads, sh.FF, sh.Seq, sh.Vocab
+	seeded := false
+	fs.Visit(func(f *flag.Flag) { seeded = seeded || f.Name == "seed" })
+	o.cfg, o.run = cfg, ref
+	o.run.B = sh.Batch
+	o.fixture = cfg == gpt.FromReference(ref) && sh.Batch == ref.B && !seeded
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	// The trainer's own check of the run with this model (the vocabulary
+	// and the corpus's rules), before any rank starts.
+	data := o.run
+	data.V, data.D, data.H, data.L, data.F, data.T = cfg.Vocab, cfg.Width, cfg.Heads, cfg.Layers, cfg.MLPWidth, cfg.SeqLen
+	return data.Validate()
+}
+
+// describe is the first line's model: its shape, batch, and where its
+// init and data come from.
+func (o options) describe() string {
+	c := o.cfg
+	s := fmt.Sprintf("(V=%d D=%d H=%d L=%d F=%d T=%d, %d parameters, batch %d×%d)", c.Vocab, c.Width, c.Heads, c.Layers, c.MLPWidth, c.SeqLen, c.NumParams(), o.run.B, c.SeqLen)
+	if o.fixture {
+		return "tiny GPT " + s
+	}
+	name := o.shape.Model
+	if o.overridden {
+		name += " changed by flags"
+	}
+	return fmt.Sprintf("GPT -model %s %s from a random init on random tokens (seed %d: a throughput run, no reference losses)", name, s, o.seed)
 }
 
 // checkSharding checks -ac, -reshard, -zero and -mp, which (but for -ac)
@@ -248,14 +351,20 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	init, err := fx.Params(tinygpt.PrefixInit)
+	o, err := parse(args, out, ref)
 	if err != nil {
 		return err
 	}
-	cfg := gpt.FromReference(ref)
-	o, err := parse(args, out, cfg, ref)
-	if err != nil {
-		return err
+	// The initial parameters: the reference's, or drawn from -seed.
+	init := gpt.WithSeed(o.seed)
+	if o.fixture {
+		params, err := fx.Params(tinygpt.PrefixInit)
+		if err != nil {
+			return err
+		}
+		init = gpt.WithParams(params)
+	} else {
+		fx = nil // no PyTorch numbers for this model
 	}
 	job, err := o.loop.Flags.Job(o.loop.Ranks)
 	if err != nil {
@@ -267,14 +376,22 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if !job.Root() {
 		out = io.Discard // world rank 0 reports for the job
 	}
-	fmt.Fprintf(out, "tiny GPT (V=%d D=%d H=%d L=%d F=%d, batch %d×%d) on %s, %s, %d steps\n",
-		cfg.Vocab, cfg.Width, cfg.Heads, cfg.Layers, cfg.MLPWidth, ref.B, ref.T, o.layout(), job, o.loop.Steps)
+	fmt.Fprintf(out, "%s on %s, %s, %d steps\n", o.describe(), o.layout(), job, o.loop.Steps)
 
-	res, params, err := trainLayout(ctx, out, job, cfg, ref, init, o, fx)
+	res, params, err := trainLayout(ctx, out, job, init, o, fx)
 	if err != nil {
 		return err
 	}
-	summarize(out, o, res, fx, ref)
+	fpt, err := train.FlopsPerToken(o.cfg.MatmulParams(), o.cfg.Layers, o.cfg.Width, o.cfg.SeqLen)
+	if err != nil {
+		return err
+	}
+	peak, devices := o.loop.JobPeak(job)
+	if res.MFU, err = train.NewMFU(res.TokensPerS, fpt, peak, devices); err != nil {
+		return err
+	}
+	res.Model, res.Params = o.shape.Model, o.cfg.NumParams()
+	summarize(out, o, res, fx)
 
 	if o.compare {
 		one := o
@@ -287,7 +404,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		if err != nil {
 			return err
 		}
-		refRes, refParams, err := trainLayout(ctx, io.Discard, oneJob, cfg, ref, init, one, nil)
+		refRes, refParams, err := trainLayout(ctx, io.Discard, oneJob, init, one, nil)
 		if err != nil {
 			return fmt.Errorf("one-rank run: %w", err)
 		}
@@ -344,7 +461,7 @@ func (r *rank) Finish(ctx context.Context) error {
 // job says, and returns the losses, the throughput and the final
 // parameters (on world rank 0's process). Rank 0 prints progress to out, with
 // PyTorch's loss where fx has it.
-func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Config, ref tinygpt.Config, init map[string][]float32, o options, fx *tinygpt.Fixture) (*result, map[string][]float32, error) {
+func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.Option, o options, fx *tinygpt.Fixture) (*result, map[string][]float32, error) {
 	var params map[string][]float32
 	var mem memory.Report
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
@@ -353,8 +470,11 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Co
 			return nil, err
 		}
 		opts := []gpt.TrainOption{
-			gpt.WithRun(ref), gpt.WithModel(gpt.WithParams(init)), gpt.WithTape(r.Tape...),
+			gpt.WithRun(o.run), gpt.WithModel(init), gpt.WithTape(r.Tape...),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
+		}
+		if !o.fixture {
+			opts = append(opts, gpt.WithRandomTokens(o.seed))
 		}
 		if o.sp {
 			opts = append(opts, gpt.WithSequenceParallel())
@@ -368,7 +488,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, cfg gpt.Co
 		case "selective":
 			opts = append(opts, gpt.WithCheckpointing(autograd.KeepMatrixProducts()))
 		}
-		tr, err := gpt.NewTrainer(ctx, m, cfg, opts...)
+		tr, err := gpt.NewTrainer(ctx, m, o.cfg, opts...)
 		if err != nil {
 			return nil, err
 		}
@@ -436,13 +556,17 @@ func axisGroup(rank, axis int, shape []int) string {
 // mib formats a byte count in MiB.
 func mib(n int64) string { return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20)) }
 
-// summarize prints the final loss, its distance from PyTorch's curve and
-// the throughput.
-func summarize(out io.Writer, o options, res *result, fx *tinygpt.Fixture, ref tinygpt.Config) {
+// summarize prints the final loss, the throughput and MFU, the memory,
+// and with fx (the reference run) the distance from PyTorch's curve.
+func summarize(out io.Writer, o options, res *result, fx *tinygpt.Fixture) {
 	fmt.Fprintf(out, "final loss %.6f, median %.0f tokens/s\n", res.FinalLoss, res.TokensPerS)
+	fmt.Fprintln(out, res.MFU)
 	m := res.Mem
 	fmt.Fprintf(out, "memory per rank (largest rank, last step): params %s, grads %s, optim %s, activations %s, comm %s; peak %s\n",
 		mib(m.Params), mib(m.Grads), mib(m.Optim), mib(m.Activations), mib(m.Comm), mib(m.Peak))
+	if fx == nil {
+		return
+	}
 	var worst float64
 	worstStep := 0
 	for _, s := range fx.LossCurveEvery20Steps {
@@ -459,7 +583,7 @@ func summarize(out io.Writer, o options, res *result, fx *tinygpt.Fixture, ref t
 	}
 	steps := o.loop.Steps
 	if want, ok := fx.LossAt(steps); ok && slices.Contains(fx.LossCurveEvery20Steps, steps) {
-		tol := fx.Tolerances.LossCurve(steps, ref.Steps)
+		tol := fx.Tolerances.LossCurve(steps, o.run.Steps)
 		verdict := "within"
 		if !(math.Abs(res.FinalLoss-want) <= tol) {
 			verdict = "OUTSIDE"

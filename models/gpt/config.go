@@ -133,3 +133,52 @@ func (c Config) CheckLayout(batch int, l Layout) error {
 	}
 	return errors.Join(errs...)
 }
+
+// presets are the named shapes of Preset, smallest first. GPT-2's
+// vocabulary of 50257 is padded to 50304, a multiple of 64, as nanoGPT
+// and llm.c pad it for faster matrix products; its MLP is 4× the width.
+var presets = []struct {
+	name string
+	cfg  func() Config
+}{
+	{"tiny", Tiny},
+	{"gpt2-small", func() Config { return gpt2(768, 12, 12) }},
+	{"gpt2-medium", func() Config { return gpt2(1024, 16, 24) }},
+	{"gpt2-large", func() Config { return gpt2(1280, 20, 36) }},
+	{"gpt2-xl", func() Config { return gpt2(1600, 25, 48) }},
+}
+
+// gpt2 is a GPT-2-sized model of width d, h heads and l layers.
+func gpt2(d, h, l int) Config {
+	return Config{Vocab: 50304, Width: d, Heads: h, Layers: l, MLPWidth: 4 * d, SeqLen: 1024, InitStd: 0.02, LNEps: 1e-5}
+}
+
+// Presets returns the names Preset knows, smallest model first.
+func Presets() []string {
+	out := make([]string, len(presets))
+	for i, p := range presets {
+		out[i] = p.name
+	}
+	return out
+}
+
+// Preset returns the named model: "tiny" (Tiny, the reference's),
+// "gpt2-small" (D=768, H=12, L=12: 124M parameters with an untied
+// lm_head of V=50304), "gpt2-medium" (D=1024, H=16, L=24), "gpt2-large"
+// (D=1280, H=20, L=36) or "gpt2-xl" (D=1600, H=25, L=48); the GPT-2
+// shapes have V=50304, T=1024, MLPWidth 4·D, init std 0.02 and LayerNorm
+// epsilon 1e-5. Another name is an error wrapping ErrConfig that lists
+// these.
+func Preset(name string) (Config, error) {
+	for _, p := range presets {
+		if p.name == name {
+			return p.cfg(), nil
+		}
+	}
+	return Config{}, fmt.Errorf("%w: no preset %q; the presets are %v", ErrConfig, name, Presets())
+}
+
+// MatmulParams returns the parameters that take part in matrix products:
+// all but the token and position embedding tables (lookups). It is the N
+// of train.FlopsPerToken; the untied lm_head counts.
+func (c Config) MatmulParams() int { return c.NumParams() - (c.Vocab+c.SeqLen)*c.Width }

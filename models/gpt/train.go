@@ -9,6 +9,7 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
@@ -29,6 +30,8 @@ type trainConfig struct {
 	tape   []autograd.Option
 	model  []Option
 	run    tinygpt.Config
+	random bool // random tokens (WithRandomTokens) instead of the corpus
+	seed   uint64
 }
 
 // WithDataParallel shards the batch rows over the named mesh axis, with
@@ -91,6 +94,20 @@ func WithRun(run tinygpt.Config) TrainOption {
 	return func(c *trainConfig) { c.run = run }
 }
 
+// WithRandomTokens trains on random tokens instead of the reference's
+// corpus, for throughput runs of a model of any vocabulary: step s's
+// global batch is B rows of T+1 token ids drawn uniformly from [0, Vocab)
+// by a generator keyed on seed and s, inputs the first T and targets the
+// last T. Every rank draws the same batch and keeps its rows, as with the
+// corpus.
+func WithRandomTokens(seed uint64) TrainOption {
+	return func(c *trainConfig) { c.random, c.seed = true, seed }
+}
+
+// batches is where a Trainer's batches come from: the reference's sampler
+// or random tokens.
+type batches interface{ Next() tinygpt.Batch }
+
 // Trainer trains a GPT on a mesh with optional data- and tensor-parallel
 // axes: the batch rows are sharded over dp, the model over tp by Plan,
 // data-parallel gradients are all-reduced by DDP while backward runs, and
@@ -106,7 +123,7 @@ type Trainer struct {
 	params  []*autograd.Value // the leaves the optimizer updates
 	opt     *optim.AdamW
 	ddp     *parallel.DDP
-	sampler *tinygpt.Sampler
+	sampler batches
 	places  []placement.Placement
 }
 
@@ -206,6 +223,10 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	tr.meter.Add(tr.memoryUse)
 	if tr.opt, err = optim.NewAdamW(tr.params, optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
+	}
+	if tc.random {
+		tr.sampler = randtok.New(tc.seed, data.B, data.T, data.V)
+		return tr, nil
 	}
 	if tr.sampler, err = tinygpt.NewSampler(data, tinygpt.Corpus(data)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)

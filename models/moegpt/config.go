@@ -285,3 +285,63 @@ func RandomInit(c Config, seed uint64) map[string][]float32 {
 	}
 	return out
 }
+
+// presets are the named shapes of Preset, smallest first.
+var presets = []struct {
+	name string
+	cfg  func() Config
+}{
+	{"tiny", Default},
+	{"gpt2-small", func() Config { return gpt2(768, 12, 12) }},
+	{"gpt2-medium", func() Config { return gpt2(1024, 16, 24) }},
+}
+
+// gpt2 is a GPT-2-sized MoE model of width d, h heads and l layers: 8
+// experts of width 4·d, top-2, Default's losses and initialisation,
+// V=50304 (GPT-2's 50257 padded to a multiple of 64) and T=1024.
+func gpt2(d, h, l int) Config {
+	c := Default()
+	c.V, c.D, c.H, c.L, c.T, c.Hd = 50304, d, h, l, 1024, 4*d
+	return c
+}
+
+// Presets returns the names Preset knows, smallest model first.
+func Presets() []string {
+	out := make([]string, len(presets))
+	for i, p := range presets {
+		out[i] = p.name
+	}
+	return out
+}
+
+// Preset returns the named model: "tiny" (Default), or "gpt2-small"
+// (D=768, H=12, L=12) and "gpt2-medium" (D=1024, H=16, L=24) with GPT-2's
+// attention and an MoE layer of 8 experts of width 4·D, top-2, in place of
+// each MLP (V=50304, T=1024, Default's router losses and init). Another
+// name is an error wrapping ErrConfig that lists these.
+func Preset(name string) (Config, error) {
+	for _, p := range presets {
+		if p.name == name {
+			return p.cfg(), nil
+		}
+	}
+	return Config{}, fmt.Errorf("%w: no preset %q; the presets are %v", ErrConfig, name, Presets())
+}
+
+// ActiveParams returns the parameters one token's matrix products use:
+// every parameter but the token and position embedding tables
+// (lookups), the experts' counted K of E times (each token passes K
+// experts). It is the N of train.FlopsPerToken for this model.
+func (c Config) ActiveParams() int {
+	n := 0
+	for _, p := range c.Params() {
+		switch {
+		case p.Name == ParamWTE || p.Name == ParamWPE:
+		case p.Expert && c.E > 0:
+			n += p.Numel() / c.E * c.K
+		default:
+			n += p.Numel()
+		}
+	}
+	return n
+}

@@ -64,3 +64,36 @@ func check(t *testing.T, name string, v any, err error, ok bool) {
 		t.Errorf("%s = %v: %v, want ErrConfig containing %q", name, v, err, want)
 	}
 }
+
+// TestPresets: the presets' shapes, the active parameters per token
+// counted by hand (K of E experts, no embedding tables), and the error
+// for an unknown name.
+func TestPresets(t *testing.T) {
+	// Per block: ln1, ln2 (4D), qkv (3D²+3D), proj (D²+D), router (E·D),
+	// and K experts of W1, b1, W2, b2 (2·Hd·D + Hd + D each); then ln_f
+	// (2D) and lm_head (V·D).
+	active := func(v, d, l, e, k, hd int) int {
+		return l*(4*d+3*d*d+3*d+d*d+d+e*d+k*(2*hd*d+hd+d)) + 2*d + v*d
+	}
+	for _, tc := range []struct {
+		name                    string
+		v, d, h, l, t, e, k, hd int
+		active                  int
+	}{
+		// 2·(17408 + 33152) + 128 + 16384 = 117632.
+		{"tiny", 256, 64, 4, 2, 64, 8, 2, 128, 117632},
+		{"gpt2-small", 50304, 768, 12, 12, 1024, 8, 2, 3072, active(50304, 768, 12, 8, 2, 3072)},
+		{"gpt2-medium", 50304, 1024, 16, 24, 1024, 8, 2, 4096, active(50304, 1024, 24, 8, 2, 4096)},
+	} {
+		c, err := moegpt.Preset(tc.name)
+		if err != nil || c.V != tc.v || c.D != tc.d || c.H != tc.h || c.L != tc.l || c.T != tc.t || c.E != tc.e || c.K != tc.k || c.Hd != tc.hd || c.Validate() != nil {
+			t.Errorf("Preset(%q) = %+v, %v", tc.name, c, err)
+		}
+		if got := c.ActiveParams(); got != tc.active || got != active(tc.v, tc.d, tc.l, tc.e, tc.k, tc.hd) {
+			t.Errorf("%s: ActiveParams() = %d, want %d", tc.name, got, tc.active)
+		}
+	}
+	if _, err := moegpt.Preset("huge"); !errors.Is(err, moegpt.ErrConfig) || !strings.Contains(err.Error(), `no preset "huge"; the presets are [tiny gpt2-small gpt2-medium]`) {
+		t.Errorf("Preset(huge): %v", err)
+	}
+}

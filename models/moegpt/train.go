@@ -9,6 +9,7 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
@@ -23,7 +24,24 @@ type trainConfig struct {
 	ddp   []parallel.Option
 	tape  []autograd.Option
 	run   tinygpt.Config
+	// random: random tokens (WithRandomTokens) instead of the corpus.
+	random bool
+	seed   uint64
 }
+
+// WithRandomTokens trains on random tokens instead of the tiny GPT's
+// corpus, for throughput runs of a model of any vocabulary: step s's
+// global batch is B rows of T+1 token ids drawn uniformly from [0, V) by
+// a generator keyed on seed and s, inputs the first T and targets the
+// last T. Every rank draws the same batch and keeps its rows, as with the
+// corpus.
+func WithRandomTokens(seed uint64) TrainOption {
+	return func(c *trainConfig) { c.random, c.seed = true, seed }
+}
+
+// batches is where a Trainer's batches come from: the tiny GPT's sampler
+// or random tokens.
+type batches interface{ Next() tinygpt.Batch }
 
 // WithRun sets the training run: the batch size, corpus and sampler seeds
 // (reference/TINY_GPT.md §2) and AdamW's hyper-parameters (§4) are read
@@ -63,7 +81,7 @@ type Trainer struct {
 	opt     *optim.AdamW
 	dense   *parallel.DDP // replicated parameters over the ep axis
 	experts *parallel.DDP // expert parameters over the dp axis
-	sampler *tinygpt.Sampler
+	sampler batches
 	group   comm.Communicator // the token axes, for the reported scalars
 }
 
@@ -115,6 +133,10 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	}
 	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)
+	}
+	if tc.random {
+		tr.sampler = randtok.New(tc.seed, data.B, data.T, data.V)
+		return tr, nil
 	}
 	if tr.sampler, err = tinygpt.NewSampler(data, tinygpt.Corpus(data)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)

@@ -1,0 +1,47 @@
+package moegpt
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/internal/randtok"
+	"github.com/b7ea7098/loom/placement/placementtest"
+	"github.com/b7ea7098/loom/reference/tinygpt"
+)
+
+// TestRandomTokens: WithRandomTokens feeds the trainer randtok's batches
+// for the model's vocabulary and sequence length and the run's batch;
+// without it the trainer samples the tiny GPT's corpus.
+func TestRandomTokens(t *testing.T) {
+	cfg := Default()
+	cfg.V, cfg.D, cfg.H, cfg.L, cfg.T, cfg.E, cfg.Hd = 300, 8, 2, 1, 6, 2, 8
+	run := tinygpt.Default()
+	run.B = 3
+	for _, random := range []bool{true, false} {
+		err := placementtest.Simulate(context.Background(), []int{1}, []string{"ep"}, func(ctx context.Context, m *mesh.Mesh) error {
+			opts := []TrainOption{WithRun(run)}
+			if random {
+				opts = append(opts, WithRandomTokens(5))
+			}
+			tr, err := NewTrainer(ctx, m, cfg, RandomInit(cfg, 1), "ep", opts...)
+			if err != nil {
+				return err
+			}
+			got := tr.sampler.Next()
+			want := randtok.New(5, run.B, cfg.T, cfg.V).Next()
+			same := slices.Equal(got.X, want.X) && slices.Equal(got.Y, want.Y)
+			if same != random || got.B != run.B || got.T != cfg.T {
+				t.Errorf("random %v: batch %+v; randtok's %+v", random, got, want)
+			}
+			if !random && got.Offsets == nil {
+				t.Errorf("without random tokens the batch has no corpus offsets: %+v", got)
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}
