@@ -2,6 +2,7 @@ package kernels
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/b7ea7098/loom/internal/checked"
 )
@@ -51,15 +52,17 @@ func FillRows[T Float](dst, row []T) error {
 }
 
 // size returns the product of dims, rejecting negative sizes and overflow.
+// The errors quote a copy of dims, so that dims does not escape and the
+// call allocates nothing.
 func size(op string, dims ...int) (int, error) {
 	for _, d := range dims {
 		if d < 0 {
-			return 0, fmt.Errorf("kernels: %s: %w: negative size in %v", op, ErrInvalid, dims)
+			return 0, fmt.Errorf("kernels: %s: %w: negative size in %v", op, ErrInvalid, slices.Clone(dims))
 		}
 	}
 	n, ok := checked.Product(dims)
 	if !ok {
-		return 0, fmt.Errorf("kernels: %s: %w: sizes %v overflow int", op, ErrInvalid, dims)
+		return 0, fmt.Errorf("kernels: %s: %w: sizes %v overflow int", op, ErrInvalid, slices.Clone(dims))
 	}
 	return n, nil
 }
