@@ -3,7 +3,6 @@ package autograd
 import (
 	"context"
 	"fmt"
-	"math"
 
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
@@ -75,7 +74,10 @@ func geluForward[T float](t *Tape, rec bool, x []T, n int) ([]T, geluSaved, erro
 		}
 		return from32[T](y), s, nil
 	}
-	y, erfs := geluFwd(t.Workers(), x)
+	y, erfs := make([]T, len(x)), make([]float64, len(x))
+	if err := kernels.GELU64(t.Workers(), y, erfs, x); err != nil {
+		return nil, geluSaved{}, fmt.Errorf("autograd: internal: %w", err)
+	}
 	return y, geluSaved{erfs: erfs}, nil
 }
 
@@ -88,7 +90,11 @@ func geluBackward[T float](t *Tape, x []T, s geluSaved, g []T, n int) ([]T, erro
 		}
 		return from32[T](dx), nil
 	}
-	return geluBwd(t.Workers(), x, s.erfs, g), nil
+	dx := make([]T, len(x))
+	if err := kernels.GELU64Backward(t.Workers(), dx, x, s.erfs, g); err != nil {
+		return nil, fmt.Errorf("autograd: internal: %w", err)
+	}
+	return dx, nil
 }
 
 // rowWidth is n when it divides l into whole rows, else l (one row): the
@@ -98,37 +104,6 @@ func rowWidth(l, n int) int {
 		return n
 	}
 	return l
-}
-
-// geluFwd is 0.5·x·(1 + erf(x/√2)). It also returns every erf(x/√2), which
-// the backward reuses: erf is the most expensive part of both passes.
-func geluFwd[T float](w kernels.Workers, x []T) (out []T, erfs []float64) {
-	out = make([]T, len(x))
-	erfs = make([]float64, len(x))
-	parallelRange(w, len(x), func(lo, hi int) {
-		for i, v := range x[lo:hi] {
-			f := float64(v)
-			e := math.Erf(f / math.Sqrt2)
-			erfs[lo+i] = e
-			out[lo+i] = T(0.5 * f * (1 + e))
-		}
-	})
-	return out, erfs
-}
-
-// geluBwd is g·GELU'(x), GELU'(x) = Φ(x) + x·φ(x), with Φ(x) = 0.5·(1 +
-// erf(x/√2)) from the forward's erfs.
-func geluBwd[T float](w kernels.Workers, x []T, erfs []float64, g []T) []T {
-	out := make([]T, len(x))
-	c := 1 / math.Sqrt(2*math.Pi)
-	parallelRange(w, len(x), func(lo, hi int) {
-		for i, v := range x[lo:hi] {
-			f := float64(v)
-			d := 0.5*(1+erfs[lo+i]) + f*c*math.Exp(-0.5*f*f)
-			out[lo+i] = T(float64(g[lo+i]) * d)
-		}
-	})
-	return out
 }
 
 // Softmax returns the softmax of x over dim (negative dims count from the
@@ -231,7 +206,11 @@ func softmaxForward[T float](t *Tape, x []T, shape []int, d int, logOut bool) ([
 		}
 		return from32[T](y), nil
 	}
-	return softmaxFwd(x, shape, d, logOut), nil
+	y := make([]T, len(x))
+	if err := kernels.Softmax64(y, x, outer, n, inner, logOut); err != nil {
+		return nil, fmt.Errorf("autograd: internal: %w", err)
+	}
+	return y, nil
 }
 
 // softmaxBackward maps g to the gradient of x, in t's arena for float32
@@ -253,67 +232,18 @@ func softmaxBackward[T float](t *Tape, y, g []T, shape []int, d int, logOut bool
 		}
 		return from32[T](dx), nil
 	}
-	return softmaxBwd(y, g, shape, d, logOut), nil
+	return softmaxBwd(y, g, shape, d, logOut)
 }
 
-// softmaxFwd computes softmax (or log-softmax) over dim d of a block of
-// the given shape, subtracting the row maximum before exp.
-func softmaxFwd[T float](x []T, shape []int, d int, logOut bool) []T {
+// softmaxBwd is kernels.Softmax64Backward over dim d of a block of shape,
+// into a fresh block.
+func softmaxBwd[T float](y, g []T, shape []int, d int, logOut bool) ([]T, error) {
 	outer, n, inner := splitDim(shape, d)
-	out := make([]T, len(x))
-	for o := range outer {
-		for in := range inner {
-			base := o*n*inner + in
-			m := math.Inf(-1)
-			for k := range n {
-				m = max(m, float64(x[base+k*inner]))
-			}
-			s := 0.0
-			for k := range n {
-				s += math.Exp(float64(x[base+k*inner]) - m)
-			}
-			lse := m + math.Log(s)
-			for k := range n {
-				i := base + k*inner
-				if logOut {
-					out[i] = T(float64(x[i]) - lse)
-				} else {
-					out[i] = T(math.Exp(float64(x[i]) - lse))
-				}
-			}
-		}
+	dx := make([]T, len(y))
+	if err := kernels.Softmax64Backward(dx, y, g, outer, n, inner, logOut); err != nil {
+		return nil, fmt.Errorf("autograd: internal: %w", err)
 	}
-	return out
-}
-
-// softmaxBwd maps the gradient g of y = softmax(x) (or log-softmax) over
-// dim d to the gradient of x: y⊙(g − Σg⊙y), or g − softmax·Σg.
-func softmaxBwd[T float](y, g []T, shape []int, d int, logOut bool) []T {
-	outer, n, inner := splitDim(shape, d)
-	out := make([]T, len(y))
-	for o := range outer {
-		for in := range inner {
-			base := o*n*inner + in
-			s := 0.0
-			for k := range n {
-				i := base + k*inner
-				if logOut {
-					s += float64(g[i])
-				} else {
-					s += float64(g[i]) * float64(y[i])
-				}
-			}
-			for k := range n {
-				i := base + k*inner
-				if logOut {
-					out[i] = T(float64(g[i]) - math.Exp(float64(y[i]))*s)
-				} else {
-					out[i] = T(float64(y[i]) * (float64(g[i]) - s))
-				}
-			}
-		}
-	}
-	return out
+	return dx, nil
 }
 
 // elementwise checks a one-input op's input and rule and runs its float32

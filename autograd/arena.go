@@ -6,6 +6,7 @@ import (
 	"sync"
 	"unsafe"
 
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -212,9 +213,9 @@ func (a *arena) recycle() {
 		if a.poison {
 			switch b.size {
 			case 4:
-				fill(unsafe.Slice((*float32)(p), b.n), float32(math.NaN()))
+				kernels.Fill(unsafe.Slice((*float32)(p), b.n), float32(math.NaN()))
 			case 8:
-				fill(unsafe.Slice((*float64)(p), b.n), math.NaN())
+				kernels.Fill(unsafe.Slice((*float64)(p), b.n), math.NaN())
 			}
 		}
 		a.putLocked(p)
@@ -276,18 +277,12 @@ func (a *arena) giveLocked(p unsafe.Pointer, b arenaBuf) {
 	if b.result && a.poison {
 		switch b.size {
 		case 4:
-			fill(unsafe.Slice((*float32)(p), b.n), float32(math.NaN()))
+			kernels.Fill(unsafe.Slice((*float32)(p), b.n), float32(math.NaN()))
 		case 8:
-			fill(unsafe.Slice((*float64)(p), b.n), math.NaN())
+			kernels.Fill(unsafe.Slice((*float64)(p), b.n), math.NaN())
 		}
 	}
 	a.putLocked(p)
-}
-
-func fill[T float](s []T, v T) {
-	for i := range s {
-		s[i] = v
-	}
 }
 
 // span is the memory of a tensor's local block: its first element and

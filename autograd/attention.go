@@ -75,7 +75,11 @@ func causalForward[T float](t *Tape, x []T, tt int) ([]T, error) {
 		}
 		return from32[T](y), nil
 	}
-	return causalFwd(x, tt), nil
+	y := make([]T, len(x))
+	if err := kernels.CausalSoftmax64(y, x, tt); err != nil {
+		return nil, fmt.Errorf("autograd: internal: %w", err)
+	}
+	return y, nil
 }
 
 // causalBackward maps g to the gradient of the causal softmax's input, in
@@ -93,29 +97,7 @@ func causalBackward[T float](t *Tape, y, g []T, shape []int) ([]T, error) {
 		}
 		return from32[T](dx), nil
 	}
-	return softmaxBwd(y, g, shape, len(shape)-1, false), nil
-}
-
-// causalFwd is the masked row softmax of [..., T, T] blocks.
-func causalFwd[T float](x []T, tt int) []T {
-	out := make([]T, len(x))
-	for base := 0; base < len(x); base += tt * tt {
-		for i := range tt {
-			row := x[base+i*tt : base+(i+1)*tt]
-			m := math.Inf(-1)
-			for j := 0; j <= i; j++ {
-				m = max(m, float64(row[j]))
-			}
-			s := 0.0
-			for j := 0; j <= i; j++ {
-				s += math.Exp(float64(row[j]) - m)
-			}
-			for j := 0; j <= i; j++ {
-				out[base+i*tt+j] = T(math.Exp(float64(row[j])-m) / s)
-			}
-		}
-	}
-	return out
+	return softmaxBwd(y, g, shape, len(shape)-1, false)
 }
 
 // CausalAttention is causal scaled-dot-product attention with heads as a

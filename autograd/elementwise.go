@@ -194,24 +194,11 @@ func zip(spec *placement.Spec, x, y *placement.DTensor, f32 func(a, b []float32)
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
 
-// addInto sets out = a + b (float32 on the vector kernel) and returns it.
+// addInto sets out = a + b (kernels.Add) and returns it; out and b are
+// at least as long as a.
 func addInto[T float](out, a, b []T) []T {
-	b, out = b[:len(a)], out[:len(a)]
-	if o32, ok := any(out).([]float32); ok {
-		_ = kernels.Add(o32, any(a).([]float32), any(b).([]float32)) // lengths match
-		return out
-	}
-	for i, v := range a {
-		out[i] = v + b[i]
-	}
-	return out
-}
-
-func mulInto[T float](out, a, b []T) []T {
-	b, out = b[:len(a)], out[:len(a)]
-	for i, v := range a {
-		out[i] = v * b[i]
-	}
+	out = out[:len(a)]
+	_ = kernels.Add(out, a, b[:len(a)]) // lengths match
 	return out
 }
 
@@ -222,23 +209,31 @@ func add(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTe
 		func(u, v []float64) []float64 { return addInto(block[float64](a, len(u)), u, v) })
 }
 
-// mul is the element-wise product, in a block as a says.
+// mul is the element-wise product (kernels.Mul), in a block as a says.
 func mul(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
 	return zip(spec, x, y,
 		func(u, v []float32) []float32 { return mulInto(block[float32](a, len(u)), u, v) },
 		func(u, v []float64) []float64 { return mulInto(block[float64](a, len(u)), u, v) })
 }
 
-func scaleInto[T float](out, a []T, c T) []T {
+// mulInto sets out = a ⊙ b (kernels.Mul) and returns it; out and b are
+// at least as long as a.
+func mulInto[T float](out, a, b []T) []T {
 	out = out[:len(a)]
-	for i, v := range a {
-		out[i] = v * c
-	}
+	_ = kernels.Mul(out, a, b[:len(a)]) // lengths match
 	return out
 }
 
-// scale multiplies the local block of x by c and lays it out by spec, in a
-// block as a says.
+// scaleInto sets out = c·a (kernels.Scale) and returns it; out is at
+// least as long as a.
+func scaleInto[T float](out, a []T, c T) []T {
+	out = out[:len(a)]
+	_ = kernels.Scale(out, a, c) // lengths match
+	return out
+}
+
+// scale multiplies the local block of x by c (kernels.Scale) and lays it
+// out by spec, in a block as a says.
 func scale(a alloc, spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
 	switch d := x.LocalData().(type) {
 	case []float32:

@@ -3,7 +3,6 @@ package autograd
 import (
 	"context"
 	"fmt"
-	"math"
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
@@ -133,7 +132,11 @@ func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indi
 	if len(td) != vl*dl || len(ids.data)*dl != prod(spec.LocalShape()) {
 		return nil, fmt.Errorf("autograd: %s: internal: table block %v and %d local ids for a result block %v", op, lb, len(ids.data), spec.LocalShape())
 	}
-	out, err := placement.NewLocal(spec, embedFwd(t, td, ids.data, lo, vl, dl))
+	od := resultBlock[T](t, len(ids.data)*dl)
+	if err := kernels.EmbeddingForward(od, td, ids.data, lo, dl); err != nil {
+		return nil, fmt.Errorf("autograd: %s: internal: %w", op, err)
+	}
+	out, err := placement.NewLocal(spec, od)
 	if err != nil {
 		return nil, err
 	}
@@ -165,48 +168,28 @@ func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indi
 		if len(gd) != len(ids.data)*dl {
 			return nil, fmt.Errorf("autograd: %s: internal: gradient block %v for %d local ids of %d columns", op, g.LocalShape(), len(ids.data), dl)
 		}
-		gt, err := placement.NewLocal(s, embedBwd(t, gd, ids.data, lo, vl, dl))
+		dt, err := embedBwd(t, gd, ids.data, lo, vl, dl)
+		if err != nil {
+			return nil, err
+		}
+		gt, err := placement.NewLocal(s, dt)
 		return []*placement.DTensor{gt}, err
 	}), nil
 }
 
-// embedFwd gathers rows of a table block holding rows [lo, lo+vl) of d
-// columns each into a result block of t: ids in that range copy their
-// row, others give zero rows (a vocab-parallel rank's share of the
-// lookup).
-func embedFwd[T float](t *Tape, table []T, ids []int64, lo, vl, d int) []T {
-	out := resultBlock[T](t, len(ids)*d)
-	for i, id := range ids {
-		if r := int(id) - lo; r >= 0 && r < vl {
-			copy(out[i*d:(i+1)*d], table[r*d:(r+1)*d])
-		} else {
-			clear(out[i*d : (i+1)*d])
-		}
+// embedBwd is kernels.EmbeddingBackward into a [vl, d] table-block
+// gradient in t's arena; float32 accumulates in a float64 arena buffer.
+func embedBwd[T float](t *Tape, g []T, ids []int64, lo, vl, d int) ([]T, error) {
+	var acc []float64
+	if _, ok := as32(g); ok {
+		acc = getBuf[float64](t, vl*d)
+		defer putBuf(t, acc)
 	}
-	return out
-}
-
-// embedBwd scatter-adds the rows of g whose ids lie in [lo, lo+vl) into a
-// zero [vl, d] table-block gradient, in t's arena (accumulated in float64,
-// also arena memory).
-func embedBwd[T float](t *Tape, g []T, ids []int64, lo, vl, d int) []T {
-	acc := zeroBuf[float64](t, vl*d)
-	defer putBuf(t, acc)
-	for i, id := range ids {
-		r := int(id) - lo
-		if r < 0 || r >= vl {
-			continue
-		}
-		row := acc[r*d : (r+1)*d]
-		for k := range d {
-			row[k] += float64(g[i*d+k])
-		}
+	out := getBuf[T](t, vl*d)
+	if err := kernels.EmbeddingBackward(out, acc, g, ids, lo, d); err != nil {
+		return nil, fmt.Errorf("autograd: Embedding: internal: %w", err)
 	}
-	out := getBuf[T](t, len(acc))
-	for i, v := range acc {
-		out[i] = T(v)
-	}
-	return out
+	return out, nil
 }
 
 // checkIDs rejects indices outside [0, n); format reports the first one
@@ -373,8 +356,12 @@ func ceForward[T float](t *Tape, rec bool, x []T, tg []int64, v, n int) (T, ceSa
 		}
 		return T(total / float64(n)), s, nil
 	}
-	loss, sm := ceFwd(x, tg, v, n)
-	return loss, ceSaved{sm: sm}, nil
+	sm := make([]float64, len(x))
+	total, err := kernels.CrossEntropy64(sm, x, tg, v)
+	if err != nil {
+		return 0, ceSaved{}, fmt.Errorf("autograd: internal: %w", err)
+	}
+	return T(total / float64(n)), ceSaved{sm: sm}, nil
 }
 
 // ceBackward is g·(softmax − onehot(t))/n, in t's arena for float32.
@@ -386,45 +373,9 @@ func ceBackward[T float](t *Tape, x []T, tg []int64, s ceSaved, v, n int, g floa
 		}
 		return from32[T](dx), nil
 	}
-	return ceBwd[T](s.sm, tg, v, n, g), nil
-}
-
-// ceFwd returns Σ_rows (logsumexp(x_r) − x_r[t_r]) / n over the local rows
-// of an [rows, v] block, and the softmax of every row.
-func ceFwd[T float](x []T, t []int64, v int, n int) (T, []float64) {
-	sm := make([]float64, len(x))
-	total := 0.0
-	for r, tr := range t {
-		row := x[r*v : (r+1)*v]
-		m := math.Inf(-1)
-		for _, e := range row {
-			m = max(m, float64(e))
-		}
-		s := 0.0
-		for _, e := range row {
-			s += math.Exp(float64(e) - m)
-		}
-		lse := m + math.Log(s)
-		for k, e := range row {
-			sm[r*v+k] = math.Exp(float64(e) - lse)
-		}
-		total += lse - float64(row[tr])
+	dx := make([]T, len(s.sm))
+	if err := kernels.CrossEntropy64Backward(dx, s.sm, tg, v, g/float64(n)); err != nil {
+		return nil, fmt.Errorf("autograd: internal: %w", err)
 	}
-	return T(total / float64(n)), sm
-}
-
-// ceBwd is g·(softmax − onehot(t))/n.
-func ceBwd[T float](sm []float64, t []int64, v, n int, g float64) []T {
-	out := make([]T, len(sm))
-	c := g / float64(n)
-	for r, tr := range t {
-		for k := range v {
-			p := sm[r*v+k]
-			if int64(k) == tr {
-				p--
-			}
-			out[r*v+k] = T(c * p)
-		}
-	}
-	return out
+	return dx, nil
 }

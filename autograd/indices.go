@@ -55,14 +55,14 @@ func IndicesFromFull(m *mesh.Mesh, shape []int, places []placement.Placement, fu
 		return nil, err
 	}
 	local := make([]int64, 0, prod(size))
-	forEach(size, make([]int, len(size)), func(i, _ int) {
+	for i := range prod(size) {
 		c := unravel(i, size)
 		g := 0
 		for d := range c {
 			g = g*shape[d] + off[d] + c[d]
 		}
 		local = append(local, full[g])
-	})
+	}
 	return &Indices{spec: spec, data: local}, nil
 }
 

@@ -3,7 +3,6 @@ package autograd
 import (
 	"fmt"
 	"slices"
-	"sync"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/kernels"
@@ -34,15 +33,11 @@ func filled(spec *placement.Spec, v float64) (*placement.DTensor, error) {
 	n := prod(spec.LocalShape())
 	if spec.DType() == comm.Float32 {
 		d := make([]float32, n)
-		for i := range d {
-			d[i] = float32(v)
-		}
+		kernels.Fill(d, float32(v))
 		return placement.NewLocal(spec, d)
 	}
 	d := make([]float64, n)
-	for i := range d {
-		d[i] = v
-	}
+	kernels.Fill(d, v)
 	return placement.NewLocal(spec, d)
 }
 
@@ -92,18 +87,6 @@ func splitDim(shape []int, d int) (outer, n, inner int) {
 	return prod(shape[:d]), shape[d], prod(shape[d+1:])
 }
 
-// fromF64 converts a float64 accumulator (nil stays nil).
-func fromF64[T float](a []float64) []T {
-	if a == nil {
-		return nil
-	}
-	out := make([]T, len(a))
-	for i, v := range a {
-		out[i] = T(v)
-	}
-	return out
-}
-
 // as32 reports whether T is float32 and converts x.
 func as32[T float](x []T) ([]float32, bool) {
 	v, ok := any(x).([]float32)
@@ -114,30 +97,6 @@ func as32[T float](x []T) ([]float32, bool) {
 func from32[T float](x []float32) []T {
 	v, _ := any(x).([]T)
 	return v
-}
-
-// parallelMinChunk is the fewest elements parallelRange gives one
-// goroutine: below it the start-up cost outweighs the work.
-const parallelMinChunk = 16384
-
-// parallelRange calls f on contiguous ranges [lo, hi) that cover [0, n),
-// on up to w goroutines at once, and waits for them. It is for
-// elementwise loops whose iterations are independent; since every element
-// is computed as in a serial loop, the results are bit for bit the same.
-func parallelRange(w kernels.Workers, n int, f func(lo, hi int)) {
-	k := min(w.Count(), n/parallelMinChunk)
-	if k <= 1 {
-		f(0, n)
-		return
-	}
-	chunk := (n + k - 1) / k
-	var wg sync.WaitGroup
-	for lo := chunk; lo < n; lo += chunk {
-		hi := min(lo+chunk, n)
-		wg.Go(func() { f(lo, hi) })
-	}
-	f(0, min(chunk, n))
-	wg.Wait()
 }
 
 // records reports whether an op on inputs will be recorded (its backward

@@ -589,8 +589,8 @@ func gemmBias[T float](t *Tape, b *kernels.BLAS, spec *placement.Spec, x, w *pla
 		return nil, err
 	}
 	c := resultBlock[T](t, m*n)
-	for r := 0; n > 0 && r+n <= len(c); r += n {
-		copy(c[r:r+n], bias)
+	if err := kernels.FillRows(c, bias); err != nil {
+		return nil, fmt.Errorf("autograd: Linear: internal: %w", err)
 	}
 	if k > 0 && m > 0 && n > 0 {
 		switch cd := any(c).(type) {
@@ -606,26 +606,19 @@ func gemmBias[T float](t *Tape, b *kernels.BLAS, spec *placement.Spec, x, w *pla
 	return placement.NewLocal(spec, c)
 }
 
-// columnSums sums the rows of an [rows, n] block (a bias gradient), in t's
-// arena for float32.
+// columnSums sums the rows of an [rows, n] block (a bias gradient,
+// kernels.ColumnSums), in t's arena for float32.
 func columnSums[T float](t *Tape, g []T, n int) ([]T, error) {
-	if g32, ok := as32(g); ok {
-		out := getBuf[float32](t, n)
-		if err := kernels.ColumnSums(out, g32, n); err != nil {
-			return nil, fmt.Errorf("autograd: internal: %w", err)
-		}
-		return from32[T](out), nil
+	var out []T
+	if _, ok := as32(g); ok {
+		out = getBuf[T](t, n)
+	} else {
+		out = make([]T, n)
 	}
-	return rowSum(g, n), nil
-}
-
-// rowSum sums the rows of an [rows, n] block in float64.
-func rowSum[T float](g []T, n int) []T {
-	acc := make([]float64, n)
-	for i, v := range g {
-		acc[i%n] += float64(v)
+	if err := kernels.ColumnSums(out, g, n); err != nil {
+		return nil, fmt.Errorf("autograd: internal: %w", err)
 	}
-	return fromF64[T](acc)
+	return out, nil
 }
 
 // BatchedMatMul returns a·b for a [..., m, k] and b [..., k, n] with equal

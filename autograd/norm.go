@@ -3,7 +3,6 @@ package autograd
 import (
 	"context"
 	"fmt"
-	"math"
 	"slices"
 
 	"github.com/b7ea7098/loom/kernels"
@@ -169,8 +168,15 @@ func lnForward[T float](t *Tape, rec bool, x, w, b []T, n int, eps float64) ([]T
 		}
 		return from32[T](y), s, nil
 	}
-	y, xhat, rstd := lnFwd(x, w, b, n, eps)
-	return y, lnSaved{xhat: xhat, rstd: rstd}, nil
+	rows := 0
+	if n > 0 {
+		rows = len(x) / n
+	}
+	y, sv := make([]T, len(x)), lnSaved{xhat: make([]float64, len(x)), rstd: make([]float64, rows)}
+	if err := kernels.LayerNorm64(y, sv.xhat, sv.rstd, x, w, b, n, eps); err != nil {
+		return nil, sv, fmt.Errorf("autograd: internal: %w", err)
+	}
+	return y, sv, nil
 }
 
 // lnBackward returns dx, dw and db (nil where not needed), in t's arena
@@ -178,7 +184,18 @@ func lnForward[T float](t *Tape, rec bool, x, w, b []T, n int, eps float64) ([]T
 func lnBackward[T float](t *Tape, g, x, w []T, s lnSaved, n int, needX, needW, needB bool) (dx, dw, db []T, err error) {
 	g32, ok := as32(g)
 	if !ok {
-		dx, dw, db = lnBwd(g, w, s.xhat, s.rstd, n, needX, needW, needB)
+		if needX {
+			dx = make([]T, len(g))
+		}
+		if needW {
+			dw = make([]T, n)
+		}
+		if needB {
+			db = make([]T, n)
+		}
+		if err := kernels.LayerNorm64Backward(dx, dw, db, g, w, s.xhat, s.rstd, n); err != nil {
+			return nil, nil, nil, fmt.Errorf("autograd: internal: %w", err)
+		}
 		return dx, dw, db, nil
 	}
 	x32, _ := as32(x)
@@ -197,85 +214,4 @@ func lnBackward[T float](t *Tape, g, x, w []T, s lnSaved, n int, needX, needW, n
 		return nil, nil, nil, fmt.Errorf("autograd: internal: %w", err)
 	}
 	return from32[T](dx32), from32[T](dw32), from32[T](db32), nil
-}
-
-// lnFwd normalises rows of length n: xhat = (x − μ)/sqrt(σ² + eps) with
-// the biased variance, y = xhat·w + b. It returns y, xhat and 1/sqrt(σ²+eps)
-// per row.
-func lnFwd[T float](x, w, b []T, n int, eps float64) (y []T, xhat []float64, rstd []float64) {
-	rows := 0
-	if n > 0 {
-		rows = len(x) / n
-	}
-	y = make([]T, len(x))
-	xhat = make([]float64, len(x))
-	rstd = make([]float64, rows)
-	for r := range rows {
-		row := x[r*n : (r+1)*n]
-		mu := 0.0
-		for _, v := range row {
-			mu += float64(v)
-		}
-		mu /= float64(n)
-		v2 := 0.0
-		for _, v := range row {
-			d := float64(v) - mu
-			v2 += d * d
-		}
-		v2 /= float64(n)
-		rs := 1 / math.Sqrt(v2+eps)
-		rstd[r] = rs
-		for k, v := range row {
-			h := (float64(v) - mu) * rs
-			xhat[r*n+k] = h
-			y[r*n+k] = T(h*float64(w[k]) + float64(b[k]))
-		}
-	}
-	return y, xhat, rstd
-}
-
-// lnBwd returns dx, dw, db of LayerNorm for the gradient g (nil slices for
-// gradients not wanted).
-func lnBwd[T float](g, w []T, xhat, rstd []float64, n int, needX, needW, needB bool) (dx, dw, db []T) {
-	rows := len(rstd)
-	var dwa, dba []float64
-	if needX {
-		dx = make([]T, len(g))
-	}
-	if needW {
-		dwa = make([]float64, n)
-	}
-	if needB {
-		dba = make([]float64, n)
-	}
-	for r := range rows {
-		gr := g[r*n : (r+1)*n]
-		hr := xhat[r*n : (r+1)*n]
-		if needW || needB {
-			for k := range n {
-				if needW {
-					dwa[k] += float64(gr[k]) * hr[k]
-				}
-				if needB {
-					dba[k] += float64(gr[k])
-				}
-			}
-		}
-		if !needX {
-			continue
-		}
-		m1, m2 := 0.0, 0.0
-		for k := range n {
-			dh := float64(gr[k]) * float64(w[k])
-			m1 += dh
-			m2 += dh * hr[k]
-		}
-		m1 /= float64(n)
-		m2 /= float64(n)
-		for k := range n {
-			dh := float64(gr[k]) * float64(w[k])
-			dx[r*n+k] = T(rstd[r] * (dh - m1 - hr[k]*m2))
-		}
-	}
-	return dx, fromF64[T](dwa), fromF64[T](dba)
 }

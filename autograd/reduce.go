@@ -3,9 +3,9 @@ package autograd
 import (
 	"context"
 	"fmt"
-	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -127,111 +127,44 @@ func sumRule(a *placement.Spec, dims []int) (*placement.Spec, []bool, error) {
 	return out, reduce, nil
 }
 
-// sumLocal sums x's local block over the reduced dims; spec is the
-// result's layout.
+// sumLocal sums x's local block over the reduced dims (kernels.SumDims);
+// spec is the result's layout.
 func sumLocal(spec *placement.Spec, x *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
 	shape := x.LocalShape()
 	switch d := x.LocalData().(type) {
 	case []float32:
-		return placement.NewLocal(spec, sumT(d, shape, reduce))
+		return sumT(spec, d, shape, reduce)
 	case []float64:
-		return placement.NewLocal(spec, sumT(d, shape, reduce))
+		return sumT(spec, d, shape, reduce)
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
 
+func sumT[T float](spec *placement.Spec, x []T, shape []int, reduce []bool) (*placement.DTensor, error) {
+	out := make([]T, prod(spec.LocalShape()))
+	if err := kernels.SumDims(out, x, shape, reduce); err != nil {
+		return nil, fmt.Errorf("autograd: Sum: internal: %w", err)
+	}
+	return placement.NewLocal(spec, out)
+}
+
 // broadcastLocal expands g's local block over the reduced dims of spec's
-// local shape into t's arena (a gradient); spec is the result's layout.
+// local shape (kernels.BroadcastDims) into t's arena (a gradient); spec
+// is the result's layout.
 func broadcastLocal(t *Tape, spec *placement.Spec, g *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
 	shape := spec.LocalShape()
-	want := 1
-	for d, s := range shape {
-		if !reduce[d] {
-			want *= s
-		}
-	}
 	switch d := g.LocalData().(type) {
 	case []float32:
-		if len(d) != want {
-			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
-		}
-		return placement.NewLocal(spec, broadcastT(getBuf[float32](t, prod(shape)), d, shape, reduce))
+		return broadcastT(spec, getBuf[float32](t, prod(shape)), d, shape, reduce)
 	case []float64:
-		if len(d) != want {
-			return nil, fmt.Errorf("autograd: internal: gradient block %v does not fit %v", g.LocalShape(), shape)
-		}
-		return placement.NewLocal(spec, broadcastT(getBuf[float64](t, prod(shape)), d, shape, reduce))
+		return broadcastT(spec, getBuf[float64](t, prod(shape)), d, shape, reduce)
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", g.LocalData())
 }
 
-// reduceIndex returns, for a row-major array of shape, the strides that map
-// each element to its position in the array with the reduced dims removed
-// (stride 0 on reduced dims).
-func reduceIndex(shape []int, reduce []bool) []int {
-	st := make([]int, len(shape))
-	s := 1
-	for d := len(shape) - 1; d >= 0; d-- {
-		if reduce[d] {
-			continue
-		}
-		st[d] = s
-		s *= shape[d]
+func broadcastT[T float](spec *placement.Spec, out, g []T, shape []int, reduce []bool) (*placement.DTensor, error) {
+	if err := kernels.BroadcastDims(out, g, shape, reduce); err != nil {
+		return nil, fmt.Errorf("autograd: Sum: internal: gradient block does not fit %v: %w", shape, err)
 	}
-	return st
-}
-
-// forEach calls f(i, j) for every element i of a row-major array of shape,
-// with j its index under the strides st.
-func forEach(shape, st []int, f func(i, j int)) {
-	n := prod(shape)
-	if n == 0 {
-		return
-	}
-	idx := make([]int, len(shape))
-	j := 0
-	for i := range n {
-		f(i, j)
-		for d := len(shape) - 1; d >= 0; d-- {
-			idx[d]++
-			j += st[d]
-			if idx[d] < shape[d] {
-				break
-			}
-			j -= st[d] * shape[d]
-			idx[d] = 0
-		}
-	}
-}
-
-func sumT[T float](x []T, shape []int, reduce []bool) []T {
-	if !slices.Contains(reduce, false) { // every dim: one total, in the same order
-		var s T
-		for _, v := range x {
-			s += v
-		}
-		return []T{s}
-	}
-	st := reduceIndex(shape, reduce)
-	n := 1
-	for d, s := range shape {
-		if !reduce[d] {
-			n *= s
-		}
-	}
-	out := make([]T, n)
-	forEach(shape, st, func(i, j int) { out[j] += x[i] })
-	return out
-}
-
-func broadcastT[T float](out, g []T, shape []int, reduce []bool) []T {
-	if !slices.Contains(reduce, false) && len(g) == 1 { // a scalar everywhere
-		for i := range out {
-			out[i] = g[0]
-		}
-		return out
-	}
-	st := reduceIndex(shape, reduce)
-	forEach(shape, st, func(i, j int) { out[i] = g[j] })
-	return out
+	return placement.NewLocal(spec, out)
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -27,7 +28,7 @@ func Narrow(x *Value, dim, start, length int) (*Value, error) {
 	}
 	full := x.Spec().Shape()[d]
 	lshape := x.data.LocalShape()
-	out, err := mapLocal(spec, x.data, func(v any) any { return narrowAny(t.result(), v, lshape, d, start, length) })
+	out, err := narrowLocal(t.result(), spec, x.data, lshape, d, start, length)
 	if err != nil {
 		return nil, err
 	}
@@ -42,7 +43,7 @@ func Narrow(x *Value, dim, start, length int) (*Value, error) {
 			return nil, err
 		}
 		gshape := g.LocalShape()
-		gx, err := mapLocal(s, g, func(v any) any { return padAny(t.scratch(), v, gshape, d, start, full) })
+		gx, err := padLocal(t.scratch(), s, g, gshape, d, start, full)
 		return []*placement.DTensor{gx}, err
 	}), nil
 }
@@ -132,7 +133,7 @@ func Concat(dim int, xs ...*Value) (*Value, error) {
 		lshapes[i] = x.data.LocalShape()
 		blocks[i] = x.data.LocalData()
 	}
-	out, err := placement.NewLocal(spec, concatAny(t.result(), blocks, lshapes, d))
+	out, err := concatLocal(t.result(), spec, blocks, lshapes, d)
 	if err != nil {
 		return nil, err
 	}
@@ -151,7 +152,7 @@ func Concat(dim int, xs ...*Value) (*Value, error) {
 					return nil, err
 				}
 				o := off
-				if grads[i], err = mapLocal(s, g, func(v any) any { return narrowAny(t.scratch(), v, gshape, d, o, sizes[i]) }); err != nil {
+				if grads[i], err = narrowLocal(t.scratch(), s, g, gshape, d, o, sizes[i]); err != nil {
 					return nil, err
 				}
 			}
@@ -228,82 +229,75 @@ func concatRule(dim int, xs []*placement.Spec) (*placement.Spec, int, error) {
 	return out, d, nil
 }
 
-// mapLocal lays out f(local block of x) by spec.
-func mapLocal(spec *placement.Spec, x *placement.DTensor, f func(any) any) (*placement.DTensor, error) {
-	return placement.NewLocal(spec, f(x.LocalData()))
-}
-
-// narrowAny and padAny put their result in a block as a says (scratch for
-// a gradient, a result for an op's result).
-func narrowAny(a alloc, v any, shape []int, d, start, length int) any {
-	switch x := v.(type) {
+// narrowLocal, padLocal and concatLocal put their result in a block as a
+// says (scratch for a gradient, a result for an op's result), through
+// kernels.NarrowDim, PadDim and ConcatDim, and lay it out by spec.
+func narrowLocal(a alloc, spec *placement.Spec, x *placement.DTensor, shape []int, d, start, length int) (*placement.DTensor, error) {
+	switch v := x.LocalData().(type) {
 	case []float32:
-		return narrowT(a, x, shape, d, start, length)
+		return narrowT(a, spec, v, shape, d, start, length)
 	case []float64:
-		return narrowT(a, x, shape, d, start, length)
+		return narrowT(a, spec, v, shape, d, start, length)
 	}
-	return v
+	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
 }
 
-func padAny(a alloc, v any, shape []int, d, start, full int) any {
-	switch x := v.(type) {
+func padLocal(a alloc, spec *placement.Spec, g *placement.DTensor, shape []int, d, start, full int) (*placement.DTensor, error) {
+	switch v := g.LocalData().(type) {
 	case []float32:
-		return padT(a, x, shape, d, start, full)
+		return padT(a, spec, v, shape, d, start, full)
 	case []float64:
-		return padT(a, x, shape, d, start, full)
+		return padT(a, spec, v, shape, d, start, full)
 	}
-	return v
+	return nil, fmt.Errorf("autograd: local data of type %T", g.LocalData())
 }
 
-func concatAny(a alloc, blocks []any, shapes [][]int, d int) any {
+func concatLocal(a alloc, spec *placement.Spec, blocks []any, shapes [][]int, d int) (*placement.DTensor, error) {
 	switch blocks[0].(type) {
 	case []float32:
-		return concatT[float32](a, blocks, shapes, d)
-	default:
-		return concatT[float64](a, blocks, shapes, d)
+		return concatT[float32](a, spec, blocks, shapes, d)
+	case []float64:
+		return concatT[float64](a, spec, blocks, shapes, d)
 	}
+	return nil, fmt.Errorf("autograd: local data of type %T", blocks[0])
 }
 
-func narrowT[T float](a alloc, x []T, shape []int, d, start, length int) []T {
+func narrowT[T float](a alloc, spec *placement.Spec, x []T, shape []int, d, start, length int) (*placement.DTensor, error) {
 	outer, n, inner := splitDim(shape, d)
 	out := block[T](a, outer*length*inner)
-	for o := range outer {
-		copy(out[o*length*inner:(o+1)*length*inner], x[(o*n+start)*inner:(o*n+start+length)*inner])
+	if err := kernels.NarrowDim(out, x, outer, n, inner, start, length); err != nil {
+		return nil, fmt.Errorf("autograd: Narrow: internal: %w", err)
 	}
-	return out
+	return placement.NewLocal(spec, out)
 }
 
-func padT[T float](a alloc, g []T, shape []int, d, start, full int) []T {
+func padT[T float](a alloc, spec *placement.Spec, g []T, shape []int, d, start, full int) (*placement.DTensor, error) {
 	outer, n, inner := splitDim(shape, d)
 	out := block[T](a, outer*full*inner)
-	for o := range outer {
-		row := out[o*full*inner : (o+1)*full*inner]
-		if !a.fresh() { // arena memory: the padding must be cleared
-			clear(row[:start*inner])
-			clear(row[(start+n)*inner:])
-		}
-		copy(row[start*inner:(start+n)*inner], g[o*n*inner:(o+1)*n*inner])
+	if err := kernels.PadDim(out, g, outer, n, inner, start, full); err != nil {
+		return nil, fmt.Errorf("autograd: Narrow: internal: %w", err)
 	}
-	return out
+	return placement.NewLocal(spec, out)
 }
 
-func concatT[T float](a alloc, blocks []any, shapes [][]int, d int) []T {
+func concatT[T float](a alloc, spec *placement.Spec, blocks []any, shapes [][]int, d int) (*placement.DTensor, error) {
 	outer, _, inner := splitDim(shapes[0], d)
+	xs := make([][]T, len(blocks))
+	sizes := make([]int, len(blocks))
 	total := 0
-	for _, s := range shapes {
-		total += s[d]
+	for i, b := range blocks {
+		x, ok := b.([]T)
+		if !ok {
+			return nil, fmt.Errorf("autograd: Concat: internal: input %d holds %T, input 0 %T", i, b, blocks[0])
+		}
+		xs[i], sizes[i] = x, shapes[i][d]
+		total += sizes[i]
 	}
 	out := block[T](a, outer*total*inner)
-	off := 0
-	for i, b := range blocks {
-		x := b.([]T)
-		n := shapes[i][d]
-		for o := range outer {
-			copy(out[(o*total+off)*inner:(o*total+off+n)*inner], x[o*n*inner:(o+1)*n*inner])
-		}
-		off += n
+	if err := kernels.ConcatDim(out, xs, sizes, outer, inner); err != nil {
+		return nil, fmt.Errorf("autograd: Concat: internal: %w", err)
 	}
-	return out
+	return placement.NewLocal(spec, out)
 }
 
 // Permute returns x with its dims reordered: result dim i is input dim
@@ -434,84 +428,23 @@ func permuteLocal(a alloc, spec *placement.Spec, x *placement.DTensor, perm []in
 		if err != nil {
 			return nil, err
 		}
-		return placement.NewLocal(spec, permuteT(block[float32](a, len(d)), d, shape, perm))
+		return permuteT(spec, block[float32](a, len(d)), d, shape, perm)
 	}
 	d, err := dataOf[float64](x)
 	if err != nil {
 		return nil, err
 	}
-	return placement.NewLocal(spec, permuteT(block[float64](a, len(d)), d, shape, perm))
+	return permuteT(spec, block[float64](a, len(d)), d, shape, perm)
 }
 
 // permuteT writes into out (len(x) elements) the block of shape permuted
-// so that result dim i is input dim perm[i], and returns it. It walks the
-// result row by row: trailing dims that keep their order are merged into
-// one contiguous run copied at once, and otherwise the last result dim is
-// a strided gather.
-func permuteT[T float](out, x []T, shape, perm []int) []T {
+// so that result dim i is input dim perm[i] (kernels.PermuteDims).
+func permuteT[T float](spec *placement.Spec, out, x []T, shape, perm []int) (*placement.DTensor, error) {
 	out = out[:len(x)]
-	if len(x) == 0 {
-		return out
+	if err := kernels.PermuteDims(out, x, shape, perm); err != nil {
+		return nil, fmt.Errorf("autograd: Permute: internal: %w", err)
 	}
-	// Strides of the input, in result-dim order.
-	in := make([]int, len(shape))
-	s := 1
-	for d := len(shape) - 1; d >= 0; d-- {
-		in[d] = s
-		s *= shape[d]
-	}
-	oshape := make([]int, len(perm))
-	st := make([]int, len(perm))
-	for i, p := range perm {
-		oshape[i], st[i] = shape[p], in[p]
-	}
-	// Merge trailing result dims that are contiguous in the input.
-	r := len(oshape)
-	run := 1
-	for r > 0 && st[r-1] == run {
-		run *= oshape[r-1]
-		r--
-	}
-	if run > 1 || r == 0 {
-		// Copy runs of `run` contiguous elements; odometer over dims [0, r).
-		idx := make([]int, r)
-		j := 0
-		for o := 0; o < len(out); o += run {
-			copy(out[o:o+run], x[j:j+run])
-			for d := r - 1; d >= 0; d-- {
-				idx[d]++
-				j += st[d]
-				if idx[d] < oshape[d] {
-					break
-				}
-				j -= st[d] * oshape[d]
-				idx[d] = 0
-			}
-		}
-		return out
-	}
-	// The last result dim is strided in the input: gather each result row.
-	n, stride := oshape[r-1], st[r-1]
-	idx := make([]int, r-1)
-	j := 0
-	for o := 0; o < len(out); o += n {
-		row := out[o : o+n]
-		k := j
-		for c := range row {
-			row[c] = x[k]
-			k += stride
-		}
-		for d := r - 2; d >= 0; d-- {
-			idx[d]++
-			j += st[d]
-			if idx[d] < oshape[d] {
-				break
-			}
-			j -= st[d] * oshape[d]
-			idx[d] = 0
-		}
-	}
-	return out
+	return placement.NewLocal(spec, out)
 }
 
 // Reshape returns x with global shape shape (one entry may be -1). It

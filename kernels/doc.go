@@ -109,6 +109,20 @@
 // functions run portable loops on math.Exp and math.Erfc; both agree with
 // a float64 reference to within float32 rounding.
 //
+// # Elementwise, layout and float64 kernels
+//
+// The rest of an op's arithmetic is here too, so that every op of package
+// autograd is one kernel call a device can replace: [Add], [Mul],
+// [Scale], [Fill] and [FillRows]; [SumDims] and its adjoint
+// [BroadcastDims]; [PermuteDims]; [NarrowDim], its adjoint [PadDim] and
+// [ConcatDim]; [EmbeddingForward] and [EmbeddingBackward]. They are
+// generic over float32 and float64 and move or combine values exactly as
+// a plain loop does (float32 elementwise products and sums on the AVX2
+// lanes, which round the same). [GELU64], [Softmax64] (over any dim),
+// [CausalSoftmax64], [CrossEntropy64] and [LayerNorm64], with their
+// backwards, are the float64-computed forms of the row kernels, for
+// float64 tensors and layouts the float32 kernels do not take.
+//
 // # Peak throughput
 //
 // [EstimatePeak] estimates the CPU's peak single-precision FLOP/s from the

@@ -459,6 +459,34 @@ func BiasGELUBackward(dx, dbias, dy, deriv []float32, n int) error {
 	return nil
 }
 
+// ColumnSums sets out[j] to the sum over the rows of x (rows of n values)
+// of column j, accumulated in float64 row by row and rounded once to T:
+// the bias gradient of a linear layer. len(out) must be n.
+func ColumnSums[T Float](out, x []T, n int) error {
+	const op = "ColumnSums"
+	rows, err := rowCount(op, len(x), n)
+	if err != nil {
+		return err
+	}
+	if len(out) != n {
+		return fmt.Errorf("kernels: %s: %w: out has %d values for rows of %d", op, ErrInvalid, len(out), n)
+	}
+	if o32, ok := any(out).([]float32); ok {
+		colSums(o32, any(x).([]float32), n)
+		return nil
+	}
+	acc := make([]float64, n)
+	for r := range rows {
+		for j, v := range x[r*n : (r+1)*n] {
+			acc[j] += float64(v)
+		}
+	}
+	for j, v := range acc {
+		out[j] = T(v)
+	}
+	return nil
+}
+
 // colSums sets out[j] = Σ_r x[r·n + j] for the rows of x, accumulating in
 // float64.
 func colSums(out, x []float32, n int) {
@@ -467,21 +495,6 @@ func colSums(out, x []float32, n int) {
 	for j, v := range acc {
 		out[j] = float32(v)
 	}
-}
-
-// ColumnSums sets out[j] to the sum over the rows of x (rows of n values)
-// of column j, accumulated in float64: the bias gradient of a linear
-// layer. len(out) must be n.
-func ColumnSums(out, x []float32, n int) error {
-	const op = "ColumnSums"
-	if _, err := rowCount(op, len(x), n); err != nil {
-		return err
-	}
-	if len(out) != n {
-		return fmt.Errorf("kernels: %s: %w: out has %d values for rows of %d", op, ErrInvalid, len(out), n)
-	}
-	colSums(out, x, n)
-	return nil
 }
 
 // CrossEntropyRows returns Σ_r (logsumexp(x_r) − x_r[targets[r]]) over the
@@ -583,22 +596,34 @@ func CrossEntropyRowsBackward(w Workers, dx, logits []float32, targets []int64, 
 	return nil
 }
 
-// Add sets dst[i] = a[i] + b[i] (float32). dst may alias a or b; all three
-// must have the same length.
-func Add(dst, a, b []float32) error {
+// Add sets dst[i] = a[i] + b[i]. dst may alias a or b; all three must
+// have the same length. float32 runs on the vector kernel.
+func Add[T Float](dst, a, b []T) error {
 	if len(a) != len(dst) || len(b) != len(dst) {
 		return fmt.Errorf("kernels: Add: %w: lengths %d, %d and %d differ", ErrInvalid, len(dst), len(a), len(b))
 	}
-	addF32(dst, a, b)
+	if d32, ok := any(dst).([]float32); ok {
+		addF32(d32, any(a).([]float32), any(b).([]float32))
+		return nil
+	}
+	for i, v := range a {
+		dst[i] = v + b[i]
+	}
 	return nil
 }
 
-// Mul sets dst[i] = a[i]·b[i] (float32). dst may alias a or b; all three
-// must have the same length.
-func Mul(dst, a, b []float32) error {
+// Mul sets dst[i] = a[i]·b[i]. dst may alias a or b; all three must have
+// the same length. float32 runs on the vector kernel.
+func Mul[T Float](dst, a, b []T) error {
 	if len(a) != len(dst) || len(b) != len(dst) {
 		return fmt.Errorf("kernels: Mul: %w: lengths %d, %d and %d differ", ErrInvalid, len(dst), len(a), len(b))
 	}
-	mulF32(dst, a, b)
+	if d32, ok := any(dst).([]float32); ok {
+		mulF32(d32, any(a).([]float32), any(b).([]float32))
+		return nil
+	}
+	for i, v := range a {
+		dst[i] = v * b[i]
+	}
 	return nil
 }
