@@ -141,6 +141,15 @@ func TestFakeStreamOrder(t *testing.T) {
 	if d, err := t1.Since(t0); err != nil || d != 750*time.Microsecond {
 		t.Errorf("Since = %v, %v, want 750µs", d, err)
 	}
+	// The driver itself was told which events time: one made without,
+	// passed off as timing, is refused by cuEventElapsedTime.
+	e.timing = true
+	must(t, e.Record(a))
+	must(t, e.Synchronize())
+	if _, err := t1.Since(e); !errors.As(err, &ce) || ce.Code != 400 {
+		t.Errorf("Since from an event made without timing: %v, want the driver's CUDA_ERROR_INVALID_HANDLE", err)
+	}
+	e.timing = false
 	if d, err := a.Time(func() error { return a.Copy(dst, src, 16) }); err != nil || d != 250*time.Microsecond {
 		t.Errorf("Stream.Time = %v, %v, want 250µs", d, err)
 	}
