@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks of loom's MoE permute kernels (package kernels/cuda).
+# GPU checks of loom's CUDA binding and MoE permute kernels (package
+# device/cuda).
 #
 # Builds the package's test binary with `go test -c` and runs all of its
 # tests with LOOM_CUDA_REQUIRE=1 (a missing driver, NVRTC or device fails
@@ -8,6 +9,8 @@
 #     kernels on random data, float32 and float64;
 #   - TestGPUBandwidth: GB/s of each kernel next to cuMemcpyDtoD of the
 #     same bytes, and the ratio;
+#   - TestGPUStreamsAndCache: two streams ordered by an event, timing
+#     events, MemInfo, and a compile read back from a fresh kernel cache;
 #   - the tests that need no GPU (fake driver, argument packing, ...).
 # Then it trains the tiny GPT for 20 steps on one GPU rank under loomrun
 # (`loomrun -n 1 transformer -dp 1 -tp 1`, the NCCL backend end to end) and
@@ -16,12 +19,13 @@
 #
 # Usage: scripts/gpu_check.sh [prebuilt-test-binary]
 #   With an argument, runs that binary (built elsewhere with
-#   `go test -c -o cuda.test ./kernels/cuda`) instead of building one, for
+#   `go test -c -o cuda.test ./device/cuda`) instead of building one, for
 #   machines without a Go toolchain; then LOOMRUN and TRANSFORMER name
 #   prebuilt `go build ./cmd/loomrun` and `go build ./examples/transformer`
 #   binaries (without them the training run is skipped, and says so).
-# Environment: LOOM_CUDA_DRIVER, LOOM_NVRTC force the libraries (see
-# `go doc ./kernels/cuda`); GPU_CHECK_TIMEOUT bounds the run (default 15m).
+# Environment: LOOM_CUDA_DRIVER, LOOM_NVRTC force the libraries and
+# LOOM_KERNEL_CACHE sets the kernel cache (see
+# `go doc ./device/cuda`); GPU_CHECK_TIMEOUT bounds the run (default 15m).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,7 +39,7 @@ else
 	command -v go >/dev/null || { echo "gpu_check: no go toolchain; pass a prebuilt test binary" >&2; exit 2; }
 	bin=$work/cuda.test
 	echo "gpu_check: building $bin"
-	(cd "$root" && go test -c -o "$bin" ./kernels/cuda)
+	(cd "$root" && go test -c -o "$bin" ./device/cuda)
 fi
 
 if command -v nvidia-smi >/dev/null; then
@@ -44,7 +48,7 @@ fi
 
 export LOOM_CUDA_REQUIRE=1 LOOM_CUDA_BENCH=1
 # The tests read testdata/ relative to the package directory.
-cd "$root/kernels/cuda"
+cd "$root/device/cuda"
 set +e
 "$bin" -test.v -test.count=1 -test.timeout "${GPU_CHECK_TIMEOUT:-15m}" 2>&1 | tee "$work/log"
 status=${PIPESTATUS[0]}

@@ -13,7 +13,7 @@ import (
 const NCCLEnv = "LOOM_NCCL"
 
 // CUDAEnv names the environment variable that forces the CUDA driver
-// library (the same variable kernels/cuda reads): a soname or path, or
+// library (the same variable device/cuda reads): a soname or path, or
 // "off". WithCUDA takes precedence.
 const CUDAEnv = "LOOM_CUDA_DRIVER"
 

@@ -1,7 +1,7 @@
 // Package dynlib opens shared libraries at run time and binds their entry
 // points to Go function variables, without cgo: it calls dlopen and dlsym
 // through github.com/ebitengine/purego. It is the loader behind package
-// kernels (OpenBLAS, BLIS and other CBLAS libraries), kernels/cuda (the CUDA
+// kernels (OpenBLAS, BLIS and other CBLAS libraries), device/cuda (the CUDA
 // driver and NVRTC) and comm/nccl (NCCL and the CUDA driver).
 //
 // Loading one library takes three steps:

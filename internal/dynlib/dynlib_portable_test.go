@@ -51,7 +51,7 @@ func TestLoadErrorText(t *testing.T) {
 	}
 }
 
-// attempt is a package's own attempt type, as kernels/cuda and comm/nccl
+// attempt is a package's own attempt type, as device/cuda and comm/nccl
 // declare it.
 type attempt struct {
 	Library string

@@ -23,8 +23,9 @@ import (
 
 // fakeCounters reads the fake's resource counters.
 type fakeCounters struct {
-	allocs, ctxRefs, modules, events func() int32
-	launches                         func() int64
+	allocs, ctxRefs, modules, events, streams func() int32
+	launches, compiles                        func() int64
+	setNVRTCVersion                           func(major, minor int32)
 }
 
 // buildFake compiles the fake driver once per test binary run into dir and
@@ -49,6 +50,8 @@ func buildFake(t *testing.T) (string, *fakeCounters) {
 	if err := dl.Bind([]dynlib.Symbol{
 		{Name: "fake_live_allocs", Fn: &f.allocs}, {Name: "fake_ctx_refs", Fn: &f.ctxRefs}, {Name: "fake_modules", Fn: &f.modules},
 		{Name: "fake_events", Fn: &f.events}, {Name: "fake_launches", Fn: &f.launches},
+		{Name: "fake_streams", Fn: &f.streams}, {Name: "fake_compiles", Fn: &f.compiles},
+		{Name: "fake_set_nvrtc_version", Fn: &f.setNVRTCVersion},
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -57,7 +60,7 @@ func buildFake(t *testing.T) (string, *fakeCounters) {
 
 func TestFakeDriver(t *testing.T) {
 	lib, fc := buildFake(t)
-	l, err := Load(WithDriver(lib), WithNVRTC(lib))
+	l, err := Load(WithDriver(lib), WithNVRTC(lib), WithKernelCache(Off))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,14 +138,14 @@ func TestFakeDriver(t *testing.T) {
 	if f.Name() != kGatherW4 {
 		t.Errorf("Function.Name() = %q, want %q", f.Name(), kGatherW4)
 	}
-	if err := c.Launch(f, Dim3{X: 1}, Dim3{X: 32}, 0, 5); err == nil || !strings.Contains(err.Error(), "is an int") {
+	if err := c.Legacy().Launch(f, Dim3{X: 1}, Dim3{X: 32}, 0, 5); err == nil || !strings.Contains(err.Error(), "is an int") {
 		t.Errorf("Launch with an int: %v", err)
 	}
-	if err := c.Launch(Function{}, Dim3{X: 1}, Dim3{X: 32}, 0); err == nil {
+	if err := c.Legacy().Launch(Function{}, Dim3{X: 1}, Dim3{X: 32}, 0); err == nil {
 		t.Error("Launch of the zero Function: no error")
 	}
 	// The driver's own rejection of a launch is reported with the call.
-	if err := c.Launch(f, Dim3{X: 1}, Dim3{X: 2048}, 0, Buffer{}, Buffer{}, Buffer{}, int32(1), int64(0), int64(0)); !errors.As(err, &ce) || ce.Call != "cuLaunchKernel" {
+	if err := c.Legacy().Launch(f, Dim3{X: 1}, Dim3{X: 2048}, 0, Buffer{}, Buffer{}, Buffer{}, int32(1), int64(0), int64(0)); !errors.As(err, &ce) || ce.Call != "cuLaunchKernel" {
 		t.Errorf("Launch with 2048 threads: %v", err)
 	}
 
@@ -172,7 +175,7 @@ func TestFakeDriver(t *testing.T) {
 
 	// Timing and device-to-device copies.
 	before := fc.launches()
-	d, err := c.Time(func() error { return c.CopyDtoD(small, small, 16) })
+	d, err := c.Legacy().Time(func() error { return c.CopyDtoD(small, small, 16) })
 	if err != nil || d != 250*time.Microsecond {
 		t.Errorf("Time = %v, %v", d, err)
 	}
@@ -214,8 +217,8 @@ func TestFakeDriver(t *testing.T) {
 		if err := l.Close(); err != nil {
 			t.Error(err)
 		}
-		if a, r, mo, e := fc.allocs(), fc.ctxRefs(), fc.modules(), fc.events(); a != 0 || r != 0 || mo != 0 || e != 0 {
-			t.Errorf("leaked: %d allocations, %d context references, %d modules, %d events", a, r, mo, e)
+		if a, r, mo, e, s := fc.allocs(), fc.ctxRefs(), fc.modules(), fc.events(), fc.streams(); a != 0 || r != 0 || mo != 0 || e != 0 || s != 0 {
+			t.Errorf("leaked: %d allocations, %d context references, %d modules, %d events, %d streams", a, r, mo, e, s)
 		}
 	})
 }

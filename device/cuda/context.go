@@ -1,11 +1,11 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
 	"sync"
-	"time"
 	"unsafe"
 )
 
@@ -61,9 +61,16 @@ type Context struct {
 	major   int
 	minor   int
 	sms     int
+	total   int64
 
 	mu     sync.RWMutex
 	closed bool
+
+	// modMu guards modules, the programs CompileModule loaded, by the
+	// key of their source, options and target; Close unloads them.
+	modMu      sync.Mutex
+	modules    map[string]*Module
+	modsClosed bool
 }
 
 // Open retains the primary context of device ordinal (0-based) and reads
@@ -98,6 +105,11 @@ func (l *Lib) Open(ordinal int) (*Context, error) {
 		}
 		*a.dst = int(v)
 	}
+	var total uintptr
+	if err := l.cuCheck("cuDeviceTotalMem_v2", d.cuDeviceTotalMem_v2(&total, c.dev), what); err != nil {
+		return nil, err
+	}
+	c.total = int64(total)
 	if err := l.cuCheck("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(&c.ctx, c.dev), what); err != nil {
 		return nil, err
 	}
@@ -116,10 +128,60 @@ func (c *Context) ComputeCapability() (major, minor int) { return c.major, c.min
 // Multiprocessors returns the device's number of SMs.
 func (c *Context) Multiprocessors() int { return c.sms }
 
-// Close releases the primary context (cuDevicePrimaryCtxRelease). Free
-// every Buffer, [Module] and [MoE] made through c first. Closing twice is a
-// no-op.
+// TotalMemory returns the device's memory in bytes (cuDeviceTotalMem_v2).
+func (c *Context) TotalMemory() int64 { return c.total }
+
+// MemInfo returns the device's free and total memory in bytes as the
+// driver sees them, every process's allocations counted (cuMemGetInfo_v2).
+func (c *Context) MemInfo() (free, total int64, err error) {
+	var f, t uintptr
+	err = c.do("MemInfo", func(d *driverFns) error {
+		return c.lib.cuCheck("cuMemGetInfo_v2", d.cuMemGetInfo_v2(&f, &t), "")
+	})
+	if err != nil {
+		return 0, 0, err
+	}
+	return int64(f), int64(t), nil
+}
+
+// PCIBusID returns the device's PCI address as the driver reports it
+// (cuDeviceGetPCIBusId), "domain:bus:device.function" in hex, for matching
+// CUDA ordinals with NVML's devices. It fails with [ErrUnsupported] when
+// the driver lacks the entry point.
+func (c *Context) PCIBusID() (string, error) {
+	var buf [64]byte
+	err := c.do("PCIBusID", func(d *driverFns) error {
+		if d.cuDeviceGetPCIBusId == nil {
+			return fmt.Errorf("cuda: PCIBusID: %w: the CUDA driver has no cuDeviceGetPCIBusId", ErrUnsupported)
+		}
+		return c.lib.cuCheck("cuDeviceGetPCIBusId", d.cuDeviceGetPCIBusId(&buf[0], int32(len(buf)), c.dev),
+			fmt.Sprintf("device %d", c.ordinal))
+	})
+	if err != nil {
+		return "", err
+	}
+	return goString(&buf[0]), nil
+}
+
+// Close unloads the modules of [Context.CompileModule] and releases the
+// primary context (cuDevicePrimaryCtxRelease). Free every Buffer, [Stream],
+// [Event], [Module] of [Context.LoadModule] and [MoE] made through c
+// first. Closing twice is a no-op.
 func (c *Context) Close() error {
+	if c == nil {
+		return nil
+	}
+	c.modMu.Lock()
+	mods := c.modules
+	c.modules, c.modsClosed = nil, true
+	c.modMu.Unlock()
+	var errs []error
+	for _, m := range mods {
+		errs = append(errs, m.unload())
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -272,8 +334,10 @@ func (c *Context) Synchronize() error {
 
 // Module is a loaded CUDA module (cuModuleLoadData); Close unloads it.
 type Module struct {
-	ctx *Context
-	mod uintptr
+	ctx    *Context
+	mod    uintptr
+	prog   *Program // the compiled program, for modules of CompileModule
+	shared bool     // owned by ctx's module cache: Close leaves it loaded
 
 	mu     sync.Mutex
 	closed bool
@@ -322,8 +386,23 @@ func (m *Module) Function(name string) (Function, error) {
 	return Function{name: name, fn: fn}, nil
 }
 
-// Close unloads the module (cuModuleUnload). Closing twice is a no-op.
+// Program returns the program the module was compiled from, for a module
+// of [Context.CompileModule]; nil for one of [Context.LoadModule].
+func (m *Module) Program() *Program { return m.prog }
+
+// Close unloads the module (cuModuleUnload). A module of
+// [Context.CompileModule] is shared by every caller that compiled the same
+// program and stays loaded until the Context closes, so its Close is a
+// no-op. Closing twice is a no-op.
 func (m *Module) Close() error {
+	if m.shared {
+		return nil
+	}
+	return m.unload()
+}
+
+// unload unloads the module unless it already is.
+func (m *Module) unload() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
@@ -335,12 +414,76 @@ func (m *Module) Close() error {
 	})
 }
 
-// Launch enqueues kernel f on the default stream (cuLaunchKernel) with the
-// given grid, block and dynamic shared memory, passing args in order (see
-// the package doc for the accepted types). It returns once the launch is
-// enqueued; errors in the kernel itself surface at the next synchronising
-// call.
-func (c *Context) Launch(f Function, grid, block Dim3, sharedBytes int, args ...any) error {
+// CompileModule compiles CUDA C++ source src (name is used in messages)
+// for c's device with NVRTC options extra, through the on-disk kernel
+// cache ([Lib.Compile]), and loads it. The target is [ChooseArch]'s for
+// the device and NVRTC's supported architectures. The module is kept per
+// context: compiling the same source with the same options again returns
+// the same *Module without calling NVRTC or the driver. It stays loaded
+// until c closes (its Close is a no-op). Failures are [Lib.Compile]'s
+// (a *CompileError with NVRTC's log) and the driver's.
+func (c *Context) CompileModule(src, name string, extra ...string) (*Module, error) {
+	if c == nil {
+		return nil, fmt.Errorf("cuda: CompileModule %s: %w: nil Context", name, ErrInvalid)
+	}
+	archs, err := c.lib.SupportedArchs()
+	if err != nil {
+		return nil, fmt.Errorf("cuda: CompileModule %s: %w", name, err)
+	}
+	arch, ptx, err := ChooseArch(c.major*10+c.minor, archs)
+	if err != nil {
+		return nil, err
+	}
+	o := CompileOptions{Arch: arch, PTX: ptx, Extra: extra}
+	// Lib.Compile may turn ptx on (an NVRTC without cubins), which the
+	// options then say; the key needs no NVRTC version, as c's Lib has one.
+	key := cacheKey(src, CompileFlags(o), arch, ptx, 0, 0)
+	c.modMu.Lock()
+	defer c.modMu.Unlock()
+	if c.modsClosed {
+		return nil, fmt.Errorf("cuda: CompileModule %s: %w: Context is closed", name, ErrInvalid)
+	}
+	if m := c.modules[key]; m != nil {
+		return m, nil
+	}
+	prog, err := c.lib.Compile(src, name, o)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: CompileModule: %w", err)
+	}
+	m, err := c.LoadModule(prog.Image)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: CompileModule %s: %w", name, err)
+	}
+	m.prog, m.shared = prog, true
+	if c.modules == nil {
+		c.modules = map[string]*Module{}
+	}
+	c.modules[key] = m
+	return m, nil
+}
+
+// SetMaxDynamicSharedMemory lets kernel f take up to bytes of dynamic
+// shared memory per block (cuFuncSetAttribute with
+// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES); launches asking for more
+// than 48 KiB fail without it.
+func (c *Context) SetMaxDynamicSharedMemory(f Function, bytes int) error {
+	if f.fn == 0 {
+		return fmt.Errorf("cuda: SetMaxDynamicSharedMemory: %w: zero Function", ErrInvalid)
+	}
+	if bytes < 0 || bytes > math.MaxInt32 {
+		return fmt.Errorf("cuda: SetMaxDynamicSharedMemory %s: %w: bad size %d", f.name, ErrInvalid, bytes)
+	}
+	return c.do("SetMaxDynamicSharedMemory", func(d *driverFns) error {
+		return c.lib.cuCheck("cuFuncSetAttribute", d.cuFuncSetAttribute(f.fn, funcMaxDynamicSmem, int32(bytes)),
+			fmt.Sprintf("letting %s use %d bytes of shared memory", f.name, bytes))
+	})
+}
+
+// Launch queues kernel f on s (cuLaunchKernel) with the given grid, block
+// and dynamic shared memory, passing args in order (see the package doc
+// for the accepted types). It returns once the launch is queued; errors
+// in the kernel itself surface at the next synchronising call.
+func (s *Stream) Launch(f Function, grid, block Dim3, sharedBytes int, args ...any) error {
 	if f.fn == 0 {
 		return fmt.Errorf("cuda: Launch: %w: zero Function", ErrInvalid)
 	}
@@ -352,7 +495,7 @@ func (c *Context) Launch(f Function, grid, block Dim3, sharedBytes int, args ...
 		return fmt.Errorf("cuda: Launch %s: %w", f.name, err)
 	}
 	g, b := grid.norm(), block.norm()
-	return c.do("Launch", func(d *driverFns) error {
+	return s.do("Launch", func(d *driverFns) error {
 		var params unsafe.Pointer
 		var pin runtime.Pinner
 		defer pin.Unpin()
@@ -361,62 +504,7 @@ func (c *Context) Launch(f Function, grid, block Dim3, sharedBytes int, args ...
 			pin.Pin(&k.ptrs[0])
 			params = unsafe.Pointer(&k.ptrs[0])
 		}
-		res := d.cuLaunchKernel(f.fn, g.X, g.Y, g.Z, b.X, b.Y, b.Z, uint32(sharedBytes), 0, params, nil)
-		return c.lib.cuCheck("cuLaunchKernel", res, fmt.Sprintf("launching %s on grid %v, block %v", f.name, g, b))
+		res := d.cuLaunchKernel(f.fn, g.X, g.Y, g.Z, b.X, b.Y, b.Z, uint32(sharedBytes), s.h, params, nil)
+		return s.ctx.lib.cuCheck("cuLaunchKernel", res, fmt.Sprintf("launching %s on grid %v, block %v", f.name, g, b))
 	})
-}
-
-// Time runs f, which issues work through c, between two events on the
-// default stream and returns the device time between them
-// (cuEventElapsedTime, about 0.5 µs resolution). f's own error is returned
-// as is.
-func (c *Context) Time(f func() error) (time.Duration, error) {
-	var start, end uintptr
-	err := c.do("Time", func(d *driverFns) error {
-		if err := c.lib.cuCheck("cuEventCreate", d.cuEventCreate(&start, 0), "timing"); err != nil {
-			return err
-		}
-		if err := c.lib.cuCheck("cuEventCreate", d.cuEventCreate(&end, 0), "timing"); err != nil {
-			_ = d.cuEventDestroy_v2(start) // cleanup; the create error is the one to report
-			start = 0
-			return err
-		}
-		return c.lib.cuCheck("cuEventRecord", d.cuEventRecord(start, 0), "timing")
-	})
-	// destroy releases the events; a failure to destroy one leaks an
-	// event handle and is not worth failing a timing that succeeded, so its
-	// errors are dropped.
-	destroy := func() {
-		_ = c.do("Time", func(d *driverFns) error {
-			if start != 0 {
-				_ = d.cuEventDestroy_v2(start)
-			}
-			if end != 0 {
-				_ = d.cuEventDestroy_v2(end)
-			}
-			return nil
-		})
-	}
-	if err != nil {
-		destroy()
-		return 0, err
-	}
-	defer destroy()
-	if err := f(); err != nil {
-		return 0, err
-	}
-	var ms float32
-	err = c.do("Time", func(d *driverFns) error {
-		if err := c.lib.cuCheck("cuEventRecord", d.cuEventRecord(end, 0), "timing"); err != nil {
-			return err
-		}
-		if err := c.lib.cuCheck("cuEventSynchronize", d.cuEventSynchronize(end), "timing"); err != nil {
-			return err
-		}
-		return c.lib.cuCheck("cuEventElapsedTime", d.cuEventElapsedTime(&ms, start, end), "timing")
-	})
-	if err != nil {
-		return 0, err
-	}
-	return time.Duration(float64(ms) * float64(time.Millisecond)), nil
 }

@@ -28,8 +28,8 @@ const Off = "off"
 type Option func(*loadConfig)
 
 type loadConfig struct {
-	driver, nvrtc       string
-	driverSet, nvrtcSet bool
+	driver, nvrtc, cache          string
+	driverSet, nvrtcSet, cacheSet bool
 }
 
 // WithDriver forces the CUDA driver library, overriding [DriverEnv]: a
@@ -241,6 +241,7 @@ func soVersion(p string) []int {
 type Lib struct {
 	driverPath, nvrtcPath string
 	tried                 []Attempt
+	cacheDir              string // on-disk kernel cache; "" when off
 
 	drv *driverFns // nil when the driver is off
 	rtc *nvrtcFns  // nil when NVRTC is off
@@ -251,7 +252,9 @@ type Lib struct {
 }
 
 // Load opens the CUDA driver and NVRTC as configured by opts, [DriverEnv]
-// and [NVRTCEnv], and initialises the driver (cuInit). It returns a
+// and [NVRTCEnv], and initialises the driver (cuInit). The kernel cache
+// folder is chosen here too ([KernelCacheEnv]) but made only when a
+// program is first stored. It returns a
 // [*LoadError] listing every attempt when a needed library cannot be
 // loaded, and an [*Error] when cuInit fails (for example
 // CUDA_ERROR_NO_DEVICE on a machine with a driver but no GPU).
@@ -262,7 +265,7 @@ func Load(opts ...Option) (*Lib, error) {
 			o(&c)
 		}
 	}
-	l := &Lib{}
+	l := &Lib{cacheDir: kernelCacheDir(c, os.Getenv, os.UserCacheDir)}
 	if driver := dynlib.SpecFrom(c.driver, c.driverSet, DriverEnv); !driver.Off() {
 		f, lib, tried, err := dynlib.First(driver.Search("driver", DriverCandidates()...), openDriver)
 		l.tried = append(l.tried, dynlib.AttemptsAs[Attempt](tried)...)

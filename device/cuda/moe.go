@@ -78,46 +78,54 @@ func ChooseArch(cc int, supported []int) (arch int, ptx bool, err error) {
 
 // MoE holds the compiled permute kernels of [Source] loaded on one
 // [Context]. Its methods mirror package kernels' permute kernels on device
-// buffers: they check buffer sizes, enqueue the kernels on the default
-// stream and return without waiting ([Context.Synchronize] waits). Close it
-// before the Context.
+// buffers: they check buffer sizes, queue the copies and kernels on the
+// MoE's stream (the legacy default stream unless [WithStream]) and return
+// without waiting ([Stream.Synchronize] or [Context.Synchronize] waits).
+// Close it before the Context.
 type MoE struct {
-	ctx  *Context
-	mod  *Module
-	prog *Program
-	fns  map[string]Function
+	ctx    *Context
+	stream *Stream
+	mod    *Module
+	fns    map[string]Function
 
 	mu     sync.Mutex
 	closed bool
 }
 
-// NewMoE compiles [Source] with c's Lib for c's device (see [ChooseArch])
-// and loads it on c.
-func NewMoE(c *Context) (*MoE, error) {
+// MoEOption configures [NewMoE].
+type MoEOption func(*moeConfig)
+
+type moeConfig struct{ stream *Stream }
+
+// WithStream makes the MoE queue its uploads and kernels on s, a stream of
+// the MoE's Context, instead of the legacy default stream.
+func WithStream(s *Stream) MoEOption {
+	return func(c *moeConfig) { c.stream = s }
+}
+
+// NewMoE compiles [Source] for c's device through c's module cache
+// ([Context.CompileModule]) and looks up its kernels.
+func NewMoE(c *Context, opts ...MoEOption) (*MoE, error) {
 	if c == nil {
 		return nil, fmt.Errorf("cuda: NewMoE: %w: nil Context", ErrInvalid)
 	}
-	archs, err := c.lib.SupportedArchs()
+	cfg := moeConfig{stream: c.Legacy()}
+	for _, o := range opts {
+		if o != nil {
+			o(&cfg)
+		}
+	}
+	if cfg.stream == nil || cfg.stream.ctx != c {
+		return nil, fmt.Errorf("cuda: NewMoE: %w: WithStream needs a stream of the same Context", ErrInvalid)
+	}
+	mod, err := c.CompileModule(Source(), "loom_permute.cu")
 	if err != nil {
 		return nil, fmt.Errorf("cuda: NewMoE: %w", err)
 	}
-	arch, ptx, err := ChooseArch(c.major*10+c.minor, archs)
-	if err != nil {
-		return nil, err
-	}
-	prog, err := c.lib.Compile(Source(), "loom_permute.cu", CompileOptions{Arch: arch, PTX: ptx})
-	if err != nil {
-		return nil, fmt.Errorf("cuda: NewMoE: %w", err)
-	}
-	mod, err := c.LoadModule(prog.Image)
-	if err != nil {
-		return nil, fmt.Errorf("cuda: NewMoE: %w", err)
-	}
-	m := &MoE{ctx: c, mod: mod, prog: prog, fns: map[string]Function{}}
+	m := &MoE{ctx: c, stream: cfg.stream, mod: mod, fns: map[string]Function{}}
 	for _, n := range KernelNames() {
 		f, err := mod.Function(n)
 		if err != nil {
-			_ = mod.Close() // cleanup; the lookup error is the one to report
 			return nil, fmt.Errorf("cuda: NewMoE: %w", err)
 		}
 		m.fns[n] = f
@@ -126,18 +134,19 @@ func NewMoE(c *Context) (*MoE, error) {
 }
 
 // Program returns the compiled program: its options (architecture), PTX
-// or cubin, and NVRTC's log.
-func (m *MoE) Program() *Program { return m.prog }
+// or cubin, NVRTC's log, and whether it came from the kernel cache.
+func (m *MoE) Program() *Program { return m.mod.Program() }
 
-// Close unloads the kernels. Closing twice is a no-op.
+// Stream returns the stream the MoE queues its work on.
+func (m *MoE) Stream() *Stream { return m.stream }
+
+// Close makes the MoE unusable. Its module stays in the Context's module
+// cache until the Context closes. Closing twice is a no-op.
 func (m *MoE) Close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.closed {
-		return nil
-	}
 	m.closed = true
-	return m.mod.Close()
+	return nil
 }
 
 // fn returns kernel name, or an error when m is closed.
@@ -184,17 +193,19 @@ func (m *MoE) Upload(r *kernels.Routing) (*DeviceRouting, error) {
 	}
 	d := &DeviceRouting{Tokens: r.Tokens, TopK: r.TopK, Rows: rows, ctx: m.ctx}
 	var err error
-	if d.RowSlot, err = uploadInt32(m.ctx, r.RowSlot); err != nil {
+	if d.RowSlot, err = m.uploadInt32(r.RowSlot); err != nil {
 		return nil, fmt.Errorf("cuda: Upload: %w", err)
 	}
-	if d.SlotRow, err = uploadInt32(m.ctx, r.SlotRow); err != nil {
+	if d.SlotRow, err = m.uploadInt32(r.SlotRow); err != nil {
 		_ = m.ctx.Free(d.RowSlot) // cleanup; the upload error is the one to report
 		return nil, fmt.Errorf("cuda: Upload: %w", err)
 	}
 	return d, nil
 }
 
-// Free releases the device maps. Freeing twice is a no-op.
+// Free releases the device maps (cuMemFree_v2), once the kernels that
+// read them have completed (synchronise the MoE's stream first). Freeing
+// twice is a no-op.
 func (d *DeviceRouting) Free() error {
 	if d == nil || d.ctx == nil {
 		return nil
@@ -218,13 +229,15 @@ func checkIndex(what string, idx []int32, limit int) error {
 	return nil
 }
 
-// uploadInt32 allocates a buffer for idx and copies it there.
-func uploadInt32(c *Context, idx []int32) (Buffer, error) {
+// uploadInt32 allocates a buffer for idx and queues copying it there on
+// m's stream, ahead of the kernels that read it.
+func (m *MoE) uploadInt32(idx []int32) (Buffer, error) {
+	c := m.ctx
 	b, err := c.Alloc(4 * len(idx))
 	if err != nil {
 		return Buffer{}, err
 	}
-	if err := CopyToDevice(c, b, idx); err != nil {
+	if err := CopyToDeviceAsync(m.stream, b, idx); err != nil {
 		_ = c.Free(b) // cleanup; the copy error is the one to report
 		return Buffer{}, err
 	}
@@ -250,14 +263,15 @@ func (m *MoE) UploadRowMap(idx []int32, srcRows int) (*RowMap, error) {
 	if err := checkIndex("UploadRowMap: idx", idx, srcRows); err != nil {
 		return nil, err
 	}
-	b, err := uploadInt32(m.ctx, idx)
+	b, err := m.uploadInt32(idx)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: UploadRowMap: %w", err)
 	}
 	return &RowMap{Rows: len(idx), SrcRows: srcRows, Idx: b, ctx: m.ctx}, nil
 }
 
-// Free releases the device index. Freeing twice is a no-op.
+// Free releases the device index (cuMemFree_v2), once the kernels that
+// read it have completed. Freeing twice is a no-op.
 func (r *RowMap) Free() error {
 	if r == nil || r.ctx == nil {
 		return nil
@@ -383,7 +397,7 @@ func (m *MoE) gather(op string, dst, src, idx Buffer, rows, div, rowBytes int) e
 	}
 	words := rowBytes / w
 	grid, block := rowLaunch(rows, words)
-	if err := m.ctx.Launch(f, grid, block, 0, dst, src, idx, int32(div), int64(rows), int64(words)); err != nil {
+	if err := m.stream.Launch(f, grid, block, 0, dst, src, idx, int32(div), int64(rows), int64(words)); err != nil {
 		return fmt.Errorf("cuda: %s: %w", op, err)
 	}
 	return nil
@@ -497,7 +511,7 @@ func (m *MoE) Unpermute(t DType, out, packed, gates Buffer, d int, r *DeviceRout
 		return err
 	}
 	grid, block := rowLaunch(r.Tokens, d/v)
-	if err := m.ctx.Launch(f, grid, block, 0, out, packed, gates, r.SlotRow, int32(r.TopK), int64(r.Tokens), int64(d)); err != nil {
+	if err := m.stream.Launch(f, grid, block, 0, out, packed, gates, r.SlotRow, int32(r.TopK), int64(r.Tokens), int64(d)); err != nil {
 		return fmt.Errorf("cuda: %s: %w", op, err)
 	}
 	return nil
@@ -535,7 +549,7 @@ func (m *MoE) UnpermuteBackward(t DType, dpacked, dgates, dout, packed, gates Bu
 			return err
 		}
 		grid, block := rowLaunch(r.Rows, d/v)
-		if err := m.ctx.Launch(f, grid, block, 0, dpacked, dout, gates, r.RowSlot, int32(r.TopK), int64(r.Rows), int64(d)); err != nil {
+		if err := m.stream.Launch(f, grid, block, 0, dpacked, dout, gates, r.RowSlot, int32(r.TopK), int64(r.Rows), int64(d)); err != nil {
 			return fmt.Errorf("cuda: %s: %w", op, err)
 		}
 	}
@@ -546,7 +560,7 @@ func (m *MoE) UnpermuteBackward(t DType, dpacked, dgates, dout, packed, gates Bu
 			return err
 		}
 		grid, block := warpLaunch(slots)
-		if err := m.ctx.Launch(f, grid, block, 0, dgates, packed, dout, r.SlotRow, int32(r.TopK), int64(slots), int64(d)); err != nil {
+		if err := m.stream.Launch(f, grid, block, 0, dgates, packed, dout, r.SlotRow, int32(r.TopK), int64(slots), int64(d)); err != nil {
 			return fmt.Errorf("cuda: %s: %w", op, err)
 		}
 	}

@@ -75,10 +75,19 @@ type Program struct {
 	Image []byte
 	// PTX is true when Image is PTX.
 	PTX bool
-	// Log is NVRTC's compilation log (warnings), often empty.
+	// Log is NVRTC's compilation log (warnings), often empty; empty when
+	// Cached.
 	Log string
 	// Options are the options the program was compiled with.
 	Options []string
+	// Cached is true when Image came from the on-disk kernel cache
+	// ([KernelCacheEnv]) instead of NVRTC.
+	Cached bool
+	// CacheErr says why a freshly compiled program could not be stored
+	// in the kernel cache (a read-only folder, a full disk); nil when it
+	// was stored, came from the cache, or the cache is off. It does not
+	// fail the compilation.
+	CacheErr error
 }
 
 // CompileFlags returns the NVRTC options Compile passes for o: the
@@ -93,9 +102,12 @@ func CompileFlags(o CompileOptions) []string {
 }
 
 // Compile compiles CUDA C++ source src (name is used in messages) with
-// NVRTC. It returns a [*CompileError] with NVRTC's log when the source does
-// not compile, and an [*Error] for any other failed call. The program is
-// destroyed before Compile returns.
+// NVRTC, or, when the kernel cache ([KernelCacheEnv]) is on, takes the
+// image from the cache file of the same source, options, target and NVRTC
+// version (Program.Cached), storing a fresh compilation there. It returns
+// a [*CompileError] with NVRTC's log when the source does not compile, and
+// an [*Error] for any other failed call. The program is destroyed before
+// Compile returns.
 func (l *Lib) Compile(src, name string, o CompileOptions) (*Program, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
@@ -111,6 +123,29 @@ func (l *Lib) Compile(src, name string, o CompileOptions) (*Program, error) {
 	}
 	opts := CompileFlags(o)
 	what := "compiling " + name
+	if l.cacheDir == "" {
+		return l.compile(r, src, name, o.PTX, opts)
+	}
+	var major, minor int32
+	if e := l.rtcCheck("nvrtcVersion", r.nvrtcVersion(&major, &minor), what); e != nil {
+		return nil, e
+	}
+	file := cachePath(l.cacheDir, cacheKey(src, opts, o.Arch, o.PTX, int(major), int(minor)), o.PTX)
+	if image := readCache(file); image != nil {
+		return &Program{Image: image, PTX: o.PTX, Options: opts, Cached: true}, nil
+	}
+	p, err := l.compile(r, src, name, o.PTX, opts)
+	if err != nil {
+		return nil, err
+	}
+	p.CacheErr = writeCache(l.cacheDir, file, p.Image)
+	return p, nil
+}
+
+// compile runs NVRTC on src (called name in its messages) with opts and returns the cubin, or the PTX
+// when ptx is set. The caller holds l.mu.RLock.
+func (l *Lib) compile(r *nvrtcFns, src, name string, ptx bool, opts []string) (*Program, error) {
+	what := "compiling " + name
 	var prog uintptr
 	if e := l.rtcCheck("nvrtcCreateProgram", r.nvrtcCreateProgram(&prog, src, name, 0, nil, nil), what); e != nil {
 		return nil, e
@@ -125,9 +160,9 @@ func (l *Lib) Compile(src, name string, o CompileOptions) (*Program, error) {
 		}
 		return nil, &CompileError{Err: e, Log: log, Options: opts}
 	}
-	p := &Program{PTX: o.PTX, Log: log, Options: opts}
+	p := &Program{PTX: ptx, Log: log, Options: opts}
 	sizeFn, getFn, sizeCall, getCall := r.nvrtcGetCUBINSize, r.nvrtcGetCUBIN, "nvrtcGetCUBINSize", "nvrtcGetCUBIN"
-	if o.PTX {
+	if ptx {
 		sizeFn, getFn, sizeCall, getCall = r.nvrtcGetPTXSize, r.nvrtcGetPTX, "nvrtcGetPTXSize", "nvrtcGetPTX"
 	}
 	var n uintptr

@@ -91,7 +91,7 @@ func TestGPUBandwidth(t *testing.T) {
 	timeIt := func(f func() error) time.Duration {
 		t.Helper()
 		must(t, f())
-		d, err := c.Time(func() error {
+		d, err := c.Legacy().Time(func() error {
 			for range reps {
 				if err := f(); err != nil {
 					return err
@@ -156,5 +156,61 @@ func TestGPUBandwidth(t *testing.T) {
 		sameVec(t, "Permute after timing", host[float32](t, c, packed, rows*d), want, 0)
 		must(t, rm.Free())
 		must(t, dr.Free())
+	}
+}
+
+// TestGPUStreamsAndCache checks on a real GPU what the fake models: work
+// ordered across two non-blocking streams by an event, timing events,
+// MemInfo, and a kernel compiled into a fresh on-disk cache read back by
+// a second Lib.
+func TestGPUStreamsAndCache(t *testing.T) {
+	c, _ := gpu(t)
+	a, err := c.NewStream()
+	must(t, err)
+	defer func() { must(t, a.Close()) }()
+	b, err := c.NewStream()
+	must(t, err)
+	defer func() { must(t, b.Close()) }()
+	e, err := c.NewEvent(true)
+	must(t, err)
+	defer func() { must(t, e.Close()) }()
+	start, err := c.NewEvent(true)
+	must(t, err)
+	defer func() { must(t, start.Close()) }()
+	const n = 64 << 20 // words: long enough that an unordered copy would see it half done
+	src := devGarbage[float32](t, c, n)
+	dst := devGarbage[float32](t, c, n)
+	must(t, start.Record(a))
+	must(t, a.Memset32(src, 0x3f800000, n)) // 1.0f
+	must(t, e.Record(a))
+	must(t, b.WaitEvent(e))
+	must(t, b.Copy(dst, src, 4*n))
+	must(t, b.Synchronize())
+	got := make([]float32, n)
+	must(t, CopyFromDeviceAsync(b, got, dst))
+	for i, v := range got {
+		if v != 1 {
+			t.Fatalf("dst[%d] = %v after b waited for a's fill", i, v)
+		}
+	}
+	d, err := e.Since(start)
+	must(t, err)
+	free, total, err := c.MemInfo()
+	must(t, err)
+	if d <= 0 || free <= 0 || total != c.TotalMemory() {
+		t.Errorf("fill took %v; MemInfo %d free of %d (TotalMemory %d)", d, free, total, c.TotalMemory())
+	}
+	t.Logf("a %d MiB fill took %v; %d of %d MiB free", 4*n>>20, d, free>>20, total>>20)
+
+	dir := t.TempDir()
+	for i, want := range []bool{false, true} {
+		l, err := Load(WithKernelCache(dir))
+		must(t, err)
+		p, err := l.Compile(Source(), "loom_permute.cu", CompileOptions{Arch: 80})
+		must(t, err)
+		must(t, l.Close())
+		if p.Cached != want || p.CacheErr != nil {
+			t.Errorf("compile %d: Cached %v, CacheErr %v; want Cached %v", i, p.Cached, p.CacheErr, want)
+		}
 	}
 }
