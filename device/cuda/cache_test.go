@@ -5,6 +5,8 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"testing"
 )
 
@@ -114,5 +116,43 @@ func TestCacheFiles(t *testing.T) {
 	must(t, os.WriteFile(blocker, nil, 0o644))
 	if err := writeCache(blocker, filepath.Join(blocker, "k.cubin"), img); err == nil {
 		t.Error("writing under a regular file: no error")
+	}
+}
+
+// TestCacheConcurrentStores: ranks storing the same program while others
+// read it never show a reader a partial file (each store is a rename of a
+// complete temporary file), and leave no temporary behind.
+func TestCacheConcurrentStores(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "k.cubin")
+	img := make([]byte, 64<<10)
+	for i := range img {
+		img[i] = byte(i * 7)
+	}
+	must(t, writeCache(dir, file, img))
+	var wg sync.WaitGroup
+	var misses, errs atomic.Int64
+	for range 4 {
+		wg.Go(func() {
+			for range 100 {
+				if err := writeCache(dir, file, img); err != nil {
+					errs.Add(1)
+				}
+			}
+		})
+		wg.Go(func() {
+			for range 100 {
+				if got := readCache(file); len(got) != len(img) {
+					misses.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if misses.Load() != 0 || errs.Load() != 0 {
+		t.Errorf("%d reads missed and %d stores failed while stores ran", misses.Load(), errs.Load())
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
+		t.Errorf("%d files in the cache folder, want 1", len(ents))
 	}
 }

@@ -27,9 +27,8 @@
 //
 // A [Lib] is a value the caller owns: there is no package-level state. Its
 // methods and those of the [Context], [Stream], [Event], [Module] and [MoE]
-// values made from
-// it check every CUresult and nvrtcResult and return an [*Error] naming the
-// call; none panics. Driver symbols are bound by their versioned names
+// values made from it check every CUresult and nvrtcResult and return an
+// [*Error] naming the call; none panics. Driver symbols are bound by their versioned names
 // (cuMemAlloc_v2, cuMemFree_v2, cuMemcpyHtoD_v2, ...), which are the ones
 // cuda.h maps the plain names to.
 //
@@ -70,8 +69,12 @@
 // Tests that need a GPU skip, naming the reason, where the driver or a
 // device is missing; with LOOM_CUDA_REQUIRE=1 they fail instead.
 // scripts/gpu_check.sh builds the test binary and runs the GPU checks:
-// agreement with package kernels' CPU kernels on random data, and bandwidth
-// against cuMemcpyDtoD of the same bytes.
+// agreement with package kernels' CPU kernels on random data, bandwidth
+// against cuMemcpyDtoD of the same bytes, and streams, events and the
+// kernel cache on the device. Without a GPU, the tests load
+// testdata/fakecuda.cpp (built with g++) as the driver and NVRTC; its
+// streams run their work only when something waits for it, so an
+// ordering the binding gets wrong reads stale memory.
 package cuda
 
 import "github.com/b7ea7098/loom"
@@ -80,7 +83,8 @@ import "github.com/b7ea7098/loom"
 // failures are *Error, *CompileError and *LoadError).
 var (
 	// ErrInvalid marks arguments rejected before any driver call: a nil
-	// or closed Lib, Context, Module or MoE, sizes that do not fit their
+	// or closed Lib, Context, Stream, Event, Module or MoE, a stream or
+	// event of another type or context, sizes that do not fit their
 	// buffers, kernel arguments of the wrong type, a routing that is not
 	// planned. errors.Is(err, loom.ErrInvalid) matches it too.
 	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
