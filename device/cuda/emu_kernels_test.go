@@ -1,0 +1,437 @@
+//go:build linux && (amd64 || arm64)
+
+package cuda
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"github.com/b7ea7098/loom/internal/dynlib"
+	"github.com/b7ea7098/loom/internal/half"
+	"github.com/b7ea7098/loom/kernels"
+)
+
+// These tests run the kernel sources on the CPU: testdata/loom_emu.h
+// defines the CUDA built-ins (threads as fibers, with real barriers and
+// warp shuffles), g++ compiles it with the text of every KernelFile.Source
+// into a shared library, and each kernel, launched by name with Go slices
+// as device memory, is checked against the CPU kernel of package kernels
+// it replaces, on small and odd shapes and several launch geometries (one
+// block, so grid-stride loops wrap; more blocks than work). They skip
+// without g++. What they cannot see is the GPU's own arithmetic: expf,
+// erfcf and friends are the host's here (a few ulp apart on the device),
+// which the tolerances leave room for where a kernel evaluates them.
+
+// emuSelfTest are kernels of the harness's own tests, compiled with the
+// kernel files: barrier and shuffle semantics, and launches the emulator
+// must refuse.
+const emuSelfTest = `
+extern "C" __global__ void emu_barrier(int *order, int *down, int *xr) {
+  __shared__ int s[1024];
+  s[threadIdx.x] = 3 * threadIdx.x;
+  __syncthreads();
+  order[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
+  down[threadIdx.x] = __shfl_down_sync(0xffffffffu, (int)threadIdx.x, 5);
+  xr[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 9);
+}
+LOOM_KERNEL(emu_barrier)
+extern "C" __global__ void emu_divergent(int *x) {
+  if (threadIdx.x == 0) return;
+  __syncthreads();
+  x[threadIdx.x] = 1;
+}
+LOOM_KERNEL(emu_divergent)
+extern "C" __global__ void emu_shfl(int *x) { x[threadIdx.x] = __shfl_down_sync(0xffffffffu, 1, 1); }
+LOOM_KERNEL(emu_shfl)
+`
+
+// emuLib is the emulator's C entry points.
+type emuLib struct {
+	launch  func(name string, gx, gy, gz, bx, by, bz, smem uint32, args unsafe.Pointer, nargs int32) int32
+	errText func() string
+	has     func(name string) int32
+}
+
+// buildEmu compiles the emulator with every kernel file and loads it; it
+// skips the test when there is no g++.
+func buildEmu(t *testing.T) *emuLib {
+	t.Helper()
+	cxx, err := exec.LookPath("g++")
+	if err != nil {
+		t.Skip("no g++ to compile the kernels for the emulator: ", err)
+	}
+	dir := t.TempDir()
+	var src strings.Builder
+	src.WriteString("#include \"loom_emu.h\"\n")
+	for _, f := range KernelFiles() {
+		src.WriteString(f.Source())
+		src.WriteString("\n")
+	}
+	src.WriteString("#line 1 \"emu_selftest\"\n" + emuSelfTest)
+	entry := filepath.Join(dir, "emu.cpp")
+	if err := os.WriteFile(entry, []byte(src.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	abs, err := filepath.Abs("testdata")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lib := filepath.Join(dir, "libloomemu.so")
+	cmd := exec.Command(cxx, "-std=c++20", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-Wno-unused-variable",
+		"-I", abs, "-o", lib, entry)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("compiling the kernels for the emulator: %v\n%s", err, out)
+	}
+	dl, err := dynlib.Open(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &emuLib{}
+	if err := dl.Bind([]dynlib.Symbol{
+		{Name: "loom_emu_launch", Fn: &e.launch}, {Name: "loom_emu_error", Fn: &e.errText}, {Name: "loom_emu_has", Fn: &e.has},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// dims is the size of a grid or a block.
+type dims struct{ x, y, z uint32 }
+
+// d1 is a 1-D size.
+func d1(x uint32) dims { return dims{x, 1, 1} }
+
+// run launches kernel name. Slices are passed as device pointers (nil or
+// empty: a null pointer), int32, int64, float32 and float64 as C's int,
+// long long, float and double.
+func (e *emuLib) run(name string, grid, block dims, smem uint32, args ...any) error {
+	var pin runtime.Pinner
+	defer pin.Unpin()
+	vals := make([]uint64, len(args)+1)
+	argv := make([]unsafe.Pointer, len(args)+1)
+	pin.Pin(&vals[0])
+	pin.Pin(&argv[0])
+	for i, a := range args {
+		switch v := a.(type) {
+		case []float32:
+			vals[i] = devPtr(&pin, v)
+		case []float64:
+			vals[i] = devPtr(&pin, v)
+		case []uint16:
+			vals[i] = devPtr(&pin, v)
+		case []int32:
+			vals[i] = devPtr(&pin, v)
+		case []int64:
+			vals[i] = devPtr(&pin, v)
+		case int32:
+			vals[i] = uint64(uint32(v))
+		case int64:
+			vals[i] = uint64(v)
+		case float32:
+			vals[i] = uint64(math.Float32bits(v))
+		case float64:
+			vals[i] = math.Float64bits(v)
+		default:
+			return fmt.Errorf("launching %s: argument %d has the unsupported type %T", name, i, a)
+		}
+		argv[i] = unsafe.Pointer(&vals[i])
+	}
+	rc := e.launch(name, grid.x, grid.y, grid.z, block.x, block.y, block.z, smem, unsafe.Pointer(&argv[0]), int32(len(args)))
+	runtime.KeepAlive(args)
+	if rc != 0 {
+		return fmt.Errorf("launching %s: emulator code %d: %s", name, rc, e.errText())
+	}
+	return nil
+}
+
+// devPtr pins s and returns its address, or 0 for an empty slice.
+func devPtr[T any](pin *runtime.Pinner, s []T) uint64 {
+	if len(s) == 0 {
+		return 0
+	}
+	pin.Pin(&s[0])
+	return uint64(uintptr(unsafe.Pointer(&s[0])))
+}
+
+// geometry is a launch configuration the kernel tests try: one block (so
+// every grid-stride loop wraps), a few, and more than the work needs.
+type geometry struct {
+	grid, block uint32
+}
+
+var geometries = []geometry{{1, 32}, {3, 64}, {40, 128}}
+
+// randF32 returns n values uniform in [-scale, scale).
+func randF32(r *rand.Rand, n int, scale float64) []float32 {
+	out := make([]float32, n)
+	for i := range out {
+		out[i] = float32((2*r.Float64() - 1) * scale)
+	}
+	return out
+}
+
+// garbage returns n NaNs, what an output holds before a kernel writes it,
+// so that an element a kernel skips is seen.
+func garbage(n int) []float32 {
+	out := make([]float32, n)
+	for i := range out {
+		out[i] = float32(math.NaN())
+	}
+	return out
+}
+
+// checkExact reports the first element whose bits differ.
+func checkExact(t *testing.T, what string, got, want []float32) {
+	t.Helper()
+	for i := range want {
+		if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+			t.Errorf("%s: [%d] = %v (%#x), want %v (%#x)", what, i, got[i], math.Float32bits(got[i]), want[i], math.Float32bits(want[i]))
+			return
+		}
+	}
+}
+
+func TestEmuKernels(t *testing.T) {
+	e := buildEmu(t)
+	for _, f := range KernelFiles() {
+		for _, k := range f.Kernels {
+			if e.has(k) != 1 {
+				t.Errorf("%s's kernel %s is not registered with the emulator", f.Name, k)
+			}
+		}
+	}
+	t.Run("harness", func(t *testing.T) { testEmuHarness(t, e) })
+	t.Run("elementwise", func(t *testing.T) { testElementwise(t, e) })
+	t.Run("casts", func(t *testing.T) { testCasts(t, e) })
+	t.Run("sums", func(t *testing.T) { testSums(t, e) })
+}
+
+// testEmuHarness checks the emulator itself: a block barrier makes every
+// thread's write visible, shuffles return the source lane's value, and
+// launches a GPU would not run as written fail naming the kernel.
+func testEmuHarness(t *testing.T, e *emuLib) {
+	const n = 96
+	order, down, xr := make([]int32, n), make([]int32, n), make([]int32, n)
+	if err := e.run("emu_barrier", d1(2), d1(n), 0, order, down, xr); err != nil {
+		t.Fatal(err)
+	}
+	for i := range int32(n) {
+		lane := i & 31
+		wantDown := i
+		if lane+5 < 32 {
+			wantDown = i + 5
+		}
+		if order[i] != 3*((i+1)%n) || down[i] != wantDown || xr[i] != i^9 {
+			t.Fatalf("thread %d: after the barrier read %d (want %d), shfl_down %d (want %d), shfl_xor %d (want %d)",
+				i, order[i], 3*((i+1)%n), down[i], wantDown, xr[i], i^9)
+		}
+	}
+	x := make([]int32, 64)
+	for _, c := range []struct {
+		kernel string
+		block  uint32
+		args   []any
+		want   string
+	}{
+		{"emu_divergent", 64, []any{x}, "emu_divergent (block 0,0,0): a divergent barrier: 63 threads wait in __syncthreads, 1 have ended"},
+		{"emu_shfl", 48, []any{x}, "emu_shfl (block 0,0,0): a warp operation in a warp of 16 threads"},
+		{"emu_shfl", 64, []any{x, x}, "emu_shfl takes 1 arguments, not 2"},
+		{"emu_none", 64, []any{x}, "no kernel emu_none"},
+		{"emu_shfl", 2048, []any{x}, "emu_shfl: bad launch geometry"},
+	} {
+		err := e.run(c.kernel, d1(1), d1(c.block), 0, c.args...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s with %d threads: %v, want an error with %q", c.kernel, c.block, err, c.want)
+		}
+	}
+}
+
+// Elementwise kernels evaluate the float32 expression package kernels
+// evaluates, with no fused multiply-add: bit-exact.
+func testElementwise(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for _, n := range []int{0, 1, 7, 33, 1000, 4099} {
+		for _, g := range geometries {
+			name := fmt.Sprintf("n=%d/grid=%d×%d", n, g.grid, g.block)
+			x, y := randF32(r, n, 3), randF32(r, n, 3)
+			grid, block := d1(g.grid), d1(g.block)
+
+			got, want := garbage(n), make([]float32, n)
+			if err := e.run("loom_axpby_f32", grid, block, 0, got, x, y, float32(1), float32(1), int64(n)); err != nil {
+				t.Fatal(err)
+			}
+			if err := kernels.Add(want, x, y); err != nil {
+				t.Fatal(err)
+			}
+			checkExact(t, name+": axpby(1, 1) vs kernels.Add", got, want)
+
+			a, b := float32(0.37), float32(-2.5)
+			for i := range want {
+				want[i] = a*x[i] + b*y[i]
+			}
+			alias := slices.Clone(y) // out aliases y
+			if err := e.run("loom_axpby_f32", grid, block, 0, alias, x, alias, a, b, int64(n)); err != nil {
+				t.Fatal(err)
+			}
+			checkExact(t, name+": axpby(0.37, -2.5), out = y", alias, want)
+
+			for i := range want {
+				want[i] = a * x[i]
+			}
+			got = garbage(n)
+			if err := e.run("loom_axpby_f32", grid, block, 0, got, x, []float32(nil), a, float32(0), int64(n)); err != nil {
+				t.Fatal(err)
+			}
+			checkExact(t, name+": axpby(0.37, 0), y null", got, want)
+
+			got = garbage(n)
+			if err := e.run("loom_mul_f32", grid, block, 0, got, x, y, int64(n)); err != nil {
+				t.Fatal(err)
+			}
+			if err := kernels.Mul(want, x, y); err != nil {
+				t.Fatal(err)
+			}
+			checkExact(t, name+": mul vs kernels.Mul", got, want)
+
+			got = garbage(n)
+			if err := e.run("loom_fill_f32", grid, block, 0, got, float32(-0.75), int64(n)); err != nil {
+				t.Fatal(err)
+			}
+			for i := range want {
+				want[i] = -0.75
+			}
+			checkExact(t, name+": fill", got, want)
+		}
+	}
+}
+
+// The casts are bit-exact against internal/half: every bfloat16 pattern
+// widens, and float32 values of every class narrow (ties both ways,
+// subnormals, overflow to infinity, NaNs with payloads).
+func testCasts(t *testing.T, e *emuLib) {
+	all := make([]uint16, 1<<16)
+	for i := range all {
+		all[i] = uint16(i)
+	}
+	wide := garbage(len(all))
+	if err := e.run("loom_cast_bf16_f32", d1(7), d1(256), 0, wide, all, int64(len(all))); err != nil {
+		t.Fatal(err)
+	}
+	for i, h := range all {
+		if w := half.BFloat16ToFloat32(h); math.Float32bits(wide[i]) != math.Float32bits(w) {
+			t.Fatalf("bf16 %#04x widened to %#x, want %#x", h, math.Float32bits(wide[i]), math.Float32bits(w))
+		}
+	}
+	bits := []uint32{
+		0, 0x80000000, 0x3f800000, 0x3f808000, 0x3f818000, 0x3f808001, 0x3f807fff, // ties to even both ways
+		0x00000001, 0x00008000, 0x00018000, 0x807fffff, // subnormals
+		0x7f7fffff, 0x7f7f8000, 0x7f7f7fff, 0xff7fffff, // the largest finite: to infinity or not
+		0x7f800000, 0xff800000, 0x7fc00000, 0x7f800001, 0xff800001, 0x7fbfffff, // infinities, NaNs
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	for range 5000 {
+		bits = append(bits, r.Uint32())
+	}
+	x := make([]float32, len(bits))
+	for i, b := range bits {
+		x[i] = math.Float32frombits(b)
+	}
+	for _, g := range geometries {
+		got := make([]uint16, len(x))
+		for i := range got {
+			got[i] = 0xdead
+		}
+		if err := e.run("loom_cast_f32_bf16", d1(g.grid), d1(g.block), 0, got, x, int64(len(x))); err != nil {
+			t.Fatal(err)
+		}
+		for i, v := range x {
+			if w := half.ToBFloat16(v); got[i] != w {
+				t.Fatalf("grid %d×%d: float32 %#x narrowed to bf16 %#04x, want %#04x", g.grid, g.block, bits[i], got[i], w)
+			}
+		}
+	}
+}
+
+// Sums accumulate in double on both sides, in different orders, and round
+// once to float32: they agree to about one float32 ulp of the sum of the
+// magnitudes (1e-6 relative to it, with room for the order).
+func testSums(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for _, s := range []struct{ outer, mid, inner int }{
+		{1, 1, 1}, {1, 17, 7}, {3, 5, 33}, {2, 257, 1}, {4, 0, 3}, {1, 3, 128}, {2, 64, 257},
+	} {
+		x := randF32(r, s.outer*s.mid*s.inner, 2)
+		want, mag := make([]float32, s.outer*s.inner), make([]float32, s.inner)
+		for o := range s.outer {
+			if err := kernels.ColumnSums(want[o*s.inner:(o+1)*s.inner], x[o*s.mid*s.inner:(o+1)*s.mid*s.inner], s.inner); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, b := range []dims{{32, 8, 1}, {1, 64, 1}, {128, 1, 1}, {7, 3, 1}} {
+			for _, grid := range []uint32{1, 5} {
+				got := garbage(len(want))
+				smem := 8 * b.x * b.y
+				if err := e.run("loom_sum_mid_f32", d1(grid), b, smem, got, x, int64(s.outer), int64(s.mid), int64(s.inner)); err != nil {
+					t.Fatal(err)
+				}
+				for o := range s.outer {
+					for i := range s.inner {
+						mag[i] = 0
+						for m := range s.mid {
+							mag[i] += float32(math.Abs(float64(x[(o*s.mid+m)*s.inner+i])))
+						}
+					}
+					what := fmt.Sprintf("sum_mid %v, block %v, grid %d, outer %d vs kernels.ColumnSums", s, b, grid, o)
+					checkSum(t, what, got[o*s.inner:(o+1)*s.inner], want[o*s.inner:(o+1)*s.inner], mag)
+				}
+			}
+		}
+	}
+
+	// Σ x² in double, partial per block, then loom_sum_f64; the reference
+	// is optim's localNorm for p = 2 (a float64 loop). Both sums are of
+	// exact double squares in different orders: 1e-13 relative.
+	for _, n := range []int{0, 1, 7, 33, 1000, 4099} {
+		x := randF32(r, n, 2)
+		want := 0.0
+		for _, v := range x {
+			want += float64(v) * float64(v)
+		}
+		for _, g := range []geometry{{1, 32}, {3, 64}, {9, 256}} {
+			part := make([]float64, g.grid)
+			for i := range part {
+				part[i] = math.NaN()
+			}
+			if err := e.run("loom_sumsq_f32", d1(g.grid), d1(g.block), 0, part, x, int64(n)); err != nil {
+				t.Fatal(err)
+			}
+			got := []float64{math.NaN()}
+			if err := e.run("loom_sum_f64", d1(1), d1(64), 0, got, part, int64(len(part))); err != nil {
+				t.Fatal(err)
+			}
+			if math.Abs(got[0]-want) > 1e-13*want {
+				t.Errorf("sumsq n=%d grid %d×%d: %v, want %v", n, g.grid, g.block, got[0], want)
+			}
+		}
+	}
+}
+
+// checkSum compares sums within 1e-6 of the sum of the magnitudes mag.
+func checkSum(t *testing.T, what string, got, want, mag []float32) {
+	t.Helper()
+	for i := range want {
+		if d := math.Abs(float64(got[i]) - float64(want[i])); !(d <= 1e-6*float64(mag[i])) {
+			t.Errorf("%s: [%d] = %v, want %v", what, i, got[i], want[i])
+			return
+		}
+	}
+}
