@@ -189,6 +189,30 @@ func garbage(n int) []float32 {
 	return out
 }
 
+// checkClose reports the first element where |got − want| > rtol·|want| +
+// atol, and NaNs that do not match.
+func checkClose(t *testing.T, what string, got, want []float32, rtol, atol float64) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Errorf("%s: %d values, want %d", what, len(got), len(want))
+		return
+	}
+	for i := range got {
+		g, w := float64(got[i]), float64(want[i])
+		if math.IsNaN(g) || math.IsNaN(w) {
+			if math.IsNaN(g) != math.IsNaN(w) {
+				t.Errorf("%s: [%d] = %v, want %v", what, i, g, w)
+				return
+			}
+			continue
+		}
+		if math.Abs(g-w) > rtol*math.Abs(w)+atol {
+			t.Errorf("%s: [%d] = %v, want %v (|diff| %.3g > %.3g·|want| + %.3g)", what, i, g, w, math.Abs(g-w), rtol, atol)
+			return
+		}
+	}
+}
+
 // checkExact reports the first element whose bits differ.
 func checkExact(t *testing.T, what string, got, want []float32) {
 	t.Helper()
@@ -213,6 +237,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("elementwise", func(t *testing.T) { testElementwise(t, e) })
 	t.Run("casts", func(t *testing.T) { testCasts(t, e) })
 	t.Run("sums", func(t *testing.T) { testSums(t, e) })
+	t.Run("layernorm", func(t *testing.T) { testLayerNorm(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier makes every
@@ -428,10 +453,93 @@ func testSums(t *testing.T, e *emuLib) {
 // checkSum compares sums within 1e-6 of the sum of the magnitudes mag.
 func checkSum(t *testing.T, what string, got, want, mag []float32) {
 	t.Helper()
+	checkSumTol(t, what, got, want, mag, 1e-6)
+}
+
+// checkSumTol compares sums within tol times the sum of the magnitudes mag.
+func checkSumTol(t *testing.T, what string, got, want, mag []float32, tol float64) {
+	t.Helper()
 	for i := range want {
-		if d := math.Abs(float64(got[i]) - float64(want[i])); !(d <= 1e-6*float64(mag[i])) {
+		if d := math.Abs(float64(got[i]) - float64(want[i])); !(d <= tol*float64(mag[i])) {
 			t.Errorf("%s: [%d] = %v, want %v", what, i, got[i], want[i])
 			return
+		}
+	}
+}
+
+// LayerNorm: the kernels accumulate the row statistics in double, like the
+// CPU, in another order, and evaluate the affine map in double before one
+// rounding; outputs of size about 1 agree within 1e-6 (a few float32 ulp:
+// the saved mean and rstd are rounded to float32 on the device, and the
+// backward's dw and db go through float32 per-warp partials, so those get
+// 1e-5 of the sum of the magnitudes).
+func testLayerNorm(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(7, 8))
+	const eps = 1e-5
+	for _, rows := range []int{0, 1, 3, 17} {
+		for _, n := range []int{1, 7, 33, 128, 257} {
+			x := randF32(r, rows*n, 1)
+			for i := range x {
+				x[i] += 3 // a mean far from 0
+			}
+			w, b, dy := randF32(r, n, 1.5), randF32(r, n, 0.5), randF32(r, rows*n, 1)
+			for _, affine := range []bool{true, false} {
+				ww, bb := w, b
+				if !affine {
+					ww, bb = nil, nil
+				}
+				want, mean, rstd := make([]float32, rows*n), make([]float64, rows), make([]float64, rows)
+				if err := kernels.LayerNorm(want, mean, rstd, x, ww, bb, n, eps); err != nil {
+					t.Fatal(err)
+				}
+				// The backward's reference takes the device's float32
+				// statistics, so both sides start from the same values.
+				m32, r32 := make([]float32, rows), make([]float32, rows)
+				m64, r64 := make([]float64, rows), make([]float64, rows)
+				for i := range rows {
+					m32[i], r32[i] = float32(mean[i]), float32(rstd[i])
+					m64[i], r64[i] = float64(m32[i]), float64(r32[i])
+				}
+				wantDx, wantDw, wantDb := make([]float32, rows*n), make([]float32, n), make([]float32, n)
+				if err := kernels.LayerNormBackward(wantDx, wantDw, wantDb, dy, x, ww, m64, r64, n); err != nil {
+					t.Fatal(err)
+				}
+				magW, magB := make([]float32, n), make([]float32, n)
+				for i := range rows {
+					for j := range n {
+						xh := (float64(x[i*n+j]) - m64[i]) * r64[i]
+						magW[j] += float32(math.Abs(float64(dy[i*n+j]) * xh))
+						magB[j] += float32(math.Abs(float64(dy[i*n+j])))
+					}
+				}
+				for _, g := range []geometry{{1, 32}, {1, 64}, {3, 64}, {9, 128}} {
+					what := fmt.Sprintf("rows %d, n %d, affine %v, grid %d×%d", rows, n, affine, g.grid, g.block)
+					y, gm, gr := garbage(rows*n), garbage(rows), garbage(rows)
+					if err := e.run("loom_layernorm_fwd_f32", d1(g.grid), d1(g.block), 0, y, gm, gr, x, ww, bb, int64(rows), int32(n), float32(eps)); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, what+": y vs kernels.LayerNorm", y, want, 1e-6, 1e-6)
+					checkClose(t, what+": mean", gm, m32, 1e-7, 0)
+					checkClose(t, what+": rstd", gr, r32, 1e-6, 0)
+
+					warps := int(g.grid * g.block / 32)
+					dx, dwp, dbp := garbage(rows*n), garbage(warps*n), garbage(warps*n)
+					if err := e.run("loom_layernorm_bwd_f32", d1(g.grid), d1(g.block), 0, dx, dwp, dbp, dy, x, ww, m32, r32, int64(rows), int32(n)); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, what+": dx vs kernels.LayerNormBackward", dx, wantDx, 1e-5, 1e-5)
+					dw, db := garbage(n), garbage(n)
+					for _, s := range []struct {
+						out, part []float32
+					}{{dw, dwp}, {db, dbp}} {
+						if err := e.run("loom_sum_mid_f32", d1(2), dims{32, 4, 1}, 8*32*4, s.out, s.part, int64(1), int64(warps), int64(n)); err != nil {
+							t.Fatal(err)
+						}
+					}
+					checkSumTol(t, what+": dw", dw, wantDw, magW, 1e-5)
+					checkSumTol(t, what+": db", db, wantDb, magB, 1e-5)
+				}
+			}
 		}
 	}
 }

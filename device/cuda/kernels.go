@@ -44,6 +44,7 @@ func KernelFiles() []KernelFile {
 			"loom_axpby_f32", "loom_mul_f32", "loom_fill_f32", "loom_cast_f32_bf16", "loom_cast_bf16_f32",
 			"loom_sum_mid_f32", "loom_sumsq_f32", "loom_sum_f64",
 		}},
+		{Name: "layernorm.cu", Kernels: []string{"loom_layernorm_fwd_f32", "loom_layernorm_bwd_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)

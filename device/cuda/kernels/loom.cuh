@@ -10,6 +10,10 @@
 // their bit patterns in unsigned short; sums accumulate in double where
 // package kernels' CPU code does, since these kernels are memory bound.
 
+// The emulator compiles every file's Source in one translation unit.
+#ifndef LOOM_CUH
+#define LOOM_CUH
+
 typedef long long i64;
 
 #ifndef LOOM_KERNEL
@@ -67,3 +71,5 @@ __device__ __forceinline__ T loom_block_sum(T v, T *buf) {
   __syncthreads();
   return loom_warp_sum(lane < warps ? buf[lane] : T(0));
 }
+
+#endif  // LOOM_CUH
