@@ -238,6 +238,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("casts", func(t *testing.T) { testCasts(t, e) })
 	t.Run("sums", func(t *testing.T) { testSums(t, e) })
 	t.Run("layernorm", func(t *testing.T) { testLayerNorm(t, e) })
+	t.Run("gelu", func(t *testing.T) { testBiasGELU(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier makes every
@@ -538,6 +539,59 @@ func testLayerNorm(t *testing.T, e *emuLib) {
 					}
 					checkSumTol(t, what+": dw", dw, wantDw, magW, 1e-5)
 					checkSumTol(t, what+": db", db, wantDb, magB, 1e-5)
+				}
+			}
+		}
+	}
+}
+
+// Bias-GELU evaluates erfc and exp in float32 where the CPU uses float64:
+// y within 4e-6 relative (erfc's argument carries a float32 rounding that
+// its slope multiplies by up to 2z² in the tail, z ≤ 3.5 here), plus 1e-7
+// absolute where y is tiny; GELU' crosses zero near −0.75 and takes 1e-6
+// absolute there. The backward is loom_mul_f32 and loom_sum_mid_f32,
+// checked against kernels.BiasGELUBackward: dx bit-exact, dbias 1e-6 of
+// the magnitudes.
+func testBiasGELU(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(9, 10))
+	for _, rows := range []int{0, 1, 3, 17} {
+		for _, n := range []int{1, 7, 33, 128, 257} {
+			x, bias, dy := randF32(r, rows*n, 4), randF32(r, n, 1), randF32(r, rows*n, 1)
+			for _, withBias := range []bool{true, false} {
+				b := bias
+				if !withBias {
+					b = nil
+				}
+				want, wantD := make([]float32, rows*n), make([]float32, rows*n)
+				if err := kernels.BiasGELU(1, want, wantD, x, b, n); err != nil {
+					t.Fatal(err)
+				}
+				wantDx, wantDb := make([]float32, rows*n), make([]float32, n)
+				if err := kernels.BiasGELUBackward(wantDx, wantDb, dy, wantD, n); err != nil {
+					t.Fatal(err)
+				}
+				mag := make([]float32, n)
+				for i := range wantDx {
+					mag[i%n] += float32(math.Abs(float64(wantDx[i])))
+				}
+				for _, g := range geometries {
+					what := fmt.Sprintf("rows %d, n %d, bias %v, grid %d×%d", rows, n, withBias, g.grid, g.block)
+					y, d := garbage(rows*n), garbage(rows*n)
+					if err := e.run("loom_bias_gelu_fwd_f32", d1(g.grid), d1(g.block), 0, y, d, x, b, int64(rows), int32(n)); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, what+": y vs kernels.BiasGELU", y, want, 4e-6, 1e-7)
+					checkClose(t, what+": deriv vs kernels.BiasGELU", d, wantD, 4e-6, 1e-6)
+
+					dx, db := garbage(rows*n), garbage(n)
+					if err := e.run("loom_mul_f32", d1(g.grid), d1(g.block), 0, dx, dy, wantD, int64(rows*n)); err != nil {
+						t.Fatal(err)
+					}
+					checkExact(t, what+": dx vs kernels.BiasGELUBackward", dx, wantDx)
+					if err := e.run("loom_sum_mid_f32", d1(g.grid), dims{32, 4, 1}, 8*32*4, db, dx, int64(1), int64(rows), int64(n)); err != nil {
+						t.Fatal(err)
+					}
+					checkSum(t, what+": dbias vs kernels.BiasGELUBackward", db, wantDb, mag)
 				}
 			}
 		}

@@ -45,6 +45,7 @@ func KernelFiles() []KernelFile {
 			"loom_sum_mid_f32", "loom_sumsq_f32", "loom_sum_f64",
 		}},
 		{Name: "layernorm.cu", Kernels: []string{"loom_layernorm_fwd_f32", "loom_layernorm_bwd_f32"}},
+		{Name: "gelu.cu", Kernels: []string{"loom_bias_gelu_fwd_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
