@@ -239,6 +239,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("sums", func(t *testing.T) { testSums(t, e) })
 	t.Run("layernorm", func(t *testing.T) { testLayerNorm(t, e) })
 	t.Run("gelu", func(t *testing.T) { testBiasGELU(t, e) })
+	t.Run("softmax", func(t *testing.T) { testSoftmax(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier makes every
@@ -592,6 +593,83 @@ func testBiasGELU(t *testing.T, e *emuLib) {
 						t.Fatal(err)
 					}
 					checkSum(t, what+": dbias vs kernels.BiasGELUBackward", db, wantDb, mag)
+				}
+			}
+		}
+	}
+}
+
+// Softmax: float32 expf of an argument formed in double, where the CPU
+// evaluates exp in double: probabilities within 2e-6 relative (expf's ulps
+// and the float32 rounding of the argument, |x − lse| < 20 here) plus 1e-7
+// absolute, log-probabilities within 1e-6 plus 1e-6 absolute. The backward
+// kernels take the CPU's forward output and sum in double like it: 1e-6
+// relative plus 1e-6 absolute (the log-softmax one calls expf).
+func testSoftmax(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(11, 12))
+	for _, rows := range []int{0, 1, 3, 17} {
+		for _, n := range []int{1, 7, 33, 128, 257} {
+			x, dy := randF32(r, rows*n, 4), randF32(r, rows*n, 1)
+			for _, logOut := range []bool{false, true} {
+				want, wantDx := make([]float32, rows*n), make([]float32, rows*n)
+				ref, refBack, kernel, back := kernels.SoftmaxRows, "kernels.SoftmaxRowsBackward", "loom_softmax_rows_bwd_f32", "softmax"
+				rtol, atol, flag := 2e-6, 1e-7, int32(0)
+				if logOut {
+					flag = 1
+					ref, refBack, kernel, back = kernels.LogSoftmaxRows, "kernels.LogSoftmaxRowsBackward", "loom_logsoftmax_rows_bwd_f32", "log-softmax"
+					rtol, atol = 1e-6, 1e-6
+				}
+				if err := ref(1, want, x, n); err != nil {
+					t.Fatal(err)
+				}
+				var err error
+				if logOut {
+					err = kernels.LogSoftmaxRowsBackward(1, wantDx, want, dy, n)
+				} else {
+					err = kernels.SoftmaxRowsBackward(wantDx, want, dy, n)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, g := range []geometry{{1, 32}, {3, 64}, {9, 128}} {
+					what := fmt.Sprintf("%s rows %d, n %d, grid %d×%d", back, rows, n, g.grid, g.block)
+					y := slices.Clone(x) // in place: y aliases x
+					if err := e.run("loom_softmax_rows_f32", d1(g.grid), d1(g.block), 0, y, y, int64(rows), int32(n), flag); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, what+": forward", y, want, rtol, atol)
+					dx := garbage(rows * n)
+					if err := e.run(kernel, d1(g.grid), d1(g.block), 0, dx, want, dy, int64(rows), int32(n)); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, what+": backward vs "+refBack, dx, wantDx, 1e-6, 1e-6)
+				}
+			}
+		}
+	}
+	for _, blocks := range []int{1, 3} {
+		for _, tt := range []int{1, 5, 64, 65} {
+			for _, scale := range []float32{1, 0.125} {
+				x, dy := randF32(r, blocks*tt*tt, 8), randF32(r, blocks*tt*tt, 1)
+				want, wantDx := make([]float32, len(x)), make([]float32, len(x))
+				if err := kernels.CausalSoftmax(1, want, x, tt, scale); err != nil {
+					t.Fatal(err)
+				}
+				if err := kernels.CausalSoftmaxBackward(wantDx, want, dy, tt, scale); err != nil {
+					t.Fatal(err)
+				}
+				for _, g := range []geometry{{1, 32}, {4, 64}} {
+					what := fmt.Sprintf("causal blocks %d, t %d, scale %v, grid %d×%d", blocks, tt, scale, g.grid, g.block)
+					y := garbage(len(x))
+					if err := e.run("loom_causal_softmax_f32", d1(g.grid), d1(g.block), 0, y, x, int64(blocks), int32(tt), scale); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, what+": vs kernels.CausalSoftmax", y, want, 2e-6, 1e-7)
+					dx := garbage(len(x))
+					if err := e.run("loom_causal_softmax_bwd_f32", d1(g.grid), d1(g.block), 0, dx, want, dy, int64(blocks), int32(tt), scale); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, what+": vs kernels.CausalSoftmaxBackward", dx, wantDx, 1e-6, 1e-6)
 				}
 			}
 		}

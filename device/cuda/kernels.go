@@ -46,6 +46,10 @@ func KernelFiles() []KernelFile {
 		}},
 		{Name: "layernorm.cu", Kernels: []string{"loom_layernorm_fwd_f32", "loom_layernorm_bwd_f32"}},
 		{Name: "gelu.cu", Kernels: []string{"loom_bias_gelu_fwd_f32"}},
+		{Name: "softmax.cu", Kernels: []string{
+			"loom_softmax_rows_f32", "loom_softmax_rows_bwd_f32", "loom_logsoftmax_rows_bwd_f32",
+			"loom_causal_softmax_f32", "loom_causal_softmax_bwd_f32",
+		}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
