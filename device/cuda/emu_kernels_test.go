@@ -240,6 +240,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("layernorm", func(t *testing.T) { testLayerNorm(t, e) })
 	t.Run("gelu", func(t *testing.T) { testBiasGELU(t, e) })
 	t.Run("softmax", func(t *testing.T) { testSoftmax(t, e) })
+	t.Run("xent", func(t *testing.T) { testCrossEntropy(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier makes every
@@ -673,5 +674,61 @@ func testSoftmax(t *testing.T, e *emuLib) {
 				}
 			}
 		}
+	}
+}
+
+// Cross-entropy: logsumexp in double from float32 expf terms (the CPU's
+// are double): lse and the summed loss within 1e-6 relative; gradients,
+// expf of an argument formed in double, within 2e-6 relative plus 1e-7
+// absolute (scale 1/rows keeps them below 1).
+func testCrossEntropy(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(13, 14))
+	for _, rows := range []int{0, 1, 3, 17} {
+		for _, v := range []int{1, 7, 300} {
+			x := randF32(r, rows*v, 6)
+			targets := make([]int64, rows)
+			for i := range targets {
+				targets[i] = int64(r.IntN(v))
+			}
+			wantLse := make([]float64, rows)
+			total, err := kernels.CrossEntropyRows(1, wantLse, x, targets, v)
+			if err != nil {
+				t.Fatal(err)
+			}
+			scale := 1 / float64(max(rows, 1))
+			wantDx := make([]float32, rows*v)
+			if err := kernels.CrossEntropyRowsBackward(1, wantDx, x, targets, wantLse, v, scale); err != nil {
+				t.Fatal(err)
+			}
+			for _, g := range []geometry{{1, 32}, {3, 64}, {9, 128}} {
+				what := fmt.Sprintf("rows %d, v %d, grid %d×%d", rows, v, g.grid, g.block)
+				loss, lse := make([]float64, rows), make([]float64, rows)
+				if err := e.run("loom_xent_fwd_f32", d1(g.grid), d1(g.block), 0, loss, lse, x, targets, int64(rows), int32(v)); err != nil {
+					t.Fatal(err)
+				}
+				for i := range rows {
+					if math.Abs(lse[i]-wantLse[i]) > 1e-6*math.Abs(wantLse[i])+1e-7 {
+						t.Errorf("%s: lse[%d] = %v, want %v", what, i, lse[i], wantLse[i])
+					}
+				}
+				sum := []float64{math.NaN()}
+				if err := e.run("loom_sum_f64", d1(1), d1(64), 0, sum, loss, int64(rows)); err != nil {
+					t.Fatal(err)
+				}
+				if math.Abs(sum[0]-total) > 1e-6*math.Abs(total)+1e-7 {
+					t.Errorf("%s: loss %v, want %v (kernels.CrossEntropyRows)", what, sum[0], total)
+				}
+				dx := slices.Clone(x) // in place: dx aliases logits
+				if err := e.run("loom_xent_bwd_f32", d1(g.grid), d1(g.block), 0, dx, dx, targets, wantLse, int64(rows), int32(v), float32(scale)); err != nil {
+					t.Fatal(err)
+				}
+				checkClose(t, what+": dx vs kernels.CrossEntropyRowsBackward", dx, wantDx, 2e-6, 1e-7)
+			}
+		}
+	}
+	// A target outside [0, v) gives a NaN loss, not a read outside the row.
+	loss := []float64{0}
+	if err := e.run("loom_xent_fwd_f32", d1(1), d1(32), 0, loss, []float64(nil), []float32{1, 2}, []int64{2}, int64(1), int32(2)); err != nil || !math.IsNaN(loss[0]) {
+		t.Errorf("target 2 of 2 classes: loss %v, %v; want NaN", loss[0], err)
 	}
 }

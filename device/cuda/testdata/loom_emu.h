@@ -75,6 +75,11 @@ static inline float __uint_as_float(unsigned u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+static inline double __longlong_as_double(long long u) {
+  double f;
+  std::memcpy(&f, &u, 8);
+  return f;
+}
 // volatile keeps g++ from contracting these into fused multiply-adds, as
 // the _rn intrinsics keep NVRTC from doing.
 static inline float __fmul_rn(float a, float b) {
