@@ -241,6 +241,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("gelu", func(t *testing.T) { testBiasGELU(t, e) })
 	t.Run("softmax", func(t *testing.T) { testSoftmax(t, e) })
 	t.Run("xent", func(t *testing.T) { testCrossEntropy(t, e) })
+	t.Run("optim", func(t *testing.T) { testOptimizers(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier makes every
@@ -730,5 +731,95 @@ func testCrossEntropy(t *testing.T, e *emuLib) {
 	loss := []float64{0}
 	if err := e.run("loom_xent_fwd_f32", d1(1), d1(32), 0, loss, []float64(nil), []float32{1, 2}, []int64{2}, int64(1), int32(2)); err != nil || !math.IsNaN(loss[0]) {
 		t.Errorf("target 2 of 2 classes: loss %v, %v; want NaN", loss[0], err)
+	}
+}
+
+// The optimizer kernels round every intermediate to float32 in the CPU's
+// order, with IEEE division and square root: bit-exact, over three steps
+// so the moments and momentum buffers carry over.
+func testOptimizers(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(15, 16))
+	for _, n := range []int{0, 1, 7, 33, 1000} {
+		for _, g := range geometries {
+			what := fmt.Sprintf("n %d, grid %d×%d", n, g.grid, g.block)
+			p := randF32(r, n, 1)
+			m, v := make([]float32, n), make([]float32, n)
+			dp, dm, dv := slices.Clone(p), slices.Clone(m), slices.Clone(v)
+			const lr, wd, b1, b2, eps = 3e-4, 0.1, 0.9, 0.95, 1e-8
+			for step := 1; step <= 3; step++ {
+				grad := randF32(r, n, 1)
+				c := [8]float32{1 - lr*wd, b1, 1 - b1, b2, 1 - b2, float32(math.Sqrt(1 - math.Pow(b2, float64(step)))),
+					float32(-lr / (1 - math.Pow(b1, float64(step)))), eps}
+				if err := kernels.AdamW(p, grad, m, v, &c); err != nil {
+					t.Fatal(err)
+				}
+				if err := e.run("loom_adamw_f32", d1(g.grid), d1(g.block), 0, dp, grad, dm, dv, int64(n),
+					c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]); err != nil {
+					t.Fatal(err)
+				}
+				checkExact(t, fmt.Sprintf("%s, step %d: AdamW p vs kernels.AdamW", what, step), dp, p)
+				checkExact(t, fmt.Sprintf("%s, step %d: AdamW m", what, step), dm, m)
+				checkExact(t, fmt.Sprintf("%s, step %d: AdamW v", what, step), dv, v)
+			}
+
+			for _, c := range []struct {
+				wd, mu, dampening  float32
+				maximize, nesterov bool
+			}{{0, 0, 0, false, false}, {0.01, 0.9, 0, false, false}, {0.01, 0.9, 0, true, true}, {0, 0.5, 0.25, false, false}} {
+				p := randF32(r, n, 1)
+				dp := slices.Clone(p)
+				var buf, dbuf []float32
+				if c.mu != 0 {
+					buf, dbuf = make([]float32, n), garbage(n)
+				}
+				for step := 1; step <= 3; step++ {
+					grad := randF32(r, n, 1)
+					sgdReference(p, grad, buf, 0.05, c.wd, c.mu, 1-c.dampening, c.maximize, c.nesterov, step == 1)
+					flags := int32(0)
+					if c.maximize {
+						flags |= 1
+					}
+					if c.nesterov {
+						flags |= 2
+					}
+					if step == 1 {
+						flags |= 4
+					}
+					if err := e.run("loom_sgd_f32", d1(g.grid), d1(g.block), 0, dp, grad, dbuf, int64(n),
+						float32(0.05), c.wd, c.mu, 1-c.dampening, flags); err != nil {
+						t.Fatal(err)
+					}
+					checkExact(t, fmt.Sprintf("%s, SGD %+v, step %d: p", what, c, step), dp, p)
+					checkExact(t, fmt.Sprintf("%s, SGD %+v, step %d: buf", what, c, step), dbuf, buf)
+				}
+			}
+		}
+	}
+}
+
+// sgdReference is optim's float32 SGD update (optim/sgd.go sgdUpdate,
+// unexported there), every intermediate rounded to float32.
+func sgdReference(p, g, buf []float32, lr, wd, mu, damp float32, maximize, nesterov, first bool) {
+	for i := range p {
+		d := g[i]
+		if maximize {
+			d = -d
+		}
+		if wd != 0 {
+			d = d + float32(wd*p[i])
+		}
+		if mu != 0 {
+			if first {
+				buf[i] = d
+			} else {
+				buf[i] = float32(mu*buf[i]) + float32(damp*d)
+			}
+			if nesterov {
+				d = d + float32(mu*buf[i])
+			} else {
+				d = buf[i]
+			}
+		}
+		p[i] = p[i] - float32(lr*d)
 	}
 }

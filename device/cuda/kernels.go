@@ -51,6 +51,7 @@ func KernelFiles() []KernelFile {
 			"loom_causal_softmax_f32", "loom_causal_softmax_bwd_f32",
 		}},
 		{Name: "xent.cu", Kernels: []string{"loom_xent_fwd_f32", "loom_xent_bwd_f32"}},
+		{Name: "optim.cu", Kernels: []string{"loom_adamw_f32", "loom_sgd_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
