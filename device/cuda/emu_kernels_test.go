@@ -242,6 +242,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("softmax", func(t *testing.T) { testSoftmax(t, e) })
 	t.Run("xent", func(t *testing.T) { testCrossEntropy(t, e) })
 	t.Run("optim", func(t *testing.T) { testOptimizers(t, e) })
+	t.Run("embedding", func(t *testing.T) { testEmbedding(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier makes every
@@ -821,5 +822,56 @@ func sgdReference(p, g, buf []float32, lr, wd, mu, damp float32, maximize, neste
 			}
 		}
 		p[i] = p[i] - float32(lr*d)
+	}
+}
+
+// Embedding: the lookup copies rows (bit-exact); the gradient adds
+// repeated ids' rows in float32 where autograd's embedBwd (the reference,
+// unexported there) adds in float64: 1e-6 of the sum of the magnitudes.
+// Tables are whole (lo 0) or a vocab-parallel rank's block (lo 3).
+func testEmbedding(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(17, 18))
+	for _, s := range []struct{ vocab, lo, vl, nids, d int }{
+		{1, 0, 1, 1, 1}, {7, 0, 7, 17, 7}, {300, 3, 100, 33, 33}, {11, 3, 5, 40, 128},
+	} {
+		table := randF32(r, s.vl*s.d, 1)
+		ids := make([]int64, s.nids)
+		for i := range ids {
+			ids[i] = int64(r.IntN(s.vocab))
+		}
+		g := randF32(r, s.nids*s.d, 1)
+		want := make([]float32, s.nids*s.d)
+		acc, mag := make([]float64, s.vl*s.d), make([]float32, s.vl*s.d)
+		for i, id := range ids {
+			row := int(id) - s.lo
+			if row < 0 || row >= s.vl {
+				continue
+			}
+			copy(want[i*s.d:(i+1)*s.d], table[row*s.d:(row+1)*s.d])
+			for c := range s.d {
+				acc[row*s.d+c] += float64(g[i*s.d+c])
+				mag[row*s.d+c] += float32(math.Abs(float64(g[i*s.d+c])))
+			}
+		}
+		wantD := make([]float32, len(acc))
+		for i, v := range acc {
+			wantD[i] = float32(v)
+		}
+		for _, geo := range geometries {
+			what := fmt.Sprintf("%+v, grid %d×%d", s, geo.grid, geo.block)
+			out := garbage(len(want))
+			if err := e.run("loom_embedding_fwd_f32", d1(geo.grid), d1(geo.block), 0, out, table, ids, int64(s.nids), int64(s.lo), int64(s.vl), int64(s.d)); err != nil {
+				t.Fatal(err)
+			}
+			checkExact(t, what+": lookup", out, want)
+			dt := garbage(len(wantD))
+			if err := e.run("loom_fill_f32", d1(geo.grid), d1(geo.block), 0, dt, float32(0), int64(len(dt))); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.run("loom_embedding_bwd_f32", d1(geo.grid), d1(geo.block), 0, dt, g, ids, int64(s.nids), int64(s.lo), int64(s.vl), int64(s.d)); err != nil {
+				t.Fatal(err)
+			}
+			checkSum(t, what+": gradient", dt, wantD, mag)
+		}
 	}
 }
