@@ -35,13 +35,21 @@ import (
 // kernel files: barrier and shuffle semantics, and launches the emulator
 // must refuse.
 const emuSelfTest = `
-extern "C" __global__ void emu_barrier(int *order, int *down, int *xr) {
+extern "C" __global__ void emu_barrier(int *order, int *down, int *xr, int *sw) {
+  // Outputs by global thread; shared values depend on the block, so a
+  // value left by the previous block is wrong.
+  const unsigned g = blockIdx.x * blockDim.x + threadIdx.x, k = 1000 * blockIdx.x;
   __shared__ int s[1024];
-  s[threadIdx.x] = 3 * threadIdx.x;
+  s[threadIdx.x] = 3 * threadIdx.x + k;
   __syncthreads();
-  order[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
-  down[threadIdx.x] = __shfl_down_sync(0xffffffffu, (int)threadIdx.x, 5);
-  xr[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 9);
+  order[g] = s[(threadIdx.x + 1) % blockDim.x];
+  down[g] = __shfl_down_sync(0xffffffffu, (int)threadIdx.x, 5);
+  xr[g] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 9);
+  __shared__ int w[1024];
+  w[threadIdx.x] = 7 * threadIdx.x + k;
+  __syncwarp();
+  const unsigned base = threadIdx.x & ~31u;
+  sw[g] = w[base + ((threadIdx.x + 1) & 31u)];
 }
 LOOM_KERNEL(emu_barrier)
 extern "C" __global__ void emu_divergent(int *x) {
@@ -245,24 +253,28 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("embedding", func(t *testing.T) { testEmbedding(t, e) })
 }
 
-// testEmuHarness checks the emulator itself: a block barrier makes every
-// thread's write visible, shuffles return the source lane's value, and
+// testEmuHarness checks the emulator itself: a block barrier (and a warp
+// barrier, within the warp) makes every thread's write visible, shuffles return the source lane's value, and
 // launches a GPU would not run as written fail naming the kernel.
 func testEmuHarness(t *testing.T, e *emuLib) {
-	const n = 96
-	order, down, xr := make([]int32, n), make([]int32, n), make([]int32, n)
-	if err := e.run("emu_barrier", d1(2), d1(n), 0, order, down, xr); err != nil {
+	const n, blocks = 96, 2
+	order, down, xr, sw := make([]int32, blocks*n), make([]int32, blocks*n), make([]int32, blocks*n), make([]int32, blocks*n)
+	if err := e.run("emu_barrier", d1(blocks), d1(n), 0, order, down, xr, sw); err != nil {
 		t.Fatal(err)
 	}
-	for i := range int32(n) {
+	for g := range int32(blocks * n) {
+		i, k := g%n, 1000*(g/n)
 		lane := i & 31
 		wantDown := i
 		if lane+5 < 32 {
 			wantDown = i + 5
 		}
-		if order[i] != 3*((i+1)%n) || down[i] != wantDown || xr[i] != i^9 {
+		if order[g] != 3*((i+1)%n)+k || down[g] != wantDown || xr[g] != i^9 {
 			t.Fatalf("thread %d: after the barrier read %d (want %d), shfl_down %d (want %d), shfl_xor %d (want %d)",
-				i, order[i], 3*((i+1)%n), down[i], wantDown, xr[i], i^9)
+				g, order[g], 3*((i+1)%n)+k, down[g], wantDown, xr[g], i^9)
+		}
+		if want := 7*(i&^31+(i+1)&31) + k; sw[g] != want {
+			t.Fatalf("thread %d: after __syncwarp read %d, want %d", g, sw[g], want)
 		}
 	}
 	x := make([]int32, 64)

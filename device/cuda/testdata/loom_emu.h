@@ -161,7 +161,13 @@ inline void enter(fiber *f) {
 inline void yield(state s) {
   fiber *f = L.cur;
   f->st = s;
+  // Other fibers read and write shared memory while this one waits: a
+  // __shared__ static whose address never escapes could be assumed
+  // untouched by the call, so make the barrier a compiler memory barrier
+  // too, as __syncthreads is under NVRTC.
+  asm volatile("" ::: "memory");
   swapcontext(&f->ctx, &L.sched);
+  asm volatile("" ::: "memory");
   enter(f);
 }
 
