@@ -1,0 +1,72 @@
+package cuda
+
+import (
+	"embed"
+	"strings"
+)
+
+// The kernel sources, compiled at run time by NVRTC: kernels/loom.cuh is
+// the prelude of each kernels/*.cu.
+//
+//go:embed kernels/loom.cuh kernels/*.cu
+var kernelSources embed.FS
+
+// KernelFile is one CUDA C++ source file of loom's NVRTC kernels.
+type KernelFile struct {
+	// Name is the file's name under kernels/, e.g. "elementwise.cu".
+	Name string
+	// Kernels are the extern "C" kernels the file defines, each marked
+	// LOOM_KERNEL(name) after its definition; a module compiled from the
+	// file has a function of each name.
+	Kernels []string
+	text    string
+}
+
+// Source returns the text to compile for f: the prelude kernels/loom.cuh,
+// then f's source after a #line directive, so that NVRTC's messages give
+// the file's own line numbers. It includes no header. For a KernelFile not
+// returned by [KernelFiles] it is the prelude alone.
+func (f KernelFile) Source() string {
+	var b strings.Builder
+	b.WriteString(mustRead("kernels/loom.cuh"))
+	if f.text != "" {
+		b.WriteString("#line 1 \"" + f.Name + "\"\n")
+		b.WriteString(f.text)
+	}
+	return b.String()
+}
+
+// KernelFiles returns loom's kernel sources, one family of kernels per
+// file, each with the names of its kernels. The list is new on every call.
+func KernelFiles() []KernelFile {
+	files := []KernelFile{
+		{Name: "elementwise.cu", Kernels: []string{
+			"loom_axpby_f32", "loom_mul_f32", "loom_fill_f32", "loom_cast_f32_bf16", "loom_cast_bf16_f32",
+			"loom_sum_mid_f32", "loom_sumsq_f32", "loom_sum_f64",
+		}},
+		{Name: "layernorm.cu", Kernels: []string{"loom_layernorm_fwd_f32", "loom_layernorm_bwd_f32"}},
+		{Name: "gelu.cu", Kernels: []string{"loom_bias_gelu_fwd_f32"}},
+		{Name: "softmax.cu", Kernels: []string{
+			"loom_softmax_rows_f32", "loom_softmax_rows_bwd_f32", "loom_logsoftmax_rows_bwd_f32",
+			"loom_causal_softmax_f32", "loom_causal_softmax_bwd_f32",
+		}},
+		{Name: "xent.cu", Kernels: []string{"loom_xent_fwd_f32", "loom_xent_bwd_f32"}},
+		{Name: "optim.cu", Kernels: []string{"loom_adamw_f32", "loom_sgd_f32"}},
+		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
+	}
+	for i := range files {
+		files[i].text = mustRead("kernels/" + files[i].Name)
+	}
+	return files
+}
+
+// mustRead returns an embedded file. The names are constants of this file
+// and every one is embedded, which the package's tests check, so a failure
+// is a build defect.
+func mustRead(name string) string {
+	b, err := kernelSources.ReadFile(name)
+	if err != nil {
+		panic("cuda: embedded kernel source " + name + ": " + err.Error())
+	}
+	return string(b)
+}

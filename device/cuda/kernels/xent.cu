@@ -1,0 +1,44 @@
+// Softmax cross-entropy over rows of logits (kernels.CrossEntropyRows and
+// CrossEntropyRowsBackward): one warp per row, 1-D blocks of whole warps,
+// any grid. logsumexp is kept in double per row, as on the CPU. Targets are
+// int64 class indices; the host checks them, and a row whose target is
+// outside [0, v) gets a NaN loss rather than reading outside its row.
+
+// loss[r] = logsumexp(x_r) − x_r[targets[r]] and lse[r] = logsumexp(x_r)
+// (lse null: not wanted), in double; loom_sum_f64 adds the losses.
+extern "C" __global__ void loom_xent_fwd_f32(double *loss, double *lse, const float *logits, const i64 *targets,
+                                             i64 rows, int v) {
+  const unsigned lane = threadIdx.x & 31u;
+  const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+  for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+    const float *x = logits + r * v;
+    float mx = -__uint_as_float(0x7f800000u);
+    for (int j = lane; j < v; j += 32) mx = fmaxf(mx, x[j]);
+    mx = loom_warp_max(mx);
+    double s = 0;
+    for (int j = lane; j < v; j += 32) s += expf(x[j] - mx);
+    const double l = mx + log(loom_warp_sum(s));
+    if (lane != 0) continue;
+    const i64 t = targets[r];
+    loss[r] = t >= 0 && t < v ? l - x[t] : __longlong_as_double(0x7ff8000000000000ll);
+    if (lse) lse[r] = l;
+  }
+}
+LOOM_KERNEL(loom_xent_fwd_f32)
+
+// dx = scale·(softmax(x_r) − onehot(targets[r])) per row, from the
+// forward's lse: the gradient of scale·Σ loss. dx may alias logits.
+extern "C" __global__ void loom_xent_bwd_f32(float *dx, const float *logits, const i64 *targets, const double *lse,
+                                             i64 rows, int v, float scale) {
+  const unsigned lane = threadIdx.x & 31u;
+  const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+  for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+    const i64 t = targets[r];
+    const double l = lse[r];
+    for (int j = lane; j < v; j += 32) {
+      const double p = expf((float)(logits[r * v + j] - l));
+      dx[r * v + j] = (float)((double)scale * (j == t ? p - 1 : p));
+    }
+  }
+}
+LOOM_KERNEL(loom_xent_bwd_f32)
