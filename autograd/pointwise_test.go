@@ -292,3 +292,76 @@ func TestArgmaxAccuracy(t *testing.T) {
 		})
 	}
 }
+
+// TestPointwiseFloat32 runs each op in float32 and float64 on 3 ranks
+// (uneven shards) and checks that results and gradients agree to float32
+// precision: the float32 paths call the same kernels instantiated at
+// float32.
+func TestPointwiseFloat32(t *testing.T) {
+	ops := []struct {
+		name string
+		f    func(*Value) (*Value, error)
+	}{
+		{"ReLU", ReLU}, {"SiLU", SiLU}, {"Tanh", Tanh}, {"Sigmoid", Sigmoid},
+		{"Dropout", func(x *Value) (*Value, error) { return Dropout(x, 0.3, 5, 1) }},
+		{"Mean", func(x *Value) (*Value, error) { return Mean(x, 1) }},
+	}
+	shape := []int{4, 7}
+	full := placementtest.Random(shape, comm.Float64, 8).([]float64)
+	simulate(t, []int{3}, func(ctx context.Context, m *mesh.Mesh) error {
+		for _, o := range ops {
+			var outs, grads [2][]float64
+			for k, dt := range []comm.DType{comm.Float64, comm.Float32} {
+				spec, err := placement.NewSpec(m, shape, dt, pl{S1})
+				if err != nil {
+					return err
+				}
+				var data any = full
+				if dt == comm.Float32 {
+					f32 := make([]float32, len(full))
+					for i, v := range full {
+						f32[i] = float32(v)
+					}
+					data = f32
+				}
+				xd, err := placement.FromFull(spec, data)
+				if err != nil {
+					return err
+				}
+				tp := NewTape()
+				x, err := tp.Param("x", xd)
+				if err != nil {
+					return err
+				}
+				y, err := o.f(x)
+				if err != nil {
+					return fmt.Errorf("%s %v: %w", o.name, dt, err)
+				}
+				if outs[k], err = fullData(ctx, y.Data()); err != nil {
+					return err
+				}
+				l, err := probe(ctx, y)
+				if err != nil {
+					return err
+				}
+				if err := tp.Backward(ctx, l); err != nil {
+					return err
+				}
+				if grads[k], err = fullData(ctx, x.Grad()); err != nil {
+					return err
+				}
+			}
+			for i := range outs[0] {
+				if math.Abs(outs[0][i]-outs[1][i]) > 1e-6*math.Max(1, math.Abs(outs[0][i])) {
+					return fmt.Errorf("%s: element %d: float32 %v, float64 %v", o.name, i, outs[1][i], outs[0][i])
+				}
+			}
+			for i := range grads[0] {
+				if math.Abs(grads[0][i]-grads[1][i]) > 1e-5*math.Max(1, math.Abs(grads[0][i])) {
+					return fmt.Errorf("%s: gradient %d: float32 %v, float64 %v", o.name, i, grads[1][i], grads[0][i])
+				}
+			}
+		}
+		return nil
+	})
+}
