@@ -196,6 +196,13 @@ func TestPointwiseRejects(t *testing.T) {
 	rowsR, _ := placement.NewSpec(m, []int{4, 3}, comm.Float64, pl{R})
 	cr, _ := placementtest.Distribute(rowsR, placementtest.Random([]int{4, 3}, comm.Float64, 2), 2)
 	pr, _ := tp.Param("r", cr)
+	ix := func(shape []int, p pl) *Indices {
+		v, err := IndicesFromFull(m, shape, p, make([]int64, prod(shape)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
 	cases := []struct {
 		name string
 		f    func() error
@@ -220,6 +227,18 @@ func TestPointwiseRejects(t *testing.T) {
 		{"Argmax scalar", func() error { _, err := Argmax(mk([]int{}, pl{R})); return err }, ErrInvalid},
 		{"Argmax empty row", func() error { _, err := Argmax(mk([]int{3, 0}, pl{R})); return err }, ErrInvalid},
 		{"Accuracy nil", func() error { _, err := Accuracy(context.Background(), nil, nil); return err }, ErrInvalid},
+		{"Accuracy shapes", func() error {
+			_, err := Accuracy(context.Background(), ix([]int{4}, pl{S0}), ix([]int{5}, pl{S0}))
+			return err
+		}, ErrInvalid},
+		{"Accuracy layouts", func() error {
+			_, err := Accuracy(context.Background(), ix([]int{4}, pl{S0}), ix([]int{4}, pl{R}))
+			return err
+		}, ErrInvalid},
+		{"Accuracy empty", func() error {
+			_, err := Accuracy(context.Background(), ix([]int{0}, pl{R}), ix([]int{0}, pl{R}))
+			return err
+		}, ErrInvalid},
 	}
 	for _, c := range cases {
 		if err := c.f(); !errors.Is(err, c.want) {
