@@ -104,6 +104,11 @@ func (e *exec) run(ctx context.Context) error {
 		dt = call.Recv.DType()
 	}
 	es := max(dt.Size(), 1)
+	if call.Op.Collective() && e.c.cfg.opts.ConsistencyCheck && p > 1 {
+		if err := e.checkConsistency(ctx); err != nil {
+			return err
+		}
+	}
 	switch call.Op {
 	case comm.OpSend:
 		return e.sent(ctx, []*outFrame{e.posted}, []int{call.Peer})

@@ -173,7 +173,8 @@ func (c *Comm) issue(ctx context.Context, call comm.Call) (*exec, error) {
 		e.seq = c.seq
 		c.seq++
 		f := comm.FingerprintOf(e.seq, &call)
-		f.Algorithm = call.Algorithm
+		f.Algorithm = algo
+		e.finger = f
 		e.fp = fingerprintHash(f)
 	} else {
 		e.seq = c.p2pSeq.Add(1) - 1
@@ -243,6 +244,8 @@ type exec struct {
 	recID    uint64
 	deadline time.Time
 	posted   *outFrame // a Send's frame, queued at issue
+	finger   comm.Fingerprint
+	checking bool // exchanging fingerprints: frames on their own key, unhashed
 }
 
 // finish records the outcome and wraps an error with the call's identity.
@@ -326,6 +329,9 @@ func (e *exec) send(dst int, data []byte) *outFrame {
 		kind, key = kindP2P, uint64(int64(e.call.Tag))
 	}
 	fp := e.fp
+	if e.checking {
+		key, fp = key|checkKey, 0
+	}
 	return e.c.t.post(e.c.members[dst], kind, e.c.id, key, fp, data, false)
 }
 
@@ -347,6 +353,9 @@ func (e *exec) sent(ctx context.Context, fs []*outFrame, dsts []int) error {
 // communicator.
 func (e *exec) recv(ctx context.Context, src int) ([]byte, error) {
 	k := mkey{comm: e.c.id, kind: kindColl, key: e.seq, src: e.c.members[src]}
+	if e.checking {
+		k.key |= checkKey
+	}
 	n := 0
 	if e.call.Op == comm.OpRecv {
 		k.kind, k.key, n = kindP2P, uint64(int64(e.call.Tag)), e.ticket
@@ -356,7 +365,7 @@ func (e *exec) recv(ctx context.Context, src int) ([]byte, error) {
 	for {
 		m, ok, ch := e.c.t.poll(k, n)
 		if ok {
-			if m.fp != e.fp {
+			if m.fp != e.fp && !e.checking {
 				err := fmt.Errorf("%w: rank %d issued a different collective at #%d (this rank issued %v)", comm.ErrMismatch, src, e.seq, e.call.Op)
 				e.c.Abort(err)
 				return nil, e.c.failure.Load()
@@ -388,11 +397,7 @@ func (e *exec) recvInto(ctx context.Context, src int, dst []byte) error {
 // carried by every collective frame.
 func fingerprintHash(f comm.Fingerprint) uint64 {
 	h := fnv.New64a()
-	var b []byte
-	for _, v := range []uint64{f.Seq, uint64(f.Op), uint64(f.DType), uint64(int64(f.Count)), uint64(int64(f.Root)), uint64(f.Reduce), uint64(f.Algorithm)} {
-		b = binary.LittleEndian.AppendUint64(b, v)
-	}
-	h.Write(b)
+	h.Write(encodeFingerprint(f))
 	return h.Sum64() | 1 // p2p frames carry 0
 }
 
@@ -469,4 +474,58 @@ func (c *Comm) startInternal(ctx context.Context, call comm.Call, op comm.Op) (c
 		close(w.done)
 	}()
 	return w, nil
+}
+
+// checkKey marks the frames of the fingerprint exchange, so that they
+// never match a collective's data.
+const checkKey = 1 << 63
+
+// checkConsistency exchanges fingerprints with every member before data
+// moves (comm.Options.ConsistencyCheck): every rank then sees the same
+// calls and returns the same MismatchError when they differ.
+func (e *exec) checkConsistency(ctx context.Context) error {
+	p := e.c.Size()
+	mine := encodeFingerprint(e.finger)
+	calls := make([]comm.Fingerprint, p)
+	calls[e.c.rank] = e.finger
+	e.checking = true
+	err := e.exchange(ctx, func(int) []byte { return mine }, func(q int, b []byte) error {
+		f, ok := decodeFingerprint(b)
+		if !ok {
+			return e.lengthMismatch(q, len(b), len(mine))
+		}
+		calls[q] = f
+		return nil
+	})
+	e.checking = false
+	if err != nil {
+		return err
+	}
+	for _, f := range calls {
+		if !f.Matches(calls[0]) {
+			me := &comm.MismatchError{Calls: calls}
+			e.c.markAborted(&comm.AbortError{Rank: e.c.rank, Cause: me})
+			return me
+		}
+	}
+	return nil
+}
+
+func encodeFingerprint(f comm.Fingerprint) []byte {
+	var b []byte
+	for _, v := range []uint64{f.Seq, uint64(f.Op), uint64(f.DType), uint64(int64(f.Count)), uint64(int64(f.Root)), uint64(f.Reduce), uint64(f.Algorithm)} {
+		b = binary.LittleEndian.AppendUint64(b, v)
+	}
+	return b
+}
+
+func decodeFingerprint(b []byte) (comm.Fingerprint, bool) {
+	if len(b) != 56 {
+		return comm.Fingerprint{}, false
+	}
+	u := func(i int) uint64 { return binary.LittleEndian.Uint64(b[8*i:]) }
+	return comm.Fingerprint{
+		Seq: u(0), Op: comm.Op(u(1)), DType: comm.DType(u(2)), Count: int(int64(u(3))),
+		Root: int(int64(u(4))), Reduce: comm.ReduceOp(u(5)), Algorithm: comm.Algorithm(u(6)),
+	}, true
 }

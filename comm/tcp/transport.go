@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"context"
 	"bufio"
 	"encoding/binary"
 	"errors"
@@ -87,13 +88,16 @@ type transport struct {
 	dead    chan struct{}
 	deadErr *comm.AbortError
 	closed  bool
+
+	stopped  chan struct{} // closed when the connections are
+	stopOnce sync.Once
 }
 
 func newTransport(rank, size int) *transport {
 	return &transport{
 		rank: rank, size: size, peers: make([]*peer, size),
 		queues: map[mkey]*queue{}, comms: map[uint64]*Comm{},
-		pending: map[uint64]*comm.AbortError{}, dead: make(chan struct{}),
+		pending: map[uint64]*comm.AbortError{}, dead: make(chan struct{}), stopped: make(chan struct{}),
 	}
 }
 
@@ -109,17 +113,51 @@ func (t *transport) start() {
 	}
 }
 
-// fail aborts every communicator of the process: a connection is lost, so
-// no collective can complete any more.
+// fail aborts every communicator of the process: a connection is lost or
+// carried garbage, so no collective can complete any more.
 func (t *transport) fail(peerRank int, err error) {
+	t.failWith(peerRank, &comm.AbortError{Rank: peerRank, Cause: fmt.Errorf("%w: rank %d: %w", ErrPeer, peerRank, err)})
+}
+
+// failWith records ae as the process's failure, tells every other peer
+// (so that every rank names the peer at fault, not the rank that saw it),
+// and closes the connections once the notices are out or closeGrace has
+// passed. faulty is the peer not told, -1 for none.
+func (t *transport) failWith(faulty int, ae *comm.AbortError) {
 	t.mu.Lock()
 	if t.deadErr != nil || t.closed {
 		t.mu.Unlock()
 		return
 	}
-	t.deadErr = &comm.AbortError{Rank: peerRank, Cause: fmt.Errorf("%w: rank %d: %w", ErrPeer, peerRank, err)}
+	var fs []*outFrame
+	note := encodeAbort(ae)
+	for _, p := range t.peers {
+		if p != nil && p.rank != faulty {
+			fs = append(fs, t.postLocked(p, kindAbort, allComms, 0, 0, note, true))
+		}
+	}
+	t.deadErr = ae
 	close(t.dead)
 	t.mu.Unlock()
+	go func() {
+		timeout := time.After(closeGrace)
+		for _, f := range fs {
+			select {
+			case <-f.done:
+			case <-timeout:
+			}
+		}
+		t.shut()
+	}()
+}
+
+// allComms, as the communicator id of an abort notice, means the whole
+// process: the sender lost a peer.
+const allComms = ^uint64(0)
+
+// shut closes every connection, which ends the readers and writers.
+func (t *transport) shut() {
+	t.stopOnce.Do(func() { close(t.stopped) })
 	for _, p := range t.peers {
 		if p != nil {
 			p.conn.Close()
@@ -152,11 +190,7 @@ func (t *transport) close() {
 	t.mu.Lock()
 	t.closed = true
 	t.mu.Unlock()
-	for _, p := range t.peers {
-		if p != nil {
-			p.conn.Close()
-		}
-	}
+	t.shut()
 }
 
 // closeGrace bounds how long close waits for a peer to take its goodbye.
@@ -235,6 +269,10 @@ func (t *transport) readLoop(p *peer) {
 				t.fail(p.rank, fmt.Errorf("garbage abort frame: %w", err))
 				return
 			}
+			if id == allComms {
+				t.failWith(p.rank, ae)
+				continue
+			}
 			t.remoteAbort(id, ae)
 			continue
 		}
@@ -283,7 +321,7 @@ func (t *transport) writeLoop(p *peer) {
 			p.mu.Unlock()
 			select {
 			case <-p.wake:
-			case <-t.dead:
+			case <-t.stopped:
 				t.drain(p)
 				return
 			}
@@ -317,20 +355,26 @@ func (t *transport) drain(p *peer) {
 }
 
 // post queues a frame for world rank dst; its done channel is closed once
-// it is written. Frames to one peer are written in the order posted. urgent
-// frames (abort notices) jump the queue.
+// it is written. Frames to one peer are written in the order posted;
+// urgent frames (abort notices) jump the queue.
 func (t *transport) post(dst int, kind uint8, id, key, fp uint64, data []byte, urgent bool) *outFrame {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ae := t.deadErr; ae != nil {
+		f := &outFrame{done: make(chan struct{})}
+		f.complete(ae)
+		return f
+	}
+	return t.postLocked(t.peers[dst], kind, id, key, fp, data, urgent)
+}
+
+func (t *transport) postLocked(p *peer, kind uint8, id, key, fp uint64, data []byte, urgent bool) *outFrame {
 	f := &outFrame{data: data, done: make(chan struct{})}
 	f.hdr[0] = kind
 	binary.LittleEndian.PutUint64(f.hdr[1:], id)
 	binary.LittleEndian.PutUint64(f.hdr[9:], key)
 	binary.LittleEndian.PutUint64(f.hdr[17:], fp)
 	binary.LittleEndian.PutUint64(f.hdr[25:], uint64(len(data)))
-	if ae := t.err(); ae != nil {
-		f.complete(ae)
-		return f
-	}
-	p := t.peers[dst]
 	p.mu.Lock()
 	if urgent {
 		p.queue = append([]*outFrame{f}, p.queue...)
@@ -360,6 +404,11 @@ func encodeAbort(ae *comm.AbortError) []byte {
 	flag := byte(0)
 	if isTimeout {
 		flag = 1
+	}
+	for i, k := range carriedKinds {
+		if errors.Is(ae.Cause, k) {
+			flag |= 2 << i
+		}
 	}
 	b = append(b, flag)
 	b = binary.LittleEndian.AppendUint64(b, uint64(after))
@@ -399,8 +448,32 @@ func decodeAbort(b []byte) (*comm.AbortError, error) {
 	}
 	detail, msg := string(b[:nd]), string(b[nd:])
 	var cause error = errors.New(msg)
-	if flag == 1 {
+	if flag&1 != 0 {
 		cause = &comm.TimeoutError{After: durationOf(after), Late: late, Detail: detail}
+	} else if flag != 0 {
+		re := &remoteError{msg: msg}
+		for i, k := range carriedKinds {
+			if flag&(2<<i) != 0 {
+				re.kinds = append(re.kinds, k)
+			}
+		}
+		cause = re
 	}
 	return &comm.AbortError{Rank: rank, Cause: cause}, nil
 }
+
+// carriedKinds are the sentinels an abort notice carries across, so that
+// errors.Is finds them on every rank.
+var carriedKinds = []error{ErrPeer, comm.ErrMismatch, context.Canceled, context.DeadlineExceeded}
+
+// remoteError is a peer's abort cause: its text, and the sentinels it
+// matched there.
+type remoteError struct {
+	msg   string
+	kinds []error
+}
+
+func (e *remoteError) Error() string { return e.msg }
+
+// Unwrap returns the sentinels the cause matched on the aborting rank.
+func (e *remoteError) Unwrap() []error { return e.kinds }
