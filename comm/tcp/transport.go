@@ -1,8 +1,8 @@
 package tcp
 
 import (
-	"context"
 	"bufio"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
