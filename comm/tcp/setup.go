@@ -127,16 +127,27 @@ func connect(ctx context.Context, t *transport, store *rendezvous.Client, cfg co
 	}
 	hs := handshake{job: jobHash(cfg.job), rank: t.rank, size: t.size}
 
-	errc := make(chan error, 1)
+	// Dial and accept at once; the first failure ends both, and is the
+	// one reported (a refused handshake, not the wait it caused).
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 2)
 	go func() { errc <- accept(ctx, t, ln, hs) }()
-	var dialErr error
-	for r := t.rank + 1; r < t.size && dialErr == nil; r++ {
-		dialErr = dial(ctx, t, store, key(r), r, hs)
-	}
-	if dialErr != nil {
+	go func() {
+		for r := t.rank + 1; r < t.size; r++ {
+			if err := dial(ctx, t, store, key(r), r, hs); err != nil {
+				errc <- err
+				return
+			}
+		}
+		errc <- nil
+	}()
+	first := <-errc
+	if first != nil {
+		cancel()
 		ln.Close()
 		<-errc
-		return dialErr
+		return first
 	}
 	return <-errc
 }
