@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
@@ -280,9 +281,15 @@ func (t *transport) readLoop(p *peer) {
 	}
 }
 
+// connErr says "connection closed" for every way a peer's end can vanish,
+// so that a killed peer reads the same whether its end was seen by a read
+// or by a write.
 func connErr(err error) error {
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return errors.New("connection closed")
+	}
+	if errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) {
+		return fmt.Errorf("connection closed: %w", err)
 	}
 	return err
 }
