@@ -1,0 +1,448 @@
+package tcp
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/comm/internal/kernel"
+)
+
+// Algorithms returns the algorithms the tcp backend can force for op, in
+// the order of comm.AllAlgorithms. Each applies to every group size.
+func Algorithms(op comm.Op) []comm.Algorithm {
+	switch op {
+	case comm.OpAllReduce:
+		return []comm.Algorithm{comm.Direct, comm.Ring, comm.Tree}
+	case comm.OpAllGather, comm.OpReduceScatter:
+		return []comm.Algorithm{comm.Direct, comm.Ring}
+	case comm.OpBroadcast, comm.OpReduce:
+		return []comm.Algorithm{comm.Direct, comm.Tree}
+	case comm.OpGather, comm.OpScatter, comm.OpAllToAll, comm.OpAllToAllV, comm.OpBarrier:
+		return []comm.Algorithm{comm.Direct}
+	}
+	return nil
+}
+
+func supports(op comm.Op, a comm.Algorithm) bool { return slices.Contains(Algorithms(op), a) }
+
+// Crossovers of the automatic choice: fixed, not measured. Below
+// treeBytes an all-reduce takes the binomial tree (2·log2 p messages of
+// the whole vector); above, the ring (2(p-1) messages of 1/p of it). Below
+// directBytes per rank, all-gather and reduce-scatter exchange directly
+// (one round of p-1 messages); above, the ring. Loopback measurements on a
+// 2-core machine put both crossovers within a factor of two of these.
+const (
+	treeBytes   = 64 << 10
+	directBytes = 16 << 10
+)
+
+// segmentBytes is the size of the frames a ring step is cut into, so that
+// the receiver reduces one segment while the next is on the wire.
+const segmentBytes = 256 << 10
+
+func (c *Comm) choose(call *comm.Call) (comm.Algorithm, error) {
+	a := call.Algorithm
+	if a == comm.Auto {
+		a = c.cfg.opts.Algorithms.For(call.Op, supports)
+	}
+	if a != comm.Auto {
+		if !supports(call.Op, a) {
+			return 0, fmt.Errorf("%w: algorithm %v for %v (the tcp backend has %v)", comm.ErrUnsupported, a, call.Op, Algorithms(call.Op))
+		}
+		return a, nil
+	}
+	var bytes int
+	if b := call.Send; b != nil {
+		bytes = b.Len() * b.DType().Size()
+	} else if b := call.Recv; b != nil {
+		bytes = b.Len() * b.DType().Size()
+	}
+	switch call.Op {
+	case comm.OpAllReduce:
+		if bytes < treeBytes {
+			return comm.Tree, nil
+		}
+		return comm.Ring, nil
+	case comm.OpAllGather:
+		if bytes < directBytes {
+			return comm.Direct, nil
+		}
+		return comm.Ring, nil
+	case comm.OpReduceScatter:
+		if bytes/c.Size() < directBytes {
+			return comm.Direct, nil
+		}
+		return comm.Ring, nil
+	case comm.OpBroadcast, comm.OpReduce:
+		return comm.Tree, nil
+	}
+	return comm.Direct, nil
+}
+
+func bytesOf(b comm.Buffer) []byte {
+	if b == nil {
+		return nil
+	}
+	return b.(*comm.HostBuffer).Bytes()
+}
+
+func sameStart(a, b []byte) bool {
+	return len(a) > 0 && len(b) > 0 && &a[0] == &b[0]
+}
+
+// run moves the operation's data.
+func (e *exec) run(ctx context.Context) error {
+	call := &e.call
+	p, r := e.c.Size(), e.rank()
+	send, recv := bytesOf(call.Send), bytesOf(call.Recv)
+	var dt comm.DType
+	if call.Send != nil {
+		dt = call.Send.DType()
+	} else if call.Recv != nil {
+		dt = call.Recv.DType()
+	}
+	es := max(dt.Size(), 1)
+	if call.Op.Collective() && e.c.cfg.opts.ConsistencyCheck && p > 1 {
+		if err := e.checkConsistency(ctx); err != nil {
+			return err
+		}
+	}
+	switch call.Op {
+	case comm.OpSend:
+		return e.sent(ctx, []*outFrame{e.posted}, []int{call.Peer})
+	case comm.OpRecv:
+		return e.recvInto(ctx, call.Peer, recv)
+	case comm.OpBarrier:
+		return e.exchange(ctx, func(int) []byte { return nil }, func(int, []byte) error { return nil })
+	case comm.OpAllReduce:
+		if !sameStart(send, recv) {
+			copy(recv, send)
+		}
+		switch e.algo {
+		case comm.Ring:
+			return e.allReduceRing(ctx, dt, recv)
+		case comm.Tree:
+			if err := e.reduceTree(ctx, dt, recv, 0); err != nil {
+				return err
+			}
+			return e.broadcastTree(ctx, recv, 0)
+		}
+		return e.reduceDirect(ctx, dt, send, recv, true)
+	case comm.OpReduce:
+		work := recv
+		if r != call.Root {
+			work = slices.Clone(send)
+		} else if !sameStart(send, recv) {
+			copy(recv, send)
+		}
+		if e.algo == comm.Tree {
+			return e.reduceTree(ctx, dt, work, call.Root)
+		}
+		return e.reduceDirect(ctx, dt, send, work, false)
+	case comm.OpBroadcast:
+		if r == call.Root && !sameStart(send, recv) {
+			copy(recv, send)
+		}
+		if e.algo == comm.Tree {
+			return e.broadcastTree(ctx, recv, call.Root)
+		}
+		if r == call.Root {
+			return e.toAll(ctx, func(int) []byte { return recv })
+		}
+		return e.recvInto(ctx, call.Root, recv)
+	case comm.OpAllGather:
+		n := len(recv) / p
+		own := recv[r*n : (r+1)*n]
+		if !sameStart(send, own) {
+			copy(own, send)
+		}
+		if e.algo == comm.Ring {
+			return e.ring(ctx, p-1, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p },
+				func(i int) []byte { return recv[i*n : (i+1)*n] }, dt, false)
+		}
+		return e.exchange(ctx, func(int) []byte { return own },
+			func(q int, b []byte) error { return e.fill(q, recv[q*n:(q+1)*n], b) })
+	case comm.OpReduceScatter:
+		n := len(send) / p
+		if e.algo == comm.Ring {
+			work := slices.Clone(send)
+			err := e.ring(ctx, p-1, func(s int) (int, int) { return (r - s - 1 + p) % p, (r - s - 2 + 2*p) % p },
+				func(i int) []byte { return work[i*n : (i+1)*n] }, dt, true)
+			if err != nil {
+				return err
+			}
+			copy(recv, work[r*n:(r+1)*n])
+			e.scale(dt, recv)
+			return nil
+		}
+		srcs := make([][]byte, p)
+		srcs[r] = send[r*n : (r+1)*n]
+		err := e.exchange(ctx, func(q int) []byte { return send[q*n : (q+1)*n] },
+			func(q int, b []byte) error {
+				if len(b) != n {
+					return e.lengthMismatch(q, len(b), n)
+				}
+				srcs[q] = b
+				return nil
+			})
+		if err != nil {
+			return err
+		}
+		if err := kernel.Reduce(dt, call.Reduce, recv, srcs...); err != nil {
+			return err
+		}
+		e.scale(dt, recv)
+		return nil
+	case comm.OpGather:
+		if r != call.Root {
+			return e.sent(ctx, []*outFrame{e.send(call.Root, send)}, []int{call.Root})
+		}
+		n := len(send)
+		copy(recv[r*n:(r+1)*n], send)
+		for q := range p {
+			if q != r {
+				if err := e.recvInto(ctx, q, recv[q*n:(q+1)*n]); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	case comm.OpScatter:
+		if r != call.Root {
+			return e.recvInto(ctx, call.Root, recv)
+		}
+		n := len(recv)
+		copy(recv, send[r*n:(r+1)*n])
+		return e.toAll(ctx, func(q int) []byte { return send[q*n : (q+1)*n] })
+	case comm.OpAllToAll:
+		n := len(send) / p
+		copy(recv[r*n:(r+1)*n], send[r*n:(r+1)*n])
+		return e.exchange(ctx, func(q int) []byte { return send[q*n : (q+1)*n] },
+			func(q int, b []byte) error { return e.fill(q, recv[q*n:(q+1)*n], b) })
+	case comm.OpAllToAllV:
+		so, ro := offsets(call.SendCounts, es), offsets(call.RecvCounts, es)
+		copy(recv[ro[r]:ro[r+1]], send[so[r]:so[r+1]])
+		return e.exchange(ctx, func(q int) []byte { return send[so[q]:so[q+1]] },
+			func(q int, b []byte) error { return e.fill(q, recv[ro[q]:ro[q+1]], b) })
+	}
+	return fmt.Errorf("%w: op %v", comm.ErrUnsupported, call.Op)
+}
+
+func (e *exec) rank() int { return e.c.rank }
+
+func offsets(counts []int, es int) []int {
+	o := make([]int, len(counts)+1)
+	for i, n := range counts {
+		o[i+1] = o[i] + n*es
+	}
+	return o
+}
+
+// scale finishes an average.
+func (e *exec) scale(dt comm.DType, b []byte) {
+	if e.call.Reduce == comm.Avg {
+		kernel.Scale(dt, b, e.c.Size())
+	}
+}
+
+func (e *exec) lengthMismatch(src, got, want int) error {
+	err := fmt.Errorf("%w: rank %d sent %d bytes where this rank expects %d", comm.ErrMismatch, src, got, want)
+	e.c.Abort(err)
+	return e.c.failure.Load()
+}
+
+// fill copies a received message into dst, checking its length.
+func (e *exec) fill(src int, dst, b []byte) error {
+	if len(b) != len(dst) {
+		return e.lengthMismatch(src, len(b), len(dst))
+	}
+	copy(dst, b)
+	return nil
+}
+
+// toAll sends out(q) to every other rank and waits for the writes.
+func (e *exec) toAll(ctx context.Context, out func(q int) []byte) error {
+	p, r := e.c.Size(), e.rank()
+	fs, ds := make([]*outFrame, 0, p), make([]int, 0, p)
+	for i := 1; i < p; i++ {
+		q := (r + i) % p
+		fs, ds = append(fs, e.send(q, out(q))), append(ds, q)
+	}
+	return e.sent(ctx, fs, ds)
+}
+
+// exchange sends out(q) to every other rank and hands each rank's message
+// to in, in rank order after this one, then waits for the writes.
+func (e *exec) exchange(ctx context.Context, out func(q int) []byte, in func(q int, b []byte) error) error {
+	p, r := e.c.Size(), e.rank()
+	fs, ds := make([]*outFrame, 0, p), make([]int, 0, p)
+	for i := 1; i < p; i++ {
+		q := (r + i) % p
+		fs, ds = append(fs, e.send(q, out(q))), append(ds, q)
+	}
+	for i := 1; i < p; i++ {
+		q := (r - i + p) % p
+		b, err := e.recv(ctx, q)
+		if err != nil {
+			return err
+		}
+		if err := in(q, b); err != nil {
+			return err
+		}
+	}
+	return e.sent(ctx, fs, ds)
+}
+
+// ring runs steps of a ring: at step s this rank sends block out of
+// idx(s) to its right neighbour and receives block in from its left one,
+// reducing it into its own block or overwriting it. Each block travels as
+// segments, so that the reduction of one overlaps the transfer of the
+// next; the writes of a step finish before the next step reuses memory.
+func (e *exec) ring(ctx context.Context, steps int, idx func(s int) (out, in int), block func(i int) []byte, dt comm.DType, reduce bool) error {
+	p, r := e.c.Size(), e.rank()
+	right, left := (r+1)%p, (r-1+p)%p
+	seg := max(segmentBytes/max(dt.Size(), 1), 1) * max(dt.Size(), 1)
+	var fs []*outFrame
+	var ds []int
+	for s := range steps {
+		o, i := idx(s)
+		ob, ib := block(o), block(i)
+		fs, ds = fs[:0], ds[:0]
+		for lo := 0; lo < len(ob); lo += seg {
+			fs, ds = append(fs, e.send(right, ob[lo:min(lo+seg, len(ob))])), append(ds, right)
+		}
+		for lo := 0; lo < len(ib); lo += seg {
+			dst := ib[lo:min(lo+seg, len(ib))]
+			b, err := e.recv(ctx, left)
+			if err != nil {
+				return err
+			}
+			if len(b) != len(dst) {
+				return e.lengthMismatch(left, len(b), len(dst))
+			}
+			if reduce {
+				if err := kernel.Reduce(dt, e.call.Reduce, dst, dst, b); err != nil {
+					return err
+				}
+			} else {
+				copy(dst, b)
+			}
+		}
+		if err := e.sent(ctx, fs, ds); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// allReduceRing reduce-scatters buf around the ring, leaving rank r with
+// block r+1 reduced, then all-gathers the blocks.
+func (e *exec) allReduceRing(ctx context.Context, dt comm.DType, buf []byte) error {
+	p, r := e.c.Size(), e.rank()
+	es := dt.Size()
+	n := len(buf) / es
+	block := func(i int) []byte { return buf[i*n/p*es : (i+1)*n/p*es] }
+	err := e.ring(ctx, p-1, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p }, block, dt, true)
+	if err != nil {
+		return err
+	}
+	e.scale(dt, block((r+1)%p))
+	return e.ring(ctx, p-1, func(s int) (int, int) { return (r + 1 - s + p) % p, (r - s + p) % p }, block, dt, false)
+}
+
+// reduceTree reduces work up a binomial tree rooted at root; the result
+// (averaged for Avg) is left in root's work.
+func (e *exec) reduceTree(ctx context.Context, dt comm.DType, work []byte, root int) error {
+	p, r := e.c.Size(), e.rank()
+	v := (r - root + p) % p
+	for mask := 1; mask < p; mask <<= 1 {
+		if v&mask != 0 {
+			to := (v - mask + root) % p
+			return e.sent(ctx, []*outFrame{e.send(to, work)}, []int{to})
+		}
+		if v+mask < p {
+			from := (v + mask + root) % p
+			b, err := e.recv(ctx, from)
+			if err != nil {
+				return err
+			}
+			if len(b) != len(work) {
+				return e.lengthMismatch(from, len(b), len(work))
+			}
+			if err := kernel.Reduce(dt, e.call.Reduce, work, work, b); err != nil {
+				return err
+			}
+		}
+	}
+	e.scale(dt, work)
+	return nil
+}
+
+// broadcastTree copies root's buf down a binomial tree.
+func (e *exec) broadcastTree(ctx context.Context, buf []byte, root int) error {
+	p, r := e.c.Size(), e.rank()
+	v := (r - root + p) % p
+	mask := 1
+	for ; mask < p; mask <<= 1 {
+		if v&mask != 0 {
+			if err := e.recvInto(ctx, (v-mask+root)%p, buf); err != nil {
+				return err
+			}
+			break
+		}
+	}
+	var fs []*outFrame
+	var ds []int
+	for mask >>= 1; mask > 0; mask >>= 1 {
+		if v+mask < p {
+			to := (v + mask + root) % p
+			fs, ds = append(fs, e.send(to, buf)), append(ds, to)
+		}
+	}
+	return e.sent(ctx, fs, ds)
+}
+
+// reduceDirect: every rank sends its input to the root (to every rank when
+// all), which reduces the inputs in rank order.
+func (e *exec) reduceDirect(ctx context.Context, dt comm.DType, send, work []byte, all bool) error {
+	p, r := e.c.Size(), e.rank()
+	if send == nil || sameStart(send, work) {
+		send = slices.Clone(work)
+	}
+	srcs := make([][]byte, p)
+	srcs[r] = send
+	in := func(q int, b []byte) error {
+		if len(b) != len(work) {
+			return e.lengthMismatch(q, len(b), len(work))
+		}
+		srcs[q] = b
+		return nil
+	}
+	if all {
+		if err := e.exchange(ctx, func(int) []byte { return send }, in); err != nil {
+			return err
+		}
+	} else if root := e.call.Root; r != root {
+		return e.sent(ctx, []*outFrame{e.send(root, send)}, []int{root})
+	} else {
+		for q := range p {
+			if q == r {
+				continue
+			}
+			b, err := e.recv(ctx, q)
+			if err != nil {
+				return err
+			}
+			if err := in(q, b); err != nil {
+				return err
+			}
+		}
+	}
+	if err := kernel.Reduce(dt, e.call.Reduce, work, srcs...); err != nil {
+		return err
+	}
+	e.scale(dt, work)
+	return nil
+}

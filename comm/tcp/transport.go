@@ -1,0 +1,486 @@
+package tcp
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/b7ea7098/loom/comm"
+)
+
+// Frame kinds.
+const (
+	kindColl  = 1 // a collective's data: key is the sequence number
+	kindP2P   = 2 // a Send's data: key is the tag
+	kindAbort = 3 // an abort notice for the communicator
+	kindBye   = 4 // the peer closes: its end of the stream is no failure
+)
+
+// headerBytes: kind (1), communicator id (8), key (8), fingerprint hash
+// (8), payload length (8).
+const headerBytes = 33
+
+// maxPayload bounds a frame's payload; a longer one is garbage, not a
+// reason to allocate.
+const maxPayload = 1 << 40
+
+// mkey addresses a stream of messages: one communicator, one kind, one key
+// (sequence number or tag), from one world rank.
+type mkey struct {
+	comm uint64
+	kind uint8
+	key  uint64
+	src  int
+}
+
+type message struct {
+	fp   uint64
+	data []byte
+}
+
+// queue holds the messages of one stream by arrival index; a receiver takes
+// a ticket (the index it will consume) when it is issued, so that
+// receives issued in order match sends in order.
+type queue struct {
+	arrived, tickets int
+	msgs             map[int]message
+	ch               chan struct{} // closed and replaced on each arrival
+}
+
+// outFrame is a frame waiting for its peer's writer.
+type outFrame struct {
+	hdr  [headerBytes]byte
+	data []byte
+	done chan struct{} // closed once written or failed
+	err  error
+}
+
+func (f *outFrame) complete(err error) {
+	f.err = err
+	close(f.done)
+}
+
+// peer is the connection to one world rank.
+type peer struct {
+	rank  int
+	conn  net.Conn
+	mu    sync.Mutex
+	queue []*outFrame
+	wake  chan struct{}
+}
+
+// transport is the full mesh of one process, shared by the world
+// communicator and every communicator split from it.
+type transport struct {
+	rank, size int
+	peers      []*peer // by world rank; nil at rank
+
+	mu      sync.Mutex
+	queues  map[mkey]*queue
+	comms   map[uint64]*Comm
+	pending map[uint64]*comm.AbortError // aborts for communicators not yet made
+	dead    chan struct{}
+	deadErr *comm.AbortError
+	closed  bool
+
+	stopped  chan struct{} // closed when the connections are
+	stopOnce sync.Once
+}
+
+func newTransport(rank, size int) *transport {
+	return &transport{
+		rank: rank, size: size, peers: make([]*peer, size),
+		queues: map[mkey]*queue{}, comms: map[uint64]*Comm{},
+		pending: map[uint64]*comm.AbortError{}, dead: make(chan struct{}), stopped: make(chan struct{}),
+	}
+}
+
+// start runs the reader and writer of every connection.
+func (t *transport) start() {
+	for _, p := range t.peers {
+		if p == nil {
+			continue
+		}
+		p.wake = make(chan struct{}, 1)
+		go t.readLoop(p)
+		go t.writeLoop(p)
+	}
+}
+
+// fail aborts every communicator of the process: a connection is lost or
+// carried garbage, so no collective can complete any more.
+func (t *transport) fail(peerRank int, err error) {
+	t.failWith(peerRank, &comm.AbortError{Rank: peerRank, Cause: fmt.Errorf("%w: rank %d: %w", ErrPeer, peerRank, err)})
+}
+
+// failWith records ae as the process's failure, tells every other peer
+// (so that every rank names the peer at fault, not the rank that saw it),
+// and closes the connections once the notices are out or closeGrace has
+// passed. faulty is the peer not told, -1 for none.
+func (t *transport) failWith(faulty int, ae *comm.AbortError) {
+	t.mu.Lock()
+	if t.deadErr != nil || t.closed {
+		t.mu.Unlock()
+		return
+	}
+	var fs []*outFrame
+	note := encodeAbort(ae)
+	for _, p := range t.peers {
+		if p != nil && p.rank != faulty {
+			fs = append(fs, t.postLocked(p, kindAbort, allComms, 0, 0, note, true))
+		}
+	}
+	t.deadErr = ae
+	close(t.dead)
+	t.mu.Unlock()
+	go func() {
+		timeout := time.After(closeGrace)
+		for _, f := range fs {
+			select {
+			case <-f.done:
+			case <-timeout:
+			}
+		}
+		t.shut()
+	}()
+}
+
+// allComms, as the communicator id of an abort notice, means the whole
+// process: the sender lost a peer.
+const allComms = ^uint64(0)
+
+// shut closes every connection, which ends the readers and writers.
+func (t *transport) shut() {
+	t.stopOnce.Do(func() { close(t.stopped) })
+	for _, p := range t.peers {
+		if p != nil {
+			p.conn.Close()
+		}
+	}
+}
+
+// err returns the transport's failure, or nil.
+func (t *transport) err() *comm.AbortError {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.deadErr
+}
+
+// close says goodbye to every peer after the frames already queued, then
+// shuts the connections without reporting a failure.
+func (t *transport) close() {
+	var fs []*outFrame
+	for _, p := range t.peers {
+		if p != nil {
+			fs = append(fs, t.post(p.rank, kindBye, 0, 0, 0, nil, false))
+		}
+	}
+	for _, f := range fs {
+		select {
+		case <-f.done:
+		case <-time.After(closeGrace):
+		}
+	}
+	t.mu.Lock()
+	t.closed = true
+	t.mu.Unlock()
+	t.shut()
+}
+
+// closeGrace bounds how long close waits for a peer to take its goodbye.
+const closeGrace = 5 * time.Second
+
+func (t *transport) queueLocked(k mkey) *queue {
+	q := t.queues[k]
+	if q == nil {
+		q = &queue{msgs: map[int]message{}, ch: make(chan struct{})}
+		t.queues[k] = q
+	}
+	return q
+}
+
+// ticket reserves the next message of stream k for one receiver.
+func (t *transport) ticket(k mkey) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	q := t.queueLocked(k)
+	q.tickets++
+	return q.tickets - 1
+}
+
+// poll returns message n of stream k if it has arrived, and otherwise a
+// channel closed at the next arrival.
+func (t *transport) poll(k mkey, n int) (message, bool, <-chan struct{}) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	q := t.queueLocked(k)
+	if m, ok := q.msgs[n]; ok {
+		delete(q.msgs, n)
+		if len(q.msgs) == 0 && q.arrived == q.tickets && n == q.arrived-1 {
+			delete(t.queues, k) // drained: keep the map small
+		}
+		return m, true, nil
+	}
+	return message{}, false, q.ch
+}
+
+func (t *transport) deliver(k mkey, m message) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	q := t.queueLocked(k)
+	q.msgs[q.arrived] = m
+	q.arrived++
+	close(q.ch)
+	q.ch = make(chan struct{})
+}
+
+func (t *transport) readLoop(p *peer) {
+	br := bufio.NewReaderSize(p.conn, 256<<10)
+	var hdr [headerBytes]byte
+	for {
+		if _, err := io.ReadFull(br, hdr[:]); err != nil {
+			t.fail(p.rank, connErr(err))
+			return
+		}
+		kind, id := hdr[0], binary.LittleEndian.Uint64(hdr[1:])
+		key, fp := binary.LittleEndian.Uint64(hdr[9:]), binary.LittleEndian.Uint64(hdr[17:])
+		n := binary.LittleEndian.Uint64(hdr[25:])
+		if kind < kindColl || kind > kindBye || n > maxPayload {
+			t.fail(p.rank, fmt.Errorf("garbage frame (kind %d, length %d)", kind, n))
+			return
+		}
+		data := make([]byte, n)
+		if _, err := io.ReadFull(br, data); err != nil {
+			t.fail(p.rank, connErr(err))
+			return
+		}
+		if kind == kindBye {
+			return
+		}
+		if kind == kindAbort {
+			ae, err := decodeAbort(data)
+			if err != nil {
+				t.fail(p.rank, fmt.Errorf("garbage abort frame: %w", err))
+				return
+			}
+			if id == allComms {
+				t.failWith(p.rank, ae)
+				continue
+			}
+			t.remoteAbort(id, ae)
+			continue
+		}
+		t.deliver(mkey{comm: id, kind: kind, key: key, src: p.rank}, message{fp: fp, data: data})
+	}
+}
+
+// connErr says "connection closed" for every way a peer's end can vanish,
+// so that a killed peer reads the same whether its end was seen by a read
+// or by a write.
+func connErr(err error) error {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+		return errors.New("connection closed")
+	}
+	if errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) {
+		return fmt.Errorf("connection closed: %w", err)
+	}
+	return err
+}
+
+func (t *transport) remoteAbort(id uint64, ae *comm.AbortError) {
+	t.mu.Lock()
+	c := t.comms[id]
+	if c == nil {
+		if t.pending[id] == nil {
+			t.pending[id] = ae
+		}
+	}
+	t.mu.Unlock()
+	if c != nil {
+		c.markAborted(ae)
+	}
+}
+
+// register makes c reachable by abort notices, and applies one that came
+// before it.
+func (t *transport) register(c *Comm) {
+	t.mu.Lock()
+	t.comms[c.id] = c
+	ae := t.pending[c.id]
+	delete(t.pending, c.id)
+	t.mu.Unlock()
+	if ae != nil {
+		c.markAborted(ae)
+	}
+}
+
+func (t *transport) writeLoop(p *peer) {
+	for {
+		p.mu.Lock()
+		for len(p.queue) == 0 {
+			p.mu.Unlock()
+			select {
+			case <-p.wake:
+			case <-t.stopped:
+				t.drain(p)
+				return
+			}
+			p.mu.Lock()
+		}
+		f := p.queue[0]
+		p.queue[0] = nil
+		p.queue = p.queue[1:]
+		p.mu.Unlock()
+		bufs := net.Buffers{f.hdr[:], f.data}
+		_, err := bufs.WriteTo(p.conn)
+		if err != nil {
+			t.fail(p.rank, connErr(err))
+			f.complete(t.err())
+			t.drain(p)
+			return
+		}
+		f.complete(nil)
+	}
+}
+
+// drain fails every frame still queued for p.
+func (t *transport) drain(p *peer) {
+	p.mu.Lock()
+	q := p.queue
+	p.queue = nil
+	p.mu.Unlock()
+	for _, f := range q {
+		f.complete(t.err())
+	}
+}
+
+// post queues a frame for world rank dst; its done channel is closed once
+// it is written. Frames to one peer are written in the order posted;
+// urgent frames (abort notices) jump the queue.
+func (t *transport) post(dst int, kind uint8, id, key, fp uint64, data []byte, urgent bool) *outFrame {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ae := t.deadErr; ae != nil {
+		f := &outFrame{done: make(chan struct{})}
+		f.complete(ae)
+		return f
+	}
+	return t.postLocked(t.peers[dst], kind, id, key, fp, data, urgent)
+}
+
+func (t *transport) postLocked(p *peer, kind uint8, id, key, fp uint64, data []byte, urgent bool) *outFrame {
+	f := &outFrame{data: data, done: make(chan struct{})}
+	f.hdr[0] = kind
+	binary.LittleEndian.PutUint64(f.hdr[1:], id)
+	binary.LittleEndian.PutUint64(f.hdr[9:], key)
+	binary.LittleEndian.PutUint64(f.hdr[17:], fp)
+	binary.LittleEndian.PutUint64(f.hdr[25:], uint64(len(data)))
+	p.mu.Lock()
+	if urgent {
+		p.queue = append([]*outFrame{f}, p.queue...)
+	} else {
+		p.queue = append(p.queue, f)
+	}
+	p.mu.Unlock()
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+	return f
+}
+
+// encodeAbort serialises an abort notice: the aborting rank, and a
+// TimeoutError's facts when the cause is one, so that LateRanks works on
+// every rank.
+func encodeAbort(ae *comm.AbortError) []byte {
+	var te *comm.TimeoutError
+	late, after, detail := []int(nil), int64(0), ""
+	isTimeout := errors.As(ae.Cause, &te)
+	if isTimeout {
+		late, after, detail = te.Late, int64(te.After), te.Detail
+	}
+	msg := ae.Cause.Error()
+	b := binary.LittleEndian.AppendUint32(nil, uint32(int32(ae.Rank)))
+	flag := byte(0)
+	if isTimeout {
+		flag = 1
+	}
+	for i, k := range carriedKinds {
+		if errors.Is(ae.Cause, k) {
+			flag |= 2 << i
+		}
+	}
+	b = append(b, flag)
+	b = binary.LittleEndian.AppendUint64(b, uint64(after))
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(late)))
+	for _, r := range late {
+		b = binary.LittleEndian.AppendUint32(b, uint32(r))
+	}
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(detail)))
+	b = append(b, detail...)
+	return append(b, msg...)
+}
+
+func decodeAbort(b []byte) (*comm.AbortError, error) {
+	if len(b) < 17 {
+		return nil, errors.New("short notice")
+	}
+	rank := int(int32(binary.LittleEndian.Uint32(b)))
+	flag := b[4]
+	after := int64(binary.LittleEndian.Uint64(b[5:]))
+	nl := int(binary.LittleEndian.Uint32(b[13:]))
+	b = b[17:]
+	if nl < 0 || nl > len(b)/4 {
+		return nil, errors.New("bad rank list")
+	}
+	late := make([]int, nl)
+	for i := range late {
+		late[i] = int(binary.LittleEndian.Uint32(b[4*i:]))
+	}
+	b = b[4*nl:]
+	if len(b) < 4 {
+		return nil, errors.New("short notice")
+	}
+	nd := int(binary.LittleEndian.Uint32(b))
+	b = b[4:]
+	if nd < 0 || nd > len(b) {
+		return nil, errors.New("bad detail")
+	}
+	detail, msg := string(b[:nd]), string(b[nd:])
+	var cause error = errors.New(msg)
+	if flag&1 != 0 {
+		cause = &comm.TimeoutError{After: durationOf(after), Late: late, Detail: detail}
+	} else if flag != 0 {
+		re := &remoteError{msg: msg}
+		for i, k := range carriedKinds {
+			if flag&(2<<i) != 0 {
+				re.kinds = append(re.kinds, k)
+			}
+		}
+		cause = re
+	}
+	return &comm.AbortError{Rank: rank, Cause: cause}, nil
+}
+
+// carriedKinds are the sentinels an abort notice carries across, so that
+// errors.Is finds them on every rank.
+var carriedKinds = []error{ErrPeer, comm.ErrMismatch, context.Canceled, context.DeadlineExceeded}
+
+// remoteError is a peer's abort cause: its text, and the sentinels it
+// matched there.
+type remoteError struct {
+	msg   string
+	kinds []error
+}
+
+func (e *remoteError) Error() string { return e.msg }
+
+// Unwrap returns the sentinels the cause matched on the aborting rank.
+func (e *remoteError) Unwrap() []error { return e.kinds }
