@@ -25,6 +25,7 @@ func (r *hostRaw) MemInfo() (free, total int64) { return 64<<20 - r.used, 64 << 
 // stream is a stream whose work is always done.
 type stream struct{}
 
+func (*stream) Owner() device.Device         { return nil }
 func (*stream) WaitEvent(device.Event) error { return nil }
 func (*stream) Synchronize() error           { return nil }
 func (*stream) Query() (bool, error)         { return true, nil }

@@ -125,6 +125,7 @@ func (d *fakeDevice) sync() error {
 	return nil
 }
 
+func (s *fakeStream) Owner() Device         { return nil }
 func (s *fakeStream) WaitEvent(Event) error { return nil }
 
 func (s *fakeStream) Synchronize() error {
