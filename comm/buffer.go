@@ -230,3 +230,28 @@ func ByteOffset(outer, inner *HostBuffer) (int, bool) {
 	}
 	return int(i0 - o0), true
 }
+
+// HostBacked is a Buffer of a device whose memory the host can address
+// directly, as the emulated device's (device/emu) and the host device's
+// buffers are. HostView returns that memory as a *HostBuffer of the same
+// dtype and length, so host backends (comm/local) run collectives on it
+// in place. The caller orders the device's work around the collective
+// (device.BeforeCollective): the view is plain memory, read and written
+// while the collective runs.
+type HostBacked interface {
+	// HostView is the buffer's memory; it stays valid while the buffer
+	// is.
+	HostView() *HostBuffer
+}
+
+// hostView is b's memory when the host addresses it (a *HostBuffer or a
+// HostBacked view), else nil.
+func hostView(b Buffer) *HostBuffer {
+	switch h := b.(type) {
+	case *HostBuffer:
+		return h
+	case HostBacked:
+		return h.HostView()
+	}
+	return nil
+}

@@ -296,11 +296,10 @@ func (c *Call) validateCounts(size int, bad func(string, ...any) error) error {
 // InPlace reports whether the call, as rank issues it, uses NCCL's in-place
 // form: AllReduce, Broadcast and Reduce with send == recv; AllGather with
 // send the rank-th block of recv; ReduceScatter with recv the rank-th block
-// of send. Broadcast with no send buffer is in place too. Only host buffers
-// are inspected.
+// of send. Broadcast with no send buffer is in place too. Only memory the
+// host addresses is inspected: host buffers and HostBacked views.
 func (c *Call) InPlace(rank int) bool {
-	s, _ := c.Send.(*HostBuffer)
-	r, _ := c.Recv.(*HostBuffer)
+	s, r := hostView(c.Send), hostView(c.Recv)
 	if s == nil || r == nil || len(s.Bytes()) == 0 {
 		return c.Op == OpBroadcast
 	}

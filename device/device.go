@@ -1,7 +1,16 @@
-// Package device holds what loom's compute devices share: the stream and
-// event interfaces that order work on a device, and a caching allocator
-// of device memory ([Allocator]) in the manner of PyTorch's
+// Package device holds what loom's compute devices share: the [Device],
+// [Buffer] and [Kernels] interfaces that the host, the emulated device
+// (device/emu) and CUDA implement, the stream and event interfaces that
+// order work on a device, the glue that orders collectives after compute
+// ([BeforeCollective], [AfterCollective]), and a caching allocator of
+// device memory ([Allocator]) in the manner of PyTorch's
 // CUDACachingAllocator.
+//
+// Data lives on one device; an op given buffers of two devices fails with
+// an error from [Same] that names the op and both devices, before any data
+// moves. The host device ([Host]) is today's Go memory: its buffers wrap
+// *comm.HostBuffer, its work runs on the caller's goroutine and it has no
+// Kernels (the host path calls package kernels directly).
 //
 // The allocator asks a [Raw] (the driver: cuMemAlloc_v2/cuMemFree_v2/
 // cuMemGetInfo_v2 on CUDA, capped Go memory on the emulated device) for
@@ -21,6 +30,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/comm"
 )
 
 // Sentinel errors; test for them with errors.Is.
@@ -36,7 +46,132 @@ var (
 	// when the driver is out of memory (any other Malloc error is
 	// returned as it is, without the retries).
 	ErrOutOfMemory = loom.NewSentinel("out of memory")
+	// ErrMixed: an op was given data on two devices ([Same]).
+	// errors.Is(err, loom.ErrInvalid) and errors.Is(err, ErrInvalid)
+	// match it too, since it is found before any data moves.
+	ErrMixed = loom.NewSentinel("data on different devices", loom.ErrInvalid, ErrInvalid)
 )
+
+// Kind is the kind of a Device.
+type Kind int
+
+// The kinds of device.
+const (
+	// KindHost is Go memory on the CPU; work runs on the caller's
+	// goroutine.
+	KindHost Kind = iota
+	// KindCUDA is an NVIDIA GPU behind the CUDA driver.
+	KindCUDA
+	// KindEmulated is device/emu: host memory behind the device interfaces,
+	// with asynchronous streams, for testing the device code path
+	// without a GPU.
+	KindEmulated
+)
+
+// String returns "host", "cuda" or "emulated".
+func (k Kind) String() string {
+	switch k {
+	case KindHost:
+		return "host"
+	case KindCUDA:
+		return "cuda"
+	case KindEmulated:
+		return "emulated"
+	}
+	return fmt.Sprintf("Kind(%d)", int(k))
+}
+
+// Device is where a tensor's local block lives and its ops run: memory
+// from a caching allocator, a compute stream that orders the work, and the
+// device-side op set. Methods that queue work (Alloc, the copies, the
+// Kernels) queue it on Compute(), so it runs in the order it was issued;
+// they return once it is queued, and errors found while it runs are
+// returned by the next Synchronize of the stream.
+type Device interface {
+	// Name is the device's name, "host", "cuda:0" or "emu:1"; it equals
+	// Device() of its buffers.
+	Name() string
+	// Kind is the kind of device.
+	Kind() Kind
+	// Alloc returns a buffer of n elements of type dt, for use on
+	// Compute(). Its contents are undefined (as cuMemAlloc's). An invalid
+	// dtype or a negative n is an error wrapping ErrInvalid; memory the
+	// device cannot hold is an *OOMError.
+	Alloc(dt comm.DType, n int) (Buffer, error)
+	// Compute is the stream that ops, copies and allocations use.
+	Compute() Stream
+	// NewStream makes another stream of the device (a communicator's,
+	// say).
+	NewStream() (Stream, error)
+	// NewEvent makes an event; timing events can measure Since.
+	NewEvent(timing bool) (Event, error)
+	// CopyFromHost copies src into dst (same dtype and length), ordered
+	// on Compute(); src has been read when it returns, so the caller may
+	// reuse it at once.
+	CopyFromHost(dst Buffer, src *comm.HostBuffer) error
+	// CopyToHost copies src into dst (same dtype and length) after the
+	// work queued on Compute() and waits for it.
+	CopyToHost(dst *comm.HostBuffer, src Buffer) error
+	// Copy copies src into dst, both of this device (same dtype and
+	// length), ordered on Compute().
+	Copy(dst, src Buffer) error
+	// RecordStream tells the allocator that b is used on s as well as on
+	// Compute() (a collective into it on a communicator's stream), so
+	// that after b.Free its memory is reused only once the work queued on
+	// s by then has completed.
+	RecordStream(b Buffer, s Stream) error
+	// Synchronize waits for the work queued on every stream of the
+	// device and returns the first error found while it ran.
+	Synchronize() error
+	// Memory is the device's caching allocator (nil for the host, whose
+	// memory is the Go heap's).
+	Memory() *Allocator
+	// Kernels is the device-side op set (nil for the host, where ops call
+	// package kernels directly).
+	Kernels() Kernels
+	// Close waits for the device's work, stops its streams and releases
+	// its memory; the device and its buffers are not used afterwards.
+	Close() error
+}
+
+// Buffer is memory of a Device: a comm.Buffer (DType, Len, Slice, Device)
+// that knows its device. Slice returns a Buffer of the same device over
+// the same memory.
+type Buffer interface {
+	comm.Buffer
+	// Owner is the device the memory belongs to.
+	Owner() Device
+	// Ptr is the address of the first element: a device address on CUDA,
+	// a host address on the host and the emulated device; 0 when empty.
+	Ptr() uintptr
+	// Free gives the memory back to the device's allocator, ordered after
+	// the work queued on the streams it was used on. On a device with an
+	// allocator, a buffer made by Slice does not own its memory, so its
+	// Free is an error wrapping ErrInvalid, as is a second Free; the
+	// host's Free does nothing (the garbage collector owns Go memory).
+	Free() error
+}
+
+// Same returns nil when a and b are the same device, and otherwise an
+// error matching ErrMixed (and loom.ErrInvalid) that names op and both
+// devices: "autograd: Linear: inputs on cuda:0 and host". A nil device is
+// the host.
+func Same(op string, a, b Device) error {
+	if a == nil {
+		a = Host()
+	}
+	if b == nil {
+		b = Host()
+	}
+	if a == b {
+		return nil
+	}
+	if a.Name() == b.Name() {
+		// Two devices of one name (two emu.New(0), say) hold different memory.
+		return fmt.Errorf("%s: %w: inputs on two devices named %s", op, ErrMixed, a.Name())
+	}
+	return fmt.Errorf("%s: %w: inputs on %s and %s", op, ErrMixed, a.Name(), b.Name())
+}
 
 // Stream is an ordered queue of work on a device (a CUDA stream). Values
 // are compared with ==, so an implementation is a pointer or another

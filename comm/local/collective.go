@@ -120,12 +120,17 @@ func halfAvg(call *comm.Call, dt comm.DType) bool {
 	return call.Op.Reduces() && call.Reduce == comm.Avg && (dt == comm.BFloat16 || dt == comm.Float16)
 }
 
+// hostOf is b's memory when the host can address it: a *comm.HostBuffer,
+// or a device buffer implementing comm.HostBacked (the emulated device's),
+// viewed in place; nil otherwise.
 func hostOf(b comm.Buffer) *comm.HostBuffer {
-	if b == nil {
-		return nil
+	switch h := b.(type) {
+	case *comm.HostBuffer:
+		return h
+	case comm.HostBacked:
+		return h.HostView()
 	}
-	h, _ := b.(*comm.HostBuffer)
-	return h
+	return nil
 }
 
 // validate checks what one rank can check alone.
@@ -135,7 +140,7 @@ func (c *Comm) validate(call *comm.Call) error {
 	}
 	for _, b := range []comm.Buffer{call.Send, call.Recv} {
 		if b != nil && hostOf(b) == nil {
-			return fmt.Errorf("%w: the local backend needs host buffers, got %T on %s", comm.ErrUnsupported, b, b.Device())
+			return fmt.Errorf("%w: the local backend needs host or comm.HostBacked buffers, got %T on %s", comm.ErrUnsupported, b, b.Device())
 		}
 	}
 	if call.Algorithm != comm.Auto && !supports(call.Op, call.Algorithm) {

@@ -55,7 +55,7 @@ func (c *Comm) postP2P(ctx context.Context, call comm.Call) (*p2pOp, error) {
 	}
 	h := hostOf(b)
 	if h == nil {
-		return fail(fmt.Errorf("%w: the local backend needs host buffers, got %T", comm.ErrUnsupported, b))
+		return fail(fmt.Errorf("%w: the local backend needs host or comm.HostBacked buffers, got %T", comm.ErrUnsupported, b))
 	}
 	if err := c.admit(ctx, call.Op, seq, call.Peer); err != nil {
 		c.rec.Update(id, comm.Failed, err)

@@ -1,0 +1,461 @@
+package emu
+
+import (
+	"fmt"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/internal/checked"
+	"github.com/b7ea7098/loom/internal/half"
+	"github.com/b7ea7098/loom/kernels"
+)
+
+// emuKernels is the device's device.Kernels: each method checks its
+// buffers now and queues the CPU kernel on the compute stream, on views
+// of the buffers' memory.
+type emuKernels struct{ d *Device }
+
+var _ device.Kernels = emuKernels{}
+
+// arg is one buffer argument of a kernel: its name, the buffer, the dtypes
+// it may have, and whether it may be nil.
+type arg struct {
+	name     string
+	b        device.Buffer
+	dtypes   []comm.DType
+	optional bool
+}
+
+func f32(name string, b device.Buffer) arg {
+	return arg{name: name, b: b, dtypes: []comm.DType{comm.Float32}}
+}
+
+func optF32(name string, b device.Buffer) arg {
+	return arg{name: name, b: b, dtypes: []comm.DType{comm.Float32}, optional: true}
+}
+
+func f64(name string, b device.Buffer, optional bool) arg {
+	return arg{name: name, b: b, dtypes: []comm.DType{comm.Float64}, optional: optional}
+}
+
+// check validates the arguments of op and returns their host views, nil
+// for a nil optional buffer.
+func (k emuKernels) check(op string, args ...arg) ([]*comm.HostBuffer, error) {
+	if err := k.d.live(op); err != nil {
+		return nil, err
+	}
+	views := make([]*comm.HostBuffer, len(args))
+	for i, a := range args {
+		b, err := k.d.buffer(op, a.name, a.b, a.optional)
+		if err != nil {
+			return nil, err
+		}
+		if b == nil {
+			continue
+		}
+		ok := false
+		for _, dt := range a.dtypes {
+			ok = ok || b.DType() == dt
+		}
+		if !ok {
+			return nil, fmt.Errorf("%s: %s: %w: %s is %v, want %v", k.d.name, op, device.ErrInvalid, a.name, b.DType(), a.dtypes)
+		}
+		views[i] = b.host
+	}
+	return views, nil
+}
+
+// float32s and float64s view h, nil for nil.
+func float32s(h *comm.HostBuffer) []float32 {
+	if h == nil {
+		return nil
+	}
+	return h.Float32s()
+}
+
+func float64s(h *comm.HostBuffer) []float64 {
+	if h == nil {
+		return nil
+	}
+	return h.Float64s()
+}
+
+// workers is the row kernels' budget: the BLAS's threads, as the host
+// path's Tape.Workers.
+func (k emuKernels) workers() (kernels.Workers, error) {
+	b, err := k.d.blasOrDefault()
+	if err != nil {
+		return 0, err
+	}
+	return kernels.Workers(b.Threads()), nil
+}
+
+// Gemm runs (*kernels.BLAS).Sgemm or Dgemm, once or g.Batch times.
+func (k emuKernels) Gemm(g device.Gemm) error {
+	const op = "Gemm"
+	dts := []comm.DType{comm.Float32, comm.Float64}
+	v, err := k.check(op, arg{name: "A", b: g.A, dtypes: dts}, arg{name: "B", b: g.B, dtypes: dts}, arg{name: "C", b: g.C, dtypes: dts})
+	if err != nil {
+		return err
+	}
+	if v[0].DType() != v[1].DType() || v[0].DType() != v[2].DType() {
+		return fmt.Errorf("%s: %s: %w: A, B and C are %v, %v and %v", k.d.name, op, device.ErrInvalid, v[0].DType(), v[1].DType(), v[2].DType())
+	}
+	batch := max(g.Batch, 1)
+	if g.Batch < 0 {
+		return fmt.Errorf("%s: %s: %w: negative batch %d", k.d.name, op, device.ErrInvalid, g.Batch)
+	}
+	offs := [3][]int{}
+	for i, s := range []int{g.StrideA, g.StrideB, g.StrideC} {
+		if batch > 1 && s < 0 {
+			return fmt.Errorf("%s: %s: %w: negative stride %d", k.d.name, op, device.ErrInvalid, s)
+		}
+		last, ok := checked.Mul(batch-1, s)
+		if batch > 1 && (!ok || last > v[i].Len()) {
+			return fmt.Errorf("%s: %s: %w: batch %d at stride %d passes the end of %s (%d elements)", k.d.name, op, device.ErrInvalid, batch, s, "ABC"[i:i+1], v[i].Len())
+		}
+		for j := range batch {
+			offs[i] = append(offs[i], j*s)
+		}
+	}
+	bl, err := k.d.blasOrDefault()
+	if err != nil {
+		return err
+	}
+	if v[0].DType() == comm.Float32 {
+		a, b, c := v[0].Float32s(), v[1].Float32s(), v[2].Float32s()
+		alpha, beta := float32(g.Alpha), float32(g.Beta)
+		return k.d.compute.launch(op, func() error {
+			for j := range batch {
+				if err := bl.Sgemm(g.TransA, g.TransB, g.M, g.N, g.K, alpha, a[offs[0][j]:], g.LDA, b[offs[1][j]:], g.LDB, beta, c[offs[2][j]:], g.LDC); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	}
+	a, b, c := v[0].Float64s(), v[1].Float64s(), v[2].Float64s()
+	return k.d.compute.launch(op, func() error {
+		for j := range batch {
+			if err := bl.Dgemm(g.TransA, g.TransB, g.M, g.N, g.K, g.Alpha, a[offs[0][j]:], g.LDA, b[offs[1][j]:], g.LDB, g.Beta, c[offs[2][j]:], g.LDC); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// Fill sets every element of dst to v, rounded to dst's type.
+func (k emuKernels) Fill(dst device.Buffer, v float64) error {
+	const op = "Fill"
+	views, err := k.check(op, arg{name: "dst", b: dst, dtypes: []comm.DType{comm.Float32, comm.Float64, comm.BFloat16, comm.Float16}})
+	if err != nil {
+		return err
+	}
+	h := views[0]
+	return k.d.compute.launch(op, func() error {
+		switch h.DType() {
+		case comm.Float32:
+			fill(h.Float32s(), float32(v))
+		case comm.Float64:
+			fill(h.Float64s(), v)
+		case comm.BFloat16:
+			fill(h.BFloat16s(), comm.BFloat16Bits(half.ToBFloat16(float32(v))))
+		case comm.Float16:
+			fill(h.Float16s(), comm.Float16Bits(half.ToFloat16(float32(v))))
+		}
+		return nil
+	})
+}
+
+func fill[T any](s []T, v T) {
+	for i := range s {
+		s[i] = v
+	}
+}
+
+// Cast converts src into dst between Float32 and BFloat16, Float16 or
+// Float64.
+func (k emuKernels) Cast(dst, src device.Buffer) error {
+	const op = "Cast"
+	dts := []comm.DType{comm.Float32, comm.Float64, comm.BFloat16, comm.Float16}
+	v, err := k.check(op, arg{name: "dst", b: dst, dtypes: dts}, arg{name: "src", b: src, dtypes: dts})
+	if err != nil {
+		return err
+	}
+	d, s := v[0], v[1]
+	if d.Len() != s.Len() {
+		return fmt.Errorf("%s: %s: %w: dst has %d elements, src %d", k.d.name, op, device.ErrInvalid, d.Len(), s.Len())
+	}
+	var fn func()
+	switch [2]comm.DType{s.DType(), d.DType()} {
+	case [2]comm.DType{comm.Float32, comm.BFloat16}:
+		fn = func() {
+			convert(d.BFloat16s(), s.Float32s(), func(x float32) comm.BFloat16Bits { return comm.BFloat16Bits(half.ToBFloat16(x)) })
+		}
+	case [2]comm.DType{comm.BFloat16, comm.Float32}:
+		fn = func() {
+			convert(d.Float32s(), s.BFloat16s(), func(x comm.BFloat16Bits) float32 { return half.BFloat16ToFloat32(uint16(x)) })
+		}
+	case [2]comm.DType{comm.Float32, comm.Float16}:
+		fn = func() {
+			convert(d.Float16s(), s.Float32s(), func(x float32) comm.Float16Bits { return comm.Float16Bits(half.ToFloat16(x)) })
+		}
+	case [2]comm.DType{comm.Float16, comm.Float32}:
+		fn = func() {
+			convert(d.Float32s(), s.Float16s(), func(x comm.Float16Bits) float32 { return half.Float16ToFloat32(uint16(x)) })
+		}
+	case [2]comm.DType{comm.Float32, comm.Float64}:
+		fn = func() { convert(d.Float64s(), s.Float32s(), func(x float32) float64 { return float64(x) }) }
+	case [2]comm.DType{comm.Float64, comm.Float32}:
+		fn = func() { convert(d.Float32s(), s.Float64s(), func(x float64) float32 { return float32(x) }) }
+	default:
+		return fmt.Errorf("%s: %s: %w: no cast from %v to %v (one side must be float32, the other another float type)", k.d.name, op, device.ErrInvalid, s.DType(), d.DType())
+	}
+	return k.d.compute.launch(op, func() error { fn(); return nil })
+}
+
+func convert[D, S any](dst []D, src []S, f func(S) D) {
+	for i, x := range src {
+		dst[i] = f(x)
+	}
+}
+
+// Add runs kernels.Add.
+func (k emuKernels) Add(dst, a, b device.Buffer) error {
+	v, err := k.check("Add", f32("dst", dst), f32("a", a), f32("b", b))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("Add", func() error { return kernels.Add(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) })
+}
+
+// Mul runs kernels.Mul.
+func (k emuKernels) Mul(dst, a, b device.Buffer) error {
+	v, err := k.check("Mul", f32("dst", dst), f32("a", a), f32("b", b))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("Mul", func() error { return kernels.Mul(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) })
+}
+
+// ColumnSums runs kernels.ColumnSums.
+func (k emuKernels) ColumnSums(out, x device.Buffer, n int) error {
+	v, err := k.check("ColumnSums", f32("out", out), f32("x", x))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("ColumnSums", func() error { return kernels.ColumnSums(v[0].Float32s(), v[1].Float32s(), n) })
+}
+
+// Softmax runs kernels.SoftmaxRows or kernels.LogSoftmaxRows.
+func (k emuKernels) Softmax(dst, src device.Buffer, n int, log bool) error {
+	v, err := k.check("Softmax", f32("dst", dst), f32("src", src))
+	if err != nil {
+		return err
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	f := kernels.SoftmaxRows
+	if log {
+		f = kernels.LogSoftmaxRows
+	}
+	return k.d.compute.launch("Softmax", func() error { return f(w, v[0].Float32s(), v[1].Float32s(), n) })
+}
+
+// SoftmaxBackward runs kernels.SoftmaxRowsBackward or
+// kernels.LogSoftmaxRowsBackward.
+func (k emuKernels) SoftmaxBackward(dx, y, dy device.Buffer, n int, log bool) error {
+	v, err := k.check("SoftmaxBackward", f32("dx", dx), f32("y", y), f32("dy", dy))
+	if err != nil {
+		return err
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("SoftmaxBackward", func() error {
+		if log {
+			return kernels.LogSoftmaxRowsBackward(w, v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), n)
+		}
+		return kernels.SoftmaxRowsBackward(v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), n)
+	})
+}
+
+// CausalSoftmax runs kernels.CausalSoftmax.
+func (k emuKernels) CausalSoftmax(dst, src device.Buffer, t int, scale float32) error {
+	v, err := k.check("CausalSoftmax", f32("dst", dst), f32("src", src))
+	if err != nil {
+		return err
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("CausalSoftmax", func() error { return kernels.CausalSoftmax(w, v[0].Float32s(), v[1].Float32s(), t, scale) })
+}
+
+// CausalSoftmaxBackward runs kernels.CausalSoftmaxBackward.
+func (k emuKernels) CausalSoftmaxBackward(dx, y, dy device.Buffer, t int, scale float32) error {
+	v, err := k.check("CausalSoftmaxBackward", f32("dx", dx), f32("y", y), f32("dy", dy))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("CausalSoftmaxBackward", func() error {
+		return kernels.CausalSoftmaxBackward(v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), t, scale)
+	})
+}
+
+// LayerNorm runs kernels.LayerNorm.
+func (k emuKernels) LayerNorm(y, mean, rstd, x, w, b device.Buffer, n int, eps float64) error {
+	v, err := k.check("LayerNorm", f32("y", y), f64("mean", mean, true), f64("rstd", rstd, true), f32("x", x), optF32("w", w), optF32("b", b))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("LayerNorm", func() error {
+		return kernels.LayerNorm(v[0].Float32s(), float64s(v[1]), float64s(v[2]), v[3].Float32s(), float32s(v[4]), float32s(v[5]), n, eps)
+	})
+}
+
+// LayerNormBackward runs kernels.LayerNormBackward.
+func (k emuKernels) LayerNormBackward(dx, dw, db, dy, x, w, mean, rstd device.Buffer, n int) error {
+	v, err := k.check("LayerNormBackward", optF32("dx", dx), optF32("dw", dw), optF32("db", db), f32("dy", dy), f32("x", x), optF32("w", w),
+		f64("mean", mean, false), f64("rstd", rstd, false))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("LayerNormBackward", func() error {
+		return kernels.LayerNormBackward(float32s(v[0]), float32s(v[1]), float32s(v[2]), v[3].Float32s(), v[4].Float32s(), float32s(v[5]),
+			v[6].Float64s(), v[7].Float64s(), n)
+	})
+}
+
+// BiasGELU runs kernels.BiasGELU.
+func (k emuKernels) BiasGELU(y, deriv, x, bias device.Buffer, n int) error {
+	v, err := k.check("BiasGELU", f32("y", y), optF32("deriv", deriv), f32("x", x), optF32("bias", bias))
+	if err != nil {
+		return err
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("BiasGELU", func() error {
+		return kernels.BiasGELU(w, v[0].Float32s(), float32s(v[1]), v[2].Float32s(), float32s(v[3]), n)
+	})
+}
+
+// BiasGELUBackward runs kernels.BiasGELUBackward.
+func (k emuKernels) BiasGELUBackward(dx, dbias, dy, deriv device.Buffer, n int) error {
+	v, err := k.check("BiasGELUBackward", f32("dx", dx), optF32("dbias", dbias), f32("dy", dy), f32("deriv", deriv))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("BiasGELUBackward", func() error {
+		return kernels.BiasGELUBackward(v[0].Float32s(), float32s(v[1]), v[2].Float32s(), v[3].Float32s(), n)
+	})
+}
+
+// Attention runs kernels.CausalAttentionForward.
+func (k emuKernels) Attention(out, probs, q, kk, vv device.Buffer, s device.AttnShape) error {
+	v, err := k.check("Attention", f32("out", out), f32("probs", probs), f32("q", q), f32("k", kk), f32("v", vv))
+	if err != nil {
+		return err
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("Attention", func() error {
+		return kernels.CausalAttentionForward(w, v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), v[3].Float32s(), v[4].Float32s(),
+			s.Batch, s.T, s.DH, s.DV, s.Scale)
+	})
+}
+
+// AttentionBackward runs kernels.CausalAttentionBackward.
+func (k emuKernels) AttentionBackward(dq, dk, dv, g, probs, q, kk, vv device.Buffer, s device.AttnShape) error {
+	v, err := k.check("AttentionBackward", optF32("dq", dq), optF32("dk", dk), optF32("dv", dv), f32("g", g), f32("probs", probs),
+		f32("q", q), f32("k", kk), f32("v", vv))
+	if err != nil {
+		return err
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("AttentionBackward", func() error {
+		return kernels.CausalAttentionBackward(w, float32s(v[0]), float32s(v[1]), float32s(v[2]), v[3].Float32s(), v[4].Float32s(),
+			v[5].Float32s(), v[6].Float32s(), v[7].Float32s(), s.Batch, s.T, s.DH, s.DV, s.Scale)
+	})
+}
+
+// CrossEntropy runs kernels.CrossEntropyRows and stores its sum in loss.
+func (k emuKernels) CrossEntropy(loss, lse, logits, targets device.Buffer, v int) error {
+	const op = "CrossEntropy"
+	views, err := k.check(op, f64("loss", loss, false), f64("lse", lse, true), f32("logits", logits),
+		arg{name: "targets", b: targets, dtypes: []comm.DType{comm.Int64}})
+	if err != nil {
+		return err
+	}
+	if views[0].Len() != 1 {
+		return fmt.Errorf("%s: %s: %w: loss has %d elements, want 1", k.d.name, op, device.ErrInvalid, views[0].Len())
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		total, err := kernels.CrossEntropyRows(w, float64s(views[1]), views[2].Float32s(), views[3].Int64s(), v)
+		if err != nil {
+			return err
+		}
+		views[0].Float64s()[0] = total
+		return nil
+	})
+}
+
+// CrossEntropyBackward runs kernels.CrossEntropyRowsBackward.
+func (k emuKernels) CrossEntropyBackward(dx, logits, targets, lse device.Buffer, v int, scale float64) error {
+	views, err := k.check("CrossEntropyBackward", f32("dx", dx), f32("logits", logits),
+		arg{name: "targets", b: targets, dtypes: []comm.DType{comm.Int64}}, f64("lse", lse, false))
+	if err != nil {
+		return err
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("CrossEntropyBackward", func() error {
+		return kernels.CrossEntropyRowsBackward(w, views[0].Float32s(), views[1].Float32s(), views[2].Int64s(), views[3].Float64s(), v, scale)
+	})
+}
+
+// AdamW runs kernels.AdamW in p's type, Float32 or Float64.
+func (k emuKernels) AdamW(p, g, m, v device.Buffer, c [8]float64) error {
+	const op = "AdamW"
+	dts := []comm.DType{comm.Float32, comm.Float64}
+	views, err := k.check(op, arg{name: "p", b: p, dtypes: dts}, arg{name: "g", b: g, dtypes: dts}, arg{name: "m", b: m, dtypes: dts}, arg{name: "v", b: v, dtypes: dts})
+	if err != nil {
+		return err
+	}
+	dt := views[0].DType()
+	for i, h := range views[1:] {
+		if h.DType() != dt {
+			return fmt.Errorf("%s: %s: %w: %s is %v, p %v", k.d.name, op, device.ErrInvalid, "gmv"[i:i+1], h.DType(), dt)
+		}
+	}
+	if dt == comm.Float32 {
+		var c32 [8]float32
+		for i, x := range c {
+			c32[i] = float32(x)
+		}
+		return k.d.compute.launch(op, func() error {
+			return kernels.AdamW(views[0].Float32s(), views[1].Float32s(), views[2].Float32s(), views[3].Float32s(), &c32)
+		})
+	}
+	return k.d.compute.launch(op, func() error {
+		return kernels.AdamW(views[0].Float64s(), views[1].Float64s(), views[2].Float64s(), views[3].Float64s(), &c)
+	})
+}

@@ -1,0 +1,509 @@
+package emu_test
+
+import (
+	"math"
+	"math/rand/v2"
+	"sort"
+	"testing"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
+	"github.com/b7ea7098/loom/internal/half"
+	"github.com/b7ea7098/loom/kernels"
+)
+
+// arrays are a kernel's arguments by name: []float32, []float64, []int64,
+// []comm.BFloat16Bits or []comm.Float16Bits.
+type arrays map[string]any
+
+// kernelCase is one Kernels method on odd shapes: setup makes the
+// arguments (inputs and outputs), cpu runs the CPU kernel the host path
+// calls on them, dev the Kernels method on device copies. Every array is
+// then compared bit for bit, inputs included.
+type kernelCase struct {
+	name  string
+	setup func(r *rand.Rand, w kernels.Workers) arrays
+	cpu   func(b *kernels.BLAS, w kernels.Workers, a arrays) error
+	dev   func(k device.Kernels, b map[string]device.Buffer) error
+}
+
+func randF32(r *rand.Rand, n int) []float32 {
+	s := make([]float32, n)
+	for i := range s {
+		s[i] = float32(r.Float64()*4 - 2)
+	}
+	return s
+}
+
+func randTargets(r *rand.Rand, n, v int) []int64 {
+	s := make([]int64, n)
+	for i := range s {
+		s[i] = int64(r.IntN(v))
+	}
+	return s
+}
+
+// odd shapes, shared by the cases.
+const (
+	rows  = 7
+	cols  = 13
+	vocab = 11
+)
+
+var attn = device.AttnShape{Batch: 3, T: 5, DH: 7, DV: 3, Scale: 0.37}
+
+func f32s(a any) []float32 { return a.([]float32) }
+func f64s(a any) []float64 { return a.([]float64) }
+func i64s(a any) []int64   { return a.([]int64) }
+
+func kernelCases() []kernelCase {
+	gemm := func(name string, transA, transB bool, batch int, dt comm.DType, beta float64) kernelCase {
+		const m, n, k = 7, 5, 9
+		lda, ldb, ldc := k+2, n+1, n+3
+		if transA {
+			lda = m + 1
+		}
+		if transB {
+			ldb = k + 3
+		}
+		aRows, bRows := m, k
+		if transA {
+			aRows = k
+		}
+		if transB {
+			bRows = n
+		}
+		sa, sb, sc := aRows*lda+1, bRows*ldb+2, m*ldc+3
+		alpha := 0.75
+		return kernelCase{
+			name: name,
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				a, b, c := randF32(r, batch*sa), randF32(r, batch*sb), randF32(r, batch*sc)
+				if dt == comm.Float64 {
+					return arrays{"a": widen(a), "b": widen(b), "c": widen(c)}
+				}
+				return arrays{"a": a, "b": b, "c": c}
+			},
+			cpu: func(bl *kernels.BLAS, _ kernels.Workers, x arrays) error {
+				for i := range batch {
+					var err error
+					if dt == comm.Float64 {
+						a, b, c := f64s(x["a"]), f64s(x["b"]), f64s(x["c"])
+						err = bl.Dgemm(transA, transB, m, n, k, alpha, a[i*sa:(i+1)*sa], lda, b[i*sb:(i+1)*sb], ldb, beta, c[i*sc:(i+1)*sc], ldc)
+					} else {
+						a, b, c := f32s(x["a"]), f32s(x["b"]), f32s(x["c"])
+						err = bl.Sgemm(transA, transB, m, n, k, float32(alpha), a[i*sa:(i+1)*sa], lda, b[i*sb:(i+1)*sb], ldb, float32(beta), c[i*sc:(i+1)*sc], ldc)
+					}
+					if err != nil {
+						return err
+					}
+				}
+				return nil
+			},
+			dev: func(kk device.Kernels, b map[string]device.Buffer) error {
+				return kk.Gemm(device.Gemm{TransA: transA, TransB: transB, M: m, N: n, K: k, A: b["a"], B: b["b"], C: b["c"],
+					LDA: lda, LDB: ldb, LDC: ldc, Alpha: alpha, Beta: beta, Batch: batch, StrideA: sa, StrideB: sb, StrideC: sc})
+			},
+		}
+	}
+	return []kernelCase{
+		gemm("Gemm/f32/NN", false, false, 1, comm.Float32, 0),
+		gemm("Gemm/f32/TN/beta", true, false, 1, comm.Float32, 1),
+		gemm("Gemm/f32/NT/batch3", false, true, 3, comm.Float32, 0.5),
+		gemm("Gemm/f64/TT/batch2", true, true, 2, comm.Float64, 1),
+		{
+			name:  "Fill/f32",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays { return arrays{"x": randF32(r, 37)} },
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				for i := range f32s(a["x"]) {
+					f32s(a["x"])[i] = float32(0.1)
+				}
+				return nil
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.Fill(b["x"], 0.1) },
+		},
+		{
+			name: "Fill/bf16",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": make([]comm.BFloat16Bits, 29)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				x := a["x"].([]comm.BFloat16Bits)
+				for i := range x {
+					x[i] = comm.BFloat16Bits(half.ToBFloat16(float32(0.1)))
+				}
+				return nil
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.Fill(b["x"], 0.1) },
+		},
+		{
+			name: "Cast/f32-bf16-f32",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 31), "h": make([]comm.BFloat16Bits, 31), "y": make([]float32, 31)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				x, h, y := f32s(a["x"]), a["h"].([]comm.BFloat16Bits), f32s(a["y"])
+				for i := range x {
+					h[i] = comm.BFloat16Bits(half.ToBFloat16(x[i]))
+					y[i] = half.BFloat16ToFloat32(uint16(h[i]))
+				}
+				return nil
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.Cast(b["h"], b["x"]); err != nil {
+					return err
+				}
+				return k.Cast(b["y"], b["h"])
+			},
+		},
+		{
+			name: "Cast/f32-f16-f64",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 31), "h": make([]comm.Float16Bits, 31), "y": make([]float32, 31), "z": make([]float64, 31)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				x, h, y, z := f32s(a["x"]), a["h"].([]comm.Float16Bits), f32s(a["y"]), f64s(a["z"])
+				for i := range x {
+					h[i] = comm.Float16Bits(half.ToFloat16(x[i]))
+					y[i] = half.Float16ToFloat32(uint16(h[i]))
+					z[i] = float64(y[i])
+				}
+				return nil
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.Cast(b["h"], b["x"]); err != nil {
+					return err
+				}
+				if err := k.Cast(b["y"], b["h"]); err != nil {
+					return err
+				}
+				return k.Cast(b["z"], b["y"])
+			},
+		},
+		{
+			name: "Add",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"d": make([]float32, 37), "a": randF32(r, 37), "b": randF32(r, 37)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.Add(f32s(a["d"]), f32s(a["a"]), f32s(a["b"]))
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.Add(b["d"], b["a"], b["b"]) },
+		},
+		{
+			name: "Mul/in-place",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"a": randF32(r, 37), "b": randF32(r, 37)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.Mul(f32s(a["a"]), f32s(a["a"]), f32s(a["b"]))
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.Mul(b["a"], b["a"], b["b"]) },
+		},
+		{
+			name: "ColumnSums",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"o": make([]float32, cols), "x": randF32(r, rows*cols)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.ColumnSums(f32s(a["o"]), f32s(a["x"]), cols)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.ColumnSums(b["o"], b["x"], cols) },
+		},
+		softmaxCase(false),
+		softmaxCase(true),
+		{
+			name: "CausalSoftmax+Backward",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				n := 3 * 6 * 6
+				return arrays{"y": make([]float32, n), "x": randF32(r, n), "dy": randF32(r, n), "dx": make([]float32, n)}
+			},
+			cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+				if err := kernels.CausalSoftmax(w, f32s(a["y"]), f32s(a["x"]), 6, 0.7); err != nil {
+					return err
+				}
+				return kernels.CausalSoftmaxBackward(f32s(a["dx"]), f32s(a["y"]), f32s(a["dy"]), 6, 0.7)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.CausalSoftmax(b["y"], b["x"], 6, 0.7); err != nil {
+					return err
+				}
+				return k.CausalSoftmaxBackward(b["dx"], b["y"], b["dy"], 6, 0.7)
+			},
+		},
+		{
+			name: "LayerNorm+Backward",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				n := rows * cols
+				x := randF32(r, n)
+				for i := range x {
+					x[i] += 3 // a mean away from 0
+				}
+				return arrays{"y": make([]float32, n), "mean": make([]float64, rows), "rstd": make([]float64, rows), "x": x,
+					"w": randF32(r, cols), "b": randF32(r, cols), "dy": randF32(r, n),
+					"dx": make([]float32, n), "dw": make([]float32, cols), "db": make([]float32, cols)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.LayerNorm(f32s(a["y"]), f64s(a["mean"]), f64s(a["rstd"]), f32s(a["x"]), f32s(a["w"]), f32s(a["b"]), cols, 1e-5); err != nil {
+					return err
+				}
+				return kernels.LayerNormBackward(f32s(a["dx"]), f32s(a["dw"]), f32s(a["db"]), f32s(a["dy"]), f32s(a["x"]), f32s(a["w"]),
+					f64s(a["mean"]), f64s(a["rstd"]), cols)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.LayerNorm(b["y"], b["mean"], b["rstd"], b["x"], b["w"], b["b"], cols, 1e-5); err != nil {
+					return err
+				}
+				return k.LayerNormBackward(b["dx"], b["dw"], b["db"], b["dy"], b["x"], b["w"], b["mean"], b["rstd"], cols)
+			},
+		},
+		{
+			name: "LayerNorm/no-affine",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"y": make([]float32, rows*cols), "x": randF32(r, rows*cols)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.LayerNorm(f32s(a["y"]), nil, nil, f32s(a["x"]), nil, nil, cols, 1e-5)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				return k.LayerNorm(b["y"], nil, nil, b["x"], nil, nil, cols, 1e-5)
+			},
+		},
+		{
+			name: "BiasGELU+Backward",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				n := rows * cols
+				return arrays{"y": make([]float32, n), "deriv": make([]float32, n), "x": randF32(r, n), "bias": randF32(r, cols),
+					"dy": randF32(r, n), "dx": make([]float32, n), "dbias": make([]float32, cols)}
+			},
+			cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+				if err := kernels.BiasGELU(w, f32s(a["y"]), f32s(a["deriv"]), f32s(a["x"]), f32s(a["bias"]), cols); err != nil {
+					return err
+				}
+				return kernels.BiasGELUBackward(f32s(a["dx"]), f32s(a["dbias"]), f32s(a["dy"]), f32s(a["deriv"]), cols)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.BiasGELU(b["y"], b["deriv"], b["x"], b["bias"], cols); err != nil {
+					return err
+				}
+				return k.BiasGELUBackward(b["dx"], b["dbias"], b["dy"], b["deriv"], cols)
+			},
+		},
+		{
+			name: "Attention+Backward",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				s := attn
+				qk, vv, pp := s.Batch*s.T*s.DH, s.Batch*s.T*s.DV, s.Batch*s.T*s.T
+				return arrays{"out": make([]float32, vv), "probs": make([]float32, pp), "q": randF32(r, qk), "k": randF32(r, qk), "v": randF32(r, vv),
+					"g": randF32(r, vv), "dq": make([]float32, qk), "dk": make([]float32, qk), "dv": make([]float32, vv)}
+			},
+			cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+				s := attn
+				if err := kernels.CausalAttentionForward(w, f32s(a["out"]), f32s(a["probs"]), f32s(a["q"]), f32s(a["k"]), f32s(a["v"]), s.Batch, s.T, s.DH, s.DV, s.Scale); err != nil {
+					return err
+				}
+				return kernels.CausalAttentionBackward(w, f32s(a["dq"]), f32s(a["dk"]), f32s(a["dv"]), f32s(a["g"]), f32s(a["probs"]),
+					f32s(a["q"]), f32s(a["k"]), f32s(a["v"]), s.Batch, s.T, s.DH, s.DV, s.Scale)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.Attention(b["out"], b["probs"], b["q"], b["k"], b["v"], attn); err != nil {
+					return err
+				}
+				return k.AttentionBackward(b["dq"], b["dk"], b["dv"], b["g"], b["probs"], b["q"], b["k"], b["v"], attn)
+			},
+		},
+		{
+			name: "CrossEntropy+Backward",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"loss": make([]float64, 1), "lse": make([]float64, rows), "logits": randF32(r, rows*vocab),
+					"targets": randTargets(r, rows, vocab), "dx": make([]float32, rows*vocab)}
+			},
+			cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+				total, err := kernels.CrossEntropyRows(w, f64s(a["lse"]), f32s(a["logits"]), i64s(a["targets"]), vocab)
+				if err != nil {
+					return err
+				}
+				f64s(a["loss"])[0] = total
+				return kernels.CrossEntropyRowsBackward(w, f32s(a["dx"]), f32s(a["logits"]), i64s(a["targets"]), f64s(a["lse"]), vocab, 1.0/rows)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.CrossEntropy(b["loss"], b["lse"], b["logits"], b["targets"], vocab); err != nil {
+					return err
+				}
+				return k.CrossEntropyBackward(b["dx"], b["logits"], b["targets"], b["lse"], vocab, 1.0/rows)
+			},
+		},
+		adamwCase(comm.Float32),
+		adamwCase(comm.Float64),
+	}
+}
+
+func softmaxCase(log bool) kernelCase {
+	name := "Softmax+Backward"
+	f, fb := kernels.SoftmaxRows, func(w kernels.Workers, dx, y, dy []float32, n int) error {
+		return kernels.SoftmaxRowsBackward(dx, y, dy, n)
+	}
+	if log {
+		name = "LogSoftmax+Backward"
+		f, fb = kernels.LogSoftmaxRows, kernels.LogSoftmaxRowsBackward
+	}
+	return kernelCase{
+		name: name,
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			n := rows * cols
+			return arrays{"y": make([]float32, n), "x": randF32(r, n), "dy": randF32(r, n), "dx": make([]float32, n)}
+		},
+		cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+			if err := f(w, f32s(a["y"]), f32s(a["x"]), cols); err != nil {
+				return err
+			}
+			return fb(w, f32s(a["dx"]), f32s(a["y"]), f32s(a["dy"]), cols)
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			if err := k.Softmax(b["y"], b["x"], cols, log); err != nil {
+				return err
+			}
+			return k.SoftmaxBackward(b["dx"], b["y"], b["dy"], cols, log)
+		},
+	}
+}
+
+func adamwCase(dt comm.DType) kernelCase {
+	c := [8]float64{1 - 1e-3*0.1, 0.9, 0.1, 0.999, 0.001, math.Sqrt(1 - math.Pow(0.999, 3)), -1e-3 / (1 - math.Pow(0.9, 3)), 1e-8}
+	const n = 21 // two vectors of eight and a tail
+	return kernelCase{
+		name: "AdamW/" + dt.String(),
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			p, g, m, v := randF32(r, n), randF32(r, n), randF32(r, n), randF32(r, n)
+			for i := range v {
+				v[i] = v[i] * v[i]
+			}
+			if dt == comm.Float64 {
+				return arrays{"p": widen(p), "g": widen(g), "m": widen(m), "v": widen(v)}
+			}
+			return arrays{"p": p, "g": g, "m": m, "v": v}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			if dt == comm.Float64 {
+				return kernels.AdamW(f64s(a["p"]), f64s(a["g"]), f64s(a["m"]), f64s(a["v"]), &c)
+			}
+			var c32 [8]float32
+			for i, x := range c {
+				c32[i] = float32(x)
+			}
+			return kernels.AdamW(f32s(a["p"]), f32s(a["g"]), f32s(a["m"]), f32s(a["v"]), &c32)
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			return k.AdamW(b["p"], b["g"], b["m"], b["v"], c)
+		},
+	}
+}
+
+func widen(s []float32) []float64 {
+	out := make([]float64, len(s))
+	for i, v := range s {
+		out[i] = float64(v)
+	}
+	return out
+}
+
+// hostOf wraps a test array as a host buffer.
+func hostOf(t *testing.T, a any) *comm.HostBuffer {
+	t.Helper()
+	switch s := a.(type) {
+	case []float32:
+		return comm.Host(s)
+	case []float64:
+		return comm.Host(s)
+	case []int64:
+		return comm.Host(s)
+	case []comm.BFloat16Bits:
+		return comm.Host(s)
+	case []comm.Float16Bits:
+		return comm.Host(s)
+	}
+	t.Fatalf("array of type %T", a)
+	return nil
+}
+
+// cloneArray copies a test array.
+func cloneArray(a any) any {
+	switch s := a.(type) {
+	case []float32:
+		return append([]float32(nil), s...)
+	case []float64:
+		return append([]float64(nil), s...)
+	case []int64:
+		return append([]int64(nil), s...)
+	case []comm.BFloat16Bits:
+		return append([]comm.BFloat16Bits(nil), s...)
+	case []comm.Float16Bits:
+		return append([]comm.Float16Bits(nil), s...)
+	}
+	panic("unreachable")
+}
+
+// TestKernelsMatchCPU checks every Kernels method against the CPU kernel
+// the host path calls, on odd shapes, bit for bit (the device runs that
+// very function on the same data), on the asynchronous streams and under
+// Synchronous; inputs must come back unchanged too.
+func TestKernelsMatchCPU(t *testing.T) {
+	bl, err := kernels.Default()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := kernels.Workers(bl.Threads())
+	for _, mode := range []struct {
+		name string
+		opts []emu.Option
+	}{{"async", nil}, {"sync", []emu.Option{emu.Synchronous()}}} {
+		d, err := emu.New(0, append(mode.opts, emu.WithBLAS(bl))...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Close()
+		for i, kc := range kernelCases() {
+			t.Run(mode.name+"/"+kc.name, func(t *testing.T) {
+				r := rand.New(rand.NewPCG(uint64(i), 27))
+				want := kc.setup(r, w)
+				names := make([]string, 0, len(want))
+				for name := range want {
+					names = append(names, name)
+				}
+				sort.Strings(names)
+				bufs := map[string]device.Buffer{}
+				for _, name := range names {
+					h := hostOf(t, want[name])
+					b, err := d.Alloc(h.DType(), h.Len())
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer b.Free()
+					if err := d.CopyFromHost(b, h); err != nil {
+						t.Fatal(err)
+					}
+					bufs[name] = b
+				}
+				if err := kc.cpu(bl, w, want); err != nil {
+					t.Fatalf("CPU kernel: %v", err)
+				}
+				if err := kc.dev(d.Kernels(), bufs); err != nil {
+					t.Fatalf("device kernel: %v", err)
+				}
+				for _, name := range names {
+					got := cloneArray(want[name])
+					if err := d.CopyToHost(hostOf(t, got), bufs[name]); err != nil {
+						t.Fatalf("%s: %v", name, err)
+					}
+					gb, wb := hostOf(t, got).Bytes(), hostOf(t, want[name]).Bytes()
+					for j := range wb {
+						if gb[j] != wb[j] {
+							t.Fatalf("%s differs from the CPU kernel's at byte %d (element %d of %v)", name, j, j/hostOf(t, got).DType().Size(), hostOf(t, got).DType())
+						}
+					}
+				}
+			})
+		}
+	}
+}

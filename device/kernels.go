@@ -1,0 +1,104 @@
+package device
+
+// Kernels is a device's op set: each method mirrors one CPU kernel of
+// package kernels (named in its comment), takes that kernel's arguments
+// as Buffers of the device, and queues the work on the device's Compute
+// stream. Dtypes, devices and freed buffers are checked when a method is
+// called (errors wrap ErrInvalid or, for buffers of another device, match
+// ErrMixed); what the CPU kernel itself rejects (lengths, targets out of
+// range) is found when the work runs, and returned by the next
+// Synchronize of the stream, wrapped with the method's name. Outputs may
+// alias inputs where the CPU kernel allows it.
+//
+// Buffers of row data are Float32 unless a method says otherwise; the
+// statistics LayerNorm saves and CrossEntropy's log-sum-exps and loss are
+// Float64, as the CPU kernels keep them; targets are Int64.
+//
+// Workers: the kernels whose CPU form takes kernels.Workers run with the
+// device's thread budget (its BLAS's threads); every row is computed as by
+// a serial loop, so results do not depend on it.
+type Kernels interface {
+	// Gemm is (*kernels.BLAS).Sgemm for Float32 buffers and Dgemm for
+	// Float64, once or Batch times at the strides of g.
+	Gemm(g Gemm) error
+	// Fill sets every element of dst (Float32, Float64, BFloat16 or
+	// Float16) to v, rounded to dst's type.
+	Fill(dst Buffer, v float64) error
+	// Cast converts src into dst (same length) between Float32 and
+	// BFloat16, Float16 or Float64, rounding to nearest even
+	// (internal/half).
+	Cast(dst, src Buffer) error
+	// Add is kernels.Add: dst = a + b.
+	Add(dst, a, b Buffer) error
+	// Mul is kernels.Mul: dst = a·b.
+	Mul(dst, a, b Buffer) error
+	// ColumnSums is kernels.ColumnSums: out (n values) = the sum of the
+	// rows of x (rows of n).
+	ColumnSums(out, x Buffer, n int) error
+	// Softmax is kernels.SoftmaxRows, or kernels.LogSoftmaxRows when log,
+	// over rows of n.
+	Softmax(dst, src Buffer, n int, log bool) error
+	// SoftmaxBackward is kernels.SoftmaxRowsBackward, or
+	// kernels.LogSoftmaxRowsBackward when log.
+	SoftmaxBackward(dx, y, dy Buffer, n int, log bool) error
+	// CausalSoftmax is kernels.CausalSoftmax over t×t blocks.
+	CausalSoftmax(dst, src Buffer, t int, scale float32) error
+	// CausalSoftmaxBackward is kernels.CausalSoftmaxBackward.
+	CausalSoftmaxBackward(dx, y, dy Buffer, t int, scale float32) error
+	// LayerNorm is kernels.LayerNorm over rows of n; mean and rstd
+	// (Float64, one per row) may both be nil when there is no backward,
+	// and w and b may be nil.
+	LayerNorm(y, mean, rstd, x, w, b Buffer, n int, eps float64) error
+	// LayerNormBackward is kernels.LayerNormBackward; dx, dw and db may
+	// be nil; dw and db are overwritten.
+	LayerNormBackward(dx, dw, db, dy, x, w, mean, rstd Buffer, n int) error
+	// BiasGELU is kernels.BiasGELU: y = GELU(x + bias) over rows of n;
+	// deriv and bias may be nil.
+	BiasGELU(y, deriv, x, bias Buffer, n int) error
+	// BiasGELUBackward is kernels.BiasGELUBackward; dbias may be nil.
+	BiasGELUBackward(dx, dbias, dy, deriv Buffer, n int) error
+	// Attention is kernels.CausalAttentionForward: out and the
+	// probabilities (kept for the backward) of s.Batch causal heads.
+	Attention(out, probs, q, k, v Buffer, s AttnShape) error
+	// AttentionBackward is kernels.CausalAttentionBackward.
+	AttentionBackward(dq, dk, dv, g, probs, q, k, v Buffer, s AttnShape) error
+	// CrossEntropy is kernels.CrossEntropyRows over rows of v logits:
+	// loss (Float64, one element) = the summed negative log-likelihood;
+	// lse (Float64, one per row) may be nil.
+	CrossEntropy(loss, lse, logits, targets Buffer, v int) error
+	// CrossEntropyBackward is kernels.CrossEntropyRowsBackward.
+	CrossEntropyBackward(dx, logits, targets, lse Buffer, v int, scale float64) error
+	// AdamW is kernels.AdamW on Float32 or Float64 buffers, with the
+	// coefficients c rounded to their type.
+	AdamW(p, g, m, v Buffer, c [8]float64) error
+}
+
+// Gemm is one GEMM, or a batch of them, in row-major layout:
+// C = Alpha·op(A)·op(B) + Beta·C with op(A) M×K, op(B) K×N and C M×N, the
+// contract of (*kernels.BLAS).Sgemm. Leading dimensions and strides are in
+// elements.
+type Gemm struct {
+	// TransA and TransB transpose A and B.
+	TransA, TransB bool
+	// M, N and K are the dimensions.
+	M, N, K int
+	// A, B and C are buffers of one dtype, Float32 or Float64.
+	A, B, C Buffer
+	// LDA, LDB and LDC are the row strides of A, B and C.
+	LDA, LDB, LDC int
+	// Alpha and Beta scale the product and C; with Beta 0, C's previous
+	// contents (even NaN) are ignored.
+	Alpha, Beta float64
+	// Batch is the number of GEMMs (0 means 1); GEMM i reads A, B and C
+	// from StrideA·i, StrideB·i and StrideC·i elements on.
+	Batch                     int
+	StrideA, StrideB, StrideC int
+}
+
+// AttnShape is the shape of causal attention over Batch heads: T
+// positions, query and key width DH, value width DV, scores scaled by
+// Scale.
+type AttnShape struct {
+	Batch, T, DH, DV int
+	Scale            float32
+}
