@@ -177,7 +177,10 @@ func compareSize(ctx context.Context, cfg *config, be backend, opts comm.Options
 					}
 				}
 				durs[i][r][round] = time.Since(t0) / time.Duration(cfg.iters)
-				if i == 0 && v.algo == comm.Auto && r == 0 {
+				// Reading the flight recorder copies it under its lock:
+				// once, after the last round, so that no timed round waits
+				// for it.
+				if i == 0 && v.algo == comm.Auto && r == 0 && round == cfg.compare-1 {
 					chose = lastAlgorithm(c.Recorder(), v.op.op)
 				}
 			}
