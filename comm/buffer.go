@@ -244,9 +244,11 @@ type HostBacked interface {
 	HostView() *HostBuffer
 }
 
-// hostView is b's memory when the host addresses it (a *HostBuffer or a
-// HostBacked view), else nil.
-func hostView(b Buffer) *HostBuffer {
+// HostView is b's memory when the host can address it: b itself when it
+// is a *HostBuffer, its view when it is HostBacked, and nil otherwise
+// (a CUDA buffer, or nil). Host backends run collectives on what it
+// returns.
+func HostView(b Buffer) *HostBuffer {
 	switch h := b.(type) {
 	case *HostBuffer:
 		return h

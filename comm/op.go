@@ -299,7 +299,7 @@ func (c *Call) validateCounts(size int, bad func(string, ...any) error) error {
 // of send. Broadcast with no send buffer is in place too. Only memory the
 // host addresses is inspected: host buffers and HostBacked views.
 func (c *Call) InPlace(rank int) bool {
-	s, r := hostView(c.Send), hostView(c.Recv)
+	s, r := HostView(c.Send), HostView(c.Recv)
 	if s == nil || r == nil || len(s.Bytes()) == 0 {
 		return c.Op == OpBroadcast
 	}

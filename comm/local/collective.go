@@ -123,15 +123,7 @@ func halfAvg(call *comm.Call, dt comm.DType) bool {
 // hostOf is b's memory when the host can address it: a *comm.HostBuffer,
 // or a device buffer implementing comm.HostBacked (the emulated device's),
 // viewed in place; nil otherwise.
-func hostOf(b comm.Buffer) *comm.HostBuffer {
-	switch h := b.(type) {
-	case *comm.HostBuffer:
-		return h
-	case comm.HostBacked:
-		return h.HostView()
-	}
-	return nil
-}
+func hostOf(b comm.Buffer) *comm.HostBuffer { return comm.HostView(b) }
 
 // validate checks what one rank can check alone.
 func (c *Comm) validate(call *comm.Call) error {

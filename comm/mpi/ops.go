@@ -143,13 +143,10 @@ func (c *Comm) refuseEnded(call *comm.Call, cause error) error {
 	return e
 }
 
-func hostOf(b comm.Buffer) *comm.HostBuffer {
-	if b == nil {
-		return nil
-	}
-	h, _ := b.(*comm.HostBuffer)
-	return h
-}
+// hostOf is b's memory when the host can address it: a *comm.HostBuffer,
+// or a comm.HostBacked device buffer (the emulated device's), viewed in
+// place; nil otherwise.
+func hostOf(b comm.Buffer) *comm.HostBuffer { return comm.HostView(b) }
 
 // validate checks what this rank can check alone.
 func (c *Comm) validate(call *comm.Call) error {
@@ -158,7 +155,7 @@ func (c *Comm) validate(call *comm.Call) error {
 	}
 	for _, b := range []comm.Buffer{call.Send, call.Recv} {
 		if b != nil && hostOf(b) == nil {
-			return fmt.Errorf("%w: the mpi backend needs host buffers, got %T on %s", comm.ErrUnsupported, b, b.Device())
+			return fmt.Errorf("%w: the mpi backend needs host or comm.HostBacked buffers, got %T on %s", comm.ErrUnsupported, b, b.Device())
 		}
 	}
 	if call.Algorithm != comm.Auto {
