@@ -7,6 +7,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/models/internal/layout"
+	"github.com/b7ea7098/loom/models/internal/preset"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
@@ -137,15 +138,12 @@ func (c Config) CheckLayout(batch int, l Layout) error {
 // presets are the named shapes of Preset, smallest first. GPT-2's
 // vocabulary of 50257 is padded to 50304, a multiple of 64, as nanoGPT
 // and llm.c pad it for faster matrix products; its MLP is 4× the width.
-var presets = []struct {
-	name string
-	cfg  func() Config
-}{
-	{"tiny", Tiny},
-	{"gpt2-small", func() Config { return gpt2(768, 12, 12) }},
-	{"gpt2-medium", func() Config { return gpt2(1024, 16, 24) }},
-	{"gpt2-large", func() Config { return gpt2(1280, 20, 36) }},
-	{"gpt2-xl", func() Config { return gpt2(1600, 25, 48) }},
+var presets = []preset.Entry[Config]{
+	{Name: "tiny", Config: Tiny},
+	{Name: "gpt2-small", Config: func() Config { return gpt2(768, 12, 12) }},
+	{Name: "gpt2-medium", Config: func() Config { return gpt2(1024, 16, 24) }},
+	{Name: "gpt2-large", Config: func() Config { return gpt2(1280, 20, 36) }},
+	{Name: "gpt2-xl", Config: func() Config { return gpt2(1600, 25, 48) }},
 }
 
 // gpt2 is a GPT-2-sized model of width d, h heads and l layers.
@@ -154,13 +152,7 @@ func gpt2(d, h, l int) Config {
 }
 
 // Presets returns the names Preset knows, smallest model first.
-func Presets() []string {
-	out := make([]string, len(presets))
-	for i, p := range presets {
-		out[i] = p.name
-	}
-	return out
-}
+func Presets() []string { return preset.Names(presets) }
 
 // Preset returns the named model: "tiny" (Tiny, the reference's),
 // "gpt2-small" (D=768, H=12, L=12: 124M parameters with an untied
@@ -170,10 +162,8 @@ func Presets() []string {
 // epsilon 1e-5. Another name is an error wrapping ErrConfig that lists
 // these.
 func Preset(name string) (Config, error) {
-	for _, p := range presets {
-		if p.name == name {
-			return p.cfg(), nil
-		}
+	if c, ok := preset.Find(presets, name); ok {
+		return c, nil
 	}
 	return Config{}, fmt.Errorf("%w: no preset %q; the presets are %v", ErrConfig, name, Presets())
 }

@@ -40,6 +40,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/models/internal/layout"
+	"github.com/b7ea7098/loom/models/internal/preset"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
@@ -287,13 +288,10 @@ func RandomInit(c Config, seed uint64) map[string][]float32 {
 }
 
 // presets are the named shapes of Preset, smallest first.
-var presets = []struct {
-	name string
-	cfg  func() Config
-}{
-	{"tiny", Default},
-	{"gpt2-small", func() Config { return gpt2(768, 12, 12) }},
-	{"gpt2-medium", func() Config { return gpt2(1024, 16, 24) }},
+var presets = []preset.Entry[Config]{
+	{Name: "tiny", Config: Default},
+	{Name: "gpt2-small", Config: func() Config { return gpt2(768, 12, 12) }},
+	{Name: "gpt2-medium", Config: func() Config { return gpt2(1024, 16, 24) }},
 }
 
 // gpt2 is a GPT-2-sized MoE model of width d, h heads and l layers: 8
@@ -306,13 +304,7 @@ func gpt2(d, h, l int) Config {
 }
 
 // Presets returns the names Preset knows, smallest model first.
-func Presets() []string {
-	out := make([]string, len(presets))
-	for i, p := range presets {
-		out[i] = p.name
-	}
-	return out
-}
+func Presets() []string { return preset.Names(presets) }
 
 // Preset returns the named model: "tiny" (Default), or "gpt2-small"
 // (D=768, H=12, L=12) and "gpt2-medium" (D=1024, H=16, L=24) with GPT-2's
@@ -320,10 +312,8 @@ func Presets() []string {
 // each MLP (V=50304, T=1024, Default's router losses and init). Another
 // name is an error wrapping ErrConfig that lists these.
 func Preset(name string) (Config, error) {
-	for _, p := range presets {
-		if p.name == name {
-			return p.cfg(), nil
-		}
+	if c, ok := preset.Find(presets, name); ok {
+		return c, nil
 	}
 	return Config{}, fmt.Errorf("%w: no preset %q; the presets are %v", ErrConfig, name, Presets())
 }
