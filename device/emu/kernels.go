@@ -459,3 +459,73 @@ func (k emuKernels) AdamW(p, g, m, v device.Buffer, c [8]float64) error {
 		return kernels.AdamW(views[0].Float64s(), views[1].Float64s(), views[2].Float64s(), views[3].Float64s(), &c)
 	})
 }
+
+// floats are the dtypes of the optimizer kernels.
+var floats = []comm.DType{comm.Float32, comm.Float64}
+
+// sameType checks that every view has the first one's dtype.
+func (k emuKernels) sameType(op string, names string, views []*comm.HostBuffer) error {
+	for i, h := range views[1:] {
+		if h != nil && h.DType() != views[0].DType() {
+			return fmt.Errorf("%s: %s: %w: %c is %v, %c %v", k.d.name, op, device.ErrInvalid, names[i+1], h.DType(), names[0], views[0].DType())
+		}
+	}
+	return nil
+}
+
+// SGD runs kernels.SGD in p's type, Float32 or Float64.
+func (k emuKernels) SGD(p, g, buf device.Buffer, s kernels.SGDStep) error {
+	const op = "SGD"
+	views, err := k.check(op, arg{name: "p", b: p, dtypes: floats}, arg{name: "g", b: g, dtypes: floats},
+		arg{name: "buf", b: buf, dtypes: floats, optional: s.Momentum == 0})
+	if err != nil {
+		return err
+	}
+	if err := k.sameType(op, "pgb", views); err != nil {
+		return err
+	}
+	if views[0].DType() == comm.Float32 {
+		return k.d.compute.launch(op, func() error {
+			return kernels.SGD(views[0].Float32s(), views[1].Float32s(), float32s(views[2]), s)
+		})
+	}
+	return k.d.compute.launch(op, func() error {
+		return kernels.SGD(views[0].Float64s(), views[1].Float64s(), float64s(views[2]), s)
+	})
+}
+
+// SumSquares runs kernels.SumSquares and stores the sum in out.
+func (k emuKernels) SumSquares(out, x device.Buffer) error {
+	const op = "SumSquares"
+	views, err := k.check(op, f64("out", out, false), arg{name: "x", b: x, dtypes: floats})
+	if err != nil {
+		return err
+	}
+	if views[0].Len() != 1 {
+		return fmt.Errorf("%s: %s: %w: out has %d elements, want 1", k.d.name, op, device.ErrInvalid, views[0].Len())
+	}
+	return k.d.compute.launch(op, func() error {
+		if views[1].DType() == comm.Float32 {
+			views[0].Float64s()[0] = kernels.SumSquares(views[1].Float32s())
+		} else {
+			views[0].Float64s()[0] = kernels.SumSquares(views[1].Float64s())
+		}
+		return nil
+	})
+}
+
+// Scale runs kernels.Scale in x's type, Float32 or Float64.
+func (k emuKernels) Scale(dst, x device.Buffer, c float64) error {
+	const op = "Scale"
+	views, err := k.check(op, arg{name: "dst", b: dst, dtypes: floats}, arg{name: "x", b: x, dtypes: floats})
+	if err != nil {
+		return err
+	}
+	if err := k.sameType(op, "dx", views); err != nil {
+		return err
+	}
+	if views[0].DType() == comm.Float32 {
+		return k.d.compute.launch(op, func() error { return kernels.Scale(views[0].Float32s(), views[1].Float32s(), float32(c)) })
+	}
+	return k.d.compute.launch(op, func() error { return kernels.Scale(views[0].Float64s(), views[1].Float64s(), c) })
+}

@@ -336,6 +336,97 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
+		sgdCase(comm.Float32, "plain", kernels.SGDStep{LR: 0.1}),
+		sgdCase(comm.Float32, "momentum/first", kernels.SGDStep{LR: 0.05, Momentum: 0.9, WeightDecay: 0.01, First: true}),
+		sgdCase(comm.Float32, "momentum", kernels.SGDStep{LR: 0.05, Momentum: 0.9, Dampening: 0.1, WeightDecay: 0.01, Maximize: true}),
+		sgdCase(comm.Float64, "nesterov", kernels.SGDStep{LR: 0.05, Momentum: 0.8, Nesterov: true, WeightDecay: 0.02}),
+		sumSquaresCase(comm.Float32),
+		sumSquaresCase(comm.Float64),
+		scaleCase(comm.Float32),
+		scaleCase(comm.Float64),
+	}
+}
+
+// optimLen is the length of the optimizer kernels' vectors: two vectors
+// of eight and a tail.
+const optimLen = 21
+
+// floatArray returns n random values as dt's slice, []float32 or
+// []float64.
+func floatArray(r *rand.Rand, dt comm.DType, n int) any {
+	x := randF32(r, n)
+	if dt == comm.Float64 {
+		return widen(x)
+	}
+	return x
+}
+
+func sgdCase(dt comm.DType, name string, s kernels.SGDStep) kernelCase {
+	return kernelCase{
+		name: "SGD/" + dt.String() + "/" + name,
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			a := arrays{"p": floatArray(r, dt, optimLen), "g": floatArray(r, dt, optimLen)}
+			if s.Momentum != 0 {
+				a["buf"] = floatArray(r, dt, optimLen)
+			}
+			return a
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			if dt == comm.Float64 {
+				buf, _ := a["buf"].([]float64)
+				return kernels.SGD(f64s(a["p"]), f64s(a["g"]), buf, s)
+			}
+			buf, _ := a["buf"].([]float32)
+			return kernels.SGD(f32s(a["p"]), f32s(a["g"]), buf, s)
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.SGD(b["p"], b["g"], b["buf"], s) },
+	}
+}
+
+func sumSquaresCase(dt comm.DType) kernelCase {
+	return kernelCase{
+		name: "SumSquares/" + dt.String(),
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"x": floatArray(r, dt, optimLen), "out": []float64{7}}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			if dt == comm.Float64 {
+				f64s(a["out"])[0] = kernels.SumSquares(f64s(a["x"]))
+			} else {
+				f64s(a["out"])[0] = kernels.SumSquares(f32s(a["x"]))
+			}
+			return nil
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.SumSquares(b["out"], b["x"]) },
+	}
+}
+
+func scaleCase(dt comm.DType) kernelCase {
+	const c = 0.3
+	return kernelCase{
+		name: "Scale/" + dt.String(),
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"x": floatArray(r, dt, optimLen), "dst": floatArray(r, dt, optimLen), "y": floatArray(r, dt, optimLen)}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			// Out of place into dst, then in place on y.
+			if dt == comm.Float64 {
+				if err := kernels.Scale(f64s(a["dst"]), f64s(a["x"]), c); err != nil {
+					return err
+				}
+				return kernels.Scale(f64s(a["y"]), f64s(a["y"]), c)
+			}
+			if err := kernels.Scale(f32s(a["dst"]), f32s(a["x"]), float32(c)); err != nil {
+				return err
+			}
+			return kernels.Scale(f32s(a["y"]), f32s(a["y"]), float32(c))
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			if err := k.Scale(b["dst"], b["x"], c); err != nil {
+				return err
+			}
+			return k.Scale(b["y"], b["y"], c)
+		},
 	}
 }
 
