@@ -17,6 +17,7 @@ import (
 	"github.com/b7ea7098/loom/comm/commtest"
 	"github.com/b7ea7098/loom/comm/nccl/topology"
 	"github.com/b7ea7098/loom/comm/rendezvous"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/device/cuda"
 )
 
@@ -304,6 +305,96 @@ func TestGPUCollectivesSize1(t *testing.T) {
 	}
 	if n := len(c.Recorder().Entries()); n == 0 {
 		t.Error("the flight recorder is empty")
+	}
+}
+
+// TestGPUDeviceOrder: device code's ordering of a collective on device
+// buffers, with no host wait between compute and communication. Compute
+// is kept busy by a chain of large device copies and then writes x; the
+// all-reduce (x into y) on the communicator's stream must see that
+// write (BeforeCollective), and compute's copy of y must see the
+// all-reduce's result (AfterCollective). Without BeforeCollective NCCL
+// reads x while compute is still busy (about 5 ms of copies on an H200),
+// so out is zero; without AfterCollective compute's copy races the
+// all-reduce, which shows less reliably.
+func TestGPUDeviceOrder(t *testing.T) {
+	l := gpuLib(t)
+	d := gpuDevice(t, l, 0)
+	c := gpuStoreComm(t, l, d, "gpu/order")
+	ctx := context.Background()
+	compute, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer compute.Close()
+	dev := ctxDevice{ctx: d, compute: compute}
+	const n = 1 << 20
+	const big = 256 << 20 // bytes per copy of the busy chain
+	in := commtest.Fill(comm.Float32, n, 1, 0, commtest.Mixed)
+	bufs := make([]*devBuf, 5)
+	for i := range bufs {
+		size := n
+		if i >= 3 {
+			size = big / 4
+		}
+		if bufs[i], err = allocDev(d, comm.Float32, size); err != nil {
+			t.Fatal(err)
+		}
+		defer bufs[i].Free()
+	}
+	src, x, y, busyA, busyB := bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
+	out, err := allocDev(d, comm.Float32, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Free()
+	if err := src.copyFromHost(in); err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range []*devBuf{x, y, out} {
+		if err := compute.Memset32(b.span(), 0, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := compute.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		a, b := busyA, busyB
+		if i%2 == 1 {
+			a, b = b, a
+		}
+		if err := compute.Copy(b.span(), a.span(), big); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := compute.Copy(x.span(), src.span(), 4*n); err != nil {
+		t.Fatal(err)
+	}
+	if err := device.BeforeCollective(c, dev); err != nil {
+		t.Fatal(err)
+	}
+	wk, err := comm.AllReduceAsync(ctx, c, x, y, comm.Sum)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := device.AfterCollective(ctx, wk, dev); err != nil {
+		t.Fatal(err)
+	}
+	if err := compute.Copy(out.span(), y.span(), 4*n); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]float32, n)
+	// Pageable memory: the copy returns once it and compute's work before
+	// it are done.
+	if err := cuda.CopyFromDeviceAsync(compute, got, out.span()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(comm.Host(got).Bytes(), in.Bytes()) {
+		t.Error("compute read the all-reduce's result out of order (stale memory)")
+	}
+	if err := wk.Wait(ctx); err != nil {
+		t.Fatal(err)
 	}
 }
 
