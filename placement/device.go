@@ -102,9 +102,11 @@ func (t *DTensor) To(d device.Device) (*DTensor, error) {
 		if err := src.CopyToHost(h, t.data.(device.Buffer)); err != nil {
 			return nil, wrapf(op, err, "copying the local block off %s", src.Name())
 		}
-		var data any = h.Float32s()
+		var data any
 		if h.DType() == comm.Float64 {
 			data = h.Float64s()
+		} else {
+			data = h.Float32s()
 		}
 		host = &DTensor{spec: t.spec, shape: slices.Clone(t.shape), data: data}
 	}

@@ -27,6 +27,22 @@ func TestToAndNewLocalOn(t *testing.T) {
 		}
 		defer d.Close()
 		// 3 rows of 2 over 4 ranks: rank 3's shard is empty.
+		spec64, err := placement.NewSpec(m, []int{3, 2}, comm.Float64, []placement.Placement{S0})
+		if err != nil {
+			return err
+		}
+		host64, err := placement.FromFull(spec64, []float64{1, 2, 3, 4, 5, 6})
+		if err != nil {
+			return err
+		}
+		on64, err := host64.To(d)
+		if err != nil {
+			return err
+		}
+		back64, err := on64.To(nil)
+		if err != nil || !slices.Equal(back64.LocalData().([]float64), host64.LocalData().([]float64)) {
+			return fmt.Errorf("float64 round trip: %v, %v", back64, err)
+		}
 		spec, err := placement.NewSpec(m, []int{3, 2}, comm.Float32, []placement.Placement{S0})
 		if err != nil {
 			return err
