@@ -83,6 +83,16 @@ type Kernels interface {
 	// Scale is kernels.Scale: dst = c·x (Float32 or Float64, one type),
 	// with c rounded to it; dst may be x.
 	Scale(dst, x Buffer, c float64) error
+
+	// CopyBox is kernels.CopyBox: it copies the box of the given size at
+	// soff in src, a row-major array of shape sshape, to doff in dst, a
+	// row-major array of shape dshape (placement's local copies). dst and
+	// src have one dtype, any of them, and hold at least prod(shape)
+	// elements each; the index slices have one length (none: one
+	// element). A box outside either array is an error wrapping
+	// ErrInvalid (kernels.CheckBox), found at the call. The index slices
+	// are read before it returns.
+	CopyBox(dst Buffer, dshape, doff []int, src Buffer, sshape, soff, size []int) error
 }
 
 // Gemm is one GEMM, or a batch of them, in row-major layout:

@@ -529,3 +529,50 @@ func (k emuKernels) Scale(dst, x device.Buffer, c float64) error {
 	}
 	return k.d.compute.launch(op, func() error { return kernels.Scale(views[0].Float64s(), views[1].Float64s(), c) })
 }
+
+// CopyBox runs kernels.CopyBox on the buffers' bytes: every dtype is
+// copied alike, with the last dim scaled by the element size.
+func (k emuKernels) CopyBox(dst device.Buffer, dshape, doff []int, src device.Buffer, sshape, soff, size []int) error {
+	const op = "CopyBox"
+	all := comm.AllDTypes()
+	v, err := k.check(op, arg{name: "dst", b: dst, dtypes: all}, arg{name: "src", b: src, dtypes: all})
+	if err != nil {
+		return err
+	}
+	if v[0].DType() != v[1].DType() {
+		return fmt.Errorf("%s: %s: %w: dst is %v, src %v", k.d.name, op, device.ErrInvalid, v[0].DType(), v[1].DType())
+	}
+	if err := kernels.CheckBox(v[0].Len(), dshape, doff, v[1].Len(), sshape, soff, size); err != nil {
+		return fmt.Errorf("%s: %s: %w: %w", k.d.name, op, device.ErrInvalid, err)
+	}
+	// A scalar is a box of one element; bytes scale the last dim.
+	es := v[0].DType().Size()
+	ds, do, ss, so, sz := bytesDims(dshape, es), bytesOff(doff, es), bytesDims(sshape, es), bytesOff(soff, es), bytesDims(size, es)
+	d, s := v[0].Bytes(), v[1].Bytes()
+	return k.d.compute.launch(op, func() error {
+		kernels.CopyBox(d, ds, do, s, ss, so, sz)
+		return nil
+	})
+}
+
+// bytesDims is shape in bytes: a copy with the last dim times es ([es]
+// for a scalar).
+func bytesDims(shape []int, es int) []int {
+	if len(shape) == 0 {
+		return []int{es}
+	}
+	out := append([]int(nil), shape...)
+	out[len(out)-1] *= es
+	return out
+}
+
+// bytesOff is an offset in bytes: a copy with the last index times es
+// ([0] for a scalar).
+func bytesOff(off []int, es int) []int {
+	if len(off) == 0 {
+		return []int{0}
+	}
+	out := append([]int(nil), off...)
+	out[len(out)-1] *= es
+	return out
+}
