@@ -71,6 +71,20 @@ type Kernels interface {
 	// AdamW is kernels.AdamW on Float32 or Float64 buffers, with the
 	// coefficients c rounded to their type.
 	AdamW(p, g, m, v Buffer, c [8]float64) error
+
+	// The methods below serve autograd's ops on devices (step A6).
+
+	// Scale is kernels.Scale: dst = c·x.
+	Scale(dst, x Buffer, c float64) error
+	// FillRows is kernels.FillRows: every row of dst (rows of
+	// row.Len()) is set to row (Linear's bias before its beta = 1 GEMM).
+	FillRows(dst, row Buffer) error
+	// SumDims is kernels.SumDims: out holds x (of shape) summed over the
+	// dims where reduce is set, in row-major order over the dims kept.
+	SumDims(out, x Buffer, shape []int, reduce []bool) error
+	// BroadcastDims is kernels.BroadcastDims, SumDims's adjoint: out (of
+	// shape) repeats g along the dims where reduce is set.
+	BroadcastDims(out, g Buffer, shape []int, reduce []bool) error
 }
 
 // Gemm is one GEMM, or a batch of them, in row-major layout:
