@@ -14,6 +14,7 @@ import (
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/placement"
 )
 
 // Optimizer is what a Trainer steps after the gradients are complete:
@@ -563,4 +564,39 @@ func ClassifierEval(model parallel.Layer, tape *autograd.Tape, data Dataset[Clas
 			return ClassMetrics(ctx, logits, b.Y)
 		})
 	}
+}
+
+// SyncGrads returns a Reducer that lays every gradient of params out like
+// its parameter (placement.GradSpec: Partial axes summed, to Replicate)
+// at Finish, one Redistribute per parameter that needs one, after the last
+// backward and without overlap: the general reduction for the axes DDP
+// and FSDP do not reduce, such as the token-sharding expert-parallel axis
+// of a MoE layer's router and of the layers around it. Give it after DDP
+// or FSDP (WithReducer, in order). Every rank must hold the same list.
+func SyncGrads(params []*autograd.Value) Reducer { return syncGrads(slices.Clone(params)) }
+
+type syncGrads []*autograd.Value
+
+func (s syncGrads) Finish(ctx context.Context) error {
+	for _, p := range s {
+		g := p.Grad()
+		if g == nil {
+			continue
+		}
+		gs, err := placement.GradSpec(g.Spec())
+		if err != nil {
+			return fmt.Errorf("train: SyncGrads: %q: %w", p.Name(), err)
+		}
+		if gs.Equal(g.Spec()) {
+			continue
+		}
+		r, err := placement.Redistribute(ctx, g, gs)
+		if err != nil {
+			return fmt.Errorf("train: SyncGrads: %q: %w", p.Name(), err)
+		}
+		if err := p.SetGrad(r); err != nil {
+			return fmt.Errorf("train: SyncGrads: %q: %w", p.Name(), err)
+		}
+	}
+	return nil
 }

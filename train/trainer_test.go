@@ -98,7 +98,8 @@ func (c *countingReducer) NoSync(fn func() error) error { c.noSync++; return fn(
 // batches of 16 (the sampler gives the same rows, and the mean of two
 // equal-sized means is the mean), on one rank and under DDP on 2 ranks,
 // where the first micro-batch runs under NoSync. Float32 losses agree to
-// 1e-6 (only the order of the gradient sums differs).
+// 1e-6 (only the order of the gradient sums differs), and with SyncGrads
+// in place of DDP.
 func TestAccumulation(t *testing.T) {
 	var want []float64
 	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
@@ -128,6 +129,20 @@ func TestAccumulation(t *testing.T) {
 			return err
 		}
 		got, err := n.fit(ctx, 8, 6, WithAccumulation(2), WithReducer(ddp))
+		if err != nil {
+			return err
+		}
+		return closeLosses(got, want, 1e-6)
+	})
+	// SyncGrads in place of DDP: the Partial(sum) gradients are summed at
+	// Finish, once for both micro-batches.
+	placementtest.Run(t, []int{2}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		n := newTnet(t, m, "dp")
+		ps, err := parallel.Params(n.model)
+		if err != nil {
+			return err
+		}
+		got, err := n.fit(ctx, 8, 6, WithAccumulation(2), WithReducer(SyncGrads(ps)))
 		if err != nil {
 			return err
 		}
