@@ -98,7 +98,7 @@ func TestNCCLFake(t *testing.T) {
 	var wg sync.WaitGroup
 	for rank := range 2 {
 		env := map[string]string{"RANK": fmt.Sprint(rank), "WORLD_SIZE": "2", "LOCAL_RANK": fmt.Sprint(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": host, "MASTER_PORT": port,
-			nccl.CUDAEnv: lib} // the fake's driver finds GPUs: Detect picks NCCL by itself
+			cuda.DriverEnv: lib} // the fake's driver finds GPUs: Detect picks NCCL by itself
 		job, err := launch.Detect(func(k string) string { return env[k] }, "", 2)
 		if err != nil {
 			t.Fatal(err)
