@@ -581,7 +581,9 @@ type executeConfig struct {
 
 // WithAllocator makes Execute take its buffers from a instead of
 // allocating them. Without it every buffer is fresh memory. A cross-mesh
-// step allocates its own buffers either way.
+// step allocates its own buffers either way. It applies to host tensors
+// only: a tensor on another device takes its buffers from that device's
+// caching allocator, which already reuses them.
 func WithAllocator(a Allocator) ExecuteOption {
 	return func(c *executeConfig) { c.alloc = a }
 }
