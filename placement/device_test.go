@@ -211,8 +211,8 @@ func TestDeviceConstructors(t *testing.T) {
 
 // TestDeviceExecute: Execute on a device allocates its result on the
 // device, never returns its input unless ReuseInput (then a reduction
-// runs in place, in the input's buffer), refuses tensors on two devices
-// in Inner and ExtremumGrad, and leaves nothing allocated but its result.
+// runs in place, in the input's buffer), leaves nothing allocated but its
+// result, and Inner and ExtremumGrad refuse tensors on two devices.
 func TestDeviceExecute(t *testing.T) {
 	onEmu := placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })
 	placementtest.Run(t, []int{3}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
@@ -272,6 +272,18 @@ func TestDeviceExecute(t *testing.T) {
 		}
 		if _, err := placement.Inner(ctx, y, hx); !errors.Is(err, device.ErrMixed) || !strings.Contains(err.Error(), d.Name()) {
 			return fmt.Errorf("Inner on two devices: %v", err)
+		}
+		mspec, _ := src.With([]placement.Placement{Pmax})
+		xm, err := placement.FromFull(mspec, full, placement.OnDevice(d))
+		if err != nil {
+			return err
+		}
+		ym, err := p.Redistribute(ctx, xm, dst)
+		if err != nil {
+			return err
+		}
+		if _, err := p.ExtremumGrad(ctx, xm, ym, hy); !errors.Is(err, device.ErrMixed) || !strings.Contains(err.Error(), d.Name()) {
+			return fmt.Errorf("ExtremumGrad on two devices: %v", err)
 		}
 		return nil
 	}, onEmu)
