@@ -12,9 +12,9 @@ import (
 // TestLayoutsMatchOneRank trains the example for 12 steps on one rank,
 // on dp=2 × tp=2, fsdp=4, tp=4 and dp=2 × fsdp=2 (HSDP), and checks that
 // every step's loss and every evaluation's metrics agree with the
-// one-rank run. The tolerance
-// is 1e-6 relative (measured: 1.2e-7): the parameters are float32 and the layouts differ
-// only in the order of their sums (tensor parallelism splits the hidden
+// one-rank run. The tolerance is 1e-6 relative (measured: 1.2e-7): the
+// parameters are float32 and the layouts differ only in the order of
+// their sums (tensor parallelism splits the hidden
 // layer's dot products, data parallelism sums the ranks' gradient
 // contributions), which over a few steps of AdamW moves the losses by a
 // few float32 roundings; dropout draws the serial run's masks on every
