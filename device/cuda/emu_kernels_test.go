@@ -251,6 +251,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("xent", func(t *testing.T) { testCrossEntropy(t, e) })
 	t.Run("optim", func(t *testing.T) { testOptimizers(t, e) })
 	t.Run("embedding", func(t *testing.T) { testEmbedding(t, e) })
+	t.Run("shape", func(t *testing.T) { testShape(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier (and a warp
