@@ -54,6 +54,7 @@ func KernelFiles() []KernelFile {
 		{Name: "optim.cu", Kernels: []string{"loom_adamw_f32", "loom_sgd_f32"}},
 		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
 		{Name: "shape.cu", Kernels: []string{"loom_copy_box_f32", "loom_permute_nd_f32", "loom_sum_dims_f32", "loom_fill_rows_f32"}},
+		{Name: "pointwise.cu", Kernels: []string{"loom_act_f32", "loom_act_bwd_f32", "loom_dropout_mask_f32", "loom_argmax_rows_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
