@@ -255,6 +255,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("embedding", func(t *testing.T) { testEmbedding(t, e) })
 	t.Run("shape", func(t *testing.T) { testShape(t, e) })
 	t.Run("pointwise", func(t *testing.T) { testPointwise(t, e) })
+	t.Run("flatten", func(t *testing.T) { testFlatten(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier (and a warp

@@ -55,6 +55,7 @@ func KernelFiles() []KernelFile {
 		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
 		{Name: "shape.cu", Kernels: []string{"loom_copy_box_f32", "loom_permute_nd_f32", "loom_sum_dims_f32", "loom_fill_rows_f32"}},
 		{Name: "pointwise.cu", Kernels: []string{"loom_act_f32", "loom_act_bwd_f32", "loom_dropout_mask_f32", "loom_argmax_rows_f32"}},
+		{Name: "flatten.cu", Kernels: []string{"loom_flatten_f32", "loom_unflatten_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
