@@ -56,6 +56,7 @@ func KernelFiles() []KernelFile {
 		{Name: "shape.cu", Kernels: []string{"loom_copy_box_f32", "loom_permute_nd_f32", "loom_sum_dims_f32", "loom_fill_rows_f32"}},
 		{Name: "pointwise.cu", Kernels: []string{"loom_act_f32", "loom_act_bwd_f32", "loom_dropout_mask_f32", "loom_argmax_rows_f32"}},
 		{Name: "flatten.cu", Kernels: []string{"loom_flatten_f32", "loom_unflatten_f32"}},
+		{Name: "vocab_ce.cu", Kernels: []string{"loom_vocab_max_f32", "loom_vocab_sumexp_pick_f32", "loom_vocab_ce_bwd_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
