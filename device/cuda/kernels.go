@@ -57,6 +57,7 @@ func KernelFiles() []KernelFile {
 		{Name: "pointwise.cu", Kernels: []string{"loom_act_f32", "loom_act_bwd_f32", "loom_dropout_mask_f32", "loom_argmax_rows_f32"}},
 		{Name: "flatten.cu", Kernels: []string{"loom_flatten_f32", "loom_unflatten_f32"}},
 		{Name: "vocab_ce.cu", Kernels: []string{"loom_vocab_max_f32", "loom_vocab_sumexp_pick_f32", "loom_vocab_ce_bwd_f32"}},
+		{Name: "router.cu", Kernels: []string{"loom_router_topk_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
