@@ -258,6 +258,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("flatten", func(t *testing.T) { testFlatten(t, e) })
 	t.Run("vocab_ce", func(t *testing.T) { testVocabCE(t, e) })
 	t.Run("router", func(t *testing.T) { testRouter(t, e) })
+	t.Run("flash_attn", func(t *testing.T) { testFlashAttention(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier (and a warp
