@@ -205,6 +205,9 @@ func causalAttentionFused(spec *placement.Spec, q, k, v *Value) (*Value, error) 
 	if err != nil {
 		return nil, err
 	}
+	if d, ok := onDevice(q.data); ok {
+		return attentionDev(t, d, spec, q, k, v)
+	}
 	qd, err := dataOf[float32](q.data)
 	if err != nil {
 		return nil, err
