@@ -50,6 +50,9 @@ func CausalSoftmaxRule(x *placement.Spec) (*placement.Spec, error) {
 
 func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 	const op = "CausalSoftmax"
+	if d, ok := onDevice(x.data); ok {
+		return causalDev(t, d, spec, x)
+	}
 	xd, err := dataOf[T](x.data)
 	if err != nil {
 		return nil, err

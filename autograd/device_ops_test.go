@@ -45,6 +45,26 @@ func ids(m *mesh.Mesh, shape []int, n int, seed uint64) (*autograd.Indices, erro
 	return autograd.IndicesFromFull(m, shape, places, full)
 }
 
+// composedAttention is CausalAttention's composition, which the
+// unfused path records.
+func composedAttention(q, k, v *autograd.Value) (*autograd.Value, error) {
+	kt, err := autograd.Transpose(k, -2, -1)
+	if err != nil {
+		return nil, err
+	}
+	s, err := autograd.BatchedMatMul(q, kt)
+	if err != nil {
+		return nil, err
+	}
+	if s, err = autograd.Scale(s, 0.5); err != nil {
+		return nil, err
+	}
+	if s, err = autograd.CausalSoftmax(s); err != nil {
+		return nil, err
+	}
+	return autograd.BatchedMatMul(s, v)
+}
+
 // checkpointed runs f inside autograd.Checkpoint with opts.
 func checkpointed(f func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error), opts ...autograd.CheckpointOption) func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
 	return func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
@@ -187,6 +207,11 @@ func devCases() []devCase {
 		{name: "CausalAttention", shapes: [][]int{{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			return autograd.CausalAttention(in[0], in[1], in[2])
 		}},
+		{name: "CausalAttention/composed", shapes: [][]int{{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
+			return composedAttention(in[0], in[1], in[2])
+		}},
+		{name: "Softmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, -1) })},
+		{name: "LogSoftmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 1) })},
 		{name: "Embedding", shapes: [][]int{{11, 6}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
 			id, err := ids(m, []int{2, 5}, 11, 3)
 			if err != nil {

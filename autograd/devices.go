@@ -81,14 +81,14 @@ func devKernels(op string, d device.Device, dt comm.DType) (device.Kernels, erro
 // deviceForm reports whether op (the name checkInputs is given) runs on
 // devices other than the host. The others refuse device inputs with
 // hostOnly's error: the pointwise ops (ReLU, SiLU, Tanh, Sigmoid,
-// Dropout), Softmax and LogSoftmax, CausalSoftmax, BatchedMatMul (and so
-// CausalAttention where it is not fused), Argmax and LocalMap. Mean and MSE are compositions of ops that
+// Dropout), Argmax and LocalMap. Softmax and LogSoftmax run on devices
+// over the last dim only. Mean and MSE are compositions of ops that
 // have device forms; Custom ops run wherever their inputs are.
 func deviceForm(op string) bool {
 	switch op {
 	case "Add", "Mul", "Scale", "MatMul", "Linear", "Sum", "Mean", "MSE", "LayerNorm", "GELU", "Reshape", "To",
 		"Redistribute", "Checkpoint", "Narrow", "Concat", "Permute", "Transpose", "Embedding", "CrossEntropy",
-		"CausalAttention":
+		"CausalAttention", "BatchedMatMul", "Softmax", "LogSoftmax", "CausalSoftmax":
 		return true
 	}
 	return false
@@ -796,4 +796,79 @@ func attentionDev(t *Tape, d device.Device, spec *placement.Spec, q, k, v *Value
 		}
 		return grads, nil
 	}), nil
+}
+
+// devBmm is bmmLocal on a device: one strided batched Kernels.Gemm with
+// beta = 0, or a Fill when k is 0.
+func devBmm(a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
+	const op = "BatchedMatMul"
+	kk, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	lda, ldb := max(1, k), max(1, n)
+	if transA {
+		lda = max(1, m)
+	}
+	if transB {
+		ldb = max(1, k)
+	}
+	g := device.Gemm{TransA: transA, TransB: transB, M: m, N: n, K: k, A: bufOf(x), B: bufOf(y),
+		LDA: lda, LDB: ldb, LDC: max(1, n), Alpha: 1, Batch: batch, StrideA: m * k, StrideB: k * n, StrideC: m * n}
+	return devResult(a, d, spec, func(c device.Buffer) error {
+		switch {
+		case batch == 0 || m == 0 || n == 0:
+			return nil // an empty result
+		case k == 0:
+			return devWrap(op, kk.Fill(c, 0))
+		}
+		g.C = c
+		return devWrap(op, kk.Gemm(g))
+	})
+}
+
+// softmaxDev is Softmax or LogSoftmax on a device over the last dim
+// (Kernels.Softmax and SoftmaxBackward); another dim, which the host
+// computes in float64, is an error wrapping ErrUnsupported.
+func softmaxDev(t *Tape, d device.Device, op string, x *Value, dim int, logOut bool) (*Value, error) {
+	spec := x.Spec()
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	shape := x.data.LocalShape()
+	outer, n, inner := splitDim(shape, dim)
+	xb := bufOf(x.data)
+	if inner != 1 || outer*n != xb.Len() {
+		return nil, unsupportedf(op, "over dim %d of %v on %s: devices take the softmax over the last dim only", dim, spec.Shape(), d.Name())
+	}
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Softmax(y, xb, n, logOut)) })
+	if err != nil {
+		return nil, err
+	}
+	yb := bufOf(out)
+	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
+		return k.SoftmaxBackward(dx, yb, g, n, logOut)
+	})
+}
+
+// causalDev is CausalSoftmax on a device (Kernels.CausalSoftmax and
+// CausalSoftmaxBackward with scale 1, as the host).
+func causalDev(t *Tape, d device.Device, spec *placement.Spec, x *Value) (*Value, error) {
+	const op = "CausalSoftmax"
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	sh := spec.Shape()
+	tt := sh[len(sh)-1]
+	xb := bufOf(x.data)
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.CausalSoftmax(y, xb, tt, 1)) })
+	if err != nil {
+		return nil, err
+	}
+	yb := bufOf(out)
+	return devRecordUnary(t, op, x, spec, out, func(gs *placement.Spec, g, dx device.Buffer) error {
+		return k.CausalSoftmaxBackward(dx, yb, g, tt, 1)
+	})
 }
