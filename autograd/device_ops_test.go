@@ -13,6 +13,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/device/emu"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -43,6 +44,43 @@ func ids(m *mesh.Mesh, shape []int, n int, seed uint64) (*autograd.Indices, erro
 	}
 	places := []placement.Placement{placement.Replicate()}
 	return autograd.IndicesFromFull(m, shape, places, full)
+}
+
+// customScale is a Custom op computing 3·x and backward 3·g with the
+// host kernel or, on a device, its Kernels (ResultBuffer, ScratchBuffer).
+func customScale(x *autograd.Value) (*autograd.Value, error) {
+	t := x.Tape()
+	scale := func(in *placement.DTensor, result bool) (*placement.DTensor, error) {
+		if h, ok := in.LocalData().([]float32); ok {
+			out := autograd.ScratchBlock[float32](t, len(h))
+			if result {
+				out = autograd.ResultBlock[float32](t, len(h))
+			}
+			if err := kernels.Scale(out, h, 3); err != nil {
+				return nil, err
+			}
+			return placement.NewLocal(in.Spec(), out)
+		}
+		b := in.LocalData().(device.Buffer)
+		get := autograd.ScratchBuffer
+		if result {
+			get = autograd.ResultBuffer
+		}
+		out, err := get(t, b.Owner(), b.DType(), b.Len())
+		if err != nil {
+			return nil, err
+		}
+		if err := b.Owner().Kernels().Scale(out, b, 3); err != nil {
+			return nil, err
+		}
+		return placement.NewLocalOn(in.Spec(), out)
+	}
+	return autograd.Custom("scale3", []*autograd.Value{x},
+		func() (*placement.DTensor, error) { return scale(x.Data(), true) },
+		func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+			gx, err := scale(g, false)
+			return []*placement.DTensor{gx}, err
+		})
 }
 
 // composedAttention is CausalAttention's composition, which the
@@ -215,6 +253,7 @@ func devCases() []devCase {
 		{name: "Tanh", shapes: [][]int{{3, 7}}, f: one(autograd.Tanh)},
 		{name: "Sigmoid", shapes: [][]int{{3, 7}}, f: one(autograd.Sigmoid)},
 		{name: "Dropout", shapes: [][]int{{5, 9}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Dropout(x, 0.4, 3, 2) })},
+		{name: "Custom", shapes: [][]int{{3, 5}}, f: one(customScale)},
 		{name: "Softmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, -1) })},
 		{name: "LogSoftmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 1) })},
 		{name: "Embedding", shapes: [][]int{{11, 6}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
@@ -704,4 +743,116 @@ func TestDeviceScratchFreedByBackward(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestDeviceFiniteDifferences checks gradients computed on the emulated
+// device against central differences of the loss, also computed there,
+// for a few ops. autograd's CheckGrad takes float64 parameters and the
+// device ops float32, so this is a float32 check: with step h = 1e-2 the
+// difference quotient's truncation error is O(h²) ≈ 1e-4 and its rounding
+// error about 6e-8·|L|/h ≈ 1e-5·|L|, so a tolerance of 2e-2·max(1, |g|)
+// passes correct gradients while a wrong one is off by O(1).
+func TestDeviceFiniteDifferences(t *testing.T) {
+	const h, tol = 1e-2, 2e-2
+	for _, c := range devCases() {
+		switch c.name {
+		case "Linear", "LayerNorm", "GELU", "CausalAttention", "CrossEntropy", "Embedding", "Softmax":
+		default:
+			continue
+		}
+		t.Run(c.name, func(t *testing.T) {
+			placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+				d, err := emu.New(0)
+				if err != nil {
+					return err
+				}
+				defer d.Close()
+				var inputs [][]float32
+				for i, sh := range c.shapes {
+					dt, err := randTensor(m, sh, uint64(i+1))
+					if err != nil {
+						return err
+					}
+					inputs = append(inputs, dt.LocalData().([]float32))
+				}
+				// loss builds the loss on d from inputs; with grads set it
+				// also runs Backward and returns the inputs' gradients.
+				loss := func(grads bool) (float64, [][]float32, error) {
+					tape := autograd.NewTape(autograd.WithDevice(d))
+					var in []*autograd.Value
+					for i, sh := range c.shapes {
+						spec, err := placement.NewSpec(m, sh, comm.Float32, []placement.Placement{placement.Replicate()})
+						if err != nil {
+							return 0, nil, err
+						}
+						dt, err := placement.NewLocal(spec, append([]float32(nil), inputs[i]...))
+						if err != nil {
+							return 0, nil, err
+						}
+						if dt, err = dt.To(d); err != nil {
+							return 0, nil, err
+						}
+						v, err := tape.Param(fmt.Sprint("in", i), dt)
+						if err != nil {
+							return 0, nil, err
+						}
+						in = append(in, v)
+					}
+					out, err := c.run(m, in)
+					if err != nil {
+						return 0, nil, err
+					}
+					l, err := autograd.Sum(out)
+					if err != nil {
+						return 0, nil, err
+					}
+					lv, err := hostData(l.Data())
+					if err != nil {
+						return 0, nil, err
+					}
+					if !grads {
+						return float64(lv[0]), nil, nil
+					}
+					if err := tape.Backward(ctx, l); err != nil {
+						return 0, nil, err
+					}
+					var gs [][]float32
+					for _, v := range in {
+						g, err := hostData(v.Grad())
+						if err != nil {
+							return 0, nil, err
+						}
+						gs = append(gs, g)
+					}
+					return float64(lv[0]), gs, nil
+				}
+				_, grads, err := loss(true)
+				if err != nil {
+					return err
+				}
+				for i := range inputs {
+					// A few elements of each input, spread over it.
+					for _, j := range []int{0, len(inputs[i]) / 3, len(inputs[i]) - 1} {
+						x := inputs[i][j]
+						inputs[i][j] = x + h
+						up, _, err := loss(false)
+						if err != nil {
+							return err
+						}
+						inputs[i][j] = x - h
+						down, _, err := loss(false)
+						if err != nil {
+							return err
+						}
+						inputs[i][j] = x
+						num, got := (up-down)/(2*h), float64(grads[i][j])
+						if math.Abs(num-got) > tol*max(1, math.Abs(got)) {
+							t.Errorf("input %d element %d: gradient %v on emu, central difference %v", i, j, got, num)
+						}
+					}
+				}
+				return nil
+			})
+		})
+	}
 }
