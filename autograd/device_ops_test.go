@@ -856,3 +856,52 @@ func TestDeviceFiniteDifferences(t *testing.T) {
 		})
 	}
 }
+
+// TestDeviceZeroGradFrees: without recycling, ZeroGrad frees a device
+// gradient Backward allocated, so a loop that frees its results holds no
+// device memory between steps.
+func TestDeviceZeroGradFrees(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		x, err := randTensor(m, []int{4, 5}, 1)
+		if err != nil {
+			return err
+		}
+		if x, err = x.To(d); err != nil {
+			return err
+		}
+		tape := autograd.NewTape()
+		p, err := tape.Param("p", x)
+		if err != nil {
+			return err
+		}
+		base := d.Memory().Stats().Allocated
+		for step := range 3 {
+			y, err := autograd.Scale(p, 2)
+			if err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			for _, v := range []*autograd.Value{y, loss} {
+				if err := v.Data().LocalBuffer().(device.Buffer).Free(); err != nil {
+					return err
+				}
+			}
+			p.ZeroGrad()
+			if got := d.Memory().Stats().Allocated; got != base {
+				t.Errorf("step %d: %d bytes allocated after ZeroGrad, %d before the step", step, got, base)
+			}
+		}
+		return nil
+	})
+}
