@@ -1,6 +1,20 @@
-// Package train is the training loop that the example programs
-// (examples/transformer and examples/moe) share, public so that a program
-// of one's own can copy it: Run starts this process's ranks as its
+// Package train trains models.
+//
+// Trainer is the training loop for a model of one's own (see
+// ExampleTrainer and examples/mlp): it drives the user's parallel.Module,
+// loss function (LossFunc) and optimizer over a Dataset (InMemory holds
+// features and labels in slices; Blobs draws a synthetic set) whose global
+// batches a distributed Sampler gives (each data-parallel rank its rows;
+// epochs; seeded shuffling, the same on every rank; State and Restore),
+// with a learning-rate Schedule (Constant, WarmupCosine, WarmupLinear),
+// gradient accumulation under the reducers' NoSync (DDP, FSDP; SyncGrads
+// for other axes), clipping (optim.ClipGradNorm), evaluation every N steps
+// (Evaluate, ClassMetrics, ClassifierEval), a progress line (a live bar on
+// a terminal) and JSON-lines metrics. Item reads a scalar loss.
+//
+// Run is the loop that the example programs (examples/transformer and
+// examples/moe) share, public so that a program of one's own can copy
+// it: Run starts this process's ranks as its
 // launch.Job says (in-process ranks on comm/local, or this process's one
 // rank under mpirun, loomrun or torchrun),
 // builds each rank's Stepper, runs and times the steps, reports rank 0's
@@ -58,7 +72,7 @@ type Flags struct {
 	// Bind is -bind: bind each rank to CPUs of its own (in-process ranks
 	// only).
 	Bind bool
-	// Backend is -backend: local, mpi or nccl, empty to decide from
+	// Backend is -backend: local, mpi, nccl or tcp, empty to decide from
 	// launch.BackendEnv and how the program was launched (launch.Detect).
 	Backend string
 	// Peak is -peak: the peak of one device in TFLOP/s for the MFU line
@@ -74,7 +88,7 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.IntVar(&f.TraceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
 	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
 	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
-	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi) or nccl (under loomrun or torchrun); default: "+launch.BackendEnv+", else how the program was launched")
+	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi), nccl or tcp (under loomrun or torchrun: one process per GPU, or pure-Go TCP between CPU processes); default: "+launch.BackendEnv+", else how the program was launched (under loomrun or torchrun: nccl where the CUDA driver finds a GPU, tcp elsewhere)")
 	fs.Float64Var(&f.Peak, "peak", 0, "peak of one device in TFLOP/s for the MFU line: one GPU, or the CPUs one host's ranks use (default: the GPU's datasheet figure, or the CPUs' estimate)")
 }
 
