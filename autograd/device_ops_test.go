@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"sync"
 	"testing"
 
 	"github.com/b7ea7098/loom"
@@ -904,4 +905,207 @@ func TestDeviceZeroGradFrees(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// gradsOf returns the gradients of vs.
+func gradsOf(vs []*autograd.Value) []*placement.DTensor {
+	var out []*placement.DTensor
+	for _, v := range vs {
+		out = append(out, v.Grad())
+	}
+	return out
+}
+
+// parallelCase is a computation on a 2-rank mesh: inputs of the given
+// shapes and placements (full values random, the same on every rank).
+type parallelCase struct {
+	name   string
+	shapes [][]int
+	places [][]placement.Placement
+	f      func(ctx context.Context, in []*autograd.Value) (*autograd.Value, error)
+}
+
+// TestDeviceParallel: tensor- and data-parallel layouts on two ranks, each
+// with its own emulated device, give every rank the host's local results
+// and gradients bit for bit; Redistribute (an all-reduce of the rowwise
+// output) runs on the device buffers through placement.
+func TestDeviceParallel(t *testing.T) {
+	R, S0, S1 := placement.Replicate(), placement.Shard(0), placement.Shard(1)
+	pl := func(p placement.Placement) []placement.Placement { return []placement.Placement{p} }
+	cases := []parallelCase{
+		{"Megatron MLP", [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}}, [][]placement.Placement{pl(R), pl(S0), pl(S0), pl(S1), pl(R)},
+			func(ctx context.Context, in []*autograd.Value) (*autograd.Value, error) {
+				h, err := autograd.Linear(in[0], in[1], in[2])
+				if err != nil {
+					return nil, err
+				}
+				if h, err = autograd.GELU(h); err != nil {
+					return nil, err
+				}
+				y, err := autograd.Linear(h, in[3], in[4])
+				if err != nil {
+					return nil, err
+				}
+				rs, err := y.Spec().With(pl(R))
+				if err != nil {
+					return nil, err
+				}
+				return autograd.Redistribute(ctx, y, rs)
+			}},
+		{"data parallel", [][]int{{6, 5}, {3, 5}, {3}}, [][]placement.Placement{pl(S0), pl(R), pl(R)},
+			func(ctx context.Context, in []*autograd.Value) (*autograd.Value, error) {
+				y, err := autograd.Linear(in[0], in[1], in[2])
+				if err != nil {
+					return nil, err
+				}
+				return autograd.Tanh(y)
+			}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			run := func(opts ...placementtest.Option) [][][]float32 {
+				var mu sync.Mutex
+				got := make([][][]float32, 2)
+				placementtest.Run(t, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+					d := placementtest.Device(ctx)
+					tape := autograd.NewTape(autograd.WithDevice(d))
+					var in []*autograd.Value
+					for i, sh := range c.shapes {
+						spec, err := placement.NewSpec(m, sh, comm.Float32, c.places[i])
+						if err != nil {
+							return err
+						}
+						dt, err := placement.FromFull(spec, placementtest.Random(sh, comm.Float32, uint64(i+1)))
+						if err != nil {
+							return err
+						}
+						if dt, err = dt.To(d); err != nil {
+							return err
+						}
+						v, err := tape.Param(fmt.Sprint("in", i), dt)
+						if err != nil {
+							return err
+						}
+						in = append(in, v)
+					}
+					out, err := c.f(ctx, in)
+					if err != nil {
+						return err
+					}
+					loss, err := autograd.Sum(out)
+					if err != nil {
+						return err
+					}
+					res := [][]float32{}
+					for _, dt := range []*placement.DTensor{out.Data(), loss.Data()} {
+						h, err := hostData(dt)
+						if err != nil {
+							return err
+						}
+						res = append(res, h)
+					}
+					if err := tape.Backward(ctx, loss); err != nil {
+						return err
+					}
+					for _, dt := range append([]*placement.DTensor{out.Data()}, gradsOf(in)...) {
+						if dt.Device() != d {
+							return fmt.Errorf("a result or gradient on %s, want %s", dt.Device().Name(), d.Name())
+						}
+					}
+					for _, v := range in {
+						h, err := hostData(v.Grad())
+						if err != nil {
+							return err
+						}
+						res = append(res, h)
+					}
+					mu.Lock()
+					got[m.Rank()] = res
+					mu.Unlock()
+					return nil
+				}, opts...)
+				return got
+			}
+			want := run()
+			got := run(placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+			for r := range want {
+				if err := sameBits(want[r], got[r]); err != nil {
+					t.Errorf("rank %d: %v", r, err)
+				}
+			}
+		})
+	}
+}
+
+// TestDeviceParallelMemory: on two ranks with their own emulated
+// devices, recycling steps of the Megatron MLP (whose Redistribute
+// allocates its result in placement) hold the same device memory after
+// every step, and no driver allocation follows the first.
+func TestDeviceParallelMemory(t *testing.T) {
+	R, S0, S1 := placement.Replicate(), placement.Shard(0), placement.Shard(1)
+	pl := func(p placement.Placement) []placement.Placement { return []placement.Placement{p} }
+	shapes := [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}}
+	places := [][]placement.Placement{pl(R), pl(S0), pl(S0), pl(S1), pl(R)}
+	placementtest.Run(t, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d := placementtest.Device(ctx)
+		tape := autograd.NewTape(autograd.WithDevice(d), autograd.WithRecycling())
+		var in []*autograd.Value
+		for i, sh := range shapes {
+			spec, err := placement.NewSpec(m, sh, comm.Float32, places[i])
+			if err != nil {
+				return err
+			}
+			dt, err := placement.FromFull(spec, placementtest.Random(sh, comm.Float32, uint64(i+1)))
+			if err != nil {
+				return err
+			}
+			if dt, err = dt.To(d); err != nil {
+				return err
+			}
+			v, err := tape.Param(fmt.Sprint("in", i), dt)
+			if err != nil {
+				return err
+			}
+			in = append(in, v)
+		}
+		var first device.Stats
+		for step := range 4 {
+			for _, v := range in {
+				v.ZeroGrad()
+			}
+			h, err := autograd.Linear(in[0], in[1], in[2])
+			if err != nil {
+				return err
+			}
+			y, err := autograd.Linear(h, in[3], in[4])
+			if err != nil {
+				return err
+			}
+			rs, err := y.Spec().With(pl(R))
+			if err != nil {
+				return err
+			}
+			if y, err = autograd.Redistribute(ctx, y, rs); err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			tape.Recycle()
+			if err := d.Synchronize(); err != nil {
+				return err
+			}
+			s := d.Memory().Stats()
+			if step == 0 {
+				first = s
+			} else if s.Allocated != first.Allocated || s.DriverAllocs != first.DriverAllocs {
+				return fmt.Errorf("step %d: %d bytes allocated, %d driver allocations; after step 0: %d, %d", step, s.Allocated, s.DriverAllocs, first.Allocated, first.DriverAllocs)
+			}
+		}
+		return nil
+	}, placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
 }
