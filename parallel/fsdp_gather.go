@@ -58,7 +58,7 @@ func (f *FSDP) commDType(u *fsdpUnit) comm.DType {
 // and fixes the orders.
 func (f *FSDP) setup() error {
 	if len(f.units) == 0 {
-		return fmt.Errorf("parallel: FSDP: %w: no units wrapped", ErrInvalid)
+		return fmt.Errorf("%w: FSDP: no units wrapped", ErrInvalid)
 	}
 	var size [2]int
 	var dt [2]comm.DType
@@ -67,7 +67,7 @@ func (f *FSDP) setup() error {
 		u.reshard = f.policy(u)
 		if u.slot >= 0 {
 			if dt[u.slot] != 0 && dt[u.slot] != u.dtype {
-				return fmt.Errorf("parallel: FSDP: %w: units of dtypes %v and %v share a buffer slot; give units resharded after forward one dtype", ErrInvalid, dt[u.slot], u.dtype)
+				return fmt.Errorf("%w: FSDP: units of dtypes %v and %v share a buffer slot; give units resharded after forward one dtype", ErrInvalid, dt[u.slot], u.dtype)
 			}
 			dt[u.slot] = u.dtype
 			size[u.slot] = max(size[u.slot], u.elems)

@@ -138,7 +138,7 @@ func runHooks(ctx context.Context, hooks []Hook, v *autograd.Value) (*autograd.V
 // type) is an error wrapping ErrInvalid.
 func Walk(root Module, fn func(path string, m Module) error) error {
 	if isNil(root) {
-		return fmt.Errorf("parallel: Walk: %w: nil module", ErrInvalid)
+		return fmt.Errorf("%w: Walk: nil module", ErrInvalid)
 	}
 	return walk("", root, fn)
 }
@@ -202,8 +202,8 @@ func Params(root Module) ([]*autograd.Value, error) {
 	return out, err
 }
 
-// errNilValue is returned by layers called with a nil input.
-var errNilValue = fmt.Errorf("%w: nil input", ErrInvalid)
+// nilInput is the error of a layer op called with a nil input.
+func nilInput(op string) error { return fmt.Errorf("%w: %s: nil input", ErrInvalid, op) }
 
 // ParamSetter is implemented by ParamHolders whose parameter fields can be
 // replaced: FSDP swaps a module's sharded parameter leaves for their
