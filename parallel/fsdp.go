@@ -480,7 +480,7 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m Module, opts ...UnitOpti
 		o(&cfg)
 	}
 	fail := func(format string, args ...any) error {
-		return fmt.Errorf("parallel: FSDP.Wrap %q: %w: %s", path, ErrInvalid, fmt.Sprintf(format, args...))
+		return fmt.Errorf("%w: FSDP.Wrap %q: %s", ErrInvalid, path, fmt.Sprintf(format, args...))
 	}
 	if f.ready {
 		return fail("the first forward has run; wrap every unit before it")

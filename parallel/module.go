@@ -160,7 +160,7 @@ func walk(path string, m Module, fn func(string, Module) error) error {
 	}
 	for _, c := range m.Children() {
 		if isNil(c.Module) {
-			return fmt.Errorf("parallel: module %q: %w: child %q is nil", path, ErrInvalid, c.Name)
+			return fmt.Errorf("%w: module %q: child %q is nil", ErrInvalid, path, c.Name)
 		}
 		p := c.Name
 		if path != "" {
@@ -220,11 +220,11 @@ type ParamSetter interface {
 // SetOwnParams: the same count, and nil exactly where they are nil.
 func checkSetParams(what string, cur, ps []*autograd.Value) error {
 	if len(ps) != len(cur) {
-		return fmt.Errorf("parallel: %s.SetOwnParams: %w: %d parameters for %d", what, ErrInvalid, len(ps), len(cur))
+		return fmt.Errorf("%w: %s.SetOwnParams: %d parameters for %d", ErrInvalid, what, len(ps), len(cur))
 	}
 	for i := range ps {
 		if (ps[i] == nil) != (cur[i] == nil) {
-			return fmt.Errorf("parallel: %s.SetOwnParams: %w: parameter %d is nil in one list and not the other", what, ErrInvalid, i)
+			return fmt.Errorf("%w: %s.SetOwnParams: parameter %d is nil in one list and not the other", ErrInvalid, what, i)
 		}
 	}
 	return nil
