@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -24,6 +25,12 @@ func WithPlanner(p *placement.Planner) Option { return func(t *Tape) { t.planner
 // of the tape's other kernels (softmax, GELU, cross-entropy, attention),
 // so a rank given its share of the cores keeps to it throughout.
 func WithBLAS(b *kernels.BLAS) Option { return func(t *Tape) { t.blas = b } }
+
+// WithDevice makes d the tape's device: where the modules built on the
+// tape allocate their parameters, and where their gradients and the
+// optimizer state follow. Ops run on the device of their inputs, not the
+// tape's. Without it, or with nil, the device is the host.
+func WithDevice(d device.Device) Option { return func(t *Tape) { t.device = d } }
 
 // WithRecycling makes the tape reuse the memory of op results from one
 // pass to the next, as it always does for saved values and intermediate
@@ -111,6 +118,7 @@ func WithObserver(fn Observer) Option {
 type Tape struct {
 	planner *placement.Planner
 	blas    *kernels.BLAS
+	device  device.Device // WithDevice; nil is the host
 	nodes   []*node
 	gen     uint64 // incremented every time the nodes are cleared
 	noGrad  int    // depth of NoGrad scopes
@@ -150,6 +158,15 @@ func (t *Tape) Planner() *placement.Planner {
 		return nil
 	}
 	return t.planner
+}
+
+// Device returns the tape's device (WithDevice): device.Host() unless
+// another was given.
+func (t *Tape) Device() device.Device {
+	if t == nil || t.device == nil {
+		return device.Host()
+	}
+	return t.device
 }
 
 // Len returns the number of ops recorded since the tape was last cleared.
@@ -517,6 +534,13 @@ func checkInputs(op string, vs ...*Value) (*Tape, error) {
 		}
 		if v.requiresGrad && !v.leaf && v.node.gen != t.gen {
 			return nil, invalidf(op, "input %d (%q) was recorded before the tape was last cleared (by Backward or Reset); recompute it", i, v.name)
+		}
+		if i > 0 {
+			if err := device.Same(op, vs[0].data.Device(), v.data.Device()); err != nil {
+				// Both sentinels match: autograd's ErrInvalid as for any
+				// rejected input, and device.ErrMixed for the cause.
+				return nil, fmt.Errorf("autograd: %w (input 0, %q, and input %d, %q; copy one with autograd.To): %w", err, vs[0].name, i, v.name, ErrInvalid)
+			}
 		}
 	}
 	return t, nil

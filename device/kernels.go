@@ -1,5 +1,7 @@
 package device
 
+import "github.com/b7ea7098/loom/kernels"
+
 // Kernels is a device's op set: each method mirrors one CPU kernel of
 // package kernels (named in its comment), takes that kernel's arguments
 // as Buffers of the device, and queues the work on the device's Compute
@@ -71,6 +73,26 @@ type Kernels interface {
 	// AdamW is kernels.AdamW on Float32 or Float64 buffers, with the
 	// coefficients c rounded to their type.
 	AdamW(p, g, m, v Buffer, c [8]float64) error
+	// SGD is kernels.SGD on Float32 or Float64 buffers of one type, with
+	// the coefficients of s rounded to it; buf may be nil when
+	// s.Momentum is 0.
+	SGD(p, g, buf Buffer, s kernels.SGDStep) error
+	// SumSquares is kernels.SumSquares of x (Float32 or Float64) into out
+	// (Float64, one element): the squared 2-norm of a gradient block.
+	SumSquares(out, x Buffer) error
+	// Scale is kernels.Scale: dst = c·x (Float32 or Float64, one type),
+	// with c rounded to it; dst may be x.
+	Scale(dst, x Buffer, c float64) error
+
+	// CopyBox is kernels.CopyBox: it copies the box of the given size at
+	// soff in src, a row-major array of shape sshape, to doff in dst, a
+	// row-major array of shape dshape (placement's local copies). dst and
+	// src have one dtype, any of them, and hold at least prod(shape)
+	// elements each; the index slices have one length (none: one
+	// element). A box outside either array is an error wrapping
+	// ErrInvalid (kernels.CheckBox), found at the call. The index slices
+	// are read before it returns.
+	CopyBox(dst Buffer, dshape, doff []int, src Buffer, sshape, soff, size []int) error
 }
 
 // Gemm is one GEMM, or a batch of them, in row-major layout:

@@ -25,7 +25,12 @@ func checkNCCL(j *Job) error {
 }
 
 // runNCCL runs fn on this process's rank of an NCCL world on the GPU that
-// gpuOf picks, bootstrapped through the rendezvous server at j.Addr.
+// gpuOf picks, bootstrapped through the rendezvous server at j.Addr. The
+// GPU is opened once, as a device/cuda context of the driver binding NCCL
+// uses (lib.Driver()), and handed to the communicator; fn reaches it as
+// the communicator's Device (interface{ Device() *cuda.Context }), since
+// the topology may have put the rank on another GPU than LOCAL_RANK and
+// compute must use the one NCCL does.
 func runNCCL(ctx context.Context, j *Job, fn Func, cfg runConfig) (err error) {
 	where := fmt.Sprintf("launch: nccl (RANK=%d LOCAL_RANK=%d)", j.Rank, j.LocalRank)
 	lib, err := nccl.Load()
@@ -39,7 +44,7 @@ func runNCCL(ctx context.Context, j *Job, fn Func, cfg runConfig) (err error) {
 	if cfg.log != nil && j.Root() {
 		fmt.Fprintln(cfg.log, layout)
 	}
-	dev, err := lib.OpenDevice(gpu)
+	dev, err := lib.Driver().Open(gpu)
 	if err != nil {
 		return fmt.Errorf("%s: GPU %d: %w", where, gpu, err)
 	}
@@ -49,7 +54,7 @@ func runNCCL(ctx context.Context, j *Job, fn Func, cfg runConfig) (err error) {
 		return fmt.Errorf("%s: rendezvous server %s (MASTER_ADDR, MASTER_PORT): %w", where, j.Addr, err)
 	}
 	defer func() { err = errors.Join(err, store.Close()) }()
-	c, err := nccl.NewComm(ctx, dev, store, WorldKey, j.Rank, j.WorldSize)
+	c, err := lib.NewComm(ctx, dev, store, WorldKey, j.Rank, j.WorldSize)
 	if err != nil {
 		return fmt.Errorf("%s: %w", where, err)
 	}

@@ -15,9 +15,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/b7ea7098/loom/comm/nccl"
 	"github.com/b7ea7098/loom/comm/nccl/topology"
 	"github.com/b7ea7098/loom/comm/rendezvous"
+	"github.com/b7ea7098/loom/device/cuda"
 	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
@@ -74,7 +74,7 @@ func TestNCCLFake(t *testing.T) {
 		t.Fatalf("building the fake NCCL: %v\n%s", err, out)
 	}
 	t.Setenv("LOOM_NCCL", lib)
-	t.Setenv(nccl.CUDAEnv, lib)
+	t.Setenv(cuda.DriverEnv, lib)
 	t.Setenv(topology.NVMLEnv, filepath.Join(t.TempDir(), "no-libnvidia-ml.so")) // the uniform topology, even on a GPU host
 	t.Setenv("LOOM_COSTMODEL", "off")
 

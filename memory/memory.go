@@ -8,14 +8,19 @@
 //
 // The counts are of the memory loom's data structures hold, not of the
 // process's heap: the garbage collector may hold freed memory longer, and
-// Go's runtime and the program's own data are not counted.
+// Go's runtime and the program's own data are not counted. For data on a
+// device the counts are of the tensors' buffers, and a Meter given the
+// device (SetDevice) reports its caching allocator's statistics too:
+// what the allocator holds, cached blocks included.
 package memory
 
 import (
 	"context"
 	"fmt"
+	"math"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -55,6 +60,11 @@ func (u Use) Max(v Use) Use {
 type Report struct {
 	Use
 	Peak int64 `json:"peak"`
+	// Device is the allocator statistics of the Meter's device (SetDevice)
+	// when Report was called: the bytes loom's caching allocator holds
+	// there, its peaks since the last Reset, fragmentation and driver
+	// allocations. Nil without a device with an allocator (the host).
+	Device *device.Stats `json:"device,omitempty"`
 }
 
 // Source reports the bytes some part of a training step holds now.
@@ -65,6 +75,18 @@ type Source func() Use
 type Meter struct {
 	sources []Source
 	rep     Report
+	dev     device.Device // SetDevice; nil: none
+}
+
+// SetDevice makes Report include d's allocator statistics, and Reset
+// reset the allocator's peaks (device.Allocator.ResetPeak), so that they
+// are the step's like the Meter's own. A device without an allocator (the
+// host) or nil reports none.
+func (m *Meter) SetDevice(d device.Device) {
+	m.dev = nil
+	if d != nil && d.Memory() != nil {
+		m.dev = d
+	}
 }
 
 // Add registers a source; Sample sums every source.
@@ -85,25 +107,60 @@ func (m *Meter) Sample() Use {
 	return u
 }
 
-// Report returns the peaks since the last Reset.
-func (m *Meter) Report() Report { return m.rep }
+// Report returns the peaks since the last Reset, and the device's
+// allocator statistics now (SetDevice).
+func (m *Meter) Report() Report {
+	r := m.rep
+	if m.dev != nil {
+		s := m.dev.Memory().Stats()
+		r.Device = &s
+	}
+	return r
+}
 
-// Reset forgets the peaks (at the start of a step).
-func (m *Meter) Reset() { m.rep = Report{} }
+// Reset forgets the peaks (at the start of a step), the device
+// allocator's included.
+func (m *Meter) Reset() {
+	m.rep = Report{}
+	if m.dev != nil {
+		m.dev.Memory().ResetPeak()
+	}
+}
 
 // MaxOverRanks returns, on every rank of c, the element-wise maximum of
-// the ranks' reports (each kind and the peak): what the largest rank
-// needs. It is collective over c.
+// the ranks' reports (each kind and the peak, and each field of the
+// device statistics, present when any rank has them): what the largest
+// rank needs. It is one all-reduce over c, the same whether or not a rank
+// has device statistics, so it is collective over c.
 func MaxOverRanks(ctx context.Context, c comm.Communicator, r Report) (Report, error) {
-	v := []int64{r.Params, r.Grads, r.Optim, r.Activations, r.Comm, r.Peak}
+	var s device.Stats
+	has := int64(0)
+	if r.Device != nil {
+		s, has = *r.Device, 1
+	}
+	// Fragmentation is in [0, 1]: the bits of a non-negative float64
+	// order as int64 like its values, so the int64 maximum of the bits is
+	// the bits of the maximum.
+	v := []int64{r.Params, r.Grads, r.Optim, r.Activations, r.Comm, r.Peak, has,
+		s.Allocated, s.Reserved, s.Pending, s.PeakAllocated, s.PeakReserved, s.LargestFree,
+		s.Segments, s.DriverAllocs, s.DriverFrees, s.Retries, s.OOMs, int64(math.Float64bits(max(s.Fragmentation, 0)))}
 	buf := comm.Host(v)
 	if err := comm.AllReduce(ctx, c, buf, buf, comm.Max); err != nil {
 		return Report{}, fmt.Errorf("memory: maximum over ranks: %w", err)
 	}
-	return Report{Use: Use{v[0], v[1], v[2], v[3], v[4]}, Peak: v[5]}, nil
+	out := Report{Use: Use{v[0], v[1], v[2], v[3], v[4]}, Peak: v[5]}
+	if v[6] != 0 {
+		out.Device = &device.Stats{
+			Allocated: v[7], Reserved: v[8], Pending: v[9], PeakAllocated: v[10], PeakReserved: v[11], LargestFree: v[12],
+			Segments: v[13], DriverAllocs: v[14], DriverFrees: v[15], Retries: v[16], OOMs: v[17],
+			Fragmentation: math.Float64frombits(uint64(v[18])),
+		}
+	}
+	return out, nil
 }
 
-// Tensor returns the bytes of dt's local block (0 for nil).
+// Tensor returns the bytes of dt's local block (0 for nil), on the host
+// or on a device (its buffer's Len()·DType().Size()).
 func Tensor(dt *placement.DTensor) int64 {
 	if dt == nil {
 		return 0
@@ -113,6 +170,8 @@ func Tensor(dt *placement.DTensor) int64 {
 		return 4 * int64(len(d))
 	case []float64:
 		return 8 * int64(len(d))
+	case device.Buffer:
+		return int64(d.Len()) * int64(d.DType().Size())
 	}
 	return 0
 }

@@ -2,11 +2,15 @@ package memory_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
@@ -88,4 +92,123 @@ func TestTensor(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestTensorOnDevice counts a device block as its buffer's bytes, for
+// both element types and an empty shard.
+func TestTensorOnDevice(t *testing.T) {
+	placementtest.Run(t, []int{4}, []string{"fsdp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(m.Rank())
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for _, dt := range []comm.DType{comm.Float32, comm.Float64} {
+			// 3 rows of 2 over 4 ranks: rank 3's shard is empty.
+			spec, err := placement.NewSpec(m, []int{3, 2}, dt, []placement.Placement{placement.Shard(0)})
+			if err != nil {
+				return err
+			}
+			full := any(make([]float32, 6))
+			if dt == comm.Float64 {
+				full = make([]float64, 6)
+			}
+			host, err := placement.FromFull(spec, full)
+			if err != nil {
+				return err
+			}
+			on, err := host.To(d)
+			if err != nil {
+				return err
+			}
+			want := int64([]int{1, 1, 1, 0}[m.Rank()] * 2 * dt.Size())
+			if got := memory.Tensor(on); got != want || memory.Tensor(host) != want {
+				return fmt.Errorf("rank %d, %v: device %d bytes, host %d, want %d", m.Rank(), dt, got, memory.Tensor(host), want)
+			}
+		}
+		return nil
+	})
+}
+
+// TestMeterDevice: a Meter given a device reports its allocator's
+// statistics, and Reset resets the allocator's peaks; without a device,
+// or with the host, it reports none.
+func TestMeterDevice(t *testing.T) {
+	d, err := emu.New(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	var m memory.Meter
+	if m.Report().Device != nil {
+		t.Fatal("a Meter without a device reported device statistics")
+	}
+	m.SetDevice(device.Host())
+	if m.Report().Device != nil {
+		t.Fatal("the host reported device statistics")
+	}
+	m.SetDevice(d)
+	big, err := d.Alloc(comm.Float32, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	small, err := d.Alloc(comm.Float32, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := m.Report()
+	if rep.Device == nil || *rep.Device != d.Memory().Stats() || rep.Device.Allocated < 4<<20 || rep.Device.DriverAllocs == 0 {
+		t.Fatalf("Report().Device = %+v, want the allocator's %+v", rep.Device, d.Memory().Stats())
+	}
+	if err := big.Free(); err != nil {
+		t.Fatal(err)
+	}
+	m.Reset()
+	rep = m.Report()
+	if rep.Device == nil || rep.Device.PeakAllocated != rep.Device.Allocated || rep.Device.PeakAllocated >= 4<<20 {
+		t.Fatalf("after Reset: %+v, want the peak reset to what is allocated (%d)", rep.Device, d.Memory().Stats().Allocated)
+	}
+	if err := small.Free(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestMaxOverRanksDevice: device statistics are maximised field by field
+// (fragmentation included), present when any rank has them, and written
+// as "device" in JSON; without them there is no "device" key.
+func TestMaxOverRanksDevice(t *testing.T) {
+	err := local.Run(context.Background(), 3, func(ctx context.Context, c comm.Communicator) error {
+		r := int64(c.Rank())
+		in := memory.Report{Peak: 5}
+		if r > 0 { // rank 0 has no device: the others' statistics still come back
+			in.Device = &device.Stats{Allocated: 100 * r, Reserved: 1000 - r, PeakAllocated: 7, DriverAllocs: r, OOMs: 2 - r,
+				Fragmentation: []float64{0, 0.25, 0.125}[r]}
+		}
+		got, err := memory.MaxOverRanks(ctx, c, in)
+		if err != nil {
+			return err
+		}
+		want := device.Stats{Allocated: 200, Reserved: 999, PeakAllocated: 7, DriverAllocs: 2, OOMs: 1, Fragmentation: 0.25}
+		if got.Device == nil || *got.Device != want || got.Peak != 5 {
+			return fmt.Errorf("rank %d: %+v (device %+v), want device %+v", r, got, got.Device, want)
+		}
+		js, err := json.Marshal(got)
+		if err != nil {
+			return err
+		}
+		if !strings.Contains(string(js), `"device":{"allocated":200,`) || !strings.Contains(string(js), `"fragmentation":0.25`) {
+			return fmt.Errorf("JSON %s: want the device statistics under \"device\"", js)
+		}
+		none, err := memory.MaxOverRanks(ctx, c, memory.Report{Peak: r})
+		if err != nil {
+			return err
+		}
+		if js, _ := json.Marshal(none); none.Device != nil || strings.Contains(string(js), "device") {
+			return fmt.Errorf("no rank with a device: %s", js)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
@@ -91,10 +92,11 @@ type AdamW struct {
 	params []*autograd.Value
 	state  []adamState
 	frozen bool // AllowFrozen
+	closed bool // Close
 }
 
 type adamState struct {
-	m, v any // []float32 or []float64, like the local block
+	m, v any // []float32, []float64 or a device.Buffer, like the local block
 	t    int
 }
 
@@ -149,8 +151,20 @@ func (o *AdamW) StepCount(i int) int {
 // gradient is not Partial (reduce it first, e.g. DDP's all-reduce). It
 // checks the hyper-parameters and every parameter before updating any;
 // errors wrap ErrInvalid, and on an error nothing has changed.
+//
+// A parameter on a device is updated by the device's Kernels.AdamW from a
+// gradient on the same device (one elsewhere is an error matching
+// device.ErrMixed), with moments allocated on that device at its first
+// update (an allocation error, such as *device.OOMError, frees what this
+// Step allocated and changes nothing). The update is queued on the
+// device's compute stream: Step returns once it is queued, and an error
+// found while it runs is returned by the device's next Synchronize.
+// After Close, Step is an error wrapping ErrInvalid.
 func (o *AdamW) Step() error {
 	const op = "AdamW.Step"
+	if o.closed {
+		return errClosed(op)
+	}
 	if err := o.check(op); err != nil {
 		return err
 	}
@@ -162,6 +176,9 @@ func (o *AdamW) Step() error {
 			return err
 		}
 	}
+	if err := o.allocState(op); err != nil {
+		return err
+	}
 	for i, p := range o.params {
 		g := p.Grad()
 		if g == nil {
@@ -172,22 +189,76 @@ func (o *AdamW) Step() error {
 		var err error
 		switch pd := p.Data().LocalData().(type) {
 		case []float32:
-			if st.m == nil {
-				st.m, st.v = make([]float32, len(pd)), make([]float32, len(pd))
-			}
 			err = Update(c, pd, g.LocalData().([]float32), st.m.([]float32), st.v.([]float32))
 		case []float64:
-			if st.m == nil {
-				st.m, st.v = make([]float64, len(pd)), make([]float64, len(pd))
-			}
 			err = Update(c, pd, g.LocalData().([]float64), st.m.([]float64), st.v.([]float64))
+		case device.Buffer:
+			err = pd.Owner().Kernels().AdamW(pd, deviceBlock(g), st.m.(device.Buffer), st.v.(device.Buffer), c.array())
 		}
 		if err != nil {
-			// lineUp checked the blocks' shapes, so this is a bug, not bad
-			// input; earlier parameters are already updated.
+			// lineUp checked the blocks' shapes and devices, so this is a
+			// bug or a closed device, not bad input; earlier parameters
+			// are already updated.
 			return fmt.Errorf("optim: %s: %q: %w", op, p.Name(), err)
 		}
 		st.t++
+	}
+	return nil
+}
+
+// array is c in kernels.AdamW's order.
+func (c AdamWCoeffs) array() [8]float64 {
+	return [8]float64{c.Decay, c.Beta1, c.OneMinusBeta1, c.Beta2, c.OneMinusBeta2, c.SqrtBC2, c.Step, c.Eps}
+}
+
+// allocState makes the zero moments of every parameter that has a
+// gradient and no state yet, where the parameter lives. On an error it
+// frees what it made, so that nothing has changed.
+func (o *AdamW) allocState(op string) error {
+	var made []int
+	for i, p := range o.params {
+		st := &o.state[i]
+		if p.Grad() == nil || st.m != nil {
+			continue
+		}
+		m, err := newState(p.Data(), true)
+		var v any
+		if err == nil {
+			if v, err = newState(p.Data(), true); err != nil {
+				err = errors.Join(err, freeState(m))
+			}
+		}
+		if err != nil {
+			for _, j := range made {
+				err = errors.Join(err, freeState(o.state[j].m), freeState(o.state[j].v))
+				o.state[j].m, o.state[j].v = nil, nil
+			}
+			return fmt.Errorf("optim: %s: the moments of %q on %s: %w", op, p.Name(), p.Data().Device().Name(), err)
+		}
+		st.m, st.v = m, v
+		made = append(made, i)
+	}
+	return nil
+}
+
+// Close frees the moments held in device memory and ends the optimizer:
+// a later Step is an error, StateBytes is 0. Moments of host parameters
+// are left to the garbage collector. Call it when training ends, or
+// before replacing the optimizer, so that a device's allocator gets its
+// memory back. It returns the devices' errors, joined; a second Close
+// does nothing.
+func (o *AdamW) Close() error {
+	if o.closed {
+		return nil
+	}
+	o.closed = true
+	var errs []error
+	for i := range o.state {
+		errs = append(errs, freeState(o.state[i].m), freeState(o.state[i].v))
+		o.state[i] = adamState{}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("optim: AdamW.Close: %w", err)
 	}
 	return nil
 }
@@ -261,12 +332,11 @@ func lineUp(p, g *placement.DTensor) error {
 	if !slices.Equal(p.LocalShape(), g.LocalShape()) {
 		return fmt.Errorf("gradient block %v does not line up with the parameter block %v", g.LocalShape(), p.LocalShape())
 	}
-	switch g.LocalData().(type) {
-	case []float32, []float64:
-	default:
-		return fmt.Errorf("gradient holds %T", g.LocalData())
+	if err := checkBlock(g.LocalData()); err != nil {
+		return fmt.Errorf("gradient holds %w", err)
 	}
-	return nil
+	// An update reads the gradient where the parameter lives.
+	return device.Same("the parameter and its gradient", p.Device(), g.Device())
 }
 
 // StateBytes returns the bytes of optimizer state this rank holds: the two
@@ -275,7 +345,7 @@ func lineUp(p, g *placement.DTensor) error {
 func (o *AdamW) StateBytes() int64 {
 	var n int64
 	for _, st := range o.state {
-		n += sliceBytes(st.m) + sliceBytes(st.v)
+		n += stateBytes(st.m) + stateBytes(st.v)
 	}
 	return n
 }

@@ -2,13 +2,16 @@ package optim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -73,6 +76,16 @@ const clipEps = 1e-6
 // norm; all checks but the last run before any communication,
 // and no gradient changes on an error. Bad arguments wrap ErrInvalid, a
 // non-finite norm ErrNonfinite (a training loop may skip that step).
+//
+// Gradients on a device (all on one: gradients on two devices are an
+// error matching device.ErrMixed and ErrInvalid) are measured there, for
+// the 2-norm by the device's Kernels.SumSquares with the partial sums
+// read back in one copy (other orders copy each block to the host), and
+// the all-reduce is the host one above. They are scaled in place by
+// Kernels.Scale, on the device's compute stream, instead of being
+// replaced by new tensors: a new device block every step would need an
+// owner to free the one it replaces. The norm and the scaled values are
+// those of the host path, bit for bit.
 func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64, opts ...ClipOption) (float64, error) {
 	const what = "ClipGradNorm"
 	cfg, err := newConfig(what, config{normType: 2}, clipOptions, opts)
@@ -87,6 +100,7 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 
 	var (
 		withGrad []*autograd.Value
+		masks    []uint64 // of withGrad's gradients
 		missing  []string
 		m        *mesh.Mesh
 		acc      = map[uint64]float64{} // sharding-axis mask -> local partial
@@ -112,23 +126,16 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 		if err != nil {
 			return 0, fmt.Errorf("optim: ClipGradNorm: %w: the gradient of %q: %w", ErrInvalid, v.Name(), err)
 		}
-		var part float64
-		switch d := g.LocalData().(type) {
-		case []float32:
-			part = localNorm(d, p)
-		case []float64:
-			part = localNorm(d, p)
-		default:
-			return 0, fmt.Errorf("optim: ClipGradNorm: %w: the gradient of %q holds %T; want float32 or float64", ErrInvalid, v.Name(), g.LocalData())
+		if err := checkBlock(g.LocalData()); err != nil {
+			return 0, fmt.Errorf("optim: ClipGradNorm: %w: the gradient of %q holds %w", ErrInvalid, v.Name(), err)
 		}
-		if prev, ok := acc[mask]; !ok {
-			acc[mask] = part
-		} else if inf {
-			acc[mask] = max(prev, part)
-		} else {
-			acc[mask] = prev + part
+		if len(withGrad) > 0 {
+			if err := device.Same("gradients", withGrad[0].Grad().Device(), g.Device()); err != nil {
+				return 0, fmt.Errorf("optim: ClipGradNorm: %w: the gradients of %q and %q: %w", ErrInvalid, withGrad[0].Name(), v.Name(), err)
+			}
 		}
 		withGrad = append(withGrad, v)
+		masks = append(masks, mask)
 	}
 	if err := noGrad(what, missing); err != nil {
 		return 0, err
@@ -136,22 +143,35 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 	if len(withGrad) == 0 {
 		return 0, nil
 	}
+	parts, err := localNorms(withGrad, p)
+	if err != nil {
+		return 0, fmt.Errorf("optim: ClipGradNorm: %w", err)
+	}
+	for i, part := range parts {
+		if prev, ok := acc[masks[i]]; !ok {
+			acc[masks[i]] = part
+		} else if inf {
+			acc[masks[i]] = max(prev, part)
+		} else {
+			acc[masks[i]] = prev + part
+		}
+	}
 
 	op := comm.Sum
 	if inf {
 		op = comm.Max
 	}
-	masks := make([]uint64, 0, len(acc))
+	sets := make([]uint64, 0, len(acc))
 	for k := range acc {
-		masks = append(masks, k)
+		sets = append(sets, k)
 	}
-	slices.Sort(masks)
+	slices.Sort(sets)
 	names := m.Names()
 	var (
 		works []comm.Work
 		recvs [][]float64
 	)
-	for _, mask := range masks {
+	for _, mask := range sets {
 		if mask == 0 {
 			recvs = append(recvs, []float64{acc[mask]})
 			continue
@@ -201,6 +221,9 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 	if coef >= 1 {
 		return norm, nil
 	}
+	if deviceBlock(withGrad[0].Grad()) != nil {
+		return norm, scaleOnDevice(withGrad, coef)
+	}
 	// Scale into new tensors first, then install them all, so that an
 	// error leaves every gradient as it was.
 	scaled := make([]*placement.DTensor, len(withGrad))
@@ -223,6 +246,80 @@ func ClipGradNorm(ctx context.Context, params []*autograd.Value, maxNorm float64
 		}
 	}
 	return norm, nil
+}
+
+// scaleOnDevice multiplies the device gradients of params by coef in
+// place, each buffer once (two leaves given one gradient tensor share its
+// buffer). In place, unlike the host path's new tensors, because a new
+// device block per step would need an owner to free the one it replaces.
+func scaleOnDevice(params []*autograd.Value, coef float64) error {
+	done := map[uintptr]bool{}
+	for _, v := range params {
+		b := deviceBlock(v.Grad())
+		if p := b.Ptr(); p != 0 {
+			if done[p] {
+				continue
+			}
+			done[p] = true
+		}
+		if err := b.Owner().Kernels().Scale(b, b, coef); err != nil {
+			return fmt.Errorf("optim: ClipGradNorm: scaling the gradient of %q on %s: %w", v.Name(), b.Device(), err)
+		}
+	}
+	return nil
+}
+
+// localNorms returns Σ|g|^p (or max|g| for p = +Inf) of each parameter's
+// local gradient block, in float64. Host blocks are measured here; device
+// blocks (all on one device) by its Kernels.SumSquares for p = 2, into
+// one buffer of partial sums read back at once, and for other orders
+// through a copy of each block to the host (the devices have no kernel
+// for them). Either way the sums equal the host path's bit for bit: the
+// same CPU code, or SumSquares's loop, which is localNorm's for p = 2.
+func localNorms(params []*autograd.Value, p float64) ([]float64, error) {
+	parts := make([]float64, len(params))
+	first := deviceBlock(params[0].Grad())
+	if first == nil || p != 2 {
+		for i, v := range params {
+			data := v.Grad().LocalData()
+			if b, ok := data.(device.Buffer); ok {
+				h, err := comm.NewHostBuffer(b.DType(), b.Len())
+				if err == nil {
+					err = b.Owner().CopyToHost(h, b)
+				}
+				if err != nil {
+					return nil, fmt.Errorf("reading the gradient of %q off %s: %w", v.Name(), b.Device(), err)
+				}
+				if h.DType() == comm.Float64 {
+					data = h.Float64s()
+				} else {
+					data = h.Float32s()
+				}
+			}
+			switch d := data.(type) {
+			case []float32:
+				parts[i] = localNorm(d, p)
+			case []float64:
+				parts[i] = localNorm(d, p)
+			}
+		}
+		return parts, nil
+	}
+	dev := first.Owner()
+	buf, err := dev.Alloc(comm.Float64, len(params))
+	if err != nil {
+		return nil, fmt.Errorf("partial sums on %s: %w", dev.Name(), err)
+	}
+	for i, v := range params {
+		if err := dev.Kernels().SumSquares(buf.Slice(i, i+1).(device.Buffer), deviceBlock(v.Grad())); err != nil {
+			return nil, errors.Join(fmt.Errorf("the sum of squares of the gradient of %q on %s: %w", v.Name(), dev.Name(), err), buf.Free())
+		}
+	}
+	h := comm.Host(parts)
+	if err := dev.CopyToHost(h, buf); err != nil {
+		return nil, errors.Join(fmt.Errorf("reading the partial sums off %s: %w", dev.Name(), err), buf.Free())
+	}
+	return parts, buf.Free()
 }
 
 // shardMask returns the set of mesh axes (size > 1) on which s is
@@ -268,9 +365,8 @@ func localNorm[T Float](d []T, p float64) float64 {
 			s = max(s, math.Abs(float64(x)))
 		}
 	case p == 2:
-		for _, x := range d {
-			s += float64(x) * float64(x)
-		}
+		// The devices' Kernels.SumSquares runs this very loop.
+		s = kernels.SumSquares(d)
 	case p == 1:
 		for _, x := range d {
 			s += math.Abs(float64(x))

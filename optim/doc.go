@@ -11,6 +11,11 @@
 // function here that communicates: one all-reduce of a scalar per set of
 // mesh axes that shard gradients.
 //
+// Parameters may live on a device (placement.DTensor.Device): each is
+// updated by its device's Kernels from a gradient on the same device,
+// with its optimizer state allocated there at its first update and freed
+// by the optimizer's Close, and the results are those of the host path.
+//
 // Arguments rejected before anything changed (a bad parameter list,
 // invalid hyper-parameters, an option the optimizer does not take, a
 // parameter without a gradient when AllowFrozen is not given, a gradient

@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 )
 
@@ -139,7 +140,10 @@ func sameBlock(op string, p *autograd.Value, state any) error {
 	if state == nil {
 		return nil
 	}
-	if n, want := sliceBytes(state), sliceBytes(p.Data().LocalData()); n != want {
+	if err := device.Same("optimizer state and parameter", stateDevice(state), p.Data().Device()); err != nil {
+		return fmt.Errorf("optim: %s: %w: %q was moved to another device after the optimizer's first step; make the optimizer after moving parameters: %w", op, ErrInvalid, p.Name(), err)
+	}
+	if n, want := stateBytes(state), stateBytes(p.Data().LocalData()); n != want {
 		return fmt.Errorf("optim: %s: %w: %q was laid out anew after the optimizer's first step (its state has %d bytes, its local block %d); lay parameters out (Parallelize, FSDP) before making the optimizer", op, ErrInvalid, p.Name(), n, want)
 	}
 	return nil

@@ -1,11 +1,14 @@
 package optim
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
+	"github.com/b7ea7098/loom/kernels"
 )
 
 // SGD is stochastic gradient descent over a fixed list of autograd leaves
@@ -34,8 +37,9 @@ type SGD struct {
 	Nesterov, Maximize                   bool
 
 	params []*autograd.Value
-	bufs   []any // momentum buffers: nil, []float32 or []float64
+	bufs   []any // momentum buffers: nil, []float32, []float64 or a device.Buffer
 	frozen bool  // AllowFrozen
+	closed bool  // Close
 }
 
 // sgdOptions are the options NewSGD takes.
@@ -105,8 +109,19 @@ func (o *SGD) HasMomentumBuffer(i int) bool {
 // reduce it first (DDP's all-reduce, FSDP's reduce-scatter). Step checks
 // the hyper-parameters and every parameter before updating any; errors
 // wrap ErrInvalid, and on an error nothing has changed.
+//
+// A parameter on a device is updated by the device's Kernels.SGD from a
+// gradient on the same device (one elsewhere is an error matching
+// device.ErrMixed), with its momentum buffer allocated on that device
+// (an allocation error frees what this Step allocated and changes
+// nothing). The update is queued on the device's compute stream: an error
+// found while it runs is returned by the device's next Synchronize. After
+// Close, Step is an error wrapping ErrInvalid.
 func (o *SGD) Step() error {
 	const op = "SGD.Step"
+	if o.closed {
+		return errClosed(op)
+	}
 	if err := o.check(op); err != nil {
 		return err
 	}
@@ -118,63 +133,89 @@ func (o *SGD) Step() error {
 			return err
 		}
 	}
+	first, err := o.allocBufs(op)
+	if err != nil {
+		return err
+	}
 	for i, p := range o.params {
 		g := p.Grad()
 		if g == nil {
 			continue
 		}
+		s := kernels.SGDStep{
+			LR: o.LR, WeightDecay: o.WeightDecay, Momentum: o.Momentum, Dampening: o.Dampening,
+			Maximize: o.Maximize, Nesterov: o.Nesterov, First: first[i],
+		}
+		var err error
 		switch pd := p.Data().LocalData().(type) {
 		case []float32:
-			o.bufs[i] = sgdUpdate(o, pd, g.LocalData().([]float32), o.bufs[i])
+			buf, _ := o.bufs[i].([]float32)
+			err = kernels.SGD(pd, g.LocalData().([]float32), buf, s)
 		case []float64:
-			o.bufs[i] = sgdUpdate(o, pd, g.LocalData().([]float64), o.bufs[i])
+			buf, _ := o.bufs[i].([]float64)
+			err = kernels.SGD(pd, g.LocalData().([]float64), buf, s)
+		case device.Buffer:
+			buf, _ := o.bufs[i].(device.Buffer)
+			err = pd.Owner().Kernels().SGD(pd, deviceBlock(g), buf, s)
+		}
+		if err != nil {
+			// lineUp checked the blocks' shapes and devices, so this is a
+			// bug or a closed device, not bad input; earlier parameters
+			// are already updated.
+			return fmt.Errorf("optim: %s: %q: %w", op, p.Name(), err)
 		}
 	}
 	return nil
 }
 
-// sgdUpdate applies one SGD step to p with gradient g and returns the
-// momentum buffer (buf is the previous one: nil before the first step, or
-// a []T of len(p)). Every intermediate is rounded to T.
-func sgdUpdate[T Float](c *SGD, p, g []T, buf any) any {
-	n := len(p)
-	g = g[:n]
-	lr, wd, mu, damp := T(c.LR), T(c.WeightDecay), T(c.Momentum), T(1-c.Dampening)
-	var b []T
-	first := false
-	if c.Momentum != 0 {
-		if buf == nil {
-			b, first = make([]T, n), true
-		} else {
-			b = buf.([]T)
-		}
+// allocBufs makes the momentum buffer of every parameter that has a
+// gradient and none yet, where the parameter lives, when Momentum ≠ 0,
+// and reports which parameters got one (their first step with momentum).
+// On an error it frees what it made, so that nothing has changed.
+func (o *SGD) allocBufs(op string) ([]bool, error) {
+	first := make([]bool, len(o.params))
+	if o.Momentum == 0 {
+		return first, nil
 	}
-	for i := range n {
-		d := g[i]
-		if c.Maximize {
-			d = -d
+	for i, p := range o.params {
+		if p.Grad() == nil || o.bufs[i] != nil {
+			continue
 		}
-		if c.WeightDecay != 0 {
-			d = d + T(wd*p[i])
-		}
-		if c.Momentum != 0 {
-			if first {
-				b[i] = d
-			} else {
-				b[i] = T(mu*b[i]) + T(damp*d)
+		b, err := newState(p.Data(), false)
+		if err != nil {
+			for j, made := range first {
+				if made {
+					err = errors.Join(err, freeState(o.bufs[j]))
+					o.bufs[j] = nil
+				}
 			}
-			if c.Nesterov {
-				d = d + T(mu*b[i])
-			} else {
-				d = b[i]
-			}
+			return nil, fmt.Errorf("optim: %s: the momentum buffer of %q on %s: %w", op, p.Name(), p.Data().Device().Name(), err)
 		}
-		p[i] = p[i] - T(lr*d)
+		o.bufs[i], first[i] = b, true
 	}
-	if b == nil {
-		return buf
+	return first, nil
+}
+
+// Close frees the momentum buffers held in device memory and ends the
+// optimizer: a later Step is an error, StateBytes is 0. Buffers of host
+// parameters are left to the garbage collector. Call it when training
+// ends, or before replacing the optimizer, so that a device's allocator
+// gets its memory back. It returns the devices' errors, joined; a second
+// Close does nothing.
+func (o *SGD) Close() error {
+	if o.closed {
+		return nil
 	}
-	return b
+	o.closed = true
+	var errs []error
+	for i, b := range o.bufs {
+		errs = append(errs, freeState(b))
+		o.bufs[i] = nil
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("optim: SGD.Close: %w", err)
+	}
+	return nil
 }
 
 // checkParams validates an optimizer's parameter list: non-nil leaves that
@@ -191,10 +232,8 @@ func checkParams(op string, params []*autograd.Value) error {
 			return fmt.Errorf("optim: %s: %w: %q (parameter %d) is listed twice", op, ErrInvalid, p.Name(), i)
 		}
 		seen[p] = true
-		switch p.Data().LocalData().(type) {
-		case []float32, []float64:
-		default:
-			return fmt.Errorf("optim: %s: %w: %q holds %T; want float32 or float64", op, ErrInvalid, p.Name(), p.Data().LocalData())
+		if err := checkBlock(p.Data().LocalData()); err != nil {
+			return fmt.Errorf("optim: %s: %w: %q holds %w", op, ErrInvalid, p.Name(), err)
 		}
 	}
 	return nil
@@ -206,18 +245,7 @@ func checkParams(op string, params []*autograd.Value) error {
 func (o *SGD) StateBytes() int64 {
 	var n int64
 	for _, b := range o.bufs {
-		n += sliceBytes(b)
+		n += stateBytes(b)
 	}
 	return n
-}
-
-// sliceBytes is the size in bytes of a []float32 or []float64 (0 for nil).
-func sliceBytes(s any) int64 {
-	switch d := s.(type) {
-	case []float32:
-		return 4 * int64(len(d))
-	case []float64:
-		return 8 * int64(len(d))
-	}
-	return 0
 }

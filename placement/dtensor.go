@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/mesh"
 )
@@ -26,7 +27,7 @@ import (
 type DTensor struct {
 	spec  *Spec
 	shape []int // local shape
-	data  any   // []float32 or []float64, row-major over shape
+	data  any   // []float32 or []float64, or a device.Buffer; row-major over shape
 }
 
 // Spec returns the tensor's spec.
@@ -37,7 +38,9 @@ func (t *DTensor) LocalShape() []int { return slices.Clone(t.shape) }
 
 // LocalData returns this rank's block as a []float32 or []float64 in
 // row-major order over LocalShape; it is empty, never nil, for an empty
-// shard. The slice aliases the tensor's memory.
+// shard. The slice aliases the tensor's memory. For a tensor on a device
+// other than the host (Device) it is the device.Buffer that holds the
+// block.
 func (t *DTensor) LocalData() any { return t.data }
 
 // newDTensor wraps a block. An empty block's data is made non-nil (an
@@ -70,6 +73,8 @@ func checkData(op string, data any, dt comm.DType, shape []int, what string) err
 		n = len(d)
 	case nil:
 		return invalidf(op, "nil %s data: want a %v slice of %d elements (shape %v)", what, dt, prod(shape), shape)
+	case device.Buffer:
+		return invalidf(op, "%s data is a buffer on %s: this operation takes host data ([]float32 or []float64); copy it with DTensor.To(device.Host()) or build the tensor with NewLocalOn", what, d.Device())
 	default:
 		return invalidf(op, "%s data is %T, want []float32 or []float64", what, data)
 	}

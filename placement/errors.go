@@ -37,3 +37,8 @@ func unsupportedf(op, format string, args ...any) error {
 func mismatchf(op, format string, args ...any) error {
 	return fmt.Errorf("placement: %s: %w: %s", op, ErrMismatch, fmt.Sprintf(format, args...))
 }
+
+// wrapf returns err for operation op with context, keeping err's chain.
+func wrapf(op string, err error, format string, args ...any) error {
+	return fmt.Errorf("placement: %s: %s: %w", op, fmt.Sprintf(format, args...), err)
+}

@@ -13,6 +13,8 @@ import (
 	"unsafe"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/cuda"
 )
 
 // Store is the part of a key-value store that bootstraps communicators:
@@ -31,7 +33,7 @@ type commConfig struct {
 	opts    comm.Options
 	optsSet bool
 	nccl    Config
-	stream  *Stream
+	stream  *cuda.Stream
 	name    string
 	onSplit func(*Comm) // tests: sees every communicator Split creates
 }
@@ -49,10 +51,11 @@ func WithConfig(cfg Config) Option {
 	return func(c *commConfig) { c.nccl = cfg }
 }
 
-// WithStream makes the communicator issue its work on s, which the caller
-// owns and must keep open until the communicator is closed. Without it
-// each communicator creates a nonblocking stream of its own.
-func WithStream(s *Stream) Option {
+// WithStream makes the communicator issue its work on s, a stream of the
+// communicator's device context, which the caller owns and must keep open
+// until the communicator is closed. Without it each communicator creates
+// a nonblocking stream of its own.
+func WithStream(s *cuda.Stream) Option {
 	return func(c *commConfig) { c.stream = s }
 }
 
@@ -86,16 +89,17 @@ func resolve(opts []Option) (commConfig, error) {
 // Recorder and Close may be used from any goroutine.
 type Comm struct {
 	lib       *Library
-	dev       *Device
+	dev       *cuda.Context
+	devName   string // "cuda:N", the Device() of the buffers it takes unstaged
 	h         uintptr
 	rank      int
 	size      int
 	name      string
 	cfg       commConfig
 	rec       *comm.Recorder
-	stream    *Stream
+	stream    *cuda.Stream
 	ownStream bool
-	barrier   uintptr // one float32 of device memory for Barrier
+	barrier   cuda.Buffer // one float32 of device memory for Barrier
 	store     Store
 	key       string
 	pin       runtime.Pinner
@@ -113,7 +117,8 @@ type Comm struct {
 	batch   []*work // point-to-point work not yet issued to NCCL
 	orphans []*work // failed while device work may still use their memory
 	doomed  []*work // to fail, with their own cause, once the abort is done
-	events  []uintptr
+	events  []*cuda.Event
+	done    *cuda.Event // never recorded: the Event of work with none
 	driving bool
 	closed  bool
 	gone    bool // ncclCommAbort or ncclCommDestroy has freed h
@@ -128,22 +133,29 @@ type Comm struct {
 	stopWatch context.CancelFunc
 }
 
-var _ comm.Communicator = (*Comm)(nil)
+var (
+	_ comm.Communicator = (*Comm)(nil)
+	_ device.StreamComm = (*Comm)(nil)
+	_ device.EventWork  = (*work)(nil)
+)
 
-// NewComm creates rank's member of a communicator of size ranks on dev,
-// bootstrapping through store: rank 0 creates an NCCL unique id and sets
+// NewComm creates rank's member of a communicator of size ranks on dev, a
+// context opened with l.Driver(), bootstrapping through store: rank 0 creates an NCCL unique id and sets
 // it at key+"/id"; the other ranks get it from there. key must be unique
 // to this communicator (a fresh one per job and per communicator).
 // Every rank then runs ncclCommInitRankConfig, which returns once all
 // size ranks have joined, the context ends or the timeout passes. The
 // communicator also watches key+"/abort", so that an Abort on any rank
 // fails the others promptly.
-func NewComm(ctx context.Context, dev *Device, store Store, key string, rank, size int, opts ...Option) (*Comm, error) {
+func (l *Library) NewComm(ctx context.Context, dev *cuda.Context, store Store, key string, rank, size int, opts ...Option) (*Comm, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
 	if dev == nil || store == nil || key == "" {
 		return nil, fmt.Errorf("nccl: %w: NewComm needs a device, a store and a key", comm.ErrInvalid)
+	}
+	if err := l.own(dev); err != nil {
+		return nil, err
 	}
 	if size < 1 || rank < 0 || rank >= size {
 		return nil, fmt.Errorf("nccl: %w: rank %d of %d", comm.ErrInvalid, rank, size)
@@ -154,7 +166,7 @@ func NewComm(ctx context.Context, dev *Device, store Store, key string, rank, si
 	}
 	var id UniqueID
 	if rank == 0 {
-		if id, err = dev.lib.UniqueID(); err != nil {
+		if id, err = l.UniqueID(); err != nil {
 			return nil, fmt.Errorf("nccl: rank 0: %w", err)
 		}
 		if err := store.Set(ctx, key+"/id", id[:]); err != nil {
@@ -175,17 +187,20 @@ func NewComm(ctx context.Context, dev *Device, store Store, key string, rank, si
 	if cfg.name == "" {
 		cfg.name = key
 	}
-	return newFromID(ctx, dev, id, rank, size, cfg, store, key)
+	return l.newFromID(ctx, dev, id, rank, size, cfg, store, key)
 }
 
 // NewCommFromID creates rank's member of a communicator of size ranks on
 // dev from a unique id that the caller distributed itself. See NewComm.
-func NewCommFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int, opts ...Option) (*Comm, error) {
+func (l *Library) NewCommFromID(ctx context.Context, dev *cuda.Context, id UniqueID, rank, size int, opts ...Option) (*Comm, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
 	if dev == nil {
 		return nil, fmt.Errorf("nccl: %w: nil device", comm.ErrInvalid)
+	}
+	if err := l.own(dev); err != nil {
+		return nil, err
 	}
 	if size < 1 || rank < 0 || rank >= size {
 		return nil, fmt.Errorf("nccl: %w: rank %d of %d", comm.ErrInvalid, rank, size)
@@ -197,12 +212,23 @@ func NewCommFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int
 	if cfg.name == "" {
 		cfg.name = "nccl"
 	}
-	return newFromID(ctx, dev, id, rank, size, cfg, nil, "")
+	return l.newFromID(ctx, dev, id, rank, size, cfg, nil, "")
 }
 
-func newFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int, cfg commConfig, store Store, key string) (*Comm, error) {
-	l := dev.lib
-	c := &Comm{lib: l, dev: dev, rank: rank, size: size, name: cfg.name, cfg: cfg, store: store, key: key, failed: make(chan struct{}), abortDone: make(chan struct{})}
+// own checks that dev is a context of l's driver binding and that a
+// WithStream stream is one of dev's.
+func (l *Library) own(dev *cuda.Context) error {
+	if dev.Lib() != l.cu {
+		return fmt.Errorf("nccl: %w: device %d was opened with another *cuda.Lib than the Library's Driver()", comm.ErrInvalid, dev.Ordinal())
+	}
+	return nil
+}
+
+func (l *Library) newFromID(ctx context.Context, dev *cuda.Context, id UniqueID, rank, size int, cfg commConfig, store Store, key string) (*Comm, error) {
+	if cfg.stream != nil && cfg.stream.Context() != dev {
+		return nil, fmt.Errorf("nccl: %w: the WithStream stream is not a stream of device %d's context", comm.ErrInvalid, dev.Ordinal())
+	}
+	c := &Comm{lib: l, dev: dev, devName: deviceName(dev), rank: rank, size: size, name: cfg.name, cfg: cfg, store: store, key: key, failed: make(chan struct{}), abortDone: make(chan struct{})}
 	fail := func(err error) (*Comm, error) {
 		c.pin.Unpin()
 		return nil, fmt.Errorf("nccl: creating communicator %q (rank %d of %d): %w", c.name, rank, size, err)
@@ -213,7 +239,7 @@ func newFromID(ctx context.Context, dev *Device, id UniqueID, rank, size int, cf
 	}
 	c.pin.Pin(&raw[0])
 	var rc int32
-	err = dev.run(func() error {
+	err = dev.Run(func() error {
 		rc = l.initRank(&c.h, int32(size), &id, int32(rank), unsafe.Pointer(&raw[0]))
 		return nil
 	})
@@ -262,9 +288,7 @@ func (c *Comm) setup() error {
 		if c.ownStream {
 			errs = append(errs, c.stream.Close())
 		}
-		if c.barrier != 0 {
-			errs = append(errs, c.dev.cuda("cuMemFree_v2", func() int32 { return l.cu.memFree(c.barrier) }))
-		}
+		errs = append(errs, c.dev.Free(c.barrier), c.done.Close())
 		return errors.Join(errs...)
 	}
 	if rc := l.nc.commCount(c.h, &n); rc != 0 {
@@ -286,7 +310,12 @@ func (c *Comm) setup() error {
 		}
 		c.stream, c.ownStream = s, true
 	}
-	if err := c.dev.cuda("cuMemAlloc_v2", func() int32 { return l.cu.memAlloc(&c.barrier, 4) }); err != nil {
+	b, err := c.dev.Alloc(4)
+	if err != nil {
+		return bad(err)
+	}
+	c.barrier = b
+	if c.done, err = c.dev.NewEvent(false); err != nil {
 		return bad(err)
 	}
 	if c.store != nil {
@@ -315,14 +344,18 @@ func (c *Comm) Name() string { return c.name }
 // Options returns the communicator's options, defaults filled in.
 func (c *Comm) Options() comm.Options { return c.cfg.opts }
 
-// Device returns the device the communicator runs on.
-func (c *Comm) Device() *Device { return c.dev }
+// Device returns the device context the communicator runs on.
+func (c *Comm) Device() *cuda.Context { return c.dev }
 
 // Stream returns the stream the communicator issues its work on. Device
 // buffers are read and written in that stream's order: work the caller
-// enqueued elsewhere must be ordered before (Stream.WaitEvent) or
-// complete.
-func (c *Comm) Stream() *Stream { return c.stream }
+// enqueued elsewhere must be ordered before (Stream.WaitEvent, or
+// device.BeforeCollective) or complete.
+func (c *Comm) Stream() *cuda.Stream { return c.stream }
+
+// CommStream implements device.StreamComm: the stream of Stream, on which
+// device.BeforeCollective orders the communicator's work after compute.
+func (c *Comm) CommStream() device.Stream { return c.stream }
 
 // Handle returns the ncclComm_t, for calls this package does not wrap.
 // It is invalid after Abort or Close.
@@ -451,7 +484,7 @@ func (c *Comm) ncclAbort() {
 	// Nothing is left to report to: the communicator is failed already, its
 	// cause recorded, and ncclCommAbort frees it whatever it returns. If the
 	// device is closed, NCCL's resources went with the context.
-	_ = c.dev.run(func() error {
+	_ = c.dev.Run(func() error {
 		c.lib.nc.commAbort(c.h)
 		return nil
 	})
@@ -536,7 +569,7 @@ func (c *Comm) finalize() error {
 	l := c.lib
 	// The device's run error matters here: with the device closed or its
 	// context lost, NCCL was never called and its result code means nothing.
-	err := c.dev.run(func() error {
+	err := c.dev.Run(func() error {
 		if rc := l.nc.commFinalize(c.h); rc != int32(Success) && rc != int32(InProgress) {
 			return l.ncclError("ncclCommFinalize", rc, c.h)
 		}
@@ -548,14 +581,14 @@ func (c *Comm) finalize() error {
 		err = settle(context.Background(), l, c.h, "ncclCommFinalize", time.Now().Add(c.cfg.opts.Timeout), c.Err)
 	}
 	if err != nil {
-		return errors.Join(err, c.dev.run(func() error {
+		return errors.Join(err, c.dev.Run(func() error {
 			if rc := l.nc.commAbort(c.h); rc != int32(Success) {
 				return l.ncclError("ncclCommAbort", rc, 0)
 			}
 			return nil
 		}))
 	}
-	return c.dev.run(func() error {
+	return c.dev.Run(func() error {
 		if rc := l.nc.commDestroy(c.h); rc != int32(Success) {
 			return l.ncclError("ncclCommDestroy", rc, 0)
 		}
@@ -569,8 +602,8 @@ func (c *Comm) releaseLocked() error {
 	var errs []error
 	kept := c.orphans[:0]
 	for _, w := range c.orphans {
-		if w.event != 0 {
-			if done, err := query(c.dev, "cuEventQuery", func() int32 { return c.lib.cu.eventQuery(w.event) }); err != nil || !done {
+		if w.event != nil {
+			if done, err := w.event.Query(); err != nil || !done {
 				kept = append(kept, w) // the device may still use its memory: leak it
 				continue
 			}
@@ -579,14 +612,11 @@ func (c *Comm) releaseLocked() error {
 	}
 	c.orphans = kept
 	for _, e := range c.events {
-		ev := e
-		errs = append(errs, c.dev.cuda("cuEventDestroy_v2", func() int32 { return c.lib.cu.eventDestroy(ev) }))
+		errs = append(errs, e.Close())
 	}
 	c.events = nil
-	if c.barrier != 0 {
-		errs = append(errs, c.dev.cuda("cuMemFree_v2", func() int32 { return c.lib.cu.memFree(c.barrier) }))
-		c.barrier = 0
-	}
+	errs = append(errs, c.dev.Free(c.barrier), c.done.Close())
+	c.barrier = cuda.Buffer{}
 	if c.ownStream {
 		errs = append(errs, c.stream.Close())
 	}
@@ -660,7 +690,7 @@ func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 	}
 	var newh uintptr
 	var rc int32
-	if err := c.dev.run(func() error { rc = c.lib.nc.commSplit(c.h, ncolor, int32(key), &newh, nil); return nil }); err != nil {
+	if err := c.dev.Run(func() error { rc = c.lib.nc.commSplit(c.h, ncolor, int32(key), &newh, nil); return nil }); err != nil {
 		return fail(err)
 	}
 	deadline := time.Now().Add(c.cfg.opts.Timeout)
@@ -677,7 +707,7 @@ func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 	if err != nil {
 		if newh != 0 {
 			// Freeing the half-made child cannot change the error returned.
-			_ = c.dev.run(func() error { c.lib.nc.commAbort(newh); return nil })
+			_ = c.dev.Run(func() error { c.lib.nc.commAbort(newh); return nil })
 		}
 		c.abort(&comm.AbortError{Rank: c.rank, Cause: c.wrap(comm.OpSplit, seq, -1, err)}, true, true)
 		return fail(err)
@@ -687,7 +717,7 @@ func (c *Comm) split(ctx context.Context, color, key int) (*Comm, error) {
 		return nil, nil
 	}
 	suffix := fmt.Sprintf("/split%d.c%d", seq, color)
-	nc := &Comm{lib: c.lib, dev: c.dev, h: newh, name: c.name + suffix, cfg: c.cfg, failed: make(chan struct{}), abortDone: make(chan struct{})}
+	nc := &Comm{lib: c.lib, dev: c.dev, devName: c.devName, h: newh, name: c.name + suffix, cfg: c.cfg, failed: make(chan struct{}), abortDone: make(chan struct{})}
 	if c.store != nil {
 		nc.store, nc.key = c.store, c.key+suffix
 	}

@@ -9,37 +9,6 @@ import (
 	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
-// symbols lists the CUDA driver entry points to bind into f.
-func (f *cudaFns) symbols() []dynlib.Symbol {
-	return []dynlib.Symbol{
-		{Name: "cuInit", Fn: &f.init},
-		{Name: "cuDriverGetVersion", Fn: &f.driverGetVersion},
-		{Name: "cuDeviceGetCount", Fn: &f.deviceGetCount},
-		{Name: "cuDeviceGet", Fn: &f.deviceGet},
-		{Name: "cuDevicePrimaryCtxRetain", Fn: &f.devicePrimaryCtxRetain},
-		{Name: "cuDevicePrimaryCtxRelease_v2", Fn: &f.devicePrimaryCtxRelease},
-		{Name: "cuCtxSetCurrent", Fn: &f.ctxSetCurrent},
-		{Name: "cuCtxSynchronize", Fn: &f.ctxSynchronize},
-		{Name: "cuStreamCreate", Fn: &f.streamCreate},
-		{Name: "cuStreamDestroy_v2", Fn: &f.streamDestroy},
-		{Name: "cuStreamSynchronize", Fn: &f.streamSynchronize},
-		{Name: "cuStreamQuery", Fn: &f.streamQuery},
-		{Name: "cuStreamWaitEvent", Fn: &f.streamWaitEvent},
-		{Name: "cuEventCreate", Fn: &f.eventCreate},
-		{Name: "cuEventRecord", Fn: &f.eventRecord},
-		{Name: "cuEventQuery", Fn: &f.eventQuery},
-		{Name: "cuEventSynchronize", Fn: &f.eventSynchronize},
-		{Name: "cuEventDestroy_v2", Fn: &f.eventDestroy},
-		{Name: "cuMemAlloc_v2", Fn: &f.memAlloc},
-		{Name: "cuMemFree_v2", Fn: &f.memFree},
-		{Name: "cuMemcpyHtoD_v2", Fn: &f.memcpyHtoD},
-		{Name: "cuMemcpyDtoH_v2", Fn: &f.memcpyDtoH},
-		{Name: "cuDeviceGetPCIBusId", Fn: &f.deviceGetPCIBusID, Optional: true},
-		{Name: "cuGetErrorName", Fn: &f.getErrorName},
-		{Name: "cuGetErrorString", Fn: &f.getErrorString},
-	}
-}
-
 // symbols lists the NCCL entry points to bind into f.
 func (f *ncclFns) symbols() []dynlib.Symbol {
 	return []dynlib.Symbol{
@@ -71,28 +40,18 @@ func (f *ncclFns) symbols() []dynlib.Symbol {
 	}
 }
 
-// open dlopens the CUDA driver and NCCL (RTLD_NOW | RTLD_LOCAL; never
-// closed) and binds their entry points.
-func open(cfg loadConfig) (*Library, error) {
-	ncclSpec, cudaSpec := cfg.specs()
-	if cudaSpec.Off() || ncclSpec.Off() {
-		lib := "cuda"
-		if ncclSpec.Off() {
-			lib = "nccl"
-		}
-		return nil, &LoadError{Library: lib, Reason: "disabled (" + Off + ")"}
+// open dlopens NCCL (RTLD_NOW | RTLD_LOCAL; never closed) and binds its
+// entry points; tried are the driver's attempts, listed first.
+func open(cfg loadConfig, tried []Attempt) (*Library, error) {
+	spec := cfg.ncclSpec()
+	if spec.Off() {
+		return nil, &LoadError{Library: "nccl", Reason: "disabled (" + NCCLEnv + " or WithNCCL is " + Off + ")"}
 	}
-	l := &Library{}
-	cu, cuLib, tried, err := dynlib.First(cudaSpec.Search("cuda", "libcuda.so.1", "libcuda.so"), dynlib.BindNew((*cudaFns).symbols))
-	l.tried = append(l.tried, dynlib.AttemptsAs[Attempt](tried)...)
+	l := &Library{tried: tried}
+	nc, ncLib, ncTried, err := dynlib.First(spec.Search("nccl", "libnccl.so.2", "libnccl.so"), dynlib.BindNew((*ncclFns).symbols))
+	l.tried = append(l.tried, dynlib.AttemptsAs[Attempt](ncTried)...)
 	if err != nil {
-		return nil, &LoadError{Library: "cuda", Reason: "no usable CUDA driver library", Tried: l.tried}
-	}
-	l.cu, l.cudaPath = *cu, cuLib.Path("cuInit")
-	nc, ncLib, tried, err := dynlib.First(ncclSpec.Search("nccl", "libnccl.so.2", "libnccl.so"), dynlib.BindNew((*ncclFns).symbols))
-	l.tried = append(l.tried, dynlib.AttemptsAs[Attempt](tried)...)
-	if err != nil {
-		return nil, &LoadError{Library: "nccl", Reason: "no usable NCCL library", Tried: l.tried}
+		return nil, &LoadError{Library: "nccl", Reason: "no usable NCCL library", Env: NCCLEnv, Tried: l.tried}
 	}
 	l.nc, l.ncclPath = *nc, ncLib.Path("ncclGetVersion")
 	init, via, err := initRankFor(&l.nc, cfg.initVia)

@@ -6,6 +6,6 @@ import "runtime"
 
 // open fails: this package loads NCCL with purego on Linux amd64 and
 // arm64 only.
-func open(cfg loadConfig) (*Library, error) {
-	return nil, &LoadError{Library: "nccl", Reason: "no NCCL loader for " + runtime.GOOS + "/" + runtime.GOARCH}
+func open(cfg loadConfig, tried []Attempt) (*Library, error) {
+	return nil, &LoadError{Library: "nccl", Reason: "no NCCL loader for " + runtime.GOOS + "/" + runtime.GOARCH, Tried: tried}
 }

@@ -1,19 +1,19 @@
-// Package nccl is loom's GPU backend: a comm.Communicator on NCCL, with
-// CUDA streams, events and device memory through the CUDA driver API.
-// Both libraries are loaded at run time (libnccl.so.2 and libcuda.so.1,
-// with github.com/ebitengine/purego): the package needs no CUDA headers
-// and no cgo, builds everywhere, and its tests skip where the libraries
-// are missing. Load fails with an error matching ErrUnavailable there (and
-// on every platform but Linux amd64 and arm64).
+// Package nccl is loom's GPU backend: a comm.Communicator on NCCL. NCCL is
+// loaded at run time (libnccl.so.2, with github.com/ebitengine/purego);
+// the CUDA driver, device contexts, streams, events and device memory come
+// from package device/cuda, the process's one binding of the driver, which
+// compute uses too. The package needs no CUDA headers and no cgo, builds
+// everywhere, and its tests skip where the libraries are missing. Load
+// fails with an error matching ErrUnavailable there (and on every platform
+// but Linux amd64 and arm64).
 //
-//	lib, err := nccl.Load()                 // or nccl.WithNCCL(path), LOOM_NCCL
-//	dev, err := lib.OpenDevice(localRank)   // retains the primary context
+//	lib, err := nccl.Load()                  // or WithNCCL(path), LOOM_NCCL; WithDriverLib(cudaLib)
+//	dev, err := lib.Driver().Open(localRank) // a *cuda.Context: the primary context
 //	store, err := rendezvous.DialEnv(ctx)
-//	c, err := nccl.NewComm(ctx, dev, store, "job42/world", rank, size)
-//	x, err := dev.Upload(comm.Host(values)) // or pass host buffers directly
-//	err = comm.AllReduce(ctx, c, x, x, comm.Sum)
+//	c, err := lib.NewComm(ctx, dev, store, "job42/world", rank, size)
+//	err = comm.AllReduce(ctx, c, x, x, comm.Sum) // x: a host buffer, or a device buffer on dev
 //	...
-//	c.Close(); x.Free(); dev.Close()
+//	c.Close(); dev.Close()
 //
 // # Creating communicators
 //
@@ -111,23 +111,33 @@
 // ncclCommAbort from another thread, NCCL's documented way.
 //
 // NCCL errors are *NCCLError (the call, its ncclResult_t as a Result, and
-// NCCL's last error text); driver errors are *CUDAError (the entry point,
-// its CUresult as a CUDAResult, the driver's name and description). Both
-// match their code with errors.Is; ncclInvalidArgument and
-// ncclInvalidUsage also match comm.ErrInvalid, ncclTimeout comm.ErrTimeout.
+// NCCL's last error text), which match their code with errors.Is;
+// ncclInvalidArgument and ncclInvalidUsage also match comm.ErrInvalid,
+// ncclTimeout comm.ErrTimeout. Driver errors are device/cuda's *cuda.Error
+// (the entry point, its CUresult as Code, the driver's name and
+// description).
 //
 // # Buffers
 //
-// Calls take *DeviceBuffer (device memory of the communicator's device)
-// and *comm.HostBuffer. Host buffers are staged: each distinct host span
-// is copied into device memory allocated for the call before it is
-// enqueued, and results are copied back and the memory freed when the
-// Work completes; NCCL's in-place forms (comm.InPlaceRule) map to one
-// allocation with the inner buffer at its offset. Any other overlap of
-// send and recv is rejected. Device buffers are used in place; the caller
-// orders its own work on them against Comm.Stream (Stream.WaitEvent), or
-// issues the communicator's work on its own stream (WithStream).
-// Collectives that move no data on any rank (count 0) skip NCCL.
+// Calls take *comm.HostBuffer and device buffers of the communicator's
+// device: any comm.Buffer with a device address (a Ptr() uintptr method,
+// as device.Buffer has) whose Device() is the communicator's "cuda:N".
+// Device buffers are given to NCCL where they are, unstaged; a buffer of
+// another GPU is rejected with comm.ErrInvalid, and one of any other
+// device (the emulated device's host-backed buffers among them) or type
+// with comm.ErrUnsupported, both naming the device and before any data
+// moves. Host buffers are staged: each distinct host span is copied into
+// device memory allocated for the call before it is enqueued, and results
+// are copied back and the memory freed when the Work completes; NCCL's
+// in-place forms (comm.InPlaceRule) map to one allocation with the inner
+// buffer at its offset. Any other overlap of send and recv is rejected.
+// The caller orders its own work on device buffers against Comm.Stream:
+// device.BeforeCollective makes it wait for the compute stream (Comm
+// implements device.StreamComm) and device.AfterCollective makes compute
+// wait for the Work's event (the Work implements device.EventWork), both
+// without blocking the host; or it issues the communicator's work on its
+// own stream (WithStream). Collectives that move no data on any rank
+// (count 0) skip NCCL.
 //
 // # Operations
 //
@@ -166,13 +176,16 @@
 // issued from one goroutine at a time; Wait, Done, Abort, Err and Close may
 // be used from any. Close finalises and destroys the communicator (or
 // leaves it to ncclCommAbort's cleanup), its stream and pooled events;
-// Close communicators, then free buffers, then close the Device. Library
-// handles are values the caller owns: nothing here is global.
+// Close communicators, then free buffers, then close the device's
+// *cuda.Context. Library handles are values the caller owns: nothing here
+// is global.
 //
 // # Tests
 //
 // The tests build testdata/fakenccl.c with gcc into a temporary folder and
-// load it as both libraries: a fake that records every call's arguments,
+// load it as both libraries (the driver through device/cuda, whose symbols
+// it exports, those NCCL's use does not need as CUDA_ERROR_NOT_SUPPORTED
+// stubs): a fake that records every call's arguments,
 // keeps "device memory" on the host, runs multi-rank communicators in one
 // process and models nonblocking settling and asynchronous errors. They
 // check the marshalling of every call, the config bytes of every release

@@ -95,59 +95,6 @@ func (e *NCCLError) Unwrap() []error {
 	return out
 }
 
-// CUDAResult is a CUresult of the CUDA driver API. It implements error,
-// so errors.Is(err, nccl.CUDAResult(700)) tests for a particular code.
-type CUDAResult int32
-
-// The CUresult values this package reacts to (cuda.h).
-const (
-	CUDASuccess        CUDAResult = 0
-	CUDAInvalidValue   CUDAResult = 1
-	CUDAOutOfMemory    CUDAResult = 2
-	CUDANotInitialized CUDAResult = 3
-	CUDANoDevice       CUDAResult = 100
-	CUDAInvalidDevice  CUDAResult = 101
-	CUDAInvalidContext CUDAResult = 201
-	CUDAInvalidHandle  CUDAResult = 400
-	CUDANotReady       CUDAResult = 600
-	CUDAIllegalAddress CUDAResult = 700
-	CUDALaunchFailed   CUDAResult = 719
-	CUDAUnknown        CUDAResult = 999
-)
-
-// Error implements error: "CUresult(N)"; CUDAError carries the driver's
-// own name and description.
-func (r CUDAResult) Error() string { return fmt.Sprintf("CUresult(%d)", int32(r)) }
-
-// Sticky reports whether the error leaves the CUDA context unusable
-// (an illegal address or a failed launch): the process must be restarted.
-func (r CUDAResult) Sticky() bool { return r == CUDAIllegalAddress || r == CUDALaunchFailed }
-
-// CUDAError is a failed CUDA driver call: the entry point, its CUresult
-// and the driver's name and description of it (cuGetErrorName,
-// cuGetErrorString). It matches (errors.Is) its CUDAResult.
-type CUDAError struct {
-	Call string // "cuMemAlloc_v2", ...
-	Code CUDAResult
-	Name string // "CUDA_ERROR_OUT_OF_MEMORY"
-	Msg  string // "out of memory"
-}
-
-// Error implements error.
-func (e *CUDAError) Error() string {
-	name := e.Name
-	if name == "" {
-		name = fmt.Sprintf("CUresult %d", int32(e.Code))
-	}
-	if e.Msg != "" && e.Msg != e.Name {
-		return fmt.Sprintf("%s: %s (%s)", e.Call, name, e.Msg)
-	}
-	return fmt.Sprintf("%s: %s", e.Call, name)
-}
-
-// Unwrap returns the CUDAResult.
-func (e *CUDAError) Unwrap() error { return e.Code }
-
 // Attempt is one library Load tried.
 type Attempt struct {
 	Library string // "nccl" or "cuda"
@@ -164,14 +111,20 @@ func (a Attempt) String() string { return dynlib.Attempt(a).String() }
 type LoadError struct {
 	Library string // "nccl" or "cuda"
 	Reason  string
-	Tried   []Attempt
-	Err     error // an underlying error (cuInit's), or nil
+	// Env is the environment variable that points to another copy of the
+	// library (LOOM_NCCL, LOOM_CUDA_DRIVER), when one would help.
+	Env   string
+	Tried []Attempt
+	Err   error // an underlying error (cuInit's), or nil
 }
 
 // Error implements error.
 func (e *LoadError) Error() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "nccl: %s: %s", e.Library, e.Reason)
+	if e.Env != "" {
+		fmt.Fprintf(&b, "; set %s to the path of another copy", e.Env)
+	}
 	for _, a := range e.Tried {
 		fmt.Fprintf(&b, "\n\t%v", a)
 	}

@@ -12,8 +12,10 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"unsafe"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device/cuda"
 	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
@@ -171,7 +173,7 @@ func (f *fake) noLeaks(t *testing.T, before map[string]int32) {
 	}
 }
 
-// load loads the fake as both libraries.
+// load loads the fake as both libraries, the driver through device/cuda.
 func (f *fake) load(t *testing.T, opts ...LoadOption) *Library {
 	t.Helper()
 	l, err := Load(append([]LoadOption{WithNCCL(f.path), WithCUDA(f.path)}, opts...)...)
@@ -190,7 +192,7 @@ func ptr(p uintptr) string { return fmt.Sprintf("0x%x", p) }
 // world is p ranks of one communicator on the fake, one device each.
 type world struct {
 	lib   *Library
-	devs  []*Device
+	devs  []*cuda.Context
 	comms []*Comm
 }
 
@@ -206,7 +208,7 @@ func newWorld(t *testing.T, l *Library, p int, opts ...Option) *world {
 }
 
 func startWorld(ctx context.Context, l *Library, p int, opts ...Option) (*world, error) {
-	w := &world{lib: l, devs: make([]*Device, p), comms: make([]*Comm, p)}
+	w := &world{lib: l, devs: make([]*cuda.Context, p), comms: make([]*Comm, p)}
 	id, err := l.UniqueID()
 	if err != nil {
 		return nil, err
@@ -218,13 +220,13 @@ func startWorld(ctx context.Context, l *Library, p int, opts ...Option) (*world,
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			d, err := l.OpenDevice(r)
+			d, err := l.Driver().Open(r)
 			if err != nil {
 				errs[r] = err
 				return
 			}
 			w.devs[r] = d
-			w.comms[r], errs[r] = NewCommFromID(ctx, d, id, r, p, opts...)
+			w.comms[r], errs[r] = l.NewCommFromID(ctx, d, id, r, p, opts...)
 		}()
 	}
 	wg.Wait()
@@ -263,4 +265,111 @@ func (w *world) close() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// devBuf is a typed span of device memory, as device/cuda's device buffers
+// present themselves to the communicator: a comm.Buffer with a device
+// address (Ptr) on "cuda:N". Slices share the allocation; the buffer
+// allocDev returns owns it.
+type devBuf struct {
+	ctx   *cuda.Context
+	dt    comm.DType
+	alloc cuda.Buffer // zero in slices
+	ptr   uintptr
+	n     int
+}
+
+// allocDev allocates n elements of dt on ctx.
+func allocDev(ctx *cuda.Context, dt comm.DType, n int) (*devBuf, error) {
+	a, err := ctx.Alloc(n * dt.Size())
+	if err != nil {
+		return nil, err
+	}
+	return &devBuf{ctx: ctx, dt: dt, alloc: a, ptr: uintptr(a.Ptr), n: n}, nil
+}
+
+// upload allocates a buffer like h on ctx and copies h into it.
+func upload(ctx *cuda.Context, h *comm.HostBuffer) (*devBuf, error) {
+	b, err := allocDev(ctx, h.DType(), h.Len())
+	if err != nil {
+		return nil, err
+	}
+	if err := b.copyFromHost(h); err != nil {
+		return nil, errors.Join(err, b.Free())
+	}
+	return b, nil
+}
+
+func (b *devBuf) DType() comm.DType { return b.dt }
+func (b *devBuf) Len() int          { return b.n }
+func (b *devBuf) Device() string    { return fmt.Sprintf("cuda:%d", b.ctx.Ordinal()) }
+func (b *devBuf) Ptr() uintptr      { return b.ptr }
+
+func (b *devBuf) Slice(lo, hi int) comm.Buffer { return b.slice(lo, hi) }
+
+func (b *devBuf) slice(lo, hi int) *devBuf {
+	if lo < 0 || hi < lo || hi > b.n {
+		panic(fmt.Sprintf("slice [%d:%d] of %d elements", lo, hi, b.n))
+	}
+	return &devBuf{ctx: b.ctx, dt: b.dt, ptr: b.ptr + uintptr(lo*b.dt.Size()), n: hi - lo}
+}
+
+// span is the buffer's memory as device/cuda addresses it.
+func (b *devBuf) span() cuda.Buffer {
+	return cuda.Buffer{Ptr: cuda.DevicePtr(b.ptr), Bytes: b.n * b.dt.Size()}
+}
+
+// Free releases the allocation (a no-op on a slice or a freed buffer).
+func (b *devBuf) Free() error {
+	a := b.alloc
+	b.alloc = cuda.Buffer{}
+	return b.ctx.Free(a)
+}
+
+func (b *devBuf) copyFromHost(h *comm.HostBuffer) error {
+	return cuda.CopyToDevice(b.ctx, b.span(), h.Bytes())
+}
+
+// download copies the buffer into a new host buffer.
+func (b *devBuf) download() (*comm.HostBuffer, error) {
+	h, err := comm.NewHostBuffer(b.dt, b.n)
+	if err != nil {
+		return nil, err
+	}
+	return h, cuda.CopyFromDevice(b.ctx, h.Bytes(), b.span())
+}
+
+// goString copies a NUL-terminated C string (at most 4 KiB of it).
+func goString(p *byte) string {
+	if p == nil {
+		return ""
+	}
+	var b []byte
+	for i := 0; i < 4096; i++ {
+		c := *(*byte)(unsafe.Add(unsafe.Pointer(p), i))
+		if c == 0 {
+			break
+		}
+		b = append(b, c)
+	}
+	return string(b)
+}
+
+// cuCode returns the CUresult of the *cuda.Error in err's chain, 0 if none.
+func cuCode(err error) int {
+	var e *cuda.Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return 0
+}
+
+// noDriver returns a *cuda.Lib loaded without the driver.
+func noDriver(t *testing.T) *cuda.Lib {
+	t.Helper()
+	l, err := cuda.Load(cuda.WithDriver(cuda.Off), cuda.WithNVRTC(cuda.Off))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
 }

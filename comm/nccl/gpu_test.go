@@ -17,6 +17,8 @@ import (
 	"github.com/b7ea7098/loom/comm/commtest"
 	"github.com/b7ea7098/loom/comm/nccl/topology"
 	"github.com/b7ea7098/loom/comm/rendezvous"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/cuda"
 )
 
 // The TestGPU* tests run on the real NCCL and CUDA driver (found as Load
@@ -59,9 +61,9 @@ func gpuLib(t *testing.T) *Library {
 
 // gpuDevice opens a device that is closed when the test ends, after
 // whatever the test registers later (communicators on it).
-func gpuDevice(t *testing.T, l *Library, ordinal int) *Device {
+func gpuDevice(t *testing.T, l *Library, ordinal int) *cuda.Context {
 	t.Helper()
-	d, err := l.OpenDevice(ordinal)
+	d, err := l.Driver().Open(ordinal)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,19 +105,19 @@ func TestGPUDeviceMemory(t *testing.T) {
 	l := gpuLib(t)
 	d := gpuDevice(t, l, 0)
 	src := commtest.Fill(comm.Float32, 1<<20+3, 1, 0, commtest.Mixed)
-	b, err := d.Upload(src)
+	b, err := upload(d, src)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer b.Free()
-	got, err := b.Download()
+	got, err := b.download()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got.Bytes(), src.Bytes()) {
 		t.Error("round trip through device memory changed the data")
 	}
-	part, err := b.SliceDevice(5, 9).Download()
+	part, err := b.slice(5, 9).download()
 	if err != nil || !bytes.Equal(part.Bytes(), src.SliceHost(5, 9).Bytes()) {
 		t.Errorf("slice download: %v", err)
 	}
@@ -124,7 +126,7 @@ func TestGPUDeviceMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	e, err := d.NewEvent()
+	e, err := d.NewEvent(false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,9 +143,8 @@ func TestGPUDeviceMemory(t *testing.T) {
 	if done, err := s.Query(); !done || err != nil {
 		t.Errorf("stream query: %v %v", done, err)
 	}
-	bad := &DeviceBuffer{dev: d, dtype: comm.Float32, ptr: 0x10, n: 4}
-	var ce *CUDAError
-	if err := bad.CopyFromHost(comm.Host([]float32{1, 2, 3, 4})); !errors.As(err, &ce) {
+	bad := &devBuf{ctx: d, dt: comm.Float32, ptr: 0x10, n: 4}
+	if err := bad.copyFromHost(comm.Host([]float32{1, 2, 3, 4})); cuCode(err) == 0 {
 		t.Errorf("copy to a bad address: %v, want a CUDA error", err)
 	} else {
 		t.Logf("copy to a bad address: %v", err)
@@ -152,7 +153,7 @@ func TestGPUDeviceMemory(t *testing.T) {
 
 // gpuStoreComm creates a one-rank communicator through a rendezvous store
 // on localhost.
-func gpuStoreComm(t *testing.T, d *Device, name string, opts ...Option) *Comm {
+func gpuStoreComm(t *testing.T, l *Library, d *cuda.Context, name string, opts ...Option) *Comm {
 	t.Helper()
 	ctx := context.Background()
 	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0")
@@ -166,7 +167,7 @@ func gpuStoreComm(t *testing.T, d *Device, name string, opts ...Option) *Comm {
 	}
 	t.Cleanup(func() { cl.Close() })
 	opts = append([]Option{WithOptions(comm.Options{Timeout: 2 * time.Minute})}, opts...)
-	c, err := NewComm(ctx, d, cl, name, 0, 1, opts...)
+	c, err := l.NewComm(ctx, d, cl, name, 0, 1, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -185,22 +186,22 @@ func gpuStoreComm(t *testing.T, d *Device, name string, opts ...Option) *Comm {
 func TestGPUCollectivesSize1(t *testing.T) {
 	l := gpuLib(t)
 	d := gpuDevice(t, l, 0)
-	c := gpuStoreComm(t, d, "gpu/size1")
+	c := gpuStoreComm(t, l, d, "gpu/size1")
 	ctx := context.Background()
 	const n = 1031
 	for _, dt := range comm.AllDTypes() {
 		in := commtest.Fill(dt, n, uint64(dt), 0, commtest.Mixed)
-		src, err := d.Upload(in)
+		src, err := upload(d, in)
 		if err != nil {
 			t.Fatal(err)
 		}
-		dst, err := d.Alloc(dt, n)
+		dst, err := allocDev(d, dt, n)
 		if err != nil {
 			t.Fatal(err)
 		}
-		check := func(what string, b *DeviceBuffer) {
+		check := func(what string, b *devBuf) {
 			t.Helper()
-			got, err := b.Download()
+			got, err := b.download()
 			if err != nil {
 				t.Fatalf("%v %s: %v", dt, what, err)
 			}
@@ -209,7 +210,7 @@ func TestGPUCollectivesSize1(t *testing.T) {
 			}
 		}
 		reset := func() {
-			if err := dst.CopyFromHost(commtest.Fill(dt, n, 99, 0, commtest.Mixed)); err != nil {
+			if err := dst.copyFromHost(commtest.Fill(dt, n, 99, 0, commtest.Mixed)); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -249,7 +250,7 @@ func TestGPUCollectivesSize1(t *testing.T) {
 			check(call.name, dst)
 		}
 		// In place: the result must be the input again.
-		inPlace, err := d.Upload(in)
+		inPlace, err := upload(d, in)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -265,10 +266,10 @@ func TestGPUCollectivesSize1(t *testing.T) {
 			check(call.Op.String()+" in place", inPlace)
 		}
 		// Async, back to back, then wait for all.
-		outs := make([]*DeviceBuffer, 4)
+		outs := make([]*devBuf, 4)
 		var works []comm.Work
 		for i := range outs {
-			if outs[i], err = d.Alloc(dt, n); err != nil {
+			if outs[i], err = allocDev(d, dt, n); err != nil {
 				t.Fatal(err)
 			}
 			wk, err := comm.AllGatherAsync(ctx, c, src, outs[i])
@@ -293,7 +294,7 @@ func TestGPUCollectivesSize1(t *testing.T) {
 			check(fmt.Sprintf("async allgather %d", i), o)
 			o.Free()
 		}
-		for _, b := range []*DeviceBuffer{src, dst, inPlace} {
+		for _, b := range []*devBuf{src, dst, inPlace} {
 			if err := b.Free(); err != nil {
 				t.Fatal(err)
 			}
@@ -304,6 +305,96 @@ func TestGPUCollectivesSize1(t *testing.T) {
 	}
 	if n := len(c.Recorder().Entries()); n == 0 {
 		t.Error("the flight recorder is empty")
+	}
+}
+
+// TestGPUDeviceOrder: device code's ordering of a collective on device
+// buffers, with no host wait between compute and communication. Compute
+// is kept busy by a chain of large device copies and then writes x; the
+// all-reduce (x into y) on the communicator's stream must see that
+// write (BeforeCollective), and compute's copy of y must see the
+// all-reduce's result (AfterCollective). Without BeforeCollective NCCL
+// reads x while compute is still busy (about 5 ms of copies on an H200),
+// so out is zero; without AfterCollective compute's copy races the
+// all-reduce, which shows less reliably.
+func TestGPUDeviceOrder(t *testing.T) {
+	l := gpuLib(t)
+	d := gpuDevice(t, l, 0)
+	c := gpuStoreComm(t, l, d, "gpu/order")
+	ctx := context.Background()
+	compute, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer compute.Close()
+	dev := ctxDevice{ctx: d, compute: compute}
+	const n = 1 << 20
+	const big = 256 << 20 // bytes per copy of the busy chain
+	in := commtest.Fill(comm.Float32, n, 1, 0, commtest.Mixed)
+	bufs := make([]*devBuf, 5)
+	for i := range bufs {
+		size := n
+		if i >= 3 {
+			size = big / 4
+		}
+		if bufs[i], err = allocDev(d, comm.Float32, size); err != nil {
+			t.Fatal(err)
+		}
+		defer bufs[i].Free()
+	}
+	src, x, y, busyA, busyB := bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
+	out, err := allocDev(d, comm.Float32, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out.Free()
+	if err := src.copyFromHost(in); err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range []*devBuf{x, y, out} {
+		if err := compute.Memset32(b.span(), 0, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := compute.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		a, b := busyA, busyB
+		if i%2 == 1 {
+			a, b = b, a
+		}
+		if err := compute.Copy(b.span(), a.span(), big); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := compute.Copy(x.span(), src.span(), 4*n); err != nil {
+		t.Fatal(err)
+	}
+	if err := device.BeforeCollective(c, dev); err != nil {
+		t.Fatal(err)
+	}
+	wk, err := comm.AllReduceAsync(ctx, c, x, y, comm.Sum)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := device.AfterCollective(ctx, wk, dev); err != nil {
+		t.Fatal(err)
+	}
+	if err := compute.Copy(out.span(), y.span(), 4*n); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]float32, n)
+	// Pageable memory: the copy returns once it and compute's work before
+	// it are done.
+	if err := cuda.CopyFromDeviceAsync(compute, got, out.span()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(comm.Host(got).Bytes(), in.Bytes()) {
+		t.Error("compute read the all-reduce's result out of order (stale memory)")
+	}
+	if err := wk.Wait(ctx); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -318,7 +409,7 @@ func TestGPUSplitAndStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	c := gpuStoreComm(t, d, "gpu/streams", WithStream(s))
+	c := gpuStoreComm(t, l, d, "gpu/streams", WithStream(s))
 	if c.Stream() != s {
 		t.Fatal("WithStream ignored")
 	}
@@ -326,7 +417,7 @@ func TestGPUSplitAndStreams(t *testing.T) {
 	if err := comm.AllReduce(ctx, c, comm.Host(x), comm.Host(x), comm.Sum); err != nil || x[0] != 3 {
 		t.Fatalf("allreduce on the caller's stream: %v %v", x, err)
 	}
-	e, err := d.NewEvent()
+	e, err := d.NewEvent(false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -380,7 +471,7 @@ func TestGPUConfigs(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			c, err := NewCommFromID(ctx, d, id, 0, 1, WithConfig(cfg), WithOptions(comm.Options{Timeout: time.Minute}))
+			c, err := l.NewCommFromID(ctx, d, id, 0, 1, WithConfig(cfg), WithOptions(comm.Options{Timeout: time.Minute}))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -401,12 +492,12 @@ func TestGPUConfigs(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ds, err := ls.OpenDevice(0)
+			ds, err := ls.Driver().Open(0)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer ds.Close()
-			c, err := NewCommFromID(ctx, ds, id, 0, 1, WithOptions(comm.Options{Timeout: time.Minute}))
+			c, err := ls.NewCommFromID(ctx, ds, id, 0, 1, WithOptions(comm.Options{Timeout: time.Minute}))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -421,7 +512,7 @@ func TestGPUConfigs(t *testing.T) {
 // TestGPUErrors: a communicator whose second rank never joins times out
 // and is aborted; a pointer NCCL rejects (with NCCL_CHECK_POINTERS=1) is
 // an error matching comm.ErrInvalid and aborts the communicator; buffers
-// of another device or freed ones are rejected before NCCL.
+// of another device are rejected before NCCL.
 func TestGPUErrors(t *testing.T) {
 	l := gpuLib(t)
 	d := gpuDevice(t, l, 0)
@@ -431,24 +522,16 @@ func TestGPUErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	_, err = NewCommFromID(ctx, d, id, 0, 2, WithOptions(comm.Options{Timeout: 3 * time.Second}))
+	_, err = l.NewCommFromID(ctx, d, id, 0, 2, WithOptions(comm.Options{Timeout: 3 * time.Second}))
 	if !errors.Is(err, comm.ErrTimeout) {
 		t.Errorf("init without rank 1: %v, want a timeout", err)
 	}
 	t.Logf("init without rank 1 failed after %v: %v", time.Since(start).Round(time.Millisecond), err)
 
-	c := gpuStoreComm(t, d, "gpu/errors")
-	freed, err := d.Alloc(comm.Float32, 4)
-	if err != nil {
-		t.Fatal(err)
-	}
-	freed.Free()
-	if err := comm.AllReduce(ctx, c, freed, freed, comm.Sum); !errors.Is(err, comm.ErrInvalid) {
-		t.Errorf("freed buffer: %v", err)
-	}
+	c := gpuStoreComm(t, l, d, "gpu/errors")
 	if n := gpuDevices(t, l); n > 1 {
 		d1 := gpuDevice(t, l, 1)
-		b1, err := d1.Alloc(comm.Float32, 4)
+		b1, err := allocDev(d1, comm.Float32, 4)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -464,8 +547,8 @@ func TestGPUErrors(t *testing.T) {
 		t.Log("NCCL_CHECK_POINTERS is not 1: skipping the bad-pointer collective")
 		return
 	}
-	c2 := gpuStoreComm(t, d, "gpu/badptr")
-	bad := &DeviceBuffer{dev: d, dtype: comm.Float32, ptr: 0x10, n: 4}
+	c2 := gpuStoreComm(t, l, d, "gpu/badptr")
+	bad := &devBuf{ctx: d, dt: comm.Float32, ptr: 0x10, n: 4}
 	err = comm.AllReduce(ctx, c2, bad, bad, comm.Sum)
 	if !errors.Is(err, InvalidArgument) || !errors.Is(err, comm.ErrInvalid) {
 		t.Errorf("bad pointer: %v, want ncclInvalidArgument", err)

@@ -213,7 +213,7 @@ func (c *Comm) record(w *work) error {
 	c.mu.Lock()
 	ev, err := c.eventLocked()
 	if err == nil {
-		err = c.dev.cuda("cuEventRecord", func() int32 { return c.lib.cu.eventRecord(ev, c.stream.h) })
+		err = ev.Record(c.stream)
 		if err != nil {
 			c.events = append(c.events, ev)
 		}
@@ -261,7 +261,7 @@ type p2pOp struct {
 func (c *Comm) enqueue(ctx context.Context, w *work) error {
 	call := &w.call
 	nc := &c.lib.nc
-	h, s := c.h, c.stream.h
+	h, s := c.h, c.stream.Handle()
 	send, recv := w.sendPtr, w.recvPtr
 	var dt comm.DType
 	switch {
@@ -278,7 +278,7 @@ func (c *Comm) enqueue(ctx context.Context, w *work) error {
 		n := uintptr(call.Send.Len())
 		return c.launch(ctx, w, "ncclAllReduce", func() int32 { return nc.allReduce(send, recv, n, t, op, h, s) })
 	case comm.OpBarrier:
-		b := c.barrier
+		b := uintptr(c.barrier.Ptr)
 		return c.launch(ctx, w, "ncclAllReduce", func() int32 { return nc.allReduce(b, b, 1, ncclFloat32, ncclSum, h, s) })
 	case comm.OpBroadcast:
 		n := uintptr(call.Recv.Len())
@@ -364,7 +364,7 @@ func offset(base uintptr, n int, es uintptr) uintptr {
 // launch runs one NCCL call on the device and settles it.
 func (c *Comm) launch(ctx context.Context, w *work, name string, f func() int32) error {
 	var rc int32
-	if err := c.dev.run(func() error { rc = f(); return nil }); err != nil {
+	if err := c.dev.Run(func() error { rc = f(); return nil }); err != nil {
 		return err
 	}
 	return c.settled(ctx, w, name, rc)
@@ -386,10 +386,10 @@ func (c *Comm) settled(ctx context.Context, w *work, name string, rc int32) erro
 // ncclGroupEnd) and settles it.
 func (c *Comm) group(ctx context.Context, w *work, ops []p2pOp, t int32) error {
 	nc := &c.lib.nc
-	h, s := c.h, c.stream.h
+	h, s := c.h, c.stream.Handle()
 	var rc int32
 	var name string
-	err := c.dev.run(func() error {
+	err := c.dev.Run(func() error {
 		if r := nc.groupStart(); r != 0 {
 			rc, name = r, "ncclGroupStart"
 			return nil
@@ -538,10 +538,10 @@ func batchType(w *work) comm.DType {
 // groupTyped is group for a batch whose operations have different types.
 func (c *Comm) groupTyped(ctx context.Context, batch []*work, ops []p2pOp) error {
 	nc := &c.lib.nc
-	h, s := c.h, c.stream.h
+	h, s := c.h, c.stream.Handle()
 	var rc int32
 	var name string
-	err := c.dev.run(func() error {
+	err := c.dev.Run(func() error {
 		if r := nc.groupStart(); r != 0 {
 			rc, name = r, "ncclGroupStart"
 			return nil

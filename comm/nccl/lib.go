@@ -1,21 +1,18 @@
 package nccl
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"unsafe"
 
+	"github.com/b7ea7098/loom/device/cuda"
 	"github.com/b7ea7098/loom/internal/dynlib"
 )
 
 // NCCLEnv names the environment variable that forces the NCCL library: a
 // soname or path, or "off" to load none. WithNCCL takes precedence.
 const NCCLEnv = "LOOM_NCCL"
-
-// CUDAEnv names the environment variable that forces the CUDA driver
-// library (the same variable device/cuda reads): a soname or path, or
-// "off". WithCUDA takes precedence.
-const CUDAEnv = "LOOM_CUDA_DRIVER"
 
 // Off is the library spec that loads nothing (Load then fails with
 // ErrUnavailable).
@@ -35,6 +32,7 @@ type LoadOption func(*loadConfig)
 type loadConfig struct {
 	nccl, cuda       string
 	ncclSet, cudaSet bool
+	driver           *cuda.Lib
 	initVia          string // tests: force "scalable" or "thunk"/"pointer"
 }
 
@@ -44,46 +42,25 @@ func WithNCCL(spec string) LoadOption {
 	return func(c *loadConfig) { c.nccl, c.ncclSet = spec, true }
 }
 
-// WithCUDA forces the CUDA driver library, overriding CUDAEnv: a soname
-// or path, Off, or "" for the default search (libcuda.so.1, libcuda.so).
+// WithCUDA forces the CUDA driver library that Load opens through
+// device/cuda, overriding cuda.DriverEnv (LOOM_CUDA_DRIVER): a soname or
+// path, Off, or "" for the default search (cuda.DriverCandidates). It is
+// ignored with WithDriverLib.
 func WithCUDA(spec string) LoadOption {
 	return func(c *loadConfig) { c.cuda, c.cudaSet = spec, true }
 }
 
-// specs returns the NCCL and CUDA driver specs: the options', else the
-// environment's.
-func (c *loadConfig) specs() (nccl, cuda dynlib.Spec) {
-	return dynlib.SpecFrom(c.nccl, c.ncclSet, NCCLEnv), dynlib.SpecFrom(c.cuda, c.cudaSet, CUDAEnv)
+// WithDriverLib makes Load use the CUDA driver of l, a *cuda.Lib the
+// caller loaded (and keeps open while the Library is used), instead of
+// loading one: the process then has one binding of the driver, shared by
+// NCCL and compute. l must have the driver loaded.
+func WithDriverLib(l *cuda.Lib) LoadOption {
+	return func(c *loadConfig) { c.driver = l }
 }
 
-// cudaFns are the CUDA driver entry points (the _v2 names where cuda.h
-// maps the plain name to one). Every one returns a CUresult.
-type cudaFns struct {
-	init                    func(flags uint32) int32
-	driverGetVersion        func(v *int32) int32
-	deviceGetCount          func(n *int32) int32
-	deviceGet               func(dev *int32, ordinal int32) int32
-	devicePrimaryCtxRetain  func(ctx *uintptr, dev int32) int32
-	devicePrimaryCtxRelease func(dev int32) int32
-	ctxSetCurrent           func(ctx uintptr) int32
-	ctxSynchronize          func() int32
-	streamCreate            func(s *uintptr, flags uint32) int32
-	streamDestroy           func(s uintptr) int32
-	streamSynchronize       func(s uintptr) int32
-	streamQuery             func(s uintptr) int32
-	streamWaitEvent         func(s, e uintptr, flags uint32) int32
-	eventCreate             func(e *uintptr, flags uint32) int32
-	eventRecord             func(e, s uintptr) int32
-	eventQuery              func(e uintptr) int32
-	eventSynchronize        func(e uintptr) int32
-	eventDestroy            func(e uintptr) int32
-	memAlloc                func(p *uintptr, bytes uintptr) int32
-	memFree                 func(p uintptr) int32
-	memcpyHtoD              func(dst uintptr, src unsafe.Pointer, bytes uintptr) int32
-	memcpyDtoH              func(dst unsafe.Pointer, src uintptr, bytes uintptr) int32
-	deviceGetPCIBusID       func(buf *byte, n int32, dev int32) int32 // optional
-	getErrorName            func(rc int32, s **byte) int32
-	getErrorString          func(rc int32, s **byte) int32
+// ncclSpec returns the NCCL spec: the option's, else the environment's.
+func (c *loadConfig) ncclSpec() dynlib.Spec {
+	return dynlib.SpecFrom(c.nccl, c.ncclSet, NCCLEnv)
 }
 
 // ncclFns are the NCCL entry points. Every one returns an ncclResult_t
@@ -116,13 +93,14 @@ type ncclFns struct {
 	groupEnd               func() int32
 }
 
-// Library is NCCL and the CUDA driver, loaded at run time. Load one per
-// process and share it; it is safe for concurrent use and is never
-// unloaded (NCCL and the driver keep threads of their own).
+// Library is NCCL, loaded at run time, with the CUDA driver of a
+// *cuda.Lib (device/cuda's binding: contexts, streams, events and device
+// memory come from there). Load one per process and share it; it is safe
+// for concurrent use and is never unloaded (NCCL keeps threads of its
+// own).
 type Library struct {
-	cu        cudaFns
+	cu        *cuda.Lib
 	nc        ncclFns
-	cudaPath  string
 	ncclPath  string
 	tried     []Attempt
 	version   int
@@ -136,10 +114,14 @@ type Library struct {
 // initRankFunc calls ncclCommInitRankConfig, passing id by value.
 type initRankFunc func(comm *uintptr, nranks int32, id *UniqueID, rank int32, cfg unsafe.Pointer) int32
 
-// Load opens the CUDA driver and NCCL, binds their entry points, reads
-// NCCL's version and initialises the driver (cuInit). It fails, with an
-// error matching ErrUnavailable, when a library is missing, lacks entry
-// points, is older than MinVersion, or the driver finds no device.
+// Load opens NCCL, binds its entry points and reads its version, with the
+// CUDA driver of WithDriverLib or, without it, one it loads through
+// device/cuda (cuda.Load with the driver of WithCUDA or cuda.DriverEnv,
+// which initialises it with cuInit, and without NVRTC, which NCCL does not
+// need). It fails, with an error matching ErrUnavailable, when a library
+// is missing, lacks entry points, is older than MinVersion, or the driver
+// finds no device; a missing library's error names the variable that
+// points to another copy (LOOM_NCCL, LOOM_CUDA_DRIVER).
 func Load(opts ...LoadOption) (*Library, error) {
 	var cfg loadConfig
 	for _, o := range opts {
@@ -147,10 +129,34 @@ func Load(opts ...LoadOption) (*Library, error) {
 			o(&cfg)
 		}
 	}
-	l, err := open(cfg)
+	cu := cfg.driver
+	var tried []Attempt
+	if cu == nil {
+		if dynlib.SpecFrom(cfg.cuda, cfg.cudaSet, cuda.DriverEnv).Off() {
+			return nil, &LoadError{Library: "cuda", Reason: "disabled (" + cuda.DriverEnv + " or WithCUDA is " + Off + ")"}
+		}
+		copts := []cuda.Option{cuda.WithNVRTC(cuda.Off)}
+		if cfg.cudaSet {
+			copts = append(copts, cuda.WithDriver(cfg.cuda))
+		}
+		var err error
+		cu, err = cuda.Load(copts...)
+		var le *cuda.LoadError
+		switch {
+		case errors.As(err, &le):
+			return nil, &LoadError{Library: "cuda", Reason: "no usable CUDA driver library", Env: cuda.DriverEnv, Tried: attempts(le.Tried)}
+		case err != nil:
+			return nil, &LoadError{Library: "cuda", Reason: "cuInit failed", Err: err}
+		}
+		tried = attempts(cu.Tried())
+	} else if _, err := cu.DriverVersion(); err != nil {
+		return nil, &LoadError{Library: "cuda", Reason: "the *cuda.Lib of WithDriverLib has no usable driver", Err: err}
+	}
+	l, err := open(cfg, tried)
 	if err != nil {
 		return nil, err
 	}
+	l.cu = cu
 	var v int32
 	if rc := l.nc.getVersion(&v); rc != 0 {
 		return nil, &LoadError{Library: "nccl", Reason: "ncclGetVersion failed", Tried: l.tried, Err: l.ncclError("ncclGetVersion", rc, 0)}
@@ -163,11 +169,25 @@ func Load(opts ...LoadOption) (*Library, error) {
 	l.layout = layout
 	l.nativeA2A = l.nc.allToAll != nil && l.nc.gather != nil && l.nc.scatter != nil && l.version >= 22800
 	l.split = l.nc.commSplit != nil && l.version >= 21800
-	if rc := l.cu.init(0); rc != 0 {
-		return nil, &LoadError{Library: "cuda", Reason: "cuInit failed", Tried: l.tried, Err: l.cudaError("cuInit", rc)}
-	}
 	return l, nil
 }
+
+// attempts converts device/cuda's attempts; the driver's are named "cuda".
+func attempts(as []cuda.Attempt) []Attempt {
+	out := make([]Attempt, 0, len(as))
+	for _, a := range as {
+		lib := a.Library
+		if lib == "driver" {
+			lib = "cuda"
+		}
+		out = append(out, Attempt{Library: lib, Name: a.Name, Err: a.Err})
+	}
+	return out
+}
+
+// Driver returns the CUDA driver binding the library uses: open the
+// devices for NewComm with its Open.
+func (l *Library) Driver() *cuda.Lib { return l.cu }
 
 // Version returns NCCL's version as an NCCL_VERSION code (22803 for
 // 2.28.3).
@@ -178,7 +198,7 @@ func (l *Library) Version() int { return l.version }
 func (l *Library) NCCLPath() string { return l.ncclPath }
 
 // CUDAPath returns the CUDA driver's file; see NCCLPath.
-func (l *Library) CUDAPath() string { return l.cudaPath }
+func (l *Library) CUDAPath() string { return l.cu.DriverPath() }
 
 // Tried lists the libraries Load tried, in order, and why each was
 // rejected or kept.
@@ -202,22 +222,10 @@ func (l *Library) HasNativeAllToAll() bool { return l.nativeA2A }
 func (l *Library) InitPath() string { return l.initVia }
 
 // DriverVersion returns the CUDA driver's version (12040 for 12.4).
-func (l *Library) DriverVersion() (int, error) {
-	var v int32
-	if rc := l.cu.driverGetVersion(&v); rc != 0 {
-		return 0, l.cudaError("cuDriverGetVersion", rc)
-	}
-	return int(v), nil
-}
+func (l *Library) DriverVersion() (int, error) { return l.cu.DriverVersion() }
 
 // DeviceCount returns the number of CUDA devices.
-func (l *Library) DeviceCount() (int, error) {
-	var n int32
-	if rc := l.cu.deviceGetCount(&n); rc != 0 {
-		return 0, l.cudaError("cuDeviceGetCount", rc)
-	}
-	return int(n), nil
-}
+func (l *Library) DeviceCount() (int, error) { return l.cu.DeviceCount() }
 
 // UniqueID creates a new NCCL unique id (ncclGetUniqueId): rank 0 makes
 // one per communicator and shares it with the others.
@@ -242,37 +250,7 @@ func (l *Library) ncclError(call string, rc int32, comm uintptr) *NCCLError {
 	return e
 }
 
-// cudaError describes a failed CUDA driver call.
-func (l *Library) cudaError(call string, rc int32) *CUDAError {
-	e := &CUDAError{Call: call, Code: CUDAResult(rc)}
-	var s *byte
-	if l.cu.getErrorName != nil && l.cu.getErrorName(rc, &s) == 0 {
-		e.Name = goString(s)
-	}
-	s = nil
-	if l.cu.getErrorString != nil && l.cu.getErrorString(rc, &s) == 0 {
-		e.Msg = goString(s)
-	}
-	return e
-}
-
-// goString copies a NUL-terminated C string (at most 4 KiB of it).
-func goString(p *byte) string {
-	if p == nil {
-		return ""
-	}
-	var b []byte
-	for i := 0; i < 4096; i++ {
-		c := *(*byte)(unsafe.Add(unsafe.Pointer(p), i))
-		if c == 0 {
-			break
-		}
-		b = append(b, c)
-	}
-	return string(b)
-}
-
 // String describes the library: "NCCL 2.28.3 (/usr/lib/.../libnccl.so.2.28.3)".
 func (l *Library) String() string {
-	return fmt.Sprintf("NCCL %s (%s), CUDA driver %s", VersionString(l.version), l.ncclPath, l.cudaPath)
+	return fmt.Sprintf("NCCL %s (%s), CUDA driver %s", VersionString(l.version), l.ncclPath, l.cu.DriverPath())
 }

@@ -176,7 +176,7 @@ func TestInitMarshalling(t *testing.T) {
 					if l.InitPath() != wantVia {
 						t.Errorf("InitPath = %q, want %q", l.InitPath(), wantVia)
 					}
-					d, err := l.OpenDevice(0)
+					d, err := l.Driver().Open(0)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -190,7 +190,7 @@ func TestInitMarshalling(t *testing.T) {
 						cfg, set = fullConfig(v)
 					}
 					f.logClear()
-					c, err := NewCommFromID(context.Background(), d, id, 0, 1, WithConfig(cfg), WithOptions(comm.Options{}))
+					c, err := l.NewCommFromID(context.Background(), d, id, 0, 1, WithConfig(cfg), WithOptions(comm.Options{}))
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -274,7 +274,7 @@ func marshal(t *testing.T, f *fake, c *Comm, call comm.Call) []string {
 		t.Fatalf("%v: %v", call.Op, err)
 	}
 	var out []string
-	suffix := fmt.Sprintf(" comm=%s stream=%s", ptr(c.h), ptr(c.stream.h))
+	suffix := fmt.Sprintf(" comm=%s stream=%s", ptr(c.h), ptr(c.stream.Handle()))
 	for _, l := range strings.Split(f.log(), "\n") {
 		if !strings.HasPrefix(l, "nccl") {
 			continue
@@ -317,11 +317,11 @@ func TestCollectiveMarshalling(t *testing.T) {
 				code int
 			}{{comm.Sum, 0}, {comm.Prod, 1}, {comm.Max, 2}, {comm.Min, 3}, {comm.Avg, 4}}
 			for _, dt := range dtypes {
-				s, err := d.Alloc(dt.dt, 6)
+				s, err := allocDev(d, dt.dt, 6)
 				if err != nil {
 					t.Fatal(err)
 				}
-				r, err := d.Alloc(dt.dt, 6)
+				r, err := allocDev(d, dt.dt, 6)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -350,7 +350,7 @@ func TestCollectiveMarshalling(t *testing.T) {
 					{comm.Call{Op: comm.OpReduceScatter, Send: s, Recv: r, Reduce: comm.Avg},
 						[]string{fmt.Sprintf("ncclReduceScatter send=%s recv=%s count=6 dt=%d op=4", sp, rp, dt.code)}},
 					{comm.Call{Op: comm.OpBarrier},
-						[]string{fmt.Sprintf("ncclAllReduce send=%s recv=%s count=1 dt=7 op=0", ptr(c.barrier), ptr(c.barrier))}},
+						[]string{fmt.Sprintf("ncclAllReduce send=%s recv=%s count=1 dt=7 op=0", ptr(uintptr(c.barrier.Ptr)), ptr(uintptr(c.barrier.Ptr)))}},
 				}
 				grouped := func(send bool, p string, n int) string {
 					if send {
@@ -419,7 +419,7 @@ func TestCollectiveMarshalling(t *testing.T) {
 			lines := f.lines()
 			i := slices.IndexFunc(lines, func(s string) bool { return strings.HasPrefix(s, "ncclAllReduce") })
 			j := slices.IndexFunc(lines, func(s string) bool {
-				return strings.HasPrefix(s, "cuEventRecord") && strings.HasSuffix(s, "stream="+ptr(c.stream.h))
+				return strings.HasPrefix(s, "cuEventRecord") && strings.HasSuffix(s, "stream="+ptr(c.stream.Handle()))
 			})
 			if i < 0 || j < i {
 				t.Errorf("want ncclAllReduce then cuEventRecord on the stream:\n%s", strings.Join(lines, "\n"))
@@ -444,12 +444,12 @@ func TestGroupedMarshalling(t *testing.T) {
 	var sbase, rbase [p]uintptr
 	err := w.run(func(r int, c *Comm) error {
 		d := w.devs[r]
-		s, err := d.Alloc(comm.Int32, 6)
+		s, err := allocDev(d, comm.Int32, 6)
 		if err != nil {
 			return err
 		}
 		defer s.Free()
-		rb, err := d.Alloc(comm.Int32, 6)
+		rb, err := allocDev(d, comm.Int32, 6)
 		if err != nil {
 			return err
 		}

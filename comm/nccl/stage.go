@@ -2,8 +2,10 @@ package nccl
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device/cuda"
 )
 
 // bufInfo is one buffer of a call as the stager sees it.
@@ -88,25 +90,39 @@ func (c *Comm) plan(call *comm.Call) (*stagePlan, error) {
 	return p, nil
 }
 
-// classify describes one buffer; nil is absent.
+// devicePtr is a buffer in device memory that can say its address: the
+// buffers of device/cuda's device, and those of any other binding that
+// follows device.Buffer.
+type devicePtr interface {
+	comm.Buffer
+	// Ptr is the device address of the first element (a CUdeviceptr).
+	Ptr() uintptr
+}
+
+// deviceName is the comm.Buffer.Device name of a context's buffers.
+func deviceName(c *cuda.Context) string { return fmt.Sprintf("cuda:%d", c.Ordinal()) }
+
+// classify describes one buffer; nil is absent. Host buffers are staged;
+// device buffers of the communicator's device are used where they are;
+// anything else (another GPU, the emulated device's host-backed buffers,
+// a type with no device address) is refused before any data moves.
 func (c *Comm) classify(b comm.Buffer, name string) (bufInfo, error) {
 	if b == nil {
 		return bufInfo{}, nil
 	}
-	switch v := b.(type) {
-	case *comm.HostBuffer:
-		return bufInfo{present: true, onHost: true, host: v.Bytes(), bytes: len(v.Bytes())}, nil
-	case *DeviceBuffer:
-		if v.dev == nil || v.dev.lib != c.dev.lib || v.dev.ordinal != c.dev.ordinal {
-			return bufInfo{}, fmt.Errorf("%w: %s buffer is on %s, the communicator on %s", comm.ErrInvalid, name, v.Device(), c.dev.Name())
-		}
-		if v.alloc != nil && v.alloc.freed.Load() {
-			return bufInfo{}, fmt.Errorf("%w: %s buffer has been freed", comm.ErrInvalid, name)
-		}
-		return bufInfo{present: true, ptr: v.Ptr(), bytes: v.Bytes()}, nil
+	if h, ok := b.(*comm.HostBuffer); ok {
+		return bufInfo{present: true, onHost: true, host: h.Bytes(), bytes: len(h.Bytes())}, nil
 	}
-	return bufInfo{}, fmt.Errorf("%w: %s buffer of type %T (on %q): the NCCL backend takes *comm.HostBuffer and *nccl.DeviceBuffer",
-		comm.ErrUnsupported, name, b, b.Device())
+	d, ok := b.(devicePtr)
+	where := b.Device()
+	switch {
+	case ok && where == c.devName:
+		return bufInfo{present: true, ptr: d.Ptr(), bytes: b.Len() * b.DType().Size()}, nil
+	case ok && strings.HasPrefix(where, "cuda:"):
+		return bufInfo{}, fmt.Errorf("%w: %s buffer is on %s, the communicator on %s", comm.ErrInvalid, name, where, c.devName)
+	}
+	return bufInfo{}, fmt.Errorf("%w: %s buffer of type %T on %q: the NCCL backend takes host buffers (*comm.HostBuffer) and device buffers of its device %s",
+		comm.ErrUnsupported, name, b, where, c.devName)
 }
 
 // overlap works out how send and recv share memory.
@@ -156,12 +172,12 @@ func (c *Comm) stage(w *work, p *stagePlan) error {
 		if n == 0 {
 			return 0, nil
 		}
-		var d uintptr
-		if err := c.dev.cuda("cuMemAlloc_v2", func() int32 { return c.lib.cu.memAlloc(&d, uintptr(n)) }); err != nil {
+		d, err := c.dev.Alloc(n)
+		if err != nil {
 			return 0, fmt.Errorf("staging %d bytes of host memory: %w", n, err)
 		}
 		w.scratch = append(w.scratch, d)
-		return d, nil
+		return uintptr(d.Ptr), nil
 	}
 	var err error
 	s, r := p.send, p.recv
@@ -193,15 +209,18 @@ func (c *Comm) stage(w *work, p *stagePlan) error {
 		w.sendPtr = w.recvPtr // Broadcast away from the root: NCCL ignores it
 	}
 	if p.copyIn {
-		if err := copyHtoD(c.dev, w.sendPtr, s.host); err != nil {
+		if err := cuda.CopyToDevice(c.dev, span(w.sendPtr, len(s.host)), s.host); err != nil {
 			return err
 		}
 	}
 	if p.copyOut > 0 {
-		w.copyOut = append(w.copyOut, hostCopy{host: r.host[:p.copyOut], dev: w.recvPtr})
+		w.copyOut = append(w.copyOut, hostCopy{host: r.host[:p.copyOut], dev: span(w.recvPtr, p.copyOut)})
 	}
 	return nil
 }
+
+// span is the n bytes of device memory at p.
+func span(p uintptr, n int) cuda.Buffer { return cuda.Buffer{Ptr: cuda.DevicePtr(p), Bytes: n} }
 
 // place returns a buffer's device address, allocating for host memory.
 func (c *Comm) place(b bufInfo, alloc func(int) (uintptr, error)) (uintptr, error) {

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/cuda"
 )
 
 // errCancelled is the cause of an operation whose context ended.
@@ -64,7 +66,7 @@ func pause(elapsed time.Duration) {
 // hostCopy is one device-to-host copy made when a work completes.
 type hostCopy struct {
 	host []byte
-	dev  uintptr
+	dev  cuda.Buffer
 }
 
 // A work is one issued operation. It implements comm.Work.
@@ -84,9 +86,9 @@ type work struct {
 	issued bool        // given to NCCL (guarded by Comm.mu)
 	kicked atomic.Bool // Done has asked for a flush
 
-	event   uintptr    // recorded after the NCCL call; 0: no device work
-	copyOut []hostCopy // staged host results
-	scratch []uintptr  // staging memory to free
+	event   *cuda.Event   // recorded after the NCCL call; nil: no device work
+	copyOut []hostCopy    // staged host results
+	scratch []cuda.Buffer // staging memory to free
 	sendPtr uintptr
 	recvPtr uintptr
 
@@ -122,6 +124,30 @@ func (w *work) Done() <-chan struct{} {
 		}
 	}
 	return w.done
+}
+
+// Event implements device.EventWork, for device.AfterCollective: an event
+// on the communicator's stream that completes with the operation's device
+// work, so that a compute stream can wait for it without the host
+// blocking. It covers device memory only: a staged host buffer receives
+// its result when Wait returns (or the background completion runs), not
+// when the event does. Point-to-point work not yet given to NCCL is
+// flushed first. Work that has no device work (a collective that moves no
+// data), has completed, or failed returns an event never recorded, which
+// counts as complete; a failure is Wait's (and the communicator's Err).
+// Once the work completes, its event goes back to the communicator's pool,
+// so a wait started later may also wait for later work, never for less.
+func (w *work) Event() device.Event {
+	c := w.c
+	if w.p2p {
+		c.flushFor(context.Background(), w)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if w.event != nil && !w.finished {
+		return w.event
+	}
+	return c.done
 }
 
 // Wait implements comm.Work. It polls the work's CUDA event and the
@@ -215,8 +241,8 @@ func (c *Comm) progressLocked() error {
 		if w.cause != nil {
 			break // doomed: it fails when the abort is done
 		}
-		if w.event != 0 {
-			done, err := query(c.dev, "cuEventQuery", func() int32 { return c.lib.cu.eventQuery(w.event) })
+		if w.event != nil {
+			done, err := w.event.Query()
 			if err != nil {
 				return c.wrap(w.op, w.seq, w.peer, err)
 			}
@@ -295,7 +321,7 @@ func (c *Comm) finishLocked(w *work, err error) error {
 	var copyErr error
 	if err == nil {
 		for _, h := range w.copyOut {
-			if copyErr = copyDtoH(c.dev, h.host, h.dev); copyErr != nil {
+			if copyErr = cuda.CopyFromDevice(c.dev, h.host, h.dev); copyErr != nil {
 				copyErr = c.wrap(w.op, w.seq, w.peer, copyErr)
 				err = copyErr
 				break
@@ -315,7 +341,7 @@ func (c *Comm) abandonLocked(w *work, err error) {
 	if w.finished {
 		return
 	}
-	if w.event != 0 || len(w.scratch) > 0 {
+	if w.event != nil || len(w.scratch) > 0 {
 		c.orphans = append(c.orphans, w)
 	}
 	c.closeLocked(w, c.wrap(w.op, w.seq, w.peer, err))
@@ -338,30 +364,27 @@ func (c *Comm) closeLocked(w *work, err error) {
 // releaseWorkLocked frees w's staging memory and returns its event to the
 // pool.
 func (c *Comm) releaseWorkLocked(w *work) {
-	for _, p := range w.scratch {
-		ptr := p
+	for _, b := range w.scratch {
 		// w's outcome is decided already. A failed free leaks the block
 		// until the context is released; it fails only with a broken
 		// context, which the next collective reports.
-		_ = c.dev.cuda("cuMemFree_v2", func() int32 { return c.lib.cu.memFree(ptr) })
+		_ = c.dev.Free(b)
 	}
 	w.scratch = nil
-	if w.event != 0 {
+	if w.event != nil {
 		c.events = append(c.events, w.event)
-		w.event = 0
+		w.event = nil
 	}
 }
 
 // eventLocked takes an event from the pool or creates one.
-func (c *Comm) eventLocked() (uintptr, error) {
+func (c *Comm) eventLocked() (*cuda.Event, error) {
 	if n := len(c.events); n > 0 {
 		e := c.events[n-1]
 		c.events = c.events[:n-1]
 		return e, nil
 	}
-	var e uintptr
-	err := c.dev.cuda("cuEventCreate", func() int32 { return c.lib.cu.eventCreate(&e, eventDisableTiming) })
-	return e, err
+	return c.dev.NewEvent(false)
 }
 
 // driveLocked starts the background driver, which completes async work

@@ -459,3 +459,120 @@ func (k emuKernels) AdamW(p, g, m, v device.Buffer, c [8]float64) error {
 		return kernels.AdamW(views[0].Float64s(), views[1].Float64s(), views[2].Float64s(), views[3].Float64s(), &c)
 	})
 }
+
+// floats are the dtypes of the optimizer kernels.
+var floats = []comm.DType{comm.Float32, comm.Float64}
+
+// sameType checks that every view has the first one's dtype.
+func (k emuKernels) sameType(op string, names string, views []*comm.HostBuffer) error {
+	for i, h := range views[1:] {
+		if h != nil && h.DType() != views[0].DType() {
+			return fmt.Errorf("%s: %s: %w: %c is %v, %c %v", k.d.name, op, device.ErrInvalid, names[i+1], h.DType(), names[0], views[0].DType())
+		}
+	}
+	return nil
+}
+
+// SGD runs kernels.SGD in p's type, Float32 or Float64.
+func (k emuKernels) SGD(p, g, buf device.Buffer, s kernels.SGDStep) error {
+	const op = "SGD"
+	views, err := k.check(op, arg{name: "p", b: p, dtypes: floats}, arg{name: "g", b: g, dtypes: floats},
+		arg{name: "buf", b: buf, dtypes: floats, optional: s.Momentum == 0})
+	if err != nil {
+		return err
+	}
+	if err := k.sameType(op, "pgb", views); err != nil {
+		return err
+	}
+	if views[0].DType() == comm.Float32 {
+		return k.d.compute.launch(op, func() error {
+			return kernels.SGD(views[0].Float32s(), views[1].Float32s(), float32s(views[2]), s)
+		})
+	}
+	return k.d.compute.launch(op, func() error {
+		return kernels.SGD(views[0].Float64s(), views[1].Float64s(), float64s(views[2]), s)
+	})
+}
+
+// SumSquares runs kernels.SumSquares and stores the sum in out.
+func (k emuKernels) SumSquares(out, x device.Buffer) error {
+	const op = "SumSquares"
+	views, err := k.check(op, f64("out", out, false), arg{name: "x", b: x, dtypes: floats})
+	if err != nil {
+		return err
+	}
+	if views[0].Len() != 1 {
+		return fmt.Errorf("%s: %s: %w: out has %d elements, want 1", k.d.name, op, device.ErrInvalid, views[0].Len())
+	}
+	return k.d.compute.launch(op, func() error {
+		if views[1].DType() == comm.Float32 {
+			views[0].Float64s()[0] = kernels.SumSquares(views[1].Float32s())
+		} else {
+			views[0].Float64s()[0] = kernels.SumSquares(views[1].Float64s())
+		}
+		return nil
+	})
+}
+
+// Scale runs kernels.Scale in x's type, Float32 or Float64.
+func (k emuKernels) Scale(dst, x device.Buffer, c float64) error {
+	const op = "Scale"
+	views, err := k.check(op, arg{name: "dst", b: dst, dtypes: floats}, arg{name: "x", b: x, dtypes: floats})
+	if err != nil {
+		return err
+	}
+	if err := k.sameType(op, "dx", views); err != nil {
+		return err
+	}
+	if views[0].DType() == comm.Float32 {
+		return k.d.compute.launch(op, func() error { return kernels.Scale(views[0].Float32s(), views[1].Float32s(), float32(c)) })
+	}
+	return k.d.compute.launch(op, func() error { return kernels.Scale(views[0].Float64s(), views[1].Float64s(), c) })
+}
+
+// CopyBox runs kernels.CopyBox on the buffers' bytes: every dtype is
+// copied alike, with the last dim scaled by the element size.
+func (k emuKernels) CopyBox(dst device.Buffer, dshape, doff []int, src device.Buffer, sshape, soff, size []int) error {
+	const op = "CopyBox"
+	all := comm.AllDTypes()
+	v, err := k.check(op, arg{name: "dst", b: dst, dtypes: all}, arg{name: "src", b: src, dtypes: all})
+	if err != nil {
+		return err
+	}
+	if v[0].DType() != v[1].DType() {
+		return fmt.Errorf("%s: %s: %w: dst is %v, src %v", k.d.name, op, device.ErrInvalid, v[0].DType(), v[1].DType())
+	}
+	if err := kernels.CheckBox(v[0].Len(), dshape, doff, v[1].Len(), sshape, soff, size); err != nil {
+		return fmt.Errorf("%s: %s: %w: %w", k.d.name, op, device.ErrInvalid, err)
+	}
+	// A scalar is a box of one element; bytes scale the last dim.
+	es := v[0].DType().Size()
+	ds, do, ss, so, sz := bytesDims(dshape, es), bytesOff(doff, es), bytesDims(sshape, es), bytesOff(soff, es), bytesDims(size, es)
+	d, s := v[0].Bytes(), v[1].Bytes()
+	return k.d.compute.launch(op, func() error {
+		kernels.CopyBox(d, ds, do, s, ss, so, sz)
+		return nil
+	})
+}
+
+// bytesDims is shape in bytes: a copy with the last dim times es ([es]
+// for a scalar).
+func bytesDims(shape []int, es int) []int {
+	if len(shape) == 0 {
+		return []int{es}
+	}
+	out := append([]int(nil), shape...)
+	out[len(out)-1] *= es
+	return out
+}
+
+// bytesOff is an offset in bytes: a copy with the last index times es
+// ([0] for a scalar).
+func bytesOff(off []int, es int) []int {
+	if len(off) == 0 {
+		return []int{0}
+	}
+	out := append([]int(nil), off...)
+	out[len(out)-1] *= es
+	return out
+}

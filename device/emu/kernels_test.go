@@ -1,6 +1,7 @@
 package emu_test
 
 import (
+	"errors"
 	"math"
 	"math/rand/v2"
 	"sort"
@@ -336,6 +337,150 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
+		sgdCase(comm.Float32, "plain", kernels.SGDStep{LR: 0.1}),
+		sgdCase(comm.Float32, "momentum/first", kernels.SGDStep{LR: 0.05, Momentum: 0.9, WeightDecay: 0.01, First: true}),
+		sgdCase(comm.Float32, "momentum", kernels.SGDStep{LR: 0.05, Momentum: 0.9, Dampening: 0.1, WeightDecay: 0.01, Maximize: true}),
+		sgdCase(comm.Float64, "nesterov", kernels.SGDStep{LR: 0.05, Momentum: 0.8, Nesterov: true, WeightDecay: 0.02}),
+		sumSquaresCase(comm.Float32),
+		sumSquaresCase(comm.Float64),
+		scaleCase(comm.Float32),
+		scaleCase(comm.Float64),
+		copyBoxCase("CopyBox/f32/3d", comm.Float32, []int{4, 5, 6}, []int{1, 2, 3}, []int{3, 7, 4}, []int{0, 3, 1}, []int{2, 3, 3}),
+		copyBoxCase("CopyBox/f64/2d-into-offset", comm.Float64, []int{5, 3}, []int{2, 1}, []int{3, 2}, []int{0, 0}, []int{3, 2}),
+		copyBoxCase("CopyBox/bf16/1d", comm.BFloat16, []int{9}, []int{4}, []int{7}, []int{2}, []int{5}),
+		copyBoxCase("CopyBox/f32/scalar", comm.Float32, nil, nil, nil, nil, nil),
+		copyBoxCase("CopyBox/f32/empty-box", comm.Float32, []int{3, 4}, []int{1, 0}, []int{2, 4}, []int{0, 0}, []int{2, 0}),
+		copyBoxCase("CopyBox/f64/zero-length", comm.Float64, []int{0, 3}, []int{0, 0}, []int{0, 3}, []int{0, 0}, []int{0, 3}),
+	}
+}
+
+// copyBoxCase copies a box of size at soff in a random array of shape
+// sshape to doff in a random array of shape dshape, of dtype dt.
+func copyBoxCase(name string, dt comm.DType, dshape, doff, sshape, soff, size []int) kernelCase {
+	n := func(shape []int) int {
+		p := 1
+		for _, v := range shape {
+			p *= v
+		}
+		return p
+	}
+	return kernelCase{
+		name: name,
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			d, s := randF32(r, n(dshape)), randF32(r, n(sshape))
+			switch dt {
+			case comm.Float64:
+				return arrays{"d": widen(d), "s": widen(s)}
+			case comm.BFloat16:
+				return arrays{"d": toBF16(d), "s": toBF16(s)}
+			}
+			return arrays{"d": d, "s": s}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			switch d := a["d"].(type) {
+			case []float64:
+				kernels.CopyBox(d, dshape, doff, f64s(a["s"]), sshape, soff, size)
+			case []comm.BFloat16Bits:
+				kernels.CopyBox(d, dshape, doff, a["s"].([]comm.BFloat16Bits), sshape, soff, size)
+			default:
+				kernels.CopyBox(f32s(d), dshape, doff, f32s(a["s"]), sshape, soff, size)
+			}
+			return nil
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			return k.CopyBox(b["d"], dshape, doff, b["s"], sshape, soff, size)
+		},
+	}
+}
+
+func toBF16(s []float32) []comm.BFloat16Bits {
+	out := make([]comm.BFloat16Bits, len(s))
+	for i, v := range s {
+		out[i] = comm.BFloat16Bits(half.ToBFloat16(v))
+	}
+	return out
+}
+
+// optimLen is the length of the optimizer kernels' vectors: two vectors
+// of eight and a tail.
+const optimLen = 21
+
+// floatArray returns n random values as dt's slice, []float32 or
+// []float64.
+func floatArray(r *rand.Rand, dt comm.DType, n int) any {
+	x := randF32(r, n)
+	if dt == comm.Float64 {
+		return widen(x)
+	}
+	return x
+}
+
+func sgdCase(dt comm.DType, name string, s kernels.SGDStep) kernelCase {
+	return kernelCase{
+		name: "SGD/" + dt.String() + "/" + name,
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			a := arrays{"p": floatArray(r, dt, optimLen), "g": floatArray(r, dt, optimLen)}
+			if s.Momentum != 0 {
+				a["buf"] = floatArray(r, dt, optimLen)
+			}
+			return a
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			if dt == comm.Float64 {
+				buf, _ := a["buf"].([]float64)
+				return kernels.SGD(f64s(a["p"]), f64s(a["g"]), buf, s)
+			}
+			buf, _ := a["buf"].([]float32)
+			return kernels.SGD(f32s(a["p"]), f32s(a["g"]), buf, s)
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.SGD(b["p"], b["g"], b["buf"], s) },
+	}
+}
+
+func sumSquaresCase(dt comm.DType) kernelCase {
+	return kernelCase{
+		name: "SumSquares/" + dt.String(),
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"x": floatArray(r, dt, optimLen), "out": []float64{7}}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			if dt == comm.Float64 {
+				f64s(a["out"])[0] = kernels.SumSquares(f64s(a["x"]))
+			} else {
+				f64s(a["out"])[0] = kernels.SumSquares(f32s(a["x"]))
+			}
+			return nil
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.SumSquares(b["out"], b["x"]) },
+	}
+}
+
+func scaleCase(dt comm.DType) kernelCase {
+	const c = 0.3
+	return kernelCase{
+		name: "Scale/" + dt.String(),
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"x": floatArray(r, dt, optimLen), "dst": floatArray(r, dt, optimLen), "y": floatArray(r, dt, optimLen)}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			// Out of place into dst, then in place on y.
+			if dt == comm.Float64 {
+				if err := kernels.Scale(f64s(a["dst"]), f64s(a["x"]), c); err != nil {
+					return err
+				}
+				return kernels.Scale(f64s(a["y"]), f64s(a["y"]), c)
+			}
+			if err := kernels.Scale(f32s(a["dst"]), f32s(a["x"]), float32(c)); err != nil {
+				return err
+			}
+			return kernels.Scale(f32s(a["y"]), f32s(a["y"]), float32(c))
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			if err := k.Scale(b["dst"], b["x"], c); err != nil {
+				return err
+			}
+			return k.Scale(b["y"], b["y"], c)
+		},
 	}
 }
 
@@ -505,5 +650,43 @@ func TestKernelsMatchCPU(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestCopyBoxErrors: a box outside either buffer and buffers of two
+// dtypes are refused at the call, before anything is queued.
+func TestCopyBoxErrors(t *testing.T) {
+	d, err := emu.New(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	a32, _ := d.Alloc(comm.Float32, 6)
+	b32, _ := d.Alloc(comm.Float32, 6)
+	a64, _ := d.Alloc(comm.Float64, 6)
+	k := d.Kernels()
+	for _, tc := range []struct {
+		name string
+		dst  device.Buffer
+		dsh  []int
+		doff []int
+		src  device.Buffer
+		size []int
+	}{
+		{"past the destination", a32, []int{2, 3}, []int{1, 1}, b32, []int{1, 3}},
+		{"short destination", a32, []int{7}, []int{0}, b32, []int{1}},
+		{"dtypes differ", a64, []int{2, 3}, []int{0, 0}, b32, []int{1, 1}},
+	} {
+		sshape := []int{2, 3}
+		soff := make([]int, len(tc.size))
+		if len(tc.size) == 1 {
+			sshape = []int{6}
+		}
+		if err := k.CopyBox(tc.dst, tc.dsh, tc.doff, tc.src, sshape, soff, tc.size); !errors.Is(err, device.ErrInvalid) {
+			t.Errorf("%s: %v, want ErrInvalid", tc.name, err)
+		}
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -64,7 +64,8 @@
 // "processes","world_size","steps","tokens_per_s","final_loss","losses",
 // "mem","mfu","flops_per_token","peak_flops","peak_source"} ("mem": the
 // largest rank's bytes of params, grads, optim, activations, comm and
-// their peak, also printed at the end; "mfu" a fraction, "peak_flops" all
+// their peak, also printed at the end, and on a device "device", its
+// allocator's statistics (device.Stats); "mfu" a fraction, "peak_flops" all
 // devices' FLOP/s); -compare (in-process ranks only)
 // also trains on one rank and reports the largest difference.
 package main

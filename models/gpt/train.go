@@ -221,6 +221,8 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	}
 	tr.params = md.Params()
 	tr.meter.Add(tr.memoryUse)
+	// On a device, Memory reports its allocator too ("mem".device in -json).
+	tr.meter.SetDevice(tr.tape.Device())
 	if tr.opt, err = optim.NewAdamW(tr.params, optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}

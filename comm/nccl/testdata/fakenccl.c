@@ -1,7 +1,9 @@
 // A fake NCCL and CUDA driver for the tests of package nccl, built with
 // gcc -shared -fPIC into a temporary folder and loaded as both libnccl.so.2
-// and libcuda.so.1. It exports the entry points the package binds, with
-// the same C signatures, and
+// and libcuda.so.1 (the driver through device/cuda, which binds more of it
+// than NCCL's use needs: what the nccl tests do not use, such as kernels
+// and asynchronous copies, returns CUDA_ERROR_NOT_SUPPORTED). It exports
+// the entry points the packages bind, with the same C signatures, and
 //
 //   - records every call with its arguments in a text log (fake_log);
 //   - keeps "device memory" in malloc'd blocks and checks that every
@@ -39,7 +41,8 @@ enum {
   ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6, ncclInProgress = 7,
 };
 enum { CUDA_OK = 0, CUDA_INVALID_VALUE = 1, CUDA_OOM = 2, CUDA_INVALID_DEVICE = 101,
-       CUDA_INVALID_CONTEXT = 201, CUDA_INVALID_HANDLE = 400, CUDA_NOT_READY = 600 };
+       CUDA_INVALID_CONTEXT = 201, CUDA_INVALID_HANDLE = 400, CUDA_NOT_READY = 600,
+       CUDA_NOT_SUPPORTED = 801 };
 
 #define EXPORT __attribute__((visibility("default")))
 #define INT_MIN_ (-2147483647 - 1)
@@ -278,6 +281,115 @@ EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
   RET(CUDA_OK);
 }
 
+/* Device queries and copies that device/cuda binds beside what NCCL's use
+   needs: real where device/cuda's Open and the tests call them, the rest
+   CUDA_ERROR_NOT_SUPPORTED. */
+
+static const size_t fake_total_mem = (size_t)80 << 30;
+
+EXPORT CUresult cuDeviceGetName(char *name, int len, int dev) {
+  if (dev < 0 || dev >= fake_ndev) return CUDA_INVALID_DEVICE;
+  snprintf(name, len, "Fake NCCL GPU %d", dev);
+  return CUDA_OK;
+}
+
+EXPORT CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
+  if (dev < 0 || dev >= fake_ndev) return CUDA_INVALID_DEVICE;
+  switch (attr) {
+  case 16: *v = 132; return CUDA_OK; // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+  case 75: *v = 9; return CUDA_OK;   // COMPUTE_CAPABILITY_MAJOR
+  case 76: *v = 0; return CUDA_OK;   // COMPUTE_CAPABILITY_MINOR
+  }
+  return CUDA_NOT_SUPPORTED;
+}
+
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, int dev) {
+  if (dev < 0 || dev >= fake_ndev) return CUDA_INVALID_DEVICE;
+  *bytes = fake_total_mem;
+  return CUDA_OK;
+}
+
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
+  LOCK;
+  NEED_CTX("cuMemGetInfo_v2");
+  size_t used = 0;
+  for (struct alloc *a = allocs; a; a = a->next) used += a->n;
+  *free_ = fake_total_mem - used;
+  *total = fake_total_mem;
+  RET(CUDA_OK);
+}
+
+EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+  LOCK;
+  NEED_CTX("cuMemcpyDtoD_v2");
+  logf_("cuMemcpyDtoD_v2 dst=0x%llx src=0x%llx bytes=%zu", dst, src, n);
+  if (!in_alloc(dst, n) || !in_alloc(src, n)) RET(CUDA_INVALID_VALUE);
+  memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+  RET(CUDA_OK);
+}
+
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
+  LOCK;
+  NEED_CTX("cuMemsetD8_v2");
+  logf_("cuMemsetD8_v2 dst=0x%llx value=%u bytes=%zu", dst, v, n);
+  if (!in_alloc(dst, n)) RET(CUDA_INVALID_VALUE);
+  memset((void *)(uintptr_t)dst, v, n);
+  RET(CUDA_OK);
+}
+
+// not_supported logs a call the fake does not model and refuses it.
+static CUresult not_supported(const char *fn) {
+  LOCK;
+  logf_("%s not supported by the fake", fn);
+  RET(CUDA_NOT_SUPPORTED);
+}
+
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
+  (void)dst, (void)src, (void)n, (void)s;
+  return not_supported("cuMemcpyHtoDAsync_v2");
+}
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
+  (void)dst, (void)src, (void)n, (void)s;
+  return not_supported("cuMemcpyDtoHAsync_v2");
+}
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) {
+  (void)dst, (void)src, (void)n, (void)s;
+  return not_supported("cuMemcpyDtoDAsync_v2");
+}
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s) {
+  (void)dst, (void)v, (void)n, (void)s;
+  return not_supported("cuMemsetD8Async");
+}
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *s) {
+  (void)dst, (void)v, (void)n, (void)s;
+  return not_supported("cuMemsetD32Async");
+}
+EXPORT CUresult cuModuleLoadData(void **mod, const void *image) {
+  (void)mod, (void)image;
+  return not_supported("cuModuleLoadData");
+}
+EXPORT CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
+  (void)fn, (void)mod, (void)name;
+  return not_supported("cuModuleGetFunction");
+}
+EXPORT CUresult cuModuleUnload(void *mod) {
+  (void)mod;
+  return not_supported("cuModuleUnload");
+}
+EXPORT CUresult cuFuncSetAttribute(void *fn, int attr, int v) {
+  (void)fn, (void)attr, (void)v;
+  return not_supported("cuFuncSetAttribute");
+}
+EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                               unsigned smem, void *s, void **params, void **extra) {
+  (void)f, (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)smem, (void)s, (void)params, (void)extra;
+  return not_supported("cuLaunchKernel");
+}
+EXPORT CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
+  (void)ms, (void)start, (void)end;
+  return not_supported("cuEventElapsedTime");
+}
+
 static const char *cu_name(CUresult rc) {
   switch (rc) {
   case 0: return "CUDA_SUCCESS";
@@ -289,6 +401,7 @@ static const char *cu_name(CUresult rc) {
   case 400: return "CUDA_ERROR_INVALID_HANDLE";
   case 600: return "CUDA_ERROR_NOT_READY";
   case 700: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+  case 801: return "CUDA_ERROR_NOT_SUPPORTED";
   }
   return NULL;
 }

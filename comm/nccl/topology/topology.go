@@ -199,7 +199,7 @@ func NormalizeBusID(s string) (string, error) {
 
 // ForBusIDs returns the topology restricted to the devices with the given
 // PCI bus ids, in that order, so that its indices are CUDA ordinals when
-// busIDs[i] is CUDA device i's id (nccl.Device.PCIBusID).
+// busIDs[i] is CUDA device i's id (cuda.Context.PCIBusID, from device/cuda).
 func (t *Topology) ForBusIDs(busIDs []string) (*Topology, error) {
 	pos := make(map[string]int, len(t.Devices))
 	for i, d := range t.Devices {
