@@ -20,6 +20,7 @@ import (
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/internal/dynlib"
+	"github.com/b7ea7098/loom/kernels"
 )
 
 // These tests run a whole cuda.Device on one fake library, built here with
@@ -317,6 +318,10 @@ func testFakeDeviceErrors(t *testing.T, f *deviceFake) {
 		{"other device", k.Add(c, a, other), device.ErrMixed, "inputs on cuda:0 and emu:0 (b)"},
 		{"float64 to a float32 kernel", k.Add(f64s, f64s, f64s), loom.ErrUnsupported, "cuda:0: Add: unsupported: float64 dst"},
 		{"float64 AdamW", k.AdamW(f64s, f64s, f64s, f64s, [8]float64{}), loom.ErrUnsupported, "AdamW: unsupported: float64 p"},
+		{"float64 SGD", k.SGD(f64s, f64s, nil, kernels.SGDStep{LR: 1}), loom.ErrUnsupported, "SGD: unsupported: float64 p"},
+		{"SGD without buf", k.SGD(a, a, nil, kernels.SGDStep{LR: 1, Momentum: 0.9}), device.ErrInvalid, "SGD: invalid argument: buf is nil"},
+		{"box outside", k.CopyBox(c, []int{2, 3}, []int{1, 1}, a, []int{2, 3}, []int{0, 0}, []int{1, 3}), device.ErrInvalid, "CopyBox: invalid argument"},
+		{"box dtypes", k.CopyBox(c, []int{6}, []int{0}, f64s, []int{6}, []int{0}, []int{6}), device.ErrInvalid, "dst is float32, src float64"},
 		{"float16 cast", k.Cast(f64s, short), device.ErrInvalid, "Cast: invalid argument: dst has 6 elements, src 5"},
 		{"short buffer", k.Mul(c, a, short), device.ErrInvalid, "Mul: invalid argument: b has 5 elements, want 6"},
 		{"freed buffer", k.Mul(c, a, freed), device.ErrInvalid, "Mul: invalid argument: b was freed"},
@@ -509,6 +514,31 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 					return k.AdamW(b[0], b[1], b[2], b[3], [8]float64{1 - 3e-5, 0.9, 0.1, 0.95, 0.05, math.Sqrt(1 - 0.95*0.95), -3e-4 / 0.19, 1e-8})
 				}},
 		)
+		cs = append(cs,
+			kcase{fmt.Sprintf("Scale/%d", n), []kbuf{outF32(n, exact), inF32(r, n, 3)},
+				func(k device.Kernels, b []device.Buffer) error { return k.Scale(b[0], b[1], -0.3) }},
+			// Both sum squares in double, in different orders.
+			kcase{fmt.Sprintf("SumSquares/%d", n), []kbuf{{dt: comm.Float64, n: 1, out: true, tol: tol{1e-13, 0}}, inF32(r, n, 2)},
+				func(k device.Kernels, b []device.Buffer) error { return k.SumSquares(b[0], b[1]) }},
+		)
+		for _, st := range []kernels.SGDStep{
+			{LR: 0.05},
+			{LR: 0.05, WeightDecay: 0.01, Momentum: 0.9, First: true},
+			{LR: 0.05, WeightDecay: 0.01, Momentum: 0.9, Nesterov: true, Maximize: true},
+			{LR: 0.05, Momentum: 0.5, Dampening: 0.25},
+		} {
+			bufs := []kbuf{{dt: comm.Float32, n: n, init: randInit(r, n, 1), out: true}, inF32(r, n, 1)}
+			if st.Momentum != 0 {
+				bufs = append(bufs, kbuf{dt: comm.Float32, n: n, init: randInit(r, n, 0.1), out: true})
+			}
+			cs = append(cs, kcase{fmt.Sprintf("SGD %+v/%d", st, n), bufs, func(k device.Kernels, b []device.Buffer) error {
+				var buf device.Buffer
+				if len(b) > 2 {
+					buf = b[2]
+				}
+				return k.SGD(b[0], b[1], buf, st)
+			}})
+		}
 		for _, dt := range []comm.DType{comm.Float32, comm.Float64, comm.BFloat16, comm.Float16} {
 			cs = append(cs, kcase{fmt.Sprintf("Fill %v/%d", dt, n), []kbuf{{dt: dt, n: n, out: true}},
 				func(k device.Kernels, b []device.Buffer) error { return k.Fill(b[0], -1.3e-3) }})
@@ -631,6 +661,23 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 				return k.Gemm(device.Gemm{M: m, N: n, K: kk, A: b[0], B: b[1], C: b[2], LDA: kk, LDB: n, LDC: n, Alpha: 1,
 					Batch: batch, StrideA: m * kk, StrideB: 0, StrideC: m * n})
 			}})
+	}
+	for _, c := range []struct{ dshape, doff, sshape, soff, size []int }{
+		{nil, nil, nil, nil, nil}, // one element
+		{[]int{7}, []int{2}, []int{9}, []int{3}, []int{4}},
+		{[]int{5, 6}, []int{1, 2}, []int{4, 7}, []int{0, 3}, []int{3, 4}},
+		{[]int{3, 4, 5}, []int{1, 0, 0}, []int{2, 4, 5}, []int{0, 0, 0}, []int{2, 4, 5}}, // whole trailing dims: one run
+		{[]int{3, 4, 5}, []int{0, 1, 2}, []int{2, 3, 6}, []int{1, 0, 1}, []int{1, 2, 3}},
+		{[]int{4, 4}, []int{0, 0}, []int{4, 4}, []int{0, 0}, []int{0, 4}}, // empty
+	} {
+		dn, sn := prod(c.dshape), prod(c.sshape)
+		for _, dt := range []comm.DType{comm.Float32, comm.Float64, comm.Int64} {
+			cs = append(cs, kcase{fmt.Sprintf("CopyBox %v/%v", dt, c), []kbuf{{dt: dt, n: dn, init: randInit(r, dn, 100), out: true},
+				{dt: dt, n: sn, init: randInit(r, sn, 100)}},
+				func(k device.Kernels, b []device.Buffer) error {
+					return k.CopyBox(b[0], c.dshape, c.doff, b[1], c.sshape, c.soff, c.size)
+				}})
+		}
 	}
 	for _, s := range sh.attn {
 		bt := s.Batch * s.T
@@ -872,4 +919,13 @@ func compareOut(t *testing.T, what string, got, want []float64, tl tol) {
 			return
 		}
 	}
+}
+
+// prod is the product of dims (1 for none).
+func prod(dims []int) int {
+	p := 1
+	for _, d := range dims {
+		p *= d
+	}
+	return p
 }

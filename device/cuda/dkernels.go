@@ -9,6 +9,7 @@ import (
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/internal/half"
+	"github.com/b7ea7098/loom/kernels"
 )
 
 // cudaKernels is a Device's device.Kernels: each method checks its
@@ -900,4 +901,153 @@ func (k cudaKernels) AdamW(p, g, m, v device.Buffer, c [8]float64) error {
 		args = append(args, float32(x))
 	}
 	return k.elementwise(op, "optim.cu", "loom_adamw_f32", n, args...)
+}
+
+// SGD is one SGD step (kernels.SGD) on Float32 buffers, the coefficients
+// rounded to float32; buf may be nil when s.Momentum is 0. Float64 has no
+// kernel (an error wrapping loom.ErrUnsupported).
+func (k cudaKernels) SGD(p, g, buf device.Buffer, s kernels.SGDStep) error {
+	const op = "SGD"
+	b, err := k.check(op, f32("p", p), f32("g", g), arg{name: "buf", b: buf, dtypes: []comm.DType{comm.Float32}, optional: s.Momentum == 0})
+	if err != nil {
+		return err
+	}
+	n := b[0].Len()
+	if err := k.lens(op, n, "pgb", b...); err != nil {
+		return err
+	}
+	flags := int32(0)
+	if s.Maximize {
+		flags |= 1 // LOOM_SGD_MAXIMIZE
+	}
+	if s.Nesterov {
+		flags |= 2 // LOOM_SGD_NESTEROV
+	}
+	if s.First {
+		flags |= 4 // LOOM_SGD_FIRST
+	}
+	var bufRaw Buffer
+	if s.Momentum != 0 {
+		bufRaw = b[2].raw()
+	}
+	return k.elementwise(op, "optim.cu", "loom_sgd_f32", n, b[0].raw(), b[1].raw(), bufRaw, int64(n),
+		float32(s.LR), float32(s.WeightDecay), float32(s.Momentum), float32(1-s.Dampening), flags)
+}
+
+// SumSquares is Σ x² of a Float32 x into out (Float64, one element), in
+// double: partial sums per block, then one block adds them. Float64 x has
+// no kernel (an error wrapping loom.ErrUnsupported).
+func (k cudaKernels) SumSquares(out, x device.Buffer) error {
+	const op = "SumSquares"
+	b, err := k.check(op, f64("out", out, false), f32("x", x))
+	if err != nil {
+		return err
+	}
+	if b[0].Len() != 1 {
+		return k.invalid(op, "out has %d elements, want 1", b[0].Len())
+	}
+	n := b[1].Len()
+	grid := k.gridFor(max(n, 1), blockThreads)
+	return k.withScratch(comm.Float64, []int{int(grid.X)}, func(s []*DeviceBuffer) error {
+		if err := k.launch(op, "elementwise.cu", "loom_sumsq_f32", grid, Dim3{X: blockThreads}, 0, s[0].raw(), b[1].raw(), int64(n)); err != nil {
+			return err
+		}
+		return k.launch(op, "elementwise.cu", "loom_sum_f64", Dim3{X: 1}, Dim3{X: blockThreads}, 0, b[0].raw(), s[0].raw(), int64(grid.X))
+	})
+}
+
+// Scale is dst = c·x on Float32 buffers (loom_axpby_f32 with b = 0), c
+// rounded to float32; dst may be x. Float64 has no kernel (an error
+// wrapping loom.ErrUnsupported).
+func (k cudaKernels) Scale(dst, x device.Buffer, c float64) error {
+	const op = "Scale"
+	b, err := k.check(op, f32("dst", dst), f32("x", x))
+	if err != nil {
+		return err
+	}
+	n := b[0].Len()
+	if err := k.lens(op, n, "dx", b...); err != nil {
+		return err
+	}
+	return k.elementwise(op, "elementwise.cu", "loom_axpby_f32", n, b[0].raw(), b[1].raw(), Buffer{}, float32(c), float32(0), int64(n))
+}
+
+// CopyBox copies a box between two row-major arrays of one dtype
+// (kernels.CopyBox), checked by kernels.CheckBox first. There is no box
+// kernel yet: it queues one cuMemcpyDtoDAsync per contiguous run on the
+// compute stream (the box's rows, merged where the box spans whole
+// trailing dims of both arrays), which is right but slow for boxes of
+// many short rows.
+func (k cudaKernels) CopyBox(dst device.Buffer, dshape, doff []int, src device.Buffer, sshape, soff, size []int) error {
+	const op = "CopyBox"
+	all := comm.AllDTypes()
+	v, err := k.check(op, arg{name: "dst", b: dst, dtypes: all}, arg{name: "src", b: src, dtypes: all})
+	if err != nil {
+		return err
+	}
+	if v[0].DType() != v[1].DType() {
+		return k.invalid(op, "dst is %v, src %v", v[0].DType(), v[1].DType())
+	}
+	if err := kernels.CheckBox(v[0].Len(), dshape, doff, v[1].Len(), sshape, soff, size); err != nil {
+		return fmt.Errorf("%s: %s: %w: %w", k.d.name, op, device.ErrInvalid, err)
+	}
+	es := v[0].DType().Size()
+	nd := len(size)
+	if nd == 0 {
+		return k.copyRun(op, v[0], 0, v[1], 0, es)
+	}
+	for _, s := range size {
+		if s == 0 {
+			return nil
+		}
+	}
+	// Merge trailing dims the box spans in both arrays into one run: run
+	// covers dims [inner, nd).
+	run, inner := size[nd-1], nd-1
+	for inner > 0 && size[inner] == dshape[inner] && size[inner] == sshape[inner] {
+		inner--
+		run *= size[inner]
+	}
+	// Strides in elements of both arrays.
+	dstr, sstr := make([]int, nd), make([]int, nd)
+	dstr[nd-1], sstr[nd-1] = 1, 1
+	for i := nd - 2; i >= 0; i-- {
+		dstr[i], sstr[i] = dstr[i+1]*dshape[i+1], sstr[i+1]*sshape[i+1]
+	}
+	// idx walks the box's indices of dims [0, inner).
+	idx := make([]int, inner)
+	for {
+		do, so := 0, 0
+		for i := range nd {
+			j := 0
+			if i < inner {
+				j = idx[i]
+			}
+			do += (doff[i] + j) * dstr[i]
+			so += (soff[i] + j) * sstr[i]
+		}
+		if err := k.copyRun(op, v[0], do*es, v[1], so*es, run*es); err != nil {
+			return err
+		}
+		i := inner - 1
+		for ; i >= 0; i-- {
+			if idx[i]++; idx[i] < size[i] {
+				break
+			}
+			idx[i] = 0
+		}
+		if i < 0 {
+			return nil
+		}
+	}
+}
+
+// copyRun queues a copy of bytes bytes from src at byte so to dst at do.
+func (k cudaKernels) copyRun(op string, dst *DeviceBuffer, do int, src *DeviceBuffer, so, bytes int) error {
+	d := Buffer{Ptr: DevicePtr(dst.ptr + uintptr(do)), Bytes: bytes}
+	s := Buffer{Ptr: DevicePtr(src.ptr + uintptr(so)), Bytes: bytes}
+	if err := k.d.compute.Copy(d, s, bytes); err != nil {
+		return fmt.Errorf("%s: %s: %w", k.d.name, op, err)
+	}
+	return nil
 }
