@@ -198,6 +198,63 @@ func testFakeAllocator(t *testing.T, f *deviceFake) {
 		t.Errorf("driver allocations: %d after the first step, %d after five", after1, st.DriverAllocs)
 	}
 
+	// A buffer also used on another stream is reused only after the work
+	// queued there by its Free has run (the fake's streams run only when
+	// waited for, so that work is still queued here).
+	side, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	used, err := d.Alloc(comm.Float32, 5000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.RecordStream(used, side); err != nil {
+		t.Fatal(err)
+	}
+	ev, err := d.NewEvent(false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ev.Record(d.Compute()); err != nil {
+		t.Fatal(err)
+	}
+	if err := side.WaitEvent(ev); err != nil { // queued work on side
+		t.Fatal(err)
+	}
+	usedPtr := used.Ptr()
+	if err := used.Free(); err != nil {
+		t.Fatal(err)
+	}
+	if st := d.Memory().Stats(); st.Pending == 0 {
+		t.Errorf("a free waiting for another stream is not pending: %+v", st)
+	}
+	again, err := d.Alloc(comm.Float32, 5000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again.Ptr() == usedPtr {
+		t.Error("a block was reused before the other stream's work ran")
+	}
+	if err := side.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	third, err := d.Alloc(comm.Float32, 5000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if third.Ptr() != usedPtr || d.Memory().Stats().Pending != 0 {
+		t.Errorf("after the other stream ran, the block was not reused: %#x, want %#x", third.Ptr(), usedPtr)
+	}
+	for _, b := range []device.Buffer{again, third} {
+		if err := b.Free(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ev.Close(); err != nil {
+		t.Fatal(err)
+	}
+
 	keep, err := d.Alloc(comm.Float32, 1000)
 	if err != nil {
 		t.Fatal(err)
