@@ -36,6 +36,9 @@ func GELURule(x *placement.Spec) (*placement.Spec, error) {
 
 func geluOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 	const op = "GELU"
+	if d, ok := onDevice(x.data); ok {
+		return geluDev(t, d, spec, x)
+	}
 	xd, err := dataOf[T](x.data)
 	if err != nil {
 		return nil, err

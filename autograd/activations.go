@@ -35,14 +35,17 @@ func heldOf(x any) (heldBlock, bool) {
 	var ok bool
 	switch v := x.(type) {
 	case *placement.DTensor:
+		// Device blocks are not counted: their memory is the device
+		// allocator's to report.
 		s, ok = spanOf(v)
+		ok = ok && s.dev.d == nil
 	case []float32:
 		if len(v) > 0 {
-			s, ok = span{unsafe.Pointer(unsafe.SliceData(v)), uintptr(len(v)) * 4}, true
+			s, ok = span{p: unsafe.Pointer(unsafe.SliceData(v)), bytes: uintptr(len(v)) * 4}, true
 		}
 	case []float64:
 		if len(v) > 0 {
-			s, ok = span{unsafe.Pointer(unsafe.SliceData(v)), uintptr(len(v)) * 8}, true
+			s, ok = span{p: unsafe.Pointer(unsafe.SliceData(v)), bytes: uintptr(len(v)) * 8}, true
 		}
 	}
 	return heldBlock{s.p, int64(s.bytes)}, ok

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"unsafe"
 
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
@@ -47,6 +48,14 @@ type arena struct {
 	// buffers handed out since it started, to take them back when its
 	// backward is over (track, untrack).
 	tracks [][]unsafe.Pointer
+	// devOut, devTracks and devEmpty are the same for buffers of devices
+	// other than the host (devices.go): they are not kept on free lists
+	// here but freed (device.Buffer.Free), which hands them to the
+	// device's caching allocator, where out here says they go back to a
+	// free list. devEmpty holds the empty ones, which have no address.
+	devOut    map[devKey]devBuf
+	devTracks [][]devKey
+	devEmpty  []devBuf
 }
 
 type arenaBuf struct {
@@ -183,6 +192,7 @@ func (a *arena) reset() {
 			a.putLocked(p)
 		}
 	}
+	a.devFreeLocked(false)
 	if len(a.used) == 0 {
 		// Nothing was asked for since the last reset (a Recycle right
 		// after Backward): no pass ran, so no length has gone out of use.
@@ -220,6 +230,7 @@ func (a *arena) recycle() {
 		}
 		a.putLocked(p)
 	}
+	a.devFreeLocked(true)
 }
 
 // track starts recording the buffers handed out, for untrack.
@@ -227,6 +238,7 @@ func (a *arena) track() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.tracks = append(a.tracks, nil)
+	a.devTracks = append(a.devTracks, nil)
 }
 
 // untrack ends the innermost track and takes back every buffer handed
@@ -242,12 +254,13 @@ func (a *arena) untrack(keep []*placement.DTensor) {
 	}
 	list := a.tracks[k-1]
 	a.tracks = a.tracks[:k-1]
+	a.devUntrackLocked(keep)
 	for _, p := range list {
 		b, ok := a.out[p]
 		if !ok {
 			continue
 		}
-		s := span{p, uintptr(b.n * b.size)}
+		s := span{p: p, bytes: uintptr(b.n * b.size)}
 		if overlapsAny(s, keep) {
 			if k > 1 {
 				a.tracks[k-2] = append(a.tracks[k-2], p)
@@ -263,6 +276,9 @@ func (a *arena) untrack(keep []*placement.DTensor) {
 func (a *arena) giveBack(s span) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if s.dev.d != nil {
+		return a.devGiveLocked(s, false)
+	}
 	b, ok := a.out[s.p]
 	if !ok || uintptr(b.n*b.size) != s.bytes {
 		return false
@@ -290,6 +306,9 @@ func (a *arena) giveLocked(p unsafe.Pointer, b arenaBuf) {
 type span struct {
 	p     unsafe.Pointer
 	bytes uintptr
+	// dev is the block's device and address when it is a device buffer
+	// (p is nil then): device addresses are not Go pointers.
+	dev devKey
 }
 
 func spanOf(dt *placement.DTensor) (span, bool) {
@@ -299,18 +318,23 @@ func spanOf(dt *placement.DTensor) (span, bool) {
 	switch d := dt.LocalData().(type) {
 	case []float32:
 		if len(d) > 0 {
-			return span{unsafe.Pointer(unsafe.SliceData(d)), uintptr(len(d)) * 4}, true
+			return span{p: unsafe.Pointer(unsafe.SliceData(d)), bytes: uintptr(len(d)) * 4}, true
 		}
 	case []float64:
 		if len(d) > 0 {
-			return span{unsafe.Pointer(unsafe.SliceData(d)), uintptr(len(d)) * 8}, true
+			return span{p: unsafe.Pointer(unsafe.SliceData(d)), bytes: uintptr(len(d)) * 8}, true
 		}
+	case device.Buffer:
+		return devSpan(d)
 	}
 	return span{}, false
 }
 
 // overlaps reports whether two spans share a byte.
 func (s span) overlaps(o span) bool {
+	if s.dev.d != nil || o.dev.d != nil {
+		return s.dev.d == o.dev.d && s.dev.p < o.dev.p+o.bytes && o.dev.p < s.dev.p+s.bytes
+	}
 	a, b := uintptr(s.p), uintptr(o.p)
 	return a < b+o.bytes && b < a+s.bytes
 }
@@ -322,12 +346,18 @@ func (s span) overlaps(o span) bool {
 func (a *arena) releaseDead(dead, live []*placement.DTensor) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if len(a.out) == 0 {
+	if len(a.out) == 0 && len(a.devOut) == 0 {
 		return
 	}
 	for _, d := range dead {
 		s, ok := spanOf(d)
 		if !ok {
+			continue
+		}
+		if s.dev.d != nil {
+			if !overlapsAny(s, live) {
+				a.devGiveLocked(s, true)
+			}
 			continue
 		}
 		b, ok := a.out[s.p]
@@ -361,6 +391,12 @@ func (a *arena) exclusive(g *placement.DTensor, others []*placement.DTensor) boo
 	s, ok := spanOf(g)
 	if !ok {
 		return false
+	}
+	if s.dev.d != nil {
+		if b, ok := a.devOut[s.dev]; !ok || b.result || devBytes(b.b) != s.bytes {
+			return false
+		}
+		return !overlapsAny(s, others)
 	}
 	if b, ok := a.out[s.p]; !ok || b.result || uintptr(b.n*b.size) != s.bytes {
 		return false

@@ -66,7 +66,9 @@ func Custom(name string, inputs []*Value, forward CustomForward, backward Custom
 	if forward == nil {
 		return nil, invalidf(name, "nil forward function")
 	}
-	t, err := checkInputs(name, inputs...)
+	// A custom op runs wherever its inputs are: its functions get their
+	// device's blocks (device.Buffer) as LocalData.
+	t, err := checkInputsOn(name, true, inputs...)
 	if err != nil {
 		return nil, err
 	}

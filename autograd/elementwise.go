@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -204,6 +205,9 @@ func addInto[T float](out, a, b []T) []T {
 
 // add is the element-wise sum, in a block as a says.
 func add(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
+	if d, ok := onDevice(x); ok {
+		return devZip("Add", a, d, spec, x, y, device.Kernels.Add)
+	}
 	return zip(spec, x, y,
 		func(u, v []float32) []float32 { return addInto(block[float32](a, len(u)), u, v) },
 		func(u, v []float64) []float64 { return addInto(block[float64](a, len(u)), u, v) })
@@ -211,6 +215,9 @@ func add(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTe
 
 // mul is the element-wise product (kernels.Mul), in a block as a says.
 func mul(a alloc, spec *placement.Spec, x, y *placement.DTensor) (*placement.DTensor, error) {
+	if d, ok := onDevice(x); ok {
+		return devZip("Mul", a, d, spec, x, y, device.Kernels.Mul)
+	}
 	return zip(spec, x, y,
 		func(u, v []float32) []float32 { return mulInto(block[float32](a, len(u)), u, v) },
 		func(u, v []float64) []float64 { return mulInto(block[float64](a, len(u)), u, v) })
@@ -235,6 +242,9 @@ func scaleInto[T float](out, a []T, c T) []T {
 // scale multiplies the local block of x by c (kernels.Scale) and lays it
 // out by spec, in a block as a says.
 func scale(a alloc, spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
+	if d, ok := onDevice(x); ok {
+		return devScale(a, d, spec, x, c)
+	}
 	switch d := x.LocalData().(type) {
 	case []float32:
 		return placement.NewLocal(spec, scaleInto(block[float32](a, len(d)), d, float32(c)))

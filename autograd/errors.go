@@ -23,6 +23,10 @@ var (
 	// would need a collective. loom never inserts one the caller did not
 	// ask for; the message names both placements.
 	ErrGradPlacement = errors.New("gradient placement needs communication")
+	// ErrUnsupported: the op is well formed but has no form for its
+	// inputs' device or dtype (an op that runs on the host only, float64
+	// on a device). It matches loom.ErrUnsupported.
+	ErrUnsupported = loom.NewSentinel("unsupported", loom.ErrUnsupported)
 )
 
 func invalidf(op, format string, args ...any) error {
@@ -35,4 +39,8 @@ func rulef(op, format string, args ...any) error {
 
 func gradPlacementf(op, format string, args ...any) error {
 	return fmt.Errorf("autograd: %s: %w: %s", op, ErrGradPlacement, fmt.Sprintf(format, args...))
+}
+
+func unsupportedf(op, format string, args ...any) error {
+	return fmt.Errorf("autograd: %s: %w: %s", op, ErrUnsupported, fmt.Sprintf(format, args...))
 }

@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -48,6 +49,8 @@ func clone(dt *placement.DTensor) (*placement.DTensor, error) {
 		return placement.NewLocal(dt.Spec(), slices.Clone(d))
 	case []float64:
 		return placement.NewLocal(dt.Spec(), slices.Clone(d))
+	case device.Buffer:
+		return devClone(d, dt.Spec())
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", dt.LocalData())
 }
@@ -65,14 +68,27 @@ func addInPlace(x, y *placement.DTensor) error {
 			addInto(xd, xd, yd)
 			return nil
 		}
+	case device.Buffer:
+		k, err := devKernels("Backward", xd.Owner(), xd.DType())
+		if err != nil {
+			return err
+		}
+		if yd := bufOf(y); yd != nil && yd.Len() == xd.Len() {
+			return devWrap("Backward", k.Add(xd, xd, yd))
+		}
 	}
 	return fmt.Errorf("autograd: internal: local blocks %v and %v do not match", x.LocalShape(), y.LocalShape())
 }
 
-// dataOf returns dt's local block as a []T.
+// dataOf returns dt's local block as a []T. A block on a device is an
+// error wrapping ErrUnsupported: the ops that take one have a device
+// branch before they get here, and the others run on the host only.
 func dataOf[T float](dt *placement.DTensor) ([]T, error) {
 	d, ok := dt.LocalData().([]T)
 	if !ok {
+		if b := bufOf(dt); b != nil {
+			return nil, fmt.Errorf("autograd: %w: a tensor on %s where the op takes host data; copy it there with autograd.To", ErrUnsupported, b.Device())
+		}
 		var z T
 		return nil, fmt.Errorf("autograd: internal: local data of type %T, want []%T", dt.LocalData(), z)
 	}

@@ -221,6 +221,9 @@ func partners(x placement.Placement) string {
 // says: scratch for a gradient (of an intermediate value, or of a leaf,
 // which Backward copies), a result for an op's result.
 func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, m, n, k int) (*placement.DTensor, error) {
+	if d, ok := onDevice(x); ok {
+		return devGemm(a, d, spec, x, y, transA, transB, m, n, k)
+	}
 	lda, ldb := k, n
 	if transA {
 		lda = m
@@ -468,8 +471,9 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			addBias = false
 		}
 	}
+	dev, onDev := onDevice(x.data)
 	var bd []T
-	if addBias {
+	if addBias && !onDev {
 		if bd, err = dataOf[T](b.data); err != nil {
 			return nil, err
 		}
@@ -478,6 +482,9 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 		}
 	}
 	y, err := reusedOr(t, op, spec, func() (*placement.DTensor, error) {
+		if onDev && addBias {
+			return devGemmBias(t, dev, spec, x.data, w.data, bufOf(b.data), m, n, k)
+		}
 		return gemmBias(t, blas, spec, x.data, w.data, bd, m, n, k)
 	})
 	if err != nil {
@@ -553,6 +560,12 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			s, err := gradSpec(b.Spec(), db)
 			if err != nil {
 				return nil, err
+			}
+			if gb := bufOf(g); gb != nil {
+				if grads[2], err = devColumnSums(t, s, gb, n); err != nil {
+					return nil, err
+				}
+				return grads, nil
 			}
 			gd, err := dataOf[T](g)
 			if err != nil {

@@ -33,6 +33,9 @@ func LayerNorm(x, w, b *Value, eps float64) (*Value, error) {
 	if !(eps >= 0) {
 		return nil, invalidf(op, "eps %v must be non-negative", eps)
 	}
+	if d, ok := onDevice(x.data); ok {
+		return layerNormDev(t, d, spec, x, w, b, eps)
+	}
 	if isF32(spec) {
 		return layerNormOp[float32](t, spec, x, w, b, eps)
 	}

@@ -27,7 +27,12 @@ func Sum(a *Value, dims ...int) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := sumLocal(spec, a.data, reduce)
+	var out *placement.DTensor
+	if d, ok := onDevice(a.data); ok {
+		out, err = devSum(t, d, spec, a.data, reduce)
+	} else {
+		out, err = sumLocal(spec, a.data, reduce)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -152,6 +157,9 @@ func sumT[T float](spec *placement.Spec, x []T, shape []int, reduce []bool) (*pl
 // local shape (kernels.BroadcastDims) into t's arena (a gradient); spec
 // is the result's layout.
 func broadcastLocal(t *Tape, spec *placement.Spec, g *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
+	if d, ok := onDevice(g); ok {
+		return devBroadcast(t, d, spec, g, reduce)
+	}
 	shape := spec.LocalShape()
 	switch d := g.LocalData().(type) {
 	case []float32:

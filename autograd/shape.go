@@ -462,7 +462,7 @@ func Reshape(x *Value, shape ...int) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := placement.NewLocal(spec, x.data.LocalData())
+	out, err := rewrap(spec, x.data)
 	if err != nil {
 		return nil, fmt.Errorf("autograd: %s: internal: %w", op, err)
 	}
@@ -476,9 +476,18 @@ func Reshape(x *Value, shape ...int) (*Value, error) {
 		if err != nil {
 			return nil, err
 		}
-		gx, err := placement.NewLocal(s, g.LocalData())
+		gx, err := rewrap(s, g)
 		return []*placement.DTensor{gx}, err
 	}), nil
+}
+
+// rewrap lays x's local block (not a copy) out by spec: Reshape's view,
+// on the host or a device.
+func rewrap(spec *placement.Spec, x *placement.DTensor) (*placement.DTensor, error) {
+	if b := bufOf(x); b != nil {
+		return placement.NewLocalOn(spec, b)
+	}
+	return placement.NewLocal(spec, x.LocalData())
 }
 
 // ReshapeRule is the sharding rule of Reshape to shape (one entry may be

@@ -429,6 +429,8 @@ func (v *Value) GradBytes() int64 {
 		return 4 * int64(len(b))
 	case []float64:
 		return 8 * int64(len(b))
+	case device.Buffer:
+		return int64(b.Len() * b.DType().Size())
 	}
 	return 0
 }
@@ -438,7 +440,8 @@ func (v *Value) GradBytes() int64 {
 // gradient that is consumed once and would otherwise hold its memory
 // between steps (FSDP drops a gathered parameter's gradient once it is
 // reduce-scattered). It may be called from a gradient hook. It returns
-// the dropped gradient's local block ([]float32 or []float64) when
+// the dropped gradient's local block ([]float32 or []float64, or the
+// device.Buffer of a gradient on a device, which the caller then owns) when
 // Backward allocated it for this leaf alone, for the caller to pass to
 // another leaf's KeepGradBuffer, and nil otherwise (no gradient, one
 // given by SetGrad, or an empty block).
@@ -457,16 +460,16 @@ func (v *Value) ReleaseGrad() any {
 // KeepGradBuffer gives the leaf memory for its next gradient, as ZeroGrad
 // keeps the dropped gradient's on a tape made WithRecycling: Backward
 // copies the leaf's first gradient into block instead of allocating.
-// block must be a []float32 or []float64 that nothing else uses (one that
-// ReleaseGrad returned); one whose type or length differs from the next
-// gradient's block is not used. It replaces any memory kept before and
+// block must be a []float32 or []float64, or a device.Buffer, that nothing
+// else uses (one that ReleaseGrad returned); one whose type, length or
+// device differs from the next gradient's block is not used. It replaces any memory kept before and
 // does nothing on a leaf that holds a gradient.
 func (v *Value) KeepGradBuffer(block any) {
 	if v == nil || v.grad != nil {
 		return
 	}
 	switch block.(type) {
-	case []float32, []float64:
+	case []float32, []float64, device.Buffer:
 		v.spare, v.ownSpare = block, true
 	}
 }
@@ -513,9 +516,16 @@ func (v *Value) OnGradReady(fn GradHook) error {
 	return nil
 }
 
-// inputs validates op inputs: non-nil, on this tape and, when they need
-// gradients, recorded in the tape's current pass.
+// checkInputs validates op inputs: non-nil, on this tape and, when they
+// need gradients, recorded in the tape's current pass; on one device, and
+// on the host unless op has a device form (deviceForm).
 func checkInputs(op string, vs ...*Value) (*Tape, error) {
+	return checkInputsOn(op, deviceForm(op), vs...)
+}
+
+// checkInputsOn is checkInputs for an op that runs on devices when onDev
+// is set.
+func checkInputsOn(op string, onDev bool, vs ...*Value) (*Tape, error) {
 	var t *Tape
 	for i, v := range vs {
 		if v != nil && v.recycled {
@@ -542,6 +552,9 @@ func checkInputs(op string, vs ...*Value) (*Tape, error) {
 				return nil, fmt.Errorf("autograd: %w (input 0, %q, and input %d, %q; copy one with autograd.To): %w", err, vs[0].name, i, v.name, ErrInvalid)
 			}
 		}
+	}
+	if d, ok := onDevice(vs[0].data); ok && !onDev {
+		return nil, hostOnly(op, d)
 	}
 	return t, nil
 }
@@ -635,7 +648,14 @@ func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 	if err != nil {
 		return err
 	}
-	seed, err := filled(seedSpec, 1)
+	var seed *placement.DTensor
+	if d, ok := onDevice(loss.data); ok {
+		// Scratch, freed when the walk is over, as the host's seed is
+		// left to the garbage collector.
+		seed, err = filledOn(t.scratch(), d, seedSpec, 1)
+	} else {
+		seed, err = filled(seedSpec, 1)
+	}
 	if err != nil {
 		return err
 	}
@@ -896,6 +916,19 @@ func copyInto(spare any, g *placement.DTensor) *placement.DTensor {
 			copy(s, d)
 			data = s
 		}
+	case device.Buffer:
+		s, ok := spare.(device.Buffer)
+		if !ok || s.Owner() != d.Owner() || s.DType() != d.DType() || s.Len() != d.Len() || d.Len() == 0 {
+			return nil
+		}
+		if d.Owner().Copy(s, d) != nil {
+			return nil
+		}
+		c, err := placement.NewLocalOn(g.Spec(), s)
+		if err != nil {
+			return nil
+		}
+		return c
 	}
 	if data == nil {
 		return nil

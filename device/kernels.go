@@ -93,6 +93,18 @@ type Kernels interface {
 	// ErrInvalid (kernels.CheckBox), found at the call. The index slices
 	// are read before it returns.
 	CopyBox(dst Buffer, dshape, doff []int, src Buffer, sshape, soff, size []int) error
+
+	// The methods below serve autograd's ops on devices (step A6).
+
+	// FillRows is kernels.FillRows: every row of dst (rows of
+	// row.Len()) is set to row (Linear's bias before its beta = 1 GEMM).
+	FillRows(dst, row Buffer) error
+	// SumDims is kernels.SumDims: out holds x (of shape) summed over the
+	// dims where reduce is set, in row-major order over the dims kept.
+	SumDims(out, x Buffer, shape []int, reduce []bool) error
+	// BroadcastDims is kernels.BroadcastDims, SumDims's adjoint: out (of
+	// shape) repeats g along the dims where reduce is set.
+	BroadcastDims(out, g Buffer, shape []int, reduce []bool) error
 }
 
 // Gemm is one GEMM, or a batch of them, in row-major layout:

@@ -1,10 +1,11 @@
 // Package launch decides, from the environment and before anything
 // starts, how this process takes part in a training job, and starts its
 // part: in-process ranks (comm/local) when the program was not launched
-// by a job starter, one MPI rank (comm/mpi) under mpirun, or one NCCL
-// rank (comm/nccl) on GPU LOCAL_RANK under torchrun or cmd/loomrun, the
-// NCCL unique id passed through the rendezvous server at
-// MASTER_ADDR:MASTER_PORT.
+// by a job starter, one MPI rank (comm/mpi) under mpirun, and under
+// torchrun or cmd/loomrun one NCCL rank (comm/nccl) on GPU LOCAL_RANK
+// where the host has GPUs, else one TCP rank (comm/tcp, pure Go: the role
+// gloo plays for torchrun). NCCL's unique id and TCP's addresses pass
+// through the rendezvous server at MASTER_ADDR:MASTER_PORT.
 //
 //	job, err := launch.Detect(os.Getenv, *backend, dp*tp)
 //	...
@@ -14,8 +15,11 @@
 //	})
 //
 // The backend is the -backend flag when set, else LOOM_BACKEND, else
-// what the environment shows: Open MPI's OMPI_COMM_WORLD_SIZE means mpi,
-// torchrun's RANK or WORLD_SIZE means nccl, nothing means local. The MPI
+// what the environment shows: Open MPI's OMPI_COMM_WORLD_SIZE means mpi;
+// torchrun's (and loomrun's) RANK or WORLD_SIZE means nccl on a host whose
+// CUDA driver finds a GPU and tcp on one without (no driver library, or
+// none of its devices visible; LOOM_CUDA_DRIVER=off counts as none);
+// nothing means local. The MPI
 // backend exists only in binaries built with -tags mpi (it needs cgo and
 // Open MPI); a binary without it that mpirun started says so instead of
 // running one whole job in every process.
@@ -37,7 +41,7 @@ import (
 )
 
 // BackendEnv names the environment variable that chooses the backend
-// when the program's -backend flag is empty: local, mpi or nccl.
+// when the program's -backend flag is empty: local, mpi, nccl or tcp.
 const BackendEnv = "LOOM_BACKEND"
 
 // The backends.
@@ -48,11 +52,14 @@ const (
 	MPI = "mpi"
 	// NCCL runs one rank per process on GPU LOCAL_RANK (comm/nccl).
 	NCCL = "nccl"
+	// TCP runs one rank per process over TCP connections between the
+	// processes (comm/tcp): any number of hosts, no GPU, no cgo.
+	TCP = "tcp"
 )
 
 // Backends returns the backend names, in the order of the -backend flag's
 // help.
-func Backends() []string { return []string{Local, MPI, NCCL} }
+func Backends() []string { return []string{Local, MPI, NCCL, TCP} }
 
 // ErrInvalid is wrapped by the errors of a contradictory or incomplete
 // environment or request; it matches loom.ErrInvalid.
@@ -60,7 +67,7 @@ var ErrInvalid = loom.NewSentinel("invalid job", loom.ErrInvalid)
 
 // Job is how this process takes part in a job, as Detect found it.
 type Job struct {
-	// Backend is Local, MPI or NCCL.
+	// Backend is Local, MPI, NCCL or TCP.
 	Backend string
 	// WorldSize is the number of ranks in the whole job.
 	WorldSize int
@@ -77,7 +84,7 @@ type Job struct {
 	// share its CPUs: WorldSize for Local.
 	LocalRanks int
 	// Addr is the rendezvous server's host:port (MASTER_ADDR,
-	// MASTER_PORT) on NCCL, empty otherwise.
+	// MASTER_PORT) on NCCL and TCP, empty otherwise.
 	Addr string
 }
 
@@ -103,42 +110,50 @@ func InProcess(ranks int) (*Job, error) {
 // Detect returns how this process takes part in a job of ranks ranks
 // (what the program's layout flags ask for, dp·tp) from the environment
 // that getenv reads (os.Getenv) and backend, the -backend flag ("" for
-// automatic: BackendEnv, else the job starter's variables, else Local).
-// It starts nothing. A contradictory or incomplete environment is an
-// error wrapping ErrInvalid that names the variable: WORLD_SIZE without
-// RANK, a rank outside the world, a world size that is not ranks, the
-// MPI backend in a binary built without -tags mpi, and so on.
+// automatic: BackendEnv, else the job starter's variables, else Local;
+// under torchrun or loomrun NCCL where the CUDA driver finds a GPU, TCP
+// otherwise). It starts nothing. A contradictory or incomplete
+// environment is an error wrapping ErrInvalid that names the variable:
+// WORLD_SIZE without RANK, a rank outside the world, a world size that is
+// not ranks, the MPI backend in a binary built without -tags mpi, and so
+// on.
 func Detect(getenv func(string) string, backend string, ranks int) (*Job, error) {
+	return detect(getenv, backend, ranks, hasGPU)
+}
+
+// detect is Detect with the probe that says whether the host has a GPU
+// (hasGPU; tests pass their own).
+func detect(getenv func(string) string, backend string, ranks int, gpus func(getenv func(string) string) bool) (*Job, error) {
 	if getenv == nil {
 		return nil, fmt.Errorf("launch: Detect: %w: nil getenv", ErrInvalid)
 	}
 	if ranks < 1 {
 		return nil, fmt.Errorf("launch: Detect: %w: the layout asks for %d ranks; want at least 1", ErrInvalid, ranks)
 	}
-	chosen, err := choose(getenv, backend)
+	chosen, err := choose(getenv, backend, gpus)
 	if err != nil {
 		return nil, err
 	}
 	switch chosen {
 	case MPI:
 		return detectMPI(getenv, ranks)
-	case NCCL:
-		return detectNCCL(getenv, ranks)
+	case NCCL, TCP:
+		return detectTorchrun(getenv, chosen, ranks)
 	default:
 		return &Job{Backend: Local, WorldSize: ranks, Processes: 1, LocalRanks: ranks}, nil
 	}
 }
 
 // choose picks the backend: the flag, else BackendEnv, else the job
-// starter's variables.
-func choose(getenv func(string) string, flagValue string) (string, error) {
+// starter's variables (and, under torchrun, whether gpus finds a GPU).
+func choose(getenv func(string) string, flagValue string, gpus func(func(string) string) bool) (string, error) {
 	name, from := strings.TrimSpace(flagValue), "-backend"
 	if name == "" {
 		name, from = strings.TrimSpace(getenv(BackendEnv)), BackendEnv
 	}
 	if name != "" {
 		switch name {
-		case Local, MPI, NCCL:
+		case Local, MPI, NCCL, TCP:
 			return name, nil
 		}
 		return "", fmt.Errorf("launch: %w: %s=%q; want %s", ErrInvalid, from, name, strings.Join(Backends(), ", "))
@@ -147,7 +162,10 @@ func choose(getenv func(string) string, flagValue string) (string, error) {
 	case getenv("OMPI_COMM_WORLD_SIZE") != "" || getenv("OMPI_COMM_WORLD_RANK") != "":
 		return MPI, nil
 	case getenv("RANK") != "" || getenv("WORLD_SIZE") != "":
-		return NCCL, nil
+		if gpus(getenv) {
+			return NCCL, nil
+		}
+		return TCP, nil
 	}
 	return Local, nil
 }
@@ -178,8 +196,9 @@ func detectMPI(getenv func(string) string, ranks int) (*Job, error) {
 	return &Job{Backend: MPI, WorldSize: size, Processes: size, Rank: rank, LocalRank: localRank, LocalRanks: localSize}, nil
 }
 
-// detectNCCL reads torchrun's (and cmd/loomrun's) variables.
-func detectNCCL(getenv func(string) string, ranks int) (*Job, error) {
+// detectTorchrun reads torchrun's (and cmd/loomrun's) variables for the
+// NCCL or TCP backend; LOCAL_RANK, the GPU, is required on NCCL only.
+func detectTorchrun(getenv func(string) string, backend string, ranks int) (*Job, error) {
 	const hint = "start the program with loomrun or torchrun"
 	size, err := intVar(getenv, "WORLD_SIZE", hint, 1)
 	if err != nil {
@@ -189,7 +208,7 @@ func detectNCCL(getenv func(string) string, ranks int) (*Job, error) {
 	if err != nil {
 		return nil, err
 	}
-	if getenv("LOCAL_RANK") == "" {
+	if backend == NCCL && getenv("LOCAL_RANK") == "" {
 		return nil, fmt.Errorf("launch: %w: RANK=%d is set but LOCAL_RANK (the GPU of this process) is not: %s", ErrInvalid, rank, hint)
 	}
 	localSize, localRank, err := localVars(getenv, "LOCAL_WORLD_SIZE", "LOCAL_RANK", size, rank)
@@ -206,7 +225,7 @@ func detectNCCL(getenv func(string) string, ranks int) (*Job, error) {
 	if size != ranks {
 		return nil, fmt.Errorf("launch: %w: WORLD_SIZE=%d but the layout needs %d ranks: start %d processes", ErrInvalid, size, ranks, ranks)
 	}
-	return &Job{Backend: NCCL, WorldSize: size, Processes: size, Rank: rank, LocalRank: localRank, LocalRanks: localSize, Addr: net.JoinHostPort(host, port)}, nil
+	return &Job{Backend: backend, WorldSize: size, Processes: size, Rank: rank, LocalRank: localRank, LocalRanks: localSize, Addr: net.JoinHostPort(host, port)}, nil
 }
 
 // intVar reads the integer variable name, at least lo; hint says how to
@@ -262,7 +281,8 @@ func localVars(getenv func(string) string, sizeName, rankName string, size, rank
 // Check reports whether this process can run its part of the job, before
 // anything starts: on NCCL it loads NCCL and the CUDA driver and returns
 // the loader's error (matching nccl.ErrUnavailable) where they are
-// missing; the other backends need nothing more than Detect checked.
+// missing; the other backends (TCP included: pure Go) need nothing more
+// than Detect checked.
 func (j *Job) Check() error {
 	if j.Backend == NCCL {
 		return checkNCCL(j)
@@ -308,8 +328,10 @@ type Func func(ctx context.Context, c comm.Communicator) error
 // Run runs this process's part of the job: fn on each of WorldSize
 // goroutines with local.Run on Local, or once on this process's world
 // communicator on MPI (initialising and finalising MPI) and NCCL (GPU
-// LocalRank, bootstrapped through the rendezvous server at Addr). On MPI
-// and NCCL an error of fn aborts the world communicator, so that the other
+// LocalRank, bootstrapped through the rendezvous server at Addr) and TCP
+// (connected through the rendezvous server at Addr, the setup bounded by
+// comm.TimeoutEnv's timeout). On MPI, NCCL and TCP an error of fn aborts
+// the world communicator, so that the other
 // processes' collectives fail promptly instead of waiting for it. On MPI a
 // rank that fails on a communication error (comm.ErrTimeout,
 // comm.ErrAborted) then writes its error to stderr and ends the whole job
@@ -330,6 +352,8 @@ func (j *Job) Run(ctx context.Context, fn Func, opts ...Option) error {
 		return runMPI(ctx, j, fn)
 	case NCCL:
 		return runNCCL(ctx, j, fn, cfg)
+	case TCP:
+		return runTCP(ctx, j, fn)
 	}
 	return fmt.Errorf("launch: Run: %w: backend %q; want %s", ErrInvalid, j.Backend, strings.Join(Backends(), ", "))
 }

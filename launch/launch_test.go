@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -35,20 +36,27 @@ func TestDetect(t *testing.T) {
 		want    *Job   // nil: an error
 		wantErr string // part of the error
 		mpiOnly bool   // the case needs (or, with wantErr, contradicts) the mpi build
+		gpu     bool   // the host's CUDA driver finds a GPU
 	}{
 		{name: "nothing set is local", ranks: 4, want: &Job{Backend: Local, WorldSize: 4, Processes: 1, LocalRanks: 4}},
 		{name: "flag local over torchrun", env: torch, backend: "local", ranks: 2, want: &Job{Backend: Local, WorldSize: 2, Processes: 1, LocalRanks: 2}},
 		{name: "LOOM_BACKEND local", env: with(ompi, BackendEnv, "local"), ranks: 1, want: &Job{Backend: Local, WorldSize: 1, Processes: 1, LocalRanks: 1}},
-		{name: "unknown flag", backend: "gloo", ranks: 1, wantErr: `-backend="gloo"; want local, mpi, nccl`},
-		{name: "unknown env", env: []string{BackendEnv, "tcp"}, ranks: 1, wantErr: `LOOM_BACKEND="tcp"`},
+		{name: "unknown flag", backend: "gloo", ranks: 1, wantErr: `-backend="gloo"; want local, mpi, nccl, tcp`},
+		{name: "unknown env", env: []string{BackendEnv, "gloo"}, ranks: 1, wantErr: `LOOM_BACKEND="gloo"`},
 		{name: "no ranks", ranks: 0, wantErr: "asks for 0 ranks"},
-		{name: "torchrun", env: torch, ranks: 4, want: &Job{Backend: NCCL, WorldSize: 4, Processes: 4, Rank: 1, LocalRank: 1, LocalRanks: 2, Addr: "127.0.0.1:29500"}},
+		{name: "torchrun with GPUs", env: torch, gpu: true, ranks: 4, want: &Job{Backend: NCCL, WorldSize: 4, Processes: 4, Rank: 1, LocalRank: 1, LocalRanks: 2, Addr: "127.0.0.1:29500"}},
+		{name: "torchrun without GPUs", env: torch, ranks: 4, want: &Job{Backend: TCP, WorldSize: 4, Processes: 4, Rank: 1, LocalRank: 1, LocalRanks: 2, Addr: "127.0.0.1:29500"}},
+		{name: "flag nccl without GPUs", env: torch, backend: "nccl", ranks: 4, want: &Job{Backend: NCCL, WorldSize: 4, Processes: 4, Rank: 1, LocalRank: 1, LocalRanks: 2, Addr: "127.0.0.1:29500"}},
+		{name: "LOOM_BACKEND tcp with GPUs", env: with(torch, BackendEnv, "tcp"), gpu: true, ranks: 4, want: &Job{Backend: TCP, WorldSize: 4, Processes: 4, Rank: 1, LocalRank: 1, LocalRanks: 2, Addr: "127.0.0.1:29500"}},
+		{name: "tcp without LOCAL_RANK", env: []string{"RANK", "2", "WORLD_SIZE", "3", "MASTER_ADDR", "h", "MASTER_PORT", "1"}, ranks: 3, want: &Job{Backend: TCP, WorldSize: 3, Processes: 3, Rank: 2, LocalRank: 2, LocalRanks: 3, Addr: "h:1"}},
+		{name: "tcp requested, nothing set", backend: "tcp", ranks: 2, wantErr: "WORLD_SIZE is not set: start the program with loomrun or torchrun"},
+		{name: "tcp, no MASTER_ADDR", env: with(torch, "MASTER_ADDR", ""), ranks: 4, wantErr: "MASTER_ADDR"},
 		{name: "WORLD_SIZE without RANK", env: []string{"WORLD_SIZE", "2"}, ranks: 2, wantErr: "WORLD_SIZE=2 is set but RANK is not"},
 		{name: "RANK without WORLD_SIZE", env: []string{"RANK", "0"}, ranks: 2, wantErr: "WORLD_SIZE is not set"},
 		{name: "RANK past WORLD_SIZE", env: with(torch, "RANK", "4"), ranks: 4, wantErr: `RANK="4"; want an integer in [0, 4)`},
 		{name: "RANK not a number", env: with(torch, "RANK", "one"), ranks: 4, wantErr: `RANK="one"`},
 		{name: "world size against layout", env: torch, ranks: 2, wantErr: "WORLD_SIZE=4 but the layout needs 2 ranks"},
-		{name: "no LOCAL_RANK", env: []string{"RANK", "0", "WORLD_SIZE", "1", "MASTER_ADDR", "h", "MASTER_PORT", "1"}, ranks: 1, wantErr: "LOCAL_RANK"},
+		{name: "nccl, no LOCAL_RANK", env: []string{"RANK", "0", "WORLD_SIZE", "1", "MASTER_ADDR", "h", "MASTER_PORT", "1"}, gpu: true, ranks: 1, wantErr: "LOCAL_RANK"},
 		{name: "LOCAL_RANK past LOCAL_WORLD_SIZE", env: with(torch, "LOCAL_RANK", "2"), ranks: 4, wantErr: `LOCAL_RANK="2"; want an integer in [0, 2)`},
 		{name: "no MASTER_PORT", env: with(torch, "MASTER_PORT", ""), ranks: 4, wantErr: "MASTER_PORT"},
 		{name: "bad MASTER_PORT", env: with(torch, "MASTER_PORT", "70000"), ranks: 4, wantErr: `MASTER_PORT="70000"`},
@@ -66,7 +74,17 @@ func TestDetect(t *testing.T) {
 			if tt.mpiOnly != mpiBuilt && (tt.mpiOnly || isNoTagCase) {
 				t.Skipf("needs a build with mpi=%v", tt.mpiOnly)
 			}
-			job, err := Detect(env(tt.env...), tt.backend, tt.ranks)
+			probed := false
+			gpus := func(getenv func(string) string) bool {
+				probed = true
+				return tt.gpu
+			}
+			job, err := detect(env(tt.env...), tt.backend, tt.ranks, gpus)
+			// The probe loads the CUDA driver: only an automatic choice
+			// under torchrun needs it.
+			if auto := tt.backend == "" && !slices.Contains(tt.env, BackendEnv) && (slices.Contains(tt.env, "RANK") || slices.Contains(tt.env, "WORLD_SIZE")); probed != auto {
+				t.Errorf("GPU probe called: %v; want %v", probed, auto)
+			}
 			if tt.want != nil {
 				if err != nil {
 					t.Fatalf("Detect: %v", err)
@@ -115,9 +133,9 @@ func TestRunLocal(t *testing.T) {
 	if err := job.Run(context.Background(), nil); !errors.Is(err, ErrInvalid) {
 		t.Errorf("Run(nil) = %v, want ErrInvalid", err)
 	}
-	bad := &Job{Backend: "tcp"}
+	bad := &Job{Backend: "gloo"}
 	if err := bad.Run(context.Background(), func(context.Context, comm.Communicator) error { return nil }); !errors.Is(err, ErrInvalid) {
-		t.Errorf("Run on backend tcp = %v, want ErrInvalid", err)
+		t.Errorf("Run on backend gloo = %v, want ErrInvalid", err)
 	}
 }
 
@@ -125,7 +143,7 @@ func TestRunNCCLUnavailable(t *testing.T) {
 	// A library path that does not exist: the loader's error, before any
 	// rendezvous.
 	t.Setenv("LOOM_NCCL", t.TempDir()+"/libnccl-missing.so")
-	job, err := Detect(env("RANK", "0", "WORLD_SIZE", "1", "LOCAL_RANK", "0", "MASTER_ADDR", "127.0.0.1", "MASTER_PORT", "1"), "", 1)
+	job, err := Detect(env("RANK", "0", "WORLD_SIZE", "1", "LOCAL_RANK", "0", "MASTER_ADDR", "127.0.0.1", "MASTER_PORT", "1"), NCCL, 1)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -60,7 +60,8 @@ func trainTiny(ctx context.Context, job *launch.Job, steps int) ([]float64, stri
 // TestNCCLFake starts two NCCL "processes" (goroutines with torchrun's
 // environments of ranks 0 and 1, since the fake runs every rank of a
 // communicator in one process) against the fake NCCL and CUDA library of
-// comm/nccl, bootstrapped through a rendezvous server: Detect picks NCCL,
+// comm/nccl, bootstrapped through a rendezvous server: Detect picks NCCL
+// (the fake driver finds two GPUs; without them it would pick TCP),
 // the root prints how it laid the mesh on the GPUs (the identity: without
 // NVML the topology is uniform), and three training steps give the losses
 // of in-process ranks exactly (two-rank sums do not depend on the order).
@@ -96,7 +97,8 @@ func TestNCCLFake(t *testing.T) {
 	errs := make([]error, 2)
 	var wg sync.WaitGroup
 	for rank := range 2 {
-		env := map[string]string{"RANK": fmt.Sprint(rank), "WORLD_SIZE": "2", "LOCAL_RANK": fmt.Sprint(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": host, "MASTER_PORT": port}
+		env := map[string]string{"RANK": fmt.Sprint(rank), "WORLD_SIZE": "2", "LOCAL_RANK": fmt.Sprint(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": host, "MASTER_PORT": port,
+			cuda.DriverEnv: lib} // the fake's driver finds GPUs: Detect picks NCCL by itself
 		job, err := launch.Detect(func(k string) string { return env[k] }, "", 2)
 		if err != nil {
 			t.Fatal(err)

@@ -112,16 +112,37 @@ func expertPlacements(m *mesh.Mesh, axis string) []placement.Placement {
 	return out
 }
 
+// ExpertsOption configures ShardExperts.
+type ExpertsOption func(*expertsConfig)
+
+type expertsConfig struct{ prefix string }
+
+// WithPrefix names the expert parameters prefix + ".W1", ".b1", ".W2" and
+// ".b2" (default prefix "moe"): give the layer's path in the model
+// ("h.0.moe", "4") so that parameter names, DDP's buckets, FSDP's errors
+// and checkpoints name the layer. An empty prefix is an error.
+func WithPrefix(prefix string) ExpertsOption {
+	return func(c *expertsConfig) { c.prefix = prefix }
+}
+
 // ShardExperts makes the expert parameters on tape t from full weights
 // that every rank holds, row-major: W1 [e, hidden, dim], b1 [e, hidden],
 // W2 [e, dim, hidden] and b2 [e, dim]. Each rank keeps its experts' slices
 // (no communication) as leaves named "moe.W1", "moe.b1", "moe.W2" and
-// "moe.b2", and NewExperts checks them. A slice whose length does not match
-// its shape is an error. Errors wrap ErrInvalid or placement's errors.
-func ShardExperts[T float32 | float64](t *autograd.Tape, m *mesh.Mesh, axis string, e, hidden, dim int, w1, b1, w2, b2 []T) (*Experts, error) {
+// "moe.b2" (another prefix with WithPrefix), and NewExperts checks them. A
+// slice whose length does not match its shape is an error. Errors wrap
+// ErrInvalid or placement's errors.
+func ShardExperts[T float32 | float64](t *autograd.Tape, m *mesh.Mesh, axis string, e, hidden, dim int, w1, b1, w2, b2 []T, opts ...ExpertsOption) (*Experts, error) {
 	const op = "moe: ShardExperts"
 	if t == nil || m == nil {
 		return nil, fmt.Errorf("%s: %w: nil tape or mesh", op, ErrInvalid)
+	}
+	cfg := expertsConfig{prefix: "moe"}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if cfg.prefix == "" {
+		return nil, fmt.Errorf("%s: %w: empty WithPrefix", op, ErrInvalid)
 	}
 	if !slices.Contains(m.Names(), axis) {
 		return nil, fmt.Errorf("%s: %w: expert-parallel axis %q is not an axis of the mesh %v", op, ErrInvalid, axis, m)
@@ -130,7 +151,7 @@ func ShardExperts[T float32 | float64](t *autograd.Tape, m *mesh.Mesh, axis stri
 	if _, ok := any(w1).([]float64); ok {
 		dt = comm.Float64
 	}
-	names := []string{"moe.W1", "moe.b1", "moe.W2", "moe.b2"}
+	names := []string{cfg.prefix + ".W1", cfg.prefix + ".b1", cfg.prefix + ".W2", cfg.prefix + ".b2"}
 	shapes := [][]int{{e, hidden, dim}, {e, hidden}, {e, dim, hidden}, {e, dim}}
 	vals := make([]*autograd.Value, 4)
 	for i, full := range [][]T{w1, b1, w2, b2} {

@@ -58,7 +58,7 @@ type Flags struct {
 	// Bind is -bind: bind each rank to CPUs of its own (in-process ranks
 	// only).
 	Bind bool
-	// Backend is -backend: local, mpi or nccl, empty to decide from
+	// Backend is -backend: local, mpi, nccl or tcp, empty to decide from
 	// launch.BackendEnv and how the program was launched (launch.Detect).
 	Backend string
 	// Peak is -peak: the peak of one device in TFLOP/s for the MFU line
@@ -74,7 +74,7 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.IntVar(&f.TraceSteps, "trace-steps", 3, "with -trace, how many of the last steps to trace")
 	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
 	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
-	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi) or nccl (under loomrun or torchrun); default: "+launch.BackendEnv+", else how the program was launched")
+	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi), nccl or tcp (under loomrun or torchrun: one process per GPU, or pure-Go TCP between CPU processes); default: "+launch.BackendEnv+", else how the program was launched (under loomrun or torchrun: nccl where the CUDA driver finds a GPU, tcp elsewhere)")
 	fs.Float64Var(&f.Peak, "peak", 0, "peak of one device in TFLOP/s for the MFU line: one GPU, or the CPUs one host's ranks use (default: the GPU's datasheet figure, or the CPUs' estimate)")
 }
 

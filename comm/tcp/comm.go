@@ -288,6 +288,10 @@ func (e *exec) timedOut(src int) error {
 	if src >= 0 {
 		te.Late = []int{e.c.members[src]}
 		te.Detail = fmt.Sprintf("waiting for rank %d", src)
+		if w := e.c.members[src]; w != src {
+			// A split's rank alone does not say which process to look at.
+			te.Detail = fmt.Sprintf("waiting for rank %d (world rank %d)", src, w)
+		}
 	}
 	e.c.Abort(te)
 	return e.c.failure.Load()

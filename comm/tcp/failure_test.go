@@ -132,6 +132,32 @@ func TestStalledPeer(t *testing.T) {
 	}
 }
 
+// A peer that stalls in a communicator split from the world is named by
+// both of its ranks, so that the process to look at is plain: world ranks
+// 1 and 3 form one half, and world rank 1 waits for its rank 1 (world rank
+// 3).
+func TestStalledPeerInSplit(t *testing.T) {
+	const timeout = time.Second
+	errs := errsOf(t, 4, timeout, func(ctx context.Context, c *tcp.Comm) error {
+		half, err := c.Split(ctx, c.Rank()%2, c.Rank())
+		if err != nil {
+			return err
+		}
+		if c.Rank() == 3 {
+			time.Sleep(timeout * 3 / 2)
+		}
+		return comm.Barrier(ctx, half)
+	})
+	if err := errs[1]; !errors.Is(err, comm.ErrTimeout) || !strings.Contains(err.Error(), "waiting for rank 1 (world rank 3)") || !slices.Equal(comm.LateRanks(err), []int{3}) {
+		t.Errorf("world rank 1: error %v; want a timeout waiting for rank 1 (world rank 3)", err)
+	}
+	for _, r := range []int{0, 2} {
+		if errs[r] != nil {
+			t.Errorf("world rank %d, in the other half: %v", r, errs[r])
+		}
+	}
+}
+
 // A cancelled context aborts the communicator: the cancelling rank's call
 // matches context.Canceled, every peer's is an abort naming that rank.
 func TestCancelledContext(t *testing.T) {

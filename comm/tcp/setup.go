@@ -85,7 +85,10 @@ func New(ctx context.Context, store *rendezvous.Client, rank, size int, opts ...
 	t := newTransport(rank, size)
 	if size > 1 {
 		if err := connect(ctx, t, store, cfg); err != nil {
-			t.close()
+			// No writer runs yet to carry goodbyes (close would wait
+			// closeGrace for each): drop the connections, which the
+			// peers see as this rank's failure.
+			t.shut()
 			return nil, err
 		}
 		t.start()

@@ -3,6 +3,7 @@ package tcp_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -71,5 +72,42 @@ func TestHandshakeSizeMismatch(t *testing.T) {
 	}
 	if errs[0] == nil {
 		t.Error("rank 0 joined a world whose peer disagrees on its size")
+	}
+}
+
+// A setup that fails (a rank that never comes) returns when its context
+// ends, on the ranks that connected to each other too: they do not wait
+// to say goodbye on connections that carry nothing yet.
+func TestSetupFailsInTime(t *testing.T) {
+	const bound = 500 * time.Millisecond
+	addr := store(t).Addr()
+	start := time.Now()
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r := range 2 { // of 3: rank 2 never comes
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), bound)
+			defer cancel()
+			cl, err := rendezvous.Dial(ctx, addr)
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			defer cl.Close()
+			c, err := tcp.New(ctx, cl, r, 3, tcp.WithJobID("missing"), tcp.WithListen("127.0.0.1:0"))
+			if err == nil {
+				c.Close()
+			}
+			errs[r] = err
+		})
+	}
+	wg.Wait()
+	if el := time.Since(start); el > 2*bound {
+		t.Errorf("the failed setup took %v, more than twice its context's %v", el, bound)
+	}
+	for r, err := range errs {
+		if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "rank 2") {
+			t.Errorf("rank %d: %v; want a timeout waiting for rank 2", r, err)
+		}
 	}
 }

@@ -2,6 +2,7 @@ package emu
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
@@ -575,4 +576,38 @@ func bytesOff(off []int, es int) []int {
 	out := append([]int(nil), off...)
 	out[len(out)-1] *= es
 	return out
+}
+
+// The kernels below serve autograd's ops on devices (step A6).
+
+// FillRows runs kernels.FillRows.
+func (k emuKernels) FillRows(dst, row device.Buffer) error {
+	v, err := k.check("FillRows", f32("dst", dst), f32("row", row))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("FillRows", func() error { return kernels.FillRows(v[0].Float32s(), v[1].Float32s()) })
+}
+
+// SumDims runs kernels.SumDims; shape and reduce are copied at the call.
+func (k emuKernels) SumDims(out, x device.Buffer, shape []int, reduce []bool) error {
+	v, err := k.check("SumDims", f32("out", out), f32("x", x))
+	if err != nil {
+		return err
+	}
+	shape, reduce = slices.Clone(shape), slices.Clone(reduce)
+	return k.d.compute.launch("SumDims", func() error { return kernels.SumDims(v[0].Float32s(), v[1].Float32s(), shape, reduce) })
+}
+
+// BroadcastDims runs kernels.BroadcastDims; shape and reduce are copied at
+// the call.
+func (k emuKernels) BroadcastDims(out, g device.Buffer, shape []int, reduce []bool) error {
+	v, err := k.check("BroadcastDims", f32("out", out), f32("g", g))
+	if err != nil {
+		return err
+	}
+	shape, reduce = slices.Clone(shape), slices.Clone(reduce)
+	return k.d.compute.launch("BroadcastDims", func() error {
+		return kernels.BroadcastDims(v[0].Float32s(), v[1].Float32s(), shape, reduce)
+	})
 }

@@ -108,7 +108,7 @@ func kernelCases() []kernelCase {
 			},
 		}
 	}
-	return []kernelCase{
+	return append([]kernelCase{
 		gemm("Gemm/f32/NN", false, false, 1, comm.Float32, 0),
 		gemm("Gemm/f32/TN/beta", true, false, 1, comm.Float32, 1),
 		gemm("Gemm/f32/NT/batch3", false, true, 3, comm.Float32, 0.5),
@@ -337,6 +337,51 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
+	}, autogradCases()...)
+}
+
+// autogradCases are the kernels autograd's ops on devices use (step A6).
+func autogradCases() []kernelCase {
+	shape, reduce := []int{3, 5, 4}, []bool{true, false, true}
+	return []kernelCase{
+		{
+			name: "Scale",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"d": make([]float32, 37), "x": randF32(r, 37)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.Scale(f32s(a["d"]), f32s(a["x"]), float32(-0.3))
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.Scale(b["d"], b["x"], -0.3) },
+		},
+		{
+			name: "FillRows",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"d": randF32(r, rows*cols), "row": randF32(r, cols)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.FillRows(f32s(a["d"]), f32s(a["row"]))
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error { return k.FillRows(b["d"], b["row"]) },
+		},
+		{
+			name: "SumDims+BroadcastDims",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 60), "s": make([]float32, 5), "g": randF32(r, 5), "out": make([]float32, 60)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.SumDims(f32s(a["s"]), f32s(a["x"]), shape, reduce); err != nil {
+					return err
+				}
+				return kernels.BroadcastDims(f32s(a["out"]), f32s(a["g"]), shape, reduce)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.SumDims(b["s"], b["x"], shape, reduce); err != nil {
+					return err
+				}
+				return k.BroadcastDims(b["out"], b["g"], shape, reduce)
+			},
+		},
 		sgdCase(comm.Float32, "plain", kernels.SGDStep{LR: 0.1}),
 		sgdCase(comm.Float32, "momentum/first", kernels.SGDStep{LR: 0.05, Momentum: 0.9, WeightDecay: 0.01, First: true}),
 		sgdCase(comm.Float32, "momentum", kernels.SGDStep{LR: 0.05, Momentum: 0.9, Dampening: 0.1, WeightDecay: 0.01, Maximize: true}),

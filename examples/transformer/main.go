@@ -8,8 +8,9 @@
 // optionally every block's activations recomputed in backward (-ac). The
 // same binary runs its ranks
 // as goroutines of one process (exchanging data through shared memory),
-// as one MPI process per rank under mpirun (built with -tags mpi), or as
-// one NCCL process per GPU under loomrun or torchrun (package launch):
+// as one MPI process per rank under mpirun (built with -tags mpi), or
+// under loomrun or torchrun as one NCCL process per GPU, or on a machine
+// without GPUs one process per rank over TCP (package launch):
 //
 //	go run ./examples/transformer -dp 2 -tp 2
 //	go build -tags mpi -o transformer ./examples/transformer && mpirun -np 4 ./transformer -dp 2 -tp 2
@@ -42,7 +43,7 @@
 //	                              [-fsdp 1] [-reshard true|false|N] [-zero 1|2|3]
 //	                              [-mp bf16] [-ac none|full|selective]
 //	                              [-trace trace.json] [-json run.json] [-compare]
-//	                              [-backend local|mpi|nccl] [-peak TFLOP/s]
+//	                              [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
 //
 // The model and the layout are checked before any rank starts: the
 // shape's values (heads dividing the width, a vocabulary of at least

@@ -1,0 +1,505 @@
+package autograd_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/b7ea7098/loom"
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/placement"
+	"github.com/b7ea7098/loom/placement/placementtest"
+)
+
+// devCase is a computation on named float32 inputs of given shapes; it
+// returns the value whose data is compared and from which the loss
+// (Sum(out ⊙ c), c a fixed random constant) is built.
+type devCase struct {
+	name   string
+	shapes [][]int
+	f      func(in []*autograd.Value) (*autograd.Value, error)
+}
+
+func devCases() []devCase {
+	one := func(f func(x *autograd.Value) (*autograd.Value, error)) func([]*autograd.Value) (*autograd.Value, error) {
+		return func(in []*autograd.Value) (*autograd.Value, error) { return f(in[0]) }
+	}
+	return []devCase{
+		{"Add", [][]int{{3, 5}, {3, 5}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[1]) }},
+		{"Add/same-input", [][]int{{7}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[0]) }},
+		{"Mul", [][]int{{3, 5}, {3, 5}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Mul(in[0], in[1]) }},
+		{"Scale", [][]int{{4, 3}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Scale(x, -0.7) })},
+		{"MatMul", [][]int{{5, 7}, {7, 3}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
+		{"MatMul/k=0", [][]int{{2, 0}, {0, 3}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
+		{"Linear", [][]int{{2, 3, 5}, {4, 5}, {4}}, func(in []*autograd.Value) (*autograd.Value, error) {
+			return autograd.Linear(in[0], in[1], in[2])
+		}},
+		{"Linear/no-bias", [][]int{{6, 5}, {4, 5}}, func(in []*autograd.Value) (*autograd.Value, error) {
+			return autograd.Linear(in[0], in[1], nil)
+		}},
+		{"Sum/dim", [][]int{{3, 4, 5}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x, 1) })},
+		{"Sum/all", [][]int{{3, 4}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x) })},
+		{"Mean", [][]int{{3, 4}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Mean(x, 0) })},
+		{"MSE", [][]int{{3, 4}, {3, 4}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MSE(in[0], in[1]) }},
+		{"LayerNorm", [][]int{{2, 3, 9}, {9}, {9}}, func(in []*autograd.Value) (*autograd.Value, error) {
+			return autograd.LayerNorm(in[0], in[1], in[2], 1e-5)
+		}},
+		{"GELU", [][]int{{3, 11}}, one(autograd.GELU)},
+		{"MLP", [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}, {6}, {6}}, func(in []*autograd.Value) (*autograd.Value, error) {
+			h, err := autograd.Linear(in[0], in[1], in[2])
+			if err != nil {
+				return nil, err
+			}
+			if h, err = autograd.GELU(h); err != nil {
+				return nil, err
+			}
+			if h, err = autograd.Linear(h, in[3], in[4]); err != nil {
+				return nil, err
+			}
+			if h, err = autograd.Add(h, in[0]); err != nil {
+				return nil, err
+			}
+			return autograd.LayerNorm(h, in[5], in[6], 1e-5)
+		}},
+	}
+}
+
+// devRun runs c on tape with its inputs (host tensors) moved to d, builds
+// the loss, runs Backward and returns the output's data and the inputs'
+// gradients, copied to the host.
+func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts ...autograd.Option) ([][]float32, error) {
+	tape := autograd.NewTape(append(opts, autograd.WithDevice(d))...)
+	var in []*autograd.Value
+	for i, sh := range c.shapes {
+		dt, err := randTensor(m, sh, uint64(i+1))
+		if err != nil {
+			return nil, err
+		}
+		if dt, err = dt.To(d); err != nil {
+			return nil, err
+		}
+		v, err := tape.Param(fmt.Sprint("in", i), dt)
+		if err != nil {
+			return nil, err
+		}
+		in = append(in, v)
+	}
+	out, err := c.f(in)
+	if err != nil {
+		return nil, err
+	}
+	cdt, err := randTensor(m, out.Spec().Shape(), 99)
+	if err != nil {
+		return nil, err
+	}
+	if cdt, err = cdt.To(d); err != nil {
+		return nil, err
+	}
+	cv, err := tape.Constant(cdt)
+	if err != nil {
+		return nil, err
+	}
+	p, err := autograd.Mul(out, cv)
+	if err != nil {
+		return nil, err
+	}
+	loss, err := autograd.Sum(p)
+	if err != nil {
+		return nil, err
+	}
+	got := [][]float32{}
+	for _, dt := range []*placement.DTensor{out.Data(), loss.Data()} {
+		h, err := hostData(dt)
+		if err != nil {
+			return nil, err
+		}
+		got = append(got, h)
+	}
+	if err := tape.Backward(ctx, loss); err != nil {
+		return nil, err
+	}
+	for _, v := range in {
+		if v.Grad() == nil {
+			got = append(got, nil)
+			continue
+		}
+		if dev := v.Grad().Device(); dev != d {
+			return nil, fmt.Errorf("gradient of %s on %s, want %s", v.Name(), dev.Name(), d.Name())
+		}
+		h, err := hostData(v.Grad())
+		if err != nil {
+			return nil, err
+		}
+		got = append(got, h)
+	}
+	return got, nil
+}
+
+// randTensor is a replicated float32 tensor of random values in [-2, 2).
+func randTensor(m *mesh.Mesh, shape []int, seed uint64) (*placement.DTensor, error) {
+	spec, err := placement.NewSpec(m, shape, comm.Float32, []placement.Placement{placement.Replicate()})
+	if err != nil {
+		return nil, err
+	}
+	r := rand.New(rand.NewPCG(seed, 27))
+	n := 1
+	for _, s := range shape {
+		n *= s
+	}
+	data := make([]float32, n)
+	for i := range data {
+		data[i] = float32(r.Float64()*4 - 2)
+	}
+	return placement.NewLocal(spec, data)
+}
+
+// hostData copies dt's local block to the host.
+func hostData(dt *placement.DTensor) ([]float32, error) {
+	h, err := dt.To(device.Host())
+	if err != nil {
+		return nil, err
+	}
+	return h.LocalData().([]float32), nil
+}
+
+// sameBits compares two runs bit for bit: the emulated device runs the
+// CPU kernels the host path runs on the same data, so any difference
+// means the device path reordered or dropped work.
+func sameBits(host, dev [][]float32) error {
+	if len(host) != len(dev) {
+		return fmt.Errorf("%d arrays on the host, %d on the device", len(host), len(dev))
+	}
+	what := func(i int) string {
+		switch i {
+		case 0:
+			return "output"
+		case 1:
+			return "loss"
+		}
+		return fmt.Sprintf("gradient of input %d", i-2)
+	}
+	for i := range host {
+		if len(host[i]) != len(dev[i]) {
+			return fmt.Errorf("%s: %d elements on the host, %d on the device", what(i), len(host[i]), len(dev[i]))
+		}
+		for j := range host[i] {
+			if math.Float32bits(host[i][j]) != math.Float32bits(dev[i][j]) {
+				return fmt.Errorf("%s: element %d is %v on the host, %v on the device", what(i), j, host[i][j], dev[i][j])
+			}
+		}
+	}
+	return nil
+}
+
+// forEachDevice runs fn on the host and on an emulated device (both
+// stream modes) and compares each device run with the host's bit for bit.
+func forEachDevice(t *testing.T, fn func(ctx context.Context, m *mesh.Mesh, d device.Device) ([][]float32, error)) {
+	t.Helper()
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		want, err := fn(ctx, m, device.Host())
+		if err != nil {
+			return fmt.Errorf("host: %w", err)
+		}
+		for _, mode := range []struct {
+			name string
+			opts []emu.Option
+		}{{"async", nil}, {"sync", []emu.Option{emu.Synchronous()}}} {
+			d, err := emu.New(0, mode.opts...)
+			if err != nil {
+				return err
+			}
+			got, err := fn(ctx, m, d)
+			if err == nil {
+				err = d.Synchronize()
+			}
+			if err == nil {
+				err = sameBits(want, got)
+			}
+			if cerr := d.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
+				return fmt.Errorf("emu (%s): %w", mode.name, err)
+			}
+		}
+		return nil
+	})
+}
+
+// TestDeviceOpsMatchHost: each op (and a small MLP) on the emulated device
+// gives the host's results and gradients bit for bit, with and without
+// recycling.
+func TestDeviceOpsMatchHost(t *testing.T) {
+	for _, c := range devCases() {
+		for _, rec := range []bool{false, true} {
+			var opts []autograd.Option
+			name := c.name
+			if rec {
+				opts, name = []autograd.Option{autograd.WithRecycling()}, name+"/recycling"
+			}
+			t.Run(name, func(t *testing.T) {
+				forEachDevice(t, func(ctx context.Context, m *mesh.Mesh, d device.Device) ([][]float32, error) {
+					return devRun(ctx, m, c, d, opts...)
+				})
+			})
+		}
+	}
+}
+
+// TestToIsDifferentiable: a host parameter copied to the device with
+// autograd.To gets its gradient on the host, equal to the one computed
+// on the host alone; To to the tensor's own device is the value itself.
+func TestToIsDifferentiable(t *testing.T) {
+	c := devCases()[len(devCases())-1] // the MLP
+	forEachDevice(t, func(ctx context.Context, m *mesh.Mesh, d device.Device) ([][]float32, error) {
+		tape := autograd.NewTape()
+		var in, moved []*autograd.Value
+		for i, sh := range c.shapes {
+			dt, err := randTensor(m, sh, uint64(i+1))
+			if err != nil {
+				return nil, err
+			}
+			v, err := tape.Param(fmt.Sprint("in", i), dt)
+			if err != nil {
+				return nil, err
+			}
+			mv, err := autograd.To(v, d)
+			if err != nil {
+				return nil, err
+			}
+			if d.Kind() == device.KindHost && mv != v {
+				return nil, fmt.Errorf("To(host value, host) made a copy")
+			}
+			in, moved = append(in, v), append(moved, mv)
+		}
+		out, err := c.f(moved)
+		if err != nil {
+			return nil, err
+		}
+		back, err := autograd.To(out, device.Host())
+		if err != nil {
+			return nil, err
+		}
+		loss, err := autograd.Sum(back)
+		if err != nil {
+			return nil, err
+		}
+		if err := tape.Backward(ctx, loss); err != nil {
+			return nil, err
+		}
+		var got [][]float32
+		for _, v := range in {
+			g, ok := v.Grad().LocalData().([]float32)
+			if !ok {
+				return nil, fmt.Errorf("gradient of %s is %T, want a host block", v.Name(), v.Grad().LocalData())
+			}
+			got = append(got, g)
+		}
+		return append([][]float32{nil, nil}, got...), nil
+	})
+}
+
+// TestDeviceFloat64Unsupported: float64 tensors on a device are refused
+// by name, matching loom.ErrUnsupported, and host-only ops refuse device
+// inputs the same way.
+func TestDeviceFloat64Unsupported(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		spec, err := placement.NewSpec(m, []int{2, 3}, comm.Float64, []placement.Placement{placement.Replicate()})
+		if err != nil {
+			return err
+		}
+		h, err := placement.NewLocal(spec, make([]float64, 6))
+		if err != nil {
+			return err
+		}
+		on, err := h.To(d)
+		if err != nil {
+			return err
+		}
+		tape := autograd.NewTape()
+		x, err := tape.Param("x", on)
+		if err != nil {
+			return err
+		}
+		_, err = autograd.Scale(x, 2)
+		if !errors.Is(err, loom.ErrUnsupported) || !errors.Is(err, autograd.ErrUnsupported) {
+			t.Errorf("Scale(float64 on emu) = %v, want ErrUnsupported", err)
+		}
+		f32, err := randTensor(m, []int{2, 3}, 1)
+		if err != nil {
+			return err
+		}
+		if f32, err = f32.To(d); err != nil {
+			return err
+		}
+		y, err := tape.Param("y", f32)
+		if err != nil {
+			return err
+		}
+		_, err = autograd.ReLU(y)
+		if !errors.Is(err, loom.ErrUnsupported) {
+			t.Errorf("ReLU(emu) = %v, want ErrUnsupported", err)
+		}
+		return nil
+	})
+}
+
+// TestDeviceMemoryReturns: on a recycling tape, a training step's device
+// memory goes back to the allocator: after Recycle only the parameters
+// and their gradients stay allocated, the same bytes every step, and the
+// allocator asks the driver for nothing after the first step.
+func TestDeviceMemoryReturns(t *testing.T) {
+	c := devCases()[len(devCases())-1] // the MLP
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		tape := autograd.NewTape(autograd.WithDevice(d), autograd.WithRecycling())
+		var in []*autograd.Value
+		for i, sh := range c.shapes {
+			dt, err := randTensor(m, sh, uint64(i+1))
+			if err != nil {
+				return err
+			}
+			if dt, err = dt.To(d); err != nil {
+				return err
+			}
+			v, err := tape.Param(fmt.Sprint("in", i), dt)
+			if err != nil {
+				return err
+			}
+			in = append(in, v)
+		}
+		base := d.Memory().Stats()
+		var after []device.Stats
+		for step := range 4 {
+			for _, v := range in {
+				v.ZeroGrad()
+			}
+			out, err := c.f(in)
+			if err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(out)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			tape.Recycle()
+			if err := d.Synchronize(); err != nil {
+				return err
+			}
+			s := d.Memory().Stats()
+			after = append(after, s)
+			if step > 0 && (s.Allocated != after[0].Allocated || s.DriverAllocs != after[0].DriverAllocs) {
+				t.Errorf("step %d: %d bytes allocated, %d driver allocations; after step 0: %d, %d", step, s.Allocated, s.DriverAllocs, after[0].Allocated, after[0].DriverAllocs)
+			}
+		}
+		// What stays is the gradients: one rounded block per parameter.
+		var grads int64
+		for _, v := range in {
+			grads += (v.GradBytes() + 511) / 512 * 512
+		}
+		if got := after[0].Allocated - base.Allocated; got != grads {
+			t.Errorf("after a step %d bytes more are allocated than before it, want %d (the gradients)", got, grads)
+		}
+		return nil
+	})
+}
+
+// TestDeviceScratchFreedByBackward: Backward (which clears the tape)
+// frees the device scratch (saved values, intermediate gradients, the
+// seed): what stays allocated is the op results, which the caller owns or
+// Recycle frees, and the parameters' gradients; Recycle then frees the
+// results.
+func TestDeviceScratchFreedByBackward(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		rounded := func(bytes int64) int64 { return (bytes + 511) / 512 * 512 }
+		for _, recycling := range []bool{false, true} {
+			var opts []autograd.Option
+			if recycling {
+				opts = append(opts, autograd.WithRecycling())
+			}
+			tape := autograd.NewTape(append(opts, autograd.WithDevice(d))...)
+			var params []*autograd.Value
+			for i, sh := range [][]int{{4, 6}, {8, 6}, {8}, {8}, {8}} {
+				dt, err := randTensor(m, sh, uint64(i+1))
+				if err != nil {
+					return err
+				}
+				if dt, err = dt.To(d); err != nil {
+					return err
+				}
+				v, err := tape.Param(fmt.Sprint("p", i), dt)
+				if err != nil {
+					return err
+				}
+				params = append(params, v)
+			}
+			base := d.Memory().Stats().Allocated
+			h, err := autograd.Linear(params[0], params[1], params[2])
+			if err != nil {
+				return err
+			}
+			g, err := autograd.GELU(h)
+			if err != nil {
+				return err
+			}
+			y, err := autograd.LayerNorm(g, params[3], params[4], 1e-5)
+			if err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			var results, grads int64
+			for _, v := range []*autograd.Value{h, g, y, loss} {
+				results += rounded(int64(4 * v.Data().LocalBuffer().Len()))
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			for _, v := range params {
+				grads += rounded(v.GradBytes())
+			}
+			if got := d.Memory().Stats().Allocated - base; got != results+grads {
+				t.Errorf("recycling %v: after Backward %d bytes more are allocated, want %d (results %d, gradients %d)", recycling, got, results+grads, results, grads)
+			}
+			if !recycling {
+				for _, v := range []*autograd.Value{h, g, y, loss} {
+					if err := v.Data().LocalBuffer().(device.Buffer).Free(); err != nil {
+						return err
+					}
+				}
+			} else {
+				tape.Recycle()
+			}
+			if got := d.Memory().Stats().Allocated - base; got != grads {
+				t.Errorf("recycling %v: with the results freed %d bytes more are allocated, want %d (the gradients)", recycling, got, grads)
+			}
+		}
+		return nil
+	})
+}

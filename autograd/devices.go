@@ -1,0 +1,545 @@
+package autograd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/placement"
+)
+
+// Ops on devices. An op whose inputs live on a device other than the host
+// (checkInputs has made sure they share one) runs there: its arithmetic is
+// the device's Kernels on the inputs' device.Buffers, and its results are
+// buffers of that device wrapped with placement.NewLocalOn. Host inputs
+// take the code as it was, through one branch per op.
+//
+// Device memory follows the tape's arena (arena.go): scratch (saved
+// values, intermediate gradients) is freed, back to the device's caching
+// allocator, when the tape is cleared or Backward has consumed it; op
+// results are freed at Recycle on a tape made WithRecycling; fresh results
+// (no recycling, leaves' gradients) belong to the caller, who frees them
+// with their buffer's Free.
+
+// devKey names a device buffer the arena handed out: its device and the
+// address of its first element.
+type devKey struct {
+	d device.Device
+	p uintptr
+}
+
+// devBuf is a device buffer the arena handed out.
+type devBuf struct {
+	b      device.Buffer
+	result bool // an op result: freed by recycle only
+}
+
+// devBytes is b's size in bytes.
+func devBytes(b device.Buffer) uintptr { return uintptr(b.Len() * b.DType().Size()) }
+
+// devSpan is the span of a device buffer, false when it is empty.
+func devSpan(b device.Buffer) (span, bool) {
+	p := b.Ptr()
+	if p == 0 || b.Len() == 0 {
+		return span{}, false
+	}
+	return span{bytes: devBytes(b), dev: devKey{b.Owner(), p}}, true
+}
+
+// bufOf returns dt's local block when it is a device buffer, nil for a
+// host block.
+func bufOf(dt *placement.DTensor) device.Buffer {
+	b, _ := dt.LocalData().(device.Buffer)
+	return b
+}
+
+// onDevice returns the device of x's block when it is not the host.
+func onDevice(x *placement.DTensor) (device.Device, bool) {
+	if b := bufOf(x); b != nil {
+		return b.Owner(), true
+	}
+	return nil, false
+}
+
+// devKernels returns d's Kernels for op on data of type dt: Float32 only
+// (the device kernels' type), anything else an error wrapping
+// ErrUnsupported that names op, the dtype and the device.
+func devKernels(op string, d device.Device, dt comm.DType) (device.Kernels, error) {
+	if dt != comm.Float32 {
+		return nil, unsupportedf(op, "%v on %s: device ops take float32 (compute float64 on the host)", dt, d.Name())
+	}
+	k := d.Kernels()
+	if k == nil {
+		return nil, unsupportedf(op, "%s has no kernels", d.Name())
+	}
+	return k, nil
+}
+
+// deviceForm reports whether op (the name checkInputs is given) runs on
+// devices other than the host. The others refuse device inputs with
+// hostOnly's error: the pointwise ops (ReLU, SiLU, Tanh, Sigmoid,
+// Dropout), Softmax and LogSoftmax, CausalSoftmax and CausalAttention,
+// Embedding and CrossEntropy, BatchedMatMul, the shape ops other than
+// Reshape, Argmax and LocalMap. Mean and MSE are compositions of ops that
+// have device forms; Custom ops run wherever their inputs are.
+func deviceForm(op string) bool {
+	switch op {
+	case "Add", "Mul", "Scale", "MatMul", "Linear", "Sum", "Mean", "MSE", "LayerNorm", "GELU", "Reshape", "To",
+		"Redistribute", "Checkpoint":
+		return true
+	}
+	return false
+}
+
+// hostOnly is the error of an op that has no device form yet, given
+// inputs on d.
+func hostOnly(op string, d device.Device) error {
+	return unsupportedf(op, "inputs on %s: %s runs on the host only; copy its inputs there with autograd.To", d.Name(), op)
+}
+
+// devWrap wraps a kernel's error with op.
+func devWrap(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("autograd: %s: %w", op, err)
+}
+
+// devBlock allocates n elements of dt on d as a says: scratch or a
+// recycled result in t's arena (freed by it), or a fresh result the
+// caller owns. Unlike block, its contents are undefined even when fresh.
+func devBlock(a alloc, d device.Device, dt comm.DType, n int) (device.Buffer, error) {
+	b, err := d.Alloc(dt, n)
+	if err != nil {
+		return nil, fmt.Errorf("autograd: allocating %d %v on %s: %w", n, dt, d.Name(), err)
+	}
+	if a.fresh() {
+		return b, nil
+	}
+	a.t.arena.devTake(b, a.result)
+	return b, nil
+}
+
+// devResult is devBlock for a result of spec's local shape and dtype,
+// wrapped by placement.NewLocalOn; fill runs the kernel that writes it.
+func devResult(a alloc, d device.Device, spec *placement.Spec, fill func(out device.Buffer) error) (*placement.DTensor, error) {
+	b, err := devBlock(a, d, spec.DType(), prod(spec.LocalShape()))
+	if err != nil {
+		return nil, err
+	}
+	if err := fill(b); err != nil {
+		// The buffer is unused: free it now unless the arena tracks it.
+		if a.fresh() {
+			return nil, errors.Join(err, b.Free())
+		}
+		return nil, err
+	}
+	return placement.NewLocalOn(spec, b)
+}
+
+// devTake records b as handed out, as take does for host buffers.
+func (a *arena) devTake(b device.Buffer, result bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := devBuf{b: b, result: result}
+	p := b.Ptr()
+	if p == 0 || b.Len() == 0 {
+		a.devEmpty = append(a.devEmpty, e)
+		return
+	}
+	if a.devOut == nil {
+		a.devOut = map[devKey]devBuf{}
+	}
+	k := devKey{b.Owner(), p}
+	a.devOut[k] = e
+	if n := len(a.devTracks); n > 0 {
+		a.devTracks[n-1] = append(a.devTracks[n-1], k)
+	}
+}
+
+// devGiveLocked frees the outstanding buffer whose block is exactly s's
+// (scratch only when scratchOnly) and reports whether it did.
+func (a *arena) devGiveLocked(s span, scratchOnly bool) bool {
+	e, ok := a.devOut[s.dev]
+	if !ok || devBytes(e.b) != s.bytes || scratchOnly && e.result {
+		return false
+	}
+	a.devFreeOne(s.dev, e)
+	return true
+}
+
+// devFreeOne frees e (poisoned with NaN first when it is a result and
+// a.poison is set) and forgets it. The free is ordered after the work
+// queued on the buffer's streams, so a kernel still reading it is safe.
+func (a *arena) devFreeOne(k devKey, e devBuf) {
+	delete(a.devOut, k)
+	if e.result && a.poison {
+		if kk := e.b.Owner().Kernels(); kk != nil {
+			_ = kk.Fill(e.b, math.NaN()) // poisoning is a debugging aid
+		}
+	}
+	// A failing Free is a double free or a closed device: either way the
+	// arena no longer owns the memory.
+	_ = e.b.Free()
+}
+
+// devFreeLocked frees every outstanding scratch buffer, and the results
+// too when results is set (recycle).
+func (a *arena) devFreeLocked(results bool) {
+	for k, e := range a.devOut {
+		if !e.result || results {
+			a.devFreeOne(k, e)
+		}
+	}
+	keep := a.devEmpty[:0]
+	for _, e := range a.devEmpty {
+		if e.result && !results {
+			keep = append(keep, e)
+			continue
+		}
+		_ = e.b.Free()
+	}
+	clear(a.devEmpty[len(keep):])
+	a.devEmpty = keep
+}
+
+// devUntrackLocked is untrack's part for device buffers: it frees those
+// handed out since the innermost track began, except those sharing memory
+// with keep, which the enclosing track inherits.
+func (a *arena) devUntrackLocked(keep []*placement.DTensor) {
+	k := len(a.devTracks)
+	if k == 0 {
+		return
+	}
+	list := a.devTracks[k-1]
+	a.devTracks = a.devTracks[:k-1]
+	for _, key := range list {
+		e, ok := a.devOut[key]
+		if !ok {
+			continue
+		}
+		s := span{bytes: devBytes(e.b), dev: key}
+		if overlapsAny(s, keep) {
+			if k > 1 {
+				a.devTracks[k-2] = append(a.devTracks[k-2], key)
+			}
+			continue
+		}
+		a.devFreeOne(key, e)
+	}
+}
+
+// filledOn is filled for a tensor on d, in a block as a says.
+func filledOn(a alloc, d device.Device, spec *placement.Spec, v float64) (*placement.DTensor, error) {
+	k, err := devKernels("Backward", d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	return devResult(a, d, spec, func(out device.Buffer) error { return k.Fill(out, v) })
+}
+
+// devClone copies a device tensor's block into a fresh buffer of its
+// device, which the caller owns.
+func devClone(x device.Buffer, spec *placement.Spec) (*placement.DTensor, error) {
+	d := x.Owner()
+	b, err := d.Alloc(x.DType(), x.Len())
+	if err != nil {
+		return nil, fmt.Errorf("autograd: copying a gradient on %s: %w", d.Name(), err)
+	}
+	if err := d.Copy(b, x); err != nil {
+		return nil, errors.Join(fmt.Errorf("autograd: copying a gradient on %s: %w", d.Name(), err), b.Free())
+	}
+	return placement.NewLocalOn(spec, b)
+}
+
+// To returns x with its local block on d: a differentiable copy between
+// devices (placement's DTensor.To), whose backward copies the gradient
+// back to x's device. x itself is returned when it is on d already. The
+// copy is a fresh result the caller owns, or on a tape made WithRecycling
+// a result freed at Recycle when it is on a device other than the host.
+// Errors wrap ErrInvalid (nil input or device) or are the devices'
+// (allocation, copies).
+func To(x *Value, d device.Device) (*Value, error) {
+	const op = "To"
+	t, err := checkInputs(op, x)
+	if err != nil {
+		return nil, err
+	}
+	if d == nil {
+		return nil, invalidf(op, "nil device (device.Host() is the host)")
+	}
+	src := x.data.Device()
+	if device.Same(op, src, d) == nil {
+		return x, nil
+	}
+	out, err := t.copyTo(x.data, d, t.result())
+	if err != nil {
+		return nil, err
+	}
+	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		gx, err := t.copyTo(g, src, t.scratch())
+		return []*placement.DTensor{gx}, err
+	}), nil
+}
+
+// copyTo copies x's block to d (placement's DTensor.To), moving a copy
+// that lands on a device other than the host into t's arena as a says.
+func (t *Tape) copyTo(x *placement.DTensor, d device.Device, a alloc) (*placement.DTensor, error) {
+	out, err := x.To(d)
+	if err != nil {
+		return nil, fmt.Errorf("autograd: To: %w", err)
+	}
+	if b := bufOf(out); b != nil && !a.fresh() {
+		t.arena.devTake(b, a.result)
+	}
+	return out, nil
+}
+
+// devZip runs the two-input kernel f on the blocks of x and y (same
+// device, dtype and length) into a block of d as a says: Add and Mul.
+func devZip(op string, a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTensor,
+	f func(k device.Kernels, dst, x, y device.Buffer) error) (*placement.DTensor, error) {
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	xb, yb := bufOf(x), bufOf(y)
+	if yb == nil || yb.Len() != xb.Len() {
+		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v and %v do not match", op, x.LocalShape(), y.LocalShape())
+	}
+	return devResult(a, d, spec, func(out device.Buffer) error { return devWrap(op, f(k, out, xb, yb)) })
+}
+
+// devScale is scale on a device.
+func devScale(a alloc, d device.Device, spec *placement.Spec, x *placement.DTensor, c float64) (*placement.DTensor, error) {
+	k, err := devKernels("Scale", d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x)
+	return devResult(a, d, spec, func(out device.Buffer) error { return devWrap("Scale", k.Scale(out, xb, c)) })
+}
+
+// devGemm is gemm on a device: one Kernels.Gemm with beta = 0 (device
+// memory is not zeroed, fresh or not), or a Fill when k is 0.
+func devGemm(a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, m, n, k int) (*placement.DTensor, error) {
+	const op = "MatMul"
+	kk, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	lda, ldb := k, n
+	if transA {
+		lda = m
+	}
+	if transB {
+		ldb = k
+	}
+	g := device.Gemm{TransA: transA, TransB: transB, M: m, N: n, K: k, A: bufOf(x), B: bufOf(y),
+		LDA: max(1, lda), LDB: max(1, ldb), LDC: max(1, n), Alpha: 1}
+	return devResult(a, d, spec, func(c device.Buffer) error {
+		if k == 0 || m == 0 || n == 0 {
+			return devWrap(op, kk.Fill(c, 0))
+		}
+		g.C = c
+		return devWrap(op, kk.Gemm(g))
+	})
+}
+
+// devGemmBias is gemmBias on a device: the result prefilled with the bias
+// rows (FillRows), then the GEMM with beta = 1, as the host does.
+func devGemmBias(t *Tape, d device.Device, spec *placement.Spec, x, w *placement.DTensor, bias device.Buffer, m, n, k int) (*placement.DTensor, error) {
+	const op = "Linear"
+	kk, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	if bias.Len() != n {
+		return nil, fmt.Errorf("autograd: %s: internal: bias block of %d for %d outputs", op, bias.Len(), n)
+	}
+	return devResult(t.result(), d, spec, func(c device.Buffer) error {
+		if err := kk.FillRows(c, bias); err != nil {
+			return devWrap(op, err)
+		}
+		if k == 0 || m == 0 || n == 0 {
+			return nil
+		}
+		return devWrap(op, kk.Gemm(device.Gemm{TransB: true, M: m, N: n, K: k, A: bufOf(x), B: bufOf(w), C: c,
+			LDA: k, LDB: k, LDC: n, Alpha: 1, Beta: 1}))
+	})
+}
+
+// devColumnSums is columnSums on a device, into t's arena.
+func devColumnSums(t *Tape, spec *placement.Spec, g device.Buffer, n int) (*placement.DTensor, error) {
+	d := g.Owner()
+	k, err := devKernels("Linear", d, g.DType())
+	if err != nil {
+		return nil, err
+	}
+	return devResult(t.scratch(), d, spec, func(out device.Buffer) error {
+		return devWrap("Linear", k.ColumnSums(out, g, n))
+	})
+}
+
+// devSum is sumLocal on a device, into a result block of t.
+func devSum(t *Tape, d device.Device, spec *placement.Spec, x *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
+	k, err := devKernels("Sum", d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	shape := x.LocalShape()
+	return devResult(t.result(), d, spec, func(out device.Buffer) error {
+		return devWrap("Sum", k.SumDims(out, bufOf(x), shape, reduce))
+	})
+}
+
+// devBroadcast is broadcastLocal on a device, into t's arena.
+func devBroadcast(t *Tape, d device.Device, spec *placement.Spec, g *placement.DTensor, reduce []bool) (*placement.DTensor, error) {
+	k, err := devKernels("Sum", d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	shape := spec.LocalShape()
+	return devResult(t.scratch(), d, spec, func(out device.Buffer) error {
+		return devWrap("Sum", k.BroadcastDims(out, bufOf(g), shape, reduce))
+	})
+}
+
+// layerNormDev is LayerNorm on a device: Kernels.LayerNorm, saving the
+// rows' mean and rstd (Float64 scratch) when recorded, and
+// Kernels.LayerNormBackward.
+func layerNormDev(t *Tape, d device.Device, spec *placement.Spec, x, w, b *Value, eps float64) (*Value, error) {
+	const op = "LayerNorm"
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	shape := spec.Shape()
+	n := shape[len(shape)-1]
+	xb, wb, bb := bufOf(x.data), bufOf(w.data), bufOf(b.data)
+	var mean, rstd device.Buffer
+	if t.records(x, w, b) && n > 0 {
+		rows := xb.Len() / n
+		if mean, err = devBlock(t.scratch(), d, comm.Float64, rows); err != nil {
+			return nil, err
+		}
+		if rstd, err = devBlock(t.scratch(), d, comm.Float64, rows); err != nil {
+			return nil, err
+		}
+	}
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error {
+		return devWrap(op, k.LayerNorm(y, mean, rstd, xb, wb, bb, n, eps))
+	})
+	if err != nil {
+		return nil, err
+	}
+	needX, needW, needB := x.requiresGrad, w.requiresGrad, b.requiresGrad
+	ws, bs := w.Spec(), b.Spec()
+	return t.record(op, out, []*Value{x, w, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		gb := bufOf(g)
+		// dw and db stay 0 when there are no rows, as the host's zeroBuf.
+		var dx, dw, db device.Buffer
+		if needX {
+			if dx, err = devBlock(t.scratch(), d, comm.Float32, gb.Len()); err != nil {
+				return nil, err
+			}
+		}
+		for _, p := range []struct {
+			need bool
+			buf  *device.Buffer
+		}{{needW, &dw}, {needB, &db}} {
+			if !p.need {
+				continue
+			}
+			if *p.buf, err = devBlock(t.scratch(), d, comm.Float32, n); err != nil {
+				return nil, err
+			}
+			if err := k.Fill(*p.buf, 0); err != nil {
+				return nil, devWrap(op, err)
+			}
+		}
+		if err := k.LayerNormBackward(dx, dw, db, gb, xb, wb, mean, rstd, n); err != nil {
+			return nil, devWrap(op, err)
+		}
+		grads := make([]*placement.DTensor, 3)
+		if needX {
+			if grads[0], err = placement.NewLocalOn(g.Spec(), dx); err != nil {
+				return nil, err
+			}
+		}
+		red := reducedOver(spec, g.Spec().Placements())
+		for i, p := range []struct {
+			need bool
+			s    *placement.Spec
+			buf  device.Buffer
+		}{{needW, ws, dw}, {needB, bs, db}} {
+			if !p.need {
+				continue
+			}
+			s, err := gradSpec(p.s, red)
+			if err != nil {
+				return nil, err
+			}
+			if grads[1+i], err = placement.NewLocalOn(s, p.buf); err != nil {
+				return nil, err
+			}
+		}
+		return grads, nil
+	}), nil
+}
+
+// geluDev is GELU on a device: Kernels.BiasGELU without a bias, saving
+// GELU' (scratch) when recorded, and Kernels.BiasGELUBackward, as the
+// host's float32 path.
+func geluDev(t *Tape, d device.Device, spec *placement.Spec, x *Value) (*Value, error) {
+	const op = "GELU"
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x.data)
+	ls := x.data.LocalShape()
+	n := 1
+	if len(ls) > 0 {
+		n = ls[len(ls)-1]
+	}
+	w := rowWidth(xb.Len(), n)
+	var deriv device.Buffer
+	if t.records(x) {
+		if deriv, err = devBlock(t.scratch(), d, comm.Float32, xb.Len()); err != nil {
+			return nil, err
+		}
+	}
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error {
+		return devWrap(op, k.BiasGELU(y, deriv, xb, nil, w))
+	})
+	if err != nil {
+		return nil, err
+	}
+	return devRecordUnary(t, op, x, spec, out, func(gs *placement.Spec, g, dx device.Buffer) error {
+		return k.BiasGELUBackward(dx, nil, g, deriv, rowWidth(g.Len(), n))
+	})
+}
+
+// devRecordUnary is recordUnary on a device: back writes the input's
+// gradient dx (scratch of g's length) from the aligned gradient g.
+func devRecordUnary(t *Tape, op string, x *Value, spec *placement.Spec, out *placement.DTensor, back func(gs *placement.Spec, g, dx device.Buffer) error) (*Value, error) {
+	d := out.Device()
+	return t.record(op, out, []*Value{x}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		gx, err := devResult(t.scratch(), d, g.Spec(), func(dx device.Buffer) error {
+			return devWrap(op, back(g.Spec(), bufOf(g), dx))
+		})
+		return []*placement.DTensor{gx}, err
+	}), nil
+}
