@@ -736,6 +736,42 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 				}})
 		}
 	}
+	for _, c := range []struct {
+		shape  []int
+		reduce []bool
+	}{
+		{nil, nil},
+		{[]int{7}, []bool{true}},
+		{[]int{7}, []bool{false}},
+		{[]int{5, 33}, []bool{true, false}}, // a bias gradient
+		{[]int{5, 33}, []bool{false, true}},
+		{[]int{3, 4, 5, 6}, []bool{false, true, true, false}},
+		{[]int{3, 4, 5, 6}, []bool{true, false, true, false}},
+		{[]int{2, 3, 4, 5}, []bool{false, true, false, true}},
+		{[]int{3, 0, 4}, []bool{true, false, true}},
+		{[]int{3, 0, 4}, []bool{false, true, false}},
+	} {
+		n, kept := prod(c.shape), 1
+		for i, d := range c.shape {
+			if !c.reduce[i] {
+				kept *= d
+			}
+		}
+		// Summed in float32 on the CPU and in double on the device, at most
+		// 60 terms of |x| ≤ 2 here.
+		cs = append(cs,
+			kcase{fmt.Sprintf("SumDims/%v/%v", c.shape, c.reduce), []kbuf{outF32(kept, tol{1e-5, 1e-4}), inF32(r, n, 2)},
+				func(k device.Kernels, b []device.Buffer) error { return k.SumDims(b[0], b[1], c.shape, c.reduce) }},
+			kcase{fmt.Sprintf("BroadcastDims/%v/%v", c.shape, c.reduce), []kbuf{outF32(n, exact), inF32(r, kept, 2)},
+				func(k device.Kernels, b []device.Buffer) error { return k.BroadcastDims(b[0], b[1], c.shape, c.reduce) }},
+		)
+	}
+	for _, rows := range sh.rows {
+		for _, n := range sh.n {
+			cs = append(cs, kcase{fmt.Sprintf("FillRows/%dx%d", rows, n), []kbuf{outF32(rows*n, exact), inF32(r, n, 2)},
+				func(k device.Kernels, b []device.Buffer) error { return k.FillRows(b[0], b[1]) }})
+		}
+	}
 	for _, s := range sh.attn {
 		bt := s.Batch * s.T
 		cs = append(cs,
@@ -976,13 +1012,4 @@ func compareOut(t *testing.T, what string, got, want []float64, tl tol) {
 			return
 		}
 	}
-}
-
-// prod is the product of dims (1 for none).
-func prod(dims []int) int {
-	p := 1
-	for _, d := range dims {
-		p *= d
-	}
-	return p
 }

@@ -3,6 +3,7 @@ package cuda
 import (
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/comm"
@@ -1050,4 +1051,190 @@ func (k cudaKernels) copyRun(op string, dst *DeviceBuffer, do int, src *DeviceBu
 		return fmt.Errorf("%s: %s: %w", k.d.name, op, err)
 	}
 	return nil
+}
+
+// FillRows sets every row of dst (rows of row.Len()) to row
+// (loom_broadcast_mid_f32 with outer 1).
+func (k cudaKernels) FillRows(dst, row device.Buffer) error {
+	const op = "FillRows"
+	v, err := k.check(op, f32("dst", dst), f32("row", row))
+	if err != nil {
+		return err
+	}
+	n := v[1].Len()
+	if n == 0 {
+		if v[0].Len() != 0 {
+			return k.invalid(op, "an empty row for %d elements", v[0].Len())
+		}
+		return nil
+	}
+	rows, err := k.rowsOf(op, v[0], "dst", n)
+	if err != nil {
+		return err
+	}
+	return k.broadcastMid(op, v[0].raw(), v[1].raw(), 1, rows, n)
+}
+
+// broadcastMid queues out [outer, mid, inner] = g [outer, inner] repeated
+// over mid.
+func (k cudaKernels) broadcastMid(op string, out, g Buffer, outer, mid, inner int) error {
+	return k.elementwise(op, "convert.cu", "loom_broadcast_mid_f32", outer*mid*inner, out, g, int64(outer), int64(mid), int64(inner))
+}
+
+// dimGroups checks shape and reduce (one flag per dim, no negative size)
+// and returns the element counts of x and of the result, and the dims
+// merged into groups of one flag: their sizes and whether each is
+// reduced.
+func (k cudaKernels) dimGroups(op string, shape []int, reduce []bool) (n, kept int, sizes []int, red []bool, err error) {
+	if len(shape) != len(reduce) {
+		return 0, 0, nil, nil, k.invalid(op, "shape %v and reduce %v differ in length", shape, reduce)
+	}
+	n, kept = 1, 1
+	for i, d := range shape {
+		if d < 0 {
+			return 0, 0, nil, nil, k.invalid(op, "negative size in %v", shape)
+		}
+		var ok bool
+		if n, ok = checked.Mul(n, d); !ok {
+			return 0, 0, nil, nil, k.invalid(op, "sizes %v overflow int", shape)
+		}
+		if !reduce[i] {
+			kept *= d
+		}
+		if i > 0 && reduce[i] == reduce[i-1] {
+			sizes[len(sizes)-1] *= d
+			continue
+		}
+		sizes, red = append(sizes, d), append(red, reduce[i])
+	}
+	return n, kept, sizes, red, nil
+}
+
+// SumDims sums x (of shape) over the dims where reduce is set into out:
+// one loom_sum_mid_f32 pass per group of adjacent reduced dims, the
+// innermost first, through scratch between passes. Sums accumulate in
+// double and round once per pass (the CPU adds in float32).
+func (k cudaKernels) SumDims(out, x device.Buffer, shape []int, reduce []bool) error {
+	const op = "SumDims"
+	v, err := k.check(op, f32("out", out), f32("x", x))
+	if err != nil {
+		return err
+	}
+	n, kept, sizes, red, err := k.dimGroups(op, shape, reduce)
+	if err != nil {
+		return err
+	}
+	if v[1].Len() != n || v[0].Len() != kept {
+		return k.invalid(op, "x has %d elements and out %d, want %d and %d for shape %v reducing %v", v[1].Len(), v[0].Len(), n, kept, shape, reduce)
+	}
+	if kept == 0 {
+		return nil
+	}
+	first := slices.Index(red, true)
+	if first < 0 {
+		return k.copyRun(op, v[0], 0, v[1], 0, 4*n)
+	}
+	var scratch []*DeviceBuffer
+	defer func() {
+		for _, b := range scratch {
+			_ = b.Free() // a live owning buffer's Free fails only on a bug
+		}
+	}()
+	cur := v[1].raw()
+	for p := len(sizes) - 1; p >= 0; p-- {
+		if !red[p] {
+			continue
+		}
+		outer, inner := prod(sizes[:p]), prod(sizes[p+1:])
+		dst := v[0].raw()
+		if p != first {
+			s, err := k.scratch(comm.Float32, outer*inner)
+			if err != nil {
+				return err
+			}
+			scratch = append(scratch, s)
+			dst = s.raw()
+		}
+		if err := k.sumMid(op, dst, cur, outer, sizes[p], inner); err != nil {
+			return err
+		}
+		cur = dst
+		sizes = slices.Delete(slices.Clone(sizes), p, p+1)
+	}
+	return nil
+}
+
+// BroadcastDims sets out (of shape) to g repeated along the dims where
+// reduce is set: one loom_broadcast_mid_f32 pass per group of adjacent
+// reduced dims, the innermost first. Bit-exact copies.
+func (k cudaKernels) BroadcastDims(out, g device.Buffer, shape []int, reduce []bool) error {
+	const op = "BroadcastDims"
+	v, err := k.check(op, f32("out", out), f32("g", g))
+	if err != nil {
+		return err
+	}
+	n, kept, sizes, red, err := k.dimGroups(op, shape, reduce)
+	if err != nil {
+		return err
+	}
+	if v[0].Len() != n || v[1].Len() != kept {
+		return k.invalid(op, "out has %d elements and g %d, want %d and %d for shape %v reducing %v", v[0].Len(), v[1].Len(), n, kept, shape, reduce)
+	}
+	if n == 0 {
+		return nil
+	}
+	first := slices.Index(red, true)
+	if first < 0 {
+		return k.copyRun(op, v[0], 0, v[1], 0, 4*n)
+	}
+	var scratch []*DeviceBuffer
+	defer func() {
+		for _, b := range scratch {
+			_ = b.Free() // a live owning buffer's Free fails only on a bug
+		}
+	}()
+	// present[q]: group q is in the current layout (kept groups, and the
+	// reduced ones expanded so far).
+	present := make([]bool, len(sizes))
+	for q := range sizes {
+		present[q] = !red[q]
+	}
+	cur := v[1].raw()
+	for p := len(sizes) - 1; p >= 0; p-- {
+		if !red[p] {
+			continue
+		}
+		outer, inner := 1, 1
+		for q := range sizes {
+			switch {
+			case present[q] && q < p:
+				outer *= sizes[q]
+			case present[q] && q > p:
+				inner *= sizes[q]
+			}
+		}
+		dst := v[0].raw()
+		if p != first {
+			s, err := k.scratch(comm.Float32, outer*sizes[p]*inner)
+			if err != nil {
+				return err
+			}
+			scratch = append(scratch, s)
+			dst = s.raw()
+		}
+		if err := k.broadcastMid(op, dst, cur, outer, sizes[p], inner); err != nil {
+			return err
+		}
+		cur, present[p] = dst, true
+	}
+	return nil
+}
+
+// prod is the product of dims (1 for none).
+func prod(dims []int) int {
+	p := 1
+	for _, d := range dims {
+		p *= d
+	}
+	return p
 }

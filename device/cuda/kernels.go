@@ -53,7 +53,9 @@ func KernelFiles() []KernelFile {
 		{Name: "xent.cu", Kernels: []string{"loom_xent_fwd_f32", "loom_xent_bwd_f32"}},
 		{Name: "optim.cu", Kernels: []string{"loom_adamw_f32", "loom_sgd_f32"}},
 		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
-		{Name: "convert.cu", Kernels: []string{"loom_fill_u16", "loom_fill_u64", "loom_cast_f32_f64", "loom_cast_f64_f32"}},
+		{Name: "convert.cu", Kernels: []string{
+			"loom_fill_u16", "loom_fill_u64", "loom_cast_f32_f64", "loom_cast_f64_f32", "loom_broadcast_mid_f32",
+		}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)

@@ -26,3 +26,11 @@ extern "C" __global__ void loom_cast_f64_f32(float *out, const double *x, i64 n)
   LOOM_FOR(i, n) out[i] = (float)x[i];
 }
 LOOM_KERNEL(loom_cast_f64_f32)
+
+// out [outer, mid, inner] = g [outer, inner] repeated over mid: a row
+// broadcast (outer = 1: kernels.FillRows) and one pass of
+// kernels.BroadcastDims. Bit-exact copies.
+extern "C" __global__ void loom_broadcast_mid_f32(float *out, const float *g, i64 outer, i64 mid, i64 inner) {
+  LOOM_FOR(k, outer * mid * inner) out[k] = g[k / (mid * inner) * inner + k % inner];
+}
+LOOM_KERNEL(loom_broadcast_mid_f32)
