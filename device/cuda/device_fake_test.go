@@ -750,6 +750,9 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 		{[]int{2, 3, 4, 5}, []bool{false, true, false, true}},
 		{[]int{3, 0, 4}, []bool{true, false, true}},
 		{[]int{3, 0, 4}, []bool{false, true, false}},
+		{[]int{3, 0, 4}, []bool{true, true, true}},
+		{[]int{7, 9}, []bool{true, true}}, // a total
+		{[]int{600}, []bool{true}},        // a total over three blocks
 	} {
 		n, kept := prod(c.shape), 1
 		for i, d := range c.shape {

@@ -1134,6 +1134,9 @@ func (k cudaKernels) SumDims(out, x device.Buffer, shape []int, reduce []bool) e
 	if first < 0 {
 		return k.copyRun(op, v[0], 0, v[1], 0, 4*n)
 	}
+	if kept == 1 {
+		return k.total(op, v[0], v[1])
+	}
 	var scratch []*DeviceBuffer
 	defer func() {
 		for _, b := range scratch {
@@ -1237,4 +1240,21 @@ func prod(dims []int) int {
 		p *= d
 	}
 	return p
+}
+
+// total sets out (one element) to Σ x in double, rounded once: per-block
+// partials over the whole grid, their sum by one block, then the cast
+// (loom_sum_mid_f32 would put a total on one block's 8 threads).
+func (k cudaKernels) total(op string, out, x *DeviceBuffer) error {
+	n := x.Len()
+	grid := k.gridFor(max(n, 1), blockThreads)
+	return k.withScratch(comm.Float64, []int{int(grid.X), 1}, func(s []*DeviceBuffer) error {
+		if err := k.launch(op, "convert.cu", "loom_sum_f32_partial", grid, Dim3{X: blockThreads}, 0, s[0].raw(), x.raw(), int64(n)); err != nil {
+			return err
+		}
+		if err := k.launch(op, "elementwise.cu", "loom_sum_f64", Dim3{X: 1}, Dim3{X: blockThreads}, 0, s[1].raw(), s[0].raw(), int64(grid.X)); err != nil {
+			return err
+		}
+		return k.elementwise(op, "convert.cu", "loom_cast_f64_f32", 1, out.raw(), s[1].raw(), int64(1))
+	})
 }

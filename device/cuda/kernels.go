@@ -55,6 +55,7 @@ func KernelFiles() []KernelFile {
 		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
 		{Name: "convert.cu", Kernels: []string{
 			"loom_fill_u16", "loom_fill_u64", "loom_cast_f32_f64", "loom_cast_f64_f32", "loom_broadcast_mid_f32",
+			"loom_sum_f32_partial",
 		}},
 	}
 	for i := range files {

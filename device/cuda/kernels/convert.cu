@@ -34,3 +34,15 @@ extern "C" __global__ void loom_broadcast_mid_f32(float *out, const float *g, i6
   LOOM_FOR(k, outer * mid * inner) out[k] = g[k / (mid * inner) * inner + k % inner];
 }
 LOOM_KERNEL(loom_broadcast_mid_f32)
+
+// partial[blockIdx.x] = this block's share of Σ x, in double (a total of
+// kernels.SumDims over every dim, which loom_sum_f64 then adds). Whole
+// warps per block.
+extern "C" __global__ void loom_sum_f32_partial(double *partial, const float *x, i64 n) {
+  __shared__ double buf[32];
+  double s = 0;
+  LOOM_FOR(i, n) s += x[i];
+  s = loom_block_sum(s, buf);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+LOOM_KERNEL(loom_sum_f32_partial)
