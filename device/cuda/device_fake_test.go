@@ -36,6 +36,8 @@ type deviceFake struct {
 	allocs, ctxRefs, modules, events, streams func() int32
 	lastError                                 func() string
 	live                                      func(kind string) int64
+	log                                       func() string
+	logReset                                  func()
 }
 
 // buildDeviceFake compiles the whole-device fake; it skips the test when
@@ -78,7 +80,7 @@ func buildDeviceFake(t *testing.T) *deviceFake {
 	if err := dl.Bind([]dynlib.Symbol{
 		{Name: "fake_live_allocs", Fn: &f.allocs}, {Name: "fake_ctx_refs", Fn: &f.ctxRefs}, {Name: "fake_modules", Fn: &f.modules},
 		{Name: "fake_events", Fn: &f.events}, {Name: "fake_streams", Fn: &f.streams}, {Name: "fake_last_error", Fn: &f.lastError},
-		{Name: "fake_live", Fn: &f.live},
+		{Name: "fake_live", Fn: &f.live}, {Name: "fake_log", Fn: &f.log}, {Name: "fake_log_reset", Fn: &f.logReset},
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -127,6 +129,60 @@ func TestFakeDevice(t *testing.T) {
 	t.Run("allocator", func(t *testing.T) { testFakeAllocator(t, f) })
 	t.Run("errors", func(t *testing.T) { testFakeDeviceErrors(t, f) })
 	t.Run("lost buffer", func(t *testing.T) { testLostBuffer(t, f) })
+	t.Run("tf32", func(t *testing.T) { testFakeTF32(t, f) })
+}
+
+// testFakeTF32: float32 GEMMs compute in float32 unless the BLAS allows
+// TF32, and then in TF32 (CUBLAS_COMPUTE_32F_FAST_TF32, 77); float64 ones
+// in float64 (70); all on the compute stream.
+func testFakeTF32(t *testing.T, f *deviceFake) {
+	for _, c := range []struct {
+		tf32      bool
+		want, not string
+	}{{false, "compute=68", "compute=77"}, {true, "compute=77", "compute=68"}} {
+		l, d := f.open(t, f.path, WithBLASOptions(WithCUBLAS(f.path), WithCUBLASLt(f.path), WithTF32(c.tf32)))
+		k := d.Kernels()
+		var bufs []device.Buffer
+		for _, dt := range []comm.DType{comm.Float32, comm.Float64} {
+			b, err := d.Alloc(dt, 4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := k.Fill(b, 1); err != nil {
+				t.Fatal(err)
+			}
+			bufs = append(bufs, b)
+		}
+		f.logReset()
+		for _, b := range bufs {
+			if err := k.Gemm(device.Gemm{M: 2, N: 2, K: 2, A: b, B: b, C: b.Slice(0, 4).(device.Buffer), LDA: 2, LDB: 2, LDC: 2, Alpha: 1}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		stream := fmt.Sprintf("stream=%#x", d.compute.Handle())
+		var lines []string // the GEMMs (the first GEMM also creates the handle)
+		for l := range strings.Lines(f.log()) {
+			if strings.HasPrefix(l, "cublasGemmEx ") {
+				lines = append(lines, l)
+			}
+		}
+		if len(lines) != 2 || !strings.Contains(lines[0], c.want) || strings.Contains(lines[0], c.not) ||
+			!strings.Contains(lines[1], "compute=70") || !strings.Contains(lines[0], stream) || !strings.Contains(lines[1], stream) {
+			t.Errorf("TF32 %v: cuBLAS calls\n%s\nwant float32 with %s and float64 with compute=70, on %s", c.tf32, f.log(), c.want, stream)
+		}
+		for _, b := range bufs {
+			if err := b.Free(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := d.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.checkReleased(t)
 }
 
 // checkReleased fails unless the fake holds nothing: every allocation,
