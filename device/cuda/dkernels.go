@@ -1148,7 +1148,7 @@ func (k cudaKernels) SumDims(out, x device.Buffer, shape []int, reduce []bool) e
 		if !red[p] {
 			continue
 		}
-		outer, inner := prod(sizes[:p]), prod(sizes[p+1:])
+		outer, inner := dimsProduct(sizes[:p]), dimsProduct(sizes[p+1:])
 		dst := v[0].raw()
 		if p != first {
 			s, err := k.scratch(comm.Float32, outer*inner)
@@ -1233,8 +1233,8 @@ func (k cudaKernels) BroadcastDims(out, g device.Buffer, shape []int, reduce []b
 	return nil
 }
 
-// prod is the product of dims (1 for none).
-func prod(dims []int) int {
+// dimsProduct is the product of dims (1 for none).
+func dimsProduct(dims []int) int {
 	p := 1
 	for _, d := range dims {
 		p *= d
@@ -1258,3 +1258,4 @@ func (k cudaKernels) total(op string, out, x *DeviceBuffer) error {
 		return k.elementwise(op, "convert.cu", "loom_cast_f64_f32", 1, out.raw(), s[1].raw(), int64(1))
 	})
 }
+
