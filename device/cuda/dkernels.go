@@ -974,11 +974,11 @@ func (k cudaKernels) Scale(dst, x device.Buffer, c float64) error {
 }
 
 // CopyBox copies a box between two row-major arrays of one dtype
-// (kernels.CopyBox), checked by kernels.CheckBox first. There is no box
-// kernel yet: it queues one cuMemcpyDtoDAsync per contiguous run on the
-// compute stream (the box's rows, merged where the box spans whole
-// trailing dims of both arrays), which is right but slow for boxes of
-// many short rows.
+// (kernels.CopyBox), checked by kernels.CheckBox first: 4-byte elements
+// in up to 6 dims by shape.cu's loom_copy_box_f32 (a bit copy), other
+// boxes by one cuMemcpyDtoDAsync per contiguous run on the compute stream
+// (the box's rows, merged where the box spans whole trailing dims of both
+// arrays), which is right but slow for boxes of many short rows.
 func (k cudaKernels) CopyBox(dst device.Buffer, dshape, doff []int, src device.Buffer, sshape, soff, size []int) error {
 	const op = "CopyBox"
 	all := comm.AllDTypes()
@@ -1001,6 +1001,9 @@ func (k cudaKernels) CopyBox(dst device.Buffer, dshape, doff []int, src device.B
 		if s == 0 {
 			return nil
 		}
+	}
+	if es == 4 && nd <= 6 {
+		return k.copyBox4(op, v[0], dshape, doff, v[1], sshape, soff, size)
 	}
 	// Merge trailing dims the box spans in both arrays into one run: run
 	// covers dims [inner, nd).
@@ -1259,3 +1262,31 @@ func (k cudaKernels) total(op string, out, x *DeviceBuffer) error {
 	})
 }
 
+// copyBox4 queues loom_copy_box_f32 for a checked box of 4-byte elements
+// in at most 6 dims: the offsets fold into the pointers, unused dims are
+// of size 1.
+func (k cudaKernels) copyBox4(op string, dst *DeviceBuffer, dshape, doff []int, src *DeviceBuffer, sshape, soff, size []int) error {
+	nd := len(size)
+	var n, ds, ss [6]int64
+	for i := range n {
+		n[i] = 1
+	}
+	do, so, dst1, sst1 := 0, 0, 1, 1
+	for i := nd - 1; i >= 0; i-- {
+		n[i], ds[i], ss[i] = int64(size[i]), int64(dst1), int64(sst1)
+		do += doff[i] * dst1
+		so += soff[i] * sst1
+		dst1 *= dshape[i]
+		sst1 *= sshape[i]
+	}
+	count := dimsProduct(size)
+	d := Buffer{Ptr: DevicePtr(dst.ptr + uintptr(4*do)), Bytes: 4 * (dst.Len() - do)}
+	s := Buffer{Ptr: DevicePtr(src.ptr + uintptr(4*so)), Bytes: 4 * (src.Len() - so)}
+	args := []any{d, s, int32(nd)}
+	for _, a := range [][6]int64{n, ds, ss} {
+		for _, x := range a {
+			args = append(args, x)
+		}
+	}
+	return k.elementwise(op, "shape.cu", "loom_copy_box_f32", count, args...)
+}
