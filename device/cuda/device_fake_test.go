@@ -435,6 +435,8 @@ func testFakeDeviceErrors(t *testing.T, f *deviceFake) {
 		{"SGD without buf", k.SGD(a, a, nil, kernels.SGDStep{LR: 1, Momentum: 0.9}), device.ErrInvalid, "SGD: invalid argument: buf is nil"},
 		{"box outside", k.CopyBox(c, []int{2, 3}, []int{1, 1}, a, []int{2, 3}, []int{0, 0}, []int{1, 3}), device.ErrInvalid, "CopyBox: invalid argument"},
 		{"box dtypes", k.CopyBox(c, []int{6}, []int{0}, f64s, []int{6}, []int{0}, []int{6}), device.ErrInvalid, "dst is float32, src float64"},
+		{"not wired", k.Pointwise(device.ReLU, c, a), loom.ErrUnsupported, "Pointwise ReLU: unsupported: not wired to its kernel loom_act_f32 yet"},
+		{"narrow outside", k.NarrowDim(c, a, 1, 6, 1, 2, 6), device.ErrInvalid, "CopyBox: invalid argument"},
 		{"float16 cast", k.Cast(f64s, short), device.ErrInvalid, "Cast: invalid argument: dst has 6 elements, src 5"},
 		{"short buffer", k.Mul(c, a, short), device.ErrInvalid, "Mul: invalid argument: b has 5 elements, want 6"},
 		{"freed buffer", k.Mul(c, a, freed), device.ErrInvalid, "Mul: invalid argument: b was freed"},
@@ -823,6 +825,39 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 				func(k device.Kernels, b []device.Buffer) error { return k.SumDims(b[0], b[1], c.shape, c.reduce) }},
 			kcase{fmt.Sprintf("BroadcastDims/%v/%v", c.shape, c.reduce), []kbuf{outF32(n, exact), inF32(r, kept, 2)},
 				func(k device.Kernels, b []device.Buffer) error { return k.BroadcastDims(b[0], b[1], c.shape, c.reduce) }},
+		)
+	}
+	for _, c := range [][3]int{{1, 5, 1}, {3, 7, 4}, {2, 9, 33}} {
+		outer, n, inner := c[0], c[1], c[2]
+		start, length := 2, n-3
+		cs = append(cs,
+			kcase{fmt.Sprintf("NarrowDim/%v", c), []kbuf{outF32(outer*length*inner, exact), inF32(r, outer*n*inner, 2)},
+				func(k device.Kernels, b []device.Buffer) error {
+					return k.NarrowDim(b[0], b[1], outer, n, inner, start, length)
+				}},
+			kcase{fmt.Sprintf("PadDim/%v", c), []kbuf{outF32(outer*(n+4)*inner, exact), inF32(r, outer*n*inner, 2)},
+				func(k device.Kernels, b []device.Buffer) error { return k.PadDim(b[0], b[1], outer, n, inner, 1, n+4) }},
+			kcase{fmt.Sprintf("ConcatDim/%v", c), []kbuf{outF32(outer*(n+5)*inner, exact), inF32(r, outer*n*inner, 2), inF32(r, 0, 1), inF32(r, outer*5*inner, 2)},
+				func(k device.Kernels, b []device.Buffer) error {
+					return k.ConcatDim(b[0], []device.Buffer{b[1], b[2], b[3]}, []int{n, 0, 5}, outer, inner)
+				}},
+		)
+	}
+	for _, s := range []struct{ vocab, lo, vl, nids, d int }{{1, 0, 1, 1, 1}, {7, 0, 7, 17, 7}, {300, 3, 100, 33, 33}} {
+		ids := make([]float64, s.nids)
+		for i := range ids {
+			ids[i] = float64(r.IntN(s.vocab))
+		}
+		cs = append(cs,
+			kcase{fmt.Sprintf("Embedding/%+v", s), []kbuf{outF32(s.nids*s.d, exact), inF32(r, s.vl*s.d, 1), {dt: comm.Int64, n: s.nids, init: ids}},
+				func(k device.Kernels, b []device.Buffer) error { return k.Embedding(b[0], b[1], b[2], s.lo, s.d) }},
+			// float32 atomic adds on the device, float64 on the CPU: 1e-6
+			// of the few (≤ 17) repeated rows' magnitudes.
+			kcase{fmt.Sprintf("EmbeddingBackward/%+v", s), []kbuf{outF32(s.vl*s.d, tol{1e-6, 1e-6}), {dt: comm.Float64, n: s.vl * s.d},
+				inF32(r, s.nids*s.d, 1), {dt: comm.Int64, n: s.nids, init: ids}},
+				func(k device.Kernels, b []device.Buffer) error {
+					return k.EmbeddingBackward(b[0], b[1], b[2], b[3], s.lo, s.d)
+				}},
 		)
 	}
 	for _, rows := range sh.rows {

@@ -1290,3 +1290,152 @@ func (k cudaKernels) copyBox4(op string, dst *DeviceBuffer, dshape, doff []int, 
 	}
 	return k.elementwise(op, "shape.cu", "loom_copy_box_f32", count, args...)
 }
+
+// NarrowDim is out ([outer, length, inner]) = entries [start,
+// start+length) of x ([outer, n, inner]) along the middle dim: a CopyBox.
+func (k cudaKernels) NarrowDim(out, x device.Buffer, outer, n, inner, start, length int) error {
+	if _, err := k.check("NarrowDim", f32("out", out), f32("x", x)); err != nil {
+		return err
+	}
+	return k.CopyBox(out, []int{outer, length, inner}, []int{0, 0, 0}, x, []int{outer, n, inner}, []int{0, start, 0}, []int{outer, length, inner})
+}
+
+// PadDim is out ([outer, full, inner]) = g ([outer, n, inner]) at [start,
+// start+n) and zero elsewhere: a fill, then a CopyBox.
+func (k cudaKernels) PadDim(out, g device.Buffer, outer, n, inner, start, full int) error {
+	v, err := k.check("PadDim", f32("out", out), f32("g", g))
+	if err != nil {
+		return err
+	}
+	if err := kernels.CheckBox(v[0].Len(), []int{outer, full, inner}, []int{0, start, 0}, v[1].Len(), []int{outer, n, inner}, []int{0, 0, 0}, []int{outer, n, inner}); err != nil {
+		return fmt.Errorf("%s: PadDim: %w: %w", k.d.name, device.ErrInvalid, err)
+	}
+	if err := k.Fill(out, 0); err != nil {
+		return err
+	}
+	return k.CopyBox(out, []int{outer, full, inner}, []int{0, start, 0}, g, []int{outer, n, inner}, []int{0, 0, 0}, []int{outer, n, inner})
+}
+
+// ConcatDim joins xs[i] ([outer, sizes[i], inner]) along the middle dim
+// into out ([outer, Σ sizes, inner]): one CopyBox per part.
+func (k cudaKernels) ConcatDim(out device.Buffer, xs []device.Buffer, sizes []int, outer, inner int) error {
+	const op = "ConcatDim"
+	args := []arg{f32("out", out)}
+	for i, x := range xs {
+		args = append(args, f32(fmt.Sprintf("xs[%d]", i), x))
+	}
+	if _, err := k.check(op, args...); err != nil {
+		return err
+	}
+	if len(xs) != len(sizes) {
+		return k.invalid(op, "%d parts and %d sizes", len(xs), len(sizes))
+	}
+	total := 0
+	for _, s := range sizes {
+		if s < 0 {
+			return k.invalid(op, "negative size in %v", sizes)
+		}
+		total += s
+	}
+	off := 0
+	for i, x := range xs {
+		if err := k.CopyBox(out, []int{outer, total, inner}, []int{0, off, 0}, x, []int{outer, sizes[i], inner}, []int{0, 0, 0},
+			[]int{outer, sizes[i], inner}); err != nil {
+			return err
+		}
+		off += sizes[i]
+	}
+	return nil
+}
+
+// embeddingShape checks an embedding's buffers and returns the ids and
+// the table's rows.
+func (k cudaKernels) embeddingShape(op string, rows, table, ids *DeviceBuffer, d int) (nids, vl int, err error) {
+	if d <= 0 {
+		return 0, 0, k.invalid(op, "row width %d", d)
+	}
+	nids = ids.Len()
+	if rows.Len() != nids*d {
+		return 0, 0, k.invalid(op, "%d rows of %d for %d ids", rows.Len(), d, nids)
+	}
+	if table.Len()%d != 0 {
+		return 0, 0, k.invalid(op, "the table's %d elements are not rows of %d", table.Len(), d)
+	}
+	return nids, table.Len() / d, nil
+}
+
+// Embedding is out's row i = table's row ids[i] − lo, zeros for ids
+// outside the table's rows (loom_embedding_fwd_f32).
+func (k cudaKernels) Embedding(out, table, ids device.Buffer, lo, d int) error {
+	const op = "Embedding"
+	v, err := k.check(op, f32("out", out), f32("table", table), i64s("ids", ids))
+	if err != nil {
+		return err
+	}
+	nids, vl, err := k.embeddingShape(op, v[0], v[1], v[2], d)
+	if err != nil {
+		return err
+	}
+	return k.elementwise(op, "embedding.cu", "loom_embedding_fwd_f32", nids*d, v[0].raw(), v[1].raw(), v[2].raw(),
+		int64(nids), int64(lo), int64(vl), int64(d))
+}
+
+// EmbeddingBackward is dtable = the sum by id of g's rows: a zero fill,
+// then loom_embedding_bwd_f32's float32 atomic adds (acc, the CPU's
+// float64 scratch, is checked but not used; repeated ids add in the
+// order the threads run, so the last bits vary).
+func (k cudaKernels) EmbeddingBackward(dtable, acc, g, ids device.Buffer, lo, d int) error {
+	const op = "EmbeddingBackward"
+	v, err := k.check(op, f32("dtable", dtable), f64("acc", acc, false), f32("g", g), i64s("ids", ids))
+	if err != nil {
+		return err
+	}
+	nids, vl, err := k.embeddingShape(op, v[2], v[0], v[3], d)
+	if err != nil {
+		return err
+	}
+	if v[1].Len() != v[0].Len() {
+		return k.invalid(op, "acc has %d elements, dtable %d", v[1].Len(), v[0].Len())
+	}
+	if err := k.Fill(dtable, 0); err != nil {
+		return err
+	}
+	return k.elementwise(op, "embedding.cu", "loom_embedding_bwd_f32", nids*d, v[0].raw(), v[2].raw(), v[3].raw(),
+		int64(nids), int64(lo), int64(vl), int64(d))
+}
+
+// notWired is the error of a Kernels method whose kernel (B4's, in
+// kernels/) no method of this device launches yet.
+func (k cudaKernels) notWired(op, kernel string) error {
+	return unsupported(k.d, op, "not wired to its kernel %s yet", kernel)
+}
+
+// PermuteDims is not wired to loom_permute_nd_f32 yet: an error wrapping
+// loom.ErrUnsupported.
+func (k cudaKernels) PermuteDims(out, x device.Buffer, shape, perm []int) error {
+	return k.notWired("PermuteDims", "loom_permute_nd_f32")
+}
+
+// Pointwise is not wired to loom_act_f32 yet: an error wrapping
+// loom.ErrUnsupported.
+func (k cudaKernels) Pointwise(f device.Pointwise, dst, x device.Buffer) error {
+	return k.notWired("Pointwise "+f.String(), "loom_act_f32")
+}
+
+// PointwiseBackward is not wired to loom_act_bwd_f32 yet: an error
+// wrapping loom.ErrUnsupported.
+func (k cudaKernels) PointwiseBackward(f device.Pointwise, dx, saved, dy device.Buffer) error {
+	return k.notWired("PointwiseBackward "+f.String(), "loom_act_bwd_f32")
+}
+
+// DropoutMask is not wired to loom_dropout_mask_f32 yet: an error
+// wrapping loom.ErrUnsupported.
+func (k cudaKernels) DropoutMask(mask device.Buffer, offset, box, global []int, p float64, seed, step uint64) error {
+	return k.notWired("DropoutMask", "loom_dropout_mask_f32")
+}
+
+// ArgmaxRows is not wired to loom_argmax_rows_f32 yet: an error wrapping
+// loom.ErrUnsupported.
+func (k cudaKernels) ArgmaxRows(dst, x device.Buffer, n int) error {
+	return k.notWired("ArgmaxRows", "loom_argmax_rows_f32")
+}
