@@ -418,6 +418,14 @@ func testFakeDeviceErrors(t *testing.T, f *deviceFake) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	big, err := d.Alloc(comm.Float32, 128)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := d.Alloc(comm.Int64, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := freed.Free(); err != nil {
 		t.Fatal(err)
 	}
@@ -435,7 +443,17 @@ func testFakeDeviceErrors(t *testing.T, f *deviceFake) {
 		{"SGD without buf", k.SGD(a, a, nil, kernels.SGDStep{LR: 1, Momentum: 0.9}), device.ErrInvalid, "SGD: invalid argument: buf is nil"},
 		{"box outside", k.CopyBox(c, []int{2, 3}, []int{1, 1}, a, []int{2, 3}, []int{0, 0}, []int{1, 3}), device.ErrInvalid, "CopyBox: invalid argument"},
 		{"box dtypes", k.CopyBox(c, []int{6}, []int{0}, f64s, []int{6}, []int{0}, []int{6}), device.ErrInvalid, "dst is float32, src float64"},
-		{"not wired", k.Pointwise(device.ReLU, c, a), loom.ErrUnsupported, "Pointwise ReLU: unsupported: not wired to its kernel loom_act_f32 yet"},
+		{"unknown activation", k.Pointwise(device.Pointwise(9), c, a), device.ErrInvalid, "Pointwise: invalid argument: unknown activation Pointwise(9)"},
+		{"activation lengths", k.PointwiseBackward(device.SiLU, c, a, short), device.ErrInvalid, "PointwiseBackward: invalid argument: y has 5 elements, want 6"},
+		{"permutation", k.PermuteDims(c, a, []int{2, 3}, []int{1, 1}), device.ErrInvalid, "perm [1 1] is not a permutation of 0..1"},
+		{"permute 7 dims", k.PermuteDims(big, big, []int{2, 2, 2, 2, 2, 2, 2}, []int{1, 0, 3, 2, 5, 4, 6}), loom.ErrUnsupported,
+			"PermuteDims: unsupported: shape [2 2 2 2 2 2 2] permuted by [1 0 3 2 5 4 6] folds into 7 dims; loom_permute_nd_f32 takes 6"},
+		{"dropout p", k.DropoutMask(c, []int{0}, []int{6}, []int{6}, 1, 1, 1), device.ErrInvalid, "DropoutMask: invalid argument: probability 1 outside [0, 1)"},
+		{"dropout block", k.DropoutMask(c, []int{1}, []int{6}, []int{6}, 0.5, 1, 1), device.ErrInvalid, "block at [1] of size [6] outside [6]"},
+		{"dropout 7 dims", k.DropoutMask(big, []int{0, 0, 0, 0, 0, 0, 0}, []int{2, 2, 2, 2, 2, 2, 2}, []int{3, 3, 3, 3, 3, 3, 3}, 0.5, 1, 1),
+			loom.ErrUnsupported, "DropoutMask: unsupported: a block [2 2 2 2 2 2 2] of [3 3 3 3 3 3 3] folds into 7 dims"},
+		{"argmax rows", k.ArgmaxRows(ids, a, 4), device.ErrInvalid, "ArgmaxRows: invalid argument: 6 values for 2 rows of 4"},
+		{"argmax dtype", k.ArgmaxRows(c, a, 3), device.ErrInvalid, "ArgmaxRows: invalid argument: dst is float32, want [int64]"},
 		{"narrow outside", k.NarrowDim(c, a, 1, 6, 1, 2, 6), device.ErrInvalid, "CopyBox: invalid argument"},
 		{"float16 cast", k.Cast(f64s, short), device.ErrInvalid, "Cast: invalid argument: dst has 6 elements, src 5"},
 		{"short buffer", k.Mul(c, a, short), device.ErrInvalid, "Mul: invalid argument: b has 5 elements, want 6"},
@@ -457,7 +475,7 @@ func testFakeDeviceErrors(t *testing.T, f *deviceFake) {
 	if err := ref.Close(); err != nil {
 		t.Fatal(err)
 	}
-	for _, b := range []device.Buffer{bufs["a"], bufs["b"], bufs["c"], f64s, short} {
+	for _, b := range []device.Buffer{bufs["a"], bufs["b"], bufs["c"], f64s, short, big, ids} {
 		if err := b.Free(); err != nil {
 			t.Fatal(err)
 		}
@@ -866,6 +884,7 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 				func(k device.Kernels, b []device.Buffer) error { return k.FillRows(b[0], b[1]) }})
 		}
 	}
+	cs = append(cs, pointwiseCases(r, sh)...)
 	for _, s := range sh.attn {
 		bt := s.Batch * s.T
 		cs = append(cs,
@@ -878,6 +897,96 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 					return k.AttentionBackward(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], s)
 				}},
 		)
+	}
+	return cs
+}
+
+// pointwiseCases are the cases of PermuteDims, Pointwise,
+// PointwiseBackward, DropoutMask and ArgmaxRows. The activations compute
+// in double and round once on both sides; the fake's exp and tanh are
+// glibc's (a GPU's are CUDA's) where the reference's are Go's, and may
+// differ in the double's last bit, which moves the float32 result by one
+// ulp at a near-tie: 2⁻²³ relative. ReLU, the permutation, the dropout
+// mask (the same integer hash) and argmax (a selection) are bit-exact.
+func pointwiseCases(r *rand.Rand, sh shapes) []kcase {
+	const ulp = 0x1p-23
+	var cs []kcase
+	specials := []float64{0, math.Copysign(0, -1), math.NaN(), math.Inf(1), math.Inf(-1), 100, -100, 1e-30, -1e-30, 20, -20}
+	for _, n := range sh.elems {
+		x := randInit(r, n, 6)
+		copy(x, specials)
+		for _, f := range []device.Pointwise{device.ReLU, device.SiLU, device.Tanh, device.Sigmoid} {
+			tl := tol{ulp, 0}
+			if f == device.ReLU {
+				tl = exact
+			}
+			// Tanh's and Sigmoid's backward take the forward's result.
+			saved := kbuf{dt: comm.Float32, n: n, init: x}
+			if f == device.Tanh || f == device.Sigmoid {
+				saved = inF32(r, n, 1)
+			}
+			cs = append(cs,
+				kcase{fmt.Sprintf("Pointwise %v/%d", f, n), []kbuf{outF32(n, tl), {dt: comm.Float32, n: n, init: x}},
+					func(k device.Kernels, b []device.Buffer) error { return k.Pointwise(f, b[0], b[1]) }},
+				kcase{fmt.Sprintf("Pointwise %v in place/%d", f, n), []kbuf{{dt: comm.Float32, n: n, init: x, out: true, tol: tl}},
+					func(k device.Kernels, b []device.Buffer) error { return k.Pointwise(f, b[0], b[0]) }},
+				kcase{fmt.Sprintf("PointwiseBackward %v/%d", f, n), []kbuf{outF32(n, tl), saved, inF32(r, n, 1)},
+					func(k device.Kernels, b []device.Buffer) error { return k.PointwiseBackward(f, b[0], b[1], b[2]) }},
+			)
+		}
+	}
+	for _, c := range []struct{ shape, perm []int }{
+		{nil, nil},
+		{[]int{7}, []int{0}},
+		{[]int{5, 33}, []int{1, 0}},
+		{[]int{2, 3, 4}, []int{2, 0, 1}},
+		{[]int{3, 4, 5, 6}, []int{0, 2, 1, 3}},
+		{[]int{2, 3, 4, 5, 3, 2}, []int{5, 4, 3, 2, 1, 0}},             // six dims, none merged
+		{[]int{2, 1, 3, 1, 2, 3, 2, 2}, []int{7, 0, 5, 2, 4, 6, 1, 3}}, // eight dims: size-1 dims dropped, 2 merged, five left
+		{[]int{3, 0, 4}, []int{2, 1, 0}},
+		{[]int{1, 1}, []int{1, 0}},
+	} {
+		n := prod(c.shape)
+		cs = append(cs, kcase{fmt.Sprintf("PermuteDims/%v/%v", c.shape, c.perm), []kbuf{outF32(n, exact), inF32(r, n, 2)},
+			func(k device.Kernels, b []device.Buffer) error { return k.PermuteDims(b[0], b[1], c.shape, c.perm) }})
+	}
+	for _, c := range []struct {
+		global, offset, box []int
+		p                   float64
+		seed, step          uint64
+	}{
+		{nil, nil, nil, 0.5, 1, 0},
+		{[]int{1000}, []int{0}, []int{1000}, 0.1, 7, 3},
+		{[]int{1000}, []int{333}, []int{334}, 0.5, 7, 3},
+		{[]int{17, 33}, []int{4, 0}, []int{5, 33}, 0.9, 1<<63 + 12345, 1<<40 + 1},
+		{[]int{6, 7, 65}, []int{2, 3, 32}, []int{3, 4, 33}, 0.25, 99, 2},
+		{[]int{6, 7, 65}, []int{2, 3, 32}, []int{0, 4, 33}, 0.25, 99, 2},
+		{[]int{2, 3, 2, 5, 3, 7}, []int{1, 1, 0, 2, 1, 3}, []int{1, 2, 2, 3, 2, 4}, 0, 5, 5},
+		// Seven dims: size-1 dims dropped, spanned dims merged, three left.
+		{[]int{4, 1, 3, 5, 2, 6, 3}, []int{1, 0, 0, 2, 1, 0, 0}, []int{2, 1, 3, 3, 1, 6, 3}, 0.3, 11, 4},
+	} {
+		n := prod(c.box)
+		cs = append(cs, kcase{fmt.Sprintf("DropoutMask/%+v", c), []kbuf{outF32(n, exact)},
+			func(k device.Kernels, b []device.Buffer) error {
+				return k.DropoutMask(b[0], c.offset, c.box, c.global, c.p, c.seed, c.step)
+			}})
+	}
+	for _, rows := range append([]int{0}, sh.rows...) {
+		for _, n := range sh.n {
+			x := make([]float64, rows*n)
+			for i := range x {
+				x[i] = float64(r.IntN(5)) // many ties
+			}
+			if rows > 2 {
+				for j := range n { // a row of −∞
+					x[n+j] = math.Inf(-1)
+				}
+				x[2*n+n-1] = math.NaN() // a NaN last, one in the middle
+				x[2*n+n/2] = math.NaN()
+			}
+			cs = append(cs, kcase{fmt.Sprintf("ArgmaxRows/%dx%d", rows, n), []kbuf{{dt: comm.Int64, n: rows, out: true}, {dt: comm.Float32, n: rows * n, init: x}},
+				func(k device.Kernels, b []device.Buffer) error { return k.ArgmaxRows(b[0], b[1], n) }})
+		}
 	}
 	return cs
 }

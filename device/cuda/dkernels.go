@@ -1404,38 +1404,264 @@ func (k cudaKernels) EmbeddingBackward(dtable, acc, g, ids device.Buffer, lo, d 
 		int64(nids), int64(lo), int64(vl), int64(d))
 }
 
-// notWired is the error of a Kernels method whose kernel (B4's, in
-// kernels/) no method of this device launches yet.
-func (k cudaKernels) notWired(op, kernel string) error {
-	return unsupported(k.d, op, "not wired to its kernel %s yet", kernel)
-}
+// maxND is the most dims the shape kernels take (six sizes and six
+// strides as scalar arguments).
+const maxND = 6
 
-// PermuteDims is not wired to loom_permute_nd_f32 yet: an error wrapping
-// loom.ErrUnsupported.
+// PermuteDims is out = x (of shape) with out's dim i x's dim perm[i], by
+// loom_permute_nd_f32 (a gather, bit-exact). Dims of size 1 are dropped
+// and dims that stay adjacent and in order are merged first, so more than
+// six dims work when they fold into six; a permutation that does not is an
+// error wrapping loom.ErrUnsupported.
 func (k cudaKernels) PermuteDims(out, x device.Buffer, shape, perm []int) error {
-	return k.notWired("PermuteDims", "loom_permute_nd_f32")
+	const op = "PermuteDims"
+	v, err := k.check(op, f32("out", out), f32("x", x))
+	if err != nil {
+		return err
+	}
+	n, err := k.shapeSize(op, shape)
+	if err != nil {
+		return err
+	}
+	if v[0].Len() != n || v[1].Len() != n {
+		return k.invalid(op, "out %d and x %d elements for shape %v", v[0].Len(), v[1].Len(), shape)
+	}
+	if len(perm) != len(shape) {
+		return k.invalid(op, "perm %v for a %d-d shape", perm, len(shape))
+	}
+	seen := make([]bool, len(perm))
+	for _, p := range perm {
+		if p < 0 || p >= len(perm) || seen[p] {
+			return k.invalid(op, "perm %v is not a permutation of 0..%d", perm, len(perm)-1)
+		}
+		seen[p] = true
+	}
+	if n == 0 {
+		return nil
+	}
+	s, p := foldPermutation(shape, perm)
+	if len(s) > maxND {
+		return unsupported(k.d, op, "shape %v permuted by %v folds into %d dims; loom_permute_nd_f32 takes %d", shape, perm, len(s), maxND)
+	}
+	args := []any{v[0].raw(), v[1].raw(), int32(len(s))}
+	for d := range maxND {
+		args = append(args, int64(at(s, d, 1)))
+	}
+	for d := range maxND {
+		args = append(args, int32(at(p, d, 0)))
+	}
+	return k.elementwise(op, "shape.cu", "loom_permute_nd_f32", n, args...)
 }
 
-// Pointwise is not wired to loom_act_f32 yet: an error wrapping
-// loom.ErrUnsupported.
+// at is s[i], or def past s's end.
+func at(s []int, i, def int) int {
+	if i < len(s) {
+		return s[i]
+	}
+	return def
+}
+
+// foldPermutation returns the shape and permutation of the same
+// rearrangement with the dims of size 1 dropped and each run of output
+// dims that reads adjacent input dims in order (perm[i+1] = perm[i]+1)
+// merged into one dim.
+func foldPermutation(shape, perm []int) (s, p []int) {
+	// Input dims kept, renumbered.
+	id := make([]int, len(shape))
+	var kept []int
+	for d, n := range shape {
+		id[d] = -1
+		if n != 1 {
+			id[d] = len(kept)
+			kept = append(kept, n)
+		}
+	}
+	var q []int // the permutation of the kept dims
+	for _, d := range perm {
+		if id[d] >= 0 {
+			q = append(q, id[d])
+		}
+	}
+	// Runs of q that read consecutive input dims become one input dim.
+	start := make([]bool, len(kept)) // input dim d begins a run
+	for i, d := range q {
+		start[d] = i == 0 || q[i-1] != d-1
+	}
+	merged := make([]int, len(kept)) // input dim of a run's start → new index
+	for d := range kept {
+		if start[d] {
+			merged[d] = len(s)
+			s = append(s, kept[d])
+		} else {
+			s[len(s)-1] *= kept[d]
+		}
+	}
+	for _, d := range q {
+		if start[d] {
+			p = append(p, merged[d])
+		}
+	}
+	return s, p
+}
+
+// shapeSize is the element count of shape, or an error for a negative
+// size or an overflowing product.
+func (k cudaKernels) shapeSize(op string, shape []int) (int, error) {
+	n := 1
+	for _, d := range shape {
+		if d < 0 {
+			return 0, k.invalid(op, "negative size in %v", shape)
+		}
+		var ok bool
+		if n, ok = checked.Mul(n, d); !ok {
+			return 0, k.invalid(op, "sizes %v overflow int", shape)
+		}
+	}
+	return n, nil
+}
+
+// act is the selector of loom_act_f32 and loom_act_bwd_f32 for f
+// (pointwise.cu's LOOM_ACT_*).
+func (k cudaKernels) act(op string, f device.Pointwise) (int32, error) {
+	switch f {
+	case device.ReLU:
+		return 0, nil
+	case device.SiLU:
+		return 1, nil
+	case device.Tanh:
+		return 2, nil
+	case device.Sigmoid:
+		return 3, nil
+	}
+	return 0, k.invalid(op, "unknown activation %v", f)
+}
+
+// Pointwise is dst = f(x) by loom_act_f32: ReLU selects (bit-exact);
+// SiLU, Tanh and Sigmoid compute in double and round once, as the CPU
+// does (the device's exp and tanh may differ from Go's in the double's
+// last bit, so a float32 result may differ by one ulp at a near-tie).
 func (k cudaKernels) Pointwise(f device.Pointwise, dst, x device.Buffer) error {
-	return k.notWired("Pointwise "+f.String(), "loom_act_f32")
+	const op = "Pointwise"
+	a, err := k.act(op, f)
+	if err != nil {
+		return err
+	}
+	v, err := k.check(op, f32("dst", dst), f32("x", x))
+	if err != nil {
+		return err
+	}
+	n := v[1].Len()
+	if err := k.lens(op, n, "d", v[0]); err != nil {
+		return err
+	}
+	return k.elementwise(op, "pointwise.cu", "loom_act_f32", n, v[0].raw(), v[1].raw(), int64(n), a)
 }
 
-// PointwiseBackward is not wired to loom_act_bwd_f32 yet: an error
-// wrapping loom.ErrUnsupported.
+// PointwiseBackward is dx from dy and saved (x for ReLU and SiLU, the
+// forward's result for Tanh and Sigmoid) by loom_act_bwd_f32, in double
+// as on the CPU.
 func (k cudaKernels) PointwiseBackward(f device.Pointwise, dx, saved, dy device.Buffer) error {
-	return k.notWired("PointwiseBackward "+f.String(), "loom_act_bwd_f32")
+	const op = "PointwiseBackward"
+	a, err := k.act(op, f)
+	if err != nil {
+		return err
+	}
+	v, err := k.check(op, f32("dx", dx), f32("saved", saved), f32("dy", dy))
+	if err != nil {
+		return err
+	}
+	n := v[1].Len()
+	if err := k.lens(op, n, "d_y", v[0], nil, v[2]); err != nil {
+		return err
+	}
+	return k.elementwise(op, "pointwise.cu", "loom_act_bwd_f32", n, v[0].raw(), v[1].raw(), v[2].raw(), int64(n), a)
 }
 
-// DropoutMask is not wired to loom_dropout_mask_f32 yet: an error
-// wrapping loom.ErrUnsupported.
+// DropoutMask fills mask, the block at offset of shape box of a tensor of
+// shape global, by loom_dropout_mask_f32: the CPU's hash of (seed, step,
+// global index), so the same mask bit for bit. The arguments are checked
+// as kernels.DropoutMask checks them, at the call. Dims where the box has
+// size 1 are dropped and a dim is merged into the one before it where the
+// box spans it whole, so more than six dims work when they fold into six;
+// a block that does not is an error wrapping loom.ErrUnsupported.
 func (k cudaKernels) DropoutMask(mask device.Buffer, offset, box, global []int, p float64, seed, step uint64) error {
-	return k.notWired("DropoutMask", "loom_dropout_mask_f32")
+	const op = "DropoutMask"
+	v, err := k.check(op, f32("mask", mask))
+	if err != nil {
+		return err
+	}
+	if !(p >= 0 && p < 1) {
+		return k.invalid(op, "probability %v outside [0, 1)", p)
+	}
+	if len(offset) != len(global) || len(box) != len(global) {
+		return k.invalid(op, "offset %v and size %v for a %d-d tensor", offset, box, len(global))
+	}
+	if _, err := k.shapeSize(op, global); err != nil {
+		return err
+	}
+	n, err := k.shapeSize(op, box)
+	if err != nil {
+		return err
+	}
+	for d := range global {
+		if offset[d] < 0 || box[d] > global[d]-offset[d] {
+			return k.invalid(op, "block at %v of size %v outside %v", offset, box, global)
+		}
+	}
+	if v[0].Len() != n {
+		return k.invalid(op, "mask of %d elements for a block of %d", v[0].Len(), n)
+	}
+	if n == 0 {
+		return nil
+	}
+	// The global row-major strides and the block's first global index,
+	// then the block's dims folded.
+	base, st := 0, 1
+	var b, g []int // folded box sizes and their global strides, innermost first
+	for d := len(global) - 1; d >= 0; d-- {
+		base += offset[d] * st
+		switch {
+		case box[d] == 1:
+		case len(b) > 0 && g[len(g)-1]*b[len(b)-1] == st:
+			// The dims after d that the box keeps span st elements of
+			// the global tensor: one dim with d.
+			b[len(b)-1] *= box[d]
+		default:
+			b, g = append(b, box[d]), append(g, st)
+		}
+		st *= global[d]
+	}
+	if len(b) > maxND {
+		return unsupported(k.d, op, "a block %v of %v folds into %d dims; loom_dropout_mask_f32 takes %d", box, global, len(b), maxND)
+	}
+	slices.Reverse(b)
+	slices.Reverse(g)
+	args := []any{v[0].raw(), int32(len(b)), int64(base)}
+	for d := range maxND {
+		args = append(args, int64(at(b, d, 1)))
+	}
+	for d := range maxND {
+		args = append(args, int64(at(g, d, 0)))
+	}
+	args = append(args, p, float32(1/(1-p)), seed, step)
+	return k.elementwise(op, "pointwise.cu", "loom_dropout_mask_f32", n, args...)
 }
 
-// ArgmaxRows is not wired to loom_argmax_rows_f32 yet: an error wrapping
-// loom.ErrUnsupported.
+// ArgmaxRows is dst[r] = the index of row r's largest element of x (rows
+// of n), by loom_argmax_rows_f32, a warp per row: the CPU's order (the
+// first NaN, else the largest, else the first index), so exact.
 func (k cudaKernels) ArgmaxRows(dst, x device.Buffer, n int) error {
-	return k.notWired("ArgmaxRows", "loom_argmax_rows_f32")
+	const op = "ArgmaxRows"
+	v, err := k.check(op, i64s("dst", dst), f32("x", x))
+	if err != nil {
+		return err
+	}
+	if n < 1 || n > math.MaxInt32 {
+		return k.invalid(op, "row width %d", n)
+	}
+	if v[1].Len() != v[0].Len()*n {
+		return k.invalid(op, "%d values for %d rows of %d", v[1].Len(), v[0].Len(), n)
+	}
+	rows := v[0].Len()
+	return k.rowwise(op, "pointwise.cu", "loom_argmax_rows_f32", rows, v[0].raw(), v[1].raw(), int64(rows), int32(n))
 }
