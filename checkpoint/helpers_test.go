@@ -200,3 +200,8 @@ func simulate(t *testing.T, shape []int, names []string, fn func(ctx context.Con
 		t.Fatal(err)
 	}
 }
+
+// simulateErr runs fn on an in-process mesh and returns its error.
+func simulateErr(shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error) error {
+	return placementtest.Simulate(context.Background(), shape, names, fn)
+}

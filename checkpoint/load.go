@@ -114,6 +114,9 @@ func Load(ctx context.Context, dir string, targets map[string]*placement.Spec, o
 
 // readManifest reads and checks dir's manifest.
 func readManifest(op, dir string) (*manifest, error) {
+	if b := filepath.Base(dir); strings.HasPrefix(b, stagingPrefix) || strings.HasPrefix(b, trashPrefix) {
+		return nil, fmt.Errorf("checkpoint: %s: %w: %s is a save that did not finish or a checkpoint being deleted", op, ErrNotFound, dir)
+	}
 	path := filepath.Join(dir, manifestName)
 	b, err := os.ReadFile(path)
 	if err != nil {
