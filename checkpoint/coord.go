@@ -39,10 +39,7 @@ func exchange(ctx context.Context, c comm.Communicator, op string, payload []byt
 		if m[0] == 0 {
 			continue
 		}
-		if k := kindOf(m[0]); k != nil {
-			return nil, fmt.Errorf("checkpoint: %s: rank %d failed: %w: %s", op, r, k, m[1:])
-		}
-		return nil, fmt.Errorf("checkpoint: %s: rank %d failed: %s", op, r, m[1:])
+		return nil, &rankError{op: op, rank: r, msg: string(m[1:]), kind: kindOf(m[0])}
 	}
 	out := make([][]byte, len(all))
 	for r, m := range all {
@@ -74,3 +71,18 @@ func gatherBytes(ctx context.Context, c comm.Communicator, b []byte) ([][]byte, 
 	}
 	return out, nil
 }
+
+// rankError is another rank's failure as this rank reports it: that
+// rank's message, and its kind for errors.Is.
+type rankError struct {
+	op   string
+	rank int
+	msg  string
+	kind error // nil for an error of no sentinel's kind
+}
+
+func (e *rankError) Error() string {
+	return fmt.Sprintf("checkpoint: %s: rank %d failed: %s", e.op, e.rank, e.msg)
+}
+
+func (e *rankError) Unwrap() error { return e.kind }
