@@ -151,3 +151,62 @@ func TestEmulatedDevice(t *testing.T) {
 		return nil
 	}, onEmu)
 }
+
+// TestLoadInto loads into existing tensors, on the host and on emulated
+// devices, on another layout: their memory is kept and now holds the
+// saved values; the entries are set.
+func TestLoadInto(t *testing.T) {
+	root := t.TempDir()
+	path := saveOn(t, root, dp2tp2, testTensors)
+	zero := map[string]tdef{}
+	for n, d := range testTensors {
+		d.seed += 1000 // other values, to be overwritten
+		zero[n] = d
+	}
+	for _, dev := range []bool{false, true} {
+		var opts []placementtest.Option
+		if dev {
+			opts = append(opts, placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+		}
+		simulate(t, tp3.shape, tp3.axes, func(ctx context.Context, m *mesh.Mesh) error {
+			specs, err := specsOn(m, zero, tp3.lay)
+			if err != nil {
+				return err
+			}
+			st, err := stateOn(specs, zero)
+			if err != nil {
+				return err
+			}
+			for n, x := range st.Tensors {
+				if st.Tensors[n], err = x.To(placementtest.Device(ctx)); err != nil {
+					return err
+				}
+			}
+			before := map[string]any{}
+			for n, x := range st.Tensors {
+				before[n] = x.LocalData()
+			}
+			st.Entries = map[string]any{"stale": true}
+			if err := LoadInto(ctx, path, &st); err != nil {
+				return err
+			}
+			if len(st.Entries) != 0 {
+				return fmt.Errorf("entries %v, want the checkpoint's (none)", st.Entries)
+			}
+			for _, n := range slices.Sorted(maps.Keys(st.Tensors)) {
+				x := st.Tensors[n]
+				if fmt.Sprintf("%p", x.LocalData()) != fmt.Sprintf("%p", before[n]) {
+					return fmt.Errorf("%s: the block was replaced, not filled", n)
+				}
+				full, err := x.Full(ctx)
+				if err != nil {
+					return err
+				}
+				if err := bitsEqual(full, testTensors[n].full()); err != nil {
+					return fmt.Errorf("%s (device %v): %v", n, dev, err)
+				}
+			}
+			return nil
+		}, opts...)
+	}
+}

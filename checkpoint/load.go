@@ -39,6 +39,65 @@ func Load(ctx context.Context, dir string, targets map[string]*placement.Spec, o
 	if err != nil {
 		return nil, err
 	}
+	got, err := load(ctx, op, dir, targets, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &got.State, nil
+}
+
+// LoadInto loads the checkpoint in dir into state's tensors in place, as
+// Load would with their specs, and sets state.Entries to the checkpoint's
+// entries: the tensors keep their memory and device (a model's parameters
+// that an optimizer already holds). Every rank calls it with its tensors.
+// Nothing is written into them until every rank has read and verified its
+// blocks; errors are Load's. WithComm is its only option.
+func LoadInto(ctx context.Context, dir string, state *State, opts ...Option) error {
+	const op = "LoadInto"
+	cfg, err := newConfig(op, forFill, opts)
+	if err != nil {
+		return err
+	}
+	if state == nil {
+		return invalidf(op, "nil state")
+	}
+	targets := make(map[string]*placement.Spec, len(state.Tensors))
+	for n, t := range state.Tensors {
+		if t == nil {
+			return invalidf(op, "tensor %q is nil", n)
+		}
+		targets[n] = t.Spec()
+	}
+	got, err := load(ctx, op, dir, targets, cfg)
+	if err != nil {
+		return err
+	}
+	for _, n := range slices.Sorted(maps.Keys(state.Tensors)) {
+		t, src := state.Tensors[n], got.Tensors[n]
+		switch d := t.LocalData().(type) {
+		case []float32:
+			copy(d, src.LocalData().([]float32))
+		case []float64:
+			copy(d, src.LocalData().([]float64))
+		case device.Buffer:
+			err = t.Device().CopyFromHost(d, src.LocalBuffer().(*comm.HostBuffer))
+		default:
+			err = fmt.Errorf("local block of type %T", d)
+		}
+		if err != nil {
+			err = wrapf(op, err, "tensor %q", n)
+			break
+		}
+	}
+	if _, err := exchange(ctx, got.world, op, nil, err); err != nil {
+		return err
+	}
+	state.Entries = got.Entries
+	return nil
+}
+
+// load is Load with its options applied.
+func load(ctx context.Context, op, dir string, targets map[string]*placement.Spec, cfg *config) (*loaded, error) {
 	names := slices.Sorted(maps.Keys(targets))
 	specs := make([]*placement.Spec, 0, len(names))
 	for _, n := range names {
@@ -90,7 +149,7 @@ func Load(ctx context.Context, dir string, targets map[string]*placement.Spec, o
 	}
 
 	// 3. Wrap them, on the device asked for.
-	out := &State{Tensors: map[string]*placement.DTensor{}, Entries: map[string]any{}}
+	out := &loaded{State: State{Tensors: map[string]*placement.DTensor{}, Entries: map[string]any{}}, world: world}
 	err = nil
 	for i, n := range names {
 		t, terr := placement.NewLocal(targets[n], data[i])
@@ -110,6 +169,12 @@ func Load(ctx context.Context, dir string, targets map[string]*placement.Spec, o
 		out.Entries[n], _ = e.decode() // check decoded them all
 	}
 	return out, nil
+}
+
+// loaded is what load built, with the job's communicator.
+type loaded struct {
+	State
+	world comm.Communicator
 }
 
 // readManifest reads and checks dir's manifest.

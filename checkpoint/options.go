@@ -17,6 +17,7 @@ type use uint8
 const (
 	forSave use = 1 << iota
 	forLoad
+	forFill // LoadInto
 )
 
 type config struct {
@@ -90,12 +91,12 @@ func WithBlockSize(bytes int) Option {
 }
 
 // WithComm gives the communicator of the job's ranks, every one of which
-// calls Save (or Load). Without it the world communicator of the tensors'
+// calls Save (or Load, LoadInto). Without it the world communicator of the tensors'
 // mesh is used (mesh.Mesh.World); a rank that saves no tensors, or loads
 // none, needs it.
 func WithComm(c comm.Communicator) Option {
 	return func(cfg *config) {
-		cfg.note("WithComm", forSave|forLoad)
+		cfg.note("WithComm", forSave|forLoad|forFill)
 		cfg.world = c
 	}
 }
@@ -115,7 +116,7 @@ func OnDevice(d device.Device) Option {
 // rank touches and kill the process at each point in turn.
 func withHook(h func(event)) Option {
 	return func(c *config) {
-		c.note("withHook", forSave|forLoad)
+		c.note("withHook", forSave|forLoad|forFill)
 		c.hook = h
 	}
 }
