@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"hash/fnv"
 	"maps"
 	"os"
 	"path/filepath"
@@ -23,23 +24,38 @@ import (
 // (several GB/s per core), so checksumming costs little next to the write.
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// tensorDesc is what a rank says about one of its tensors, so that every
-// rank sees every tensor's layout and can compute the same ownership.
+// tensorDesc is a tensor's layout, the same on every rank that holds it.
 type tensorDesc struct {
 	DType   string  `json:"dtype"`
 	Shape   []int   `json:"shape"`
 	SavedAs savedAs `json:"saved_as"`
-	Boxes   [][]int `json:"boxes"` // per mesh rank: offset then size
+}
+
+// tensorMsg is what a rank says about one of its tensors: a hash of the
+// layout (to check that the holders agree), its own block, and the layout
+// itself from the tensor's mesh rank 0 only, so that a rank's message
+// grows with its tensors, not with the mesh's size.
+type tensorMsg struct {
+	Hash   uint64          `json:"hash"`
+	Box    []int           `json:"box"` // offset then size
+	Layout json.RawMessage `json:"layout,omitempty"`
+}
+
+// tensorLayout is a tensor's layout and the block each holder holds.
+type tensorLayout struct {
+	tensorDesc
+	holders []int   // world ranks, ascending
+	boxes   [][]int // per holder: offset then size
 }
 
 // saveDesc is a rank's first message: its options, entries and tensors.
 type saveDesc struct {
-	Step    int                        `json:"step"`
-	HasStep bool                       `json:"has_step"`
-	Keep    int                        `json:"keep"`
-	Block   int                        `json:"block"`
-	Entries map[string]entry           `json:"entries"`
-	Tensors map[string]json.RawMessage `json:"tensors"`
+	Step    int                  `json:"step"`
+	HasStep bool                 `json:"has_step"`
+	Keep    int                  `json:"keep"`
+	Block   int                  `json:"block"`
+	Entries map[string]entry     `json:"entries"`
+	Tensors map[string]tensorMsg `json:"tensors"`
 }
 
 // owned is a chunk assigned to a rank for writing.
@@ -179,7 +195,7 @@ func tensorMeshes(ts map[string]*placement.DTensor) []*placement.Spec {
 // describe builds this rank's description of its state.
 func describe(op string, cfg *config, state State, world comm.Communicator) (saveDesc, error) {
 	d := saveDesc{Step: cfg.step, HasStep: cfg.hasStep, Keep: cfg.keep, Block: cfg.block,
-		Entries: map[string]entry{}, Tensors: map[string]json.RawMessage{}}
+		Entries: map[string]entry{}, Tensors: map[string]tensorMsg{}}
 	for _, name := range slices.Sorted(maps.Keys(state.Entries)) {
 		e, err := encodeEntry(state.Entries[name])
 		if err != nil {
@@ -205,15 +221,18 @@ func describe(op string, cfg *config, state State, world comm.Communicator) (sav
 				return d, invalidf(op, "tensor %q is %v on mesh %v: a checkpoint holds values, so redistribute a Partial tensor first (a Routed one lives only inside an MoE layer's step)", name, s.Placements(), s.Mesh())
 			}
 		}
-		for r := range s.Mesh().Size() {
-			off, size, err := s.Box(r)
-			if err != nil {
-				return d, wrapf(op, err, "tensor %q", name)
-			}
-			td.Boxes = append(td.Boxes, append(off, size...))
+		off, size, err := s.Box(s.Mesh().Rank())
+		if err != nil {
+			return d, wrapf(op, err, "tensor %q", name)
 		}
 		raw, _ := json.Marshal(td) // plain data: Marshal cannot fail
-		d.Tensors[name] = raw
+		h := fnv.New64a()
+		h.Write(raw) // a hash.Hash's Write never fails
+		msg := tensorMsg{Hash: h.Sum64(), Box: append(off, size...)}
+		if s.Mesh().Rank() == 0 {
+			msg.Layout = raw
+		}
+		d.Tensors[name] = msg
 	}
 	return d, nil
 }
@@ -250,7 +269,7 @@ func savedAsOf(s *placement.Spec) savedAs {
 
 // merge parses every rank's description, checks that the ranks agree and
 // returns rank 0's options and every tensor's layout by name.
-func merge(op string, all [][]byte) ([]saveDesc, map[string]tensorDesc, error) {
+func merge(op string, all [][]byte) ([]saveDesc, map[string]*tensorLayout, error) {
 	descs := make([]saveDesc, len(all))
 	for r, b := range all {
 		if err := json.Unmarshal(b, &descs[r]); err != nil {
@@ -268,29 +287,38 @@ func merge(op string, all [][]byte) ([]saveDesc, map[string]tensorDesc, error) {
 			return nil, nil, mismatchf(op, "rank %d's entries differ from rank 0's", r+1)
 		}
 	}
-	raws := map[string][]byte{}
-	givers := map[string][]int{}
+	layouts := map[string]*tensorLayout{}
+	hashes := map[string]uint64{}
 	for r, d := range descs {
-		for name, raw := range d.Tensors {
-			if prev, ok := raws[name]; ok && !bytes.Equal(prev, raw) {
-				return nil, nil, mismatchf(op, "tensor %q: rank %d's layout differs from rank %d's", name, r, givers[name][0])
+		for name, msg := range d.Tensors {
+			l, ok := layouts[name]
+			if !ok {
+				l = &tensorLayout{}
+				layouts[name] = l
+				hashes[name] = msg.Hash
+			} else if msg.Hash != hashes[name] {
+				return nil, nil, mismatchf(op, "tensor %q: rank %d's layout differs from rank %d's", name, r, l.holders[0])
 			}
-			raws[name] = raw
-			givers[name] = append(givers[name], r)
+			l.holders = append(l.holders, r)
+			l.boxes = append(l.boxes, msg.Box)
+			if msg.Layout != nil {
+				if err := json.Unmarshal(msg.Layout, &l.tensorDesc); err != nil {
+					return nil, nil, wrapf(op, err, "tensor %q's layout from rank %d", name, r)
+				}
+			}
 		}
 	}
-	layouts := map[string]tensorDesc{}
-	for name, raw := range raws {
-		var td tensorDesc
-		if err := json.Unmarshal(raw, &td); err != nil {
-			return nil, nil, wrapf(op, err, "tensor %q's description", name)
-		}
-		for _, r := range td.SavedAs.MeshRanks {
-			if !slices.Contains(givers[name], r) {
-				return nil, nil, mismatchf(op, "tensor %q is on world ranks %v, but rank %d did not pass it", name, td.SavedAs.MeshRanks, r)
+	for _, name := range slices.Sorted(maps.Keys(layouts)) {
+		l := layouts[name]
+		if !slices.Equal(slices.Sorted(slices.Values(l.SavedAs.MeshRanks)), l.holders) {
+			// Also when mesh rank 0 did not pass it: no layout arrived.
+			for _, r := range l.SavedAs.MeshRanks {
+				if !slices.Contains(l.holders, r) {
+					return nil, nil, mismatchf(op, "tensor %q is on world ranks %v, but rank %d did not pass it", name, l.SavedAs.MeshRanks, r)
+				}
 			}
+			return nil, nil, mismatchf(op, "tensor %q is passed by world ranks %v, but its mesh's rank 0 is not among them, or others are", name, l.holders)
 		}
-		layouts[name] = td
 	}
 	return descs, layouts, nil
 }
@@ -298,7 +326,7 @@ func merge(op string, all [][]byte) ([]saveDesc, map[string]tensorDesc, error) {
 // assign lists the distinct non-empty blocks of every tensor and gives
 // each to one of its holders: largest first, to the holder with the fewest
 // bytes so far (ties: the lowest world rank). Every rank computes the same.
-func assign(op string, layouts map[string]tensorDesc, worldSize int) ([]owned, error) {
+func assign(op string, layouts map[string]*tensorLayout, worldSize int) ([]owned, error) {
 	type cand struct {
 		owned
 		holders []int
@@ -308,7 +336,7 @@ func assign(op string, layouts map[string]tensorDesc, worldSize int) ([]owned, e
 		td := layouts[name]
 		nd := len(td.Shape)
 		byBox := map[string]int{}
-		for mr, box := range td.Boxes {
+		for hi, box := range td.boxes {
 			off, size := box[:nd], box[nd:]
 			if prod(size) == 0 {
 				continue
@@ -320,7 +348,7 @@ func assign(op string, layouts map[string]tensorDesc, worldSize int) ([]owned, e
 				byBox[key] = i
 				cands = append(cands, cand{owned: owned{name: name, off: off, size: size, bytes: prod(size) * dtypeSize(td.DType)}})
 			}
-			cands[i].holders = append(cands[i].holders, td.SavedAs.MeshRanks[mr])
+			cands[i].holders = append(cands[i].holders, td.holders[hi])
 		}
 	}
 	slices.SortStableFunc(cands, func(a, b cand) int { return b.bytes - a.bytes })
@@ -521,7 +549,7 @@ func hostBytes(t *placement.DTensor) ([]byte, error) {
 // commit is rank 0's end of a save: the manifest from every rank's
 // record, written last into the staging folder; the folder synced and
 // renamed into place; root synced; older checkpoints pruned.
-func commit(op string, fs files, root, staging, final string, step, worldSize int, d saveDesc, layouts map[string]tensorDesc, recs [][]byte) error {
+func commit(op string, fs files, root, staging, final string, step, worldSize int, d saveDesc, layouts map[string]*tensorLayout, recs [][]byte) error {
 	m := &manifest{Format: format, Step: step, WorldSize: worldSize, Checksum: "crc32c", Block: d.Block,
 		Files: []fileRecord{}, Tensors: map[string]*tensor{}, Entries: d.Entries}
 	for name, td := range layouts {
