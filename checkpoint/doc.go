@@ -62,6 +62,8 @@
 // block. A missing or extra tensor, another shape or dtype, a damaged
 // manifest, a truncated file or a failed checksum (naming the file and
 // the tensor) is refused before any tensor is built, on every rank.
+// [LoadInto] fills existing tensors in place instead (a model's
+// parameters, which an optimizer already holds), on their own devices.
 //
 // Tensors are float32 or float64 (placement's dtypes); hosts are
 // little-endian (every platform loom runs on).
