@@ -25,6 +25,142 @@ type devCase struct {
 	name   string
 	shapes [][]int
 	f      func(in []*autograd.Value) (*autograd.Value, error)
+	// fm, when set, replaces f for computations that need the mesh (for
+	// indices).
+	fm func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error)
+}
+
+// ids is a replicated index tensor of shape with entries in [0, n).
+func ids(m *mesh.Mesh, shape []int, n int, seed uint64) (*autograd.Indices, error) {
+	r := rand.New(rand.NewPCG(seed, 5))
+	total := 1
+	for _, s := range shape {
+		total *= s
+	}
+	full := make([]int64, total)
+	for i := range full {
+		full[i] = int64(r.IntN(n))
+	}
+	places := []placement.Placement{placement.Replicate()}
+	return autograd.IndicesFromFull(m, shape, places, full)
+}
+
+// composedAttention is CausalAttention's composition, which the
+// unfused path records.
+func composedAttention(q, k, v *autograd.Value) (*autograd.Value, error) {
+	kt, err := autograd.Transpose(k, -2, -1)
+	if err != nil {
+		return nil, err
+	}
+	s, err := autograd.BatchedMatMul(q, kt)
+	if err != nil {
+		return nil, err
+	}
+	if s, err = autograd.Scale(s, 0.5); err != nil {
+		return nil, err
+	}
+	if s, err = autograd.CausalSoftmax(s); err != nil {
+		return nil, err
+	}
+	return autograd.BatchedMatMul(s, v)
+}
+
+// checkpointed runs f inside autograd.Checkpoint with opts.
+func checkpointed(f func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error), opts ...autograd.CheckpointOption) func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+	return func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+		out, err := autograd.Checkpoint(context.Background(), in, func(ctx context.Context, in []*autograd.Value) ([]*autograd.Value, error) {
+			v, err := f(m, in)
+			return []*autograd.Value{v}, err
+		}, opts...)
+		if err != nil {
+			return nil, err
+		}
+		return out[0], nil
+	}
+}
+
+// tinyGPT is one pre-norm transformer block with an embedding and a
+// cross-entropy head: B=2, T=5, D=8, H=2, V=11. Inputs: the token table
+// [11, 8], ln w, b [8], qkv w [24, 8], b [24], proj w [8, 8], mlp w1
+// [16, 8], b1 [16], w2 [8, 16], head w [11, 8].
+func tinyGPT(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+	const B, T, D, H, V = 2, 5, 8, 2, 11
+	tok, err := ids(m, []int{B, T}, V, 7)
+	if err != nil {
+		return nil, err
+	}
+	tg, err := ids(m, []int{B * T}, V, 8)
+	if err != nil {
+		return nil, err
+	}
+	x, err := autograd.Embedding(in[0], tok)
+	if err != nil {
+		return nil, err
+	}
+	h, err := autograd.LayerNorm(x, in[1], in[2], 1e-5)
+	if err != nil {
+		return nil, err
+	}
+	qkv, err := autograd.Linear(h, in[3], in[4])
+	if err != nil {
+		return nil, err
+	}
+	parts, err := autograd.SplitLast(qkv, 3)
+	if err != nil {
+		return nil, err
+	}
+	for i, p := range parts {
+		if p, err = autograd.Reshape(p, B, T, H, D/H); err != nil {
+			return nil, err
+		}
+		if parts[i], err = autograd.Permute(p, 0, 2, 1, 3); err != nil {
+			return nil, err
+		}
+	}
+	a, err := autograd.CausalAttention(parts[0], parts[1], parts[2])
+	if err != nil {
+		return nil, err
+	}
+	if a, err = autograd.Transpose(a, 1, 2); err != nil {
+		return nil, err
+	}
+	if a, err = autograd.Reshape(a, B, T, D); err != nil {
+		return nil, err
+	}
+	if a, err = autograd.Linear(a, in[5], nil); err != nil {
+		return nil, err
+	}
+	if x, err = autograd.Add(x, a); err != nil {
+		return nil, err
+	}
+	f, err := autograd.Linear(x, in[6], in[7])
+	if err != nil {
+		return nil, err
+	}
+	if f, err = autograd.GELU(f); err != nil {
+		return nil, err
+	}
+	if f, err = autograd.Linear(f, in[8], nil); err != nil {
+		return nil, err
+	}
+	if x, err = autograd.Add(x, f); err != nil {
+		return nil, err
+	}
+	logits, err := autograd.Linear(x, in[9], nil)
+	if err != nil {
+		return nil, err
+	}
+	if logits, err = autograd.Reshape(logits, B*T, V); err != nil {
+		return nil, err
+	}
+	return autograd.CrossEntropy(logits, tg)
+}
+
+func (c devCase) run(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+	if c.fm != nil {
+		return c.fm(m, in)
+	}
+	return c.f(in)
 }
 
 func devCases() []devCase {
@@ -32,27 +168,70 @@ func devCases() []devCase {
 		return func(in []*autograd.Value) (*autograd.Value, error) { return f(in[0]) }
 	}
 	return []devCase{
-		{"Add", [][]int{{3, 5}, {3, 5}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[1]) }},
-		{"Add/same-input", [][]int{{7}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[0]) }},
-		{"Mul", [][]int{{3, 5}, {3, 5}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Mul(in[0], in[1]) }},
-		{"Scale", [][]int{{4, 3}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Scale(x, -0.7) })},
-		{"MatMul", [][]int{{5, 7}, {7, 3}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
-		{"MatMul/k=0", [][]int{{2, 0}, {0, 3}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
-		{"Linear", [][]int{{2, 3, 5}, {4, 5}, {4}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "Add", shapes: [][]int{{3, 5}, {3, 5}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[1]) }},
+		{name: "Add/same-input", shapes: [][]int{{7}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[0]) }},
+		{name: "Mul", shapes: [][]int{{3, 5}, {3, 5}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Mul(in[0], in[1]) }},
+		{name: "Scale", shapes: [][]int{{4, 3}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Scale(x, -0.7) })},
+		{name: "MatMul", shapes: [][]int{{5, 7}, {7, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
+		{name: "MatMul/k=0", shapes: [][]int{{2, 0}, {0, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
+		{name: "Linear", shapes: [][]int{{2, 3, 5}, {4, 5}, {4}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			return autograd.Linear(in[0], in[1], in[2])
 		}},
-		{"Linear/no-bias", [][]int{{6, 5}, {4, 5}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "Linear/no-bias", shapes: [][]int{{6, 5}, {4, 5}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			return autograd.Linear(in[0], in[1], nil)
 		}},
-		{"Sum/dim", [][]int{{3, 4, 5}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x, 1) })},
-		{"Sum/all", [][]int{{3, 4}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x) })},
-		{"Mean", [][]int{{3, 4}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Mean(x, 0) })},
-		{"MSE", [][]int{{3, 4}, {3, 4}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MSE(in[0], in[1]) }},
-		{"LayerNorm", [][]int{{2, 3, 9}, {9}, {9}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "Sum/dim", shapes: [][]int{{3, 4, 5}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x, 1) })},
+		{name: "Sum/all", shapes: [][]int{{3, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x) })},
+		{name: "Mean", shapes: [][]int{{3, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Mean(x, 0) })},
+		{name: "MSE", shapes: [][]int{{3, 4}, {3, 4}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MSE(in[0], in[1]) }},
+		{name: "LayerNorm", shapes: [][]int{{2, 3, 9}, {9}, {9}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			return autograd.LayerNorm(in[0], in[1], in[2], 1e-5)
 		}},
-		{"GELU", [][]int{{3, 11}}, one(autograd.GELU)},
-		{"MLP", [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}, {6}, {6}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "GELU", shapes: [][]int{{3, 11}}, f: one(autograd.GELU)},
+		{name: "Narrow", shapes: [][]int{{3, 5, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Narrow(x, 1, 1, 3) })},
+		{name: "SplitLast+Concat", shapes: [][]int{{3, 6}}, f: one(func(x *autograd.Value) (*autograd.Value, error) {
+			p, err := autograd.SplitLast(x, 3)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.Concat(-1, p[2], p[0])
+		})},
+		{name: "Permute", shapes: [][]int{{3, 5, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Permute(x, 2, 0, 1) })},
+		{name: "Transpose+Reshape", shapes: [][]int{{3, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) {
+			y, err := autograd.Transpose(x, 0, 1)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.Reshape(y, 2, 6)
+		})},
+		{name: "CausalAttention", shapes: [][]int{{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
+			return autograd.CausalAttention(in[0], in[1], in[2])
+		}},
+		{name: "CausalAttention/composed", shapes: [][]int{{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
+			return composedAttention(in[0], in[1], in[2])
+		}},
+		{name: "Softmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, -1) })},
+		{name: "LogSoftmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 1) })},
+		{name: "Embedding", shapes: [][]int{{11, 6}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+			id, err := ids(m, []int{2, 5}, 11, 3)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.Embedding(in[0], id)
+		}},
+		{name: "CrossEntropy", shapes: [][]int{{7, 11}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+			tg, err := ids(m, []int{7}, 11, 4)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.CrossEntropy(in[0], tg)
+		}},
+		{name: "Checkpoint/KeepMatrixProducts", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}},
+			fm: checkpointed(tinyGPT, autograd.KeepMatrixProducts())},
+		{name: "Checkpoint/KeepOps", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}},
+			fm: checkpointed(tinyGPT, autograd.KeepOps("CausalAttention", "LayerNorm"))},
+		{name: "TinyGPT", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}}, fm: tinyGPT},
+		{name: "MLP", shapes: [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}, {6}, {6}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			h, err := autograd.Linear(in[0], in[1], in[2])
 			if err != nil {
 				return nil, err
@@ -91,7 +270,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 		}
 		in = append(in, v)
 	}
-	out, err := c.f(in)
+	out, err := c.run(m, in)
 	if err != nil {
 		return nil, err
 	}
@@ -361,7 +540,14 @@ func TestDeviceFloat64Unsupported(t *testing.T) {
 // and their gradients stay allocated, the same bytes every step, and the
 // allocator asks the driver for nothing after the first step.
 func TestDeviceMemoryReturns(t *testing.T) {
-	c := devCases()[len(devCases())-1] // the MLP
+	for _, c := range devCases() {
+		if c.name == "MLP" || c.name == "TinyGPT" || c.name == "Checkpoint/KeepOps" {
+			t.Run(c.name, func(t *testing.T) { testMemoryReturns(t, c) })
+		}
+	}
+}
+
+func testMemoryReturns(t *testing.T, c devCase) {
 	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d, err := emu.New(0)
 		if err != nil {
@@ -390,7 +576,7 @@ func TestDeviceMemoryReturns(t *testing.T) {
 			for _, v := range in {
 				v.ZeroGrad()
 			}
-			out, err := c.f(in)
+			out, err := c.run(m, in)
 			if err != nil {
 				return err
 			}

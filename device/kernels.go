@@ -105,6 +105,28 @@ type Kernels interface {
 	// BroadcastDims is kernels.BroadcastDims, SumDims's adjoint: out (of
 	// shape) repeats g along the dims where reduce is set.
 	BroadcastDims(out, g Buffer, shape []int, reduce []bool) error
+	// PermuteDims is kernels.PermuteDims: out is x (of shape) with its
+	// dims reordered so that out's dim i is x's dim perm[i].
+	PermuteDims(out, x Buffer, shape, perm []int) error
+	// NarrowDim is kernels.NarrowDim: out ([outer, length, inner]) is
+	// entries [start, start+length) of x ([outer, n, inner]) along the
+	// middle dim.
+	NarrowDim(out, x Buffer, outer, n, inner, start, length int) error
+	// PadDim is kernels.PadDim, NarrowDim's adjoint: out ([outer, full,
+	// inner]) is g ([outer, n, inner]) at [start, start+n) and zero
+	// elsewhere.
+	PadDim(out, g Buffer, outer, n, inner, start, full int) error
+	// ConcatDim is kernels.ConcatDim: out ([outer, Σ sizes, inner]) joins
+	// xs[i] ([outer, sizes[i], inner]) along the middle dim.
+	ConcatDim(out Buffer, xs []Buffer, sizes []int, outer, inner int) error
+	// Embedding is kernels.EmbeddingForward: out's row i is the row of
+	// ids[i] (Int64) in table (rows lo … lo+V−1 of d values), zeros for
+	// ids outside that range.
+	Embedding(out, table, ids Buffer, lo, d int) error
+	// EmbeddingBackward is kernels.EmbeddingBackward: dtable is the sum by
+	// id of g's rows, accumulated in acc (Float64, dtable's length,
+	// overwritten).
+	EmbeddingBackward(dtable, acc, g, ids Buffer, lo, d int) error
 }
 
 // Gemm is one GEMM, or a batch of them, in row-major layout:

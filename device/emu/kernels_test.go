@@ -382,6 +382,63 @@ func autogradCases() []kernelCase {
 				return k.BroadcastDims(b["out"], b["g"], shape, reduce)
 			},
 		},
+		{
+			name: "PermuteDims",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 60), "out": make([]float32, 60)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.PermuteDims(f32s(a["out"]), f32s(a["x"]), shape, []int{2, 0, 1})
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				return k.PermuteDims(b["out"], b["x"], shape, []int{2, 0, 1})
+			},
+		},
+		{
+			name: "NarrowDim+PadDim+ConcatDim",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 60), "n": make([]float32, 24), "g": randF32(r, 24), "p": randF32(r, 60),
+					"y": randF32(r, 12), "c": make([]float32, 72)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.NarrowDim(f32s(a["n"]), f32s(a["x"]), 3, 5, 4, 1, 2); err != nil {
+					return err
+				}
+				if err := kernels.PadDim(f32s(a["p"]), f32s(a["g"]), 3, 2, 4, 3, 5); err != nil {
+					return err
+				}
+				return kernels.ConcatDim(f32s(a["c"]), [][]float32{f32s(a["x"]), f32s(a["y"])}, []int{5, 1}, 3, 4)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.NarrowDim(b["n"], b["x"], 3, 5, 4, 1, 2); err != nil {
+					return err
+				}
+				if err := k.PadDim(b["p"], b["g"], 3, 2, 4, 3, 5); err != nil {
+					return err
+				}
+				return k.ConcatDim(b["c"], []device.Buffer{b["x"], b["y"]}, []int{5, 1}, 3, 4)
+			},
+		},
+		{
+			name: "Embedding+Backward",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				ids := randTargets(r, rows, vocab+4) // some outside the block [2, 2+vocab)
+				return arrays{"out": make([]float32, rows*cols), "table": randF32(r, vocab*cols), "ids": ids,
+					"dt": make([]float32, vocab*cols), "acc": make([]float64, vocab*cols), "g": randF32(r, rows*cols)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.EmbeddingForward(f32s(a["out"]), f32s(a["table"]), i64s(a["ids"]), 2, cols); err != nil {
+					return err
+				}
+				return kernels.EmbeddingBackward(f32s(a["dt"]), f64s(a["acc"]), f32s(a["g"]), i64s(a["ids"]), 2, cols)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.Embedding(b["out"], b["table"], b["ids"], 2, cols); err != nil {
+					return err
+				}
+				return k.EmbeddingBackward(b["dt"], b["acc"], b["g"], b["ids"], 2, cols)
+			},
+		},
 		sgdCase(comm.Float32, "plain", kernels.SGDStep{LR: 0.1}),
 		sgdCase(comm.Float32, "momentum/first", kernels.SGDStep{LR: 0.05, Momentum: 0.9, WeightDecay: 0.01, First: true}),
 		sgdCase(comm.Float32, "momentum", kernels.SGDStep{LR: 0.05, Momentum: 0.9, Dampening: 0.1, WeightDecay: 0.01, Maximize: true}),
