@@ -456,5 +456,15 @@ func (b *planBuffers) give() {
 func (t *Tape) execute(ctx context.Context, pl *placement.Plan, dt *placement.DTensor, dst *mesh.Mesh, res alloc) (*placement.DTensor, error) {
 	b := t.planBuffers(res)
 	defer b.give()
-	return t.planner.Execute(ctx, pl, dt, dst, placement.WithAllocator(b))
+	out, err := t.planner.Execute(ctx, pl, dt, dst, placement.WithAllocator(b))
+	if err != nil || res.fresh() {
+		return out, err
+	}
+	// A device result comes from the device's allocator, not from b:
+	// the arena frees it as it frees the op results and scratch it
+	// allocates itself (Execute never returns the input's memory here).
+	if ob := bufOf(out); ob != nil && ob != bufOf(dt) {
+		t.arena.devTake(ob, res.result)
+	}
+	return out, nil
 }
