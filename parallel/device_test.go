@@ -1,0 +1,323 @@
+package parallel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"testing"
+
+	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/optim"
+	"github.com/b7ea7098/loom/placement"
+	"github.com/b7ea7098/loom/placement/placementtest"
+)
+
+// devRun is one configuration of the device parity tests: a float32
+// transformer block made by the constructors on a tape of the rank's
+// device, trained for a few SGD steps on a dp × tp mesh.
+type devRun struct {
+	dp, tp  int
+	sp      bool // sequence parallelism (tp > 1)
+	views   bool // DDP's GradientAsBucketView
+	recycle bool // a tape made WithRecycling
+	ckpt    bool // activation checkpointing of attn and mlp
+	steps   int
+}
+
+func (c devRun) String() string {
+	return fmt.Sprintf("dp=%d,tp=%d,sp=%v,views=%v,recycle=%v,ckpt=%v", c.dp, c.tp, c.sp, c.views, c.recycle, c.ckpt)
+}
+
+// devTrace is what one rank saw: per step the loss and every parameter's
+// local block after the optimizer step, and the device allocator's driver
+// allocations after each step (none on the host).
+type devTrace struct {
+	values [][]float32
+	allocs []int64
+	held   []int64 // the device's allocated bytes after each step
+	final  int64   // and once everything is freed
+}
+
+// newConstructedBlock builds the block of tp_test.go with the
+// constructors, in float32, on tape (so on the tape's device).
+func newConstructedBlock(tape *autograd.Tape, m *mesh.Mesh) (*block, error) {
+	ln1, err := NewLayerNorm(tape, m, blkD, WithName("ln1"))
+	if err != nil {
+		return nil, err
+	}
+	attn, err := NewAttention(tape, m, blkD, blkH, WithName("attn"), WithBiasInit(Normal(0.1, 5)))
+	if err != nil {
+		return nil, err
+	}
+	ln2, err := NewLayerNorm(tape, m, blkD, WithName("ln2"), WithBiasInit(Normal(0.1, 6)))
+	if err != nil {
+		return nil, err
+	}
+	mlp, err := NewMLP(tape, m, blkD, blkF, WithName("mlp"), WithInit(Normal(0.3, 7)))
+	if err != nil {
+		return nil, err
+	}
+	return &block{ln1: ln1, attn: attn, ln2: ln2, mlp: mlp}, nil
+}
+
+// devLoss is block.loss in float32 (a mean), its input x on the tape's
+// device; the caller frees x after the backward pass.
+func (b *block) devLoss(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, sp bool, step int) (*autograd.Value, *placement.DTensor, error) {
+	places := batchPlaces(m)
+	if sp {
+		places[1] = placement.Shard(1)
+	}
+	spec, err := placement.NewSpec(m, []int{blkB, blkT, blkD}, comm.Float32, places)
+	if err != nil {
+		return nil, nil, err
+	}
+	xd, err := placement.FromFull(spec, placementtest.Random([]int{blkB, blkT, blkD}, comm.Float32, uint64(99+step)))
+	if err != nil {
+		return nil, nil, err
+	}
+	if xd, err = xd.To(tape.Device()); err != nil {
+		return nil, nil, err
+	}
+	x, err := tape.Constant(xd)
+	if err != nil {
+		return nil, nil, err
+	}
+	a, err := b.ln1.Forward(ctx, x)
+	if err != nil {
+		return nil, nil, err
+	}
+	if a, err = b.attn.Forward(ctx, a); err != nil {
+		return nil, nil, err
+	}
+	h, err := autograd.Add(x, a)
+	if err != nil {
+		return nil, nil, err
+	}
+	u, err := b.ln2.Forward(ctx, h)
+	if err != nil {
+		return nil, nil, err
+	}
+	if u, err = b.mlp.Forward(ctx, u); err != nil {
+		return nil, nil, err
+	}
+	y, err := autograd.Add(h, u)
+	if err != nil {
+		return nil, nil, err
+	}
+	sq, err := autograd.Mul(y, y)
+	if err != nil {
+		return nil, nil, err
+	}
+	l, err := autograd.Mean(sq)
+	return l, xd, err
+}
+
+// hostF32 returns dt's local block as float32s on the host.
+func hostF32(dt *placement.DTensor) ([]float32, error) {
+	h, err := dt.To(device.Host())
+	if err != nil {
+		return nil, err
+	}
+	v, ok := h.LocalData().([]float32)
+	if !ok {
+		return nil, fmt.Errorf("local block %T, want []float32", h.LocalData())
+	}
+	return slices.Clone(v), nil
+}
+
+// train runs c on one rank with its parameters on d.
+func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTrace, error) {
+	var tr devTrace
+	opts := []autograd.Option{autograd.WithDevice(d)}
+	if c.recycle {
+		opts = append(opts, autograd.WithRecycling())
+	}
+	tape := autograd.NewTape(opts...)
+	b, err := newConstructedBlock(tape, m)
+	if err != nil {
+		return tr, err
+	}
+	if c.tp > 1 {
+		if err := Parallelize(ctx, b, "tp", blockPlan(c.sp)); err != nil {
+			return tr, err
+		}
+	}
+	if c.ckpt {
+		if err := Checkpoint(b, []string{"attn", "mlp"}); err != nil {
+			return tr, err
+		}
+	}
+	params, err := Params(b)
+	if err != nil {
+		return tr, err
+	}
+	dopts := []Option{WithFirstBucket(4 * blkD), WithBucketCap(4 * blkD * blkF)}
+	if c.views {
+		dopts = append(dopts, GradientAsBucketView())
+	}
+	ddp, err := New(ctx, params, dopts...)
+	if err != nil {
+		return tr, err
+	}
+	defer ddp.Close()
+	opt, err := optim.NewSGD(params, 0.05, optim.Momentum(0.9))
+	if err != nil {
+		return tr, err
+	}
+	defer opt.Close()
+	for step := range c.steps {
+		if c.recycle {
+			tape.Recycle()
+		}
+		l, x, err := b.devLoss(ctx, tape, m, c.sp, step)
+		if err != nil {
+			return tr, fmt.Errorf("step %d: %w", step, err)
+		}
+		loss, err := hostF32(l.Data())
+		if err != nil {
+			return tr, err
+		}
+		if err := tape.Backward(ctx, l); err != nil {
+			return tr, fmt.Errorf("step %d: %w", step, err)
+		}
+		if err := freeLocal(x); err != nil {
+			return tr, err
+		}
+		if err := ddp.Finish(ctx); err != nil {
+			return tr, fmt.Errorf("step %d: %w", step, err)
+		}
+		if err := ReduceGrads(ctx, params); err != nil {
+			return tr, fmt.Errorf("step %d: %w", step, err)
+		}
+		if err := opt.Step(); err != nil {
+			return tr, fmt.Errorf("step %d: %w", step, err)
+		}
+		tr.values = append(tr.values, loss)
+		for _, p := range params {
+			if p.Data().Device() != d {
+				return tr, fmt.Errorf("step %d: %s is on %s, want %s", step, p.Name(), p.Data().Device().Name(), d.Name())
+			}
+			g := p.Grad()
+			if g == nil || g.Device() != d {
+				return tr, fmt.Errorf("step %d: the gradient of %s is not on %s", step, p.Name(), d.Name())
+			}
+			v, err := hostF32(p.Data())
+			if err != nil {
+				return tr, err
+			}
+			tr.values = append(tr.values, v)
+			p.ZeroGrad()
+		}
+		if mem := d.Memory(); mem != nil {
+			if err := d.Synchronize(); err != nil {
+				return tr, err
+			}
+			tr.allocs = append(tr.allocs, mem.Stats().DriverAllocs)
+			tr.held = append(tr.held, mem.Stats().Allocated)
+		}
+	}
+	// Everything allocated for the run comes back: DDP's buckets and
+	// gradient blocks, the optimizer's state, the parameters, and the
+	// tape's results and scratch.
+	if err := errors.Join(ddp.Close(), opt.Close()); err != nil {
+		return tr, err
+	}
+	for _, p := range params {
+		if g, ok := p.ReleaseGrad().(device.Buffer); ok {
+			if err := g.Free(); err != nil {
+				return tr, err
+			}
+		}
+		if err := freeLocal(p.Data()); err != nil {
+			return tr, err
+		}
+	}
+	tape.Recycle()
+	tape.Reset()
+	if mem := d.Memory(); mem != nil {
+		if err := d.Synchronize(); err != nil {
+			return tr, err
+		}
+		tr.final = mem.Stats().Allocated
+	}
+	return tr, nil
+}
+
+// sameF32 compares two traces bit for bit.
+func sameF32(host, dev [][]float32) error {
+	if len(host) != len(dev) {
+		return fmt.Errorf("%d blocks on the host, %d on the device", len(host), len(dev))
+	}
+	for i := range host {
+		if len(host[i]) != len(dev[i]) {
+			return fmt.Errorf("block %d: %d values on the host, %d on the device", i, len(host[i]), len(dev[i]))
+		}
+		for k := range host[i] {
+			if math.Float32bits(host[i][k]) != math.Float32bits(dev[i][k]) {
+				return fmt.Errorf("block %d[%d]: host %v, device %v", i, k, host[i][k], dev[i][k])
+			}
+		}
+	}
+	return nil
+}
+
+// TestDeviceMatchesHost: tensor and sequence parallelism, DDP (with and
+// without bucket views, on recycling and plain tapes) and activation
+// checkpointing train a block made by the constructors on emulated
+// devices (each rank its own) exactly as on the host: every loss and every
+// parameter after every step is bit for bit the host's (tolerance 0: the
+// emulated device runs the host's CPU kernels on the same data, so any
+// difference is work the device path reordered, dropped or repeated), on
+// even and odd rank counts with uneven shards; the device makes no driver
+// allocation after the first step.
+func TestDeviceMatchesHost(t *testing.T) {
+	for _, c := range []devRun{
+		{dp: 2, tp: 1, steps: 3},
+		{dp: 3, tp: 1, steps: 3, views: true, recycle: true},
+		{dp: 3, tp: 1, steps: 3, views: true},
+		{dp: 2, tp: 1, steps: 3, recycle: true, ckpt: true},
+		{dp: 1, tp: 3, steps: 2},
+		{dp: 2, tp: 2, steps: 3, recycle: true},
+		{dp: 1, tp: 3, sp: true, steps: 2, ckpt: true},
+		{dp: 2, tp: 2, sp: true, steps: 3, views: true, recycle: true},
+	} {
+		t.Run(c.String(), func(t *testing.T) {
+			placementtest.Run(t, []int{c.dp, c.tp}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+				host, err := c.train(ctx, m, device.Host())
+				if err != nil {
+					return fmt.Errorf("host: %w", err)
+				}
+				d, err := emu.New(m.Rank())
+				if err != nil {
+					return err
+				}
+				dev, err := c.train(ctx, m, d)
+				if err != nil {
+					return fmt.Errorf("%s: %w", d.Name(), errors.Join(err, d.Close()))
+				}
+				if err := sameF32(host.values, dev.values); err != nil {
+					return errors.Join(fmt.Errorf("%s against the host: %w", d.Name(), err), d.Close())
+				}
+				if a := dev.allocs; a[len(a)-1] != a[0] {
+					return errors.Join(fmt.Errorf("%s: driver allocations after each step %v, want none after the first", d.Name(), a), d.Close())
+				}
+				// A recycling tape frees the last step's results at
+				// Recycle, so the memory held after each step is the
+				// same; a plain tape's results are the caller's.
+				if h := dev.held; c.recycle && slices.Min(h) != slices.Max(h) {
+					return errors.Join(fmt.Errorf("%s: bytes allocated after each step %v, want them flat", d.Name(), h), d.Close())
+				}
+				if c.recycle && dev.final != 0 {
+					return errors.Join(fmt.Errorf("%s: %d bytes still allocated once everything is freed", d.Name(), dev.final), d.Close())
+				}
+				return d.Close()
+			})
+		})
+	}
+}
