@@ -27,11 +27,12 @@ type devRun struct {
 	views   bool // DDP's GradientAsBucketView
 	recycle bool // a tape made WithRecycling
 	ckpt    bool // activation checkpointing of attn and mlp
+	head    bool // a colwise lm head and VocabParallelCrossEntropy (tp > 1)
 	steps   int
 }
 
 func (c devRun) String() string {
-	return fmt.Sprintf("dp=%d,tp=%d,sp=%v,views=%v,recycle=%v,ckpt=%v", c.dp, c.tp, c.sp, c.views, c.recycle, c.ckpt)
+	return fmt.Sprintf("dp=%d,tp=%d,sp=%v,views=%v,recycle=%v,ckpt=%v,head=%v", c.dp, c.tp, c.sp, c.views, c.recycle, c.ckpt, c.head)
 }
 
 // devTrace is what one rank saw: per step the loss and every parameter's
@@ -66,9 +67,42 @@ func newConstructedBlock(tape *autograd.Tape, m *mesh.Mesh) (*block, error) {
 	return &block{ln1: ln1, attn: attn, ln2: ln2, mlp: mlp}, nil
 }
 
+// headed is the block under "blk" with an lm head "head" of headVocab
+// outputs (uneven over 2 and 3 ranks).
+type headed struct {
+	Hooks
+	blk  *block
+	head *Linear
+}
+
+const headVocab = 7
+
+func (h *headed) Children() []Child { return []Child{{"blk", h.blk}, {"head", h.head}} }
+
+// headLoss is VocabParallelCrossEntropy of the head's logits of the
+// block's output y, against fixed targets, rows sharded on dp.
+func (h *headed) headLoss(ctx context.Context, m *mesh.Mesh, y *autograd.Value) (*autograd.Value, error) {
+	logits, err := h.head.Forward(ctx, y)
+	if err != nil {
+		return nil, err
+	}
+	if logits, err = autograd.Reshape(logits, blkB*blkT, headVocab); err != nil {
+		return nil, err
+	}
+	full := make([]int64, blkB*blkT)
+	for i := range full {
+		full[i] = int64((i * 5) % headVocab)
+	}
+	tg, err := autograd.IndicesFromFull(m, []int{blkB * blkT}, batchPlaces(m), full)
+	if err != nil {
+		return nil, err
+	}
+	return VocabParallelCrossEntropy(ctx, logits, tg, "tp")
+}
+
 // devLoss is block.loss in float32 (a mean), its input x on the tape's
 // device; the caller frees x after the backward pass.
-func (b *block) devLoss(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, sp bool, step int) (*autograd.Value, *placement.DTensor, error) {
+func (b *block) devLoss(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, sp bool, step int, hd *headed) (*autograd.Value, *placement.DTensor, error) {
 	places := batchPlaces(m)
 	if sp {
 		places[1] = placement.Shard(1)
@@ -110,6 +144,10 @@ func (b *block) devLoss(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, 
 	if err != nil {
 		return nil, nil, err
 	}
+	if hd != nil {
+		l, err := hd.headLoss(ctx, m, y)
+		return l, xd, err
+	}
 	sq, err := autograd.Mul(y, y)
 	if err != nil {
 		return nil, nil, err
@@ -143,17 +181,34 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 	if err != nil {
 		return tr, err
 	}
+	var root Module = b
+	var hd *headed
+	if c.head {
+		lin, err := NewLinear(tape, m, blkD, headVocab, WithName("head"), WithBias(false))
+		if err != nil {
+			return tr, err
+		}
+		hd = &headed{blk: b, head: lin}
+		root = hd
+	}
 	if c.tp > 1 {
-		if err := Parallelize(ctx, b, "tp", blockPlan(c.sp)); err != nil {
+		plan := blockPlan(c.sp)
+		if c.head {
+			for i := range plan {
+				plan[i].Pattern = "blk." + plan[i].Pattern
+			}
+			plan = append(plan, Rule{"head", ColwiseParallel{}})
+		}
+		if err := Parallelize(ctx, root, "tp", plan); err != nil {
 			return tr, err
 		}
 	}
 	if c.ckpt {
-		if err := Checkpoint(b, []string{"attn", "mlp"}); err != nil {
+		if err := Checkpoint(b, []string{"attn", "mlp"}); err != nil { // b, not root: the paths are the block's
 			return tr, err
 		}
 	}
-	params, err := Params(b)
+	params, err := Params(root)
 	if err != nil {
 		return tr, err
 	}
@@ -175,9 +230,12 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 		if c.recycle {
 			tape.Recycle()
 		}
-		l, x, err := b.devLoss(ctx, tape, m, c.sp, step)
+		l, x, err := b.devLoss(ctx, tape, m, c.sp, step, hd)
 		if err != nil {
 			return tr, fmt.Errorf("step %d: %w", step, err)
+		}
+		if l.Data().Device() != d {
+			return tr, fmt.Errorf("step %d: the loss is on %s, want %s", step, l.Data().Device().Name(), d.Name())
 		}
 		loss, err := hostF32(l.Data())
 		if err != nil {
@@ -283,8 +341,8 @@ func TestDeviceMatchesHost(t *testing.T) {
 		{dp: 3, tp: 1, steps: 3, views: true},
 		{dp: 2, tp: 1, steps: 3, recycle: true, ckpt: true},
 		{dp: 1, tp: 3, steps: 2},
-		{dp: 2, tp: 2, steps: 3, recycle: true},
-		{dp: 1, tp: 3, sp: true, steps: 2, ckpt: true},
+		{dp: 2, tp: 2, steps: 3, recycle: true, head: true},
+		{dp: 1, tp: 3, sp: true, steps: 2, ckpt: true, head: true},
 		{dp: 2, tp: 2, sp: true, steps: 3, views: true, recycle: true},
 	} {
 		t.Run(c.String(), func(t *testing.T) {
