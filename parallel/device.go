@@ -27,8 +27,8 @@ func freeLocal(dt *placement.DTensor) error {
 }
 
 // paramsDevice returns the device that holds every parameter's block, or
-// an error wrapping device.ErrMixed (and so ErrInvalid's loom.ErrInvalid)
-// that names op and two of the devices.
+// an error wrapping ErrInvalid and device.ErrMixed that names op, two of
+// the devices and the parameter on the second.
 func paramsDevice(op string, params []*autograd.Value) (device.Device, error) {
 	var d device.Device
 	for _, p := range params {
@@ -38,7 +38,7 @@ func paramsDevice(op string, params []*autograd.Value) (device.Device, error) {
 			continue
 		}
 		if err := device.Same(op, d, pd); err != nil {
-			return nil, fmt.Errorf("parallel: %w (parameter %q)", err, p.Name())
+			return nil, fmt.Errorf("%w: %w (parameter %q)", ErrInvalid, err, p.Name())
 		}
 	}
 	if d == nil {

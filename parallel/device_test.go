@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/b7ea7098/loom/autograd"
@@ -376,6 +377,105 @@ func TestDeviceMatchesHost(t *testing.T) {
 				}
 				return d.Close()
 			})
+		})
+	}
+}
+
+// TestDeviceRejects: what DDP and FSDP cannot do with device parameters
+// is an error naming the devices, before any data moves, and a DDP that
+// runs out of device memory while allocating its buckets frees what it
+// took and leaves the device usable.
+func TestDeviceRejects(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		run  func(ctx context.Context, m *mesh.Mesh, d device.Device) error
+		is   []error
+		says []string
+	}{
+		{
+			name: "DDP/two devices",
+			run: func(ctx context.Context, m *mesh.Mesh, d device.Device) error {
+				on, err := NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 3, 2, WithName("a"))
+				if err != nil {
+					return err
+				}
+				host, err := NewLinear(autograd.NewTape(), m, 3, 2, WithName("b"))
+				if err != nil {
+					return err
+				}
+				_, err = New(ctx, []*autograd.Value{on.Weight, host.Weight})
+				return err
+			},
+			is:   []error{device.ErrMixed, ErrInvalid},
+			says: []string{"emu:", "host", `"b.weight"`},
+		},
+		{
+			name: "FSDP/device parameters",
+			run: func(ctx context.Context, m *mesh.Mesh, d device.Device) error {
+				mlp, err := NewMLP(autograd.NewTape(autograd.WithDevice(d)), m, 4, 6, WithName("mlp"))
+				if err != nil {
+					return err
+				}
+				_, err = FullyShard(ctx, mlp, []string{"fc"}, ShardAxis("dp"))
+				return err
+			},
+			is:   []error{ErrInvalid, autograd.ErrUnsupported},
+			says: []string{"emu:", `"mlp.fc.weight"`, "DDP"},
+		},
+		{
+			name: "DDP/out of memory",
+			run: func(ctx context.Context, m *mesh.Mesh, _ device.Device) error {
+				// 40 MiB: the 16 MiB weight (a segment of its own) and
+				// the bucket fit, the gradient block beside them does
+				// not.
+				d, err := emu.New(m.Rank(), emu.WithMemory(40<<20))
+				if err != nil {
+					return err
+				}
+				defer d.Close()
+				lin, err := NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 2048, 2048, WithBias(false), WithInit(Zeros()))
+				if err != nil {
+					return err
+				}
+				held := d.Memory().Stats().Allocated
+				_, err = New(ctx, []*autograd.Value{lin.Weight}, WithBucketCap(1<<20))
+				// Failures of the checks below quote New's error (%v),
+				// so that they do not pass for it.
+				if after := d.Memory().Stats().Allocated; after != held {
+					return fmt.Errorf("%d bytes allocated after the failed New, %d before (New: %v)", after, held, err)
+				}
+				// The device is still usable: a smaller block.
+				b, aerr := d.Alloc(comm.Float32, 1<<20)
+				if aerr == nil {
+					aerr = b.Free()
+				}
+				if aerr != nil {
+					return fmt.Errorf("after the failed New: %v (New: %v)", aerr, err)
+				}
+				return err
+			},
+			is:   []error{device.ErrOutOfMemory},
+			says: []string{"gradient block", "emu:"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			placementtest.Run(t, []int{2}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+				err := tc.run(ctx, m, placementtest.Device(ctx))
+				if err == nil {
+					return errors.New("no error")
+				}
+				for _, want := range tc.is {
+					if !errors.Is(err, want) {
+						return fmt.Errorf("error %v does not match %v", err, want)
+					}
+				}
+				for _, s := range tc.says {
+					if !strings.Contains(err.Error(), s) {
+						return fmt.Errorf("error %q does not say %q", err, s)
+					}
+				}
+				return nil
+			}, placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) }))
 		})
 	}
 }

@@ -596,6 +596,11 @@ func (f *FSDP) plan(u *fsdpUnit, fail func(string, ...any) error) error {
 		if !v.IsLeaf() || !v.RequiresGrad() || v.Grad() != nil {
 			return fail("%q is not a fresh parameter leaf (a leaf that requires grad and has no gradient)", p.name)
 		}
+		// Its gather slots, staging buffers and sharded gradients are
+		// host memory: refuse a device's blocks before any is copied.
+		if d := v.Data().Device(); !onHost(d) {
+			return fmt.Errorf("parallel: FSDP.Wrap %q: %w: %w: parameter %q is on %s; FSDP, ZeRO and HSDP shard host parameters (data parallelism on a device is DDP's)", u.path, ErrInvalid, autograd.ErrUnsupported, p.name, d.Name())
+		}
 		s := v.Spec()
 		if !slices.Equal(s.Mesh().Names(), m.Names()) || !slices.Equal(s.Mesh().Shape(), m.Shape()) {
 			return fail("parameter %q is on mesh %v, not %v", p.name, s.Mesh(), m)
