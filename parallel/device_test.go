@@ -29,11 +29,13 @@ type devRun struct {
 	recycle bool // a tape made WithRecycling
 	ckpt    bool // activation checkpointing of attn and mlp
 	head    bool // a colwise lm head and VocabParallelCrossEntropy (tp > 1)
+	accum   bool // each step a micro-batch under NoSync, then a synced one
+	scale   bool // DDP's Average and SetScale(0.5): gradients scaled into the buckets
 	steps   int
 }
 
 func (c devRun) String() string {
-	return fmt.Sprintf("dp=%d,tp=%d,sp=%v,views=%v,recycle=%v,ckpt=%v,head=%v", c.dp, c.tp, c.sp, c.views, c.recycle, c.ckpt, c.head)
+	return fmt.Sprintf("dp=%d,tp=%d,sp=%v,views=%v,recycle=%v,ckpt=%v,head=%v,accum=%v,scale=%v", c.dp, c.tp, c.sp, c.views, c.recycle, c.ckpt, c.head, c.accum, c.scale)
 }
 
 // devTrace is what one rank saw: per step the loss and every parameter's
@@ -217,11 +219,19 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 	if c.views {
 		dopts = append(dopts, GradientAsBucketView())
 	}
+	if c.scale {
+		dopts = append(dopts, Average())
+	}
 	ddp, err := New(ctx, params, dopts...)
 	if err != nil {
 		return tr, err
 	}
 	defer ddp.Close()
+	if c.scale {
+		if err := ddp.SetScale(0.5); err != nil {
+			return tr, err
+		}
+	}
 	opt, err := optim.NewSGD(params, 0.05, optim.Momentum(0.9))
 	if err != nil {
 		return tr, err
@@ -230,6 +240,20 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 	for step := range c.steps {
 		if c.recycle {
 			tape.Recycle()
+		}
+		if c.accum {
+			// A first micro-batch (another input) whose gradients
+			// accumulate locally, then the synced one below.
+			err := ddp.NoSync(func() error {
+				l, x, err := b.devLoss(ctx, tape, m, c.sp, step+10, hd)
+				if err != nil {
+					return err
+				}
+				return errors.Join(tape.Backward(ctx, l), freeLocal(x))
+			})
+			if err != nil {
+				return tr, fmt.Errorf("step %d: NoSync: %w", step, err)
+			}
 		}
 		l, x, err := b.devLoss(ctx, tape, m, c.sp, step, hd)
 		if err != nil {
@@ -342,6 +366,8 @@ func TestDeviceMatchesHost(t *testing.T) {
 		{dp: 3, tp: 1, steps: 3, views: true},
 		{dp: 2, tp: 1, steps: 3, recycle: true, ckpt: true},
 		{dp: 1, tp: 3, steps: 2},
+		{dp: 3, tp: 1, steps: 3, accum: true, scale: true},
+		{dp: 2, tp: 1, steps: 3, accum: true, scale: true, views: true, recycle: true},
 		{dp: 2, tp: 2, steps: 3, recycle: true, head: true},
 		{dp: 1, tp: 3, sp: true, steps: 2, ckpt: true, head: true},
 		{dp: 2, tp: 2, sp: true, steps: 3, views: true, recycle: true},
