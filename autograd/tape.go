@@ -446,13 +446,16 @@ func (v *Value) GradBytes() int64 {
 // device.Buffer of a gradient on a device, which the caller then owns) when
 // Backward allocated it for this leaf alone, for the caller to pass to
 // another leaf's KeepGradBuffer, and nil otherwise (no gradient, one
-// given by SetGrad, or an empty block).
+// given by SetGrad, or an empty host block; an empty device block is
+// returned, as it holds an allocation).
 func (v *Value) ReleaseGrad() any {
 	if v == nil {
 		return nil
 	}
 	var block any
-	if v.grad != nil && v.ownGrad && v.GradBytes() > 0 {
+	// An empty device block still holds an allocation (the allocator's
+	// smallest block): hand it over too, for the caller to free.
+	if v.grad != nil && v.ownGrad && (v.GradBytes() > 0 || bufOf(v.grad) != nil) {
 		block = v.grad.LocalData()
 	}
 	v.grad, v.spare, v.fresh, v.ownGrad, v.ownSpare = nil, nil, 0, false, false
