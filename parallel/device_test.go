@@ -31,6 +31,7 @@ type devRun struct {
 	head    bool // a colwise lm head and VocabParallelCrossEntropy (tp > 1)
 	accum   bool // each step a micro-batch under NoSync, then a synced one
 	scale   bool // DDP's Average and SetScale(0.5): gradients scaled into the buckets
+	vocab   int  // the head's outputs (0: headVocab)
 	steps   int
 }
 
@@ -70,12 +71,13 @@ func newConstructedBlock(tape *autograd.Tape, m *mesh.Mesh) (*block, error) {
 	return &block{ln1: ln1, attn: attn, ln2: ln2, mlp: mlp}, nil
 }
 
-// headed is the block under "blk" with an lm head "head" of headVocab
-// outputs (uneven over 2 and 3 ranks).
+// headed is the block under "blk" with an lm head "head" of vocab
+// outputs (by default headVocab, uneven over 2 and 3 ranks).
 type headed struct {
 	Hooks
-	blk  *block
-	head *Linear
+	blk   *block
+	head  *Linear
+	vocab int
 }
 
 const headVocab = 7
@@ -89,12 +91,12 @@ func (h *headed) headLoss(ctx context.Context, m *mesh.Mesh, y *autograd.Value) 
 	if err != nil {
 		return nil, err
 	}
-	if logits, err = autograd.Reshape(logits, blkB*blkT, headVocab); err != nil {
+	if logits, err = autograd.Reshape(logits, blkB*blkT, h.vocab); err != nil {
 		return nil, err
 	}
 	full := make([]int64, blkB*blkT)
 	for i := range full {
-		full[i] = int64((i * 5) % headVocab)
+		full[i] = int64((i * 5) % h.vocab)
 	}
 	tg, err := autograd.IndicesFromFull(m, []int{blkB * blkT}, batchPlaces(m), full)
 	if err != nil {
@@ -187,11 +189,15 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 	var root Module = b
 	var hd *headed
 	if c.head {
-		lin, err := NewLinear(tape, m, blkD, headVocab, WithName("head"), WithBias(false))
+		v := c.vocab
+		if v == 0 {
+			v = headVocab
+		}
+		lin, err := NewLinear(tape, m, blkD, v, WithName("head"), WithBias(false))
 		if err != nil {
 			return tr, err
 		}
-		hd = &headed{blk: b, head: lin}
+		hd = &headed{blk: b, head: lin, vocab: v}
 		root = hd
 	}
 	if c.tp > 1 {
@@ -370,6 +376,10 @@ func TestDeviceMatchesHost(t *testing.T) {
 		{dp: 2, tp: 1, steps: 3, accum: true, scale: true, views: true, recycle: true},
 		{dp: 2, tp: 2, steps: 3, recycle: true, head: true},
 		{dp: 1, tp: 3, sp: true, steps: 2, ckpt: true, head: true},
+		// A head of 2 outputs over 3 ranks: one rank's weight block, and
+		// its DDP bucket slot, is empty.
+		{dp: 2, tp: 3, steps: 2, head: true, vocab: 2, views: true, recycle: true},
+		{dp: 2, tp: 3, steps: 2, head: true, vocab: 2, scale: true},
 		{dp: 2, tp: 2, sp: true, steps: 3, views: true, recycle: true},
 	} {
 		t.Run(c.String(), func(t *testing.T) {
