@@ -253,6 +253,10 @@
 // device's compute stream, each all-reduce is ordered after that stream
 // (device.BeforeCollective) and later compute after it
 // (device.AfterCollective), and Finish copies the reduced values into the
-// gradient blocks. FSDP, ZeRO and HSDP shard host parameters only: Wrap
-// refuses parameters on a device.
+// gradient blocks. FSDP and ZeRO keep their shards, unsharded buffers,
+// staging buffers (cast to bfloat16 under MixedPrecision with the
+// device's Cast), sharded gradients and pooled unsharded gradients on the
+// parameters' device, with the same ordering, and free them in Close;
+// HSDP (a replicate axis) and ReshardTo are host-only, refused by Wrap.
+// Results on device/emu are the host's bit for bit.
 package parallel
