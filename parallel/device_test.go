@@ -417,10 +417,10 @@ func TestDeviceMatchesHost(t *testing.T) {
 	}
 }
 
-// TestDeviceRejects: parameters on two devices, and what FSDP does not do
-// on a device (ReshardTo, HSDP), are errors naming the devices before any
-// data moves, and a DDP that runs out of device memory while allocating
-// its buckets frees what it took and leaves the device usable.
+// TestDeviceRejects: parameters on two devices are an error naming the
+// devices before any data moves, and a DDP that runs out of device memory
+// while allocating its buckets frees what it took and leaves the device
+// usable.
 func TestDeviceRejects(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
@@ -445,33 +445,6 @@ func TestDeviceRejects(t *testing.T) {
 			},
 			is:   []error{device.ErrMixed, ErrInvalid},
 			says: []string{"emu:", "host", `"b.weight"`},
-		},
-		{
-			name: "FSDP/ReshardTo on a device",
-			run: func(ctx context.Context, m *mesh.Mesh, d device.Device) error {
-				mlp, err := NewMLP(autograd.NewTape(autograd.WithDevice(d)), m, 4, 6, WithName("mlp"))
-				if err != nil {
-					return err
-				}
-				_, err = FullyShard(ctx, mlp, []string{"fc"}, ShardAxis("dp"), ReshardTo(1))
-				return err
-			},
-			is:   []error{ErrInvalid, autograd.ErrUnsupported},
-			says: []string{"emu:", `"mlp.fc.weight"`, "ReshardTo(1)"},
-		},
-		{
-			name:  "FSDP/HSDP on a device",
-			names: []string{"rep", "dp"},
-			run: func(ctx context.Context, m *mesh.Mesh, d device.Device) error {
-				mlp, err := NewMLP(autograd.NewTape(autograd.WithDevice(d)), m, 4, 6, WithName("mlp"))
-				if err != nil {
-					return err
-				}
-				_, err = FullyShard(ctx, mlp, []string{"fc"}, ShardAxis("dp"), ReplicateAxis("rep"))
-				return err
-			},
-			is:   []error{ErrInvalid, autograd.ErrUnsupported},
-			says: []string{"emu:", `"mlp.fc.weight"`, "HSDP"},
 		},
 		{
 			name: "FSDP/two devices",
@@ -554,11 +527,13 @@ func TestDeviceRejects(t *testing.T) {
 }
 
 // fsdpDevRun is one configuration of the FSDP device parity test: the
-// constructed block, every child an FSDP unit on the "fsdp" axis (with
-// tensor parallelism on "tp" first when tp > 1), trained for a few SGD
-// steps.
+// constructed block, every child an FSDP unit on the "dp" axis (the batch
+// sharded there; with tensor parallelism on "tp" first when tp > 1, and
+// HSDP's replicate axis "rep" when rep > 0), trained for a few SGD steps.
 type fsdpDevRun struct {
 	fsdp, tp int
+	rep      int // HSDP's replicas (0: none)
+	to       int // ReshardTo(to) (0: none)
 	stage    int
 	mp       bool // MixedPrecision(bfloat16)
 	prefetch bool
@@ -569,7 +544,15 @@ type fsdpDevRun struct {
 }
 
 func (c fsdpDevRun) String() string {
-	return fmt.Sprintf("fsdp=%d,tp=%d,zero=%d,mp=%v,prefetch=%v,reshard=%v,accum=%v,twice=%v", c.fsdp, c.tp, c.stage, c.mp, c.prefetch, c.reshard, c.accum, c.twice)
+	return fmt.Sprintf("fsdp=%d,tp=%d,rep=%d,to=%d,zero=%d,mp=%v,prefetch=%v,reshard=%v,accum=%v,twice=%v", c.fsdp, c.tp, c.rep, c.to, c.stage, c.mp, c.prefetch, c.reshard, c.accum, c.twice)
+}
+
+// mesh is the run's mesh shape and axis names.
+func (c fsdpDevRun) mesh() ([]int, []string) {
+	if c.rep > 0 {
+		return []int{c.rep, c.fsdp, c.tp}, []string{"rep", "dp", "tp"}
+	}
+	return []int{c.fsdp, c.tp}, []string{"dp", "tp"}
 }
 
 // train runs c on one rank with its parameters on d.
@@ -585,7 +568,13 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 			return tr, err
 		}
 	}
-	opts := []FSDPOption{ShardAxis("fsdp"), ZeROStage(c.stage), Prefetch(c.prefetch), Reshard(c.reshard), FSDPAverage()}
+	opts := []FSDPOption{ShardAxis("dp"), ZeROStage(c.stage), Prefetch(c.prefetch), Reshard(c.reshard), FSDPAverage()}
+	if c.rep > 0 {
+		opts = append(opts, ReplicateAxis("rep"))
+	}
+	if c.to > 0 {
+		opts = append(opts, ReshardTo(c.to))
+	}
 	if c.mp {
 		opts = append(opts, MixedPrecision(comm.BFloat16))
 	}
@@ -681,8 +670,9 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 }
 
 // TestFSDPDeviceMatchesHost: FSDP (ZeRO-1, 2 and 3, with and without
-// prefetch and resharding, bfloat16 MixedPrecision, NoSync accumulation,
-// with tensor parallelism) trains the constructed block on emulated
+// prefetch and resharding, ReshardTo, HSDP, bfloat16 MixedPrecision,
+// NoSync accumulation and passes without Finish, with tensor parallelism)
+// trains the constructed block on emulated
 // devices exactly as on the host: every loss and parameter after every
 // step bit for bit (tolerance 0, for the reason TestDeviceMatchesHost
 // gives), on odd and even shard counts with uneven and empty shards;
@@ -699,9 +689,14 @@ func TestFSDPDeviceMatchesHost(t *testing.T) {
 		{fsdp: 2, tp: 1, stage: 2, twice: true, accum: true, steps: 2},
 		{fsdp: 2, tp: 2, stage: 3, prefetch: true, reshard: true, mp: true, accum: true, steps: 2},
 		{fsdp: 5, tp: 1, stage: 3, prefetch: true, reshard: true, steps: 2}, // a 12-wide weight over 5: empty chunks of 1-dim params
+		{fsdp: 2, tp: 1, rep: 2, stage: 3, prefetch: true, reshard: true, steps: 3},
+		{fsdp: 3, tp: 1, rep: 2, stage: 2, twice: true, mp: true, steps: 2},
+		{fsdp: 4, tp: 1, to: 2, stage: 3, prefetch: true, steps: 3},
+		{fsdp: 2, tp: 2, to: 1, stage: 3, mp: true, twice: true, steps: 2},
 	} {
 		t.Run(c.String(), func(t *testing.T) {
-			placementtest.Run(t, []int{c.fsdp, c.tp}, []string{"fsdp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+			shape, names := c.mesh()
+			placementtest.Run(t, shape, names, func(ctx context.Context, m *mesh.Mesh) error {
 				host, err := c.train(ctx, m, device.Host())
 				if err != nil {
 					return fmt.Errorf("host: %w", err)

@@ -255,8 +255,8 @@
 // (device.AfterCollective), and Finish copies the reduced values into the
 // gradient blocks. FSDP and ZeRO keep their shards, unsharded buffers,
 // staging buffers (cast to bfloat16 under MixedPrecision with the
-// device's Cast), sharded gradients and pooled unsharded gradients on the
-// parameters' device, with the same ordering, and free them in Close;
-// HSDP (a replicate axis) and ReshardTo are host-only, refused by Wrap.
+// device's Cast), sharded gradients, pooled unsharded gradients,
+// ReshardTo's kept pieces and HSDP's replicate all-reduces on the
+// parameters' device, with the same ordering, and free them in Close.
 // Results on device/emu are the host's bit for bit.
 package parallel

@@ -435,6 +435,7 @@ type fsdpUnit struct {
 	agGroup  bool
 	stageAt  int // staging slot of the in-flight all-gather
 	kept     *comm.HostBuffer
+	dkept    device.Buffer // kept, on a device
 	keptOK   bool
 	swapped  bool
 	fired    int
@@ -481,8 +482,7 @@ type stageSlot struct {
 //
 // Parameters may live on a device (every unit's on one): FSDP's buffers
 // are then on it too (see the package documentation), and Wrap frees the
-// whole block each shard replaces; ReshardTo and a replicate axis (HSDP)
-// are refused there (ErrInvalid and autograd.ErrUnsupported).
+// whole block each shard replaces.
 //
 // Errors wrap ErrInvalid: a module wrapped twice or inside a unit already
 // wrapped, a shard dim out of range, a parameter that is not a fresh leaf
@@ -903,6 +903,7 @@ func (f *FSDP) Bytes() FSDPBytes {
 		if u.kept != nil {
 			b.Kept += int64(len(u.kept.Bytes()))
 		}
+		b.Kept += size(u.dkept)
 		b.ShardedGrads += size(u.acc) + size(u.pend)
 	}
 	return b

@@ -6,7 +6,6 @@ import (
 	"fmt"
 
 	"github.com/b7ea7098/loom"
-	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
@@ -21,7 +20,8 @@ import (
 // collective is ordered after compute by device.BeforeCollective and
 // later compute after it by device.AfterCollective. Each contribution is
 // scaled as on the host, so results on device/emu are the host's bit for
-// bit. ReshardTo and HSDP (a replicate axis) are host-only.
+// bit. ReshardTo's kept pieces and HSDP's replicate all-reduces are
+// device buffers too.
 
 // takeDevice records the device of a unit's parameter: every parameter of
 // every unit on one device (the host, or one other).
@@ -44,12 +44,6 @@ func (f *FSDP) takeDevice(path, name string, d device.Device) error {
 			return fail(fmt.Errorf("%w: %w", ErrInvalid, err))
 		}
 		return nil
-	}
-	switch {
-	case f.cfg.reshard > 0:
-		return fail(fmt.Errorf("%w: %w: ReshardTo(%d) with parameters on %s; FSDP keeps partial groups on the host only", ErrInvalid, autograd.ErrUnsupported, f.cfg.reshard, d.Name()))
-	case f.rep >= 0:
-		return fail(fmt.Errorf("%w: %w: HSDP (replicate axis %q) with parameters on %s; FSDP shards device parameters on one axis", ErrInvalid, autograd.ErrUnsupported, f.cfg.repAxis, d.Name()))
 	}
 	k := d.Kernels()
 	if k == nil {
@@ -151,10 +145,31 @@ func slice(b device.Buffer, lo, hi int) device.Buffer { return b.Slice(lo, hi).(
 func (f *FSDP) issueDevice(ctx context.Context, u *fsdpUnit, st *stageSlot, at, n int) (bool, error) {
 	blk := u.L + tagElems
 	recv := slice(st.dbuf, 0, n)
-	send := slice(recv, f.rank*blk, (f.rank+1)*blk)
 	fail := func(err error) (bool, error) {
 		return false, fmt.Errorf("parallel: FSDP all-gather of unit %q: staging on %s: %w", u.path, f.dev.Name(), err)
 	}
+	if u.keptOK { // ReshardTo: gather within the group, from the kept piece
+		g := f.cfg.reshard
+		piece := (f.p / g) * blk
+		j := f.rank % g
+		send := slice(recv, j*piece, (j+1)*piece)
+		err := f.dev.Copy(send, u.dkept)
+		if err == nil {
+			err = device.BeforeCollective(f.group, f.dev)
+		}
+		if err != nil {
+			return fail(err)
+		}
+		w, err := comm.AllGatherAsync(comm.WithLabel(ctx, "fsdp all-gather "+u.path), f.group, send, recv)
+		if err != nil {
+			return false, f.gatherError(u, true, err)
+		}
+		f.traffic.AllGather += int64(f.group.Size()-1) * int64(piece*send.DType().Size())
+		u.agWork, u.agGroup, u.stageAt = w, true, at
+		st.owner = u
+		return true, nil
+	}
+	send := slice(recv, f.rank*blk, (f.rank+1)*blk)
 	for _, p := range u.params {
 		sh, ok := p.sharded.Data().LocalData().(device.Buffer)
 		if !ok || sh.Owner() != f.dev {
@@ -203,7 +218,7 @@ func (f *FSDP) issueDevice(ctx context.Context, u *fsdpUnit, st *stageSlot, at, 
 // staging layout on the device.
 func (f *FSDP) completeDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st *stageSlot) error {
 	if err := device.AfterCollective(ctx, w, f.dev); err != nil {
-		return f.gatherError(u, false, err)
+		return f.gatherError(u, u.agGroup, err)
 	}
 	blk := u.L + tagElems
 	recv := slice(st.dbuf, 0, f.p*blk)
@@ -260,6 +275,20 @@ func (f *FSDP) completeDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st 
 				return fail(err)
 			}
 		}
+	}
+	if g := u.reshard; g > 0 && !u.agGroup { // ReshardTo: keep the group's piece
+		piece := (f.p / g) * blk
+		j := f.rank % g
+		if u.dkept == nil {
+			var err error
+			if u.dkept, err = f.dev.Alloc(recv.DType(), piece); err != nil {
+				return fail(err)
+			}
+		}
+		if err := f.dev.Copy(u.dkept, slice(recv, j*piece, (j+1)*piece)); err != nil {
+			return fail(err)
+		}
+		u.keptOK = true
 	}
 	u.gathered = true
 	return nil
@@ -368,7 +397,7 @@ func (f *FSDP) fillGradDevice(p *fsdpParam, g *placement.DTensor, dbuf device.Bu
 }
 
 // finishRSDevice is finishRS's wait, check and accumulation on the
-// device (no replicate axis: HSDP is host-only).
+// device, and HSDP's replicate all-reduce.
 func (f *FSDP) finishRSDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st *stageSlot) error {
 	if err := device.AfterCollective(ctx, w, f.dev); err != nil {
 		return fmt.Errorf("parallel: FSDP %s of unit %q: %w", f.reduceOp(), u.path, err)
@@ -395,15 +424,24 @@ func (f *FSDP) finishRSDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st 
 	if s1 != p*a || s2 != p*a*a {
 		return fmt.Errorf("parallel: FSDP %s of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", f.reduceOp(), u.path, loom.ErrMismatch)
 	}
+	// As on the host: an earlier pass's replicate all-reduce completes
+	// first, and later passes reduce their own sum (pend).
+	if err := f.finishAR(ctx, u); err != nil {
+		return err
+	}
 	n := u.chunk[f.rank]
-	if u.acc == nil {
-		if u.acc, err = f.allocBlock(u.dtype, n); err != nil {
+	dst, started := &u.acc, &u.accum
+	if u.repDone {
+		dst, started = &u.pend, &u.pendAccum
+	}
+	if *dst == nil {
+		if *dst, err = f.allocBlock(u.dtype, n); err != nil {
 			return fail(err)
 		}
 	}
-	acc := u.acc.(device.Buffer)
+	acc := (*dst).(device.Buffer)
 	if n > 0 {
-		if u.accum {
+		if *started {
 			err = f.k.Add(acc, acc, slice(own, 0, n))
 		} else {
 			err = f.dev.Copy(acc, slice(own, 0, n))
@@ -412,7 +450,40 @@ func (f *FSDP) finishRSDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st 
 			return fail(err)
 		}
 	}
-	u.accum = true
+	*started = true
+	if f.repc != nil && f.noRep == 0 {
+		if err := device.BeforeCollective(f.repc, f.dev); err != nil {
+			return fail(err)
+		}
+		w, err := comm.AllReduceAsync(comm.WithLabel(ctx, "fsdp replicate all-reduce "+u.path), f.repc, acc, acc, comm.Sum)
+		if err != nil {
+			return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
+		}
+		f.traffic.AllReduce += int64(2*(f.repN-1)) * int64(n*u.dtype.Size()) / int64(f.repN)
+		u.arWork, u.arAdd = w, u.repDone
+		u.repDone = true
+	}
+	return nil
+}
+
+// finishARDevice is finishAR on the device: compute waits for the
+// replicate all-reduce, and a later pass's reduced sum is added into the
+// sharded gradient.
+func (f *FSDP) finishARDevice(ctx context.Context, u *fsdpUnit, w comm.Work) error {
+	if err := device.AfterCollective(ctx, w, f.dev); err != nil {
+		return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
+	}
+	if !u.arAdd {
+		return nil
+	}
+	u.arAdd, u.pendAccum = false, false
+	acc := u.acc.(device.Buffer)
+	if acc.Len() == 0 {
+		return nil
+	}
+	if err := f.k.Add(acc, acc, u.pend.(device.Buffer)); err != nil {
+		return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: on %s: %w", u.path, f.dev.Name(), err)
+	}
 	return nil
 }
 
@@ -447,7 +518,11 @@ func (f *FSDP) Close() error {
 			free(u.buf)
 		}
 		free(u.acc)
-		u.buf, u.acc = nil, nil
+		free(u.pend)
+		if u.dkept != nil {
+			errs = append(errs, u.dkept.Free())
+		}
+		u.buf, u.acc, u.pend, u.dkept, u.keptOK = nil, nil, nil, nil, false
 	}
 	for i, s := range f.slots {
 		if s != nil {

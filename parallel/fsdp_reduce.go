@@ -342,6 +342,9 @@ func (f *FSDP) finishAR(ctx context.Context, u *fsdpUnit) error {
 		return nil
 	}
 	u.arWork = nil
+	if f.dev != nil {
+		return f.finishARDevice(ctx, u, w)
+	}
 	if err := w.Wait(ctx); err != nil {
 		return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
 	}
