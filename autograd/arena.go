@@ -460,11 +460,14 @@ func (t *Tape) execute(ctx context.Context, pl *placement.Plan, dt *placement.DT
 	if err != nil || res.fresh() {
 		return out, err
 	}
-	// A device result comes from the device's allocator, not from b:
-	// the arena frees it as it frees the op results and scratch it
-	// allocates itself (Execute never returns the input's memory here).
-	if ob := bufOf(out); ob != nil && ob != bufOf(dt) {
-		t.arena.devTake(ob, res.result)
+	// On a device Execute allocates the result itself (the Allocator is
+	// for host slices): the arena takes it as res says, unless it is the
+	// input's memory (a plan that moves nothing).
+	if ob := bufOf(out); ob != nil {
+		os, ok := devSpan(ob)
+		if is, iok := spanOf(dt); ok && !(iok && is.overlaps(os)) {
+			t.arena.devTake(ob, res.result)
+		}
 	}
 	return out, nil
 }

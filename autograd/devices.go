@@ -80,15 +80,16 @@ func devKernels(op string, d device.Device, dt comm.DType) (device.Kernels, erro
 
 // deviceForm reports whether op (the name checkInputs is given) runs on
 // devices other than the host. The others refuse device inputs with
-// hostOnly's error: the pointwise ops (ReLU, SiLU, Tanh, Sigmoid,
-// Dropout), Argmax and LocalMap. Softmax and LogSoftmax run on devices
-// over the last dim only. Mean and MSE are compositions of ops that
+// hostOnly's error: LocalMap, whose functions take host slices. Softmax
+// and LogSoftmax run on devices over the last dim only; Custom ops run
+// wherever their inputs are. Mean and MSE are compositions of ops that
 // have device forms; Custom ops run wherever their inputs are.
 func deviceForm(op string) bool {
 	switch op {
 	case "Add", "Mul", "Scale", "MatMul", "Linear", "Sum", "Mean", "MSE", "LayerNorm", "GELU", "Reshape", "To",
 		"Redistribute", "Checkpoint", "Narrow", "Concat", "Permute", "Transpose", "Embedding", "CrossEntropy",
-		"CausalAttention", "BatchedMatMul", "Softmax", "LogSoftmax", "CausalSoftmax":
+		"CausalAttention", "BatchedMatMul", "Softmax", "LogSoftmax", "CausalSoftmax",
+		"ReLU", "SiLU", "Tanh", "Sigmoid", "Dropout", "Argmax":
 		return true
 	}
 	return false
@@ -871,4 +872,77 @@ func causalDev(t *Tape, d device.Device, spec *placement.Spec, x *Value) (*Value
 	return devRecordUnary(t, op, x, spec, out, func(gs *placement.Spec, g, dx device.Buffer) error {
 		return k.CausalSoftmaxBackward(dx, yb, g, tt, 1)
 	})
+}
+
+// pointwiseDev is a pointwise activation on a device: Kernels.Pointwise
+// and PointwiseBackward, saving x or (saveOut) the result.
+func pointwiseDev(t *Tape, d device.Device, op string, f device.Pointwise, spec *placement.Spec, x *Value, saveOut bool) (*Value, error) {
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x.data)
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Pointwise(f, y, xb)) })
+	if err != nil {
+		return nil, err
+	}
+	saved := xb
+	if saveOut {
+		saved = bufOf(out)
+	}
+	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
+		return k.PointwiseBackward(f, dx, saved, g)
+	})
+}
+
+// dropoutDev is Dropout on a device: the mask (Kernels.DropoutMask, the
+// host's draw) is scratch kept for the backward, and both directions
+// multiply by it.
+func dropoutDev(t *Tape, d device.Device, x *Value, off, box []int, p float64, seed, step uint64) (*Value, error) {
+	const op = "Dropout"
+	spec := x.Spec()
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x.data)
+	mask, err := devBlock(t.scratch(), d, comm.Float32, xb.Len())
+	if err != nil {
+		return nil, err
+	}
+	if err := k.DropoutMask(mask, off, box, spec.Shape(), p, seed, step); err != nil {
+		return nil, devWrap(op, err)
+	}
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Mul(y, xb, mask)) })
+	if err != nil {
+		return nil, err
+	}
+	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
+		return k.Mul(dx, g, mask)
+	})
+}
+
+// argmaxDev is Argmax's local part on a device: Kernels.ArgmaxRows into
+// a temporary, copied to the host (indices live there).
+func argmaxDev(d device.Device, x *placement.DTensor, n int) ([]int64, error) {
+	const op = "Argmax"
+	k, err := devKernels(op, d, x.Spec().DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x)
+	rows := xb.Len() / n
+	b, err := d.Alloc(comm.Int64, rows)
+	if err != nil {
+		return nil, devWrap(op, err)
+	}
+	out := make([]int64, rows)
+	err = k.ArgmaxRows(b, xb, n)
+	if err == nil {
+		err = d.CopyToHost(comm.Host(out), b)
+	}
+	if err = errors.Join(err, b.Free()); err != nil {
+		return nil, devWrap(op, err)
+	}
+	return out, nil
 }

@@ -687,3 +687,62 @@ func (k emuKernels) EmbeddingBackward(dtable, acc, g, ids device.Buffer, lo, d i
 		return kernels.EmbeddingBackward(v[0].Float32s(), v[1].Float64s(), v[2].Float32s(), v[3].Int64s(), lo, d)
 	})
 }
+
+// Pointwise runs kernels.ReLU, SiLU, Tanh or Sigmoid.
+func (k emuKernels) Pointwise(f device.Pointwise, dst, x device.Buffer) error {
+	const op = "Pointwise"
+	fns := map[device.Pointwise]func(dst, x []float32) error{
+		device.ReLU: kernels.ReLU[float32], device.SiLU: kernels.SiLU[float32],
+		device.Tanh: kernels.Tanh[float32], device.Sigmoid: kernels.Sigmoid[float32],
+	}
+	fn, ok := fns[f]
+	if !ok {
+		return fmt.Errorf("%s: %s: %w: unknown activation %v", k.d.name, op, device.ErrInvalid, f)
+	}
+	v, err := k.check(op, f32("dst", dst), f32("x", x))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error { return fn(v[0].Float32s(), v[1].Float32s()) })
+}
+
+// PointwiseBackward runs kernels.ReLUBackward, SiLUBackward, TanhBackward
+// or SigmoidBackward.
+func (k emuKernels) PointwiseBackward(f device.Pointwise, dx, saved, dy device.Buffer) error {
+	const op = "PointwiseBackward"
+	fns := map[device.Pointwise]func(dx, saved, dy []float32) error{
+		device.ReLU: kernels.ReLUBackward[float32], device.SiLU: kernels.SiLUBackward[float32],
+		device.Tanh: kernels.TanhBackward[float32], device.Sigmoid: kernels.SigmoidBackward[float32],
+	}
+	fn, ok := fns[f]
+	if !ok {
+		return fmt.Errorf("%s: %s: %w: unknown activation %v", k.d.name, op, device.ErrInvalid, f)
+	}
+	v, err := k.check(op, f32("dx", dx), f32("saved", saved), f32("dy", dy))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error { return fn(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) })
+}
+
+// DropoutMask runs kernels.DropoutMask; offset, box and global are copied
+// at the call.
+func (k emuKernels) DropoutMask(mask device.Buffer, offset, box, global []int, p float64, seed, step uint64) error {
+	v, err := k.check("DropoutMask", f32("mask", mask))
+	if err != nil {
+		return err
+	}
+	offset, box, global = slices.Clone(offset), slices.Clone(box), slices.Clone(global)
+	return k.d.compute.launch("DropoutMask", func() error {
+		return kernels.DropoutMask(v[0].Float32s(), offset, box, global, p, seed, step)
+	})
+}
+
+// ArgmaxRows runs kernels.ArgmaxRows.
+func (k emuKernels) ArgmaxRows(dst, x device.Buffer, n int) error {
+	v, err := k.check("ArgmaxRows", arg{name: "dst", b: dst, dtypes: []comm.DType{comm.Int64}}, f32("x", x))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("ArgmaxRows", func() error { return kernels.ArgmaxRows(v[0].Int64s(), v[1].Float32s(), n) })
+}

@@ -439,6 +439,28 @@ func autogradCases() []kernelCase {
 				return k.EmbeddingBackward(b["dt"], b["acc"], b["g"], b["ids"], 2, cols)
 			},
 		},
+		pointwiseCase(device.ReLU, kernels.ReLU[float32], kernels.ReLUBackward[float32], false),
+		pointwiseCase(device.SiLU, kernels.SiLU[float32], kernels.SiLUBackward[float32], false),
+		pointwiseCase(device.Tanh, kernels.Tanh[float32], kernels.TanhBackward[float32], true),
+		pointwiseCase(device.Sigmoid, kernels.Sigmoid[float32], kernels.SigmoidBackward[float32], true),
+		{
+			name: "DropoutMask+ArgmaxRows",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"mask": make([]float32, 2*3*4), "x": randF32(r, rows*cols), "ix": make([]int64, rows)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.DropoutMask(f32s(a["mask"]), []int{1, 0, 2}, []int{2, 3, 4}, []int{3, 3, 7}, 0.3, 11, 5); err != nil {
+					return err
+				}
+				return kernels.ArgmaxRows(i64s(a["ix"]), f32s(a["x"]), cols)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.DropoutMask(b["mask"], []int{1, 0, 2}, []int{2, 3, 4}, []int{3, 3, 7}, 0.3, 11, 5); err != nil {
+					return err
+				}
+				return k.ArgmaxRows(b["ix"], b["x"], cols)
+			},
+		},
 		sgdCase(comm.Float32, "plain", kernels.SGDStep{LR: 0.1}),
 		sgdCase(comm.Float32, "momentum/first", kernels.SGDStep{LR: 0.05, Momentum: 0.9, WeightDecay: 0.01, First: true}),
 		sgdCase(comm.Float32, "momentum", kernels.SGDStep{LR: 0.05, Momentum: 0.9, Dampening: 0.1, WeightDecay: 0.01, Maximize: true}),
@@ -491,6 +513,33 @@ func copyBoxCase(name string, dt comm.DType, dshape, doff, sshape, soff, size []
 		},
 		dev: func(k device.Kernels, b map[string]device.Buffer) error {
 			return k.CopyBox(b["d"], dshape, doff, b["s"], sshape, soff, size)
+		},
+	}
+}
+
+// pointwiseCase checks one activation forward and backward; saveOut says
+// its backward takes the forward's result rather than x.
+func pointwiseCase(f device.Pointwise, fwd func(dst, x []float32) error, bwd func(dx, saved, dy []float32) error, saveOut bool) kernelCase {
+	saved := "x"
+	if saveOut {
+		saved = "y"
+	}
+	return kernelCase{
+		name: "Pointwise/" + f.String(),
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"x": randF32(r, 37), "y": make([]float32, 37), "dy": randF32(r, 37), "dx": make([]float32, 37)}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			if err := fwd(f32s(a["y"]), f32s(a["x"])); err != nil {
+				return err
+			}
+			return bwd(f32s(a["dx"]), f32s(a[saved]), f32s(a["dy"]))
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			if err := k.Pointwise(f, b["y"], b["x"]); err != nil {
+				return err
+			}
+			return k.PointwiseBackward(f, b["dx"], b[saved], b["dy"])
 		},
 	}
 }
