@@ -259,7 +259,7 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 	}
 	if !onHost(dev) {
 		if d.k = dev.Kernels(); d.k == nil {
-			return nil, fmt.Errorf("parallel: New: %w: device %s has no kernels", ErrInvalid, dev.Name())
+			return nil, fmt.Errorf("%w: New: device %s has no kernels", ErrInvalid, dev.Name())
 		}
 		d.dev = dev
 	}

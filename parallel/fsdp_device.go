@@ -27,27 +27,27 @@ import (
 // every unit on one device (the host, or one other).
 func (f *FSDP) takeDevice(path, name string, d device.Device) error {
 	fail := func(err error) error {
-		return fmt.Errorf("parallel: FSDP.Wrap %q: %w (parameter %q)", path, err, name)
+		return fmt.Errorf("%w: FSDP.Wrap %q: %w (parameter %q)", ErrInvalid, path, err, name)
 	}
 	if onHost(d) {
 		if f.dev != nil {
-			return fail(fmt.Errorf("%w: %w", ErrInvalid, device.Same("FSDP", f.dev, d)))
+			return fail(device.Same("FSDP", f.dev, d))
 		}
 		f.hostParams = true
 		return nil
 	}
 	if f.dev == nil && f.hostParams {
-		return fail(fmt.Errorf("%w: %w", ErrInvalid, device.Same("FSDP", device.Host(), d)))
+		return fail(device.Same("FSDP", device.Host(), d))
 	}
 	if f.dev != nil {
 		if err := device.Same("FSDP", f.dev, d); err != nil {
-			return fail(fmt.Errorf("%w: %w", ErrInvalid, err))
+			return fail(err)
 		}
 		return nil
 	}
 	k := d.Kernels()
 	if k == nil {
-		return fail(fmt.Errorf("%w: device %s has no kernels", ErrInvalid, d.Name()))
+		return fmt.Errorf("%w: FSDP.Wrap %q: device %s has no kernels (parameter %q)", ErrInvalid, path, d.Name(), name)
 	}
 	f.dev, f.k = d, k
 	return nil
@@ -173,7 +173,7 @@ func (f *FSDP) issueDevice(ctx context.Context, u *fsdpUnit, st *stageSlot, at, 
 	for _, p := range u.params {
 		sh, ok := p.sharded.Data().LocalData().(device.Buffer)
 		if !ok || sh.Owner() != f.dev {
-			return fail(fmt.Errorf("%w: the shard of %q is not on %s", ErrInvalid, p.name, f.dev.Name()))
+			return false, fmt.Errorf("%w: FSDP all-gather of unit %q: the shard of %q is not on %s", ErrInvalid, u.path, p.name, f.dev.Name())
 		}
 		if sh.Len() == 0 {
 			continue
@@ -374,7 +374,7 @@ func (f *FSDP) launchDevice(ctx context.Context, u *fsdpUnit, st *stageSlot, at,
 func (f *FSDP) fillGradDevice(p *fsdpParam, g *placement.DTensor, dbuf device.Buffer, blk int, factor float64) error {
 	src, ok := g.LocalData().(device.Buffer)
 	if !ok || src.Owner() != f.dev {
-		return fmt.Errorf("%w: the gradient is on %s, the parameters on %s", ErrInvalid, g.Device().Name(), f.dev.Name())
+		return fmt.Errorf("%w: FSDP: the gradient of %q is on %s, the parameters on %s", ErrInvalid, p.name, g.Device().Name(), f.dev.Name())
 	}
 	for r := range f.p {
 		seg := p.rows[r] * p.inner
@@ -390,7 +390,7 @@ func (f *FSDP) fillGradDevice(p *fsdpParam, g *placement.DTensor, dbuf device.Bu
 			err = f.k.Scale(dst, dst, factor)
 		}
 		if err != nil {
-			return err
+			return fmt.Errorf("parallel: FSDP gradient of %q: %w", p.name, err)
 		}
 	}
 	return nil

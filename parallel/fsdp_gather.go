@@ -152,7 +152,7 @@ func (f *FSDP) setup() error {
 // next unit.
 func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
 	if f.closed {
-		return fmt.Errorf("parallel: FSDP unit %q: %w: FSDP.Close has run", u.path, ErrInvalid)
+		return fmt.Errorf("%w: FSDP unit %q: FSDP.Close has run", ErrInvalid, u.path)
 	}
 	if !f.ready {
 		if err := f.setup(); err != nil {

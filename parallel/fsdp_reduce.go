@@ -210,7 +210,7 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, dbuf de
 	}
 	if dbuf != nil {
 		if err := f.fillGradDevice(p, g, dbuf, blk, factor); err != nil {
-			f.fail(fmt.Errorf("parallel: FSDP gradient of %q: %w", p.name, err))
+			f.fail(err)
 			return false
 		}
 		p.gradSpec, p.has = out, 1
