@@ -540,11 +540,12 @@ type fsdpDevRun struct {
 	reshard  bool // Reshard(false) when not set
 	accum    bool // a NoSync micro-batch before the synced one
 	twice    bool // a synced pass before the last one (no Finish between)
+	head     int  // a colwise lm head of this many outputs and VocabParallelCrossEntropy (tp > 1)
 	steps    int
 }
 
 func (c fsdpDevRun) String() string {
-	return fmt.Sprintf("fsdp=%d,tp=%d,rep=%d,to=%d,zero=%d,mp=%v,prefetch=%v,reshard=%v,accum=%v,twice=%v", c.fsdp, c.tp, c.rep, c.to, c.stage, c.mp, c.prefetch, c.reshard, c.accum, c.twice)
+	return fmt.Sprintf("fsdp=%d,tp=%d,rep=%d,to=%d,zero=%d,mp=%v,prefetch=%v,reshard=%v,accum=%v,twice=%v,head=%d", c.fsdp, c.tp, c.rep, c.to, c.stage, c.mp, c.prefetch, c.reshard, c.accum, c.twice, c.head)
 }
 
 // mesh is the run's mesh shape and axis names.
@@ -563,8 +564,28 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 	if err != nil {
 		return tr, err
 	}
+	var root Module = b
+	var hd *headed
+	units := []string{"ln1", "attn", "ln2", "mlp"}
+	plan := blockPlan(false)
+	if c.head > 0 {
+		lin, err := NewLinear(tape, m, blkD, c.head, WithName("head"), WithBias(false))
+		if err != nil {
+			return tr, err
+		}
+		hd = &headed{blk: b, head: lin, vocab: c.head}
+		root = hd
+		for i := range units {
+			units[i] = "blk." + units[i]
+		}
+		units = append(units, "head")
+		for i := range plan {
+			plan[i].Pattern = "blk." + plan[i].Pattern
+		}
+		plan = append(plan, Rule{"head", ColwiseParallel{}})
+	}
 	if c.tp > 1 {
-		if err := Parallelize(ctx, b, "tp", blockPlan(false)); err != nil {
+		if err := Parallelize(ctx, root, "tp", plan); err != nil {
 			return tr, err
 		}
 	}
@@ -578,7 +599,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 	if c.mp {
 		opts = append(opts, MixedPrecision(comm.BFloat16))
 	}
-	f, err := FullyShard(ctx, b, []string{"ln1", "attn", "ln2", "mlp"}, opts...)
+	f, err := FullyShard(ctx, root, units, opts...)
 	if err != nil {
 		return tr, err
 	}
@@ -590,7 +611,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 	}
 	defer opt.Close()
 	pass := func(step int) error {
-		l, x, err := b.devLoss(ctx, tape, m, false, step, nil)
+		l, x, err := b.devLoss(ctx, tape, m, false, step, hd)
 		if err != nil {
 			return err
 		}
@@ -693,6 +714,9 @@ func TestFSDPDeviceMatchesHost(t *testing.T) {
 		{fsdp: 3, tp: 1, rep: 2, stage: 2, twice: true, mp: true, steps: 2},
 		{fsdp: 4, tp: 1, to: 2, stage: 3, prefetch: true, steps: 3},
 		{fsdp: 2, tp: 2, to: 1, stage: 3, mp: true, twice: true, steps: 2},
+		// A head of 2 outputs over tp 3: one rank's unsharded weight, and
+		// its gradient, is empty.
+		{fsdp: 2, tp: 3, stage: 3, prefetch: true, reshard: true, head: 2, steps: 2},
 	} {
 		t.Run(c.String(), func(t *testing.T) {
 			shape, names := c.mesh()
