@@ -73,6 +73,8 @@ type Device struct {
 
 	fnMu sync.Mutex
 	fns  map[string]Function // by kernel name
+
+	targets targetChecks // CrossEntropy's target checks not read yet
 }
 
 var _ device.Device = (*Device)(nil)
@@ -235,7 +237,8 @@ func (d *Device) CopyFromHost(dst device.Buffer, src *comm.HostBuffer) error {
 }
 
 // CopyToHost copies src into dst after the work queued on Compute(), and
-// waits for it.
+// waits for it. Like Synchronize, it then returns the errors the kernels
+// found since the last read (dst holds the data all the same).
 func (d *Device) CopyToHost(dst *comm.HostBuffer, src device.Buffer) error {
 	b, err := d.buffer("CopyToHost", "src", src, false)
 	if err != nil {
@@ -247,7 +250,7 @@ func (d *Device) CopyToHost(dst *comm.HostBuffer, src device.Buffer) error {
 	if err := CopyFromDeviceAsync(d.compute, dst.Bytes(), b.raw()); err != nil {
 		return fmt.Errorf("%s: CopyToHost: %w", d.name, err)
 	}
-	return nil
+	return d.readTargets()
 }
 
 // Copy copies src into dst (both of this device) on Compute().
@@ -270,12 +273,18 @@ func (d *Device) Copy(dst, src device.Buffer) error {
 }
 
 // Synchronize waits for the work queued on every stream of the device
-// (cuCtxSynchronize) and returns the first asynchronous error.
+// (cuCtxSynchronize) and returns the first asynchronous error, and the
+// errors the kernels found since the last Synchronize or CopyToHost (a
+// CrossEntropy target outside [0, v), wrapping device.ErrInvalid), each
+// once.
 func (d *Device) Synchronize() error {
 	if err := d.live("Synchronize"); err != nil {
 		return err
 	}
-	return d.ctx.Synchronize()
+	if err := d.ctx.Synchronize(); err != nil {
+		return err
+	}
+	return d.readTargets()
 }
 
 // Close waits for the device's work, frees the cuBLAS handle and its
@@ -293,7 +302,7 @@ func (d *Device) Close() error {
 	streams := d.streams
 	d.streams = nil
 	d.mu.Unlock()
-	errs := []error{d.ctx.Synchronize()}
+	errs := []error{d.ctx.Synchronize(), d.freeTargets()}
 	d.blasMu.Lock()
 	if d.handle != nil {
 		errs = append(errs, d.ctx.do("Close", func(*driverFns) error { return d.handle.Close() }))

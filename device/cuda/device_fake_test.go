@@ -130,6 +130,74 @@ func TestFakeDevice(t *testing.T) {
 	t.Run("errors", func(t *testing.T) { testFakeDeviceErrors(t, f) })
 	t.Run("lost buffer", func(t *testing.T) { testLostBuffer(t, f) })
 	t.Run("tf32", func(t *testing.T) { testFakeTF32(t, f) })
+	t.Run("targets", func(t *testing.T) { testFakeTargets(t, f) })
+}
+
+// testFakeTargets: a CrossEntropy target outside [0, v) is the CPU
+// kernel's error (device.ErrInvalid, naming the method and the row) from
+// the next Synchronize or CopyToHost, once; the device goes on working;
+// past targetSlots unread checks the call itself returns them.
+func testFakeTargets(t *testing.T, f *deviceFake) {
+	l, d := f.open(t, f.path)
+	k := d.Kernels()
+	const rows, v = 3, 4
+	alloc := func(dt comm.DType, init []float64) device.Buffer {
+		b, err := d.Alloc(dt, len(init))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.CopyFromHost(b, toHost(dt, len(init), init)); err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	logits := alloc(comm.Float32, randInit(rand.New(rand.NewPCG(1, 2)), rows*v, 2))
+	good, bad := alloc(comm.Int64, []float64{1, 3, 0}), alloc(comm.Int64, []float64{1, 4, -1})
+	loss, lse, dx := alloc(comm.Float64, []float64{0}), alloc(comm.Float64, make([]float64, rows)), alloc(comm.Float32, make([]float64, rows*v))
+	want := func(what string, err error, op string, count int) {
+		t.Helper()
+		msg := fmt.Sprintf("cuda:0: %s: invalid argument: the target of row 1 is outside [0, 4)", op)
+		if count == 0 {
+			if err != nil {
+				t.Errorf("%s: %v, want nil", what, err)
+			}
+			return
+		}
+		if !errors.Is(err, device.ErrInvalid) || !errors.Is(err, loom.ErrInvalid) || strings.Count(fmt.Sprint(err), msg) != count {
+			t.Errorf("%s: %v, want %d× %q matching device.ErrInvalid", what, err, count, msg)
+		}
+	}
+	want("CrossEntropy", k.CrossEntropy(loss, lse, logits, bad, v), "", 0)
+	want("Synchronize after a bad CrossEntropy", d.Synchronize(), "CrossEntropy", 1)
+	want("Synchronize again", d.Synchronize(), "", 0)
+	want("CrossEntropyBackward", k.CrossEntropyBackward(dx, logits, bad, lse, v, 1), "", 0)
+	got := make([]float32, rows*v)
+	want("CopyToHost after a bad CrossEntropyBackward", d.CopyToHost(comm.Host(got), dx), "CrossEntropyBackward", 1)
+	want("good CrossEntropy", k.CrossEntropy(loss, lse, logits, good, v), "", 0)
+	l1 := make([]float64, 1)
+	want("CopyToHost after a good CrossEntropy", d.CopyToHost(comm.Host(l1), loss), "", 0)
+	if math.IsNaN(l1[0]) || l1[0] <= 0 {
+		t.Errorf("loss after the bad calls: %v", l1[0])
+	}
+	for i := range targetSlots {
+		want(fmt.Sprintf("bad CrossEntropy %d", i), k.CrossEntropy(loss, nil, logits, bad, v), "", 0)
+	}
+	want("CrossEntropy past the slots", k.CrossEntropy(loss, nil, logits, bad, v), "CrossEntropy", targetSlots)
+	want("Synchronize after the slots", d.Synchronize(), "CrossEntropy", 1)
+	// Left unread at Close: freed with the device.
+	want("CrossEntropy before Close", k.CrossEntropy(loss, nil, logits, bad, v), "", 0)
+	for _, b := range []device.Buffer{logits, good, bad, loss, lse, dx} {
+		if err := b.Free(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Close(); err != nil {
+		t.Error(err)
+	}
+	if err := l.Close(); err != nil {
+		t.Error(err)
+	}
+	f.checkReleased(t)
 }
 
 // testFakeTF32: float32 GEMMs compute in float32 unless the BLAS allows

@@ -831,8 +831,9 @@ func (k cudaKernels) AttentionBackward(dq, dk, dv, g, probs, q, kk, vv device.Bu
 
 // CrossEntropy is the summed negative log-likelihood of rows of v logits
 // into loss (Float64, one element), with each row's log-sum-exp in lse
-// when given. A target outside [0, v) gives a NaN loss (the CPU kernel's
-// error cannot come back from the device).
+// when given. A target outside [0, v) gives a NaN loss, and the next
+// Synchronize or CopyToHost returns the CPU kernel's error for it
+// (loom_xent_targets).
 func (k cudaKernels) CrossEntropy(loss, lse, logits, targets device.Buffer, v int) error {
 	const op = "CrossEntropy"
 	b, err := k.check(op, f64("loss", loss, false), f64("lse", lse, true), f32("logits", logits), i64s("targets", targets))
@@ -852,6 +853,9 @@ func (k cudaKernels) CrossEntropy(loss, lse, logits, targets device.Buffer, v in
 	if v > math.MaxInt32 {
 		return k.invalid(op, "%d classes do not fit a C int", v)
 	}
+	if err := k.checkTargets(op, b[3], rows, v); err != nil {
+		return err
+	}
 	return k.withScratch(comm.Float64, []int{rows}, func(s []*DeviceBuffer) error {
 		if err := k.rowwise(op, "xent.cu", "loom_xent_fwd_f32", rows, s[0].raw(), b[1].raw(), b[2].raw(), b[3].raw(),
 			int64(rows), int32(v)); err != nil {
@@ -862,6 +866,7 @@ func (k cudaKernels) CrossEntropy(loss, lse, logits, targets device.Buffer, v in
 }
 
 // CrossEntropyBackward is dx = scale·(softmax(logits) − onehot(targets)).
+// A target outside [0, v) is found as CrossEntropy's is.
 func (k cudaKernels) CrossEntropyBackward(dx, logits, targets, lse device.Buffer, v int, scale float64) error {
 	const op = "CrossEntropyBackward"
 	b, err := k.check(op, f32("dx", dx), f32("logits", logits), i64s("targets", targets), f64("lse", lse, false))
@@ -880,6 +885,9 @@ func (k cudaKernels) CrossEntropyBackward(dx, logits, targets, lse device.Buffer
 	}
 	if v > math.MaxInt32 {
 		return k.invalid(op, "%d classes do not fit a C int", v)
+	}
+	if err := k.checkTargets(op, b[2], rows, v); err != nil {
+		return err
 	}
 	return k.rowwise(op, "xent.cu", "loom_xent_bwd_f32", rows, b[0].raw(), b[1].raw(), b[2].raw(), b[3].raw(),
 		int64(rows), int32(v), float32(scale))

@@ -760,6 +760,31 @@ func testCrossEntropy(t *testing.T, e *emuLib) {
 	if err := e.run("loom_xent_fwd_f32", d1(1), d1(32), 0, loss, []float64(nil), []float32{1, 2}, []int64{2}, int64(1), int32(2)); err != nil || !math.IsNaN(loss[0]) {
 		t.Errorf("target 2 of 2 classes: loss %v, %v; want NaN", loss[0], err)
 	}
+	// loom_xent_targets keeps the least row whose target is outside
+	// [0, v) (the CPU's first error), whichever thread sees it first; a
+	// clean check leaves ~0 (−1 here), a smaller row already there stays.
+	long := make([]int64, 1000)
+	long[700], long[999] = 3, -5
+	for _, c := range []struct {
+		targets   []int64
+		slot, bad int64
+	}{
+		{[]int64{0, 1, 2, 2, 0}, -1, -1},
+		{[]int64{0, 3, 2, -1, 7}, -1, 1},
+		{[]int64{-1}, -1, 0},
+		{long, -1, 700},
+		{long, 5, 5},
+	} {
+		for _, g := range geometries {
+			slot := []int64{c.slot}
+			if err := e.run("loom_xent_targets", d1(g.grid), d1(g.block), 0, slot, c.targets, int64(len(c.targets)), int64(3)); err != nil {
+				t.Fatal(err)
+			}
+			if slot[0] != c.bad {
+				t.Errorf("targets check of %d targets from %d, grid %d×%d: %d, want %d", len(c.targets), c.slot, g.grid, g.block, slot[0], c.bad)
+			}
+		}
+	}
 }
 
 // The optimizer kernels round every intermediate to float32 in the CPU's

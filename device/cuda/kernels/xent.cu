@@ -1,8 +1,9 @@
 // Softmax cross-entropy over rows of logits (kernels.CrossEntropyRows and
 // CrossEntropyRowsBackward): one warp per row, 1-D blocks of whole warps,
 // any grid. logsumexp is kept in double per row, as on the CPU. Targets are
-// int64 class indices; the host checks them, and a row whose target is
-// outside [0, v) gets a NaN loss rather than reading outside its row.
+// int64 class indices; a row whose target is outside [0, v) gets a NaN loss
+// rather than reading outside its row, and loom_xent_targets finds it for
+// the host, which reports it as the CPU kernel's error.
 
 // loss[r] = logsumexp(x_r) − x_r[targets[r]] and lse[r] = logsumexp(x_r)
 // (lse null: not wanted), in double; loom_sum_f64 adds the losses.
@@ -42,3 +43,15 @@ extern "C" __global__ void loom_xent_bwd_f32(float *dx, const float *logits, con
   }
 }
 LOOM_KERNEL(loom_xent_bwd_f32)
+
+// *bad = the least row r < rows whose target lies outside [0, v), where it
+// is less than *bad: the host sets *bad to ~0 and reads it when it next
+// waits for the device (kernels.CrossEntropyRows's target check). 1-D
+// blocks, any grid.
+extern "C" __global__ void loom_xent_targets(unsigned long long *bad, const i64 *targets, i64 rows, i64 v) {
+  LOOM_FOR(r, rows) {
+    const i64 t = targets[r];
+    if (t < 0 || t >= v) atomicMin(bad, (unsigned long long)r);
+  }
+}
+LOOM_KERNEL(loom_xent_targets)

@@ -116,6 +116,11 @@ static inline int atomicMax(int *p, int v) {
   if (v > old) *p = v;
   return old;
 }
+static inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) {
+  unsigned long long old = *p;
+  if (v < old) *p = v;
+  return old;
+}
 
 namespace loom_emu {
 
