@@ -25,6 +25,7 @@ package emu
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -213,7 +214,25 @@ func (d *Device) Alloc(dt comm.DType, n int) (device.Buffer, error) {
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("%s: Alloc: internal: %w", d.name, err), d.alloc.Free(blk))
 	}
-	return &Buffer{dev: d, host: h, own: &owner{blk: blk}}, nil
+	return d.newBuffer(h, blk), nil
+}
+
+// newBuffer wraps an allocated block as an owning buffer, with a cleanup
+// that frees the block once the buffer and its slices are unreachable: a
+// safety net for a buffer dropped without Free (op results a caller never
+// frees), as device/cuda's buffers have. The stream order still holds:
+// work queued before the buffer was lost runs before any reuse, since the
+// block is reused on the stream it was allocated on, after that work.
+func (d *Device) newBuffer(h *comm.HostBuffer, blk device.Block) *Buffer {
+	b := &Buffer{dev: d, host: h, own: &owner{alloc: d.alloc, blk: blk}}
+	runtime.AddCleanup(b, func(o *owner) {
+		// Nobody can free the buffer any more. The error has no one to
+		// go to (after Close the allocator has emptied its cache anyway).
+		if !o.freed.Swap(true) {
+			_ = o.alloc.Free(o.blk)
+		}
+	}, b.own)
+	return b
 }
 
 // RecordStream tells the allocator that b is used on s too, so that
@@ -416,16 +435,21 @@ func (r *raw) view(p uintptr, n int) []byte {
 }
 
 // Buffer is memory of an emulated device. It implements device.Buffer and
-// comm.HostBacked.
+// comm.HostBacked. A buffer from Alloc owns its memory and Free gives it
+// back; one dropped without Free is freed when the garbage collector finds
+// it and its slices unreachable (a safety net: the memory stays held
+// until then). Slices keep the buffer they come from reachable.
 type Buffer struct {
 	dev  *Device
 	host *comm.HostBuffer
 	own  *owner
-	view bool // made by Slice: does not own the memory
+	from *Buffer // the owning buffer of a slice; nil for the owner
 }
 
-// owner is the allocation a buffer and its slices share.
+// owner is the allocation a buffer and its slices share; it must not point
+// back at the buffer, so that the buffer's cleanup can run.
 type owner struct {
+	alloc *device.Allocator
 	blk   device.Block
 	freed atomic.Bool
 }
@@ -451,7 +475,11 @@ func (b *Buffer) Owner() device.Device { return b.dev }
 // panics when the bounds are out of range, like a slice expression. Its
 // Free is an error: the buffer it came from owns the memory.
 func (b *Buffer) Slice(lo, hi int) comm.Buffer {
-	return &Buffer{dev: b.dev, host: b.host.SliceHost(lo, hi), own: b.own, view: true}
+	root := b
+	if b.from != nil {
+		root = b.from
+	}
+	return &Buffer{dev: b.dev, host: b.host.SliceHost(lo, hi), own: b.own, from: root}
 }
 
 // Ptr is the host address of the first element, 0 when empty.
@@ -471,7 +499,7 @@ func (b *Buffer) HostView() *comm.HostBuffer { return b.host }
 // queued on the streams it was used on (Device.RecordStream). Freeing a
 // slice, or freeing twice, is an error wrapping device.ErrInvalid.
 func (b *Buffer) Free() error {
-	if b.view {
+	if b.from != nil {
 		return fmt.Errorf("%s: Free: %w: a slice does not own its memory; free the buffer it came from", b.dev.name, device.ErrInvalid)
 	}
 	if b.own.freed.Swap(true) {
