@@ -23,6 +23,7 @@
 package emu
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"runtime"
@@ -93,13 +94,15 @@ type Device struct {
 	alloc   *device.Allocator
 	compute *Stream
 
+	coll device.Collectives
+
 	mu      sync.Mutex
 	streams []*Stream
 	closed  bool
 	blas    *kernels.BLAS
 }
 
-var _ device.Device = (*Device)(nil)
+var _ device.CollectiveDevice = (*Device)(nil)
 
 // New returns the emulated device of the given index (at least 0), named
 // "emu:index". A negative index or a bad option is an error wrapping
@@ -141,6 +144,11 @@ func (d *Device) Compute() device.Stream { return d.compute }
 
 // Memory is the device's caching allocator.
 func (d *Device) Memory() *device.Allocator { return d.alloc }
+
+// Collectives is the device's state for device.BeforeCollective and
+// device.AfterCollective: pooled events and the works compute waits for,
+// whose errors Synchronize returns.
+func (d *Device) Collectives() *device.Collectives { return &d.coll }
 
 // Kernels is the device's op set, on the CPU kernels.
 func (d *Device) Kernels() device.Kernels { return emuKernels{d} }
@@ -300,12 +308,14 @@ func (d *Device) Copy(dst, src device.Buffer) error {
 }
 
 // Synchronize waits for the work queued on every stream and returns the
-// errors found while it ran (each is returned once).
+// errors found while it ran, then those of the collectives compute waited
+// for (device.AfterCollective), each returned once.
 func (d *Device) Synchronize() error {
 	var errs []error
 	for _, s := range d.allStreams() {
 		errs = append(errs, s.Synchronize())
 	}
+	errs = append(errs, d.coll.Wait(context.Background()))
 	return errors.Join(errs...)
 }
 
@@ -340,7 +350,7 @@ func (d *Device) Close() error {
 	for _, s := range d.allStreams() {
 		s.stop()
 	}
-	return errors.Join(err, d.alloc.EmptyCache())
+	return errors.Join(err, d.coll.Close(), d.alloc.EmptyCache())
 }
 
 // buffer checks that b is a live buffer of d (nil allowed when optional)
