@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"testing"
 
@@ -346,9 +347,12 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 		}
 		got = append(got, h)
 	}
+	// Activation accounting counts device blocks as host ones.
+	acts := []float32{float32(tape.ActivationBytes())}
 	if err := tape.Backward(ctx, loss); err != nil {
 		return nil, err
 	}
+	got = append(got, append(acts, float32(tape.PeakActivationBytes())))
 	for _, v := range in {
 		if v.Grad() == nil {
 			got = append(got, nil)
@@ -406,8 +410,10 @@ func sameBits(host, dev [][]float32) error {
 			return "output"
 		case 1:
 			return "loss"
+		case 2:
+			return "activation bytes (held, peak)"
 		}
-		return fmt.Sprintf("gradient of input %d", i-2)
+		return fmt.Sprintf("gradient of input %d", i-3)
 	}
 	for i := range host {
 		if len(host[i]) != len(dev[i]) {
@@ -903,6 +909,67 @@ func TestDeviceZeroGradFrees(t *testing.T) {
 				t.Errorf("step %d: %d bytes allocated after ZeroGrad, %d before the step", step, got, base)
 			}
 		}
+		return nil
+	})
+}
+
+// TestDeviceAccumulatedGradFrees: a device gradient that Backward
+// replaces by a new sum (accumulating over steps without ZeroGrad) is
+// freed, so the device holds one gradient per leaf, not one per step.
+func TestDeviceAccumulatedGradFrees(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		x, err := randTensor(m, []int{4, 5}, 1)
+		if err != nil {
+			return err
+		}
+		if x, err = x.To(d); err != nil {
+			return err
+		}
+		tape := autograd.NewTape()
+		p, err := tape.Param("p", x)
+		if err != nil {
+			return err
+		}
+		var after0 int64
+		var grads []*placement.DTensor // keeps every gradient reachable, so no cleanup frees it
+		for step := range 3 {
+			y, err := autograd.Scale(p, 2)
+			if err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			for _, v := range []*autograd.Value{y, loss} {
+				if err := v.Data().LocalBuffer().(device.Buffer).Free(); err != nil {
+					return err
+				}
+			}
+			grads = append(grads, p.Grad())
+			got := d.Memory().Stats().Allocated
+			if step == 0 {
+				after0 = got
+			} else if got != after0 {
+				t.Errorf("step %d: %d bytes allocated, %d after the first step", step, got, after0)
+			}
+		}
+		g, err := hostData(p.Grad())
+		if err != nil {
+			return err
+		}
+		if g[0] != 6 {
+			t.Errorf("gradient after 3 steps is %v, want 6", g[0])
+		}
+		runtime.KeepAlive(grads)
 		return nil
 	})
 }

@@ -403,7 +403,10 @@ func (v *Value) IsLeaf() bool { return v != nil && v.leaf }
 // since its last ZeroGrad, or nil if none has arrived. Results of ops do
 // not retain gradients. The returned tensor is owned by the value; later
 // Backward calls replace it rather than modify it, except after ZeroGrad
-// on a tape made WithRecycling.
+// on a tape made WithRecycling. A gradient on a device that Backward
+// allocated is freed when a later Backward replaces it by the sum (device
+// memory has no garbage collector), so it is not used after that
+// Backward; copy it (To) to keep it.
 func (v *Value) Grad() *placement.DTensor {
 	if v == nil {
 		return nil
@@ -902,6 +905,14 @@ func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTenso
 	acc, err := t.accumulate(ctx, v.name, v.grad, g, false)
 	if err != nil {
 		return err
+	}
+	if b := bufOf(v.grad); b != nil && v.ownGrad {
+		// The sum is new memory, so the gradient it replaces (Backward's
+		// own, as ZeroGrad would free it) goes back to the device; the
+		// free is ordered after the sum that reads it.
+		if err := b.Free(); err != nil {
+			return fmt.Errorf("autograd: Backward: freeing the replaced gradient of %q: %w", v.name, err)
+		}
 	}
 	v.grad, v.fresh, v.ownGrad = acc, t.gen+1, true // accumulate allocates a leaf's sum
 	return nil
