@@ -8,6 +8,7 @@ import (
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/internal/half"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 )
 
@@ -429,6 +430,86 @@ func (k emuKernels) CrossEntropyBackward(dx, logits, targets, lse device.Buffer,
 		return err
 	}
 	return k.d.compute.launch("CrossEntropyBackward", func() error {
+		return kernels.CrossEntropyRowsBackward(w, views[0].Float32s(), views[1].Float32s(), views[2].Int64s(), views[3].Float64s(), v, scale)
+	})
+}
+
+// SoftmaxDim runs kernels.Softmax64 on Float32 buffers over the middle
+// dim of [outer, n, inner], as autograd's host path does for a dim other
+// than the last.
+func (k emuKernels) SoftmaxDim(dst, src device.Buffer, outer, n, inner int, log bool) error {
+	const op = "SoftmaxDim"
+	v, err := k.check(op, f32("dst", dst), f32("src", src))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		return kernels.Softmax64(v[0].Float32s(), v[1].Float32s(), outer, n, inner, log)
+	})
+}
+
+// SoftmaxDimBackward runs kernels.Softmax64Backward on Float32 buffers.
+func (k emuKernels) SoftmaxDimBackward(dx, y, dy device.Buffer, outer, n, inner int, log bool) error {
+	const op = "SoftmaxDimBackward"
+	v, err := k.check(op, f32("dx", dx), f32("y", y), f32("dy", dy))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		return kernels.Softmax64Backward(v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), outer, n, inner, log)
+	})
+}
+
+// CrossEntropyMean runs kernels.CrossEntropyRows and stores
+// float32(sum/count) in loss.
+func (k emuKernels) CrossEntropyMean(loss, lse, logits, targets device.Buffer, v, count int) error {
+	const op = "CrossEntropyMean"
+	if err := numcheck.NonNegativeCount(device.ErrInvalid, "count", count); err != nil {
+		return fmt.Errorf("%s: %s: %w", k.d.name, op, err)
+	}
+	views, err := k.check(op, f32("loss", loss), f64("lse", lse, true), f32("logits", logits),
+		arg{name: "targets", b: targets, dtypes: []comm.DType{comm.Int64}})
+	if err != nil {
+		return err
+	}
+	if views[0].Len() != 1 {
+		return fmt.Errorf("%s: %s: %w: loss has %d elements, want 1", k.d.name, op, device.ErrInvalid, views[0].Len())
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		total, err := kernels.CrossEntropyRows(w, float64s(views[1]), views[2].Float32s(), views[3].Int64s(), v)
+		if err != nil {
+			return err
+		}
+		views[0].Float32s()[0] = float32(total / float64(count))
+		return nil
+	})
+}
+
+// CrossEntropyMeanBackward runs kernels.CrossEntropyRowsBackward with the
+// scale g[0]/count, g read when the work runs.
+func (k emuKernels) CrossEntropyMeanBackward(dx, logits, targets, lse, g device.Buffer, v, count int) error {
+	const op = "CrossEntropyMeanBackward"
+	if err := numcheck.NonNegativeCount(device.ErrInvalid, "count", count); err != nil {
+		return fmt.Errorf("%s: %s: %w", k.d.name, op, err)
+	}
+	views, err := k.check(op, f32("dx", dx), f32("logits", logits),
+		arg{name: "targets", b: targets, dtypes: []comm.DType{comm.Int64}}, f64("lse", lse, false), f32("g", g))
+	if err != nil {
+		return err
+	}
+	if views[4].Len() != 1 {
+		return fmt.Errorf("%s: %s: %w: g has %d elements, want 1", k.d.name, op, device.ErrInvalid, views[4].Len())
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		scale := float64(views[4].Float32s()[0]) / float64(count)
 		return kernels.CrossEntropyRowsBackward(w, views[0].Float32s(), views[1].Float32s(), views[2].Int64s(), views[3].Float64s(), v, scale)
 	})
 }

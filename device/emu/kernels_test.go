@@ -2,6 +2,7 @@ package emu_test
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"sort"
@@ -337,7 +338,57 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
-	}, autogradCases()...)
+	}, append(autogradCases(), followupCases()...)...)
+}
+
+// followupCases are the kernels of A6's follow-ups: the softmax over a
+// dim other than the last, and the cross entropy whose mean and
+// backward scale stay on the device.
+func followupCases() []kernelCase {
+	var cases []kernelCase
+	for _, log := range []bool{false, true} {
+		cases = append(cases, kernelCase{
+			name: fmt.Sprintf("SoftmaxDim+Backward/log=%v", log),
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 60), "y": make([]float32, 60), "dy": randF32(r, 60), "dx": make([]float32, 60)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.Softmax64(f32s(a["y"]), f32s(a["x"]), 3, 5, 4, log); err != nil {
+					return err
+				}
+				return kernels.Softmax64Backward(f32s(a["dx"]), f32s(a["y"]), f32s(a["dy"]), 3, 5, 4, log)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.SoftmaxDim(b["y"], b["x"], 3, 5, 4, log); err != nil {
+					return err
+				}
+				return k.SoftmaxDimBackward(b["dx"], b["y"], b["dy"], 3, 5, 4, log)
+			},
+		})
+	}
+	const count = 3 * rows // the global rows: this rank holds a third
+	return append(cases, kernelCase{
+		name: "CrossEntropyMean+Backward",
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"loss": make([]float32, 1), "lse": make([]float64, rows), "logits": randF32(r, rows*vocab),
+				"targets": randTargets(r, rows, vocab), "dx": make([]float32, rows*vocab), "g": []float32{0.37}}
+		},
+		cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+			total, err := kernels.CrossEntropyRows(w, f64s(a["lse"]), f32s(a["logits"]), i64s(a["targets"]), vocab)
+			if err != nil {
+				return err
+			}
+			f32s(a["loss"])[0] = float32(total / count)
+			scale := float64(f32s(a["g"])[0]) / count
+			return kernels.CrossEntropyRowsBackward(w, f32s(a["dx"]), f32s(a["logits"]), i64s(a["targets"]), f64s(a["lse"]), vocab, scale)
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			if err := k.CrossEntropyMean(b["loss"], b["lse"], b["logits"], b["targets"], vocab, count); err != nil {
+				return err
+			}
+			return k.CrossEntropyMeanBackward(b["dx"], b["logits"], b["targets"], b["lse"], b["g"], vocab, count)
+		},
+	})
 }
 
 // autogradCases are the kernels autograd's ops on devices use (step A6).
