@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
@@ -258,6 +259,8 @@ func devCases() []devCase {
 		{name: "Custom", shapes: [][]int{{3, 5}}, f: one(customScale)},
 		{name: "Softmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, -1) })},
 		{name: "LogSoftmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 1) })},
+		{name: "Softmax/middle-dim", shapes: [][]int{{3, 5, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, 1) })},
+		{name: "LogSoftmax/first-dim", shapes: [][]int{{4, 3}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 0) })},
 		{name: "Embedding", shapes: [][]int{{11, 6}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
 			id, err := ids(m, []int{2, 5}, 11, 3)
 			if err != nil {
@@ -971,6 +974,64 @@ func TestDeviceAccumulatedGradFrees(t *testing.T) {
 		}
 		runtime.KeepAlive(grads)
 		return nil
+	})
+}
+
+// TestDeviceCrossEntropyDoesNotWait: CrossEntropy's forward and backward
+// on a device queue their work without waiting for it (the mean and the
+// backward's scale are computed on the device): with the compute stream
+// held, both return; the results then match the host's bit for bit
+// (TestDeviceOpsMatchHost).
+func TestDeviceCrossEntropyDoesNotWait(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		x, err := randTensor(m, []int{7, 11}, 1)
+		if err != nil {
+			return err
+		}
+		if x, err = x.To(d); err != nil {
+			return err
+		}
+		tg, err := ids(m, []int{7}, 11, 4)
+		if err != nil {
+			return err
+		}
+		tape := autograd.NewTape(autograd.WithDevice(d))
+		p, err := tape.Param("logits", x)
+		if err != nil {
+			return err
+		}
+		gate := make(chan struct{})
+		var once sync.Once
+		open := func() { once.Do(func() { close(gate) }) }
+		defer open()
+		if err := d.Compute().(*emu.Stream).Launch(func() error { <-gate; return nil }); err != nil {
+			return err
+		}
+		done := make(chan error, 1)
+		go func() {
+			loss, err := autograd.CrossEntropy(p, tg)
+			if err == nil {
+				err = tape.Backward(ctx, loss)
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err != nil {
+				return err
+			}
+		case <-time.After(5 * time.Second):
+			open()
+			<-done
+			return fmt.Errorf("CrossEntropy and its backward waited for the device's compute stream")
+		}
+		open()
+		return d.Synchronize()
 	})
 }
 

@@ -568,22 +568,6 @@ func devIDs(t *Tape, d device.Device, ids []int64) (device.Buffer, error) {
 	return b, nil
 }
 
-// scalarToHost reads the one element of a Float32 or Float64 device
-// buffer, waiting for the work queued before it.
-func scalarToHost(b device.Buffer) (float64, error) {
-	h, err := comm.NewHostBuffer(b.DType(), 1)
-	if err != nil {
-		return 0, err
-	}
-	if err := b.Owner().CopyToHost(h, b); err != nil {
-		return 0, err
-	}
-	if b.DType() == comm.Float64 {
-		return h.Float64s()[0], nil
-	}
-	return float64(h.Float32s()[0]), nil
-}
-
 // embeddingDev is Embedding on a device: the ids go to the device once
 // (scratch, kept for the backward), Kernels.Embedding and
 // Kernels.EmbeddingBackward with a Float64 accumulator, as the host's
@@ -633,12 +617,12 @@ func embeddingDev(t *Tape, d device.Device, spec *placement.Spec, table *Value, 
 	}), nil
 }
 
-// crossEntropyDev is CrossEntropy on a device: Kernels.CrossEntropy
+// crossEntropyDev is CrossEntropy on a device: Kernels.CrossEntropyMean
 // saving the rows' log-sum-exps (Float64 scratch), and
-// Kernels.CrossEntropyBackward. The mean (the sum over the global rows)
-// and the backward's scale (the incoming gradient over the rows) are
-// computed on the host from one element read back, as the host path
-// computes them, so each direction waits once for the device.
+// Kernels.CrossEntropyMeanBackward. The mean over the global rows and the
+// backward's scale (the incoming gradient over the rows) are computed on
+// the device as the host path computes them, so neither direction waits
+// for the device.
 func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Value, targets *Indices) (*Value, error) {
 	const op = "CrossEntropy"
 	k, err := devKernels(op, d, spec.DType())
@@ -661,20 +645,8 @@ func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Val
 			return nil, err
 		}
 	}
-	sum, err := devBlock(t.scratch(), d, comm.Float64, 1)
-	if err != nil {
-		return nil, err
-	}
-	if err := k.CrossEntropy(sum, lse, xb, tb, v); err != nil {
-		return nil, devWrap(op, err)
-	}
-	total, err := scalarToHost(sum)
-	if err != nil {
-		return nil, devWrap(op, err)
-	}
-	loss := float32(total / float64(n))
 	out, err := devResult(t.result(), d, spec, func(o device.Buffer) error {
-		return devWrap(op, d.CopyFromHost(o, comm.Host([]float32{loss})))
+		return devWrap(op, k.CrossEntropyMean(o, lse, xb, tb, v, n))
 	})
 	if err != nil {
 		return nil, err
@@ -688,12 +660,8 @@ func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Val
 		if gb.Len() != 1 {
 			return nil, fmt.Errorf("autograd: %s: internal: scalar gradient block of %d", op, gb.Len())
 		}
-		gv, err := scalarToHost(gb)
-		if err != nil {
-			return nil, devWrap(op, err)
-		}
 		gx, err := devResult(t.scratch(), d, s, func(dx device.Buffer) error {
-			return devWrap(op, k.CrossEntropyBackward(dx, xb, tb, lse, v, gv/float64(n)))
+			return devWrap(op, k.CrossEntropyMeanBackward(dx, xb, tb, lse, gb, v, n))
 		})
 		return []*placement.DTensor{gx}, err
 	}), nil
@@ -828,9 +796,9 @@ func devBmm(a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTen
 	})
 }
 
-// softmaxDev is Softmax or LogSoftmax on a device over the last dim
-// (Kernels.Softmax and SoftmaxBackward); another dim, which the host
-// computes in float64, is an error wrapping ErrUnsupported.
+// softmaxDev is Softmax or LogSoftmax on a device over any dim:
+// Kernels.Softmax and SoftmaxBackward over the last, Kernels.SoftmaxDim
+// and SoftmaxDimBackward (in float64, as the host) over another.
 func softmaxDev(t *Tape, d device.Device, op string, x *Value, dim int, logOut bool) (*Value, error) {
 	spec := x.Spec()
 	k, err := devKernels(op, d, spec.DType())
@@ -840,16 +808,27 @@ func softmaxDev(t *Tape, d device.Device, op string, x *Value, dim int, logOut b
 	shape := x.data.LocalShape()
 	outer, n, inner := splitDim(shape, dim)
 	xb := bufOf(x.data)
-	if inner != 1 || outer*n != xb.Len() {
-		return nil, unsupportedf(op, "over dim %d of %v on %s: devices take the softmax over the last dim only", dim, spec.Shape(), d.Name())
+	if outer*n*inner != xb.Len() {
+		return nil, fmt.Errorf("autograd: %s: internal: local block %v of %d elements", op, shape, xb.Len())
 	}
-	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Softmax(y, xb, n, logOut)) })
+	// The host's float32 path: the row kernels over the last dim, the
+	// float64 reference (Softmax64) over another.
+	last := inner == 1
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error {
+		if last {
+			return devWrap(op, k.Softmax(y, xb, n, logOut))
+		}
+		return devWrap(op, k.SoftmaxDim(y, xb, outer, n, inner, logOut))
+	})
 	if err != nil {
 		return nil, err
 	}
 	yb := bufOf(out)
 	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
-		return k.SoftmaxBackward(dx, yb, g, n, logOut)
+		if last {
+			return k.SoftmaxBackward(dx, yb, g, n, logOut)
+		}
+		return k.SoftmaxDimBackward(dx, yb, g, outer, n, inner, logOut)
 	})
 }
 
