@@ -79,11 +79,11 @@ func devKernels(op string, d device.Device, dt comm.DType) (device.Kernels, erro
 }
 
 // deviceForm reports whether op (the name checkInputs is given) runs on
-// devices other than the host. The others refuse device inputs with
-// hostOnly's error: LocalMap, whose functions take host slices. Softmax
-// and LogSoftmax run on devices over the last dim only; Custom ops run
-// wherever their inputs are. Mean and MSE are compositions of ops that
-// have device forms; Custom ops run wherever their inputs are.
+// devices other than the host; the others refuse device inputs with
+// hostOnly's error. Mean and MSE are compositions of ops that have device
+// forms; Custom ops run wherever their inputs are; LocalMap copies device
+// inputs to the host and its result back (LocalFunc.Apply checks its
+// inputs itself, allowing devices).
 func deviceForm(op string) bool {
 	switch op {
 	case "Add", "Mul", "Scale", "MatMul", "Linear", "Sum", "Mean", "MSE", "LayerNorm", "GELU", "Reshape", "To",
