@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -35,6 +36,8 @@ type devCase struct {
 	// copies: the device form also holds host copies of its blocks, so
 	// its activation bytes exceed the host's.
 	copies bool
+	// f64 runs the case on float64 tensors.
+	f64 bool
 }
 
 // ids is a replicated index tensor of shape with entries in [0, n).
@@ -331,6 +334,21 @@ func devCases() []devCase {
 	}
 }
 
+// float64Cases are the cases whose ops run on float64 data on devices
+// that take it (device.Float64Kernels: emu), in float64.
+func float64Cases() []devCase {
+	var out []devCase
+	for _, c := range devCases() {
+		switch c.name {
+		case "Add", "Add/same-input", "Mul", "Scale", "MatMul", "MatMul/k=0", "Linear", "Linear/no-bias", "Sum/dim", "Sum/all",
+			"Mean", "MSE", "Narrow", "SplitLast+Concat", "Permute", "Transpose+Reshape":
+			c.name, c.f64 = "float64/"+c.name, true
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
 // devRun runs c on tape with its inputs (host tensors) moved to d, builds
 // the loss, runs Backward and returns the output's data and the inputs'
 // gradients, copied to the host.
@@ -338,7 +356,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 	tape := autograd.NewTape(append(opts, autograd.WithDevice(d))...)
 	var in []*autograd.Value
 	for i, sh := range c.shapes {
-		dt, err := randTensor(m, sh, uint64(i+1))
+		dt, err := randTensorOf(m, sh, uint64(i+1), c.f64)
 		if err != nil {
 			return nil, err
 		}
@@ -355,7 +373,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 	if err != nil {
 		return nil, err
 	}
-	cdt, err := randTensor(m, out.Spec().Shape(), 99)
+	cdt, err := randTensorOf(m, out.Spec().Shape(), 99, c.f64)
 	if err != nil {
 		return nil, err
 	}
@@ -376,7 +394,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 	}
 	got := [][]float32{}
 	for _, dt := range []*placement.DTensor{out.Data(), loss.Data()} {
-		h, err := hostData(dt)
+		h, err := hostBits(dt)
 		if err != nil {
 			return nil, err
 		}
@@ -400,7 +418,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 		if dev := v.Grad().Device(); dev != d {
 			return nil, fmt.Errorf("gradient of %s on %s, want %s", v.Name(), dev.Name(), d.Name())
 		}
-		h, err := hostData(v.Grad())
+		h, err := hostBits(v.Grad())
 		if err != nil {
 			return nil, err
 		}
@@ -425,6 +443,44 @@ func randTensor(m *mesh.Mesh, shape []int, seed uint64) (*placement.DTensor, err
 		data[i] = float32(r.Float64()*4 - 2)
 	}
 	return placement.NewLocal(spec, data)
+}
+
+// randTensorOf is randTensor, in float64 when f64 is set (the same
+// values, widened).
+func randTensorOf(m *mesh.Mesh, shape []int, seed uint64, f64 bool) (*placement.DTensor, error) {
+	x, err := randTensor(m, shape, seed)
+	if err != nil || !f64 {
+		return x, err
+	}
+	spec, err := placement.NewSpec(m, shape, comm.Float64, []placement.Placement{placement.Replicate()})
+	if err != nil {
+		return nil, err
+	}
+	f := x.LocalData().([]float32)
+	d := make([]float64, len(f))
+	for i, v := range f {
+		d[i] = float64(v)
+	}
+	return placement.NewLocal(spec, d)
+}
+
+// hostBits is hostData for float32 or float64 blocks: a float64 element
+// becomes two float32s holding its low and high 32 bits, so that sameBits
+// compares float64 results bit for bit too.
+func hostBits(dt *placement.DTensor) ([]float32, error) {
+	if dt.Spec().DType() != comm.Float64 {
+		return hostData(dt)
+	}
+	h, err := dt.To(device.Host())
+	if err != nil {
+		return nil, err
+	}
+	var out []float32
+	for _, v := range h.LocalData().([]float64) {
+		b := math.Float64bits(v)
+		out = append(out, math.Float32frombits(uint32(b)), math.Float32frombits(uint32(b>>32)))
+	}
+	return out, nil
 }
 
 // hostData copies dt's local block to the host.
@@ -506,7 +562,7 @@ func forEachDevice(t *testing.T, fn func(ctx context.Context, m *mesh.Mesh, d de
 // gives the host's results and gradients bit for bit, with and without
 // recycling.
 func TestDeviceOpsMatchHost(t *testing.T) {
-	for _, c := range devCases() {
+	for _, c := range append(devCases(), float64Cases()...) {
 		for _, rec := range []bool{false, true} {
 			var opts []autograd.Option
 			name := c.name
@@ -603,7 +659,9 @@ func TestDeviceArgmax(t *testing.T) {
 }
 
 // TestDeviceFloat64Unsupported: float64 tensors on a device are refused
-// by name, matching loom.ErrUnsupported.
+// by name, matching loom.ErrUnsupported, by ops whose kernels are float32
+// only; the dtype-generic ones run (float64Cases compares them with the
+// host).
 func TestDeviceFloat64Unsupported(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d, err := emu.New(0)
@@ -628,9 +686,13 @@ func TestDeviceFloat64Unsupported(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		_, err = autograd.Scale(x, 2)
-		if !errors.Is(err, loom.ErrUnsupported) || !errors.Is(err, autograd.ErrUnsupported) {
-			t.Errorf("Scale(float64 on emu) = %v, want ErrUnsupported", err)
+		_, err = autograd.GELU(x)
+		if !errors.Is(err, loom.ErrUnsupported) || !errors.Is(err, autograd.ErrUnsupported) || !strings.Contains(err.Error(), "float64 on emu:0") {
+			t.Errorf("GELU(float64 on emu) = %v, want ErrUnsupported naming the dtype and device", err)
+		}
+		// Scale's kernel is generic, and emu takes float64 there.
+		if _, err := autograd.Scale(x, 2); err != nil {
+			t.Errorf("Scale(float64 on emu) = %v", err)
 		}
 		return nil
 	})

@@ -64,18 +64,34 @@ func onDevice(x *placement.DTensor) (device.Device, bool) {
 	return nil, false
 }
 
-// devKernels returns d's Kernels for op on data of type dt: Float32 only
-// (the device kernels' type), anything else an error wrapping
-// ErrUnsupported that names op, the dtype and the device.
+// devKernels returns d's Kernels for op on data of type dt: Float32, or
+// Float64 for the ops whose kernels are dtype-generic (float64Op) on a
+// device whose Kernels take Float64 (device.Float64Kernels: the emulated
+// device); anything else is an error wrapping ErrUnsupported that names
+// op, the dtype and the device.
 func devKernels(op string, d device.Device, dt comm.DType) (device.Kernels, error) {
-	if dt != comm.Float32 {
-		return nil, unsupportedf(op, "%v on %s: device ops take float32 (compute float64 on the host)", dt, d.Name())
-	}
 	k := d.Kernels()
 	if k == nil {
 		return nil, unsupportedf(op, "%s has no kernels", d.Name())
 	}
-	return k, nil
+	if dt == comm.Float32 {
+		return k, nil
+	}
+	if k64, ok := k.(device.Float64Kernels); ok && dt == comm.Float64 && float64Op(op) && k64.Float64() {
+		return k, nil
+	}
+	return nil, unsupportedf(op, "%v on %s: the device's %s takes float32 (compute %v on the host)", dt, d.Name(), op, dt)
+}
+
+// float64Op reports whether op's device form uses only kernels that are
+// dtype-generic (device.Float64Kernels), so that it runs on Float64 data
+// where the device allows it.
+func float64Op(op string) bool {
+	switch op {
+	case "Backward", "Add", "Mul", "Scale", "MatMul", "BatchedMatMul", "Linear", "Sum", "Narrow", "Concat", "Permute":
+		return true
+	}
+	return false
 }
 
 // deviceForm reports whether op (the name checkInputs is given) runs on

@@ -167,6 +167,21 @@ type Kernels interface {
 	CrossEntropyMeanBackward(dx, logits, targets, lse, g Buffer, v, count int) error
 }
 
+// Float64Kernels is a Kernels whose dtype-generic methods take Float64
+// buffers as well as Float32 ones (every buffer of a call in one dtype):
+// Add, Mul, ColumnSums, FillRows, SumDims, BroadcastDims, PermuteDims,
+// NarrowDim, PadDim and ConcatDim, besides Gemm, Fill, Scale, CopyBox,
+// AdamW, SGD and SumSquares, which take Float64 on every device. The
+// emulated device's Kernels is one, since the CPU kernels it runs are
+// generic. CUDA's kernels are float32 and need not be: autograd then
+// refuses float64 ops on that device (ErrUnsupported, naming the op,
+// dtype and device) instead of failing in a kernel.
+type Float64Kernels interface {
+	Kernels
+	// Float64 reports whether the generic methods take Float64 buffers.
+	Float64() bool
+}
+
 // Pointwise names an elementwise activation of Kernels.Pointwise.
 type Pointwise int
 
