@@ -48,9 +48,9 @@ func KernelFiles() []KernelFile {
 		{Name: "gelu.cu", Kernels: []string{"loom_bias_gelu_fwd_f32"}},
 		{Name: "softmax.cu", Kernels: []string{
 			"loom_softmax_rows_f32", "loom_softmax_rows_bwd_f32", "loom_logsoftmax_rows_bwd_f32",
-			"loom_causal_softmax_f32", "loom_causal_softmax_bwd_f32",
+			"loom_causal_softmax_f32", "loom_causal_softmax_bwd_f32", "loom_softmax_dim_f32", "loom_softmax_dim_bwd_f32",
 		}},
-		{Name: "xent.cu", Kernels: []string{"loom_xent_fwd_f32", "loom_xent_bwd_f32", "loom_xent_targets"}},
+		{Name: "xent.cu", Kernels: []string{"loom_xent_fwd_f32", "loom_xent_bwd_f32", "loom_xent_mean_bwd_f32", "loom_xent_mean_f32", "loom_xent_targets"}},
 		{Name: "optim.cu", Kernels: []string{"loom_adamw_f32", "loom_sgd_f32"}},
 		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
 		{Name: "convert.cu", Kernels: []string{

@@ -83,3 +83,52 @@ extern "C" __global__ void loom_causal_softmax_bwd_f32(float *dx, const float *y
   }
 }
 LOOM_KERNEL(loom_causal_softmax_bwd_f32)
+
+// loom_dim_base is the index of element 0 of column c of [outer, n, inner]
+// (c = o·inner + i).
+__device__ __forceinline__ i64 loom_dim_base(i64 c, i64 n, i64 inner) { return (c / inner) * n * inner + c % inner; }
+
+// The softmax (log-softmax when logout) over the middle dim of
+// [outer, n, inner], in double as kernels.Softmax64 computes it (its max
+// keeps a NaN, as Go's does): one thread per (outer, inner) column,
+// adjacent threads on adjacent columns, so the loads coalesce for
+// inner ≥ 32. dst may alias src. 1-D blocks, any grid.
+extern "C" __global__ void loom_softmax_dim_f32(float *dst, const float *src, i64 outer, i64 n, i64 inner,
+                                                int logout) {
+  LOOM_FOR(c, outer * inner) {
+    const i64 base = loom_dim_base(c, n, inner);
+    double m = -__longlong_as_double(0x7ff0000000000000ll);
+    for (i64 k = 0; k < n; k++) {
+      const double v = src[base + k * inner];
+      if (v != v || v > m) m = v;
+    }
+    double s = 0;
+    for (i64 k = 0; k < n; k++) s += exp((double)src[base + k * inner] - m);
+    const double lse = m + log(s);
+    for (i64 k = 0; k < n; k++) {
+      const i64 i = base + k * inner;
+      dst[i] = logout ? (float)((double)src[i] - lse) : (float)exp((double)src[i] - lse);
+    }
+  }
+}
+LOOM_KERNEL(loom_softmax_dim_f32)
+
+// dx from y = loom_softmax_dim_f32's output and dy, in double as
+// kernels.Softmax64Backward: y⊙(dy − Σ dy⊙y), or dy − exp(y)·Σ dy for the
+// log-softmax. dx must not overlap y or dy. 1-D blocks, any grid.
+extern "C" __global__ void loom_softmax_dim_bwd_f32(float *dx, const float *y, const float *dy, i64 outer, i64 n,
+                                                    i64 inner, int logout) {
+  LOOM_FOR(c, outer * inner) {
+    const i64 base = loom_dim_base(c, n, inner);
+    double s = 0;
+    for (i64 k = 0; k < n; k++) {
+      const i64 i = base + k * inner;
+      s += logout ? (double)dy[i] : (double)dy[i] * (double)y[i];
+    }
+    for (i64 k = 0; k < n; k++) {
+      const i64 i = base + k * inner;
+      dx[i] = logout ? (float)((double)dy[i] - exp((double)y[i]) * s) : (float)((double)y[i] * ((double)dy[i] - s));
+    }
+  }
+}
+LOOM_KERNEL(loom_softmax_dim_bwd_f32)
