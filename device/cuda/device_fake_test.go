@@ -1056,6 +1056,65 @@ func pointwiseCases(r *rand.Rand, sh shapes) []kcase {
 				func(k device.Kernels, b []device.Buffer) error { return k.ArgmaxRows(b[0], b[1], n) }})
 		}
 	}
+	return append(cs, dimCases(r, sh)...)
+}
+
+// dimCases are the cases of SoftmaxDim, CrossEntropyMean and their
+// backwards. The softmax over a middle dim computes in double on both
+// sides with the host's exp and log (glibc's in the fake, CUDA's on a GPU,
+// Go's for the reference), which may differ in the double's last bit, and
+// a GPU may fuse a multiply-add: one float32 rounding apart, 2⁻²² relative
+// plus 1e-7 absolute where a log-softmax near 0 cancels. The mean
+// cross-entropy has xentTol's reasons (float32 expf terms in double sums).
+func dimCases(r *rand.Rand, sh shapes) []kcase {
+	var cs []kcase
+	dimTol := tol{0x1p-22, 1e-7}
+	for _, c := range [][3]int{{1, 5, 1}, {3, 7, 4}, {2, 33, 40}, {1, 300, 1}, {2, 0, 3}, {0, 4, 5}} {
+		outer, n, inner := c[0], c[1], c[2]
+		m := outer * n * inner
+		for _, log := range []bool{false, true} {
+			x := randInit(r, m, 6)
+			cs = append(cs,
+				kcase{fmt.Sprintf("SoftmaxDim log %v/%v", log, c), []kbuf{outF32(m, dimTol), {dt: comm.Float32, n: m, init: x}},
+					func(k device.Kernels, b []device.Buffer) error { return k.SoftmaxDim(b[0], b[1], outer, n, inner, log) }},
+				kcase{fmt.Sprintf("SoftmaxDim in place log %v/%v", log, c), []kbuf{{dt: comm.Float32, n: m, init: x, out: true, tol: dimTol}},
+					func(k device.Kernels, b []device.Buffer) error { return k.SoftmaxDim(b[0], b[0], outer, n, inner, log) }},
+				kcase{fmt.Sprintf("SoftmaxDimBackward log %v/%v", log, c), []kbuf{outF32(m, dimTol), inF32(r, m, 1), inF32(r, m, 1)},
+					func(k device.Kernels, b []device.Buffer) error {
+						return k.SoftmaxDimBackward(b[0], b[1], b[2], outer, n, inner, log)
+					}},
+			)
+		}
+	}
+	for _, rows := range append([]int{0}, sh.rows...) {
+		for _, v := range sh.vocab {
+			targets := make([]float64, rows)
+			for i := range targets {
+				targets[i] = float64(r.IntN(v))
+			}
+			logits := randInit(r, rows*v, 6)
+			for _, count := range []int{rows, 2*rows + 1} {
+				cs = append(cs,
+					kcase{fmt.Sprintf("CrossEntropyMean/%dx%d/%d", rows, v, count), []kbuf{{dt: comm.Float32, n: 1, out: true, tol: xentTol},
+						{dt: comm.Float64, n: rows, out: true, tol: xentTol}, {dt: comm.Float32, n: rows * v, init: logits}, {dt: comm.Int64, n: rows, init: targets}},
+						func(k device.Kernels, b []device.Buffer) error {
+							return k.CrossEntropyMean(b[0], b[1], b[2], b[3], v, count)
+						}},
+					kcase{fmt.Sprintf("CrossEntropyMean no lse/%dx%d/%d", rows, v, count), []kbuf{{dt: comm.Float32, n: 1, out: true, tol: xentTol},
+						{dt: comm.Float32, n: rows * v, init: logits}, {dt: comm.Int64, n: rows, init: targets}},
+						func(k device.Kernels, b []device.Buffer) error {
+							return k.CrossEntropyMean(b[0], nil, b[1], b[2], v, count)
+						}},
+					kcase{fmt.Sprintf("CrossEntropyMeanBackward/%dx%d/%d", rows, v, count), []kbuf{outF32(rows*v, tol{2e-6, 1e-7}),
+						{dt: comm.Float32, n: rows * v, init: logits}, {dt: comm.Int64, n: rows, init: targets},
+						{dt: comm.Float64, n: rows, init: lse(logits, rows, v)}, {dt: comm.Float32, n: 1, init: []float64{0.7}}},
+						func(k device.Kernels, b []device.Buffer) error {
+							return k.CrossEntropyMeanBackward(b[0], b[1], b[2], b[3], b[4], v, count)
+						}},
+				)
+			}
+		}
+	}
 	return cs
 }
 
