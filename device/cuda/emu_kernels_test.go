@@ -259,6 +259,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("layernorm", func(t *testing.T) { testLayerNorm(t, e) })
 	t.Run("gelu", func(t *testing.T) { testBiasGELU(t, e) })
 	t.Run("softmax", func(t *testing.T) { testSoftmax(t, e) })
+	t.Run("softmax_dim", func(t *testing.T) { testSoftmaxDim(t, e) })
 	t.Run("xent", func(t *testing.T) { testCrossEntropy(t, e) })
 	t.Run("optim", func(t *testing.T) { testOptimizers(t, e) })
 	t.Run("embedding", func(t *testing.T) { testEmbedding(t, e) })
@@ -924,6 +925,49 @@ func testEmbedding(t *testing.T, e *emuLib) {
 				t.Fatal(err)
 			}
 			checkSum(t, what+": gradient", dt, wantD, mag)
+		}
+	}
+}
+
+// The softmax over a middle dim against kernels.Softmax64 and its
+// backward: double on both sides, glibc's exp and log against Go's (the
+// double may differ in its last bit): one float32 rounding apart, 2⁻²²
+// relative plus 1e-7 absolute where a log-softmax near 0 cancels. With a
+// NaN in a column the whole column is NaN on both sides.
+func testSoftmaxDim(t *testing.T, e *emuLib) {
+	r := rand.New(rand.NewPCG(31, 32))
+	for _, c := range [][3]int{{1, 1, 1}, {1, 5, 1}, {3, 7, 4}, {2, 33, 40}, {0, 3, 3}, {2, 0, 3}} {
+		outer, n, inner := c[0], c[1], c[2]
+		m := outer * n * inner
+		x, y, dy := randF32(r, m, 6), randF32(r, m, 1), randF32(r, m, 1)
+		if m > 1 {
+			x[0] = float32(math.NaN())
+		}
+		for _, logOut := range []bool{false, true} {
+			want, wantDx := make([]float32, m), make([]float32, m)
+			if err := kernels.Softmax64(want, x, outer, n, inner, logOut); err != nil {
+				t.Fatal(err)
+			}
+			if err := kernels.Softmax64Backward(wantDx, y, dy, outer, n, inner, logOut); err != nil {
+				t.Fatal(err)
+			}
+			flag := int32(0)
+			if logOut {
+				flag = 1
+			}
+			for _, g := range geometries {
+				what := fmt.Sprintf("%v log %v, grid %d×%d", c, logOut, g.grid, g.block)
+				got := slices.Clone(x) // in place
+				if err := e.run("loom_softmax_dim_f32", d1(g.grid), d1(g.block), 0, got, got, int64(outer), int64(n), int64(inner), flag); err != nil {
+					t.Fatal(err)
+				}
+				checkClose(t, what+": vs kernels.Softmax64", got, want, 0x1p-22, 1e-7)
+				dx := garbage(m)
+				if err := e.run("loom_softmax_dim_bwd_f32", d1(g.grid), d1(g.block), 0, dx, y, dy, int64(outer), int64(n), int64(inner), flag); err != nil {
+					t.Fatal(err)
+				}
+				checkClose(t, what+": vs kernels.Softmax64Backward", dx, wantDx, 0x1p-22, 1e-7)
+			}
 		}
 	}
 }
