@@ -458,6 +458,7 @@ func (v *Value) ReleaseGrad() any {
 	if v.grad != nil && v.ownGrad && (v.GradBytes() > 0 || bufOf(v.grad) != nil) {
 		block = v.grad.LocalData()
 	}
+	v.freeOwnedSpare(block)
 	v.grad, v.spare, v.fresh, v.ownGrad, v.ownSpare = nil, nil, 0, false, false
 	return block
 }
@@ -475,6 +476,7 @@ func (v *Value) KeepGradBuffer(block any) {
 	}
 	switch block.(type) {
 	case []float32, []float64, device.Buffer:
+		v.freeOwnedSpare(block)
 		v.spare, v.ownSpare = block, true
 	}
 }
@@ -489,6 +491,7 @@ func (v *Value) ZeroGrad() {
 		return
 	}
 	if v.grad != nil && v.tape != nil && v.tape.recycling {
+		v.freeOwnedSpare(v.grad.LocalData())
 		v.spare, v.ownSpare = v.grad.LocalData(), v.ownGrad
 	} else if v.grad != nil && v.ownGrad {
 		if b := bufOf(v.grad); b != nil {
