@@ -30,6 +30,12 @@ func WithBLAS(b *kernels.BLAS) Option { return func(t *Tape) { t.blas = b } }
 // tape allocate their parameters, and where their gradients and the
 // optimizer state follow. Ops run on the device of their inputs, not the
 // tape's. Without it, or with nil, the device is the host.
+//
+// Op results on a device are device memory, which the garbage collector
+// frees only when it gets round to it (a safety net): give a tape whose
+// ops run on a device WithRecycling too, as the models' trainers do, so
+// that each step's results go back to the device's allocator at Recycle
+// and the device's memory stays flat.
 func WithDevice(d device.Device) Option { return func(t *Tape) { t.device = d } }
 
 // WithRecycling makes the tape reuse the memory of op results from one
