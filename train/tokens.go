@@ -179,17 +179,28 @@ func openTokens(f *os.File, path string, vocab int, format TokenFormat) (*TokenF
 	return t, nil
 }
 
-// scan checks every token against the vocabulary, a chunk at a time.
+// scan checks every token against the vocabulary, a chunk at a time,
+// on the raw bytes (decoding to int64 first halves its speed).
 func (t *TokenFile) scan() error {
-	if t.width == 1 && t.vocab >= 256 {
-		return nil // every byte is a token
+	if t.vocab >= 1<<(8*t.width) {
+		return nil // every value of the width is a token
 	}
 	buf := make([]byte, scanChunk)
-	dst := make([]int64, scanChunk/t.width)
-	for i := 0; i < t.n; i += len(dst) {
-		k := min(len(dst), t.n-i)
-		if err := t.read(dst[:k], i, buf); err != nil {
-			return err
+	total := int64(t.n) * int64(t.width)
+	for pos := int64(0); pos < total; pos += scanChunk {
+		b := buf[:min(scanChunk, total-pos)]
+		off := t.base + pos
+		if _, err := t.f.ReadAt(b, off); err != nil {
+			return fmt.Errorf("%s: byte offset %d: %w", t.path, off, err)
+		}
+		for i := 0; i < len(b); i += t.width {
+			v := int(b[i])
+			if t.width == 2 {
+				v |= int(b[i+1]) << 8
+			}
+			if v >= t.vocab {
+				return fmt.Errorf("%w: %s: byte offset %d: token %d is not below the vocabulary of %d", ErrTokenFile, t.path, off+int64(i), v, t.vocab)
+			}
 		}
 	}
 	return nil

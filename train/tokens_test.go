@@ -367,3 +367,70 @@ func TestWindowsResume(t *testing.T) {
 		return nil
 	})
 }
+
+// TestWindowsRefused: a window length below 1, a file shorter than one
+// window, an axis the mesh lacks, and splits that leave a side empty are
+// refused with ErrInvalid.
+func TestWindowsRefused(t *testing.T) {
+	path := writeFile(t, "input.txt", corpus(21)) // 20 windows of T=1, 2 of T=8
+	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		f, err := train.OpenTokens(path, 256)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		for _, tc := range []struct {
+			name string
+			T    int
+			axes []string
+		}{{"T=0", 0, nil}, {"T=21 on 21 tokens", 21, nil}, {"no such axis", 4, []string{"fsdp"}}} {
+			if _, err := train.NewWindows(f, tc.T, m, tc.axes...); !errors.Is(err, train.ErrInvalid) {
+				t.Errorf("%s: %v, want ErrInvalid", tc.name, err)
+			}
+		}
+		if _, err := train.NewWindows(f, 20, m); err != nil {
+			t.Errorf("T=20 on 21 tokens: %v", err)
+		}
+		w, err := train.NewWindows(f, 1, m)
+		if err != nil {
+			return err
+		}
+		for _, frac := range []float64{0, -0.1, 0.96, 1, 1.5} { // 0.96 holds out all 20
+			if _, _, err := w.Split(frac); !errors.Is(err, train.ErrInvalid) {
+				t.Errorf("Split(%v): %v, want ErrInvalid", frac, err)
+			}
+		}
+		if a, b, err := w.Split(0.95); err != nil || a.Len() != 1 || b.Len() != 19 {
+			t.Errorf("Split(0.95): %v windows and %v, %v; want 1 and 19", a, b, err)
+		}
+		if _, _, err := w.Rows([]int{20}); !errors.Is(err, train.ErrInvalid) {
+			t.Errorf("Rows past the end: %v, want ErrInvalid", err)
+		}
+		if _, err := train.ValLoss[train.LM](ctx, nil, w, nil, 0, nil); !errors.Is(err, train.ErrInvalid) {
+			t.Errorf("ValLoss of nothing: %v, want ErrInvalid", err)
+		}
+		return nil
+	})
+}
+
+// BenchmarkOpenTokens times OpenTokens's check of every token of a 64 MiB
+// llm.c file (from the page cache once warm): the cost of opening a
+// corpus, in bytes per second.
+func BenchmarkOpenTokens(b *testing.B) {
+	toks := make([]int, 32<<20)
+	for i := range toks {
+		toks[i] = i % 50257
+	}
+	path := filepath.Join(b.TempDir(), "train.bin")
+	if err := os.WriteFile(path, llmcBytes(20240520, 1, int32(len(toks)), toks), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(2 * len(toks)))
+	for b.Loop() {
+		f, err := train.OpenTokens(path, 50257)
+		if err != nil {
+			b.Fatal(err)
+		}
+		f.Close()
+	}
+}
