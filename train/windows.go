@@ -70,7 +70,9 @@ func (w *Windows) T() int { return w.t }
 // views of the same file. The two share one token at the boundary (the
 // last training target is the first validation input), as nanoGPT's
 // split of a corpus does. frac must be in (0, 1) and leave at least one
-// window on each side; errors wrap ErrInvalid.
+// window on each side; errors wrap ErrInvalid. A separate validation
+// file (nanoGPT's val.bin) needs no Split: open it and give it to
+// NewWindows.
 func (w *Windows) Split(frac float64) (training, validation *Windows, err error) {
 	if err := numcheck.Fraction(ErrInvalid, "validation fraction", frac); err != nil || frac == 0 {
 		return nil, nil, fmt.Errorf("train: Windows.Split: %w: fraction %v must be in (0, 1)", ErrInvalid, frac)
