@@ -75,11 +75,11 @@ func (w *Windows) T() int { return w.t }
 // NewWindows.
 func (w *Windows) Split(frac float64) (training, validation *Windows, err error) {
 	if err := numcheck.Fraction(ErrInvalid, "validation fraction", frac); err != nil || frac == 0 {
-		return nil, nil, fmt.Errorf("train: Windows.Split: %w: fraction %v must be in (0, 1)", ErrInvalid, frac)
+		return nil, nil, fmt.Errorf("%w: Windows.Split: fraction %v must be in (0, 1)", ErrInvalid, frac)
 	}
 	held := int(math.Ceil(frac * float64(w.n)))
 	if held >= w.n {
-		return nil, nil, fmt.Errorf("train: Windows.Split: %w: holding out %d of %d windows leaves none to train on", ErrInvalid, held, w.n)
+		return nil, nil, fmt.Errorf("%w: Windows.Split: holding out %d of %d windows leaves none to train on", ErrInvalid, held, w.n)
 	}
 	a, b := *w, *w
 	a.n = w.n - held
@@ -107,7 +107,7 @@ func (w *Windows) Rows(rows []int) (x, y []int64, err error) {
 	win := make([]int64, T+1)
 	for i, r := range rows {
 		if r < 0 || r >= w.n {
-			return nil, nil, fmt.Errorf("train: Windows.Rows: %w: window %d of %d", ErrInvalid, r, w.n)
+			return nil, nil, fmt.Errorf("%w: Windows.Rows: window %d of %d", ErrInvalid, r, w.n)
 		}
 		if err := w.file.Read(win, (w.first+r)*T); err != nil {
 			return nil, nil, fmt.Errorf("train: Windows.Rows: %w", err)
