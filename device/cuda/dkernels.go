@@ -1622,28 +1622,10 @@ func (k cudaKernels) DropoutMask(mask device.Buffer, offset, box, global []int, 
 	if n == 0 {
 		return nil
 	}
-	// The global row-major strides and the block's first global index,
-	// then the block's dims folded.
-	base, st := 0, 1
-	var b, g []int // folded box sizes and their global strides, innermost first
-	for d := len(global) - 1; d >= 0; d-- {
-		base += offset[d] * st
-		switch {
-		case box[d] == 1:
-		case len(b) > 0 && g[len(g)-1]*b[len(b)-1] == st:
-			// The dims after d that the box keeps span st elements of
-			// the global tensor: one dim with d.
-			b[len(b)-1] *= box[d]
-		default:
-			b, g = append(b, box[d]), append(g, st)
-		}
-		st *= global[d]
-	}
+	base, b, g := foldBlock(offset, box, global)
 	if len(b) > maxND {
 		return unsupported(k.d, op, "a block %v of %v folds into %d dims; loom_dropout_mask_f32 takes %d", box, global, len(b), maxND)
 	}
-	slices.Reverse(b)
-	slices.Reverse(g)
 	args := []any{v[0].raw(), int32(len(b)), int64(base)}
 	for d := range maxND {
 		args = append(args, int64(at(b, d, 1)))
@@ -1653,6 +1635,31 @@ func (k cudaKernels) DropoutMask(mask device.Buffer, offset, box, global []int, 
 	}
 	args = append(args, p, float32(1/(1-p)), seed, step)
 	return k.elementwise(op, "pointwise.cu", "loom_dropout_mask_f32", n, args...)
+}
+
+// foldBlock returns the global row-major index base of the first element
+// of the block at offset of shape box in a tensor of shape global, and the
+// block's dims folded: sizes b with global strides g, row-major, with the
+// dims of size 1 dropped and a dim merged into the one before it where the
+// block's dims after it span a whole stride of the global tensor. Element
+// i of the block (row-major) has the same global index either way.
+func foldBlock(offset, box, global []int) (base int, b, g []int) {
+	st := 1
+	for d := len(global) - 1; d >= 0; d-- {
+		base += offset[d] * st
+		switch {
+		case box[d] == 1:
+		case len(b) > 0 && g[len(g)-1]*b[len(b)-1] == st:
+			// The kept dims after d span st elements: one dim with d.
+			b[len(b)-1] *= box[d]
+		default:
+			b, g = append(b, box[d]), append(g, st)
+		}
+		st *= global[d]
+	}
+	slices.Reverse(b)
+	slices.Reverse(g)
+	return base, b, g
 }
 
 // ArgmaxRows is dst[r] = the index of row r's largest element of x (rows
