@@ -118,6 +118,7 @@ func OpenDevice(lib *Lib, ordinal int, opts ...DeviceOption) (*Device, error) {
 	if d.compute, err = ctx.NewStream(); err != nil {
 		return nil, errors.Join(err, ctx.Close())
 	}
+	d.compute.afterSync = d.readTargets
 	d.alloc, err = device.NewAllocator(d.name, raw{ctx}, ctx.Synchronize,
 		device.WithEvents(func() (device.Event, error) { return ctx.NewEvent(false) }))
 	if err != nil {
@@ -274,7 +275,7 @@ func (d *Device) Copy(dst, src device.Buffer) error {
 
 // Synchronize waits for the work queued on every stream of the device
 // (cuCtxSynchronize) and returns the first asynchronous error, and the
-// errors the kernels found since the last Synchronize or CopyToHost (a
+// errors the kernels found since the last read (a
 // CrossEntropy target outside [0, v), wrapping device.ErrInvalid), each
 // once.
 func (d *Device) Synchronize() error {

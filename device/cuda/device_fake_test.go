@@ -135,7 +135,8 @@ func TestFakeDevice(t *testing.T) {
 
 // testFakeTargets: a CrossEntropy target outside [0, v) is the CPU
 // kernel's error (device.ErrInvalid, naming the method and the row) from
-// the next Synchronize or CopyToHost, once; the device goes on working;
+// the next Synchronize of the device or its compute stream or CopyToHost,
+// once; the device goes on working;
 // past targetSlots unread checks the call itself returns them.
 func testFakeTargets(t *testing.T, f *deviceFake) {
 	l, d := f.open(t, f.path)
@@ -170,6 +171,9 @@ func testFakeTargets(t *testing.T, f *deviceFake) {
 	want("CrossEntropy", k.CrossEntropy(loss, lse, logits, bad, v), "", 0)
 	want("Synchronize after a bad CrossEntropy", d.Synchronize(), "CrossEntropy", 1)
 	want("Synchronize again", d.Synchronize(), "", 0)
+	want("CrossEntropyMean", k.CrossEntropyMean(dx.Slice(0, 1).(device.Buffer), nil, logits, bad, v, 7), "", 0)
+	want("the compute stream's Synchronize after a bad CrossEntropyMean", d.Compute().Synchronize(), "CrossEntropyMean", 1)
+	want("the compute stream's Synchronize again", d.Compute().Synchronize(), "", 0)
 	want("CrossEntropyBackward", k.CrossEntropyBackward(dx, logits, bad, lse, v, 1), "", 0)
 	got := make([]float32, rows*v)
 	want("CopyToHost after a bad CrossEntropyBackward", d.CopyToHost(comm.Host(got), dx), "CrossEntropyBackward", 1)

@@ -29,6 +29,10 @@ type Stream struct {
 	h      uintptr
 	legacy bool
 	closed atomic.Bool
+	// afterSync, when set (by OpenDevice, on its compute stream, before
+	// the stream is shared), runs after a successful Synchronize and its
+	// error is returned: the device's reading of its kernels' checks.
+	afterSync func() error
 }
 
 var _ device.Stream = (*Stream)(nil)
@@ -75,9 +79,13 @@ func (s *Stream) do(what string, f func(d *driverFns) error) error {
 // Synchronize blocks until all work queued on the stream has completed
 // (cuStreamSynchronize) and returns the first asynchronous error.
 func (s *Stream) Synchronize() error {
-	return s.do("Stream.Synchronize", func(d *driverFns) error {
+	err := s.do("Stream.Synchronize", func(d *driverFns) error {
 		return s.ctx.lib.cuCheck("cuStreamSynchronize", d.cuStreamSynchronize(s.h), "")
 	})
+	if err != nil || s.afterSync == nil {
+		return err
+	}
+	return s.afterSync()
 }
 
 // Query reports whether all work queued on the stream has completed
