@@ -337,7 +337,7 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
-	}, autogradCases()...)
+	}, append(autogradCases(), moeCases()...)...)
 }
 
 // autogradCases are the kernels autograd's ops on devices use (step A6).
