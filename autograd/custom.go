@@ -6,6 +6,8 @@ import (
 	"slices"
 	"unsafe"
 
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -144,6 +146,23 @@ func ResultBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.resu
 // to reuse. A nil t gives fresh memory. The result is never nil; n <= 0
 // gives an empty block.
 func ScratchBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.scratch(), n) }
+
+// ResultBuffer is ResultBlock for a Custom op on device d: n elements of
+// dt, contents undefined (device memory is never zeroed), freed at t's
+// next Recycle on a tape made WithRecycling and otherwise owned by the
+// caller (nil t too), who frees it with its Free. Errors are the
+// device's (an invalid dtype or n, an *OOMError), wrapped.
+func ResultBuffer(t *Tape, d device.Device, dt comm.DType, n int) (device.Buffer, error) {
+	return devBlock(t.result(), d, dt, max(n, 0))
+}
+
+// ScratchBuffer is ScratchBlock on device d: n elements of dt in t's
+// arena, contents undefined, freed when Backward has consumed the
+// gradient they hold or when the tape is cleared (a nil t gives a buffer
+// the caller owns). Errors are as ResultBuffer's.
+func ScratchBuffer(t *Tape, d device.Device, dt comm.DType, n int) (device.Buffer, error) {
+	return devBlock(t.scratch(), d, dt, max(n, 0))
+}
 
 // blockAs is block for any kernels.Float: the arena keeps float32 and
 // float64 blocks, which a type with either underlying type shares.
