@@ -105,6 +105,13 @@
 // DispatchConfig.Diagnostics also the wait for the slowest rank before
 // each later pass: what imbalance costs).
 //
+// A Layer is a parallel.Module, a leaf of a model's tree: parallel.Params
+// collects its router and expert parameters, Plan and FullyShard patterns
+// name it by its path (FSDP can make it a unit), and its Forward runs its
+// hooks. ShardExperts names the expert parameters by the layer's path
+// (WithPrefix). SeqLayer puts a Layer in a parallel.Sequential and adds
+// the routing losses to the task loss (SeqLayer.AddLosses).
+//
 // The package holds no mutable global state; a Router's expert bias is
 // the only state it keeps, and the training loop updates it explicitly
 // (Router.UpdateExpertBias).

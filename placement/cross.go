@@ -6,6 +6,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/internal/checked"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 )
 
@@ -190,7 +191,7 @@ func crossExec[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x blo
 	// Local copies.
 	for _, x2 := range cd.xfers {
 		if x2.from == me && x2.to == me {
-			copyBox(out.data, out.shape, sub(x2.off, dstOff), x.data, x.shape, sub(x2.off, srcOff), x2.size)
+			kernels.CopyBox(out.data, out.shape, sub(x2.off, dstOff), x.data, x.shape, sub(x2.off, srcOff), x2.size)
 		}
 	}
 	if st.Collective == 0 {
@@ -235,7 +236,7 @@ func crossExec[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x blo
 	for _, x2 := range cd.xfers {
 		if x2.from == me && x2.to != me {
 			q := pos(x2.to)
-			copyBox(send[sendOff[q]:], x2.size, zero, x.data, x.shape, sub(x2.off, srcOff), x2.size)
+			kernels.CopyBox(send[sendOff[q]:], x2.size, zero, x.data, x.shape, sub(x2.off, srcOff), x2.size)
 			sendOff[q] += prod(x2.size)
 		}
 	}
@@ -245,7 +246,7 @@ func crossExec[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x blo
 	for _, x2 := range cd.xfers {
 		if x2.to == me && x2.from != me {
 			q := pos(x2.from)
-			copyBox(out.data, out.shape, sub(x2.off, dstOff), recv[recvOff[q]:], x2.size, zero, x2.size)
+			kernels.CopyBox(out.data, out.shape, sub(x2.off, dstOff), recv[recvOff[q]:], x2.size, zero, x2.size)
 			recvOff[q] += prod(x2.size)
 		}
 	}

@@ -95,18 +95,9 @@ func (t *DTensor) To(d device.Device) (*DTensor, error) {
 	}
 	host := t
 	if src.Kind() != device.KindHost {
-		h, err := comm.NewHostBuffer(t.spec.l.dtype, prod(t.shape))
+		data, err := hostCopy(op, t.data.(device.Buffer), false)
 		if err != nil {
-			return nil, wrapf(op, err, "copying the local block off %s", src.Name())
-		}
-		if err := src.CopyToHost(h, t.data.(device.Buffer)); err != nil {
-			return nil, wrapf(op, err, "copying the local block off %s", src.Name())
-		}
-		var data any
-		if h.DType() == comm.Float64 {
-			data = h.Float64s()
-		} else {
-			data = h.Float32s()
+			return nil, err
 		}
 		host = &DTensor{spec: t.spec, shape: slices.Clone(t.shape), data: data}
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/checked"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 )
 
@@ -84,14 +85,92 @@ func checkData(op string, data any, dt comm.DType, shape []int, what string) err
 	return nil
 }
 
-// cloneData returns a copy of a []float32 or []float64, never nil.
-func cloneData(data any) any {
+// cloneData returns a copy of a []float32 or []float64, never nil, or of
+// a device buffer on its device (Alloc, then Copy on its compute stream).
+func cloneData(op string, data any) (any, error) {
 	switch d := data.(type) {
 	case []float32:
-		return append([]float32{}, d...)
-	default:
-		return append([]float64{}, d.([]float64)...)
+		return append([]float32{}, d...), nil
+	case []float64:
+		return append([]float64{}, d...), nil
+	case device.Buffer:
+		dev := d.Owner()
+		b, err := dev.Alloc(d.DType(), d.Len())
+		if err != nil {
+			return nil, wrapf(op, err, "allocating a copy of the local block on %s", dev.Name())
+		}
+		if d.Len() > 0 {
+			if err := dev.Copy(b, d); err != nil {
+				_ = b.Free()
+				return nil, wrapf(op, err, "copying the local block on %s", dev.Name())
+			}
+		}
+		return b, nil
 	}
+	return nil, invalidf(op, "local data is %T, want []float32, []float64 or a device.Buffer", data)
+}
+
+// checkLocal is checkData for a local block that may also be a buffer of
+// a device other than the host, of dtype dt with prod(shape) elements.
+func checkLocal(op string, data any, dt comm.DType, shape []int) error {
+	b, ok := data.(device.Buffer)
+	if !ok {
+		return checkData(op, data, dt, shape, "local")
+	}
+	switch {
+	case comm.IsNil(b) || b.Owner() == nil:
+		return invalidf(op, "a local buffer without a device")
+	case b.Owner().Kind() == device.KindHost:
+		return invalidf(op, "local data is a host device.Buffer: pass its []float32 or []float64")
+	case b.DType() != dt:
+		return invalidf(op, "local buffer on %s is %v, the spec says %v", b.Device(), b.DType(), dt)
+	case b.Len() != prod(shape):
+		return invalidf(op, "local buffer on %s has %d elements, shape %v holds %d", b.Device(), b.Len(), shape, prod(shape))
+	}
+	return nil
+}
+
+// LocalOption configures where FromFull, FromRoot and FromLocal place the
+// tensor they build.
+type LocalOption func(*localConfig)
+
+type localConfig struct {
+	dev device.Device
+	set bool
+}
+
+// OnDevice places the tensor's local block on d (nil: the host): the
+// block is cut out on the host as without the option, then copied to d
+// (DTensor.To). Without it the block stays where its data is: on the
+// host, or for FromLocal on the device of a device buffer.
+func OnDevice(d device.Device) LocalOption {
+	return func(c *localConfig) { c.dev, c.set = d, true }
+}
+
+// place applies the LocalOptions to t, which op has just built.
+func place(op string, t *DTensor, opts []LocalOption) (*DTensor, error) {
+	var c localConfig
+	for _, o := range opts { // checkOptions has run
+		o(&c)
+	}
+	if !c.set {
+		return t, nil
+	}
+	out, err := t.To(c.dev)
+	if err != nil {
+		return nil, wrapf(op, err, "placing the local block")
+	}
+	return out, nil
+}
+
+// checkOptions rejects nil LocalOptions before any data moves.
+func checkOptions(op string, opts []LocalOption) error {
+	for i, o := range opts {
+		if o == nil {
+			return invalidf(op, "option %d is nil", i)
+		}
+	}
+	return nil
 }
 
 // FromFull distributes a tensor that every rank holds in full: full is a
@@ -100,11 +179,15 @@ func cloneData(data any) any {
 // 0). Each rank copies its block, with no communication; full is not
 // retained. On a Partial(sum) axis the rank at coordinate 0 keeps the
 // value and the others hold zeros; on Partial(avg|max|min) every rank
-// keeps it. Errors wrap ErrInvalid (ErrUnsupported for Routed specs).
-func FromFull(spec *Spec, full any) (*DTensor, error) {
+// keeps it. OnDevice places the block on a device; full is host data
+// either way. Errors wrap ErrInvalid (ErrUnsupported for Routed specs).
+func FromFull(spec *Spec, full any, opts ...LocalOption) (*DTensor, error) {
 	const op = "FromFull"
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
+	}
+	if err := checkOptions(op, opts); err != nil {
+		return nil, err
 	}
 	if spec.l.hasRouted() {
 		return nil, unsupportedf(op, "Routed placements are built by the moe package's dispatch (NewLocal with WithRoutedRows), not distributed from a full tensor")
@@ -112,12 +195,14 @@ func FromFull(spec *Spec, full any) (*DTensor, error) {
 	if err := checkData(op, full, spec.l.dtype, spec.l.shape, "full"); err != nil {
 		return nil, err
 	}
+	var t *DTensor
 	switch d := full.(type) {
 	case []float32:
-		return newDTensor(spec, sliceFull(spec, d)), nil
+		t = newDTensor(spec, sliceFull(spec, d))
 	default:
-		return newDTensor(spec, sliceFull(spec, d.([]float64))), nil
+		t = newDTensor(spec, sliceFull(spec, d.([]float64)))
 	}
+	return place(op, t, opts)
 }
 
 // sliceFull cuts this rank's block out of the full data and applies the
@@ -130,7 +215,7 @@ func sliceFull[T elem](spec *Spec, full []T) block[T] {
 	if len(l.shape) == 0 {
 		b.data[0] = full[0]
 	} else {
-		copyBox(b.data, sz, make([]int, len(sz)), full, l.shape, off, sz)
+		kernels.CopyBox(b.data, sz, make([]int, len(sz)), full, l.shape, off, sz)
 	}
 	zeroPartialSum(l, coord, b.data)
 	return b
@@ -154,11 +239,16 @@ func zeroPartialSum[T elem](l *layout, coord []int, data []T) {
 // scattered from root (blocks padded to the largest inside the collective
 // only). Partial axes follow FromFull's rule. Root checks full's length and
 // element type and tells every rank the verdict before any data moves, so
-// a bad tensor is an error everywhere.
-func FromRoot(ctx context.Context, spec *Spec, full any, root int) (*DTensor, error) {
+// a bad tensor is an error everywhere. full is host data (a device
+// buffer is refused, naming its device); OnDevice places the block on a
+// device once it has arrived.
+func FromRoot(ctx context.Context, spec *Spec, full any, root int, opts ...LocalOption) (*DTensor, error) {
 	const op = "FromRoot"
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
+	}
+	if err := checkOptions(op, opts); err != nil {
+		return nil, err
 	}
 	if spec.l.hasRouted() {
 		return nil, unsupportedf(op, "Routed placements are built by the moe package's dispatch (NewLocal with WithRoutedRows), not distributed from a full tensor")
@@ -201,14 +291,14 @@ func FromRoot(ctx context.Context, spec *Spec, full any, root int) (*DTensor, er
 		if err != nil {
 			return nil, err
 		}
-		return newDTensor(spec, b), nil
+		return place(op, newDTensor(spec, b), opts)
 	}
 	d, _ := full.([]float64) // nil off root, where it is not read
 	b, err := fromRoot(ctx, spec, c, d, root)
 	if err != nil {
 		return nil, err
 	}
-	return newDTensor(spec, b), nil
+	return place(op, newDTensor(spec, b), opts)
 }
 
 func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full []T, root int) (block[T], error) {
@@ -235,7 +325,7 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 		send = make([]T, p*maxBox) // FromRoot checked the product
 		for r := range p {
 			off, sz := boxOf(l.shape, l.mshape, l.order, unravel(r, l.mshape))
-			copyBox(send[r*maxBox:], sz, make([]int, len(sz)), full, l.shape, off, sz)
+			kernels.CopyBox(send[r*maxBox:], sz, make([]int, len(sz)), full, l.shape, off, sz)
 		}
 	}
 	recv := make([]T, maxBox)
@@ -272,10 +362,16 @@ func scatterBlock(l *layout) int {
 // any difference every rank returns the same ErrMismatch or ErrInvalid
 // error naming the ranks. Without check nothing is communicated and only
 // this rank's block is checked. NewLocal wraps a block without copying.
-func FromLocal(ctx context.Context, spec *Spec, local any, check bool) (*DTensor, error) {
+// local may also be a device.Buffer of a device other than the host, of
+// the spec's dtype and local length: the copy is then made on that
+// device. OnDevice places the copy on a device.
+func FromLocal(ctx context.Context, spec *Spec, local any, check bool, opts ...LocalOption) (*DTensor, error) {
 	const op = "FromLocal"
 	if spec == nil {
 		return nil, invalidf(op, "nil spec")
+	}
+	if err := checkOptions(op, opts); err != nil {
+		return nil, err
 	}
 	if spec.l.hasRouted() && spec.l.rows == nil {
 		return nil, unsupportedf(op, "a Routed spec without row counts has no local shape (WithRoutedRows; the moe package's dispatch builds Routed tensors)")
@@ -284,7 +380,7 @@ func FromLocal(ctx context.Context, spec *Spec, local any, check bool) (*DTensor
 	if local == nil && prod(want) == 0 {
 		local = zeroData(spec.l.dtype, 0)
 	}
-	localErr := checkData(op, local, spec.l.dtype, want, "local")
+	localErr := checkLocal(op, local, spec.l.dtype, want)
 	if check {
 		if err := agree(ctx, op, spec.m, spec.l.key, localErr == nil); err != nil {
 			if localErr != nil {
@@ -296,7 +392,11 @@ func FromLocal(ctx context.Context, spec *Spec, local any, check bool) (*DTensor
 	if localErr != nil {
 		return nil, localErr
 	}
-	return &DTensor{spec: spec, shape: want, data: cloneData(local)}, nil
+	data, err := cloneData(op, local)
+	if err != nil {
+		return nil, err
+	}
+	return place(op, &DTensor{spec: spec, shape: want, data: data}, opts)
 }
 
 // zeroData returns n zeros of dtype dt (float32 or float64).
@@ -366,7 +466,38 @@ func (t *DTensor) Full(ctx context.Context) (any, error) {
 	if err != nil {
 		return nil, err
 	}
+	if b, ok := r.data.(device.Buffer); ok {
+		return hostCopy("Full", b, true)
+	}
 	return r.data, nil
+}
+
+// hostCopy returns a device buffer's elements as a fresh []float32 or
+// []float64 (empty, never nil, for none), waiting for the work queued on
+// its device; with free, it then frees b, a temporary of the caller's.
+func hostCopy(op string, b device.Buffer, free bool) (any, error) {
+	d := b.Owner()
+	h, err := comm.NewHostBuffer(b.DType(), b.Len())
+	if err == nil {
+		err = d.CopyToHost(h, b)
+	}
+	if free {
+		if ferr := b.Free(); err == nil {
+			err = ferr
+		}
+	}
+	if err != nil {
+		return nil, wrapf(op, err, "copying the local block off %s", d.Name())
+	}
+	switch {
+	case b.Len() == 0:
+		return zeroData(b.DType(), 0), nil
+	case b.DType() == comm.Float32:
+		return h.Float32s(), nil
+	case b.DType() == comm.Float64:
+		return h.Float64s(), nil
+	}
+	return nil, invalidf(op, "a %v buffer on %s: want float32 or float64", b.DType(), d.Name())
 }
 
 // String shows the global shape, dtype, placements and every mesh rank's
@@ -450,7 +581,9 @@ type executeConfig struct {
 
 // WithAllocator makes Execute take its buffers from a instead of
 // allocating them. Without it every buffer is fresh memory. A cross-mesh
-// step allocates its own buffers either way.
+// step allocates its own buffers either way. It applies to host tensors
+// only: a tensor on another device takes its buffers from that device's
+// caching allocator, which already reuses them.
 func WithAllocator(a Allocator) ExecuteOption {
 	return func(c *executeConfig) { c.alloc = a }
 }
@@ -494,18 +627,25 @@ func (p *Planner) Execute(ctx context.Context, pl *Plan, t *DTensor, dst *mesh.M
 		}
 	}
 	spec := &Spec{m: dst, l: pl.dst}
-	switch t.data.(type) {
+	switch d := t.data.(type) {
 	case []float32:
 		b, err := execute(ctx, pl, t.spec.m, dst, blockOf[float32](t), cfg.alloc, cfg.reuse)
 		if err != nil {
 			return nil, err
 		}
 		return newDTensor(spec, b), nil
-	default:
+	case []float64:
 		b, err := execute(ctx, pl, t.spec.m, dst, blockOf[float64](t), cfg.alloc, cfg.reuse)
 		if err != nil {
 			return nil, err
 		}
 		return newDTensor(spec, b), nil
+	case device.Buffer:
+		b, err := executeDevice(ctx, pl, t.spec.m, dst, t.shape, d, cfg.reuse)
+		if err != nil {
+			return nil, err
+		}
+		return &DTensor{spec: spec, shape: b.shape, data: b.buf}, nil
 	}
+	return nil, invalidf(op, "the local block is %T, want []float32, []float64 or a device.Buffer", t.data)
 }

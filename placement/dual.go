@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 )
 
 // cotangent returns the layout of the gradient of a value laid out by l:
@@ -133,8 +134,20 @@ func Inner(ctx context.Context, a, b *DTensor) (float64, error) {
 			return 0, invalidf(op, "shard orders of dim %d differ: %v vs %v", d, la.axisNames(la.order[d]), lb.axisNames(lb.order[d]))
 		}
 	}
+	if err := device.Same("placement: "+op, a.Device(), b.Device()); err != nil {
+		return 0, err
+	}
 	s := 0.0
 	if w != 0 {
+		// On a device the dot product is taken on copies of the blocks on
+		// the host: a test's pairing, not a training step's op.
+		var err error
+		if a, err = a.To(device.Host()); err != nil {
+			return 0, wrapf(op, err, "copying the first tensor's block")
+		}
+		if b, err = b.To(device.Host()); err != nil {
+			return 0, wrapf(op, err, "copying the second tensor's block")
+		}
 		switch xa := a.data.(type) {
 		case []float32:
 			xb := b.data.([]float32)

@@ -27,11 +27,19 @@ func adjoint(ctx context.Context, p *placement.Planner, src, dst, grad *placemen
 			return 0, 0, nil, err
 		}
 	}
-	x, err := placementtest.Distribute(src, placementtest.Random(src.Shape(), src.DType(), seed), seed+1)
+	hx, err := placementtest.Distribute(src, placementtest.Random(src.Shape(), src.DType(), seed), seed+1)
 	if err != nil {
 		return 0, 0, nil, err
 	}
-	y, err := placementtest.Distribute(grad, placementtest.Random(grad.Shape(), grad.DType(), seed+2), seed+3)
+	hy, err := placementtest.Distribute(grad, placementtest.Random(grad.Shape(), grad.DType(), seed+2), seed+3)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	x, err := onDevice(ctx, hx)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	y, err := onDevice(ctx, hy)
 	if err != nil {
 		return 0, 0, nil, err
 	}
@@ -45,6 +53,23 @@ func adjoint(ctx context.Context, p *placement.Planner, src, dst, grad *placemen
 	ty, err := p.Execute(ctx, bwd, y, src.Mesh())
 	if err != nil {
 		return 0, 0, nil, err
+	}
+	if x != hx {
+		// The device's forward and backward are the host's, bit for bit.
+		htx, err := p.Execute(ctx, fwd, hx, dst.Mesh())
+		if err != nil {
+			return 0, 0, nil, err
+		}
+		if err := sameAsHost(ctx, tx, htx); err != nil {
+			return 0, 0, nil, fmt.Errorf("forward: %w", err)
+		}
+		hty, err := p.Execute(ctx, bwd, hy, src.Mesh())
+		if err != nil {
+			return 0, 0, nil, err
+		}
+		if err := sameAsHost(ctx, ty, hty); err != nil {
+			return 0, 0, nil, fmt.Errorf("backward: %w", err)
+		}
 	}
 	want, _ := placement.GradSpec(src)
 	if !ty.Spec().Equal(want) {
@@ -89,7 +114,7 @@ func TestAdjointAll(t *testing.T) {
 		t.Run(fmt.Sprint(tc.mesh, tc.shape), func(t *testing.T) {
 			all := linearCombos(len(tc.mesh), len(tc.shape))
 			planners := []*placement.Planner{placement.NewPlanner(nil), placement.NewPlanner(testModel)}
-			placementtest.Run(t, tc.mesh, names(len(tc.mesh)), func(ctx context.Context, m *mesh.Mesh) error {
+			runDevices(t, tc.mesh, names(len(tc.mesh)), func(ctx context.Context, m *mesh.Mesh) error {
 				seed := uint64(100)
 				for _, sp := range all {
 					src, _ := placement.NewSpec(m, tc.shape, comm.Float64, sp)
@@ -150,7 +175,7 @@ func TestBackwardDuals(t *testing.T) {
 		{"S->P(sum): local chunk", S1, Psum, placement.Placement{}, []placement.StepKind{placement.StepShardToPartial}, []placement.StepKind{placement.StepChunk}},
 	}
 	p := placement.NewPlanner(testModel)
-	placementtest.Run(t, []int{3}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+	runDevices(t, []int{3}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		shape := []int{5, 4}
 		for i, tc := range cases {
 			src, _ := placement.NewSpec(m, shape, comm.Float64, []placement.Placement{tc.src})
@@ -230,7 +255,7 @@ func TestAdjointCrossMesh(t *testing.T) {
 		for _, s := range shapeA {
 			n *= s
 		}
-		placementtest.Run(t, []int{n}, []string{"w"}, func(ctx context.Context, w *mesh.Mesh) error {
+		runDevices(t, []int{n}, []string{"w"}, func(ctx context.Context, w *mesh.Mesh) error {
 			ma, err := mesh.New(w.World(), shapeA, namesA)
 			if err != nil {
 				return err

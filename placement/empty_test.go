@@ -48,7 +48,7 @@ func TestZeroSizeRoundTrip(t *testing.T) {
 				}
 			}
 			planners := []*placement.Planner{placement.NewPlanner(nil), placement.NewPlanner(testModel)}
-			placementtest.Run(t, tc.mesh, names(n), func(ctx context.Context, m *mesh.Mesh) error {
+			runDevices(t, tc.mesh, names(n), func(ctx context.Context, m *mesh.Mesh) error {
 				for k, pr := range pairs {
 					src, err := placement.NewSpec(m, tc.shape, comm.Float64, pr[0])
 					if err != nil {

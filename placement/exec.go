@@ -6,6 +6,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 )
 
@@ -16,54 +17,6 @@ type elem interface{ float32 | float64 }
 type block[T elem] struct {
 	shape []int
 	data  []T
-}
-
-// strides returns row-major strides of shape.
-func strides(shape []int) []int {
-	s := make([]int, len(shape))
-	n := 1
-	for i := len(shape) - 1; i >= 0; i-- {
-		s[i] = n
-		n *= shape[i]
-	}
-	return s
-}
-
-// copyBox copies the box of the given size at soff in src (shape sshape)
-// to doff in dst (shape dshape).
-func copyBox[T any](dst []T, dshape, doff []int, src []T, sshape, soff []int, size []int) {
-	nd := len(size)
-	if nd == 0 {
-		dst[0] = src[0]
-		return
-	}
-	for _, v := range size {
-		if v == 0 {
-			return
-		}
-	}
-	ds, ss := strides(dshape), strides(sshape)
-	row := size[nd-1]
-	idx := make([]int, nd-1)
-	for {
-		di, si := doff[nd-1], soff[nd-1]
-		for k := 0; k < nd-1; k++ {
-			di += (doff[k] + idx[k]) * ds[k]
-			si += (soff[k] + idx[k]) * ss[k]
-		}
-		copy(dst[di:di+row], src[si:si+row])
-		k := nd - 2
-		for ; k >= 0; k-- {
-			idx[k]++
-			if idx[k] < size[k] {
-				break
-			}
-			idx[k] = 0
-		}
-		if k < 0 {
-			return
-		}
-	}
 }
 
 // with returns a copy of s with s[d] = v.
@@ -239,7 +192,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		for r := range k {
 			off, sz := chunk(par, k, r)
 			ps := with(ls, d, sz)
-			copyBox(out.data, out.shape, at(nd, d, off), recv[r*blk:], ps, make([]int, nd), ps)
+			kernels.CopyBox(out.data, out.shape, at(nd, d, off), recv[r*blk:], ps, make([]int, nd), ps)
 		}
 		return out, nil
 
@@ -254,7 +207,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		for r := range k {
 			off, sz := chunk(par, k, r)
 			ps := with(ls, d, sz)
-			copyBox(send[r*blk:], ps, make([]int, nd), x.data, ls, at(nd, d, off), ps)
+			kernels.CopyBox(send[r*blk:], ps, make([]int, nd), x.data, ls, at(nd, d, off), ps)
 		}
 		recv := buf.out(blk)
 		if err := comm.ReduceScatter(ctx, c, comm.Host(send), comm.Host(recv), st.Reduce); err != nil {
@@ -293,7 +246,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		for r := range k {
 			offJ, szJ := chunk(parJ, k, r)
 			bs := with(ls, j, szJ)
-			copyBox(send[pos:], bs, make([]int, nd), x.data, ls, at(nd, j, offJ), bs)
+			kernels.CopyBox(send[pos:], bs, make([]int, nd), x.data, ls, at(nd, j, offJ), bs)
 			pos += sendCounts[r]
 		}
 		recv := buf.temp(sum(recvCounts))
@@ -312,7 +265,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		for r := range k {
 			offI, szI := chunk(parI, k, r)
 			bs := with(with(ls, i, szI), j, myJ)
-			copyBox(out.data, out.shape, at(nd, i, offI), recv[pos:], bs, make([]int, nd), bs)
+			kernels.CopyBox(out.data, out.shape, at(nd, i, offI), recv[pos:], bs, make([]int, nd), bs)
 			pos += recvCounts[r]
 		}
 		return out, nil
@@ -322,7 +275,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		off, sz := chunk(ls[d], k, me)
 		out := block[T]{shape: with(ls, d, sz)}
 		out.data = buf.out(prod(out.shape))
-		copyBox(out.data, out.shape, make([]int, nd), x.data, ls, at(nd, d, off), out.shape)
+		kernels.CopyBox(out.data, out.shape, make([]int, nd), x.data, ls, at(nd, d, off), out.shape)
 		return out, nil
 
 	case StepToPartial:
@@ -342,7 +295,7 @@ func stepExec[T elem](ctx context.Context, st *Step, shape []int, m *mesh.Mesh, 
 		off, _ := chunk(par, k, me)
 		out := block[T]{shape: with(ls, d, par)}
 		out.data = buf.zeroOut(prod(out.shape))
-		copyBox(out.data, out.shape, at(nd, d, off), x.data, ls, make([]int, nd), ls)
+		kernels.CopyBox(out.data, out.shape, at(nd, d, off), x.data, ls, make([]int, nd), ls)
 		return out, nil
 	}
 	return x, fmt.Errorf("unknown step kind %v", st.Kind)

@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 )
 
 // ExtremumGrad is the backward of a redistribution that reduced
@@ -65,6 +66,9 @@ func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor,
 	if err != nil {
 		return nil, err
 	}
+	if err := device.Same("placement: "+op, x.Device(), g.Device()); err != nil {
+		return nil, err
+	}
 	// The gradient laid out like x with the extremum axes replicated, by
 	// the duality table of the linear rest of the forward move.
 	lin, err := p.planLayouts(lr, y.spec.l)
@@ -84,6 +88,33 @@ func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor,
 		return nil, err
 	}
 	out := &Spec{m: x.spec.m, l: ls}
+	if dev := x.Device(); dev.Kind() != device.KindHost {
+		// No device kernel compares pieces yet: the winners are found on
+		// host copies of x and the gradient, and the result goes back to
+		// x's device.
+		hx, err := x.To(device.Host())
+		if err != nil {
+			return nil, wrapf(op, err, "copying x's block")
+		}
+		hg, err := gr.To(device.Host())
+		if err != nil {
+			return nil, wrapf(op, err, "copying the gradient's block")
+		}
+		if ferr := gr.data.(device.Buffer).Free(); ferr != nil {
+			return nil, wrapf(op, ferr, "freeing the gradient's block on %s", dev.Name())
+		}
+		h, err := extremumMask(ctx, group, reduce, out, hx, hg)
+		if err != nil {
+			return nil, err
+		}
+		return h.To(dev)
+	}
+	return extremumMask(ctx, group, reduce, out, x, gr)
+}
+
+// extremumMask is ExtremumGrad's last step on host blocks: gr masked to
+// the ranks whose x won, laid out by out.
+func extremumMask(ctx context.Context, group comm.Communicator, reduce comm.ReduceOp, out *Spec, x, gr *DTensor) (*DTensor, error) {
 	switch xd := x.data.(type) {
 	case []float32:
 		d, err := maskWinners(ctx, group, reduce, xd, gr.data.([]float32))

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -48,7 +49,7 @@ func TestExtremumGradGoesToTheWinner(t *testing.T) {
 				}
 			}
 			t.Run(fmt.Sprint(tc.mesh, tc.src), func(t *testing.T) {
-				placementtest.Run(t, tc.mesh, names(len(tc.mesh)), func(ctx context.Context, m *mesh.Mesh) error {
+				runDevices(t, tc.mesh, names(len(tc.mesh)), func(ctx context.Context, m *mesh.Mesh) error {
 					for _, dst := range dsts {
 						if err := checkExtremumGrad(ctx, m, tc.src, dst, op); err != nil {
 							return fmt.Errorf("%v -> %v: %w", tc.src, dst, err)
@@ -85,7 +86,8 @@ func checkExtremumGrad(ctx context.Context, m *mesh.Mesh, src, dst []placement.P
 	for i := range local {
 		local[i] = levels[(i*7+q)%3]
 	}
-	x, err := placement.FromLocal(ctx, spec, local, false)
+	on := placement.OnDevice(placementtest.Device(ctx))
+	x, err := placement.FromLocal(ctx, spec, local, false, on)
 	if err != nil {
 		return err
 	}
@@ -107,7 +109,7 @@ func checkExtremumGrad(ctx context.Context, m *mesh.Mesh, src, dst []placement.P
 	if err != nil {
 		return err
 	}
-	g, err := placement.FromFull(gspec, gfull)
+	g, err := placement.FromFull(gspec, gfull, on)
 	if err != nil {
 		return err
 	}
@@ -126,7 +128,14 @@ func checkExtremumGrad(ctx context.Context, m *mesh.Mesh, src, dst []placement.P
 	if err != nil {
 		return err
 	}
-	got := grad.LocalData().([]float64)
+	if grad.Device() != placementtest.Device(ctx) {
+		return fmt.Errorf("the gradient is on %s, want %s", grad.Device().Name(), placementtest.Device(ctx).Name())
+	}
+	hgrad, err := grad.To(device.Host())
+	if err != nil {
+		return err
+	}
+	got := hgrad.LocalData().([]float64)
 	for i := range got {
 		best, first := levels[(i*7)%3], 0
 		for r := 1; r < group.Size(); r++ {

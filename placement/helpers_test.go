@@ -6,8 +6,11 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"testing"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -94,13 +97,81 @@ func orderOpts(m *mesh.Mesh, ps []placement.Placement, ndim int, rng *rand.Rand)
 	return opts
 }
 
-// roundTrip distributes x by src, redistributes to dst and checks the full
-// tensor, returning a description on failure.
+// devices are the devices the parametrised tests run on: the host, and an
+// emulated device per rank, on which the same plans run through the
+// device path (Kernels.CopyBox, collectives on device buffers).
+var devices = []struct {
+	name string
+	opts []placementtest.Option
+}{
+	{"host", nil},
+	{"emu", []placementtest.Option{placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })}},
+}
+
+// onDevice copies a host tensor to the rank's device (itself on the
+// host).
+func onDevice(ctx context.Context, t *placement.DTensor) (*placement.DTensor, error) {
+	return t.To(placementtest.Device(ctx))
+}
+
+// sameAsHost checks that got, computed on the rank's device, is there and
+// equals want, the same computation on the host, bit for bit: the
+// emulated device runs the host's arithmetic in the host's order.
+func sameAsHost(ctx context.Context, got, want *placement.DTensor) error {
+	d := placementtest.Device(ctx)
+	if got.Device() != d {
+		return fmt.Errorf("the result is on %s, want %s", got.Device().Name(), d.Name())
+	}
+	if d.Kind() == device.KindHost {
+		return nil
+	}
+	if !got.Spec().Equal(want.Spec()) || !slices.Equal(got.LocalShape(), want.LocalShape()) {
+		return fmt.Errorf("on %s: spec %v local shape %v, on the host %v %v", d.Name(), got.Spec(), got.LocalShape(), want.Spec(), want.LocalShape())
+	}
+	h, err := got.To(device.Host())
+	if err != nil {
+		return err
+	}
+	g, w := bits(h.LocalData()), bits(want.LocalData())
+	if len(g) != len(w) {
+		return fmt.Errorf("on %s: %d local elements, on the host %d", d.Name(), len(g), len(w))
+	}
+	for i := range g {
+		if g[i] != w[i] {
+			return fmt.Errorf("on %s: local element %d has bits %#x, on the host %#x", d.Name(), i, g[i], w[i])
+		}
+	}
+	return nil
+}
+
+// bits are a []float32's or []float64's bit patterns.
+func bits(d any) []uint64 {
+	var out []uint64
+	switch d := d.(type) {
+	case []float32:
+		for _, v := range d {
+			out = append(out, uint64(math.Float32bits(v)))
+		}
+	case []float64:
+		for _, v := range d {
+			out = append(out, math.Float64bits(v))
+		}
+	}
+	return out
+}
+
+// roundTrip distributes x by src on the rank's device, redistributes to
+// dst and checks the full tensor, and on a device that the local result
+// is the host's bit for bit; it returns a description on failure.
 func roundTrip(ctx context.Context, p *placement.Planner, src, dst *placement.Spec, seed uint64, tol float64) error {
 	x := placementtest.Random(src.Shape(), src.DType(), seed)
-	dt, err := placementtest.Distribute(src, x, seed+1)
+	hdt, err := placementtest.Distribute(src, x, seed+1)
 	if err != nil {
 		return fmt.Errorf("distribute %v: %w", src, err)
+	}
+	dt, err := onDevice(ctx, hdt)
+	if err != nil {
+		return err
 	}
 	if err := placementtest.CheckFull(ctx, dt, x, tol); err != nil {
 		return fmt.Errorf("source %v: Full: %w", src, err)
@@ -108,6 +179,15 @@ func roundTrip(ctx context.Context, p *placement.Planner, src, dst *placement.Sp
 	out, err := p.Redistribute(ctx, dt, dst)
 	if err != nil {
 		return fmt.Errorf("%v -> %v: %w", src, dst, err)
+	}
+	if dt != hdt {
+		hout, err := p.Redistribute(ctx, hdt, dst)
+		if err != nil {
+			return fmt.Errorf("%v -> %v on the host: %w", src, dst, err)
+		}
+		if err := sameAsHost(ctx, out, hout); err != nil {
+			return fmt.Errorf("%v -> %v: %w", src, dst, err)
+		}
 	}
 	if !out.Spec().Equal(dst) {
 		return fmt.Errorf("%v -> %v: result spec %v", src, dst, out.Spec())
@@ -135,12 +215,23 @@ func roundTrip(ctx context.Context, p *placement.Planner, src, dst *placement.Sp
 
 func names(n int) []string { return []string{"a", "b", "c", "d"}[:n] }
 
-// sameLocal compares two DTensors' local blocks.
+// sameLocal compares two DTensors' local blocks (copied to the host).
 func sameLocal(a, b *placement.DTensor, tol float64) error {
 	if !slices.Equal(a.LocalShape(), b.LocalShape()) {
 		return fmt.Errorf("local shape %v, want %v", a.LocalShape(), b.LocalShape())
 	}
-	av, bv := f64(a.LocalData()), f64(b.LocalData())
+	ha, err := a.To(device.Host())
+	if err != nil {
+		return err
+	}
+	hb, err := b.To(device.Host())
+	if err != nil {
+		return err
+	}
+	av, bv := f64(ha.LocalData()), f64(hb.LocalData())
+	if len(av) != len(bv) {
+		return fmt.Errorf("%d local elements, want %d", len(av), len(bv))
+	}
 	for i := range av {
 		if math.Abs(av[i]-bv[i]) > tol*math.Max(1, math.Abs(bv[i])) {
 			return fmt.Errorf("local element %d is %g, want %g", i, av[i], bv[i])
@@ -161,4 +252,13 @@ func f64(d any) []float64 {
 		return d
 	}
 	return nil
+}
+
+// runDevices is placementtest.Run once per entry of devices, each a
+// subtest named after it.
+func runDevices(t *testing.T, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error) {
+	t.Helper()
+	for _, d := range devices {
+		t.Run(d.name, func(t *testing.T) { placementtest.Run(t, shape, names, fn, d.opts...) })
+	}
 }

@@ -9,7 +9,6 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
-	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
 // TestRoundTripExhaustive checks Full(Redistribute(Distribute(x, src),
@@ -37,7 +36,7 @@ func TestRoundTripExhaustive(t *testing.T) {
 			// Without a model the planner prefers fewer collectives (direct
 			// all-to-all-v); with a latency-heavy model, per-axis steps.
 			planners := []*placement.Planner{placement.NewPlanner(nil), placement.NewPlanner(testModel)}
-			placementtest.Run(t, tc.mesh, names(n), func(ctx context.Context, m *mesh.Mesh) error {
+			runDevices(t, tc.mesh, names(n), func(ctx context.Context, m *mesh.Mesh) error {
 				seed := uint64(0)
 				for _, sp := range all {
 					src, err := placement.NewSpec(m, tc.shape, comm.Float64, sp)
@@ -101,7 +100,7 @@ func TestRoundTripRandom(t *testing.T) {
 			if i%3 == 0 {
 				planner = placement.NewPlanner(testModel)
 			}
-			placementtest.Run(t, msh, names(len(msh)), func(ctx context.Context, m *mesh.Mesh) error {
+			runDevices(t, msh, names(len(msh)), func(ctx context.Context, m *mesh.Mesh) error {
 				for k, p := range ps {
 					src, err := placement.NewSpec(m, shape, dt, p.src, orderOpts(m, p.src, ndim, rand.New(rand.NewPCG(p.so, 0)))...)
 					if err != nil {

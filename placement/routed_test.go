@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -19,7 +21,8 @@ var Routed = placement.Routed()
 // TestRoutedRows: a Routed spec with row counts (WithRoutedRows) has a
 // local shape and a box on every rank, routed groups taken row-major over
 // the Routed axes in mesh order, replicas along other axes holding the same
-// rows; bad counts are rejected.
+// rows; bad counts are rejected. The same blocks wrap buffers of an
+// emulated device (NewLocalOn, FromLocal), empty ones included.
 func TestRoutedRows(t *testing.T) {
 	ctx := context.Background()
 	err := placementtest.Simulate(ctx, []int{2, 3}, []string{"dp", "ep"}, func(ctx context.Context, m *mesh.Mesh) error {
@@ -69,6 +72,25 @@ func TestRoutedRows(t *testing.T) {
 			if _, err := placement.Redistribute(ctx, dt, s); !errors.Is(err, placement.ErrUnsupported) {
 				return fmt.Errorf("%s: Redistribute of a Routed tensor: %v, want ErrUnsupported", tc.name, err)
 			}
+			// The same block on the rank's device (empty ones included).
+			d := placementtest.Device(ctx)
+			buf, err := d.Alloc(comm.Float32, len(data))
+			if err != nil {
+				return err
+			}
+			on, err := placement.NewLocalOn(s, buf)
+			if err != nil {
+				return fmt.Errorf("%s: NewLocalOn: %w", tc.name, err)
+			}
+			if on.Device() != d || !slices.Equal(on.LocalShape(), local) {
+				return fmt.Errorf("%s: NewLocalOn: on %s, local shape %v, want %s and %v", tc.name, on.Device().Name(), on.LocalShape(), d.Name(), local)
+			}
+			if _, err := placement.Redistribute(ctx, on, s); !errors.Is(err, placement.ErrUnsupported) {
+				return fmt.Errorf("%s: Redistribute of a Routed tensor on %s: %v, want ErrUnsupported", tc.name, d.Name(), err)
+			}
+			if c, err := placement.FromLocal(ctx, s, buf, true); err != nil || c.Device() != d {
+				return fmt.Errorf("%s: FromLocal of a device buffer: %v", tc.name, err)
+			}
 			gs, err := placement.GradSpec(s)
 			if err != nil || !gs.Equal(s) {
 				return fmt.Errorf("%s: GradSpec %v (%v), want the spec itself", tc.name, gs, err)
@@ -85,7 +107,7 @@ func TestRoutedRows(t *testing.T) {
 			return fmt.Errorf("specs with rows [1 1 1] and [3 0 0] are equal")
 		}
 		return nil
-	})
+	}, placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) }))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -231,6 +231,14 @@ func (d *InMemory) Batch(ctx context.Context, s Sample) (Classification, error) 
 	if len(d.Axes) > 1 {
 		opts = append(opts, placement.WithOrder(0, d.Axes...))
 	}
+	// Every rank checks every row, not only its own, so that a bad batch
+	// fails on all of them alike rather than leaving some waiting in the
+	// next collective.
+	for _, r := range s.Global {
+		if r < 0 || r >= len(d.Y) {
+			return Classification{}, fmt.Errorf("%s: %w: row %d of %d", op, ErrInvalid, r, len(d.Y))
+		}
+	}
 	b := len(s.Global)
 	spec, err := placement.NewSpec(d.Mesh, []int{b, d.Features}, comm.Float32, places, opts...)
 	if err != nil {
@@ -244,9 +252,6 @@ func (d *InMemory) Batch(ctx context.Context, s Sample) (Classification, error) 
 	x := make([]float32, 0, len(rows)*d.Features)
 	y := make([]int64, 0, len(rows))
 	for _, r := range rows {
-		if r < 0 || r >= len(d.Y) {
-			return Classification{}, fmt.Errorf("%s: %w: row %d of %d", op, ErrInvalid, r, len(d.Y))
-		}
 		x = append(x, d.X[r*d.Features:(r+1)*d.Features]...)
 		y = append(y, d.Y[r])
 	}

@@ -1,6 +1,20 @@
-// Package train is the training loop that the example programs
-// (examples/transformer and examples/moe) share, public so that a program
-// of one's own can copy it: Run starts this process's ranks as its
+// Package train trains models.
+//
+// Trainer is the training loop for a model of one's own (see
+// ExampleTrainer and examples/mlp): it drives the user's parallel.Module,
+// loss function (LossFunc) and optimizer over a Dataset (InMemory holds
+// features and labels in slices; Blobs draws a synthetic set) whose global
+// batches a distributed Sampler gives (each data-parallel rank its rows;
+// epochs; seeded shuffling, the same on every rank; State and Restore),
+// with a learning-rate Schedule (Constant, WarmupCosine, WarmupLinear),
+// gradient accumulation under the reducers' NoSync (DDP, FSDP; SyncGrads
+// for other axes), clipping (optim.ClipGradNorm), evaluation every N steps
+// (Evaluate, ClassMetrics, ClassifierEval), a progress line (a live bar on
+// a terminal) and JSON-lines metrics. Item reads a scalar loss.
+//
+// Run is the loop that the example programs (examples/transformer and
+// examples/moe) share, public so that a program of one's own can copy
+// it: Run starts this process's ranks as its
 // launch.Job says (in-process ranks on comm/local, or this process's one
 // rank under mpirun, loomrun or torchrun),
 // builds each rank's Stepper, runs and times the steps, reports rank 0's

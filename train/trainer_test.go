@@ -18,6 +18,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -356,6 +357,87 @@ func TestNewTrainerRejects(t *testing.T) {
 		}
 		if err := tr.Resume(-1); !errors.Is(err, ErrInvalid) {
 			return fmt.Errorf("Resume(-1): %v", err)
+		}
+		return nil
+	})
+}
+
+// TestEvalMode: the evaluation runs with the model in evaluation mode
+// (Dropout off) and training resumes in training mode; an evaluation's
+// error ends Fit, naming the step.
+func TestEvalMode(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		n := newTnet(t, m, "dp")
+		drop, err := parallel.NewDropout(0.5, 1)
+		if err != nil {
+			return err
+		}
+		n.model.Layers = append([]parallel.Layer{drop}, n.model.Layers...)
+		var modes []bool
+		eval := func(context.Context) (Metrics, error) {
+			modes = append(modes, drop.Training())
+			return Metrics{"x": 1}, nil
+		}
+		if _, err := n.fit(ctx, 16, 4, WithEval(2, eval)); err != nil {
+			return err
+		}
+		if len(modes) != 2 || modes[0] || modes[1] || !drop.Training() {
+			return fmt.Errorf("training mode during the evaluations %v, after %v; want [false false], true", modes, drop.Training())
+		}
+		boom := errors.New("boom")
+		_, err = n.fit(ctx, 16, 4, WithEval(3, func(context.Context) (Metrics, error) { return nil, boom }))
+		if !errors.Is(err, boom) || !strings.Contains(err.Error(), "step 3") || !drop.Training() {
+			return fmt.Errorf("a failing evaluation: %v (training mode %v)", err, drop.Training())
+		}
+		return nil
+	})
+}
+
+// TestInMemoryBatch: on a 2×2 mesh with both axes sharding the rows of an
+// uneven batch (7 rows over 4 ranks), the ranks' blocks gather into the
+// global batch's rows in order, features and labels alike; a row outside
+// the dataset and a Split past the end are errors.
+func TestInMemoryBatch(t *testing.T) {
+	placementtest.Run(t, []int{2, 2}, []string{"dp", "fsdp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		x := make([]float32, 10*3)
+		y := make([]int64, 10)
+		for i := range y {
+			y[i] = int64(i)
+			for j := range 3 {
+				x[i*3+j] = float32(10*i + j)
+			}
+		}
+		d := &InMemory{X: x, Features: 3, Y: y, Tape: autograd.NewTape(), Mesh: m, Axes: []string{"dp", "fsdp"}}
+		global := []int{9, 0, 4, 2, 7, 1, 5}
+		b, err := d.Batch(ctx, Sample{Global: global})
+		if err != nil {
+			return err
+		}
+		full, err := b.X.Data().Full(ctx)
+		if err != nil {
+			return err
+		}
+		fx := full.([]float32)
+		for i, r := range global {
+			for j := range 3 {
+				if fx[i*3+j] != x[r*3+j] {
+					return fmt.Errorf("row %d of the batch: %v, want dataset row %d", i, fx[i*3:i*3+3], r)
+				}
+			}
+		}
+		// The labels, compared through Accuracy with the global batch's.
+		want, err := autograd.IndicesFromFull(m, []int{7}, b.X.Spec().Placements(), []int64{9, 0, 4, 2, 7, 1, 5}, placement.WithOrder(0, "dp", "fsdp"))
+		if err != nil {
+			return err
+		}
+		if acc, err := autograd.Accuracy(ctx, b.Y, want); err != nil || acc != 1 {
+			return fmt.Errorf("labels: accuracy %v against the global batch's (err %v)", acc, err)
+		}
+		if _, err := d.Batch(ctx, Sample{Global: []int{10}}); !errors.Is(err, ErrInvalid) {
+			return fmt.Errorf("row 10 of 10: %v", err)
+		}
+		if _, _, err := d.Split(10); !errors.Is(err, ErrInvalid) {
+			return fmt.Errorf("Split(10) of 10: %v", err)
 		}
 		return nil
 	})

@@ -32,7 +32,7 @@ type options struct {
 
 func main() {
 	var o options
-	flag.IntVar(&o.dp, "dp", 1, "data-parallel ranks (DDP)")
+	flag.IntVar(&o.dp, "dp", 1, "data-parallel ranks (DDP; with -fsdp, HSDP)")
 	flag.IntVar(&o.tp, "tp", 1, "tensor-parallel ranks (the hidden layer split over them)")
 	flag.IntVar(&o.fsdp, "fsdp", 1, "fully sharded data-parallel ranks (FSDP)")
 	flag.IntVar(&o.steps, "steps", 100, "optimizer steps")
@@ -48,7 +48,7 @@ func main() {
 // newModel is the user's model, written once in global terms and laid out
 // over the mesh: "tp" splits the hidden layer (Megatron's column then row
 // split), "fsdp" shards the parameters (FSDP) and "dp" replicates them
-// (DDP). It returns the reducer that completes each step's gradients.
+// (DDP, or HSDP with "fsdp"). It returns the reducer that completes each step's gradients.
 func newModel(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, o options) (*parallel.Sequential, train.Reducer, error) {
 	fc1, err1 := parallel.NewLinear(tape, m, features, hidden, parallel.WithName("0"), parallel.WithInit(parallel.Normal(0.25, 1)))
 	fc2, err2 := parallel.NewLinear(tape, m, hidden, classes, parallel.WithName("3"), parallel.WithInit(parallel.Normal(0.125, 2)))
@@ -65,10 +65,12 @@ func newModel(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, o options)
 		return nil, nil, err
 	}
 	switch {
-	case o.fsdp > 1 && o.dp > 1:
-		return nil, nil, errors.New("-dp and -fsdp together (HSDP) are not in this example")
 	case o.fsdp > 1:
-		f, err := parallel.FullyShard(ctx, model, []string{"0", "3"})
+		var hsdp []parallel.FSDPOption // with -dp too: HSDP, replicas of the shards
+		if o.dp > 1 {
+			hsdp = append(hsdp, parallel.ReplicateAxis("dp"))
+		}
+		f, err := parallel.FullyShard(ctx, model, []string{"0", "3"}, hsdp...)
 		return model, f, err
 	case o.dp > 1:
 		params, err := parallel.Params(model)

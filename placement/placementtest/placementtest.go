@@ -18,6 +18,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
@@ -31,7 +32,16 @@ import (
 // together, and ranks that only stopped because another rank aborted the
 // mesh are summed up in one line. A panic in fn is an error of its rank.
 // errors.Is and errors.As see every rank's error.
-func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error) error {
+//
+// OnDevice gives every rank a device, which fn reads with Device(ctx).
+func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error, opts ...Option) error {
+	var cfg config
+	for i, o := range opts {
+		if o == nil {
+			return fmt.Errorf("placementtest: Simulate: %w: option %d is nil", placement.ErrInvalid, i)
+		}
+		o(&cfg)
+	}
 	for _, s := range shape {
 		if s <= 0 {
 			return fmt.Errorf("placementtest: Simulate: %w: mesh shape %v: sizes must be positive", placement.ErrInvalid, shape)
@@ -54,7 +64,22 @@ func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx cont
 		if err != nil {
 			return err
 		}
-		return fn(ctx, m)
+		if cfg.device == nil {
+			return fn(ctx, m)
+		}
+		d, err := cfg.device(r)
+		if err != nil {
+			return fmt.Errorf("placementtest: the device of rank %d: %w", r, err)
+		}
+		if d == nil {
+			return fmt.Errorf("placementtest: %w: OnDevice gave rank %d a nil device", placement.ErrInvalid, r)
+		}
+		defer func() {
+			if cerr := d.Close(); err == nil && cerr != nil {
+				err = fmt.Errorf("placementtest: closing %s: %w", d.Name(), cerr)
+			}
+		}()
+		return fn(context.WithValue(ctx, deviceKey{}, d), m)
 	})
 	if err == nil {
 		return nil
@@ -64,6 +89,34 @@ func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx cont
 		return err // the world did not start: no rank ran
 	}
 	return re
+}
+
+// Option configures Simulate and Run.
+type Option func(*config)
+
+type config struct {
+	device func(rank int) (device.Device, error)
+}
+
+// OnDevice makes Simulate and Run give each rank the device that newDevice
+// returns for its world rank (an emu.New(rank), say), made on the rank's
+// goroutine before fn runs and closed after it returns; fn reads it with
+// Device(ctx). An error of newDevice, or of closing the device, is the
+// rank's error.
+func OnDevice(newDevice func(rank int) (device.Device, error)) Option {
+	return func(c *config) { c.device = newDevice }
+}
+
+// deviceKey is the context key of a rank's device.
+type deviceKey struct{}
+
+// Device returns the device Simulate gave the rank whose ctx this is
+// (OnDevice), or device.Host() without one.
+func Device(ctx context.Context) device.Device {
+	if d, ok := ctx.Value(deviceKey{}).(device.Device); ok {
+		return d
+	}
+	return device.Host()
 }
 
 // rankErrors is Simulate's error: every rank's error, nil for ranks that
@@ -157,15 +210,16 @@ func (e *rankErrors) Unwrap() []error {
 
 // Run is Simulate inside a test: an error from any rank fails t, reported
 // once from the calling goroutine.
-func Run(t testing.TB, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error) {
+func Run(t testing.TB, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error, opts ...Option) {
 	t.Helper()
-	if err := Simulate(context.Background(), shape, names, fn); err != nil {
+	if err := Simulate(context.Background(), shape, names, fn, opts...); err != nil {
 		t.Errorf("mesh %v %v:\n%v", names, shape, err)
 	}
 }
 
 // CheckFull materialises dt's global tensor (a collective: every rank of
-// the mesh must call it) and compares it element-wise with want, a
+// the mesh must call it; a tensor on a device is copied to the host at
+// the end) and compares it element-wise with want, a
 // []float32 or []float64 in row-major order over dt's global shape.
 // Elements match when |got-want| <= tol*max(1, |want|). The error names
 // the first differing index.

@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -128,6 +130,55 @@ func TestRandomRejectsOverflowingShapes(t *testing.T) {
 			if (tc.n < 0 && got != nil) || (tc.n >= 0 && n != tc.n) {
 				t.Errorf("Random(%v, %v) = %T of %d elements; want %d (-1: nil)", tc.shape, dt, got, n, tc.n)
 			}
+		}
+	}
+}
+
+// TestOnDevice: without OnDevice a rank's device is the host; with it
+// every rank gets the device made for its rank, closed when fn returns; an
+// error making it, or a nil device, is the rank's error.
+func TestOnDevice(t *testing.T) {
+	ctx := context.Background()
+	if err := placementtest.Simulate(ctx, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		if d := placementtest.Device(ctx); d.Kind() != device.KindHost {
+			return fmt.Errorf("device %s without OnDevice", d.Name())
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	made := make([]*emu.Device, 3)
+	on := placementtest.OnDevice(func(r int) (device.Device, error) {
+		d, err := emu.New(r)
+		made[r] = d
+		return d, err
+	})
+	if err := placementtest.Simulate(ctx, []int{3}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d := placementtest.Device(ctx)
+		if want := fmt.Sprintf("emu:%d", m.Rank()); d.Name() != want {
+			return fmt.Errorf("device %s, want %s", d.Name(), want)
+		}
+		_, err := d.Alloc(comm.Float32, 4)
+		return err
+	}, on); err != nil {
+		t.Fatal(err)
+	}
+	for r, d := range made {
+		if _, err := d.Alloc(comm.Float32, 1); err == nil {
+			t.Errorf("rank %d's device is still open after Simulate", r)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		new  func(r int) (device.Device, error)
+		want string
+	}{
+		{"error", func(r int) (device.Device, error) { return nil, errBoom }, "boom"},
+		{"nil", func(r int) (device.Device, error) { return nil, nil }, "nil device"},
+	} {
+		err := placementtest.Simulate(ctx, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error { return nil }, placementtest.OnDevice(tc.new))
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "rank") {
+			t.Errorf("%s: %v, want an error with %q", tc.name, err, tc.want)
 		}
 	}
 }
