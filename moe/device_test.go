@@ -135,7 +135,9 @@ func sameBits(got, want *placement.DTensor) error {
 // device's driver allocations stay flat after the first step. Meshes and
 // configurations cover one rank, the all-to-all-v with regrouping, the
 // split payload (several local experts), a data-parallel axis, a
-// replicated axis and padding to capacity.
+// replicated axis, padding to capacity and diagnostics (the barriers and,
+// with padding, the count exchange). The host runs the fused path where it
+// would (all but "ep=2"), which gives the all-to-all-v's results.
 func TestLayerOnDevice(t *testing.T) {
 	fx := epLoadFixture(t)
 	base := moe.RouterConfig{K: fx.k, Renormalize: true, AuxCoef: fx.alpha, ZCoef: fx.beta}
@@ -145,14 +147,17 @@ func TestLayerOnDevice(t *testing.T) {
 		name  string
 		mc    epMesh
 		rcfg  moe.RouterConfig
-		split int // moe.SetSplitMinBytes; 0: default
+		split int  // moe.SetSplitMinBytes; 0: default
+		diag  bool // DispatchConfig.Diagnostics
 	}{
-		{"ep=1", epMesh{"ep=1", []int{1}, []string{"ep"}}, base, 0},
-		{"ep=2", epMesh{"ep=2", []int{2}, []string{"ep"}}, base, -1},
-		{"ep=2/split", epMesh{"ep=2", []int{2}, []string{"ep"}}, base, 1},
-		{"dp=2,ep=2", epMesh{"dp=2,ep=2", []int{2, 2}, []string{"dp", "ep"}}, base, 0},
-		{"ep=2,tp=2", epMesh{"ep=2,tp=2", []int{2, 2}, []string{"ep", "tp"}}, base, 0},
-		{"ep=4/capacity", epMesh{"ep=4", []int{4}, []string{"ep"}}, capped, 0},
+		{"ep=1", epMesh{"ep=1", []int{1}, []string{"ep"}}, base, 0, false},
+		{"ep=2", epMesh{"ep=2", []int{2}, []string{"ep"}}, base, -1, false},
+		{"ep=2/split", epMesh{"ep=2", []int{2}, []string{"ep"}}, base, 1, false},
+		{"dp=2,ep=2", epMesh{"dp=2,ep=2", []int{2, 2}, []string{"dp", "ep"}}, base, 0, false},
+		{"ep=2,tp=2", epMesh{"ep=2,tp=2", []int{2, 2}, []string{"ep", "tp"}}, base, 0, false},
+		{"ep=4/capacity", epMesh{"ep=4", []int{4}, []string{"ep"}}, capped, 0, false},
+		{"ep=4/capacity+diag", epMesh{"ep=4", []int{4}, []string{"ep"}}, capped, 0, true},
+		{"ep=2/diag", epMesh{"ep=2", []int{2}, []string{"ep"}}, base, 0, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			placementtest.Run(t, tc.mc.shape, tc.mc.names, func(ctx context.Context, m *mesh.Mesh) error {
@@ -168,7 +173,7 @@ func TestLayerOnDevice(t *testing.T) {
 						moe.SetSplitMinBytes(ws, tc.split)
 					}
 					tape := autograd.NewTape(autograd.WithRecycling(), autograd.WithDevice(dev))
-					cfg := moe.DispatchConfig{Axis: "ep", Workspace: ws, Collectives: dev == nil && tc.name == "ep=2"}
+					cfg := moe.DispatchConfig{Axis: "ep", Workspace: ws, Diagnostics: tc.diag, Collectives: dev == nil && tc.name == "ep=2"}
 					if layers[i], err = newDeviceLayer(tape, m, tc.mc, fx, tc.rcfg, cfg, dev); err != nil {
 						return fmt.Errorf("device %v: %w", dev, err)
 					}
