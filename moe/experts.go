@@ -29,7 +29,8 @@ type Experts struct {
 	// W1, B1, W2 and B2 are the parameters, usually autograd leaves
 	// (autograd.Tape.Param); NewExperts checks their layouts.
 	W1, B1, W2, B2 *autograd.Value
-	// BLAS runs the GEMMs; nil means kernels.Default().
+	// BLAS runs the GEMMs on the host; nil means kernels.Default(). On a
+	// device the GEMMs are the device's (Kernels.Gemm).
 	BLAS *kernels.BLAS
 
 	axis      string
