@@ -432,7 +432,7 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 		if o.collectives {
 			model = append(model, moegpt.WithCollectives())
 		}
-		opts := []moegpt.TrainOption{moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...)}
+		opts := []moegpt.TrainOption{moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...), moegpt.WithDevice(r.Device)}
 		if o.random {
 			opts = append(opts, moegpt.WithRandomTokens(o.seed))
 		}

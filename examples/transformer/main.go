@@ -481,7 +481,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 			return nil, err
 		}
 		opts := []gpt.TrainOption{
-			gpt.WithRun(o.run), gpt.WithModel(init), gpt.WithTape(r.Tape...),
+			gpt.WithRun(o.run), gpt.WithModel(init), gpt.WithTape(r.Tape...), gpt.WithDevice(r.Device),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
 		}
 		if !o.fixture {
