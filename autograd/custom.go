@@ -54,6 +54,12 @@ type CustomBackward func(ctx context.Context, g *placement.DTensor) ([]*placemen
 // world. name names the op on the tape, in Observer reports and in errors.
 // Like every op, Custom must be called on every rank in the same order.
 //
+// A custom op runs wherever its inputs are (all on one device, or the op
+// fails with device.ErrMixed): on a device other than the host their
+// LocalData are device.Buffers, and forward and backward compute with the
+// device's Kernels into ResultBuffer and ScratchBuffer (or memory they own
+// and free themselves), wrapping results with placement.NewLocalOn.
+//
 // Errors wrap ErrInvalid (bad arguments, a result on another world, a
 // gradient of the wrong shape, dtype or mesh, or the wrong number of
 // gradients); errors from forward and backward are returned wrapped with
@@ -147,21 +153,21 @@ func ResultBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.resu
 // gives an empty block.
 func ScratchBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.scratch(), n) }
 
-// ResultBuffer is ResultBlock for a Custom op on device d: n elements of
-// dt, contents undefined (device memory is never zeroed), freed at t's
-// next Recycle on a tape made WithRecycling and otherwise owned by the
-// caller (nil t too), who frees it with its Free. Errors are the
-// device's (an invalid dtype or n, an *OOMError), wrapped.
+// ResultBuffer is ResultBlock on device d: n elements of dtype dt for the
+// local block of a Custom op's result, with arbitrary contents (device
+// memory is never zeroed). On a tape made WithRecycling the tape frees it
+// at its next Recycle; otherwise the caller owns it (Buffer.Free). Errors
+// are d's (an invalid dtype or n, out of memory), wrapped.
 func ResultBuffer(t *Tape, d device.Device, dt comm.DType, n int) (device.Buffer, error) {
-	return devBlock(t.result(), d, dt, max(n, 0))
+	return devBlock(t.result(), d, dt, n)
 }
 
-// ScratchBuffer is ScratchBlock on device d: n elements of dt in t's
-// arena, contents undefined, freed when Backward has consumed the
-// gradient they hold or when the tape is cleared (a nil t gives a buffer
-// the caller owns). Errors are as ResultBuffer's.
+// ScratchBuffer is ScratchBlock on device d: n elements of dtype dt of
+// t's device scratch, with arbitrary contents, freed once Backward has
+// consumed it as a gradient or when the tape is cleared. A nil t gives
+// memory the caller owns. Errors are d's, wrapped.
 func ScratchBuffer(t *Tape, d device.Device, dt comm.DType, n int) (device.Buffer, error) {
-	return devBlock(t.scratch(), d, dt, max(n, 0))
+	return devBlock(t.scratch(), d, dt, n)
 }
 
 // blockAs is block for any kernels.Float: the arena keeps float32 and
