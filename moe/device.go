@@ -12,27 +12,16 @@ import (
 	"github.com/b7ea7098/loom/placement"
 )
 
-// The layer on a device (tokens and parameters whose local blocks are
-// device buffers, autograd.WithDevice). Every step runs as on the host,
-// in the same order on the same values, with the device's kernels in place
-// of package kernels' (Kernels for the experts' GEMMs, GELU and sums,
-// MoEKernels for the permutes), so the emulated device gives the host's
-// results bit for bit:
-//
-//   - the router's logits are computed on the device (autograd.Linear) and
-//     copied to the host (n·E values), where the choice of experts, the
-//     gates and the losses are computed as before: the plan of the
-//     dispatch is host metadata anyway (kernels.PlanRouting), and the
-//     gates and losses are copied back (K and 1 values a token);
-//   - the payload all-to-all-v's take the device buffers, after
-//     device.BeforeCollective and followed by device.AfterCollective;
-//   - the buffers rows pass through come from the tape (ScratchBuffer),
-//     not the Workspace, whose buffers are host memory: the device's
-//     caching allocator reuses them from step to step;
-//   - the fused path (comm.SharedMemory) is host memory only: on a device
-//     the payload always takes the all-to-all-v's.
-//
-// Device ops are float32, as autograd's.
+// The layer on a device (package doc, "Devices"). Every step runs as on
+// the host, in the same order on the same values, with the device's
+// kernels in place of package kernels' (Kernels for the experts' GEMMs,
+// GELU and sums, MoEKernels for the permutes), so the emulated device
+// gives the host's results bit for bit. The router's logits cross to the
+// host and its gates (K values a token) and two loss scalars come back
+// (router.go); the rows' intermediate buffers are the tape's device
+// scratch, not the Workspace (host memory), since the device's caching
+// allocator already reuses them from step to step. Device ops are
+// float32, as autograd's.
 
 // ErrUnsupported marks a well-formed request the package has no form for:
 // tokens on a device without MoE kernels (device.MoEKernels), or of a
