@@ -137,9 +137,9 @@ func TestDeviceMatchesHost(t *testing.T) {
 		settle int
 		build  func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error)
 	}{
-		{"gpt one rank", []int{1}, []string{"dp"}, 2, gptRun()},
-		{"moegpt ep1", []int{1}, []string{"ep"}, steps, moeRun(0)},
-		{"moegpt ep1 capacity", []int{1}, []string{"ep"}, 2, moeRun(1.25)},
+		{"gpt dp2×tp2", []int{2, 2}, []string{"dp", "tp"}, 2, gptRun(gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"))},
+		{"moegpt ep2", []int{2}, []string{"ep"}, steps, moeRun(0)},
+		{"moegpt ep2 capacity", []int{2}, []string{"ep"}, 2, moeRun(1.25)},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			host, err := deviceRun(c.shape, c.names, steps, c.settle, false, bl, c.build)

@@ -11,7 +11,7 @@ import (
 	"testing"
 )
 
-// TestRunDevice trains two steps on one rank with -device emu and with
+// TestRunDevice trains two steps on dp=2 × tp=2 with -device emu and with
 // -device cpu: the second line names the device, -json's "device" holds
 // it, and the losses are the same bit for bit (the emulated devices run
 // the host's CPU kernels on the same data).
@@ -21,7 +21,7 @@ func TestRunDevice(t *testing.T) {
 	for i, dev := range []string{"cpu", "emu"} {
 		js := filepath.Join(dir, dev+".json")
 		var out bytes.Buffer
-		args := []string{"-dp", "1", "-tp", "1", "-steps", "2", "-every", "1", "-threads", "1", "-json", js, "-device", dev}
+		args := []string{"-dp", "2", "-tp", "2", "-steps", "2", "-every", "1", "-threads", "1", "-json", js, "-device", dev}
 		if err := run(context.Background(), args, &out); err != nil {
 			t.Fatalf("run %v: %v\n%s", args, err, out.String())
 		}
