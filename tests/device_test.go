@@ -8,12 +8,14 @@ import (
 	"testing"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/models/moegpt"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -85,12 +87,14 @@ func deviceRun(shape []int, names []string, steps, settle int, onDevice bool, bl
 	return losses, err
 }
 
-// TestDeviceMatchesHost trains the tiny GPT and the MoE GPT (dropless,
-// and padded to capacity) with every rank on an emulated device and on
-// the host, and compares rank 0's losses at every step bit for bit. The
+// TestDeviceMatchesHost trains the tiny GPT (dp2×tp2, and fsdp=4 with
+// FSDP's bf16 mixed precision) and the MoE GPT on ep=2 (dropless, and
+// padded to capacity) with every rank on an emulated device and on the
+// host, and compares rank 0's losses at every step bit for bit. The
 // tolerance is 0 because the emulated device runs the host's CPU kernels,
 // on the same BLAS, on the same data: any difference means the device
-// path reordered or dropped work.
+// path reordered or dropped work. FSDP's bf16 rounds the gathered weights
+// on both paths alike (round to nearest even), so bf16 keeps it 0.
 //
 // No rank's device allocator calls the driver once the steps are alike:
 // after step 2 for the GPT, whose second step is the first to run its
@@ -138,6 +142,7 @@ func TestDeviceMatchesHost(t *testing.T) {
 		build  func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error)
 	}{
 		{"gpt dp2×tp2", []int{2, 2}, []string{"dp", "tp"}, 2, gptRun(gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"))},
+		{"gpt fsdp4 bf16", []int{4}, []string{"fsdp"}, 2, gptRun(gpt.WithFullyShard("fsdp", parallel.MixedPrecision(comm.BFloat16)))},
 		{"moegpt ep2", []int{2}, []string{"ep"}, steps, moeRun(0)},
 		{"moegpt ep2 capacity", []int{2}, []string{"ep"}, 2, moeRun(1.25)},
 	} {
