@@ -21,13 +21,17 @@ const (
 	// the host's results bit for bit.
 	DeviceEmu = "emu"
 	// DeviceCUDA computes on the GPU of each rank (under loomrun or
-	// torchrun). It needs device/cuda's device.Device, which this build
-	// does not have yet: asking for it is an error saying so.
+	// torchrun). The rank's device must be the device/cuda device whose
+	// context and driver binding the rank's NCCL communicator uses, which
+	// package launch does not hand to the rank yet (it opens a bare
+	// context for NCCL, without NVRTC): asking for it is an error saying
+	// so.
 	DeviceCUDA = "cuda"
 )
 
 // ErrUnsupported is wrapped by the errors of flags that ask for what this
-// build cannot do (-device cuda); it matches loom.ErrUnsupported.
+// build cannot do (-device cuda, -device emu on tcp or nccl); it matches
+// loom.ErrUnsupported.
 var ErrUnsupported = loom.NewSentinel("train: unsupported", loom.ErrUnsupported)
 
 // DeviceKind returns -device, "cpu" when it was not set.
@@ -45,7 +49,8 @@ func (f Flags) checkDevice() error {
 	case DeviceCPU, DeviceEmu:
 		return nil
 	case DeviceCUDA:
-		return fmt.Errorf("%w: -device cuda needs device/cuda's device.Device (issue 27, step B5), which this build does not have yet; "+
+		return fmt.Errorf("%w: -device cuda needs package launch to hand each rank the device/cuda device of the GPU it opens for NCCL "+
+			"(one context and driver binding, NVRTC loaded), which this build does not do yet; "+
 			"-device cpu computes on the host, -device emu takes the device code path on the CPU", ErrUnsupported)
 	}
 	return fmt.Errorf("%w: -device %q; want cpu, emu or cuda", ErrInvalid, f.Device)

@@ -83,7 +83,7 @@ func TestRunDevice(t *testing.T) {
 		want   error
 		msg    string
 	}{
-		{"cuda", loom.ErrUnsupported, "device/cuda"},
+		{"cuda", loom.ErrUnsupported, "package launch"},
 		{"gpu", loom.ErrInvalid, `-device "gpu"`},
 	} {
 		loop := Loop{Ranks: 1, Steps: 1, Every: 1, Flags: Flags{TraceSteps: 1, Device: c.device}}

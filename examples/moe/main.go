@@ -37,8 +37,8 @@
 // "device"): cpu, the host (the default); emu, an emulated device per
 // rank (device/emu: the device code path, with the host's CPU kernels, so
 // the host's losses bit for bit; in-process or mpi ranks); cuda, the GPUs,
-// which needs device/cuda's device and is an error until this build has
-// it.
+// which needs launch to hand each rank the GPU device it opens for NCCL
+// and is an error until it does.
 //
 // The final lines give the loss, tokens/s and the MFU: tokens/s times
 // the model FLOPs per token (train.FlopsPerToken: PaLM's 6·N + 12·L·D·T,

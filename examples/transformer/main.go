@@ -50,7 +50,8 @@
 // the host (the default); emu, an emulated device per rank (device/emu:
 // the device code path, with the host's CPU kernels, so the host's losses
 // bit for bit; in-process or mpi ranks); cuda, the GPUs, which needs
-// device/cuda's device and is an error until this build has it.
+// launch to hand each rank the GPU device it opens for NCCL and is an
+// error until it does.
 //
 // The model and the layout are checked before any rank starts: the
 // shape's values (heads dividing the width, a vocabulary of at least
