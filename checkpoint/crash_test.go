@@ -24,8 +24,9 @@ import (
 // crashRootEnv on 3 in-process ranks and SIGKILLs itself just before the
 // file operation of that number (1-based, counted over all ranks).
 const (
-	crashAtEnv   = "CHECKPOINT_TEST_KILL_AT"
-	crashRootEnv = "CHECKPOINT_TEST_ROOT"
+	crashAtEnv    = "CHECKPOINT_TEST_KILL_AT"
+	crashRootEnv  = "CHECKPOINT_TEST_ROOT"
+	crashAsyncEnv = "CHECKPOINT_TEST_ASYNC" // "1": through a Saver, in the background
 )
 
 // step2Tensors are testTensors with other values.
@@ -43,19 +44,27 @@ func step2Tensors() map[string]tdef {
 // of every rank and of the commit and prune), and then loads: Latest is
 // always a complete checkpoint (the previous one until the commit rename,
 // the new one after it) with its exact values; no other folder loads; and
-// the next save succeeds and leaves no remains.
+// the next save succeeds and leaves no remains. It does so for Save and
+// for a Saver's background save (killed while it writes in the
+// background, after Saver.Save has returned).
 func TestKilledSave(t *testing.T) {
 	if at := os.Getenv(crashAtEnv); at != "" {
-		killedSaver(t, at, os.Getenv(crashRootEnv))
+		killedSaver(t, at, os.Getenv(crashRootEnv), os.Getenv(crashAsyncEnv) == "1")
 		return
 	}
+	for _, async := range []bool{false, true} {
+		t.Run(map[bool]string{false: "Save", true: "Saver"}[async], func(t *testing.T) { killSaves(t, async) })
+	}
+}
+
+func killSaves(t *testing.T, async bool) {
 	sawOld, sawNew := false, false
 	points := 0
 	for n := 1; ; n++ {
 		root := t.TempDir()
 		saveOn(t, root, tp3, testTensors, WithStep(1))
 		cmd := exec.Command(os.Args[0], "-test.run=^TestKilledSave$", "-test.count=1")
-		cmd.Env = append(os.Environ(), crashAtEnv+"="+strconv.Itoa(n), crashRootEnv+"="+root)
+		cmd.Env = append(os.Environ(), crashAtEnv+"="+strconv.Itoa(n), crashRootEnv+"="+root, crashAsyncEnv+"="+map[bool]string{false: "0", true: "1"}[async])
 		out, err := cmd.CombinedOutput()
 		var ee *exec.ExitError
 		switch {
@@ -138,7 +147,7 @@ func loadCheck(path string, defs map[string]tdef) error {
 }
 
 // killedSaver is the helper process's body.
-func killedSaver(t *testing.T, at, root string) {
+func killedSaver(t *testing.T, at, root string, async bool) {
 	n, err := strconv.Atoi(at)
 	if err != nil || root == "" {
 		t.Fatalf("%s=%q %s=%q", crashAtEnv, at, crashRootEnv, root)
@@ -154,6 +163,28 @@ func killedSaver(t *testing.T, at, root string) {
 			time.Sleep(time.Minute) // the signal ends the process first
 		}
 	}
-	saveOn(t, root, tp3, step2Tensors(), WithStep(2), WithKeep(1), withHook(hook))
+	if !async {
+		saveOn(t, root, tp3, step2Tensors(), WithStep(2), WithKeep(1), withHook(hook))
+		fmt.Println("saved without being killed")
+		return
+	}
+	simulate(t, tp3.shape, tp3.axes, func(ctx context.Context, m *mesh.Mesh) error {
+		specs, err := specsOn(m, step2Tensors(), tp3.lay)
+		if err != nil {
+			return err
+		}
+		st, err := stateOn(specs, step2Tensors())
+		if err != nil {
+			return err
+		}
+		sv, err := NewSaver(root, WithKeep(1), WithMemoryLimit(16), withHook(hook))
+		if err != nil {
+			return err
+		}
+		if _, err := sv.Save(ctx, st, WithStep(2)); err != nil {
+			return err
+		}
+		return sv.Close()
+	})
 	fmt.Println("saved without being killed")
 }

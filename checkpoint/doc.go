@@ -36,6 +36,21 @@
 // (1 MiB by default, [WithBlockSize]) let a reader that needs a few rows of
 // a large chunk verify what it reads without reading the whole chunk.
 //
+// # Saving in the background
+//
+// A [Saver] saves while training goes on: [Saver.Save] snapshots the
+// chunks this rank writes to host memory (a device block copied off the
+// device) and returns; the files are then written in the background with
+// the same crash safety as Save. Saves run one at a time: the next Save,
+// [Saver.Wait] or [Saver.Close] waits for the previous one and returns its
+// error. [WithMemoryLimit] bounds the snapshot's host memory: the chunks
+// are copied piece by piece while the writer frees what it has written,
+// trading time blocked for memory. The returned [AsyncSave] reports the
+// time the caller was blocked and the peak of host memory the snapshot
+// held. The background writer talks to the other ranks on a communicator
+// split once from the job's, so it never interleaves with training's
+// collectives.
+//
 // # Safety
 //
 // A checkpoint is visible only when complete. Files are written in a

@@ -17,19 +17,21 @@ type use uint8
 const (
 	forSave use = 1 << iota
 	forLoad
-	forFill // LoadInto
+	forFill  // LoadInto
+	forSaver // NewSaver and Saver.Save only
 )
 
 type config struct {
-	step    int
-	hasStep bool
-	keep    int
-	block   int
-	world   comm.Communicator
-	dev     device.Device
-	hook    func(event)
-	errs    []error
-	uses    []struct {
+	step     int
+	hasStep  bool
+	keep     int
+	block    int
+	memLimit int
+	world    comm.Communicator
+	dev      device.Device
+	hook     func(event)
+	errs     []error
+	uses     []struct {
 		name string
 		use  use
 	}
