@@ -80,6 +80,16 @@
 // [LoadInto] fills existing tensors in place instead (a model's
 // parameters, which an optimizer already holds), on their own devices.
 //
+// # Interop
+//
+// [Export] writes the whole model as one plain safetensors file, each
+// tensor under its name with its global shape (the file PyTorch's
+// safetensors.torch.load_file and numpy read); world rank 0 assembles it
+// one tensor at a time from the ranks' blocks. [Import] reads such a file,
+// PyTorch's included, into any layout as Load reads a checkpoint, each
+// rank reading only its blocks' bytes ([WithPrefix] picks a part of a
+// file, [WithReshape] lets a fused tensor take the target's shape).
+//
 // Tensors are float32 or float64 (placement's dtypes); hosts are
 // little-endian (every platform loom runs on).
 package checkpoint

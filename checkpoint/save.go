@@ -101,6 +101,11 @@ func Save(ctx context.Context, root string, state State, opts ...Option) (string
 	if err != nil {
 		return "", err
 	}
+	return save(ctx, op, root, state, cfg)
+}
+
+// save is Save with its options applied.
+func save(ctx context.Context, op, root string, state State, cfg *config) (string, error) {
 	world, err := worldOf(op, cfg, tensorMeshes(state.Tensors))
 	if err != nil {
 		return "", err
