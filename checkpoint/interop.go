@@ -50,8 +50,10 @@ func WithReshape() Option {
 // gathers a tensor; world rank 0 then assembles the file one tensor at a
 // time from that checkpoint, so its memory holds one tensor at most, and
 // writes it under a staging name, fsynced and renamed into place: a
-// killed export leaves path as it was. Errors are Save's; every rank
-// returns an error when any rank fails.
+// killed export leaves path as it was. Rank 0 reads the other ranks'
+// files, so path's folder must be one they all see, as a checkpoint's
+// root is. Errors are Save's; every rank returns an error when any rank
+// fails.
 func Export(ctx context.Context, path string, state State, opts ...Option) error {
 	const op = "Export"
 	cfg, err := newConfig(op, forExport, opts)
