@@ -79,8 +79,15 @@ func BenchmarkSave(b *testing.B) {
 // in-process ranks, in each round once with Save and once with a Saver,
 // and reports the medians of Save's time, of the time Saver.Save blocked
 // its caller, their ratio (blocked/sync), and the peak host bytes one
-// rank's snapshot held (64 MiB unbounded).
+// rank's snapshot held (64 MiB unbounded), without a memory bound and
+// with one of 16 MiB.
 func BenchmarkAsyncSave(b *testing.B) {
+	for _, limit := range []int{0, 16 << 20} {
+		b.Run(map[int]string{0: "unbounded", 16 << 20: "16MiB"}[limit], func(b *testing.B) { benchAsync(b, limit) })
+	}
+}
+
+func benchAsync(b *testing.B, limit int) {
 	const tensors, rows, cols = 8, 1024, 4096 // 16 MiB each
 	defs := map[string]tdef{}
 	for i := range tensors {
@@ -109,7 +116,7 @@ func BenchmarkAsyncSave(b *testing.B) {
 				return err
 			}
 			d := time.Since(t0)
-			sv, err := NewSaver(filepath.Join(dir, "async"))
+			sv, err := NewSaver(filepath.Join(dir, "async"), WithMemoryLimit(limit))
 			if err != nil {
 				return err
 			}
