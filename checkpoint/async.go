@@ -18,9 +18,11 @@ import (
 // last piece is copied: the bound trades blocked time for memory. A block
 // on a device is copied whole, so a larger device block is held alone
 // (PeakBytes reports it). 0, the default, snapshots everything at once.
+// Given to Export, it bounds the slab of a tensor that the assembling
+// rank holds (default 64 MiB).
 func WithMemoryLimit(bytes int) Option {
 	return func(c *config) {
-		c.note("WithMemoryLimit", forSaver)
+		c.note("WithMemoryLimit", forSaver|forExport)
 		if err := numcheck.NonNegativeCount(ErrInvalid, "memory limit", bytes); err != nil {
 			c.errs = append(c.errs, err)
 		}

@@ -48,8 +48,8 @@ func WithReshape() Option {
 // The ranks first save their own blocks as a checkpoint in a staging
 // folder beside path (".export-BASE", removed after), so that no rank
 // gathers a tensor; world rank 0 then assembles the file one tensor at a
-// time from that checkpoint, so its memory holds one tensor at most, and
-// writes it under a staging name, fsynced and renamed into place: a
+// time, in slabs of whole rows of at most 64 MiB (WithMemoryLimit; one
+// row when a row is larger), verifying the checksums, and writes it under a staging name, fsynced and renamed into place: a
 // killed export leaves path as it was. Rank 0 reads the other ranks'
 // files, so path's folder must be one they all see, as a checkpoint's
 // root is. Errors are Save's; every rank returns an error when any rank
@@ -78,7 +78,11 @@ func Export(ctx context.Context, path string, state State, opts ...Option) error
 		return err
 	}
 	if world.Rank() == 0 {
-		err = assemble(op, fs, dir, path, cfg.prefix)
+		slab := cfg.memLimit
+		if slab == 0 {
+			slab = defaultSlab
+		}
+		err = assemble(op, fs, dir, path, cfg.prefix, slab)
 		if rerr := fs.removeAll(stage); err == nil && rerr != nil {
 			err = wrapf(op, rerr, "removing %s", stage)
 		}
@@ -88,8 +92,8 @@ func Export(ctx context.Context, path string, state State, opts ...Option) error
 }
 
 // assemble writes the checkpoint in dir as one safetensors file at path,
-// one tensor in memory at a time.
-func assemble(op string, fs files, dir, path, prefix string) error {
+// holding at most slab bytes of a tensor at a time (or one row).
+func assemble(op string, fs files, dir, path, prefix string, slab int) error {
 	m, err := readManifest(op, dir)
 	if err != nil {
 		return err
@@ -119,15 +123,28 @@ func assemble(op string, fs files, dir, path, prefix string) error {
 	if err := fs.write(w, 0, head); err != nil {
 		return wrapf(op, err, "writing %s", tmp)
 	}
+	opened := map[string]*os.File{}
+	defer func() {
+		for _, f := range opened {
+			_ = f.Close() // read only: closing loses nothing
+		}
+	}()
+	open := func(name string) (*os.File, error) {
+		if f, ok := opened[name]; ok {
+			return f, nil
+		}
+		f, err := os.Open(filepath.Join(dir, name))
+		if err != nil {
+			return nil, wrapf(op, err, "opening %s", filepath.Join(dir, name))
+		}
+		opened[name] = f
+		return f, nil
+	}
 	pos := int64(len(head))
 	for _, n := range names {
 		t := m.Tensors[n]
-		data, err := readWhole(op, fs, dir, m, n)
-		if err != nil {
+		if err := writeTensor(op, fs, w, pos, dir, m, n, slab, open); err != nil {
 			return err
-		}
-		if err := fs.write(w, pos, data); err != nil {
-			return wrapf(op, err, "writing %s", tmp)
 		}
 		pos += int64(prod(t.Shape) * dtypeSize(t.DType))
 	}
@@ -146,30 +163,50 @@ func assemble(op string, fs files, dir, path, prefix string) error {
 	return nil
 }
 
-// readWhole reads tensor n of the checkpoint in dir whole, verifying its
-// checksums, as row-major bytes.
-func readWhole(op string, fs files, dir string, m *manifest, n string) ([]byte, error) {
+// defaultSlab bounds the bytes of a tensor that Export's assembling rank
+// holds at once, unless WithMemoryLimit says otherwise.
+const defaultSlab = 64 << 20
+
+// writeTensor writes tensor n of the checkpoint in dir at pos of w,
+// reading it in slabs of whole rows of at most slab bytes (one row when a
+// row is larger), each verified against its checksums.
+func writeTensor(op string, fs files, w *os.File, pos int64, dir string, m *manifest, n string, slab int, open func(string) (*os.File, error)) error {
 	t := m.Tensors[n]
 	es := dtypeSize(t.DType)
-	out := make([]byte, prod(t.Shape)*es)
-	zero := make([]int, len(t.Shape))
-	for _, c := range t.Chunks {
-		rs := runs(c.Offset, c.Size, zero, t.Shape, es)
-		if len(rs) == 0 {
-			continue
-		}
-		p := filepath.Join(dir, c.File)
-		f, err := os.Open(p)
-		if err != nil {
-			return nil, wrapf(op, err, "opening %s", p)
-		}
-		err = readChunk(op, fs, f, dir, n, c, m.Block, rs, out)
-		_ = f.Close() // read only: closing loses nothing
-		if err != nil {
-			return nil, err
-		}
+	if prod(t.Shape) == 0 {
+		return nil
 	}
-	return out, nil
+	rows, rowBytes := 1, prod(t.Shape)*es
+	if len(t.Shape) > 0 {
+		rows, rowBytes = t.Shape[0], prod(t.Shape[1:])*es
+	}
+	per := max(1, slab/rowBytes)
+	var buf []byte
+	for r0 := 0; r0 < rows; r0 += per {
+		do, ds := make([]int, len(t.Shape)), slices.Clone(t.Shape)
+		if len(t.Shape) > 0 {
+			do[0], ds[0] = r0, min(per, rows-r0)
+		}
+		buf = slices.Grow(buf[:0], prod(ds)*es)[:prod(ds)*es]
+		for _, c := range t.Chunks {
+			rs := runs(c.Offset, c.Size, do, ds, es)
+			if len(rs) == 0 {
+				continue
+			}
+			f, err := open(c.File)
+			if err != nil {
+				return err
+			}
+			if err := readChunk(op, fs, f, dir, n, c, m.Block, rs, buf); err != nil {
+				return err
+			}
+		}
+		if err := fs.write(w, pos, buf); err != nil {
+			return wrapf(op, err, "writing %s", w.Name())
+		}
+		pos += int64(len(buf))
+	}
+	return nil
 }
 
 // Import reads a safetensors file (Export's, PyTorch's, any writer's) into

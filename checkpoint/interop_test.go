@@ -272,3 +272,51 @@ func TestExportRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestExportSlabs: with WithMemoryLimit(8), the assembling rank writes
+// each tensor one row at a time (its rows are 8 to 20 bytes), and the
+// file holds every tensor exactly; by default a small tensor is one write.
+func TestExportSlabs(t *testing.T) {
+	for _, c := range []struct {
+		opts   []Option
+		most   int64 // the largest data write
+		writes int   // data writes of w [7, 5]
+	}{{[]Option{WithMemoryLimit(8)}, 20, 7}, {nil, 7 * 5 * 4, 1}} {
+		path := filepath.Join(t.TempDir(), "model.safetensors")
+		rec := &recorder{}
+		exportOn(t, path, dp2tp2, testTensors, append(c.opts, withHook(rec.hook))...)
+		if err := fileHolds(path, testTensors); err != nil {
+			t.Fatal(err)
+		}
+		f, err := safetensors.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := f.Info("w")
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var most, base int64
+		wWrites := 0
+		for _, ev := range rec.events {
+			if ev.Op != "write" || baseName(ev.Path) != "model.safetensors.tmp" {
+				continue
+			}
+			if ev.Off == 0 {
+				base = ev.N // the header, written first
+				continue
+			}
+			most = max(most, ev.N)
+			if b := base + info.Offset; ev.Off >= b && ev.Off < b+info.Size {
+				wWrites++
+			}
+		}
+		if most != c.most {
+			t.Errorf("%v: the largest data write is %d bytes, want %d", c.opts, most, c.most)
+		}
+		if wWrites != c.writes {
+			t.Errorf("%v: %d writes of w, want %d", c.opts, wWrites, c.writes)
+		}
+	}
+}
