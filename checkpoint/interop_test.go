@@ -278,10 +278,11 @@ func TestExportRefuses(t *testing.T) {
 // file holds every tensor exactly; by default a small tensor is one write.
 func TestExportSlabs(t *testing.T) {
 	for _, c := range []struct {
+		name   string
 		opts   []Option
 		most   int64 // the largest data write
 		writes int   // data writes of w [7, 5]
-	}{{[]Option{WithMemoryLimit(8)}, 20, 7}, {nil, 7 * 5 * 4, 1}} {
+	}{{"bound 8", []Option{WithMemoryLimit(8)}, 20, 7}, {"default", nil, 7 * 5 * 4, 1}} {
 		path := filepath.Join(t.TempDir(), "model.safetensors")
 		rec := &recorder{}
 		exportOn(t, path, dp2tp2, testTensors, append(c.opts, withHook(rec.hook))...)
@@ -313,10 +314,10 @@ func TestExportSlabs(t *testing.T) {
 			}
 		}
 		if most != c.most {
-			t.Errorf("%v: the largest data write is %d bytes, want %d", c.opts, most, c.most)
+			t.Errorf("%s: the largest data write is %d bytes, want %d", c.name, most, c.most)
 		}
 		if wWrites != c.writes {
-			t.Errorf("%v: %d writes of w, want %d", c.opts, wWrites, c.writes)
+			t.Errorf("%s: %d writes of w, want %d", c.name, wWrites, c.writes)
 		}
 	}
 }
