@@ -84,8 +84,9 @@
 //
 // [Export] writes the whole model as one plain safetensors file, each
 // tensor under its name with its global shape (the file PyTorch's
-// safetensors.torch.load_file and numpy read); world rank 0 assembles it
-// one tensor at a time from the ranks' blocks. [Import] reads such a file,
+// safetensors.torch.load_file and numpy read); the ranks save their blocks
+// to a staging folder beside it, and world rank 0 assembles the file from
+// them in slabs of rows within [WithMemoryLimit]. [Import] reads such a file,
 // PyTorch's included, into any layout as Load reads a checkpoint, each
 // rank reading only its blocks' bytes ([WithPrefix] picks a part of a
 // file, [WithReshape] lets a fused tensor take the target's shape).
