@@ -10,7 +10,10 @@
 // gradient accumulation under the reducers' NoSync (DDP, FSDP; SyncGrads
 // for other axes), clipping (optim.ClipGradNorm), evaluation every N steps
 // (Evaluate, ClassMetrics, ClassifierEval), a progress line (a live bar on
-// a terminal) and JSON-lines metrics. Item reads a scalar loss.
+// a terminal) and JSON-lines metrics. Item reads a scalar loss. A
+// language model trains on a user's token file (OpenTokens: a text file as
+// bytes, nanoGPT's and llm.c's uint16 files) cut into Windows of T+1
+// tokens, with a held-out split (Windows.Split) and ValLoss.
 //
 // Run is the loop that the example programs (examples/transformer and
 // examples/moe) share, public so that a program of one's own can copy
