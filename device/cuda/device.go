@@ -73,6 +73,7 @@ type Device struct {
 
 	fnMu sync.Mutex
 	fns  map[string]Function // by kernel name
+	moeK *MoE                // permute.cu on the compute stream, at first use
 
 	targets targetChecks // CrossEntropy's target checks not read yet
 }

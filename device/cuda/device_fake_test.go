@@ -58,6 +58,7 @@ func buildDeviceFake(t *testing.T) *deviceFake {
 	for _, k := range KernelNames() {
 		inc.WriteString("LOOM_KERNEL(" + k + ")\n")
 	}
+	inc.WriteString("#define LOOM_PERMUTE_KERNELS \";" + strings.Join(KernelNames(), ";") + "\"\n")
 	if err := os.WriteFile(filepath.Join(dir, "fake_kernels.inc"), []byte(inc.String()), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -1060,7 +1061,73 @@ func pointwiseCases(r *rand.Rand, sh shapes) []kcase {
 				func(k device.Kernels, b []device.Buffer) error { return k.ArgmaxRows(b[0], b[1], n) }})
 		}
 	}
-	return append(cs, dimCases(r, sh)...)
+	cs = append(cs, dimCases(r, sh)...)
+	return append(cs, deviceMoECases(r)...)
+}
+
+// deviceMoECases are the cases of the device.MoEKernels methods, on dropless
+// and capacity routings with unrouted slots. Gathers are bit-exact; the
+// gate-weighted sums add in slot order on both sides (a GPU may fuse the
+// multiply-add: 1e-6 relative), the gate gradients in double (1e-6).
+func deviceMoECases(r *rand.Rand) []kcase {
+	var cs []kcase
+	const tokens, topK, experts = 7, 2, 3
+	for _, capacity := range []int{0, 2} {
+		ex := make([]int32, tokens*topK)
+		for i := range ex {
+			ex[i] = int32(r.IntN(experts+1)) - 1 // some −1: unrouted
+		}
+		rt := &kernels.Routing{}
+		if err := kernels.PlanRouting(rt, ex, topK, experts, capacity); err != nil {
+			panic(err)
+		}
+		rows, slots := rt.Rows(), tokens*topK
+		for _, d := range []int{1, 5, 33} {
+			name := fmt.Sprintf("capacity %d, d %d", capacity, d)
+			moeTol := tol{1e-6, 1e-7}
+			cs = append(cs,
+				kcase{"Permute/" + name, []kbuf{outF32(rows*d, exact), inF32(r, tokens*d, 2)},
+					func(k device.Kernels, b []device.Buffer) error {
+						return k.(device.MoEKernels).Permute(b[0], b[1], d, rt)
+					}},
+				kcase{"Unpermute/" + name, []kbuf{outF32(tokens*d, moeTol), inF32(r, rows*d, 2), inF32(r, slots, 1)},
+					func(k device.Kernels, b []device.Buffer) error {
+						return k.(device.MoEKernels).Unpermute(b[0], b[1], b[2], d, rt)
+					}},
+				kcase{"Unpermute no gates/" + name, []kbuf{outF32(tokens*d, moeTol), inF32(r, rows*d, 2)},
+					func(k device.Kernels, b []device.Buffer) error {
+						return k.(device.MoEKernels).Unpermute(b[0], b[1], nil, d, rt)
+					}},
+				kcase{"UnpermuteBackward/" + name, []kbuf{outF32(rows*d, moeTol), outF32(slots, tol{1e-6, 1e-6}), inF32(r, tokens*d, 1),
+					inF32(r, rows*d, 2), inF32(r, slots, 1)},
+					func(k device.Kernels, b []device.Buffer) error {
+						return k.(device.MoEKernels).UnpermuteBackward(b[0], b[1], b[2], b[3], b[4], d, rt)
+					}},
+				kcase{"UnpermuteBackward dpacked only/" + name, []kbuf{outF32(rows*d, moeTol), inF32(r, tokens*d, 1)},
+					func(k device.Kernels, b []device.Buffer) error {
+						return k.(device.MoEKernels).UnpermuteBackward(b[0], nil, b[1], nil, nil, d, rt)
+					}},
+			)
+		}
+	}
+	const ranks, local, d = 2, 3, 5
+	counts := make([]int, ranks*local)
+	total := 0
+	for i := range counts {
+		counts[i] = r.IntN(4)
+		total += counts[i]
+	}
+	cs = append(cs,
+		kcase{fmt.Sprintf("GroupByExpert/%v", counts), []kbuf{outF32(total*d, exact), inF32(r, total*d, 2)},
+			func(k device.Kernels, b []device.Buffer) error {
+				return k.(device.MoEKernels).GroupByExpert(b[0], b[1], d, counts, ranks, local)
+			}},
+		kcase{fmt.Sprintf("GroupByRank/%v", counts), []kbuf{outF32(total*d, exact), inF32(r, total*d, 2)},
+			func(k device.Kernels, b []device.Buffer) error {
+				return k.(device.MoEKernels).GroupByRank(b[0], b[1], d, counts, ranks, local)
+			}},
+	)
+	return cs
 }
 
 // dimCases are the cases of SoftmaxDim, CrossEntropyMean and their
