@@ -20,6 +20,7 @@ import (
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/device/cuda"
 	"github.com/b7ea7098/loom/launch"
+	"github.com/b7ea7098/loom/train"
 )
 
 // fakeNCCLJobs builds the fake NCCL and CUDA library of comm/nccl, points
@@ -85,7 +86,8 @@ func runRanks(t *testing.T, jobs []*launch.Job, f func(rank int, job *launch.Job
 // as a device/cuda device named cuda:<GPU>, whose context is the one its
 // communicator was made on (one context and driver binding for compute
 // and NCCL); the communicator works (an all-reduce), and Job.Run closes
-// the device after the rank. Without WithDevice a rank has none.
+// the device after the rank. Without WithDevice a rank has none. Through
+// train.Run, -device cuda hands the same device to the rank's setup.
 func TestNCCLDeviceFake(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -133,5 +135,24 @@ func TestNCCLDeviceFake(t *testing.T) {
 			return nil
 		})
 	})
+
+	names := make([]string, 2)
+	runRanks(t, fakeNCCLJobs(t, ctx, 2), func(rank int, job *launch.Job) error {
+		l := train.Loop{Ranks: 2, Shape: []int{2}, Steps: 1, Every: 1, Tokens: 1, Flags: train.Flags{Threads: 1, TraceSteps: 1, Device: train.DeviceCUDA}}
+		_, err := train.Run(ctx, nil, job, l, func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
+			names[rank] = r.Device.Name()
+			return nopStepper{}, nil
+		}, nil)
+		return err
+	})
+	for rank, name := range names {
+		if want := fmt.Sprintf("cuda:%d", rank); name != want {
+			t.Errorf("train.Run -device cuda: rank %d's device %q, want %s", rank, name, want)
+		}
+	}
 }
 
+// nopStepper is a training step that does nothing.
+type nopStepper struct{}
+
+func (nopStepper) Step(context.Context) (float64, error) { return 0, nil }
