@@ -1,6 +1,7 @@
 package train
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/b7ea7098/loom"
@@ -20,17 +21,15 @@ const (
 	// CPU kernels. It takes the device code path without a GPU and gives
 	// the host's results bit for bit.
 	DeviceEmu = "emu"
-	// DeviceCUDA computes on the GPU of each rank (under loomrun or
-	// torchrun). The rank's device must be the device/cuda device whose
-	// context and driver binding the rank's NCCL communicator uses, which
-	// package launch does not hand to the rank yet (it opens a bare
-	// context for NCCL, without NVRTC): asking for it is an error saying
-	// so.
+	// DeviceCUDA computes on the GPU of each rank, on the NCCL backend
+	// (under loomrun or torchrun): package launch opens the rank's GPU as
+	// a device/cuda device (named cuda:<GPU>) whose context the rank's
+	// NCCL communicator shares (launch.WithDevice, launch.DeviceOf).
 	DeviceCUDA = "cuda"
 )
 
 // ErrUnsupported is wrapped by the errors of flags that ask for what this
-// build cannot do (-device cuda, -device emu on tcp or nccl); it matches
+// build cannot do (-device cuda off NCCL, -device emu on tcp or nccl); it matches
 // loom.ErrUnsupported.
 var ErrUnsupported = loom.NewSentinel("train: unsupported", loom.ErrUnsupported)
 
@@ -42,24 +41,25 @@ func (f Flags) DeviceKind() string {
 	return f.Device
 }
 
-// checkDevice checks -device: cpu or emu, and cuda is an error naming what
-// it needs.
+// checkDevice checks that -device is cpu, emu or cuda.
 func (f Flags) checkDevice() error {
 	switch f.DeviceKind() {
-	case DeviceCPU, DeviceEmu:
+	case DeviceCPU, DeviceEmu, DeviceCUDA:
 		return nil
-	case DeviceCUDA:
-		return fmt.Errorf("%w: -device cuda needs package launch to hand each rank the device/cuda device of the GPU it opens for NCCL "+
-			"(one context and driver binding, NVRTC loaded), which this build does not do yet; "+
-			"-device cpu computes on the host, -device emu takes the device code path on the CPU", ErrUnsupported)
 	}
 	return fmt.Errorf("%w: -device %q; want cpu, emu or cuda", ErrInvalid, f.Device)
 }
 
 // checkJob checks that job's collectives take the buffers of -device's
 // devices: the emulated device's are host memory that comm/local and
-// comm/mpi read in place, which comm/tcp and NCCL refuse.
+// comm/mpi read in place, which comm/tcp and NCCL refuse; a GPU's are
+// device memory, which only NCCL takes (and only its jobs have a GPU per
+// rank).
 func (f Flags) checkJob(job *launch.Job) error {
+	if f.DeviceKind() == DeviceCUDA && job.Backend != launch.NCCL {
+		return fmt.Errorf("%w: -device cuda runs on the %s backend (one GPU per process, under loomrun or torchrun, its communicator on the rank's device); this is a %s job; "+
+			"-device cpu computes on the host, -device emu takes the device code path on the CPU", ErrUnsupported, launch.NCCL, job.Backend)
+	}
 	if f.DeviceKind() == DeviceEmu && job.Backend != launch.Local && job.Backend != launch.MPI {
 		return fmt.Errorf("%w: -device emu runs on the %s and %s backends (their collectives read the emulated device's host-backed buffers); this is a %s job",
 			ErrUnsupported, launch.Local, launch.MPI, job.Backend)
@@ -68,12 +68,23 @@ func (f Flags) checkJob(job *launch.Job) error {
 }
 
 // OpenDevice returns the device -device gives the rank of world rank
-// rank: device.Host() for cpu, or emu.New(rank) running its kernels on
-// blas for emu, which the caller closes after the rank's work. A -device
-// that checkDevice refuses is its error.
-func (f Flags) OpenDevice(rank int, blas *kernels.BLAS) (device.Device, error) {
+// rank, whose launch.Func got ctx: device.Host() for cpu, emu.New(rank)
+// running its kernels on blas for emu, which the caller closes after the
+// rank's work, or for cuda the device launch opened for the rank
+// (launch.DeviceOf), which launch closes. A -device that checkDevice
+// refuses is its error, and cuda on a rank that launch gave no device
+// (a job run without launch.WithDevice, or not on NCCL) wraps
+// ErrUnsupported.
+func (f Flags) OpenDevice(ctx context.Context, rank int, blas *kernels.BLAS) (device.Device, error) {
 	if err := f.checkDevice(); err != nil {
 		return nil, err
+	}
+	if f.DeviceKind() == DeviceCUDA {
+		d := launch.DeviceOf(ctx)
+		if d == nil {
+			return nil, fmt.Errorf("%w: -device cuda: rank %d has no GPU from package launch (it opens one per rank on the %s backend, with launch.WithDevice)", ErrUnsupported, rank, launch.NCCL)
+		}
+		return d, nil
 	}
 	if f.DeviceKind() == DeviceEmu {
 		var opts []emu.Option
@@ -102,6 +113,8 @@ func (f Flags) DeviceLine(ranks int) string {
 		return fmt.Sprintf("device: emu (%s, one emulated device per rank running the host's CPU kernels)", names)
 	case DeviceCPU:
 		return "device: cpu (the host)"
+	case DeviceCUDA:
+		return "device: cuda (one GPU per rank, shared with its NCCL communicator)"
 	}
 	return "device: " + f.DeviceKind()
 }

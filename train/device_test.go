@@ -35,9 +35,10 @@ func (s deviceStepper) Step(context.Context) (string, error) {
 
 // TestRunDevice: -device gives every rank its device (the host, or
 // emu:<rank>), the tape's options compute there, and Run closes an
-// emulated device after the rank; cuda and unknown names fail before any
-// rank starts, and emu on a backend whose collectives refuse its buffers
-// is refused.
+// emulated device after the rank; unknown names fail before any rank
+// starts, emu on a backend whose collectives refuse its buffers is
+// refused, and so is cuda off NCCL (TestNCCLDeviceFake in package launch
+// runs it on NCCL).
 func TestRunDevice(t *testing.T) {
 	for _, c := range []struct {
 		device string
@@ -83,7 +84,6 @@ func TestRunDevice(t *testing.T) {
 		want   error
 		msg    string
 	}{
-		{"cuda", loom.ErrUnsupported, "package launch"},
 		{"gpu", loom.ErrInvalid, `-device "gpu"`},
 	} {
 		loop := Loop{Ranks: 1, Steps: 1, Every: 1, Flags: Flags{TraceSteps: 1, Device: c.device}}
@@ -100,6 +100,32 @@ func TestRunDevice(t *testing.T) {
 		if err := f.checkJob(&launch.Job{Backend: b}); err != nil {
 			t.Errorf("-device emu on %s: %v", b, err)
 		}
+	}
+	cu := Flags{Device: DeviceCUDA}
+	for _, b := range []string{launch.Local, launch.MPI, launch.TCP} {
+		err := cu.checkJob(&launch.Job{Backend: b})
+		if !errors.Is(err, loom.ErrUnsupported) || !strings.Contains(err.Error(), "runs on the nccl backend") || !strings.Contains(err.Error(), "this is a "+b+" job") {
+			t.Errorf("-device cuda on %s: %v, want ErrUnsupported naming nccl and %s", b, err, b)
+		}
+	}
+	if err := cu.checkJob(&launch.Job{Backend: launch.NCCL}); err != nil {
+		t.Errorf("-device cuda on nccl: %v", err)
+	}
+	job, err := launch.InProcess(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := false
+	setup := func(context.Context, Rank) (Stepper[string], error) {
+		started = true
+		return nil, errors.New("unreachable")
+	}
+	loop := Loop{Ranks: 1, Steps: 1, Every: 1, Flags: Flags{TraceSteps: 1, Device: DeviceCUDA}}
+	if _, err := Run(context.Background(), nil, job, loop, setup, nil); !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "this is a local job") || started {
+		t.Errorf("-device cuda on a local job: %v (setup called: %v), want ErrUnsupported naming the local backend before any rank starts", err, started)
+	}
+	if _, err := cu.OpenDevice(context.Background(), 0, nil); !errors.Is(err, ErrUnsupported) {
+		t.Errorf("-device cuda without launch's device: %v, want ErrUnsupported", err)
 	}
 	if got := f.DeviceLine(4); !strings.Contains(got, "emu:0 … emu:3") {
 		t.Errorf("DeviceLine(4) = %q", got)

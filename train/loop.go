@@ -98,9 +98,22 @@ type Rank struct {
 	// (autograd.WithDevice) when it is not the host and, with -trace, the
 	// tracer's observer.
 	Tape []autograd.Option
-	// Device is where the rank computes (-device): device.Host(), or the
-	// rank's emulated device, which Run closes after the rank's Finish.
+	// Device is where the rank computes (-device): device.Host(), the
+	// rank's emulated device, which Run closes after the rank's Finish, or
+	// the rank's GPU (a device/cuda device named cuda:N whose context the
+	// rank's NCCL communicator uses), which package launch closes.
 	Device device.Device
+}
+
+// runOptions are the options of Run's job.Run: the in-process ranks'
+// options, the mesh (on NCCL it places the ranks on the GPUs), the layout
+// log and, for -device cuda, the rank's GPU opened as a device.
+func (l Loop) runOptions(out io.Writer) []launch.Option {
+	opts := []launch.Option{launch.WithLocal(l.Flags.RunOptions()...), launch.WithMesh(l.Shape...), launch.WithLog(out)}
+	if l.Flags.DeviceKind() == DeviceCUDA {
+		opts = append(opts, launch.WithDevice())
+	}
+	return opts
 }
 
 // Stepper is one rank's training state: Step runs one training step (it
@@ -181,13 +194,16 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 	var mu sync.Mutex
 	err = job.Run(ctx, func(ctx context.Context, c comm.Communicator) (err error) {
 		rt := tracer.Rank(c)
-		dev, err := l.Flags.OpenDevice(c.Rank(), blas)
+		dev, err := l.Flags.OpenDevice(ctx, c.Rank(), blas)
 		if err != nil {
 			return err
 		}
 		tape := []autograd.Option{autograd.WithBLAS(blas)}
 		if dev.Kind() != device.KindHost {
 			tape = append(tape, autograd.WithDevice(dev))
+		}
+		// A cuda device is launch's: it closes it after the communicator.
+		if dev.Kind() == device.KindEmulated {
 			defer func() {
 				if cerr := dev.Close(); err == nil && cerr != nil {
 					err = fmt.Errorf("train: closing %s: %w", dev.Name(), cerr)
@@ -241,7 +257,7 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 			res.TokensPerS = MedianTokensPerS(float64(l.Tokens), times)
 		}
 		return nil
-	}, launch.WithLocal(l.Flags.RunOptions()...), launch.WithMesh(l.Shape...), launch.WithLog(out))
+	}, l.runOptions(out)...)
 	if err != nil {
 		return nil, err
 	}

@@ -96,7 +96,7 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
 	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
 	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi), nccl or tcp (under loomrun or torchrun: one process per GPU, or pure-Go TCP between CPU processes); default: "+launch.BackendEnv+", else how the program was launched (under loomrun or torchrun: nccl where the CUDA driver finds a GPU, tcp elsewhere)")
-	fs.StringVar(&f.Device, "device", DeviceCPU, "where the ranks compute: cpu (the host), emu (an emulated device per rank: the device code path on the CPU, the host's results bit for bit) or cuda (the GPUs; not wired to launch's NCCL context yet)")
+	fs.StringVar(&f.Device, "device", DeviceCPU, "where the ranks compute: cpu (the host), emu (an emulated device per rank: the device code path on the CPU, the host's results bit for bit) or cuda (each rank's GPU, on the NCCL backend under loomrun or torchrun)")
 	fs.Float64Var(&f.Peak, "peak", 0, "peak of one device in TFLOP/s for the MFU line: one GPU, or the CPUs one host's ranks use (default: the GPU's datasheet figure, or the CPUs' estimate)")
 }
 
