@@ -26,8 +26,8 @@
 #
 # Usage:
 #   scripts/gpu_check.sh --build DIR   build the binaries here (go, with
-#       -trimpath -ldflags='-s -w', gzipped) into DIR, small enough for the
-#       device tool's 64 MiB carry; DIR/MANIFEST lists them
+#       -trimpath -ldflags='-s -w', gzipped: about 16 MiB) into DIR, for a GPU
+#       machine without Go; DIR/MANIFEST lists them and the commit
 #   scripts/gpu_check.sh --bin DIR     run the checks with DIR's binaries
 #   scripts/gpu_check.sh               build into a temporary folder (needs go),
 #                                      then run
@@ -36,19 +36,17 @@
 #   --host      run the checks on the CPU (-device cpu where the binaries have
 #               -device, a few-step GPT-2-shaped model), to test this script on
 #               a machine without a GPU; GPU tests skip there
-# The test binaries run in their package folders (for testdata/), so run the
-# script from a checkout of the commit the binaries were built from.
+# The test binaries run in their package folders (for testdata/), so run
+# --bin DIR from a copy of the checkout DIR was built in, e.g.
+#   scripts/gpu_check.sh --build .gpu_check    # here (.gitignore has it)
+#   scripts/gpu_check.sh --bin .gpu_check      # there, in the copied checkout
 #
-# Through the device tool, from the repository root:
-#   scripts/gpu_check.sh --build .gpu_check
-#   run: scripts/gpu_check.sh --bin .gpu_check   carry [".gpu_check"], timeout_s 540
-# (.gpu_check travels with the tree even when ignored, as long as carry names it.)
-#
-# Output: with $OUT set (the device tool's folder that comes back),
+# Output: with $OUT set (a folder the caller collects afterwards),
 # $OUT/gpu_check.summary (the check lines), $OUT/gpu_check.log (every
 # command's output), $OUT/runs.tar.gz (each run's log and -json) and
 # $OUT/kcache.tar.gz (the NVRTC kernel cache, kept in $OUT/kcache during the
-# run; put it in DIR to start the next run warm). Without $OUT they go to a
+# run; put it in DIR to start the next run warm); four files, so that a
+# collector that takes only a few gets them all. Without $OUT they go to a
 # temporary folder whose path is printed.
 # Environment: LOOM_CUDA_DRIVER, LOOM_NVRTC, LOOM_CUBLAS, LOOM_CUBLASLT,
 # LOOM_NCCL force the libraries (otherwise the script looks for each one the
