@@ -190,6 +190,11 @@ report() {
 	esac
 }
 
+# info MESSAGE: a line about the setup, not a check.
+info() {
+	echo "== $*" | tee -a "$fulllog"
+}
+
 # tail_of LOG prints a failed run's last lines, indented.
 tail_of() {
 	[[ -s $1 ]] && tail -n "${2:-8}" "$1" | sed 's/^/      /'
@@ -247,17 +252,17 @@ if [[ -n $bindir ]]; then
 		esac
 	done
 	chmod +x "$bin"/* 2>/dev/null
-	echo "== binaries from $bindir: $(sed -n 's/^commit //p' "$bindir/MANIFEST")"
+	info "binaries from $bindir: $(sed -n 's/^commit //p' "$bindir/MANIFEST")"
 else
-	echo "== building the binaries (go)"
+	info "building the binaries (go)"
 	build "$bin"
 fi
 
 # Where the loader does not know a library, look for it in the CUDA
 # toolkit's folders and the nvidia-* wheels of the Python on the PATH, and
 # point its variable (and the loader) at it.
-lib_dirs=(/usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib /usr/local/cuda-*/lib64 /usr/local/nccl/lib
-	/usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64)
+lib_dirs=(/usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib
+	/usr/local/cuda-*/lib64 /usr/local/nccl/lib /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64)
 if command -v python3 >/dev/null; then
 	while IFS= read -r sp; do
 		lib_dirs+=("$sp"/nvidia/*/lib)
@@ -265,33 +270,43 @@ if command -v python3 >/dev/null; then
 fi
 known=$( (/sbin/ldconfig -p || ldconfig -p) 2>/dev/null)
 # find_lib VAR SONAME...: keep VAR when set or when the loader knows one of
-# the sonames; else set VAR to the first file found.
+# the sonames (ldconfig's cache or LD_LIBRARY_PATH); else set VAR to the
+# first file found.
 find_lib() {
 	local var=$1 so d
 	shift
 	if [[ -n ${!var:-} ]]; then
-		echo "== $var=${!var} (set)"
+		info "$var=${!var} (set)"
 		return
 	fi
 	for so in "$@"; do
 		if awk -v so="$so" '$1 == so { f = 1 } END { exit !f }' <<<"$known"; then
-			echo "== $var: $so from the loader's path"
+			info "$var: $so from the loader's cache"
 			return
 		fi
+		local IFS=:
+		for d in ${LD_LIBRARY_PATH:-}; do
+			if [[ -n $d && -e $d/$so ]]; then
+				info "$var: $so from LD_LIBRARY_PATH ($d)"
+				return
+			fi
+		done
+		unset IFS
 	done
 	for so in "$@"; do
 		for d in "${lib_dirs[@]}"; do
 			if [[ -e $d/$so ]]; then
 				export "$var=$d/$so"
 				export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-				echo "== $var=$d/$so (found)"
+				info "$var=$d/$so (found)"
 				return
 			fi
 		done
 	done
-	echo "== $var: none of $* found; the default search applies"
+	info "$var: none of $* found; the default search applies"
 }
 if ((!host)); then
+	find_lib LOOM_CUDA_DRIVER libcuda.so.1
 	find_lib LOOM_NCCL libnccl.so.2
 	find_lib LOOM_NVRTC libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so.11.2
 	find_lib LOOM_CUBLAS libcublas.so.13 libcublas.so.12 libcublas.so.11
@@ -301,7 +316,7 @@ if ((!host)); then
 	else
 		find_lib LOOM_CUBLASLT libcublasLt.so.13 libcublasLt.so.12 libcublasLt.so.11
 	fi
-	nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/== GPU: /'
+	while IFS= read -r g; do info "GPU: $g"; done < <(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)
 	export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 	if [[ -n ${OUT:-} ]]; then
 		export LOOM_KERNEL_CACHE=$OUT/kcache
@@ -309,7 +324,7 @@ if ((!host)); then
 	if [[ -n ${LOOM_KERNEL_CACHE:-} && -f $bindir/kcache.tar.gz ]]; then
 		mkdir -p "$LOOM_KERNEL_CACHE" &&
 			tar -xzf "$bindir/kcache.tar.gz" -C "$LOOM_KERNEL_CACHE" --strip-components=1 &&
-			echo "== kernel cache $LOOM_KERNEL_CACHE warmed from $bindir/kcache.tar.gz"
+			info "kernel cache $LOOM_KERNEL_CACHE warmed from $bindir/kcache.tar.gz"
 	fi
 fi
 
