@@ -97,7 +97,7 @@ gpu_test_pkgs() {
 # build DIR [gzip]: the binaries and the test binaries, and DIR/MANIFEST
 # ("commit C", "bin NAME FILE", "test PKG FILE"); gzipped when asked.
 build() {
-	local dir=$1 zip=${2:-} tmp pkg f
+	local dir=$1 zip=${2:-} tmp pkg f c
 	command -v go >/dev/null || die "no go toolchain to build with; build elsewhere with --build DIR and pass --bin DIR"
 	mkdir -p "$dir" || die "cannot make $dir"
 	dir=$(cd "$dir" && pwd)
@@ -106,7 +106,12 @@ build() {
 	(cd "$root" && go build "${flags[@]}" -o "$tmp/" ./cmd/loomrun ./examples/transformer ./examples/moe) ||
 		die "go build failed"
 	{
-		echo "commit $(cd "$root" && git rev-parse --short HEAD 2>/dev/null || echo unknown)$(cd "$root" && git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
+		if c=$(cd "$root" && git rev-parse --short HEAD 2>/dev/null); then
+			(cd "$root" && git diff --quiet HEAD) || c+=" (with uncommitted changes)"
+			echo "commit $c"
+		else
+			echo "commit unknown (not a git checkout)"
+		fi
 		echo "bin loomrun loomrun"
 		echo "bin transformer transformer"
 		echo "bin moe moe"
@@ -142,7 +147,9 @@ budget=${GPU_CHECK_BUDGET:-450}
 # gpu_reason prints why this machine has no usable GPU, or nothing.
 gpu_reason() {
 	if command -v nvidia-smi >/dev/null; then
-		nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && return
+		# Not a pipe into grep -q: under pipefail, grep's early exit can
+		# fail the writer with SIGPIPE, and so the test.
+		grep -q '^GPU ' <<<"$(nvidia-smi -L 2>/dev/null)" && return
 		echo "nvidia-smi lists no GPU"
 	elif compgen -G '/dev/nvidia[0-9]*' >/dev/null; then
 		return
@@ -349,11 +356,17 @@ run() {
 	return "$rc"
 }
 
-# why_failed NAME RC SECONDS: a failed run's reason.
+# why_failed NAME RC SECONDS: a failed run's reason: the program's own
+# error line ("[rank R] transformer: ..." under loomrun), else its last line.
 why_failed() {
+	local line
 	case $2 in
 	124 | 137) echo "timed out after ${3}s" ;;
-	*) echo "exit $2: $(grep -v '^\s*$' "$runs/$1.log" | tail -n 1 | cut -c1-200)" ;;
+	*)
+		line=$(grep -E '^(\[rank [0-9]+\] )?(transformer|moe): ' "$runs/$1.log" | tail -n 1)
+		[[ -n $line ]] || line=$(grep -v '^\s*$' "$runs/$1.log" | tail -n 1)
+		echo "exit $2: $(cut -c1-300 <<<"$line")"
+		;;
 	esac
 }
 
@@ -420,7 +433,7 @@ done
 
 # has_flag BIN FLAG: whether BIN's usage lists -FLAG.
 has_flag() {
-	"$bin/$1" -h 2>&1 | grep -qE -- "^  -$2( |\$)"
+	grep -qE -- "^  -$2( |\$)" <<<"$("$bin/$1" -h 2>&1)" # not a pipe: see gpu_reason
 }
 
 # The device flag: -device cuda on a GPU; on the host -device cpu where it
