@@ -20,12 +20,29 @@
 #   mpirun must exit non-zero within 2x LOOM_TIMEOUT, leaving no orted and
 #   no rank behind.
 #
+#   loomrun, two nodes of 2 ranks each, examples/transformer (built with
+#   CGO_ENABLED=0) -dp 2 -tp 2 on the TCP backend, which it picks by
+#   itself (LOOM_CUDA_DRIVER=off: hosts without GPUs), LOOM_TIMEOUT=8s and
+#   --node-timeout 8s (the backend's timeout and loomrun's heartbeats
+#   armed alike: a stalled rank only the backend sees, a killed one both,
+#   a partition whichever fires first):
+#     tcp-losses       no fault: the losses of the same layout on
+#                      in-process ranks, bit for bit (both LOOM_BLAS=go)
+#     tcp-rank-killed  SIGKILL to a rank of node 1 mid-run
+#     tcp-link-down    the veth link taken down mid-collective
+#     tcp-rank-stopped SIGSTOP to a rank of node 1
+#   each must end every process on both nodes within 2x LOOM_TIMEOUT, node
+#   0's loomrun reporting the failure and the nodes' output naming the
+#   rank at fault by its world rank (for the partition: a rank of node 1,
+#   or node 1).
+#
 # Each case prints one line: "netns: PASS|FAIL <case>: ended in <s> (bound
 # <s>) ...". Needs root and `ip netns`; without them it says so and exits
 # 0. It cleans up the namespaces on exit and removes leftovers of an
 # earlier run first.
 #
-# Usage: scripts/netns_check.sh   (Debian: iproute2, openmpi-bin, libopenmpi-dev)
+# Usage: scripts/netns_check.sh [loomrun|mpi|tcp ...]   (the case groups to
+# run, default all; Debian: iproute2, openmpi-bin, libopenmpi-dev)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,6 +54,8 @@ addr0=10.213.0.1 addr1=10.213.0.2
 port=29513
 node_timeout=4 # seconds
 loom_timeout=8 # seconds
+tcp_timeout=8  # seconds
+groups=" ${*:-loomrun mpi tcp} "
 
 if [ "$(id -u)" != 0 ]; then
 	echo "netns: skipped: needs root to make network namespaces (ip netns)"
@@ -78,9 +97,10 @@ net() {
 }
 net
 
-echo "== go build ./cmd/loomrun, go test -c ./cmd/loomrun, go build -tags mpi ./examples/transformer"
+echo "== go build ./cmd/loomrun, go test -c ./cmd/loomrun, go build [-tags mpi] ./examples/transformer"
 go build -o "$tmp/loomrun" ./cmd/loomrun
 go test -c -o "$tmp/loomrun.test" ./cmd/loomrun
+CGO_ENABLED=0 go build -o "$tmp/transformer-tcp" ./examples/transformer
 mpi=1
 if command -v mpirun >/dev/null && pkg-config --exists ompi-c 2>/dev/null; then
 	go build -tags mpi -o "$tmp/transformer" ./examples/transformer
@@ -186,6 +206,7 @@ loomrun_case() {
 	verdict "$name" "$took" $((2 * node_timeout)) "${problems[@]}"
 }
 
+if [[ $groups == *" loomrun "* ]]; then
 echo "== loomrun, 2 nodes x 2 ranks, --node-timeout ${node_timeout}s"
 loomrun_case rank-killed rank \
 	"loomrun[node 0]: job failed: rank " "loomrun[node 1]: job failed: rank "
@@ -198,6 +219,7 @@ loomrun_case node0-killed node0 \
 loomrun_case link-down link \
 	"loomrun[node 0]: job failed: node 1's loomrun stopped responding (no heartbeat for ${node_timeout}s)" \
 	"loomrun[node 1]: job failed: node 0's loomrun stopped responding (its rendezvous server at $addr0:$port did not answer for ${node_timeout}s)"
+fi
 
 # mpi_case NAME FAULT WANT: mpirun in ns0, one rank on each "host".
 mpi_case() {
@@ -255,10 +277,98 @@ EOF
 	echo "netns:      $name: mpirun exit $rc"
 }
 
-if [ "$mpi" = 1 ]; then
+if [ "$mpi" = 1 ] && [[ $groups == *" mpi "* ]]; then
 	echo "== mpirun across the namespaces, 1 rank on each, LOOM_TIMEOUT=${loom_timeout}s"
 	mpi_case mpi-rank-stopped stop "rank 0 failed on a communication error; ending the MPI job (MPI_Abort)"
 	mpi_case mpi-link-down link ""
+fi
+
+# tcp_start NAME STEPS: two loomruns, one in each namespace, running the
+# transformer -dp 2 -tp 2 on 2+2 processes (-json on node 0's rank 0).
+tcp_start() {
+	local name=$1 steps=$2
+	tcp_pids=()
+	local flags=(--nnodes 2 -n 2 --master-addr "$addr0" --master-port "$port" --node-timeout "${tcp_timeout}s" --grace 1s --timeout 120s)
+	net
+	for k in 0 1; do
+		ip netns exec "$([ $k = 0 ] && echo "$ns0" || echo "$ns1")" env LOOM_BLAS=go LOOM_CUDA_DRIVER=off LOOM_TIMEOUT=${tcp_timeout}s \
+			"$tmp/loomrun" --node-rank $k "${flags[@]}" -- "$tmp/transformer-tcp" -dp 2 -tp 2 -steps "$steps" -every 5 \
+			-json "$tmp/$name.json" >"$tmp/$name.$k" 2>&1 &
+		tcp_pids+=($!)
+	done
+}
+
+# tcp_case NAME FAULT WANT: a fault on the running job, the checks; WANT
+# is a regular expression that the two nodes' output must match, in which
+# R stands for the world rank of the process at fault.
+tcp_case() {
+	local name=$1 fault=$2 want=$3
+	tcp_start "$name" 100000
+	if ! until_in "$tmp/$name.0" "step   10" 60; then
+		verdict "$name" - 0 "the job did not start: $(cat "$tmp/$name.0" "$tmp/$name.1")"
+		pkill_job "$tmp/"
+		wait 2>/dev/null || true
+		return
+	fi
+	local t0 pid
+	t0=$(now)
+	# A rank of node 1: a transformer process in ns1 (not a supervisor,
+	# which carries the same arguments after loomrun's own).
+	pid=$(pgrep -f "^$tmp/transformer-tcp" | while read -r p; do [ "$(ip netns identify "$p")" = "$ns1" ] && echo "$p"; done | head -1) || true
+	if [ -z "$pid" ] && [ "$fault" != link ]; then
+		verdict "$name" - 0 "no rank of node 1 found: $(pgrep -af "$tmp/" | tr '\n' ';')"
+		pkill_job "$tmp/"
+		wait 2>/dev/null || true
+		return
+	fi
+	local rank
+	rank=$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | sed -n 's/^RANK=//p') || true
+	want=${want//R/${rank:-[23]}}
+	case $fault in
+	kill) kill -9 "$pid" ;;
+	stop) kill -STOP "$pid" ;;
+	link) ip -n "$ns1" link set "$veth1" down ;;
+	esac
+	local problems=() took bound=$((2 * tcp_timeout))
+	if ! await_end "$tmp/" "$bound"; then
+		took=">$bound"
+		problems+=("still running after ${bound}s: $(pgrep -af "$tmp/" | cut -c1-120 | tr '\n' ';')")
+		pkill_job "$tmp/"
+	else
+		took=$(elapsed "$t0")
+	fi
+	wait 2>/dev/null || true
+	cat "$tmp/$name.0" "$tmp/$name.1" | grep -qE -- "$want" || problems+=("the output does not match \"$want\"")
+	grep -qF "loomrun[node 0]: job failed" "$tmp/$name.0" || problems+=("node 0's loomrun did not report the failure")
+	if [ ${#problems[@]} -gt 0 ]; then
+		printf '%s\n' "--- node 0:" "$(cat "$tmp/$name.0")" "--- node 1:" "$(cat "$tmp/$name.1")" >&2
+	fi
+	verdict "$name" "$took" "$bound" "${problems[@]}"
+}
+
+if [[ $groups == *" tcp "* ]]; then
+	echo "== loomrun, 2 nodes x 2 ranks, transformer -dp 2 -tp 2 on the tcp backend, LOOM_TIMEOUT=${tcp_timeout}s"
+	# The losses: in-process ranks (outside the namespaces), then 2+2
+	# processes across them.
+	LOOM_BLAS=go "$tmp/transformer-tcp" -dp 2 -tp 2 -steps 10 -every 5 -json "$tmp/inproc.json" >"$tmp/inproc" 2>&1
+	t0=$(now)
+	tcp_start tcp-losses 10
+	rc=0
+	for p in "${tcp_pids[@]}"; do wait "$p" || rc=$?; done
+	problems=()
+	[ "$rc" = 0 ] || problems+=("a loomrun exited $rc")
+	grep -qF "4 tcp processes of one rank each (2 on this host)" "$tmp/tcp-losses.0" || problems+=("node 0 does not say it runs 4 tcp processes")
+	losses() { tr -d ' \n' <"$1" | grep -o '"losses":\[[^]]*\]'; }
+	[ -f "$tmp/tcp-losses.json" ] && [ "$(losses "$tmp/tcp-losses.json")" = "$(losses "$tmp/inproc.json")" ] ||
+		problems+=("losses across the hosts $(losses "$tmp/tcp-losses.json" 2>&1), in-process $(losses "$tmp/inproc.json")")
+	if [ ${#problems[@]} -gt 0 ]; then
+		printf '%s\n' "--- node 0:" "$(cat "$tmp/tcp-losses.0")" "--- node 1:" "$(cat "$tmp/tcp-losses.1")" >&2
+	fi
+	verdict tcp-losses "$(elapsed "$t0")" 120 "${problems[@]}"
+	# Node 1 holds ranks 2 and 3.
+	tcp_case tcp-rank-killed kill "rank R: connection closed"
+	tcp_case tcp-link-down link "waiting for rank ([23]|[0-9]+ \(world rank [23]\))|node 1's loomrun stopped responding"
+	tcp_case tcp-rank-stopped stop "waiting for rank (R|[0-9]+ \(world rank R\))"
 fi
 
 if [ "$fails" -gt 0 ]; then

@@ -19,6 +19,10 @@
 //	MASTER_ADDR       --master-addr (default 127.0.0.1)
 //	MASTER_PORT       --master-port, or the free port picked when it is 0 (the default)
 //
+// A loom program (package launch) runs one rank in each process: on GPU
+// LOCAL_RANK through NCCL where the CUDA driver finds a GPU, and over TCP
+// between the processes (comm/tcp) where it does not.
+//
 // Node 0 runs a rendezvous server (github.com/b7ea7098/loom/comm/rendezvous)
 // on MASTER_ADDR:MASTER_PORT for the lifetime of the job: processes connect
 // with rendezvous.DialEnv and use it to exchange bootstrap data (an NCCL

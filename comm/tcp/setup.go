@@ -129,6 +129,20 @@ func connect(ctx context.Context, t *transport, store *rendezvous.Client, cfg co
 		return fmt.Errorf("tcp: publish address: %w", err)
 	}
 	hs := handshake{job: jobHash(cfg.job), rank: t.rank, size: t.size}
+	// Every rank's address before any connection: a rank that never
+	// comes is then named by every rank, rather than hidden behind a
+	// peer whose accept timed out first.
+	addrs := make([]string, t.size)
+	for r := range t.size {
+		if r == t.rank {
+			continue
+		}
+		a, err := store.Get(ctx, key(r))
+		if err != nil {
+			return fmt.Errorf("tcp: address of rank %d: %w", r, err)
+		}
+		addrs[r] = string(a)
+	}
 
 	// Dial and accept at once; the first failure ends both, and is the
 	// one reported (a refused handshake, not the wait it caused).
@@ -138,7 +152,7 @@ func connect(ctx context.Context, t *transport, store *rendezvous.Client, cfg co
 	go func() { errc <- accept(ctx, t, ln, hs) }()
 	go func() {
 		for r := t.rank + 1; r < t.size; r++ {
-			if err := dial(ctx, t, store, key(r), r, hs); err != nil {
+			if err := dial(ctx, t, addrs[r], r, hs); err != nil {
 				errc <- err
 				return
 			}
@@ -212,13 +226,9 @@ func (h handshake) check(conn net.Conn, want int) (int, error) {
 	return rank, nil
 }
 
-func dial(ctx context.Context, t *transport, store *rendezvous.Client, key string, r int, hs handshake) error {
-	addr, err := store.Get(ctx, key)
-	if err != nil {
-		return fmt.Errorf("tcp: address of rank %d: %w", r, err)
-	}
+func dial(ctx context.Context, t *transport, addr string, r int, hs handshake) error {
 	var d net.Dialer
-	conn, err := d.DialContext(ctx, "tcp", string(addr))
+	conn, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return fmt.Errorf("tcp: dial rank %d at %s: %w", r, addr, err)
 	}

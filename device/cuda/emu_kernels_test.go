@@ -120,7 +120,7 @@ func d1(x uint32) dims { return dims{x, 1, 1} }
 
 // run launches kernel name. Slices are passed as device pointers (nil or
 // empty: a null pointer), int32, int64, float32 and float64 as C's int,
-// long long, float and double.
+// long long, float and double, uint64 as unsigned long long.
 func (e *emuLib) run(name string, grid, block dims, smem uint32, args ...any) error {
 	var pin runtime.Pinner
 	defer pin.Unpin()
@@ -144,6 +144,8 @@ func (e *emuLib) run(name string, grid, block dims, smem uint32, args ...any) er
 			vals[i] = uint64(uint32(v))
 		case int64:
 			vals[i] = uint64(v)
+		case uint64:
+			vals[i] = v
 		case float32:
 			vals[i] = uint64(math.Float32bits(v))
 		case float64:
@@ -251,6 +253,12 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("xent", func(t *testing.T) { testCrossEntropy(t, e) })
 	t.Run("optim", func(t *testing.T) { testOptimizers(t, e) })
 	t.Run("embedding", func(t *testing.T) { testEmbedding(t, e) })
+	t.Run("shape", func(t *testing.T) { testShape(t, e) })
+	t.Run("pointwise", func(t *testing.T) { testPointwise(t, e) })
+	t.Run("flatten", func(t *testing.T) { testFlatten(t, e) })
+	t.Run("vocab_ce", func(t *testing.T) { testVocabCE(t, e) })
+	t.Run("router", func(t *testing.T) { testRouter(t, e) })
+	t.Run("flash_attn", func(t *testing.T) { testFlashAttention(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier (and a warp

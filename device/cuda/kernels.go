@@ -53,6 +53,12 @@ func KernelFiles() []KernelFile {
 		{Name: "xent.cu", Kernels: []string{"loom_xent_fwd_f32", "loom_xent_bwd_f32"}},
 		{Name: "optim.cu", Kernels: []string{"loom_adamw_f32", "loom_sgd_f32"}},
 		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
+		{Name: "shape.cu", Kernels: []string{"loom_copy_box_f32", "loom_permute_nd_f32", "loom_sum_dims_f32", "loom_fill_rows_f32"}},
+		{Name: "pointwise.cu", Kernels: []string{"loom_act_f32", "loom_act_bwd_f32", "loom_dropout_mask_f32", "loom_argmax_rows_f32"}},
+		{Name: "flatten.cu", Kernels: []string{"loom_flatten_f32", "loom_unflatten_f32"}},
+		{Name: "vocab_ce.cu", Kernels: []string{"loom_vocab_max_f32", "loom_vocab_sumexp_pick_f32", "loom_vocab_ce_bwd_f32"}},
+		{Name: "router.cu", Kernels: []string{"loom_router_topk_f32"}},
+		{Name: "flash_attn.cu", Kernels: []string{"loom_flash_attn_fwd_f32", "loom_flash_attn_bwd_dq_f32", "loom_flash_attn_bwd_dkv_f32"}},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)

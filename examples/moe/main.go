@@ -2,7 +2,7 @@
 // mixture-of-experts layers with expert parallelism (EP): dp × ep ranks,
 // goroutines of one process exchanging data through shared memory, or one
 // process per rank under mpirun (built with -tags mpi), loomrun or
-// torchrun (package launch; -backend local|mpi|nccl overrides),
+// torchrun (package launch; -backend local|mpi|nccl|tcp overrides),
 // the batch rows sharded over both axes, every MoE layer's experts
 // sharded over ep (each rank owns E/ep of them), and the token copies
 // moved to their experts and back: pulled straight from the peers'
@@ -30,7 +30,7 @@
 //	                      [-heads H] [-ff F] [-seq T] [-vocab V] [-batch B] [-seed 1]
 //	                      [-capacity 0] [-diag] [-experts 8] [-topk 2]
 //	                      [-trace trace.json] [-json run.json] [-compare]
-//	                      [-collectives] [-backend local|mpi|nccl] [-peak TFLOP/s]
+//	                      [-collectives] [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
 //
 // The final lines give the loss, tokens/s and the MFU: tokens/s times
 // the model FLOPs per token (train.FlopsPerToken: PaLM's 6·N + 12·L·D·T,
