@@ -32,7 +32,7 @@ func TestReadmeSnippetsAreExamples(t *testing.T) {
 		snippet := normalize(string(b[1]))
 		found := false
 		for _, body := range bodies {
-			if strings.Contains(body, snippet) {
+			if strings.Contains(body.src, snippet) {
 				found = true
 				break
 			}
@@ -43,11 +43,14 @@ func TestReadmeSnippetsAreExamples(t *testing.T) {
 	}
 }
 
-// exampleBodies returns the normalized source of every Example function in
-// the module's test files.
-func exampleBodies(t *testing.T) []string {
+// example is one Example function: the file it is in and its normalized
+// body.
+type example struct{ file, src string }
+
+// exampleBodies returns every Example function in the module's test files.
+func exampleBodies(t *testing.T) []example {
 	t.Helper()
-	var bodies []string
+	var bodies []example
 	fset := token.NewFileSet()
 	err := filepath.WalkDir(".", func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -73,7 +76,7 @@ func exampleBodies(t *testing.T) []string {
 				continue
 			}
 			lo, hi := fset.Position(fn.Body.Lbrace).Offset, fset.Position(fn.Body.Rbrace).Offset
-			bodies = append(bodies, normalize(string(src[lo+1:hi])))
+			bodies = append(bodies, example{file: filepath.ToSlash(path), src: normalize(string(src[lo+1 : hi]))})
 		}
 		return nil
 	})
@@ -93,4 +96,75 @@ func normalize(s string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// mdLink matches a Markdown link to a file of the repository (not a URL
+// or an anchor), capturing the path.
+var mdLink = regexp.MustCompile(`\]\(([^)#:]+)(#[^)]*)?\)`)
+
+// TestReadmeLinksExamples: the README's code is reachable as files a user
+// can open, since go doc does not show Example functions. The text just
+// before each Go snippet links the file of an Example function that
+// contains it; every file with Example functions and every program under
+// examples/ is linked; and every link to a file of the repository
+// resolves.
+func TestReadmeLinksExamples(t *testing.T) {
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	readme := string(raw)
+	linked := map[string]bool{}
+	for _, m := range mdLink.FindAllStringSubmatch(readme, -1) {
+		p := strings.TrimSuffix(m[1], "/")
+		linked[p] = true
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("README links %s, which does not exist: %v", m[1], err)
+		}
+	}
+	bodies := exampleBodies(t)
+	prev := 0
+	for _, loc := range goBlock.FindAllStringSubmatchIndex(readme, -1) {
+		intro, snippet := readme[prev:loc[0]], normalize(readme[loc[2]:loc[3]])
+		prev = loc[1]
+		var files []string
+		ok := false
+		for _, b := range bodies {
+			if strings.Contains(b.src, snippet) {
+				files = append(files, b.file)
+				ok = ok || strings.Contains(intro, "]("+b.file+")")
+			}
+		}
+		if !ok && len(files) > 0 {
+			t.Errorf("the text before the README snippet starting %q links none of the files of its Example, %v", firstLine(readme[loc[2]:loc[3]]), files)
+		}
+	}
+	for _, b := range bodies {
+		if !linked[b.file] {
+			t.Errorf("the README links no %s, which has Example functions", b.file)
+			linked[b.file] = true // once per file
+		}
+	}
+	dirs, err := os.ReadDir("examples")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range dirs {
+		if !d.IsDir() {
+			continue
+		}
+		found := false
+		for p := range linked {
+			found = found || p == "examples/"+d.Name() || strings.HasPrefix(p, "examples/"+d.Name()+"/")
+		}
+		if !found {
+			t.Errorf("the README links no file of examples/%s", d.Name())
+		}
+	}
+}
+
+// firstLine returns s up to its first newline.
+func firstLine(s string) string {
+	l, _, _ := strings.Cut(s, "\n")
+	return l
 }

@@ -171,6 +171,9 @@ func softmax(op string, x *Value, dim int, logOut bool) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
+	if dev, ok := onDevice(x.data); ok {
+		return softmaxDev(t, dev, op, x, d, logOut)
+	}
 	if isF32(x.Spec()) {
 		return softmaxOp[float32](t, op, x, d, logOut)
 	}

@@ -456,5 +456,18 @@ func (b *planBuffers) give() {
 func (t *Tape) execute(ctx context.Context, pl *placement.Plan, dt *placement.DTensor, dst *mesh.Mesh, res alloc) (*placement.DTensor, error) {
 	b := t.planBuffers(res)
 	defer b.give()
-	return t.planner.Execute(ctx, pl, dt, dst, placement.WithAllocator(b))
+	out, err := t.planner.Execute(ctx, pl, dt, dst, placement.WithAllocator(b))
+	if err != nil || res.fresh() {
+		return out, err
+	}
+	// On a device Execute allocates the result itself (the Allocator is
+	// for host slices): the arena takes it as res says, unless it is the
+	// input's memory (a plan that moves nothing).
+	if ob := bufOf(out); ob != nil {
+		os, ok := devSpan(ob)
+		if is, iok := spanOf(dt); ok && !(iok && is.overlaps(os)) {
+			t.arena.devTake(ob, res.result)
+		}
+	}
+	return out, nil
 }

@@ -50,6 +50,9 @@ func CausalSoftmaxRule(x *placement.Spec) (*placement.Spec, error) {
 
 func causalOp[T float](t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
 	const op = "CausalSoftmax"
+	if d, ok := onDevice(x.data); ok {
+		return causalDev(t, d, spec, x)
+	}
 	xd, err := dataOf[T](x.data)
 	if err != nil {
 		return nil, err
@@ -204,6 +207,9 @@ func causalAttentionFused(spec *placement.Spec, q, k, v *Value) (*Value, error) 
 	t, err := checkInputs(op, q, k, v)
 	if err != nil {
 		return nil, err
+	}
+	if d, ok := onDevice(q.data); ok {
+		return attentionDev(t, d, spec, q, k, v)
 	}
 	qd, err := dataOf[float32](q.data)
 	if err != nil {

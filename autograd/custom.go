@@ -6,6 +6,8 @@ import (
 	"slices"
 	"unsafe"
 
+	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -51,6 +53,12 @@ type CustomBackward func(ctx context.Context, g *placement.DTensor) ([]*placemen
 // does it run forward. Its result becomes the op's output, on the inputs'
 // world. name names the op on the tape, in Observer reports and in errors.
 // Like every op, Custom must be called on every rank in the same order.
+//
+// A custom op runs wherever its inputs are (all on one device, or the op
+// fails with device.ErrMixed): on a device other than the host their
+// LocalData are device.Buffers, and forward and backward compute with the
+// device's Kernels into ResultBuffer and ScratchBuffer (or memory they own
+// and free themselves), wrapping results with placement.NewLocalOn.
 //
 // Errors wrap ErrInvalid (bad arguments, a result on another world, a
 // gradient of the wrong shape, dtype or mesh, or the wrong number of
@@ -144,6 +152,23 @@ func ResultBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.resu
 // to reuse. A nil t gives fresh memory. The result is never nil; n <= 0
 // gives an empty block.
 func ScratchBlock[T kernels.Float](t *Tape, n int) []T { return blockAs[T](t.scratch(), n) }
+
+// ResultBuffer is ResultBlock on device d: n elements of dtype dt for the
+// local block of a Custom op's result, with arbitrary contents (device
+// memory is never zeroed). On a tape made WithRecycling the tape frees it
+// at its next Recycle; otherwise the caller owns it (Buffer.Free). Errors
+// are d's (an invalid dtype or n, out of memory), wrapped.
+func ResultBuffer(t *Tape, d device.Device, dt comm.DType, n int) (device.Buffer, error) {
+	return devBlock(t.result(), d, dt, n)
+}
+
+// ScratchBuffer is ScratchBlock on device d: n elements of dtype dt of
+// t's device scratch, with arbitrary contents, freed once Backward has
+// consumed it as a gradient or when the tape is cleared. A nil t gives
+// memory the caller owns. Errors are d's, wrapped.
+func ScratchBuffer(t *Tape, d device.Device, dt comm.DType, n int) (device.Buffer, error) {
+	return devBlock(t.scratch(), d, dt, n)
+}
 
 // blockAs is block for any kernels.Float: the arena keeps float32 and
 // float64 blocks, which a type with either underlying type shares.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"sync"
 	"testing"
 
 	"github.com/b7ea7098/loom"
@@ -13,6 +14,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/device/emu"
+	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -25,6 +27,179 @@ type devCase struct {
 	name   string
 	shapes [][]int
 	f      func(in []*autograd.Value) (*autograd.Value, error)
+	// fm, when set, replaces f for computations that need the mesh (for
+	// indices).
+	fm func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error)
+}
+
+// ids is a replicated index tensor of shape with entries in [0, n).
+func ids(m *mesh.Mesh, shape []int, n int, seed uint64) (*autograd.Indices, error) {
+	r := rand.New(rand.NewPCG(seed, 5))
+	total := 1
+	for _, s := range shape {
+		total *= s
+	}
+	full := make([]int64, total)
+	for i := range full {
+		full[i] = int64(r.IntN(n))
+	}
+	places := []placement.Placement{placement.Replicate()}
+	return autograd.IndicesFromFull(m, shape, places, full)
+}
+
+// customScale is a Custom op computing 3·x and backward 3·g with the
+// host kernel or, on a device, its Kernels (ResultBuffer, ScratchBuffer).
+func customScale(x *autograd.Value) (*autograd.Value, error) {
+	t := x.Tape()
+	scale := func(in *placement.DTensor, result bool) (*placement.DTensor, error) {
+		if h, ok := in.LocalData().([]float32); ok {
+			out := autograd.ScratchBlock[float32](t, len(h))
+			if result {
+				out = autograd.ResultBlock[float32](t, len(h))
+			}
+			if err := kernels.Scale(out, h, 3); err != nil {
+				return nil, err
+			}
+			return placement.NewLocal(in.Spec(), out)
+		}
+		b := in.LocalData().(device.Buffer)
+		get := autograd.ScratchBuffer
+		if result {
+			get = autograd.ResultBuffer
+		}
+		out, err := get(t, b.Owner(), b.DType(), b.Len())
+		if err != nil {
+			return nil, err
+		}
+		if err := b.Owner().Kernels().Scale(out, b, 3); err != nil {
+			return nil, err
+		}
+		return placement.NewLocalOn(in.Spec(), out)
+	}
+	return autograd.Custom("scale3", []*autograd.Value{x},
+		func() (*placement.DTensor, error) { return scale(x.Data(), true) },
+		func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+			gx, err := scale(g, false)
+			return []*placement.DTensor{gx}, err
+		})
+}
+
+// composedAttention is CausalAttention's composition, which the
+// unfused path records.
+func composedAttention(q, k, v *autograd.Value) (*autograd.Value, error) {
+	kt, err := autograd.Transpose(k, -2, -1)
+	if err != nil {
+		return nil, err
+	}
+	s, err := autograd.BatchedMatMul(q, kt)
+	if err != nil {
+		return nil, err
+	}
+	if s, err = autograd.Scale(s, 0.5); err != nil {
+		return nil, err
+	}
+	if s, err = autograd.CausalSoftmax(s); err != nil {
+		return nil, err
+	}
+	return autograd.BatchedMatMul(s, v)
+}
+
+// checkpointed runs f inside autograd.Checkpoint with opts.
+func checkpointed(f func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error), opts ...autograd.CheckpointOption) func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+	return func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+		out, err := autograd.Checkpoint(context.Background(), in, func(ctx context.Context, in []*autograd.Value) ([]*autograd.Value, error) {
+			v, err := f(m, in)
+			return []*autograd.Value{v}, err
+		}, opts...)
+		if err != nil {
+			return nil, err
+		}
+		return out[0], nil
+	}
+}
+
+// tinyGPT is one pre-norm transformer block with an embedding and a
+// cross-entropy head: B=2, T=5, D=8, H=2, V=11. Inputs: the token table
+// [11, 8], ln w, b [8], qkv w [24, 8], b [24], proj w [8, 8], mlp w1
+// [16, 8], b1 [16], w2 [8, 16], head w [11, 8].
+func tinyGPT(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+	const B, T, D, H, V = 2, 5, 8, 2, 11
+	tok, err := ids(m, []int{B, T}, V, 7)
+	if err != nil {
+		return nil, err
+	}
+	tg, err := ids(m, []int{B * T}, V, 8)
+	if err != nil {
+		return nil, err
+	}
+	x, err := autograd.Embedding(in[0], tok)
+	if err != nil {
+		return nil, err
+	}
+	h, err := autograd.LayerNorm(x, in[1], in[2], 1e-5)
+	if err != nil {
+		return nil, err
+	}
+	qkv, err := autograd.Linear(h, in[3], in[4])
+	if err != nil {
+		return nil, err
+	}
+	parts, err := autograd.SplitLast(qkv, 3)
+	if err != nil {
+		return nil, err
+	}
+	for i, p := range parts {
+		if p, err = autograd.Reshape(p, B, T, H, D/H); err != nil {
+			return nil, err
+		}
+		if parts[i], err = autograd.Permute(p, 0, 2, 1, 3); err != nil {
+			return nil, err
+		}
+	}
+	a, err := autograd.CausalAttention(parts[0], parts[1], parts[2])
+	if err != nil {
+		return nil, err
+	}
+	if a, err = autograd.Transpose(a, 1, 2); err != nil {
+		return nil, err
+	}
+	if a, err = autograd.Reshape(a, B, T, D); err != nil {
+		return nil, err
+	}
+	if a, err = autograd.Linear(a, in[5], nil); err != nil {
+		return nil, err
+	}
+	if x, err = autograd.Add(x, a); err != nil {
+		return nil, err
+	}
+	f, err := autograd.Linear(x, in[6], in[7])
+	if err != nil {
+		return nil, err
+	}
+	if f, err = autograd.GELU(f); err != nil {
+		return nil, err
+	}
+	if f, err = autograd.Linear(f, in[8], nil); err != nil {
+		return nil, err
+	}
+	if x, err = autograd.Add(x, f); err != nil {
+		return nil, err
+	}
+	logits, err := autograd.Linear(x, in[9], nil)
+	if err != nil {
+		return nil, err
+	}
+	if logits, err = autograd.Reshape(logits, B*T, V); err != nil {
+		return nil, err
+	}
+	return autograd.CrossEntropy(logits, tg)
+}
+
+func (c devCase) run(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+	if c.fm != nil {
+		return c.fm(m, in)
+	}
+	return c.f(in)
 }
 
 func devCases() []devCase {
@@ -32,27 +207,76 @@ func devCases() []devCase {
 		return func(in []*autograd.Value) (*autograd.Value, error) { return f(in[0]) }
 	}
 	return []devCase{
-		{"Add", [][]int{{3, 5}, {3, 5}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[1]) }},
-		{"Add/same-input", [][]int{{7}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[0]) }},
-		{"Mul", [][]int{{3, 5}, {3, 5}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Mul(in[0], in[1]) }},
-		{"Scale", [][]int{{4, 3}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Scale(x, -0.7) })},
-		{"MatMul", [][]int{{5, 7}, {7, 3}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
-		{"MatMul/k=0", [][]int{{2, 0}, {0, 3}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
-		{"Linear", [][]int{{2, 3, 5}, {4, 5}, {4}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "Add", shapes: [][]int{{3, 5}, {3, 5}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[1]) }},
+		{name: "Add/same-input", shapes: [][]int{{7}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Add(in[0], in[0]) }},
+		{name: "Mul", shapes: [][]int{{3, 5}, {3, 5}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.Mul(in[0], in[1]) }},
+		{name: "Scale", shapes: [][]int{{4, 3}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Scale(x, -0.7) })},
+		{name: "MatMul", shapes: [][]int{{5, 7}, {7, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
+		{name: "MatMul/k=0", shapes: [][]int{{2, 0}, {0, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MatMul(in[0], in[1]) }},
+		{name: "Linear", shapes: [][]int{{2, 3, 5}, {4, 5}, {4}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			return autograd.Linear(in[0], in[1], in[2])
 		}},
-		{"Linear/no-bias", [][]int{{6, 5}, {4, 5}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "Linear/no-bias", shapes: [][]int{{6, 5}, {4, 5}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			return autograd.Linear(in[0], in[1], nil)
 		}},
-		{"Sum/dim", [][]int{{3, 4, 5}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x, 1) })},
-		{"Sum/all", [][]int{{3, 4}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x) })},
-		{"Mean", [][]int{{3, 4}}, one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Mean(x, 0) })},
-		{"MSE", [][]int{{3, 4}, {3, 4}}, func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MSE(in[0], in[1]) }},
-		{"LayerNorm", [][]int{{2, 3, 9}, {9}, {9}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "Sum/dim", shapes: [][]int{{3, 4, 5}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x, 1) })},
+		{name: "Sum/all", shapes: [][]int{{3, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Sum(x) })},
+		{name: "Mean", shapes: [][]int{{3, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Mean(x, 0) })},
+		{name: "MSE", shapes: [][]int{{3, 4}, {3, 4}}, f: func(in []*autograd.Value) (*autograd.Value, error) { return autograd.MSE(in[0], in[1]) }},
+		{name: "LayerNorm", shapes: [][]int{{2, 3, 9}, {9}, {9}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			return autograd.LayerNorm(in[0], in[1], in[2], 1e-5)
 		}},
-		{"GELU", [][]int{{3, 11}}, one(autograd.GELU)},
-		{"MLP", [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}, {6}, {6}}, func(in []*autograd.Value) (*autograd.Value, error) {
+		{name: "GELU", shapes: [][]int{{3, 11}}, f: one(autograd.GELU)},
+		{name: "Narrow", shapes: [][]int{{3, 5, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Narrow(x, 1, 1, 3) })},
+		{name: "SplitLast+Concat", shapes: [][]int{{3, 6}}, f: one(func(x *autograd.Value) (*autograd.Value, error) {
+			p, err := autograd.SplitLast(x, 3)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.Concat(-1, p[2], p[0])
+		})},
+		{name: "Permute", shapes: [][]int{{3, 5, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Permute(x, 2, 0, 1) })},
+		{name: "Transpose+Reshape", shapes: [][]int{{3, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) {
+			y, err := autograd.Transpose(x, 0, 1)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.Reshape(y, 2, 6)
+		})},
+		{name: "CausalAttention", shapes: [][]int{{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
+			return autograd.CausalAttention(in[0], in[1], in[2])
+		}},
+		{name: "CausalAttention/composed", shapes: [][]int{{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 3}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
+			return composedAttention(in[0], in[1], in[2])
+		}},
+		{name: "ReLU", shapes: [][]int{{3, 7}}, f: one(autograd.ReLU)},
+		{name: "SiLU", shapes: [][]int{{3, 7}}, f: one(autograd.SiLU)},
+		{name: "Tanh", shapes: [][]int{{3, 7}}, f: one(autograd.Tanh)},
+		{name: "Sigmoid", shapes: [][]int{{3, 7}}, f: one(autograd.Sigmoid)},
+		{name: "Dropout", shapes: [][]int{{5, 9}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Dropout(x, 0.4, 3, 2) })},
+		{name: "Custom", shapes: [][]int{{3, 5}}, f: one(customScale)},
+		{name: "Softmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, -1) })},
+		{name: "LogSoftmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 1) })},
+		{name: "Embedding", shapes: [][]int{{11, 6}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+			id, err := ids(m, []int{2, 5}, 11, 3)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.Embedding(in[0], id)
+		}},
+		{name: "CrossEntropy", shapes: [][]int{{7, 11}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
+			tg, err := ids(m, []int{7}, 11, 4)
+			if err != nil {
+				return nil, err
+			}
+			return autograd.CrossEntropy(in[0], tg)
+		}},
+		{name: "Checkpoint/KeepMatrixProducts", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}},
+			fm: checkpointed(tinyGPT, autograd.KeepMatrixProducts())},
+		{name: "Checkpoint/KeepOps", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}},
+			fm: checkpointed(tinyGPT, autograd.KeepOps("CausalAttention", "LayerNorm"))},
+		{name: "TinyGPT", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}}, fm: tinyGPT},
+		{name: "MLP", shapes: [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}, {6}, {6}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			h, err := autograd.Linear(in[0], in[1], in[2])
 			if err != nil {
 				return nil, err
@@ -91,7 +315,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 		}
 		in = append(in, v)
 	}
-	out, err := c.f(in)
+	out, err := c.run(m, in)
 	if err != nil {
 		return nil, err
 	}
@@ -306,9 +530,35 @@ func TestToIsDifferentiable(t *testing.T) {
 	})
 }
 
+// TestDeviceArgmax: Argmax of a device tensor gives the host's indices.
+func TestDeviceArgmax(t *testing.T) {
+	forEachDevice(t, func(ctx context.Context, m *mesh.Mesh, d device.Device) ([][]float32, error) {
+		x, err := randTensor(m, []int{4, 3, 9}, 5)
+		if err != nil {
+			return nil, err
+		}
+		if x, err = x.To(d); err != nil {
+			return nil, err
+		}
+		v, err := autograd.NewTape().Constant(x)
+		if err != nil {
+			return nil, err
+		}
+		ix, err := autograd.Argmax(v)
+		if err != nil {
+			return nil, err
+		}
+		full := ix.Local()
+		out := make([]float32, len(full))
+		for i, j := range full {
+			out[i] = float32(j)
+		}
+		return [][]float32{out}, nil
+	})
+}
+
 // TestDeviceFloat64Unsupported: float64 tensors on a device are refused
-// by name, matching loom.ErrUnsupported, and host-only ops refuse device
-// inputs the same way.
+// by name, matching loom.ErrUnsupported.
 func TestDeviceFloat64Unsupported(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d, err := emu.New(0)
@@ -337,21 +587,6 @@ func TestDeviceFloat64Unsupported(t *testing.T) {
 		if !errors.Is(err, loom.ErrUnsupported) || !errors.Is(err, autograd.ErrUnsupported) {
 			t.Errorf("Scale(float64 on emu) = %v, want ErrUnsupported", err)
 		}
-		f32, err := randTensor(m, []int{2, 3}, 1)
-		if err != nil {
-			return err
-		}
-		if f32, err = f32.To(d); err != nil {
-			return err
-		}
-		y, err := tape.Param("y", f32)
-		if err != nil {
-			return err
-		}
-		_, err = autograd.ReLU(y)
-		if !errors.Is(err, loom.ErrUnsupported) {
-			t.Errorf("ReLU(emu) = %v, want ErrUnsupported", err)
-		}
 		return nil
 	})
 }
@@ -361,7 +596,14 @@ func TestDeviceFloat64Unsupported(t *testing.T) {
 // and their gradients stay allocated, the same bytes every step, and the
 // allocator asks the driver for nothing after the first step.
 func TestDeviceMemoryReturns(t *testing.T) {
-	c := devCases()[len(devCases())-1] // the MLP
+	for _, c := range devCases() {
+		if c.name == "MLP" || c.name == "TinyGPT" || c.name == "Checkpoint/KeepOps" {
+			t.Run(c.name, func(t *testing.T) { testMemoryReturns(t, c) })
+		}
+	}
+}
+
+func testMemoryReturns(t *testing.T, c devCase) {
 	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d, err := emu.New(0)
 		if err != nil {
@@ -390,7 +632,7 @@ func TestDeviceMemoryReturns(t *testing.T) {
 			for _, v := range in {
 				v.ZeroGrad()
 			}
-			out, err := c.f(in)
+			out, err := c.run(m, in)
 			if err != nil {
 				return err
 			}
@@ -502,4 +744,368 @@ func TestDeviceScratchFreedByBackward(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestDeviceFiniteDifferences checks gradients computed on the emulated
+// device against central differences of the loss, also computed there,
+// for a few ops. autograd's CheckGrad takes float64 parameters and the
+// device ops float32, so this is a float32 check: with step h = 1e-2 the
+// difference quotient's truncation error is O(h²) ≈ 1e-4 and its rounding
+// error about 6e-8·|L|/h ≈ 1e-5·|L|, so a tolerance of 2e-2·max(1, |g|)
+// passes correct gradients while a wrong one is off by O(1).
+func TestDeviceFiniteDifferences(t *testing.T) {
+	const h, tol = 1e-2, 2e-2
+	for _, c := range devCases() {
+		switch c.name {
+		case "Linear", "LayerNorm", "GELU", "CausalAttention", "CrossEntropy", "Embedding", "Softmax":
+		default:
+			continue
+		}
+		t.Run(c.name, func(t *testing.T) {
+			placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+				d, err := emu.New(0)
+				if err != nil {
+					return err
+				}
+				defer d.Close()
+				var inputs [][]float32
+				for i, sh := range c.shapes {
+					dt, err := randTensor(m, sh, uint64(i+1))
+					if err != nil {
+						return err
+					}
+					inputs = append(inputs, dt.LocalData().([]float32))
+				}
+				// loss builds the loss on d from inputs; with grads set it
+				// also runs Backward and returns the inputs' gradients.
+				loss := func(grads bool) (float64, [][]float32, error) {
+					tape := autograd.NewTape(autograd.WithDevice(d))
+					var in []*autograd.Value
+					for i, sh := range c.shapes {
+						spec, err := placement.NewSpec(m, sh, comm.Float32, []placement.Placement{placement.Replicate()})
+						if err != nil {
+							return 0, nil, err
+						}
+						dt, err := placement.NewLocal(spec, append([]float32(nil), inputs[i]...))
+						if err != nil {
+							return 0, nil, err
+						}
+						if dt, err = dt.To(d); err != nil {
+							return 0, nil, err
+						}
+						v, err := tape.Param(fmt.Sprint("in", i), dt)
+						if err != nil {
+							return 0, nil, err
+						}
+						in = append(in, v)
+					}
+					out, err := c.run(m, in)
+					if err != nil {
+						return 0, nil, err
+					}
+					l, err := autograd.Sum(out)
+					if err != nil {
+						return 0, nil, err
+					}
+					lv, err := hostData(l.Data())
+					if err != nil {
+						return 0, nil, err
+					}
+					if !grads {
+						return float64(lv[0]), nil, nil
+					}
+					if err := tape.Backward(ctx, l); err != nil {
+						return 0, nil, err
+					}
+					var gs [][]float32
+					for _, v := range in {
+						g, err := hostData(v.Grad())
+						if err != nil {
+							return 0, nil, err
+						}
+						gs = append(gs, g)
+					}
+					return float64(lv[0]), gs, nil
+				}
+				_, grads, err := loss(true)
+				if err != nil {
+					return err
+				}
+				for i := range inputs {
+					// A few elements of each input, spread over it.
+					for _, j := range []int{0, len(inputs[i]) / 3, len(inputs[i]) - 1} {
+						x := inputs[i][j]
+						inputs[i][j] = x + h
+						up, _, err := loss(false)
+						if err != nil {
+							return err
+						}
+						inputs[i][j] = x - h
+						down, _, err := loss(false)
+						if err != nil {
+							return err
+						}
+						inputs[i][j] = x
+						num, got := (up-down)/(2*h), float64(grads[i][j])
+						if math.Abs(num-got) > tol*max(1, math.Abs(got)) {
+							t.Errorf("input %d element %d: gradient %v on emu, central difference %v", i, j, got, num)
+						}
+					}
+				}
+				return nil
+			})
+		})
+	}
+}
+
+// TestDeviceZeroGradFrees: without recycling, ZeroGrad frees a device
+// gradient Backward allocated, so a loop that frees its results holds no
+// device memory between steps.
+func TestDeviceZeroGradFrees(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		x, err := randTensor(m, []int{4, 5}, 1)
+		if err != nil {
+			return err
+		}
+		if x, err = x.To(d); err != nil {
+			return err
+		}
+		tape := autograd.NewTape()
+		p, err := tape.Param("p", x)
+		if err != nil {
+			return err
+		}
+		base := d.Memory().Stats().Allocated
+		for step := range 3 {
+			y, err := autograd.Scale(p, 2)
+			if err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			for _, v := range []*autograd.Value{y, loss} {
+				if err := v.Data().LocalBuffer().(device.Buffer).Free(); err != nil {
+					return err
+				}
+			}
+			p.ZeroGrad()
+			if got := d.Memory().Stats().Allocated; got != base {
+				t.Errorf("step %d: %d bytes allocated after ZeroGrad, %d before the step", step, got, base)
+			}
+		}
+		return nil
+	})
+}
+
+// gradsOf returns the gradients of vs.
+func gradsOf(vs []*autograd.Value) []*placement.DTensor {
+	var out []*placement.DTensor
+	for _, v := range vs {
+		out = append(out, v.Grad())
+	}
+	return out
+}
+
+// parallelCase is a computation on a 2-rank mesh: inputs of the given
+// shapes and placements (full values random, the same on every rank).
+type parallelCase struct {
+	name   string
+	shapes [][]int
+	places [][]placement.Placement
+	f      func(ctx context.Context, in []*autograd.Value) (*autograd.Value, error)
+}
+
+// TestDeviceParallel: tensor- and data-parallel layouts on two ranks, each
+// with its own emulated device, give every rank the host's local results
+// and gradients bit for bit; Redistribute (an all-reduce of the rowwise
+// output) runs on the device buffers through placement.
+func TestDeviceParallel(t *testing.T) {
+	R, S0, S1 := placement.Replicate(), placement.Shard(0), placement.Shard(1)
+	pl := func(p placement.Placement) []placement.Placement { return []placement.Placement{p} }
+	cases := []parallelCase{
+		{"Megatron MLP", [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}}, [][]placement.Placement{pl(R), pl(S0), pl(S0), pl(S1), pl(R)},
+			func(ctx context.Context, in []*autograd.Value) (*autograd.Value, error) {
+				h, err := autograd.Linear(in[0], in[1], in[2])
+				if err != nil {
+					return nil, err
+				}
+				if h, err = autograd.GELU(h); err != nil {
+					return nil, err
+				}
+				y, err := autograd.Linear(h, in[3], in[4])
+				if err != nil {
+					return nil, err
+				}
+				rs, err := y.Spec().With(pl(R))
+				if err != nil {
+					return nil, err
+				}
+				return autograd.Redistribute(ctx, y, rs)
+			}},
+		{"data parallel", [][]int{{6, 5}, {3, 5}, {3}}, [][]placement.Placement{pl(S0), pl(R), pl(R)},
+			func(ctx context.Context, in []*autograd.Value) (*autograd.Value, error) {
+				y, err := autograd.Linear(in[0], in[1], in[2])
+				if err != nil {
+					return nil, err
+				}
+				return autograd.Tanh(y)
+			}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			run := func(opts ...placementtest.Option) [][][]float32 {
+				var mu sync.Mutex
+				got := make([][][]float32, 2)
+				placementtest.Run(t, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+					d := placementtest.Device(ctx)
+					tape := autograd.NewTape(autograd.WithDevice(d))
+					var in []*autograd.Value
+					for i, sh := range c.shapes {
+						spec, err := placement.NewSpec(m, sh, comm.Float32, c.places[i])
+						if err != nil {
+							return err
+						}
+						dt, err := placement.FromFull(spec, placementtest.Random(sh, comm.Float32, uint64(i+1)))
+						if err != nil {
+							return err
+						}
+						if dt, err = dt.To(d); err != nil {
+							return err
+						}
+						v, err := tape.Param(fmt.Sprint("in", i), dt)
+						if err != nil {
+							return err
+						}
+						in = append(in, v)
+					}
+					out, err := c.f(ctx, in)
+					if err != nil {
+						return err
+					}
+					loss, err := autograd.Sum(out)
+					if err != nil {
+						return err
+					}
+					res := [][]float32{}
+					for _, dt := range []*placement.DTensor{out.Data(), loss.Data()} {
+						h, err := hostData(dt)
+						if err != nil {
+							return err
+						}
+						res = append(res, h)
+					}
+					if err := tape.Backward(ctx, loss); err != nil {
+						return err
+					}
+					for _, dt := range append([]*placement.DTensor{out.Data()}, gradsOf(in)...) {
+						if dt.Device() != d {
+							return fmt.Errorf("a result or gradient on %s, want %s", dt.Device().Name(), d.Name())
+						}
+					}
+					for _, v := range in {
+						h, err := hostData(v.Grad())
+						if err != nil {
+							return err
+						}
+						res = append(res, h)
+					}
+					mu.Lock()
+					got[m.Rank()] = res
+					mu.Unlock()
+					return nil
+				}, opts...)
+				return got
+			}
+			want := run()
+			got := run(placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+			for r := range want {
+				if err := sameBits(want[r], got[r]); err != nil {
+					t.Errorf("rank %d: %v", r, err)
+				}
+			}
+		})
+	}
+}
+
+// TestDeviceParallelMemory: on two ranks with their own emulated
+// devices, recycling steps of the Megatron MLP (whose Redistribute
+// allocates its result in placement) hold the same device memory after
+// every step, and no driver allocation follows the first.
+func TestDeviceParallelMemory(t *testing.T) {
+	R, S0, S1 := placement.Replicate(), placement.Shard(0), placement.Shard(1)
+	pl := func(p placement.Placement) []placement.Placement { return []placement.Placement{p} }
+	shapes := [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}}
+	places := [][]placement.Placement{pl(R), pl(S0), pl(S0), pl(S1), pl(R)}
+	placementtest.Run(t, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d := placementtest.Device(ctx)
+		tape := autograd.NewTape(autograd.WithDevice(d), autograd.WithRecycling())
+		var in []*autograd.Value
+		for i, sh := range shapes {
+			spec, err := placement.NewSpec(m, sh, comm.Float32, places[i])
+			if err != nil {
+				return err
+			}
+			dt, err := placement.FromFull(spec, placementtest.Random(sh, comm.Float32, uint64(i+1)))
+			if err != nil {
+				return err
+			}
+			if dt, err = dt.To(d); err != nil {
+				return err
+			}
+			v, err := tape.Param(fmt.Sprint("in", i), dt)
+			if err != nil {
+				return err
+			}
+			in = append(in, v)
+		}
+		var first device.Stats
+		for step := range 4 {
+			for _, v := range in {
+				v.ZeroGrad()
+			}
+			h, err := autograd.Linear(in[0], in[1], in[2])
+			if err != nil {
+				return err
+			}
+			y, err := autograd.Linear(h, in[3], in[4])
+			if err != nil {
+				return err
+			}
+			rs, err := y.Spec().With(pl(R))
+			if err != nil {
+				return err
+			}
+			if y, err = autograd.Redistribute(ctx, y, rs); err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			tape.Recycle()
+			if err := d.Synchronize(); err != nil {
+				return err
+			}
+			s := d.Memory().Stats()
+			if step == 0 {
+				first = s
+			} else if s.Allocated != first.Allocated || s.DriverAllocs != first.DriverAllocs {
+				return fmt.Errorf("step %d: %d bytes allocated, %d driver allocations; after step 0: %d, %d", step, s.Allocated, s.DriverAllocs, first.Allocated, first.DriverAllocs)
+			}
+		}
+		return nil
+	}, placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
 }

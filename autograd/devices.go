@@ -80,15 +80,16 @@ func devKernels(op string, d device.Device, dt comm.DType) (device.Kernels, erro
 
 // deviceForm reports whether op (the name checkInputs is given) runs on
 // devices other than the host. The others refuse device inputs with
-// hostOnly's error: the pointwise ops (ReLU, SiLU, Tanh, Sigmoid,
-// Dropout), Softmax and LogSoftmax, CausalSoftmax and CausalAttention,
-// Embedding and CrossEntropy, BatchedMatMul, the shape ops other than
-// Reshape, Argmax and LocalMap. Mean and MSE are compositions of ops that
+// hostOnly's error: LocalMap, whose functions take host slices. Softmax
+// and LogSoftmax run on devices over the last dim only; Custom ops run
+// wherever their inputs are. Mean and MSE are compositions of ops that
 // have device forms; Custom ops run wherever their inputs are.
 func deviceForm(op string) bool {
 	switch op {
 	case "Add", "Mul", "Scale", "MatMul", "Linear", "Sum", "Mean", "MSE", "LayerNorm", "GELU", "Reshape", "To",
-		"Redistribute", "Checkpoint":
+		"Redistribute", "Checkpoint", "Narrow", "Concat", "Permute", "Transpose", "Embedding", "CrossEntropy",
+		"CausalAttention", "BatchedMatMul", "Softmax", "LogSoftmax", "CausalSoftmax",
+		"ReLU", "SiLU", "Tanh", "Sigmoid", "Dropout", "Argmax":
 		return true
 	}
 	return false
@@ -542,4 +543,406 @@ func devRecordUnary(t *Tape, op string, x *Value, spec *placement.Spec, out *pla
 		})
 		return []*placement.DTensor{gx}, err
 	}), nil
+}
+
+// devShape runs a shape kernel (Narrow, Pad, Concat, Permute) into a
+// block of d as a says, laid out by spec.
+func devShape(op string, a alloc, d device.Device, spec *placement.Spec, f func(k device.Kernels, out device.Buffer) error) (*placement.DTensor, error) {
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	return devResult(a, d, spec, func(out device.Buffer) error { return devWrap(op, f(k, out)) })
+}
+
+// devIDs copies ids (Int64, host) into a scratch buffer of d, read at
+// the call.
+func devIDs(t *Tape, d device.Device, ids []int64) (device.Buffer, error) {
+	b, err := devBlock(t.scratch(), d, comm.Int64, len(ids))
+	if err != nil {
+		return nil, err
+	}
+	if err := d.CopyFromHost(b, comm.Host(ids)); err != nil {
+		return nil, fmt.Errorf("autograd: copying ids to %s: %w", d.Name(), err)
+	}
+	return b, nil
+}
+
+// scalarToHost reads the one element of a Float32 or Float64 device
+// buffer, waiting for the work queued before it.
+func scalarToHost(b device.Buffer) (float64, error) {
+	h, err := comm.NewHostBuffer(b.DType(), 1)
+	if err != nil {
+		return 0, err
+	}
+	if err := b.Owner().CopyToHost(h, b); err != nil {
+		return 0, err
+	}
+	if b.DType() == comm.Float64 {
+		return h.Float64s()[0], nil
+	}
+	return float64(h.Float32s()[0]), nil
+}
+
+// embeddingDev is Embedding on a device: the ids go to the device once
+// (scratch, kept for the backward), Kernels.Embedding and
+// Kernels.EmbeddingBackward with a Float64 accumulator, as the host's
+// float32 path.
+func embeddingDev(t *Tape, d device.Device, spec *placement.Spec, table *Value, ids *Indices) (*Value, error) {
+	const op = "Embedding"
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	ts := table.Spec()
+	off, _, err := ts.Box(ts.Mesh().Rank())
+	if err != nil {
+		return nil, fmt.Errorf("autograd: %s: %w", op, err)
+	}
+	lb := table.data.LocalShape()
+	lo, vl, dl := off[0], lb[0], lb[1]
+	tb := bufOf(table.data)
+	if tb.Len() != vl*dl || len(ids.data)*dl != prod(spec.LocalShape()) {
+		return nil, fmt.Errorf("autograd: %s: internal: table block %v and %d local ids for a result block %v", op, lb, len(ids.data), spec.LocalShape())
+	}
+	ib, err := devIDs(t, d, ids.data)
+	if err != nil {
+		return nil, err
+	}
+	out, err := devResult(t.result(), d, spec, func(o device.Buffer) error { return devWrap(op, k.Embedding(o, tb, ib, lo, dl)) })
+	if err != nil {
+		return nil, err
+	}
+	return t.record(op, out, []*Value{table}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, s, err := embeddingGradSpec(ctx, t, spec, ts, ids, g)
+		if err != nil {
+			return nil, err
+		}
+		gb := bufOf(g)
+		if gb.Len() != len(ids.data)*dl {
+			return nil, fmt.Errorf("autograd: %s: internal: gradient block %v for %d local ids of %d columns", op, g.LocalShape(), len(ids.data), dl)
+		}
+		acc, err := devBlock(t.scratch(), d, comm.Float64, vl*dl)
+		if err != nil {
+			return nil, err
+		}
+		gt, err := devResult(t.scratch(), d, s, func(dt device.Buffer) error {
+			return devWrap(op, k.EmbeddingBackward(dt, acc, gb, ib, lo, dl))
+		})
+		return []*placement.DTensor{gt}, err
+	}), nil
+}
+
+// crossEntropyDev is CrossEntropy on a device: Kernels.CrossEntropy
+// saving the rows' log-sum-exps (Float64 scratch), and
+// Kernels.CrossEntropyBackward. The mean (the sum over the global rows)
+// and the backward's scale (the incoming gradient over the rows) are
+// computed on the host from one element read back, as the host path
+// computes them, so each direction waits once for the device.
+func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Value, targets *Indices) (*Value, error) {
+	const op = "CrossEntropy"
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	ls := logits.Spec()
+	n, v := ls.Shape()[0], ls.Shape()[1]
+	xb := bufOf(logits.data)
+	if xb.Len() != len(targets.data)*v {
+		return nil, fmt.Errorf("autograd: %s: internal: logits block %v for %d local targets", op, logits.data.LocalShape(), len(targets.data))
+	}
+	tb, err := devIDs(t, d, targets.data)
+	if err != nil {
+		return nil, err
+	}
+	var lse device.Buffer
+	if t.records(logits) {
+		if lse, err = devBlock(t.scratch(), d, comm.Float64, len(targets.data)); err != nil {
+			return nil, err
+		}
+	}
+	sum, err := devBlock(t.scratch(), d, comm.Float64, 1)
+	if err != nil {
+		return nil, err
+	}
+	if err := k.CrossEntropy(sum, lse, xb, tb, v); err != nil {
+		return nil, devWrap(op, err)
+	}
+	total, err := scalarToHost(sum)
+	if err != nil {
+		return nil, devWrap(op, err)
+	}
+	loss := float32(total / float64(n))
+	out, err := devResult(t.result(), d, spec, func(o device.Buffer) error {
+		return devWrap(op, d.CopyFromHost(o, comm.Host([]float32{loss})))
+	})
+	if err != nil {
+		return nil, err
+	}
+	return t.record(op, out, []*Value{logits}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, s, err := crossEntropyGradSpec(ctx, t, spec, ls, g)
+		if err != nil {
+			return nil, err
+		}
+		gb := bufOf(g)
+		if gb.Len() != 1 {
+			return nil, fmt.Errorf("autograd: %s: internal: scalar gradient block of %d", op, gb.Len())
+		}
+		gv, err := scalarToHost(gb)
+		if err != nil {
+			return nil, devWrap(op, err)
+		}
+		gx, err := devResult(t.scratch(), d, s, func(dx device.Buffer) error {
+			return devWrap(op, k.CrossEntropyBackward(dx, xb, tb, lse, v, gv/float64(n)))
+		})
+		return []*placement.DTensor{gx}, err
+	}), nil
+}
+
+// attentionDev is the fused CausalAttention on a device:
+// Kernels.Attention, keeping the probabilities (scratch) for the
+// backward, and Kernels.AttentionBackward; a selective checkpoint's kept
+// result and probabilities are reused as on the host.
+func attentionDev(t *Tape, d device.Device, spec *placement.Spec, q, k, v *Value) (*Value, error) {
+	const op = "CausalAttention"
+	kk, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	qb, kb, vb := bufOf(q.data), bufOf(k.data), bufOf(v.data)
+	lq, lv := q.data.LocalShape(), v.data.LocalShape()
+	r := len(lq)
+	shape := device.AttnShape{Batch: prod(lq[:r-2]), T: lq[r-2], DH: lq[r-1], DV: lv[r-1],
+		Scale: float32(1 / math.Sqrt(float64(q.Spec().Shape()[r-1])))}
+	if qb.Len() != shape.Batch*shape.T*shape.DH || kb.Len() != qb.Len() || vb.Len() != shape.Batch*shape.T*shape.DV {
+		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v, %v and %v", op, lq, k.data.LocalShape(), lv)
+	}
+	nprobs := shape.Batch * shape.T * shape.T
+	var probs device.Buffer
+	var res *placement.DTensor
+	kept, err := t.reuse(op, spec)
+	if err != nil {
+		return nil, err
+	}
+	if kept != nil {
+		res = kept.out
+		probs, _ = kept.aux.(device.Buffer)
+		if ob := bufOf(res); ob == nil || probs == nil || ob.Len() != vb.Len() || probs.Len() != nprobs {
+			return nil, fmt.Errorf("autograd: %s: internal: kept blocks do not fit", op)
+		}
+	} else {
+		// Without a backward the probabilities are a temporary, freed
+		// once the kernel that writes them is queued.
+		keep := t.records(q, k, v) || t.keeping(op)
+		where := t.scratch()
+		if !keep {
+			where = alloc{}
+		}
+		if probs, err = devBlock(where, d, comm.Float32, nprobs); err != nil {
+			return nil, err
+		}
+		res, err = devResult(t.result(), d, spec, func(out device.Buffer) error {
+			return devWrap(op, kk.Attention(out, probs, qb, kb, vb, shape))
+		})
+		if !keep {
+			err = errors.Join(err, probs.Free())
+			probs = nil
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	sq, sk, sv := q.Spec(), k.Spec(), v.Spec()
+	needQ, needK, needV := q.requiresGrad, k.requiresGrad, v.requiresGrad
+	var aux any
+	if probs != nil {
+		aux = probs
+	}
+	return t.recordAux(op, res, aux, []*Value{q, k, v}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		g, err := t.alignGrad(ctx, op, g, spec)
+		if err != nil {
+			return nil, err
+		}
+		gb := bufOf(g)
+		if gb.Len() != vb.Len() {
+			return nil, fmt.Errorf("autograd: %s: internal: gradient block %v, result %v", op, g.LocalShape(), res.LocalShape())
+		}
+		pg := g.Spec().Placements()
+		grads := make([]*placement.DTensor, 3)
+		var bufs [3]device.Buffer
+		for i, c := range []struct {
+			need bool
+			n    int
+		}{{needQ, qb.Len()}, {needK, kb.Len()}, {needV, vb.Len()}} {
+			if c.need {
+				if bufs[i], err = devBlock(t.scratch(), d, comm.Float32, c.n); err != nil {
+					return nil, err
+				}
+			}
+		}
+		if err := kk.AttentionBackward(bufs[0], bufs[1], bufs[2], gb, probs, qb, kb, vb, shape); err != nil {
+			return nil, devWrap(op, err)
+		}
+		for i, s := range []*placement.Spec{sq, sk, sv} {
+			if bufs[i] == nil {
+				continue
+			}
+			gs, err := gradSpec(s, pg)
+			if err != nil {
+				return nil, err
+			}
+			if grads[i], err = placement.NewLocalOn(gs, bufs[i]); err != nil {
+				return nil, err
+			}
+		}
+		return grads, nil
+	}), nil
+}
+
+// devBmm is bmmLocal on a device: one strided batched Kernels.Gemm with
+// beta = 0, or a Fill when k is 0.
+func devBmm(a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
+	const op = "BatchedMatMul"
+	kk, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	lda, ldb := max(1, k), max(1, n)
+	if transA {
+		lda = max(1, m)
+	}
+	if transB {
+		ldb = max(1, k)
+	}
+	g := device.Gemm{TransA: transA, TransB: transB, M: m, N: n, K: k, A: bufOf(x), B: bufOf(y),
+		LDA: lda, LDB: ldb, LDC: max(1, n), Alpha: 1, Batch: batch, StrideA: m * k, StrideB: k * n, StrideC: m * n}
+	return devResult(a, d, spec, func(c device.Buffer) error {
+		switch {
+		case batch == 0 || m == 0 || n == 0:
+			return nil // an empty result
+		case k == 0:
+			return devWrap(op, kk.Fill(c, 0))
+		}
+		g.C = c
+		return devWrap(op, kk.Gemm(g))
+	})
+}
+
+// softmaxDev is Softmax or LogSoftmax on a device over the last dim
+// (Kernels.Softmax and SoftmaxBackward); another dim, which the host
+// computes in float64, is an error wrapping ErrUnsupported.
+func softmaxDev(t *Tape, d device.Device, op string, x *Value, dim int, logOut bool) (*Value, error) {
+	spec := x.Spec()
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	shape := x.data.LocalShape()
+	outer, n, inner := splitDim(shape, dim)
+	xb := bufOf(x.data)
+	if inner != 1 || outer*n != xb.Len() {
+		return nil, unsupportedf(op, "over dim %d of %v on %s: devices take the softmax over the last dim only", dim, spec.Shape(), d.Name())
+	}
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Softmax(y, xb, n, logOut)) })
+	if err != nil {
+		return nil, err
+	}
+	yb := bufOf(out)
+	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
+		return k.SoftmaxBackward(dx, yb, g, n, logOut)
+	})
+}
+
+// causalDev is CausalSoftmax on a device (Kernels.CausalSoftmax and
+// CausalSoftmaxBackward with scale 1, as the host).
+func causalDev(t *Tape, d device.Device, spec *placement.Spec, x *Value) (*Value, error) {
+	const op = "CausalSoftmax"
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	sh := spec.Shape()
+	tt := sh[len(sh)-1]
+	xb := bufOf(x.data)
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.CausalSoftmax(y, xb, tt, 1)) })
+	if err != nil {
+		return nil, err
+	}
+	yb := bufOf(out)
+	return devRecordUnary(t, op, x, spec, out, func(gs *placement.Spec, g, dx device.Buffer) error {
+		return k.CausalSoftmaxBackward(dx, yb, g, tt, 1)
+	})
+}
+
+// pointwiseDev is a pointwise activation on a device: Kernels.Pointwise
+// and PointwiseBackward, saving x or (saveOut) the result.
+func pointwiseDev(t *Tape, d device.Device, op string, f device.Pointwise, spec *placement.Spec, x *Value, saveOut bool) (*Value, error) {
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x.data)
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Pointwise(f, y, xb)) })
+	if err != nil {
+		return nil, err
+	}
+	saved := xb
+	if saveOut {
+		saved = bufOf(out)
+	}
+	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
+		return k.PointwiseBackward(f, dx, saved, g)
+	})
+}
+
+// dropoutDev is Dropout on a device: the mask (Kernels.DropoutMask, the
+// host's draw) is scratch kept for the backward, and both directions
+// multiply by it.
+func dropoutDev(t *Tape, d device.Device, x *Value, off, box []int, p float64, seed, step uint64) (*Value, error) {
+	const op = "Dropout"
+	spec := x.Spec()
+	k, err := devKernels(op, d, spec.DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x.data)
+	mask, err := devBlock(t.scratch(), d, comm.Float32, xb.Len())
+	if err != nil {
+		return nil, err
+	}
+	if err := k.DropoutMask(mask, off, box, spec.Shape(), p, seed, step); err != nil {
+		return nil, devWrap(op, err)
+	}
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Mul(y, xb, mask)) })
+	if err != nil {
+		return nil, err
+	}
+	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
+		return k.Mul(dx, g, mask)
+	})
+}
+
+// argmaxDev is Argmax's local part on a device: Kernels.ArgmaxRows into
+// a temporary, copied to the host (indices live there).
+func argmaxDev(d device.Device, x *placement.DTensor, n int) ([]int64, error) {
+	const op = "Argmax"
+	k, err := devKernels(op, d, x.Spec().DType())
+	if err != nil {
+		return nil, err
+	}
+	xb := bufOf(x)
+	rows := xb.Len() / n
+	b, err := d.Alloc(comm.Int64, rows)
+	if err != nil {
+		return nil, devWrap(op, err)
+	}
+	out := make([]int64, rows)
+	err = k.ArgmaxRows(b, xb, n)
+	if err == nil {
+		err = d.CopyToHost(comm.Host(out), b)
+	}
+	if err = errors.Join(err, b.Free()); err != nil {
+		return nil, devWrap(op, err)
+	}
+	return out, nil
 }

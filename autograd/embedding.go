@@ -48,6 +48,9 @@ func Embedding(table *Value, ids *Indices) (*Value, error) {
 	if err := checkIDs(op, ids.data, v, "id %d out of range for a table of %d rows"); err != nil {
 		return nil, err
 	}
+	if d, ok := onDevice(table.data); ok {
+		return embeddingDev(t, d, spec, table, ids)
+	}
 	if isF32(spec) {
 		return embeddingOp[float32](t, spec, table, ids)
 	}
@@ -140,24 +143,8 @@ func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indi
 	if err != nil {
 		return nil, err
 	}
-	names := ts.Mesh().Names()
 	return t.record(op, out, []*Value{table}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
-		g, err := t.alignGrad(ctx, op, g, spec)
-		if err != nil {
-			return nil, err
-		}
-		pg := g.Spec().Placements()
-		places := reducedOver(ids.spec, pg)
-		for ax, p := range ts.Placements() {
-			if !p.IsShard() {
-				continue
-			}
-			if p.Dim() == 0 && !pg[ax].IsReplicate() {
-				return nil, gradPlacementf(op, "the gradient of the result arrives as %v on mesh axis %q, where the table is vocab parallel (%v); it must be R there (an all-reduce first, e.g. the backward of redistributing the result to R), and autograd inserts no communication", pg[ax], names[ax], p)
-			}
-			places[ax] = p
-		}
-		s, err := gradSpec(ts, places)
+		g, s, err := embeddingGradSpec(ctx, t, spec, ts, ids, g)
 		if err != nil {
 			return nil, err
 		}
@@ -175,6 +162,33 @@ func embeddingOp[T float](t *Tape, spec *placement.Spec, table *Value, ids *Indi
 		gt, err := placement.NewLocal(s, dt)
 		return []*placement.DTensor{gt}, err
 	}), nil
+}
+
+// embeddingGradSpec aligns Embedding's incoming gradient g to the
+// result's spec and returns it with the table gradient's spec.
+func embeddingGradSpec(ctx context.Context, t *Tape, spec, ts *placement.Spec, ids *Indices, g *placement.DTensor) (*placement.DTensor, *placement.Spec, error) {
+	const op = "Embedding"
+	g, err := t.alignGrad(ctx, op, g, spec)
+	if err != nil {
+		return nil, nil, err
+	}
+	names := ts.Mesh().Names()
+	pg := g.Spec().Placements()
+	places := reducedOver(ids.spec, pg)
+	for ax, p := range ts.Placements() {
+		if !p.IsShard() {
+			continue
+		}
+		if p.Dim() == 0 && !pg[ax].IsReplicate() {
+			return nil, nil, gradPlacementf(op, "the gradient of the result arrives as %v on mesh axis %q, where the table is vocab parallel (%v); it must be R there (an all-reduce first, e.g. the backward of redistributing the result to R), and autograd inserts no communication", pg[ax], names[ax], p)
+		}
+		places[ax] = p
+	}
+	s, err := gradSpec(ts, places)
+	if err != nil {
+		return nil, nil, err
+	}
+	return g, s, nil
 }
 
 // embedBwd is kernels.EmbeddingBackward into a [vl, d] table-block
@@ -224,6 +238,9 @@ func CrossEntropy(logits *Value, targets *Indices) (*Value, error) {
 	v := logits.Spec().Shape()[1]
 	if err := checkIDs(op, targets.data, v, "target %d out of range for %d classes"); err != nil {
 		return nil, err
+	}
+	if d, ok := onDevice(logits.data); ok {
+		return crossEntropyDev(t, d, spec, logits, targets)
 	}
 	if isF32(spec) {
 		return crossEntropyOp[float32](t, spec, logits, targets)
@@ -297,25 +314,8 @@ func crossEntropyOp[T float](t *Tape, spec *placement.Spec, logits *Value, targe
 	if err != nil {
 		return nil, err
 	}
-	names := ls.Mesh().Names()
 	return t.record(op, out, []*Value{logits}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
-		g, err := t.alignGrad(ctx, op, g, spec)
-		if err != nil {
-			return nil, err
-		}
-		pg := g.Spec().Placements()
-		places := make([]placement.Placement, len(pg))
-		for ax, p := range ls.Placements() {
-			if p.IsShard() {
-				if !pg[ax].IsReplicate() {
-					return nil, gradPlacementf(op, "the gradient of the loss arrives as %v on mesh axis %q, where the rows are %v; it must be R there (an all-reduce first), and autograd inserts no communication", pg[ax], names[ax], p)
-				}
-				places[ax] = p
-			} else {
-				places[ax] = pg[ax]
-			}
-		}
-		s, err := gradSpec(ls, places)
+		g, s, err := crossEntropyGradSpec(ctx, t, spec, ls, g)
 		if err != nil {
 			return nil, err
 		}
@@ -333,6 +333,34 @@ func crossEntropyOp[T float](t *Tape, spec *placement.Spec, logits *Value, targe
 		gx, err := placement.NewLocal(s, dx)
 		return []*placement.DTensor{gx}, err
 	}), nil
+}
+
+// crossEntropyGradSpec aligns CrossEntropy's incoming gradient g to the
+// loss's spec and returns it with the logits gradient's spec.
+func crossEntropyGradSpec(ctx context.Context, t *Tape, spec, ls *placement.Spec, g *placement.DTensor) (*placement.DTensor, *placement.Spec, error) {
+	const op = "CrossEntropy"
+	g, err := t.alignGrad(ctx, op, g, spec)
+	if err != nil {
+		return nil, nil, err
+	}
+	names := ls.Mesh().Names()
+	pg := g.Spec().Placements()
+	places := make([]placement.Placement, len(pg))
+	for ax, p := range ls.Placements() {
+		if p.IsShard() {
+			if !pg[ax].IsReplicate() {
+				return nil, nil, gradPlacementf(op, "the gradient of the loss arrives as %v on mesh axis %q, where the rows are %v; it must be R there (an all-reduce first), and autograd inserts no communication", pg[ax], names[ax], p)
+			}
+			places[ax] = p
+		} else {
+			places[ax] = pg[ax]
+		}
+	}
+	s, err := gradSpec(ls, places)
+	if err != nil {
+		return nil, nil, err
+	}
+	return g, s, nil
 }
 
 // ceSaved is what CrossEntropy's backward needs: each local row's

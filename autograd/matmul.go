@@ -847,6 +847,9 @@ func bmmRule(a, b *placement.Spec) (*placement.Spec, []bmmCase, error) {
 // local blocks, op(A_i) m×k and op(B_i) k×n, and lays the result out by
 // spec, in a block as a says (see gemm).
 func bmmLocal(a alloc, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.DTensor, transA, transB bool, batch, m, n, k int) (*placement.DTensor, error) {
+	if d, ok := onDevice(x); ok {
+		return devBmm(a, d, spec, x, y, transA, transB, batch, m, n, k)
+	}
 	lda, ldb := max(1, k), max(1, n)
 	if transA {
 		lda = max(1, m)

@@ -6,6 +6,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
@@ -21,8 +22,8 @@ import (
 func ReLU(x *Value) (*Value, error) {
 	const op = "ReLU"
 	return elementwise(op, x, ReLURule,
-		pointwiseOp(op, kernels.ReLU[float32], kernels.ReLUBackward[float32], false),
-		pointwiseOp(op, kernels.ReLU[float64], kernels.ReLUBackward[float64], false))
+		pointwiseOp(op, device.ReLU, kernels.ReLU[float32], kernels.ReLUBackward[float32], false),
+		pointwiseOp(op, device.ReLU, kernels.ReLU[float64], kernels.ReLUBackward[float64], false))
 }
 
 // SiLU returns x·σ(x) element-wise (σ the logistic sigmoid; PyTorch's
@@ -31,8 +32,8 @@ func ReLU(x *Value) (*Value, error) {
 func SiLU(x *Value) (*Value, error) {
 	const op = "SiLU"
 	return elementwise(op, x, SiLURule,
-		pointwiseOp(op, kernels.SiLU[float32], kernels.SiLUBackward[float32], false),
-		pointwiseOp(op, kernels.SiLU[float64], kernels.SiLUBackward[float64], false))
+		pointwiseOp(op, device.SiLU, kernels.SiLU[float32], kernels.SiLUBackward[float32], false),
+		pointwiseOp(op, device.SiLU, kernels.SiLU[float64], kernels.SiLUBackward[float64], false))
 }
 
 // Tanh returns tanh(x) element-wise. Sharding rule: TanhRule. Backward:
@@ -40,8 +41,8 @@ func SiLU(x *Value) (*Value, error) {
 func Tanh(x *Value) (*Value, error) {
 	const op = "Tanh"
 	return elementwise(op, x, TanhRule,
-		pointwiseOp(op, kernels.Tanh[float32], kernels.TanhBackward[float32], true),
-		pointwiseOp(op, kernels.Tanh[float64], kernels.TanhBackward[float64], true))
+		pointwiseOp(op, device.Tanh, kernels.Tanh[float32], kernels.TanhBackward[float32], true),
+		pointwiseOp(op, device.Tanh, kernels.Tanh[float64], kernels.TanhBackward[float64], true))
 }
 
 // Sigmoid returns 1/(1 + e^−x) element-wise. Sharding rule: SigmoidRule.
@@ -49,8 +50,8 @@ func Tanh(x *Value) (*Value, error) {
 func Sigmoid(x *Value) (*Value, error) {
 	const op = "Sigmoid"
 	return elementwise(op, x, SigmoidRule,
-		pointwiseOp(op, kernels.Sigmoid[float32], kernels.SigmoidBackward[float32], true),
-		pointwiseOp(op, kernels.Sigmoid[float64], kernels.SigmoidBackward[float64], true))
+		pointwiseOp(op, device.Sigmoid, kernels.Sigmoid[float32], kernels.SigmoidBackward[float32], true),
+		pointwiseOp(op, device.Sigmoid, kernels.Sigmoid[float64], kernels.SigmoidBackward[float64], true))
 }
 
 // ReLURule is the sharding rule of ReLU: the result has the input's spec
@@ -79,9 +80,13 @@ func pointwiseRule(op string, x *placement.Spec) (*placement.Spec, error) {
 
 // pointwiseOp is the local form of a one-input pointwise op: fwd maps the
 // input block into a result block; bwd maps the gradient with the input
-// (or, saveOut, the result) into the input's gradient.
-func pointwiseOp[T float](op string, fwd func(dst, x []T) error, bwd func(dx, saved, dy []T) error, saveOut bool) func(*Tape, *placement.Spec, *Value) (*Value, error) {
+// (or, saveOut, the result) into the input's gradient. On a device the op
+// is Kernels.Pointwise(f) and its backward.
+func pointwiseOp[T float](op string, f device.Pointwise, fwd func(dst, x []T) error, bwd func(dx, saved, dy []T) error, saveOut bool) func(*Tape, *placement.Spec, *Value) (*Value, error) {
 	return func(t *Tape, spec *placement.Spec, x *Value) (*Value, error) {
+		if d, ok := onDevice(x.data); ok {
+			return pointwiseDev(t, d, op, f, spec, x, saveOut)
+		}
 		xd, err := dataOf[T](x.data)
 		if err != nil {
 			return nil, err
@@ -143,6 +148,9 @@ func Dropout(x *Value, p float64, seed, step uint64) (*Value, error) {
 
 func dropoutOp[T float](t *Tape, x *Value, off, box []int, p float64, seed, step uint64) (*Value, error) {
 	const op = "Dropout"
+	if d, ok := onDevice(x.data); ok {
+		return dropoutDev(t, d, x, off, box, p, seed, step)
+	}
 	xd, err := dataOf[T](x.data)
 	if err != nil {
 		return nil, err
@@ -284,6 +292,13 @@ func Argmax(x *Value) (*Indices, error) {
 		return nil, err
 	}
 	n := shape[last]
+	if d, ok := onDevice(x.data); ok {
+		out, err := argmaxDev(d, x.data, n)
+		if err != nil {
+			return nil, err
+		}
+		return &Indices{spec: ixSpec, data: out}, nil
+	}
 	var out []int64
 	switch d := x.data.LocalData().(type) {
 	case []float32:

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -233,6 +234,12 @@ func concatRule(dim int, xs []*placement.Spec) (*placement.Spec, int, error) {
 // says (scratch for a gradient, a result for an op's result), through
 // kernels.NarrowDim, PadDim and ConcatDim, and lay it out by spec.
 func narrowLocal(a alloc, spec *placement.Spec, x *placement.DTensor, shape []int, d, start, length int) (*placement.DTensor, error) {
+	if dev, ok := onDevice(x); ok {
+		outer, n, inner := splitDim(shape, d)
+		return devShape("Narrow", a, dev, spec, func(k device.Kernels, out device.Buffer) error {
+			return k.NarrowDim(out, bufOf(x), outer, n, inner, start, length)
+		})
+	}
 	switch v := x.LocalData().(type) {
 	case []float32:
 		return narrowT(a, spec, v, shape, d, start, length)
@@ -243,6 +250,12 @@ func narrowLocal(a alloc, spec *placement.Spec, x *placement.DTensor, shape []in
 }
 
 func padLocal(a alloc, spec *placement.Spec, g *placement.DTensor, shape []int, d, start, full int) (*placement.DTensor, error) {
+	if dev, ok := onDevice(g); ok {
+		outer, n, inner := splitDim(shape, d)
+		return devShape("Narrow", a, dev, spec, func(k device.Kernels, out device.Buffer) error {
+			return k.PadDim(out, bufOf(g), outer, n, inner, start, full)
+		})
+	}
 	switch v := g.LocalData().(type) {
 	case []float32:
 		return padT(a, spec, v, shape, d, start, full)
@@ -253,6 +266,19 @@ func padLocal(a alloc, spec *placement.Spec, g *placement.DTensor, shape []int, 
 }
 
 func concatLocal(a alloc, spec *placement.Spec, blocks []any, shapes [][]int, d int) (*placement.DTensor, error) {
+	if b0, ok := blocks[0].(device.Buffer); ok {
+		outer, _, inner := splitDim(shapes[0], d)
+		xs, sizes := make([]device.Buffer, len(blocks)), make([]int, len(blocks))
+		for i, b := range blocks {
+			if xs[i], ok = b.(device.Buffer); !ok {
+				return nil, fmt.Errorf("autograd: Concat: internal: input %d holds %T, input 0 %T", i, b, blocks[0])
+			}
+			sizes[i] = shapes[i][d]
+		}
+		return devShape("Concat", a, b0.Owner(), spec, func(k device.Kernels, out device.Buffer) error {
+			return k.ConcatDim(out, xs, sizes, outer, inner)
+		})
+	}
 	switch blocks[0].(type) {
 	case []float32:
 		return concatT[float32](a, spec, blocks, shapes, d)
@@ -423,6 +449,11 @@ func transposePerm(n, d0, d1 int) ([]int, error) {
 // permuteLocal permutes x's local block into a block as a says.
 func permuteLocal(a alloc, spec *placement.Spec, x *placement.DTensor, perm []int) (*placement.DTensor, error) {
 	shape := x.LocalShape()
+	if dev, ok := onDevice(x); ok {
+		return devShape("Permute", a, dev, spec, func(k device.Kernels, out device.Buffer) error {
+			return k.PermuteDims(out, bufOf(x), shape, perm)
+		})
+	}
 	if isF32(spec) {
 		d, err := dataOf[float32](x)
 		if err != nil {

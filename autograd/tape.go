@@ -476,13 +476,19 @@ func (v *Value) KeepGradBuffer(block any) {
 
 // ZeroGrad drops the accumulated gradient. On a tape made WithRecycling
 // the next Backward writes the leaf's gradient into the dropped
-// gradient's memory instead of allocating.
+// gradient's memory instead of allocating. On other tapes a gradient on a
+// device that Backward allocated for this leaf is freed (device memory
+// has no garbage collector): it must not be used afterwards.
 func (v *Value) ZeroGrad() {
 	if v == nil {
 		return
 	}
 	if v.grad != nil && v.tape != nil && v.tape.recycling {
 		v.spare, v.ownSpare = v.grad.LocalData(), v.ownGrad
+	} else if v.grad != nil && v.ownGrad {
+		if b := bufOf(v.grad); b != nil {
+			_ = b.Free() // a failure means a closed device, which holds nothing
+		}
 	}
 	v.grad, v.fresh, v.ownGrad = nil, 0, false
 }

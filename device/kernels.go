@@ -1,6 +1,10 @@
 package device
 
-import "github.com/b7ea7098/loom/kernels"
+import (
+	"fmt"
+
+	"github.com/b7ea7098/loom/kernels"
+)
 
 // Kernels is a device's op set: each method mirrors one CPU kernel of
 // package kernels (named in its comment), takes that kernel's arguments
@@ -105,6 +109,72 @@ type Kernels interface {
 	// BroadcastDims is kernels.BroadcastDims, SumDims's adjoint: out (of
 	// shape) repeats g along the dims where reduce is set.
 	BroadcastDims(out, g Buffer, shape []int, reduce []bool) error
+	// PermuteDims is kernels.PermuteDims: out is x (of shape) with its
+	// dims reordered so that out's dim i is x's dim perm[i].
+	PermuteDims(out, x Buffer, shape, perm []int) error
+	// NarrowDim is kernels.NarrowDim: out ([outer, length, inner]) is
+	// entries [start, start+length) of x ([outer, n, inner]) along the
+	// middle dim.
+	NarrowDim(out, x Buffer, outer, n, inner, start, length int) error
+	// PadDim is kernels.PadDim, NarrowDim's adjoint: out ([outer, full,
+	// inner]) is g ([outer, n, inner]) at [start, start+n) and zero
+	// elsewhere.
+	PadDim(out, g Buffer, outer, n, inner, start, full int) error
+	// ConcatDim is kernels.ConcatDim: out ([outer, Σ sizes, inner]) joins
+	// xs[i] ([outer, sizes[i], inner]) along the middle dim.
+	ConcatDim(out Buffer, xs []Buffer, sizes []int, outer, inner int) error
+	// Embedding is kernels.EmbeddingForward: out's row i is the row of
+	// ids[i] (Int64) in table (rows lo … lo+V−1 of d values), zeros for
+	// ids outside that range.
+	Embedding(out, table, ids Buffer, lo, d int) error
+	// EmbeddingBackward is kernels.EmbeddingBackward: dtable is the sum by
+	// id of g's rows, accumulated in acc (Float64, dtable's length,
+	// overwritten).
+	EmbeddingBackward(dtable, acc, g, ids Buffer, lo, d int) error
+	// Pointwise is kernels.ReLU, SiLU, Tanh or Sigmoid (f): dst = f(x).
+	Pointwise(f Pointwise, dst, x Buffer) error
+	// PointwiseBackward is kernels.ReLUBackward, SiLUBackward,
+	// TanhBackward or SigmoidBackward: dx from dy and saved, which is x
+	// for ReLU and SiLU and the forward's result for Tanh and Sigmoid.
+	PointwiseBackward(f Pointwise, dx, saved, dy Buffer) error
+	// DropoutMask is kernels.DropoutMask: mask holds the block at offset
+	// of shape box of a tensor of shape global, each element 0 or 1/(1−p)
+	// as drawn from seed, step and its global index.
+	DropoutMask(mask Buffer, offset, box, global []int, p float64, seed, step uint64) error
+	// ArgmaxRows is kernels.ArgmaxRows: dst (Int64, one per row) is the
+	// index of each row's largest element, rows of n.
+	ArgmaxRows(dst, x Buffer, n int) error
+}
+
+// Pointwise names an elementwise activation of Kernels.Pointwise.
+type Pointwise int
+
+// The activations.
+const (
+	// ReLU is max(x, 0).
+	ReLU Pointwise = iota
+	// SiLU is x·σ(x).
+	SiLU
+	// Tanh is tanh(x).
+	Tanh
+	// Sigmoid is σ(x) = 1/(1 + e^−x).
+	Sigmoid
+)
+
+// String returns the activation's name, "ReLU", "SiLU", "Tanh" or
+// "Sigmoid".
+func (f Pointwise) String() string {
+	switch f {
+	case ReLU:
+		return "ReLU"
+	case SiLU:
+		return "SiLU"
+	case Tanh:
+		return "Tanh"
+	case Sigmoid:
+		return "Sigmoid"
+	}
+	return fmt.Sprintf("Pointwise(%d)", int(f))
 }
 
 // Gemm is one GEMM, or a batch of them, in row-major layout:

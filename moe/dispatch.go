@@ -43,7 +43,7 @@ import (
 func localData[T kernels.Float](dt *placement.DTensor, what string) ([]T, error) {
 	d, ok := dt.LocalData().([]T)
 	if !ok {
-		return nil, fmt.Errorf("moe: %s: %w: local block is %T", what, ErrInvalid, dt.LocalData())
+		return nil, fmt.Errorf("%w: %s: local block is %T", ErrInvalid, what, dt.LocalData())
 	}
 	return d, nil
 }

@@ -124,11 +124,11 @@ func (l *Layer) Children() []parallel.Child { return nil }
 func (l *Layer) SetOwnParams(ps []*autograd.Value) error {
 	cur := l.OwnParams()
 	if l == nil || l.Router == nil || l.Experts == nil || len(ps) != len(cur) {
-		return fmt.Errorf("moe: Layer.SetOwnParams: %w: %d parameters for %d", ErrInvalid, len(ps), len(cur))
+		return fmt.Errorf("%w: Layer.SetOwnParams: %d parameters for %d", ErrInvalid, len(ps), len(cur))
 	}
 	for i, p := range ps {
 		if p == nil {
-			return fmt.Errorf("moe: Layer.SetOwnParams: %w: parameter %d is nil", ErrInvalid, i)
+			return fmt.Errorf("%w: Layer.SetOwnParams: parameter %d is nil", ErrInvalid, i)
 		}
 	}
 	l.Router.Weight = ps[0]
@@ -158,7 +158,7 @@ func (l *Layer) OwnParams() []*autograd.Value {
 // autograd.Sum of a token-sharded value is. Errors are autograd.Add's.
 func (o *LayerOutput) AddLosses(task *autograd.Value) (*autograd.Value, error) {
 	if o == nil || o.Routing == nil {
-		return nil, fmt.Errorf("moe: LayerOutput.AddLosses: %w: nil output", ErrInvalid)
+		return nil, fmt.Errorf("%w: LayerOutput.AddLosses: nil output", ErrInvalid)
 	}
 	loss := task
 	for _, extra := range []*autograd.Value{o.Routing.Aux, o.Routing.Z} {
@@ -196,7 +196,7 @@ func (s *SeqLayer) SetTraining(on bool) {
 // Forward runs Layer.Forward on x and returns its y.
 func (s *SeqLayer) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	if s == nil {
-		return nil, fmt.Errorf("moe: SeqLayer.Forward: %w: nil layer", ErrInvalid)
+		return nil, fmt.Errorf("%w: SeqLayer.Forward: nil layer", ErrInvalid)
 	}
 	out, err := s.Layer.Forward(ctx, x)
 	if err != nil {
@@ -214,7 +214,7 @@ func (s *SeqLayer) Forward(ctx context.Context, x *autograd.Value) (*autograd.Va
 // task.
 func (s *SeqLayer) AddLosses(task *autograd.Value) (*autograd.Value, error) {
 	if s == nil {
-		return nil, fmt.Errorf("moe: SeqLayer.AddLosses: %w: nil layer", ErrInvalid)
+		return nil, fmt.Errorf("%w: SeqLayer.AddLosses: nil layer", ErrInvalid)
 	}
 	outs := s.outs
 	s.outs = nil

@@ -177,11 +177,11 @@ type Router struct {
 // that is not 2-D, a configuration that does not fit E.
 func NewRouter(weight *autograd.Value, cfg RouterConfig) (*Router, error) {
 	if weight == nil || weight.Spec() == nil {
-		return nil, fmt.Errorf("moe: NewRouter: %w: nil weight", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewRouter: nil weight", ErrInvalid)
 	}
 	shape := weight.Spec().Shape()
 	if len(shape) != 2 {
-		return nil, fmt.Errorf("moe: NewRouter: %w: the weight has shape %v; want [E, D]", ErrInvalid, shape)
+		return nil, fmt.Errorf("%w: NewRouter: the weight has shape %v; want [E, D]", ErrInvalid, shape)
 	}
 	c, err := cfg.normalized(shape[0])
 	if err != nil {
@@ -231,17 +231,17 @@ func (r *Router) ExpertBias() []float64 {
 // ErrInvalid and leave the bias unchanged.
 func (r *Router) SetExpertBias(bias []float64) error {
 	if r == nil {
-		return fmt.Errorf("moe: Router.SetExpertBias: %w: nil router", ErrInvalid)
+		return fmt.Errorf("%w: Router.SetExpertBias: nil router", ErrInvalid)
 	}
 	if !r.cfg.ExpertBias {
-		return fmt.Errorf("moe: Router.SetExpertBias: %w: the expert bias is off (RouterConfig.ExpertBias)", ErrInvalid)
+		return fmt.Errorf("%w: Router.SetExpertBias: the expert bias is off (RouterConfig.ExpertBias)", ErrInvalid)
 	}
 	if len(bias) != len(r.bias) {
-		return fmt.Errorf("moe: Router.SetExpertBias: %w: %d values for %d experts", ErrInvalid, len(bias), len(r.bias))
+		return fmt.Errorf("%w: Router.SetExpertBias: %d values for %d experts", ErrInvalid, len(bias), len(r.bias))
 	}
 	for e, b := range bias {
 		if math.IsNaN(b) || math.IsInf(b, 0) {
-			return fmt.Errorf("moe: Router.SetExpertBias: %w: bias of expert %d is %v", ErrInvalid, e, b)
+			return fmt.Errorf("%w: Router.SetExpertBias: bias of expert %d is %v", ErrInvalid, e, b)
 		}
 	}
 	copy(r.bias, bias)

@@ -34,7 +34,7 @@ import (
 // matches no module, or a module that cannot be wrapped.
 func Checkpoint(root Module, patterns []string, opts ...autograd.CheckpointOption) error {
 	if len(patterns) == 0 {
-		return fmt.Errorf("parallel: Checkpoint: %w: no patterns", ErrInvalid)
+		return fmt.Errorf("%w: Checkpoint: no patterns", ErrInvalid)
 	}
 	type match struct {
 		path string
@@ -65,19 +65,19 @@ func Checkpoint(root Module, patterns []string, opts ...autograd.CheckpointOptio
 			}
 			switch x := mm.m.(type) {
 			case *Embedding:
-				return fmt.Errorf("parallel: Checkpoint: %w: module %q is an Embedding, whose forward takes ids and has no Around wrappers", ErrInvalid, mm.path)
+				return fmt.Errorf("%w: Checkpoint: module %q is an Embedding, whose forward takes ids and has no Around wrappers", ErrInvalid, mm.path)
 			case *Linear:
 				if x.chunks() > 1 {
-					return fmt.Errorf("parallel: Checkpoint: %w: module %q is a fused Linear (Chunks %d), whose ForwardChunks has no Around wrappers; checkpoint the module that calls it", ErrInvalid, mm.path, x.Chunks)
+					return fmt.Errorf("%w: Checkpoint: module %q is a fused Linear (Chunks %d), whose ForwardChunks has no Around wrappers; checkpoint the module that calls it", ErrInvalid, mm.path, x.Chunks)
 				}
 			}
 			if mm.m.Boundary() == nil {
-				return fmt.Errorf("parallel: Checkpoint: %w: module %q (%T) has no Boundary hooks", ErrInvalid, mm.path, mm.m)
+				return fmt.Errorf("%w: Checkpoint: module %q (%T) has no Boundary hooks", ErrInvalid, mm.path, mm.m)
 			}
 			wrap = append(wrap, mm)
 		}
 		if n == 0 {
-			return fmt.Errorf("parallel: Checkpoint: %w: pattern %q matches no module", ErrInvalid, pattern)
+			return fmt.Errorf("%w: Checkpoint: pattern %q matches no module", ErrInvalid, pattern)
 		}
 	}
 	for _, mm := range wrap {
@@ -90,7 +90,7 @@ func Checkpoint(root Module, patterns []string, opts ...autograd.CheckpointOptio
 func checkpointAround(opts []autograd.CheckpointOption) Around {
 	return func(ctx context.Context, x *autograd.Value, next func(context.Context, *autograd.Value) (*autograd.Value, error)) (*autograd.Value, error) {
 		if x == nil {
-			return nil, errNilValue
+			return nil, nilInput("Checkpoint")
 		}
 		out, err := autograd.Checkpoint(ctx, []*autograd.Value{x}, func(ctx context.Context, in []*autograd.Value) ([]*autograd.Value, error) {
 			y, err := next(ctx, in[0])

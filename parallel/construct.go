@@ -106,11 +106,11 @@ func newParam(tape *autograd.Tape, m *mesh.Mesh, name string, shape []int, dt co
 // checkNew validates a constructor's tape, mesh and dims.
 func checkNew(op string, tape *autograd.Tape, m *mesh.Mesh, dims ...int) error {
 	if tape == nil || m == nil {
-		return fmt.Errorf("parallel: %s: %w: nil tape or mesh", op, ErrInvalid)
+		return fmt.Errorf("%w: %s: nil tape or mesh", ErrInvalid, op)
 	}
 	for _, d := range dims {
 		if d < 1 {
-			return fmt.Errorf("parallel: %s: %w: dims %v must be positive", op, ErrInvalid, dims)
+			return fmt.Errorf("%w: %s: dims %v must be positive", ErrInvalid, op, dims)
 		}
 	}
 	return nil
@@ -127,7 +127,7 @@ func NewLinear(tape *autograd.Tape, m *mesh.Mesh, in, out int, opts ...LayerOpti
 		return nil, err
 	}
 	if c.epsSet {
-		return nil, fmt.Errorf("parallel: NewLinear: %w: WithEps is for LayerNorm", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewLinear: WithEps is for LayerNorm", ErrInvalid)
 	}
 	return newLinear(tape, m, c, c.name, in, out)
 }
@@ -156,7 +156,7 @@ func NewEmbedding(tape *autograd.Tape, m *mesh.Mesh, vocab, dim int, opts ...Lay
 		return nil, err
 	}
 	if c.biasOK || c.binit.kind != initDefault || c.epsSet {
-		return nil, fmt.Errorf("parallel: NewEmbedding: %w: an Embedding has no bias or epsilon", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewEmbedding: an Embedding has no bias or epsilon", ErrInvalid)
 	}
 	name := c.name
 	if name == "" {
@@ -180,10 +180,10 @@ func NewLayerNorm(tape *autograd.Tape, m *mesh.Mesh, dim int, opts ...LayerOptio
 		return nil, err
 	}
 	if c.biasOK {
-		return nil, fmt.Errorf("parallel: NewLayerNorm: %w: a LayerNorm always has a bias", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewLayerNorm: a LayerNorm always has a bias", ErrInvalid)
 	}
 	if !(c.eps > 0) {
-		return nil, fmt.Errorf("parallel: NewLayerNorm: %w: epsilon %v must be positive", ErrInvalid, c.eps)
+		return nil, fmt.Errorf("%w: NewLayerNorm: epsilon %v must be positive", ErrInvalid, c.eps)
 	}
 	w, err := newParam(tape, m, subName(c.name, "weight"), []int{dim}, c.dtype, c.init, Ones())
 	if err != nil {
@@ -207,10 +207,10 @@ func NewAttention(tape *autograd.Tape, m *mesh.Mesh, dim, heads int, opts ...Lay
 		return nil, err
 	}
 	if dim%heads != 0 {
-		return nil, fmt.Errorf("parallel: NewAttention: %w: width %d is not divisible by %d heads", ErrInvalid, dim, heads)
+		return nil, fmt.Errorf("%w: NewAttention: width %d is not divisible by %d heads", ErrInvalid, dim, heads)
 	}
 	if c.epsSet {
-		return nil, fmt.Errorf("parallel: NewAttention: %w: WithEps is for LayerNorm", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewAttention: WithEps is for LayerNorm", ErrInvalid)
 	}
 	qkv, err := newLinear(tape, m, c, subName(c.name, "qkv"), dim, 3*dim)
 	if err != nil {
@@ -234,7 +234,7 @@ func NewMLP(tape *autograd.Tape, m *mesh.Mesh, dim, hidden int, opts ...LayerOpt
 		return nil, err
 	}
 	if c.epsSet {
-		return nil, fmt.Errorf("parallel: NewMLP: %w: WithEps is for LayerNorm", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewMLP: WithEps is for LayerNorm", ErrInvalid)
 	}
 	fc, err := newLinear(tape, m, c, subName(c.name, "fc"), dim, hidden)
 	if err != nil {

@@ -160,8 +160,8 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 	for _, o := range opts {
 		o(&cfg)
 	}
-	if err := errors.Join(numcheck.Count(ErrInvalid, "WithFirstBucket bytes", int(cfg.first)), numcheck.Count(ErrInvalid, "WithBucketCap bytes", int(cfg.cap))); err != nil {
-		return nil, fmt.Errorf("parallel: New: %w", err)
+	if err := errors.Join(numcheck.Count(ErrInvalid, "New: WithFirstBucket bytes", int(cfg.first)), numcheck.Count(ErrInvalid, "New: WithBucketCap bytes", int(cfg.cap))); err != nil {
+		return nil, err // the sentinel's text says "parallel: "
 	}
 	if len(params) == 0 {
 		return nil, fmt.Errorf("%w: no parameters", ErrInvalid)

@@ -262,43 +262,43 @@ func NewFSDP(ctx context.Context, m *mesh.Mesh, opts ...FSDPOption) (*FSDP, erro
 		o(&cfg)
 	}
 	if m == nil {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: nil mesh", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewFSDP: nil mesh", ErrInvalid)
 	}
 	names := m.Names()
 	f := &FSDP{cfg: cfg, m: m, rep: -1, root: -1, owned: map[*autograd.Value]int{}, gradPool: gradPool{}}
 	f.axis = slices.Index(names, cfg.axis)
 	if f.axis < 0 {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: mesh %v has no shard axis %q", ErrInvalid, m, cfg.axis)
+		return nil, fmt.Errorf("%w: NewFSDP: mesh %v has no shard axis %q", ErrInvalid, m, cfg.axis)
 	}
 	if cfg.repAxis != "" {
 		if f.rep = slices.Index(names, cfg.repAxis); f.rep < 0 || cfg.repAxis == cfg.axis {
-			return nil, fmt.Errorf("parallel: NewFSDP: %w: mesh %v has no replicate axis %q distinct from the shard axis", ErrInvalid, m, cfg.repAxis)
+			return nil, fmt.Errorf("%w: NewFSDP: mesh %v has no replicate axis %q distinct from the shard axis", ErrInvalid, m, cfg.repAxis)
 		}
 	}
 	f.p = m.Shape()[f.axis]
 	if cfg.stage < 1 || cfg.stage > 3 {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: ZeROStage %d: must be 1, 2 or 3", ErrInvalid, cfg.stage)
+		return nil, fmt.Errorf("%w: NewFSDP: ZeROStage %d: must be 1, 2 or 3", ErrInvalid, cfg.stage)
 	}
 	if cfg.reshardTo {
-		if err := numcheck.Count(ErrInvalid, "ReshardTo", cfg.reshard); err != nil {
-			return nil, fmt.Errorf("parallel: NewFSDP: %w", err)
+		if err := numcheck.Count(ErrInvalid, "NewFSDP: ReshardTo", cfg.reshard); err != nil {
+			return nil, err
 		}
 		if f.p%cfg.reshard != 0 {
-			return nil, fmt.Errorf("parallel: NewFSDP: %w: ReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, cfg.axis, f.p)
+			return nil, fmt.Errorf("%w: NewFSDP: ReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, cfg.axis, f.p)
 		}
 		if cfg.reshard == f.p {
 			f.cfg.reshard = -1
 		}
 	}
 	if cfg.divideSet {
-		if err := numcheck.Positive(ErrInvalid, "GradientDivideFactor", cfg.divide); err != nil {
-			return nil, fmt.Errorf("parallel: NewFSDP: %w", err)
+		if err := numcheck.Positive(ErrInvalid, "NewFSDP: GradientDivideFactor", cfg.divide); err != nil {
+			return nil, err
 		}
 	}
 	if cfg.mp == comm.Float32 {
 		f.cfg.mp = 0
 	} else if cfg.mp != 0 && cfg.mp != comm.BFloat16 {
-		return nil, fmt.Errorf("parallel: NewFSDP: %w: MixedPrecision(%v); want bfloat16 or float32", ErrInvalid, cfg.mp)
+		return nil, fmt.Errorf("%w: NewFSDP: MixedPrecision(%v); want bfloat16 or float32", ErrInvalid, cfg.mp)
 	}
 	var err error
 	if f.rank, err = m.Local(cfg.axis); err != nil {
@@ -480,7 +480,7 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m Module, opts ...UnitOpti
 		o(&cfg)
 	}
 	fail := func(format string, args ...any) error {
-		return fmt.Errorf("parallel: FSDP.Wrap %q: %w: %s", path, ErrInvalid, fmt.Sprintf(format, args...))
+		return fmt.Errorf("%w: FSDP.Wrap %q: %s", ErrInvalid, path, fmt.Sprintf(format, args...))
 	}
 	if f.ready {
 		return fail("the first forward has run; wrap every unit before it")
@@ -751,7 +751,7 @@ func FullyShard(ctx context.Context, root Module, patterns []string, opts ...FSD
 		return nil, err
 	}
 	if len(params) == 0 {
-		return nil, fmt.Errorf("parallel: FullyShard: %w: the model has no parameters", ErrInvalid)
+		return nil, fmt.Errorf("%w: FullyShard: the model has no parameters", ErrInvalid)
 	}
 	type match struct {
 		path  string
@@ -777,7 +777,7 @@ func FullyShard(ctx context.Context, root Module, patterns []string, opts ...FSD
 	// Checkpoint: silently sharding only the root would hide it.
 	for _, pat := range patterns {
 		if !slices.ContainsFunc(ms, func(mm match) bool { return matchPath(strings.Split(pat, "."), mm.path) }) {
-			return nil, fmt.Errorf("parallel: FullyShard: %w: pattern %q matches no module", ErrInvalid, pat)
+			return nil, fmt.Errorf("%w: FullyShard: pattern %q matches no module", ErrInvalid, pat)
 		}
 	}
 	slices.SortStableFunc(ms, func(a, b match) int { return b.depth - a.depth })

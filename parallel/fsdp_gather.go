@@ -58,7 +58,7 @@ func (f *FSDP) commDType(u *fsdpUnit) comm.DType {
 // and fixes the orders.
 func (f *FSDP) setup() error {
 	if len(f.units) == 0 {
-		return fmt.Errorf("parallel: FSDP: %w: no units wrapped", ErrInvalid)
+		return fmt.Errorf("%w: FSDP: no units wrapped", ErrInvalid)
 	}
 	var size [2]int
 	var dt [2]comm.DType
@@ -67,7 +67,7 @@ func (f *FSDP) setup() error {
 		u.reshard = f.policy(u)
 		if u.slot >= 0 {
 			if dt[u.slot] != 0 && dt[u.slot] != u.dtype {
-				return fmt.Errorf("parallel: FSDP: %w: units of dtypes %v and %v share a buffer slot; give units resharded after forward one dtype", ErrInvalid, dt[u.slot], u.dtype)
+				return fmt.Errorf("%w: FSDP: units of dtypes %v and %v share a buffer slot; give units resharded after forward one dtype", ErrInvalid, dt[u.slot], u.dtype)
 			}
 			dt[u.slot] = u.dtype
 			size[u.slot] = max(size[u.slot], u.elems)
@@ -87,7 +87,7 @@ func (f *FSDP) setup() error {
 		for _, p := range paths {
 			i, ok := byPath[p]
 			if !ok {
-				return nil, fmt.Errorf("parallel: FSDP unit %q: %w: prefetch names %q, which is not a unit", u.path, ErrInvalid, p)
+				return nil, fmt.Errorf("%w: FSDP unit %q: prefetch names %q, which is not a unit", ErrInvalid, u.path, p)
 			}
 			out = append(out, i)
 		}
@@ -339,7 +339,7 @@ func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, err
 			if prefetch {
 				return false, nil
 			}
-			return false, fmt.Errorf("parallel: FSDP unit %q: %w: its unsharded buffer slot %d is held by unit %q, still gathered (units resharded after forward share two slots by wrap-order parity; wrap them in execution order, or use Reshard(false))", u.path, ErrInvalid, u.slot, s.owner.path)
+			return false, fmt.Errorf("%w: FSDP unit %q: its unsharded buffer slot %d is held by unit %q, still gathered (units resharded after forward share two slots by wrap-order parity; wrap them in execution order, or use Reshard(false))", ErrInvalid, u.path, u.slot, s.owner.path)
 		}
 		s.owner = u
 	}

@@ -168,7 +168,7 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int
 				factor = 0
 			}
 		default:
-			f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q is %v on axis %q; FSDP reduces Partial(sum) (or Replicate) gradients", ErrInvalid, p.name, pl, gs.Mesh().Names()[axis]))
+			f.fail(fmt.Errorf("%w: FSDP: the gradient of %q is %v on axis %q; FSDP reduces Partial(sum) (or Replicate) gradients", ErrInvalid, p.name, pl, gs.Mesh().Names()[axis]))
 			return false
 		}
 		return true
@@ -197,11 +197,11 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int
 	}
 	want := out.LocalShape()
 	if prod(want) != p.outer*p.rows[f.rank]*p.inner || prod(gs.LocalShape()) != p.n {
-		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q has local block %v; the parameter's is %v", ErrInvalid, p.name, gs.LocalShape(), p.local))
+		f.fail(fmt.Errorf("%w: FSDP: the gradient of %q has local block %v; the parameter's is %v", ErrInvalid, p.name, gs.LocalShape(), p.local))
 		return false
 	}
 	if dt := gs.DType(); dt != u.dtype {
-		f.fail(fmt.Errorf("parallel: FSDP: %w: the gradient of %q is %v; the parameter is %v", ErrInvalid, p.name, dt, u.dtype))
+		f.fail(fmt.Errorf("%w: FSDP: the gradient of %q is %v; the parameter is %v", ErrInvalid, p.name, dt, u.dtype))
 		return false
 	}
 	p.gradSpec = out
@@ -420,10 +420,10 @@ func (f *FSDP) nextPass(ctx context.Context) {
 // collective is returned wrapped with the operation and the unit's path.
 func (f *FSDP) Finish(ctx context.Context) error {
 	if f.noSync > 0 || f.noRep > 0 {
-		return fmt.Errorf("parallel: FSDP.Finish: %w: called inside NoSync or NoReplicaSync", ErrInvalid)
+		return fmt.Errorf("%w: FSDP.Finish: called inside NoSync or NoReplicaSync", ErrInvalid)
 	}
 	if !f.ready {
-		return fmt.Errorf("parallel: FSDP.Finish: %w: no forward has run", ErrInvalid)
+		return fmt.Errorf("%w: FSDP.Finish: no forward has run", ErrInvalid)
 	}
 	defer f.reset()
 	if err := f.drain(ctx); err != nil {
@@ -514,7 +514,7 @@ func (f *FSDP) NoSync(fn func() error) error {
 // reduce-scatters under ctx. It returns fn's error, or the reduction's.
 func (f *FSDP) NoReplicaSync(ctx context.Context, fn func() error) error {
 	if f.noSync > 0 {
-		return fmt.Errorf("parallel: FSDP.NoReplicaSync: %w: inside NoSync", ErrInvalid)
+		return fmt.Errorf("%w: FSDP.NoReplicaSync: inside NoSync", ErrInvalid)
 	}
 	f.noRep++
 	err := fn()

@@ -86,7 +86,7 @@ func defaultWeight(name string) Init {
 // n elements of dtype dt ([]float32 or []float64).
 func (in Init) fill(name string, n int, dt comm.DType) (any, error) {
 	if dt != comm.Float32 && dt != comm.Float64 {
-		return nil, fmt.Errorf("parallel: parameter %q: %w: dtype %v; want float32 or float64", name, ErrInvalid, dt)
+		return nil, fmt.Errorf("%w: parameter %q: dtype %v; want float32 or float64", ErrInvalid, name, dt)
 	}
 	f32 := dt == comm.Float32
 	mk := func(v float64) any {
@@ -114,7 +114,7 @@ func (in Init) fill(name string, n int, dt comm.DType) (any, error) {
 		return mk(1), nil
 	case initNormal:
 		if in.rng == nil || in.std < 0 {
-			return nil, fmt.Errorf("parallel: parameter %q: %w: Normal init with std %v (std must not be negative)", name, ErrInvalid, in.std)
+			return nil, fmt.Errorf("%w: parameter %q: Normal init with std %v (std must not be negative)", ErrInvalid, name, in.std)
 		}
 		if f32 {
 			d := make([]float32, n)
@@ -135,18 +135,18 @@ func (in Init) fill(name string, n int, dt comm.DType) (any, error) {
 		case !f32 && in.f64 != nil && len(in.f64) == n:
 			return slices.Clone(in.f64), nil
 		}
-		return nil, fmt.Errorf("parallel: parameter %q: %w: given %d float32 or %d float64 values for %d %v elements", name, ErrInvalid, len(in.f32), len(in.f64), n, dt)
+		return nil, fmt.Errorf("%w: parameter %q: given %d float32 or %d float64 values for %d %v elements", ErrInvalid, name, len(in.f32), len(in.f64), n, dt)
 	case initByName:
 		d, ok := in.byName[name]
 		switch {
 		case !ok:
-			return nil, fmt.Errorf("parallel: parameter %q: %w: ByName has no value for it", name, ErrInvalid)
+			return nil, fmt.Errorf("%w: parameter %q: ByName has no value for it", ErrInvalid, name)
 		case len(d) != n:
-			return nil, fmt.Errorf("parallel: parameter %q: %w: ByName gives %d values for %d elements", name, ErrInvalid, len(d), n)
+			return nil, fmt.Errorf("%w: parameter %q: ByName gives %d values for %d elements", ErrInvalid, name, len(d), n)
 		case !f32:
-			return nil, fmt.Errorf("parallel: parameter %q: %w: ByName holds float32 values for a %v parameter", name, ErrInvalid, dt)
+			return nil, fmt.Errorf("%w: parameter %q: ByName holds float32 values for a %v parameter", ErrInvalid, name, dt)
 		}
 		return slices.Clone(d), nil
 	}
-	return nil, fmt.Errorf("parallel: parameter %q: %w: no init", name, ErrInvalid)
+	return nil, fmt.Errorf("%w: parameter %q: no init", ErrInvalid, name)
 }

@@ -51,7 +51,7 @@ func (l *Linear) Forward(ctx context.Context, x *autograd.Value) (*autograd.Valu
 		return nil, err
 	}
 	if len(l.Weight.Spec().Shape()) != 2 {
-		return nil, fmt.Errorf("parallel: Linear.Forward: %w: weight %v is chunk-sharded; use ForwardChunks", ErrInvalid, l.Weight.Spec())
+		return nil, fmt.Errorf("%w: Linear.Forward: weight %v is chunk-sharded; use ForwardChunks", ErrInvalid, l.Weight.Spec())
 	}
 	y, err := l.Run(ctx, x, func(_ context.Context, x *autograd.Value) (*autograd.Value, error) {
 		return autograd.Linear(x, l.Weight, l.Bias)
@@ -116,7 +116,7 @@ func (l *Linear) ForwardChunks(ctx context.Context, x *autograd.Value) ([]*autog
 // check rejects a nil Linear or one without a weight.
 func (l *Linear) check() error {
 	if l == nil || l.Weight.Spec() == nil {
-		return fmt.Errorf("parallel: Linear: %w: nil module or weight", ErrInvalid)
+		return fmt.Errorf("%w: Linear: nil module or weight", ErrInvalid)
 	}
 	return nil
 }
@@ -161,7 +161,7 @@ func (e *Embedding) SetOwnParams(ps []*autograd.Value) error {
 // hooks. Input hooks do not apply: ids are not differentiable values.
 func (e *Embedding) Forward(ctx context.Context, ids *autograd.Indices) (*autograd.Value, error) {
 	if e == nil {
-		return nil, fmt.Errorf("parallel: Embedding: %w: nil module", ErrInvalid)
+		return nil, fmt.Errorf("%w: Embedding: nil module", ErrInvalid)
 	}
 	if err := e.Enter(ctx); err != nil {
 		return nil, fmt.Errorf("parallel: Embedding: %w", err)
@@ -204,7 +204,7 @@ func (n *LayerNorm) SetOwnParams(ps []*autograd.Value) error {
 // Forward runs the input hooks, the normalisation and the output hooks.
 func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	if n == nil {
-		return nil, fmt.Errorf("parallel: LayerNorm: %w: nil module", ErrInvalid)
+		return nil, fmt.Errorf("%w: LayerNorm: nil module", ErrInvalid)
 	}
 	y, err := n.Run(ctx, x, func(_ context.Context, x *autograd.Value) (*autograd.Value, error) {
 		return autograd.LayerNorm(x, n.Weight, n.Bias, n.Eps)
@@ -239,10 +239,10 @@ func (a *Attention) Children() []Child {
 // Forward computes proj(attn(q, k, v)) for x [B, T, D].
 func (a *Attention) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	if a == nil || a.QKV == nil || a.Proj == nil {
-		return nil, fmt.Errorf("parallel: Attention: %w: nil module, qkv or proj", ErrInvalid)
+		return nil, fmt.Errorf("%w: Attention: nil module, qkv or proj", ErrInvalid)
 	}
 	if x == nil {
-		return nil, fmt.Errorf("parallel: Attention: %w", errNilValue)
+		return nil, nilInput("Attention")
 	}
 	o, err := a.Run(ctx, x, a.compute)
 	if err != nil {
@@ -303,7 +303,7 @@ func (p *MLP) Children() []Child { return []Child{{"fc", p.FC}, {"proj", p.Proj}
 // Forward computes proj(GELU(fc(x))).
 func (p *MLP) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	if p == nil || p.FC == nil || p.Proj == nil {
-		return nil, fmt.Errorf("parallel: MLP: %w: nil module, fc or proj", ErrInvalid)
+		return nil, fmt.Errorf("%w: MLP: nil module, fc or proj", ErrInvalid)
 	}
 	y, err := p.Run(ctx, x, func(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 		u, err := p.FC.Forward(ctx, x)

@@ -138,7 +138,7 @@ func runHooks(ctx context.Context, hooks []Hook, v *autograd.Value) (*autograd.V
 // type) is an error wrapping ErrInvalid.
 func Walk(root Module, fn func(path string, m Module) error) error {
 	if isNil(root) {
-		return fmt.Errorf("parallel: Walk: %w: nil module", ErrInvalid)
+		return fmt.Errorf("%w: Walk: nil module", ErrInvalid)
 	}
 	return walk("", root, fn)
 }
@@ -160,7 +160,7 @@ func walk(path string, m Module, fn func(string, Module) error) error {
 	}
 	for _, c := range m.Children() {
 		if isNil(c.Module) {
-			return fmt.Errorf("parallel: module %q: %w: child %q is nil", path, ErrInvalid, c.Name)
+			return fmt.Errorf("%w: module %q: child %q is nil", ErrInvalid, path, c.Name)
 		}
 		p := c.Name
 		if path != "" {
@@ -202,8 +202,8 @@ func Params(root Module) ([]*autograd.Value, error) {
 	return out, err
 }
 
-// errNilValue is returned by layers called with a nil input.
-var errNilValue = fmt.Errorf("%w: nil input", ErrInvalid)
+// nilInput is the error of a layer op called with a nil input.
+func nilInput(op string) error { return fmt.Errorf("%w: %s: nil input", ErrInvalid, op) }
 
 // ParamSetter is implemented by ParamHolders whose parameter fields can be
 // replaced: FSDP swaps a module's sharded parameter leaves for their
@@ -220,11 +220,11 @@ type ParamSetter interface {
 // SetOwnParams: the same count, and nil exactly where they are nil.
 func checkSetParams(what string, cur, ps []*autograd.Value) error {
 	if len(ps) != len(cur) {
-		return fmt.Errorf("parallel: %s.SetOwnParams: %w: %d parameters for %d", what, ErrInvalid, len(ps), len(cur))
+		return fmt.Errorf("%w: %s.SetOwnParams: %d parameters for %d", ErrInvalid, what, len(ps), len(cur))
 	}
 	for i := range ps {
 		if (ps[i] == nil) != (cur[i] == nil) {
-			return fmt.Errorf("parallel: %s.SetOwnParams: %w: parameter %d is nil in one list and not the other", what, ErrInvalid, i)
+			return fmt.Errorf("%w: %s.SetOwnParams: parameter %d is nil in one list and not the other", ErrInvalid, what, i)
 		}
 	}
 	return nil

@@ -32,11 +32,11 @@ type Sequential struct {
 // ErrInvalid.
 func NewSequential(layers ...Layer) (*Sequential, error) {
 	if len(layers) == 0 {
-		return nil, fmt.Errorf("parallel: NewSequential: %w: no layers", ErrInvalid)
+		return nil, fmt.Errorf("%w: NewSequential: no layers", ErrInvalid)
 	}
 	for i, l := range layers {
 		if isNil(l) {
-			return nil, fmt.Errorf("parallel: NewSequential: %w: layer %d is nil", ErrInvalid, i)
+			return nil, fmt.Errorf("%w: NewSequential: layer %d is nil", ErrInvalid, i)
 		}
 	}
 	return &Sequential{Layers: layers}, nil
@@ -58,15 +58,15 @@ func (s *Sequential) Children() []Child {
 // its position.
 func (s *Sequential) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	if s == nil || len(s.Layers) == 0 {
-		return nil, fmt.Errorf("parallel: Sequential: %w: nil or empty", ErrInvalid)
+		return nil, fmt.Errorf("%w: Sequential: nil or empty", ErrInvalid)
 	}
 	if x == nil {
-		return nil, fmt.Errorf("parallel: Sequential: %w", errNilValue)
+		return nil, nilInput("Sequential")
 	}
 	return s.Run(ctx, x, func(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 		for i, l := range s.Layers {
 			if isNil(l) {
-				return nil, fmt.Errorf("parallel: Sequential: %w: layer %d is nil", ErrInvalid, i)
+				return nil, fmt.Errorf("%w: Sequential: layer %d is nil", ErrInvalid, i)
 			}
 			var err error
 			if x, err = l.Forward(ctx, x); err != nil {
@@ -111,10 +111,10 @@ func (a *Activation) Children() []Child { return nil }
 // an error wrapping ErrInvalid.
 func (a *Activation) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	if a == nil || a.Fn == nil {
-		return nil, fmt.Errorf("parallel: Activation: %w: nil module or function", ErrInvalid)
+		return nil, fmt.Errorf("%w: Activation: nil module or function", ErrInvalid)
 	}
 	if x == nil {
-		return nil, fmt.Errorf("parallel: %s: %w", a.Name, errNilValue)
+		return nil, nilInput(a.Name)
 	}
 	y, err := a.Run(ctx, x, func(_ context.Context, x *autograd.Value) (*autograd.Value, error) { return a.Fn(x) })
 	if err != nil {
@@ -145,8 +145,8 @@ type Dropout struct {
 // NewDropout returns a Dropout in training mode dropping with probability
 // p (in [0, 1), else an error wrapping ErrInvalid) under seed.
 func NewDropout(p float64, seed uint64) (*Dropout, error) {
-	if err := numcheck.Fraction(ErrInvalid, "dropout probability", p); err != nil {
-		return nil, fmt.Errorf("parallel: NewDropout: %w", err)
+	if err := numcheck.Fraction(ErrInvalid, "NewDropout: dropout probability", p); err != nil {
+		return nil, err
 	}
 	return &Dropout{P: p, Seed: seed}, nil
 }
@@ -166,13 +166,13 @@ func (d *Dropout) Training() bool { return !d.eval }
 // ErrInvalid.
 func (d *Dropout) Forward(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 	if d == nil {
-		return nil, fmt.Errorf("parallel: Dropout: %w: nil module", ErrInvalid)
+		return nil, fmt.Errorf("%w: Dropout: nil module", ErrInvalid)
 	}
 	if x == nil {
-		return nil, fmt.Errorf("parallel: Dropout: %w", errNilValue)
+		return nil, nilInput("Dropout")
 	}
-	if err := numcheck.Fraction(ErrInvalid, "dropout probability", d.P); err != nil {
-		return nil, fmt.Errorf("parallel: Dropout: %w", err)
+	if err := numcheck.Fraction(ErrInvalid, "Dropout: dropout probability", d.P); err != nil {
+		return nil, err
 	}
 	eval, step := d.eval, d.steps
 	if !eval {

@@ -79,7 +79,7 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 	matches := make([][]match, len(plan))
 	for k, r := range plan {
 		if r.Style == nil {
-			return fmt.Errorf("parallel: Parallelize: %w: rule %q has no style", ErrInvalid, r.Pattern)
+			return fmt.Errorf("%w: Parallelize: rule %q has no style", ErrInvalid, r.Pattern)
 		}
 		pat := strings.Split(r.Pattern, ".")
 		seen := map[Module]bool{}
@@ -94,12 +94,12 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 				seen[mm.m] = true
 			}
 			if mm.m.Boundary() == nil {
-				return fmt.Errorf("parallel: Parallelize: %w: module %q (%T) has no Boundary hooks", ErrInvalid, mm.path, mm.m)
+				return fmt.Errorf("%w: Parallelize: module %q (%T) has no Boundary hooks", ErrInvalid, mm.path, mm.m)
 			}
 			matches[k] = append(matches[k], mm)
 		}
 		if len(matches[k]) == 0 {
-			return fmt.Errorf("parallel: Parallelize: %w: rule %q matches no module", ErrInvalid, r.Pattern)
+			return fmt.Errorf("%w: Parallelize: rule %q matches no module", ErrInvalid, r.Pattern)
 		}
 	}
 	cache := &reshardCache{new: map[*autograd.Value]*reshardEntry{}}
@@ -125,7 +125,7 @@ func Parallelize(ctx context.Context, root Module, axis string, plan Plan) error
 		}
 		for _, p := range h.OwnParams() {
 			if e, ok := cache.new[p]; ok && !slices.ContainsFunc(e.by, func(b reshardBy) bool { return b.is(path, m) }) {
-				return fmt.Errorf("parallel: Parallelize: %w: parameter %q is shared with module %q, which the plan leaves replicated on axis %q while another module lays it out %v; tied parameters must be laid out alike in every module that holds them", ErrInvalid, p.Name(), path, axis, e.pl)
+				return fmt.Errorf("%w: Parallelize: parameter %q is shared with module %q, which the plan leaves replicated on axis %q while another module lays it out %v; tied parameters must be laid out alike in every module that holds them", ErrInvalid, p.Name(), path, axis, e.pl)
 			}
 		}
 		return nil
@@ -339,7 +339,7 @@ func (s PrepareOutput) Apply(_ context.Context, m Module, axis string) error {
 func ToLayout(axis string, p placement.Placement) Hook {
 	return func(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
 		if v == nil {
-			return nil, fmt.Errorf("parallel: redistribute on %q: %w", axis, errNilValue)
+			return nil, nilInput(fmt.Sprintf("redistribute on %q", axis))
 		}
 		spec := v.Spec()
 		i, err := axisIndex(spec, axis)
@@ -360,7 +360,7 @@ func ToLayout(axis string, p placement.Placement) Hook {
 func toLastShard(axis string) Hook {
 	return func(ctx context.Context, v *autograd.Value) (*autograd.Value, error) {
 		if v == nil {
-			return nil, fmt.Errorf("parallel: redistribute on %q: %w", axis, errNilValue)
+			return nil, nilInput(fmt.Sprintf("redistribute on %q", axis))
 		}
 		return ToLayout(axis, placement.Shard(len(v.Spec().Shape())-1))(ctx, v)
 	}
@@ -516,7 +516,7 @@ func ReduceGrads(ctx context.Context, params []*autograd.Value) error {
 		pp := p.Spec().Placements()
 		for a := range gp {
 			if gp[a].IsPartial() && (gp[a].Op() != comm.Sum || !pp[a].IsReplicate()) {
-				return fmt.Errorf("parallel: ReduceGrads: %w: gradient of %q is %v on axis %d where the parameter is %v", ErrInvalid, p.Name(), gp[a], a, pp[a])
+				return fmt.Errorf("%w: ReduceGrads: gradient of %q is %v on axis %d where the parameter is %v", ErrInvalid, p.Name(), gp[a], a, pp[a])
 			}
 		}
 		todo = append(todo, p)

@@ -118,7 +118,7 @@ func (s *Sampler) State() SamplerState { return s.pos }
 // outside the epoch's batches is an error wrapping ErrInvalid.
 func (s *Sampler) Restore(st SamplerState) error {
 	if st.Epoch < 0 || st.Index < 0 || st.Index >= s.BatchesPerEpoch() {
-		return fmt.Errorf("train: Sampler.Restore: %w: epoch %d, batch %d of %d per epoch", ErrInvalid, st.Epoch, st.Index, s.BatchesPerEpoch())
+		return fmt.Errorf("%w: Sampler.Restore: epoch %d, batch %d of %d per epoch", ErrInvalid, st.Epoch, st.Index, s.BatchesPerEpoch())
 	}
 	s.pos = st
 	return nil
@@ -169,17 +169,17 @@ func chunk(n, k, c int) (off, size int) {
 // not have are an error wrapping ErrInvalid.
 func DataRank(m *mesh.Mesh, axes ...string) (rank, ranks int, err error) {
 	if m == nil {
-		return 0, 0, fmt.Errorf("train: DataRank: %w: nil mesh", ErrInvalid)
+		return 0, 0, fmt.Errorf("%w: DataRank: nil mesh", ErrInvalid)
 	}
 	ranks = 1
 	for _, a := range axes {
 		size, err := m.AxisSize(a)
 		if err != nil {
-			return 0, 0, fmt.Errorf("train: DataRank: %w: %w", ErrInvalid, err)
+			return 0, 0, fmt.Errorf("%w: DataRank: %w", ErrInvalid, err)
 		}
 		pos, err := m.Local(a)
 		if err != nil {
-			return 0, 0, fmt.Errorf("train: DataRank: %w: %w", ErrInvalid, err)
+			return 0, 0, fmt.Errorf("%w: DataRank: %w", ErrInvalid, err)
 		}
 		rank, ranks = rank*size+pos, ranks*size
 	}
@@ -275,7 +275,7 @@ func (d *InMemory) Batch(ctx context.Context, s Sample) (Classification, error) 
 // and a held-out set. n must be in [1, Len()); errors wrap ErrInvalid.
 func (d *InMemory) Split(n int) (*InMemory, *InMemory, error) {
 	if n < 1 || n >= d.Len() || len(d.X) != d.Len()*d.Features {
-		return nil, nil, fmt.Errorf("train: InMemory.Split: %w: %d rows of %d (%d values, %d features)", ErrInvalid, n, d.Len(), len(d.X), d.Features)
+		return nil, nil, fmt.Errorf("%w: InMemory.Split: %d rows of %d (%d values, %d features)", ErrInvalid, n, d.Len(), len(d.X), d.Features)
 	}
 	a, b := *d, *d
 	a.X, a.Y = d.X[:n*d.Features], d.Y[:n]

@@ -143,13 +143,13 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 		return nil, err
 	}
 	if setup == nil {
-		return nil, fmt.Errorf("train: Run: %w: nil setup", ErrInvalid)
+		return nil, fmt.Errorf("%w: Run: nil setup", ErrInvalid)
 	}
 	if job == nil {
-		return nil, fmt.Errorf("train: Run: %w: nil job", ErrInvalid)
+		return nil, fmt.Errorf("%w: Run: nil job", ErrInvalid)
 	}
 	if job.WorldSize != l.Ranks {
-		return nil, fmt.Errorf("train: Run: %w: the %s job has %d ranks, the layout needs %d", ErrInvalid, job.Backend, job.WorldSize, l.Ranks)
+		return nil, fmt.Errorf("%w: Run: the %s job has %d ranks, the layout needs %d", ErrInvalid, job.Backend, job.WorldSize, l.Ranks)
 	}
 	if err := job.Check(); err != nil {
 		return nil, err

@@ -471,7 +471,7 @@ func (t *Trainer[B]) emit(v any) error {
 // read with Item. Nil arguments are errors wrapping ErrInvalid.
 func Evaluate[B any](ctx context.Context, tape *autograd.Tape, data Dataset[B], s *Sampler, fn func(ctx context.Context, b B) (Metrics, error)) (Metrics, error) {
 	if tape == nil || data == nil || s == nil || fn == nil {
-		return nil, fmt.Errorf("train: Evaluate: %w: nil tape, dataset, sampler or function", ErrInvalid)
+		return nil, fmt.Errorf("%w: Evaluate: nil tape, dataset, sampler or function", ErrInvalid)
 	}
 	n := s.BatchesPerEpoch()
 	sum := Metrics{}
@@ -498,10 +498,10 @@ func Evaluate[B any](ctx context.Context, tape *autograd.Tape, data Dataset[B], 
 // error wrapping ErrInvalid.
 func Item(ctx context.Context, v *autograd.Value) (float64, error) {
 	if v == nil || v.Spec() == nil {
-		return 0, fmt.Errorf("train: Item: %w: nil value", ErrInvalid)
+		return 0, fmt.Errorf("%w: Item: nil value", ErrInvalid)
 	}
 	if n := v.Spec().Shape(); len(n) != 0 && prod(n) != 1 {
-		return 0, fmt.Errorf("train: Item: %w: value of shape %v is not a scalar", ErrInvalid, n)
+		return 0, fmt.Errorf("%w: Item: value of shape %v is not a scalar", ErrInvalid, n)
 	}
 	full, err := v.Data().Full(ctx)
 	if err != nil {
@@ -513,7 +513,7 @@ func Item(ctx context.Context, v *autograd.Value) (float64, error) {
 	case []float64:
 		return d[0], nil
 	default:
-		return 0, fmt.Errorf("train: Item: %w: data of type %T", ErrInvalid, full)
+		return 0, fmt.Errorf("%w: Item: data of type %T", ErrInvalid, full)
 	}
 }
 

@@ -14,6 +14,8 @@
 # freed buffers, buffers of another device; and NVML's view of the GPUs
 # (comm/nccl/topology) matched to CUDA ordinals by PCI bus id. With more
 # GPUs the conformance suite also runs on 2..4 ranks, one device each.
+# Then, where Go and gcc are, topology's purego reading of NVML is compared
+# with go-nvml's (`go test -tags gonvml ./comm/nccl/topology`).
 #
 # Usage: comm/nccl/gpu_check.sh [extra test flags, e.g. -test.run TestGPUErrors]
 # Environment:
@@ -84,6 +86,21 @@ timeout "${TIMEOUT:-420}" "$bin" -test.run '^TestGPU' -test.v -test.timeout "$((
 	grep -Ev '^=== (RUN|PAUSE|CONT|NAME)|^ +--- PASS: TestGPUConformance/'
 status=${PIPESTATUS[0]}
 set -e
+if command -v go >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1; then
+	echo "== go test -tags gonvml ./comm/nccl/topology (purego's NVML reading against go-nvml's)"
+	set +e
+	out="$(cd "$root" && CGO_ENABLED=1 go test -tags gonvml -count=1 -run 'GoNVML' -v ./comm/nccl/topology 2>&1)"
+	nv=$?
+	set -e
+	# go-nvml's cgo build prints C deprecation warnings; show the test's lines only.
+	grep -E '^(=== RUN|--- |    [a-z_]+\.go:[0-9]+:|ok|FAIL|PASS)' <<<"$out" || true
+	if [ "$nv" -ne 0 ] || grep -q -- '--- SKIP: TestDiscoverMatchesGoNVML' <<<"$out"; then
+		echo "== the NVML comparison failed or could not run" >&2
+		[ "$status" -ne 0 ] || status=1
+	fi
+else
+	echo "== no go or gcc: the comparison with go-nvml is skipped"
+fi
 if [ "$status" -eq 0 ]; then
 	echo "== gpu_check: ok ($(( $(date +%s) - start ))s)"
 else

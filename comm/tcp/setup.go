@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/b7ea7098/loom/comm"
@@ -125,7 +126,9 @@ func connect(ctx context.Context, t *transport, store *rendezvous.Client, cfg co
 	}
 	defer ln.Close()
 	key := func(r int) string { return "tcp/" + cfg.job + "/addr/" + strconv.Itoa(r) }
-	if err := store.Set(ctx, key(t.rank), []byte(ln.Addr().String())); err != nil {
+	// The address goes with the world size, so that ranks that disagree
+	// on it find out before waiting for ranks the other never expects.
+	if err := store.Set(ctx, key(t.rank), []byte(strconv.Itoa(t.size)+" "+ln.Addr().String())); err != nil {
 		return fmt.Errorf("tcp: publish address: %w", err)
 	}
 	hs := handshake{job: jobHash(cfg.job), rank: t.rank, size: t.size}
@@ -141,7 +144,11 @@ func connect(ctx context.Context, t *transport, store *rendezvous.Client, cfg co
 		if err != nil {
 			return fmt.Errorf("tcp: address of rank %d: %w", r, err)
 		}
-		addrs[r] = string(a)
+		size, addr, _ := strings.Cut(string(a), " ")
+		if size != strconv.Itoa(t.size) {
+			return fmt.Errorf("%w: rank %d at %s has size %s, this rank %d", ErrHandshake, r, addr, size, t.size)
+		}
+		addrs[r] = addr
 	}
 
 	// Dial and accept at once; the first failure ends both, and is the

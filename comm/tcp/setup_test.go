@@ -66,7 +66,7 @@ func TestHandshakeSizeMismatch(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	// Rank 0 dials rank 1, which checks the handshake first and refuses.
+	// Each reads the other's size with its address and refuses.
 	if !errors.Is(errs[1], tcp.ErrHandshake) {
 		t.Errorf("rank 1: %v, want ErrHandshake", errs[1])
 	}

@@ -611,3 +611,138 @@ func (k emuKernels) BroadcastDims(out, g device.Buffer, shape []int, reduce []bo
 		return kernels.BroadcastDims(v[0].Float32s(), v[1].Float32s(), shape, reduce)
 	})
 }
+
+// PermuteDims runs kernels.PermuteDims; shape and perm are copied at the
+// call.
+func (k emuKernels) PermuteDims(out, x device.Buffer, shape, perm []int) error {
+	v, err := k.check("PermuteDims", f32("out", out), f32("x", x))
+	if err != nil {
+		return err
+	}
+	shape, perm = slices.Clone(shape), slices.Clone(perm)
+	return k.d.compute.launch("PermuteDims", func() error { return kernels.PermuteDims(v[0].Float32s(), v[1].Float32s(), shape, perm) })
+}
+
+// NarrowDim runs kernels.NarrowDim.
+func (k emuKernels) NarrowDim(out, x device.Buffer, outer, n, inner, start, length int) error {
+	v, err := k.check("NarrowDim", f32("out", out), f32("x", x))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("NarrowDim", func() error {
+		return kernels.NarrowDim(v[0].Float32s(), v[1].Float32s(), outer, n, inner, start, length)
+	})
+}
+
+// PadDim runs kernels.PadDim.
+func (k emuKernels) PadDim(out, g device.Buffer, outer, n, inner, start, full int) error {
+	v, err := k.check("PadDim", f32("out", out), f32("g", g))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("PadDim", func() error {
+		return kernels.PadDim(v[0].Float32s(), v[1].Float32s(), outer, n, inner, start, full)
+	})
+}
+
+// ConcatDim runs kernels.ConcatDim; sizes is copied at the call.
+func (k emuKernels) ConcatDim(out device.Buffer, xs []device.Buffer, sizes []int, outer, inner int) error {
+	args := []arg{f32("out", out)}
+	for i, x := range xs {
+		args = append(args, f32(fmt.Sprintf("xs[%d]", i), x))
+	}
+	v, err := k.check("ConcatDim", args...)
+	if err != nil {
+		return err
+	}
+	sizes = slices.Clone(sizes)
+	return k.d.compute.launch("ConcatDim", func() error {
+		in := make([][]float32, len(xs))
+		for i := range in {
+			in[i] = v[1+i].Float32s()
+		}
+		return kernels.ConcatDim(v[0].Float32s(), in, sizes, outer, inner)
+	})
+}
+
+// Embedding runs kernels.EmbeddingForward.
+func (k emuKernels) Embedding(out, table, ids device.Buffer, lo, d int) error {
+	v, err := k.check("Embedding", f32("out", out), f32("table", table), arg{name: "ids", b: ids, dtypes: []comm.DType{comm.Int64}})
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("Embedding", func() error {
+		return kernels.EmbeddingForward(v[0].Float32s(), v[1].Float32s(), v[2].Int64s(), lo, d)
+	})
+}
+
+// EmbeddingBackward runs kernels.EmbeddingBackward.
+func (k emuKernels) EmbeddingBackward(dtable, acc, g, ids device.Buffer, lo, d int) error {
+	v, err := k.check("EmbeddingBackward", f32("dtable", dtable), f64("acc", acc, false), f32("g", g),
+		arg{name: "ids", b: ids, dtypes: []comm.DType{comm.Int64}})
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("EmbeddingBackward", func() error {
+		return kernels.EmbeddingBackward(v[0].Float32s(), v[1].Float64s(), v[2].Float32s(), v[3].Int64s(), lo, d)
+	})
+}
+
+// Pointwise runs kernels.ReLU, SiLU, Tanh or Sigmoid.
+func (k emuKernels) Pointwise(f device.Pointwise, dst, x device.Buffer) error {
+	const op = "Pointwise"
+	fns := map[device.Pointwise]func(dst, x []float32) error{
+		device.ReLU: kernels.ReLU[float32], device.SiLU: kernels.SiLU[float32],
+		device.Tanh: kernels.Tanh[float32], device.Sigmoid: kernels.Sigmoid[float32],
+	}
+	fn, ok := fns[f]
+	if !ok {
+		return fmt.Errorf("%s: %s: %w: unknown activation %v", k.d.name, op, device.ErrInvalid, f)
+	}
+	v, err := k.check(op, f32("dst", dst), f32("x", x))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error { return fn(v[0].Float32s(), v[1].Float32s()) })
+}
+
+// PointwiseBackward runs kernels.ReLUBackward, SiLUBackward, TanhBackward
+// or SigmoidBackward.
+func (k emuKernels) PointwiseBackward(f device.Pointwise, dx, saved, dy device.Buffer) error {
+	const op = "PointwiseBackward"
+	fns := map[device.Pointwise]func(dx, saved, dy []float32) error{
+		device.ReLU: kernels.ReLUBackward[float32], device.SiLU: kernels.SiLUBackward[float32],
+		device.Tanh: kernels.TanhBackward[float32], device.Sigmoid: kernels.SigmoidBackward[float32],
+	}
+	fn, ok := fns[f]
+	if !ok {
+		return fmt.Errorf("%s: %s: %w: unknown activation %v", k.d.name, op, device.ErrInvalid, f)
+	}
+	v, err := k.check(op, f32("dx", dx), f32("saved", saved), f32("dy", dy))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error { return fn(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) })
+}
+
+// DropoutMask runs kernels.DropoutMask; offset, box and global are copied
+// at the call.
+func (k emuKernels) DropoutMask(mask device.Buffer, offset, box, global []int, p float64, seed, step uint64) error {
+	v, err := k.check("DropoutMask", f32("mask", mask))
+	if err != nil {
+		return err
+	}
+	offset, box, global = slices.Clone(offset), slices.Clone(box), slices.Clone(global)
+	return k.d.compute.launch("DropoutMask", func() error {
+		return kernels.DropoutMask(v[0].Float32s(), offset, box, global, p, seed, step)
+	})
+}
+
+// ArgmaxRows runs kernels.ArgmaxRows.
+func (k emuKernels) ArgmaxRows(dst, x device.Buffer, n int) error {
+	v, err := k.check("ArgmaxRows", arg{name: "dst", b: dst, dtypes: []comm.DType{comm.Int64}}, f32("x", x))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch("ArgmaxRows", func() error { return kernels.ArgmaxRows(v[0].Int64s(), v[1].Float32s(), n) })
+}

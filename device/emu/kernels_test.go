@@ -382,6 +382,85 @@ func autogradCases() []kernelCase {
 				return k.BroadcastDims(b["out"], b["g"], shape, reduce)
 			},
 		},
+		{
+			name: "PermuteDims",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 60), "out": make([]float32, 60)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return kernels.PermuteDims(f32s(a["out"]), f32s(a["x"]), shape, []int{2, 0, 1})
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				return k.PermuteDims(b["out"], b["x"], shape, []int{2, 0, 1})
+			},
+		},
+		{
+			name: "NarrowDim+PadDim+ConcatDim",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 60), "n": make([]float32, 24), "g": randF32(r, 24), "p": randF32(r, 60),
+					"y": randF32(r, 12), "c": make([]float32, 72)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.NarrowDim(f32s(a["n"]), f32s(a["x"]), 3, 5, 4, 1, 2); err != nil {
+					return err
+				}
+				if err := kernels.PadDim(f32s(a["p"]), f32s(a["g"]), 3, 2, 4, 3, 5); err != nil {
+					return err
+				}
+				return kernels.ConcatDim(f32s(a["c"]), [][]float32{f32s(a["x"]), f32s(a["y"])}, []int{5, 1}, 3, 4)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.NarrowDim(b["n"], b["x"], 3, 5, 4, 1, 2); err != nil {
+					return err
+				}
+				if err := k.PadDim(b["p"], b["g"], 3, 2, 4, 3, 5); err != nil {
+					return err
+				}
+				return k.ConcatDim(b["c"], []device.Buffer{b["x"], b["y"]}, []int{5, 1}, 3, 4)
+			},
+		},
+		{
+			name: "Embedding+Backward",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				ids := randTargets(r, rows, vocab+4) // some outside the block [2, 2+vocab)
+				return arrays{"out": make([]float32, rows*cols), "table": randF32(r, vocab*cols), "ids": ids,
+					"dt": make([]float32, vocab*cols), "acc": make([]float64, vocab*cols), "g": randF32(r, rows*cols)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.EmbeddingForward(f32s(a["out"]), f32s(a["table"]), i64s(a["ids"]), 2, cols); err != nil {
+					return err
+				}
+				return kernels.EmbeddingBackward(f32s(a["dt"]), f64s(a["acc"]), f32s(a["g"]), i64s(a["ids"]), 2, cols)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.Embedding(b["out"], b["table"], b["ids"], 2, cols); err != nil {
+					return err
+				}
+				return k.EmbeddingBackward(b["dt"], b["acc"], b["g"], b["ids"], 2, cols)
+			},
+		},
+		pointwiseCase(device.ReLU, kernels.ReLU[float32], kernels.ReLUBackward[float32], false),
+		pointwiseCase(device.SiLU, kernels.SiLU[float32], kernels.SiLUBackward[float32], false),
+		pointwiseCase(device.Tanh, kernels.Tanh[float32], kernels.TanhBackward[float32], true),
+		pointwiseCase(device.Sigmoid, kernels.Sigmoid[float32], kernels.SigmoidBackward[float32], true),
+		{
+			name: "DropoutMask+ArgmaxRows",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"mask": make([]float32, 2*3*4), "x": randF32(r, rows*cols), "ix": make([]int64, rows)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.DropoutMask(f32s(a["mask"]), []int{1, 0, 2}, []int{2, 3, 4}, []int{3, 3, 7}, 0.3, 11, 5); err != nil {
+					return err
+				}
+				return kernels.ArgmaxRows(i64s(a["ix"]), f32s(a["x"]), cols)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.DropoutMask(b["mask"], []int{1, 0, 2}, []int{2, 3, 4}, []int{3, 3, 7}, 0.3, 11, 5); err != nil {
+					return err
+				}
+				return k.ArgmaxRows(b["ix"], b["x"], cols)
+			},
+		},
 		sgdCase(comm.Float32, "plain", kernels.SGDStep{LR: 0.1}),
 		sgdCase(comm.Float32, "momentum/first", kernels.SGDStep{LR: 0.05, Momentum: 0.9, WeightDecay: 0.01, First: true}),
 		sgdCase(comm.Float32, "momentum", kernels.SGDStep{LR: 0.05, Momentum: 0.9, Dampening: 0.1, WeightDecay: 0.01, Maximize: true}),
@@ -434,6 +513,33 @@ func copyBoxCase(name string, dt comm.DType, dshape, doff, sshape, soff, size []
 		},
 		dev: func(k device.Kernels, b map[string]device.Buffer) error {
 			return k.CopyBox(b["d"], dshape, doff, b["s"], sshape, soff, size)
+		},
+	}
+}
+
+// pointwiseCase checks one activation forward and backward; saveOut says
+// its backward takes the forward's result rather than x.
+func pointwiseCase(f device.Pointwise, fwd func(dst, x []float32) error, bwd func(dx, saved, dy []float32) error, saveOut bool) kernelCase {
+	saved := "x"
+	if saveOut {
+		saved = "y"
+	}
+	return kernelCase{
+		name: "Pointwise/" + f.String(),
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"x": randF32(r, 37), "y": make([]float32, 37), "dy": randF32(r, 37), "dx": make([]float32, 37)}
+		},
+		cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+			if err := fwd(f32s(a["y"]), f32s(a["x"])); err != nil {
+				return err
+			}
+			return bwd(f32s(a["dx"]), f32s(a[saved]), f32s(a["dy"]))
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			if err := k.Pointwise(f, b["y"], b["x"]); err != nil {
+				return err
+			}
+			return k.PointwiseBackward(f, b["dx"], b[saved], b["dy"])
 		},
 	}
 }

@@ -154,7 +154,7 @@ func WithSeed(seed uint64) Option { return func(o *options) { o.seed = seed } }
 // (default: WithSeed(0)). Every rank calls it alike.
 func New(tape *autograd.Tape, m *mesh.Mesh, cfg Config, opts ...Option) (*Model, error) {
 	if tape == nil || m == nil {
-		return nil, fmt.Errorf("gpt: New: %w: nil tape or mesh", ErrConfig)
+		return nil, fmt.Errorf("%w: New: nil tape or mesh", ErrConfig)
 	}
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("gpt: New: %w", err)
@@ -225,14 +225,14 @@ func checkParams(cfg Config, params map[string][]float32) error {
 		data, ok := params[p.Name]
 		switch {
 		case !ok:
-			errs = append(errs, fmt.Errorf("gpt: New: %w: no initial value for %q", ErrConfig, p.Name))
+			errs = append(errs, fmt.Errorf("%w: New: no initial value for %q", ErrConfig, p.Name))
 		case len(data) != p.Numel():
-			errs = append(errs, fmt.Errorf("gpt: New: %w: %q has %d values, shape %v needs %d", ErrConfig, p.Name, len(data), p.Shape, p.Numel()))
+			errs = append(errs, fmt.Errorf("%w: New: %q has %d values, shape %v needs %d", ErrConfig, p.Name, len(data), p.Shape, p.Numel()))
 		}
 	}
 	for name := range params {
 		if !known[name] {
-			errs = append(errs, fmt.Errorf("gpt: New: %w: initial value for unknown parameter %q", ErrConfig, name))
+			errs = append(errs, fmt.Errorf("%w: New: initial value for unknown parameter %q", ErrConfig, name))
 		}
 	}
 	return errors.Join(errs...)

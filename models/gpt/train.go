@@ -137,12 +137,12 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		o(&tc)
 	}
 	if m == nil {
-		return nil, fmt.Errorf("gpt: trainer: %w: nil mesh", ErrConfig)
+		return nil, fmt.Errorf("%w: trainer: nil mesh", ErrConfig)
 	}
 	data := cfg.reference(tc.run)
 	data.Steps = max(data.Steps, 1) // the caller counts the steps
 	if err := data.Validate(); err != nil {
-		return nil, fmt.Errorf("gpt: trainer: %w: %w", ErrConfig, err)
+		return nil, fmt.Errorf("%w: trainer: %w", ErrConfig, err)
 	}
 	names := m.Names()
 	size := map[string]int{}
@@ -152,7 +152,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		}
 		i := slices.Index(names, ax)
 		if i < 0 {
-			return nil, fmt.Errorf("gpt: trainer: %w: the mesh has no axis %q (its axes are %v)", ErrConfig, ax, names)
+			return nil, fmt.Errorf("%w: trainer: the mesh has no axis %q (its axes are %v)", ErrConfig, ax, names)
 		}
 		size[ax] = m.Shape()[i]
 	}
@@ -162,11 +162,11 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		{tc.fsdp, tc.tp, "fully sharded data and tensor"},
 	} {
 		if pair.a != "" && pair.a == pair.b {
-			return nil, fmt.Errorf("gpt: trainer: %w: axis %q named for both %s parallelism", ErrConfig, pair.a, pair.kinds)
+			return nil, fmt.Errorf("%w: trainer: axis %q named for both %s parallelism", ErrConfig, pair.a, pair.kinds)
 		}
 	}
 	if tc.sp && tc.tp == "" {
-		return nil, fmt.Errorf("gpt: trainer: %w: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
+		return nil, fmt.Errorf("%w: trainer: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
 	dp, fsdp, tp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1)
 	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: fsdp, TP: tp, SP: tc.sp}); err != nil {

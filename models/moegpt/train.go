@@ -101,7 +101,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	}
 	data := cfg.reference(tc.run)
 	if err := data.Validate(); err != nil {
-		return nil, fmt.Errorf("moegpt: trainer: %w: %w", ErrConfig, err)
+		return nil, fmt.Errorf("%w: trainer: %w", ErrConfig, err)
 	}
 	if m != nil {
 		if err := cfg.CheckLayout(data.B, axisSize(m, mo.dp), axisSize(m, ep)); err != nil {

@@ -1,22 +1,24 @@
 // Package topology reads the GPUs of this machine and how they are
 // connected (PCI bus ids, NVLink peers, the PCIe hierarchy between them)
-// through NVML (github.com/NVIDIA/go-nvml), and lays mesh axes onto them:
-// Order returns the device of every mesh position so that the innermost
-// axis sits on the fastest links, as DESIGN §6 asks (tensor parallelism
-// on NVLink, data parallelism across).
+// through NVML, and lays mesh axes onto them: Order returns the device of
+// every mesh position so that the innermost axis sits on the fastest
+// links, as DESIGN §6 asks (tensor parallelism on NVLink, data parallelism
+// across).
 //
-// It lives beside the NCCL backend, not in mesh, because it is hardware
-// discovery that only the GPU backend needs: it pulls in go-nvml, which
-// needs cgo, and keeping it here keeps package mesh (and everything that
-// imports it) pure Go. It does not import mesh either (comm/* must not
-// import upward); a launcher calls Order with the mesh's shape and gives
-// world rank r the device Order returned at position r, since mesh lays
-// world ranks out row-major.
+// NVML (libnvidia-ml.so.1, or NVMLEnv) is loaded at run time through
+// purego like every other GPU library of loom, so the package builds
+// without cgo or a C compiler and reads the topology in every build,
+// CGO_ENABLED=0 included. It lives beside the NCCL backend, not in mesh,
+// because it is hardware discovery that only the GPU backend needs. It
+// does not import mesh either (comm/* must not import upward); a launcher
+// calls Order with the mesh's shape and gives world rank r the device
+// Order returned at position r, since mesh lays world ranks out row-major.
 //
-// Without NVML (no libnvidia-ml.so.1, a build without cgo, or a platform
-// other than Linux) Discover fails with ErrUnavailable and Detect falls
-// back to Uniform: n devices with unknown links, for which Order is the
-// identity, i.e. the usual rank-to-device mapping.
+// Without NVML (no libnvidia-ml.so.1, NVMLEnv=off, or a platform where
+// libraries cannot be loaded at run time) Discover fails with
+// ErrUnavailable and Detect falls back to Uniform: n devices with unknown
+// links, for which Order is the identity, i.e. the usual rank-to-device
+// mapping.
 package topology
 
 import (
