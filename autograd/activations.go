@@ -3,21 +3,35 @@ package autograd
 import (
 	"unsafe"
 
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
 // Activation accounting: the bytes a tape holds for backward.
 
-// heldBlock is a local block a node holds for backward: its first
-// element and its size in bytes.
+// heldBlock is a local block a node holds for backward: the span of its
+// memory (a host block's first element, or a device buffer's device and
+// address) and its size in bytes.
 type heldBlock struct {
-	p     unsafe.Pointer
+	key   heldKey
 	bytes int64
+}
+
+// heldKey identifies a held block: p for host memory, dev for a device
+// buffer (whose address is not a Go pointer).
+type heldKey struct {
+	p   unsafe.Pointer
+	dev devKey
+}
+
+// span is the memory of b.
+func (b heldBlock) span() span {
+	return span{p: b.key.p, bytes: uintptr(b.bytes), dev: b.key.dev}
 }
 
 // activations counts the distinct blocks the recorded nodes hold.
 type activations struct {
-	refs map[unsafe.Pointer]*heldRef
+	refs map[heldKey]*heldRef
 	live int64
 	peak int64
 }
@@ -27,18 +41,17 @@ type heldRef struct {
 	bytes int64 // the largest size a node held it with
 }
 
-// heldOf returns the local block of x (a *placement.DTensor, or a
-// []float32 or []float64 block), or false when it is empty or of another
-// kind.
+// heldOf returns the local block of x (a *placement.DTensor on any
+// device, a device.Buffer, or a []float32 or []float64 block), or false when it is empty
+// or of another kind.
 func heldOf(x any) (heldBlock, bool) {
 	var s span
 	var ok bool
 	switch v := x.(type) {
 	case *placement.DTensor:
-		// Device blocks are not counted: their memory is the device
-		// allocator's to report.
 		s, ok = spanOf(v)
-		ok = ok && s.dev.d == nil
+	case device.Buffer:
+		s, ok = devSpan(v)
 	case []float32:
 		if len(v) > 0 {
 			s, ok = span{p: unsafe.Pointer(unsafe.SliceData(v)), bytes: uintptr(len(v)) * 4}, true
@@ -48,7 +61,7 @@ func heldOf(x any) (heldBlock, bool) {
 			s, ok = span{p: unsafe.Pointer(unsafe.SliceData(v)), bytes: uintptr(len(v)) * 8}, true
 		}
 	}
-	return heldBlock{s.p, int64(s.bytes)}, ok
+	return heldBlock{heldKey{s.p, s.dev}, int64(s.bytes)}, ok
 }
 
 // hold makes node n hold the blocks of xs (see blockOf; others are
@@ -62,10 +75,10 @@ func (t *Tape) hold(n *node, xs ...any) {
 		}
 		dup := false
 		for i, h := range n.held {
-			if h.p == b.p {
+			if h.key == b.key {
 				dup = true
 				if b.bytes > h.bytes {
-					a.grow(h.p, b.bytes)
+					a.grow(h.key, b.bytes)
 					n.held[i].bytes = b.bytes
 				}
 				break
@@ -76,12 +89,12 @@ func (t *Tape) hold(n *node, xs ...any) {
 		}
 		n.held = append(n.held, b)
 		if a.refs == nil {
-			a.refs = map[unsafe.Pointer]*heldRef{}
+			a.refs = map[heldKey]*heldRef{}
 		}
-		r := a.refs[b.p]
+		r := a.refs[b.key]
 		if r == nil {
 			r = &heldRef{}
-			a.refs[b.p] = r
+			a.refs[b.key] = r
 		}
 		r.n++
 		if b.bytes > r.bytes {
@@ -92,9 +105,9 @@ func (t *Tape) hold(n *node, xs ...any) {
 	a.peak = max(a.peak, a.live)
 }
 
-// grow raises the counted size of the block at p to bytes if larger.
-func (a *activations) grow(p unsafe.Pointer, bytes int64) {
-	if r := a.refs[p]; r != nil && bytes > r.bytes {
+// grow raises the counted size of the block k to bytes if larger.
+func (a *activations) grow(k heldKey, bytes int64) {
+	if r := a.refs[k]; r != nil && bytes > r.bytes {
 		a.live += bytes - r.bytes
 		r.bytes = bytes
 		a.peak = max(a.peak, a.live)
@@ -105,13 +118,13 @@ func (a *activations) grow(p unsafe.Pointer, bytes int64) {
 func (t *Tape) unhold(n *node) {
 	a := &t.acct
 	for _, h := range n.held {
-		r := a.refs[h.p]
+		r := a.refs[h.key]
 		if r == nil {
 			continue
 		}
 		if r.n--; r.n == 0 {
 			a.live -= r.bytes
-			delete(a.refs, h.p)
+			delete(a.refs, h.key)
 		}
 	}
 	n.held = nil
@@ -124,8 +137,8 @@ func (a *activations) reset() {
 }
 
 // ActivationBytes returns the bytes of activations the tape holds for
-// backward now, on this rank: the distinct local blocks held by the ops
-// recorded since the tape was last cleared and not yet passed by the
+// backward now, on this rank: the distinct local blocks (in host or
+// device memory) held by the ops recorded since the tape was last cleared and not yet passed by the
 // reverse walk of Backward. A recorded op holds its result's block, and
 // CausalAttention's fused form also its probabilities ([..., T, T]); a
 // checkpoint node (Checkpoint) holds the blocks of its outputs, of its

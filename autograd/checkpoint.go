@@ -321,7 +321,7 @@ func (c *checkpoint) releaseForward(made, outs []*Value) {
 	for _, k := range c.kept {
 		keep = append(keep, k.out)
 		if b, ok := heldOf(k.aux); ok {
-			keepAux = append(keepAux, span{p: b.p, bytes: uintptr(b.bytes)})
+			keepAux = append(keepAux, b.span())
 		}
 	}
 	for _, v := range made {
@@ -460,7 +460,7 @@ func (c *checkpoint) releaseKept(grads []*placement.DTensor) {
 			if !ok {
 				continue
 			}
-			s := span{p: b.p, bytes: uintptr(b.bytes)}
+			s := b.span()
 			if !overlapsAny(s, keep) {
 				c.t.arena.giveBack(s)
 			}

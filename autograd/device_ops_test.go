@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
@@ -30,6 +33,11 @@ type devCase struct {
 	// fm, when set, replaces f for computations that need the mesh (for
 	// indices).
 	fm func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error)
+	// copies: the device form also holds host copies of its blocks, so
+	// its activation bytes exceed the host's.
+	copies bool
+	// f64 runs the case on float64 tensors.
+	f64 bool
 }
 
 // ids is a replicated index tensor of shape with entries in [0, n).
@@ -195,6 +203,33 @@ func tinyGPT(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
 	return autograd.CrossEntropy(logits, tg)
 }
 
+// localMulAdd is x·x + b (b over the last dim) as a LocalFunc, whose
+// functions take host slices: on a device they get host copies.
+func localMulAdd(x, b *autograd.Value) (*autograd.Value, error) {
+	r := []placement.Placement{placement.Replicate()}
+	f := autograd.LocalFunc[float32]{Name: "mul_add", In: [][]placement.Placement{r, r}, GradIn: [][]placement.Placement{r, r},
+		Out: r, GradOut: r,
+		Forward: func(in []autograd.Block[float32]) (autograd.Block[float32], error) {
+			x, b := in[0].Data, in[1].Data
+			y := make([]float32, len(x))
+			for i, v := range x {
+				y[i] = v*v + b[i%len(b)]
+			}
+			return autograd.Block[float32]{Shape: in[0].Shape, Data: y}, nil
+		},
+		Backward: func(g autograd.Block[float32], in []autograd.Block[float32], _ autograd.Block[float32]) ([]autograd.Block[float32], error) {
+			x := in[0].Data
+			dx, db := make([]float32, len(x)), make([]float32, len(in[1].Data))
+			for i, v := range x {
+				dx[i] = 2 * v * g.Data[i]
+				db[i%len(db)] += g.Data[i]
+			}
+			return []autograd.Block[float32]{{Shape: in[0].Shape, Data: dx}, {Shape: in[1].Shape, Data: db}}, nil
+		},
+	}
+	return f.Apply(x, b)
+}
+
 func (c devCase) run(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
 	if c.fm != nil {
 		return c.fm(m, in)
@@ -255,8 +290,12 @@ func devCases() []devCase {
 		{name: "Sigmoid", shapes: [][]int{{3, 7}}, f: one(autograd.Sigmoid)},
 		{name: "Dropout", shapes: [][]int{{5, 9}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Dropout(x, 0.4, 3, 2) })},
 		{name: "Custom", shapes: [][]int{{3, 5}}, f: one(customScale)},
+		{name: "LocalMap", shapes: [][]int{{3, 5}, {5}}, copies: true,
+			f: func(in []*autograd.Value) (*autograd.Value, error) { return localMulAdd(in[0], in[1]) }},
 		{name: "Softmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, -1) })},
 		{name: "LogSoftmax", shapes: [][]int{{3, 7}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 1) })},
+		{name: "Softmax/middle-dim", shapes: [][]int{{3, 5, 4}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.Softmax(x, 1) })},
+		{name: "LogSoftmax/first-dim", shapes: [][]int{{4, 3}}, f: one(func(x *autograd.Value) (*autograd.Value, error) { return autograd.LogSoftmax(x, 0) })},
 		{name: "Embedding", shapes: [][]int{{11, 6}}, fm: func(m *mesh.Mesh, in []*autograd.Value) (*autograd.Value, error) {
 			id, err := ids(m, []int{2, 5}, 11, 3)
 			if err != nil {
@@ -295,6 +334,21 @@ func devCases() []devCase {
 	}
 }
 
+// float64Cases are the cases whose ops run on float64 data on devices
+// that take it (device.Float64Kernels: emu), in float64.
+func float64Cases() []devCase {
+	var out []devCase
+	for _, c := range devCases() {
+		switch c.name {
+		case "Add", "Add/same-input", "Mul", "Scale", "MatMul", "MatMul/k=0", "Linear", "Linear/no-bias", "Sum/dim", "Sum/all",
+			"Mean", "MSE", "Narrow", "SplitLast+Concat", "Permute", "Transpose+Reshape":
+			c.name, c.f64 = "float64/"+c.name, true
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
 // devRun runs c on tape with its inputs (host tensors) moved to d, builds
 // the loss, runs Backward and returns the output's data and the inputs'
 // gradients, copied to the host.
@@ -302,7 +356,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 	tape := autograd.NewTape(append(opts, autograd.WithDevice(d))...)
 	var in []*autograd.Value
 	for i, sh := range c.shapes {
-		dt, err := randTensor(m, sh, uint64(i+1))
+		dt, err := randTensorOf(m, sh, uint64(i+1), c.f64)
 		if err != nil {
 			return nil, err
 		}
@@ -319,7 +373,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 	if err != nil {
 		return nil, err
 	}
-	cdt, err := randTensor(m, out.Spec().Shape(), 99)
+	cdt, err := randTensorOf(m, out.Spec().Shape(), 99, c.f64)
 	if err != nil {
 		return nil, err
 	}
@@ -340,15 +394,22 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 	}
 	got := [][]float32{}
 	for _, dt := range []*placement.DTensor{out.Data(), loss.Data()} {
-		h, err := hostData(dt)
+		h, err := hostBits(dt)
 		if err != nil {
 			return nil, err
 		}
 		got = append(got, h)
 	}
+	// Activation accounting counts device blocks as host ones.
+	acts := []float32{float32(tape.ActivationBytes())}
 	if err := tape.Backward(ctx, loss); err != nil {
 		return nil, err
 	}
+	acts = append(acts, float32(tape.PeakActivationBytes()))
+	if c.copies {
+		acts = nil
+	}
+	got = append(got, acts)
 	for _, v := range in {
 		if v.Grad() == nil {
 			got = append(got, nil)
@@ -357,7 +418,7 @@ func devRun(ctx context.Context, m *mesh.Mesh, c devCase, d device.Device, opts 
 		if dev := v.Grad().Device(); dev != d {
 			return nil, fmt.Errorf("gradient of %s on %s, want %s", v.Name(), dev.Name(), d.Name())
 		}
-		h, err := hostData(v.Grad())
+		h, err := hostBits(v.Grad())
 		if err != nil {
 			return nil, err
 		}
@@ -384,6 +445,44 @@ func randTensor(m *mesh.Mesh, shape []int, seed uint64) (*placement.DTensor, err
 	return placement.NewLocal(spec, data)
 }
 
+// randTensorOf is randTensor, in float64 when f64 is set (the same
+// values, widened).
+func randTensorOf(m *mesh.Mesh, shape []int, seed uint64, f64 bool) (*placement.DTensor, error) {
+	x, err := randTensor(m, shape, seed)
+	if err != nil || !f64 {
+		return x, err
+	}
+	spec, err := placement.NewSpec(m, shape, comm.Float64, []placement.Placement{placement.Replicate()})
+	if err != nil {
+		return nil, err
+	}
+	f := x.LocalData().([]float32)
+	d := make([]float64, len(f))
+	for i, v := range f {
+		d[i] = float64(v)
+	}
+	return placement.NewLocal(spec, d)
+}
+
+// hostBits is hostData for float32 or float64 blocks: a float64 element
+// becomes two float32s holding its low and high 32 bits, so that sameBits
+// compares float64 results bit for bit too.
+func hostBits(dt *placement.DTensor) ([]float32, error) {
+	if dt.Spec().DType() != comm.Float64 {
+		return hostData(dt)
+	}
+	h, err := dt.To(device.Host())
+	if err != nil {
+		return nil, err
+	}
+	var out []float32
+	for _, v := range h.LocalData().([]float64) {
+		b := math.Float64bits(v)
+		out = append(out, math.Float32frombits(uint32(b)), math.Float32frombits(uint32(b>>32)))
+	}
+	return out, nil
+}
+
 // hostData copies dt's local block to the host.
 func hostData(dt *placement.DTensor) ([]float32, error) {
 	h, err := dt.To(device.Host())
@@ -406,8 +505,10 @@ func sameBits(host, dev [][]float32) error {
 			return "output"
 		case 1:
 			return "loss"
+		case 2:
+			return "activation bytes (held, peak)"
 		}
-		return fmt.Sprintf("gradient of input %d", i-2)
+		return fmt.Sprintf("gradient of input %d", i-3)
 	}
 	for i := range host {
 		if len(host[i]) != len(dev[i]) {
@@ -461,7 +562,7 @@ func forEachDevice(t *testing.T, fn func(ctx context.Context, m *mesh.Mesh, d de
 // gives the host's results and gradients bit for bit, with and without
 // recycling.
 func TestDeviceOpsMatchHost(t *testing.T) {
-	for _, c := range devCases() {
+	for _, c := range append(devCases(), float64Cases()...) {
 		for _, rec := range []bool{false, true} {
 			var opts []autograd.Option
 			name := c.name
@@ -558,7 +659,9 @@ func TestDeviceArgmax(t *testing.T) {
 }
 
 // TestDeviceFloat64Unsupported: float64 tensors on a device are refused
-// by name, matching loom.ErrUnsupported.
+// by name, matching loom.ErrUnsupported, by ops whose kernels are float32
+// only; the dtype-generic ones run (float64Cases compares them with the
+// host).
 func TestDeviceFloat64Unsupported(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d, err := emu.New(0)
@@ -583,9 +686,13 @@ func TestDeviceFloat64Unsupported(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		_, err = autograd.Scale(x, 2)
-		if !errors.Is(err, loom.ErrUnsupported) || !errors.Is(err, autograd.ErrUnsupported) {
-			t.Errorf("Scale(float64 on emu) = %v, want ErrUnsupported", err)
+		_, err = autograd.GELU(x)
+		if !errors.Is(err, loom.ErrUnsupported) || !errors.Is(err, autograd.ErrUnsupported) || !strings.Contains(err.Error(), "float64 on emu:0") {
+			t.Errorf("GELU(float64 on emu) = %v, want ErrUnsupported naming the dtype and device", err)
+		}
+		// Scale's kernel is generic, and emu takes float64 there.
+		if _, err := autograd.Scale(x, 2); err != nil {
+			t.Errorf("Scale(float64 on emu) = %v", err)
 		}
 		return nil
 	})
@@ -904,6 +1011,125 @@ func TestDeviceZeroGradFrees(t *testing.T) {
 			}
 		}
 		return nil
+	})
+}
+
+// TestDeviceAccumulatedGradFrees: a device gradient that Backward
+// replaces by a new sum (accumulating over steps without ZeroGrad) is
+// freed, so the device holds one gradient per leaf, not one per step.
+func TestDeviceAccumulatedGradFrees(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		x, err := randTensor(m, []int{4, 5}, 1)
+		if err != nil {
+			return err
+		}
+		if x, err = x.To(d); err != nil {
+			return err
+		}
+		tape := autograd.NewTape()
+		p, err := tape.Param("p", x)
+		if err != nil {
+			return err
+		}
+		var after0 int64
+		var grads []*placement.DTensor // keeps every gradient reachable, so no cleanup frees it
+		for step := range 3 {
+			y, err := autograd.Scale(p, 2)
+			if err != nil {
+				return err
+			}
+			loss, err := autograd.Sum(y)
+			if err != nil {
+				return err
+			}
+			if err := tape.Backward(ctx, loss); err != nil {
+				return err
+			}
+			for _, v := range []*autograd.Value{y, loss} {
+				if err := v.Data().LocalBuffer().(device.Buffer).Free(); err != nil {
+					return err
+				}
+			}
+			grads = append(grads, p.Grad())
+			got := d.Memory().Stats().Allocated
+			if step == 0 {
+				after0 = got
+			} else if got != after0 {
+				t.Errorf("step %d: %d bytes allocated, %d after the first step", step, got, after0)
+			}
+		}
+		g, err := hostData(p.Grad())
+		if err != nil {
+			return err
+		}
+		if g[0] != 6 {
+			t.Errorf("gradient after 3 steps is %v, want 6", g[0])
+		}
+		runtime.KeepAlive(grads)
+		return nil
+	})
+}
+
+// TestDeviceCrossEntropyDoesNotWait: CrossEntropy's forward and backward
+// on a device queue their work without waiting for it (the mean and the
+// backward's scale are computed on the device): with the compute stream
+// held, both return; the results then match the host's bit for bit
+// (TestDeviceOpsMatchHost).
+func TestDeviceCrossEntropyDoesNotWait(t *testing.T) {
+	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d, err := emu.New(0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		x, err := randTensor(m, []int{7, 11}, 1)
+		if err != nil {
+			return err
+		}
+		if x, err = x.To(d); err != nil {
+			return err
+		}
+		tg, err := ids(m, []int{7}, 11, 4)
+		if err != nil {
+			return err
+		}
+		tape := autograd.NewTape(autograd.WithDevice(d))
+		p, err := tape.Param("logits", x)
+		if err != nil {
+			return err
+		}
+		gate := make(chan struct{})
+		var once sync.Once
+		open := func() { once.Do(func() { close(gate) }) }
+		defer open()
+		if err := d.Compute().(*emu.Stream).Launch(func() error { <-gate; return nil }); err != nil {
+			return err
+		}
+		done := make(chan error, 1)
+		go func() {
+			loss, err := autograd.CrossEntropy(p, tg)
+			if err == nil {
+				err = tape.Backward(ctx, loss)
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err != nil {
+				return err
+			}
+		case <-time.After(5 * time.Second):
+			open()
+			<-done
+			return fmt.Errorf("CrossEntropy and its backward waited for the device's compute stream")
+		}
+		open()
+		return d.Synchronize()
 	})
 }
 

@@ -64,26 +64,42 @@ func onDevice(x *placement.DTensor) (device.Device, bool) {
 	return nil, false
 }
 
-// devKernels returns d's Kernels for op on data of type dt: Float32 only
-// (the device kernels' type), anything else an error wrapping
-// ErrUnsupported that names op, the dtype and the device.
+// devKernels returns d's Kernels for op on data of type dt: Float32, or
+// Float64 for the ops whose kernels are dtype-generic (float64Op) on a
+// device whose Kernels take Float64 (device.Float64Kernels: the emulated
+// device); anything else is an error wrapping ErrUnsupported that names
+// op, the dtype and the device.
 func devKernels(op string, d device.Device, dt comm.DType) (device.Kernels, error) {
-	if dt != comm.Float32 {
-		return nil, unsupportedf(op, "%v on %s: device ops take float32 (compute float64 on the host)", dt, d.Name())
-	}
 	k := d.Kernels()
 	if k == nil {
 		return nil, unsupportedf(op, "%s has no kernels", d.Name())
 	}
-	return k, nil
+	if dt == comm.Float32 {
+		return k, nil
+	}
+	if k64, ok := k.(device.Float64Kernels); ok && dt == comm.Float64 && float64Op(op) && k64.Float64() {
+		return k, nil
+	}
+	return nil, unsupportedf(op, "%v on %s: the device's %s takes float32 (compute %v on the host)", dt, d.Name(), op, dt)
+}
+
+// float64Op reports whether op's device form uses only kernels that are
+// dtype-generic (device.Float64Kernels), so that it runs on Float64 data
+// where the device allows it.
+func float64Op(op string) bool {
+	switch op {
+	case "Backward", "Add", "Mul", "Scale", "MatMul", "BatchedMatMul", "Linear", "Sum", "Narrow", "Concat", "Permute":
+		return true
+	}
+	return false
 }
 
 // deviceForm reports whether op (the name checkInputs is given) runs on
-// devices other than the host. The others refuse device inputs with
-// hostOnly's error: LocalMap, whose functions take host slices. Softmax
-// and LogSoftmax run on devices over the last dim only; Custom ops run
-// wherever their inputs are. Mean and MSE are compositions of ops that
-// have device forms; Custom ops run wherever their inputs are.
+// devices other than the host; the others refuse device inputs with
+// hostOnly's error. Mean and MSE are compositions of ops that have device
+// forms; Custom ops run wherever their inputs are; LocalMap copies device
+// inputs to the host and its result back (LocalFunc.Apply checks its
+// inputs itself, allowing devices).
 func deviceForm(op string) bool {
 	switch op {
 	case "Add", "Mul", "Scale", "MatMul", "Linear", "Sum", "Mean", "MSE", "LayerNorm", "GELU", "Reshape", "To",
@@ -568,22 +584,6 @@ func devIDs(t *Tape, d device.Device, ids []int64) (device.Buffer, error) {
 	return b, nil
 }
 
-// scalarToHost reads the one element of a Float32 or Float64 device
-// buffer, waiting for the work queued before it.
-func scalarToHost(b device.Buffer) (float64, error) {
-	h, err := comm.NewHostBuffer(b.DType(), 1)
-	if err != nil {
-		return 0, err
-	}
-	if err := b.Owner().CopyToHost(h, b); err != nil {
-		return 0, err
-	}
-	if b.DType() == comm.Float64 {
-		return h.Float64s()[0], nil
-	}
-	return float64(h.Float32s()[0]), nil
-}
-
 // embeddingDev is Embedding on a device: the ids go to the device once
 // (scratch, kept for the backward), Kernels.Embedding and
 // Kernels.EmbeddingBackward with a Float64 accumulator, as the host's
@@ -633,12 +633,12 @@ func embeddingDev(t *Tape, d device.Device, spec *placement.Spec, table *Value, 
 	}), nil
 }
 
-// crossEntropyDev is CrossEntropy on a device: Kernels.CrossEntropy
+// crossEntropyDev is CrossEntropy on a device: Kernels.CrossEntropyMean
 // saving the rows' log-sum-exps (Float64 scratch), and
-// Kernels.CrossEntropyBackward. The mean (the sum over the global rows)
-// and the backward's scale (the incoming gradient over the rows) are
-// computed on the host from one element read back, as the host path
-// computes them, so each direction waits once for the device.
+// Kernels.CrossEntropyMeanBackward. The mean over the global rows and the
+// backward's scale (the incoming gradient over the rows) are computed on
+// the device as the host path computes them, so neither direction waits
+// for the device.
 func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Value, targets *Indices) (*Value, error) {
 	const op = "CrossEntropy"
 	k, err := devKernels(op, d, spec.DType())
@@ -661,20 +661,8 @@ func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Val
 			return nil, err
 		}
 	}
-	sum, err := devBlock(t.scratch(), d, comm.Float64, 1)
-	if err != nil {
-		return nil, err
-	}
-	if err := k.CrossEntropy(sum, lse, xb, tb, v); err != nil {
-		return nil, devWrap(op, err)
-	}
-	total, err := scalarToHost(sum)
-	if err != nil {
-		return nil, devWrap(op, err)
-	}
-	loss := float32(total / float64(n))
 	out, err := devResult(t.result(), d, spec, func(o device.Buffer) error {
-		return devWrap(op, d.CopyFromHost(o, comm.Host([]float32{loss})))
+		return devWrap(op, k.CrossEntropyMean(o, lse, xb, tb, v, n))
 	})
 	if err != nil {
 		return nil, err
@@ -688,12 +676,8 @@ func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Val
 		if gb.Len() != 1 {
 			return nil, fmt.Errorf("autograd: %s: internal: scalar gradient block of %d", op, gb.Len())
 		}
-		gv, err := scalarToHost(gb)
-		if err != nil {
-			return nil, devWrap(op, err)
-		}
 		gx, err := devResult(t.scratch(), d, s, func(dx device.Buffer) error {
-			return devWrap(op, k.CrossEntropyBackward(dx, xb, tb, lse, v, gv/float64(n)))
+			return devWrap(op, k.CrossEntropyMeanBackward(dx, xb, tb, lse, gb, v, n))
 		})
 		return []*placement.DTensor{gx}, err
 	}), nil
@@ -828,9 +812,9 @@ func devBmm(a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTen
 	})
 }
 
-// softmaxDev is Softmax or LogSoftmax on a device over the last dim
-// (Kernels.Softmax and SoftmaxBackward); another dim, which the host
-// computes in float64, is an error wrapping ErrUnsupported.
+// softmaxDev is Softmax or LogSoftmax on a device over any dim:
+// Kernels.Softmax and SoftmaxBackward over the last, Kernels.SoftmaxDim
+// and SoftmaxDimBackward (in float64, as the host) over another.
 func softmaxDev(t *Tape, d device.Device, op string, x *Value, dim int, logOut bool) (*Value, error) {
 	spec := x.Spec()
 	k, err := devKernels(op, d, spec.DType())
@@ -840,16 +824,27 @@ func softmaxDev(t *Tape, d device.Device, op string, x *Value, dim int, logOut b
 	shape := x.data.LocalShape()
 	outer, n, inner := splitDim(shape, dim)
 	xb := bufOf(x.data)
-	if inner != 1 || outer*n != xb.Len() {
-		return nil, unsupportedf(op, "over dim %d of %v on %s: devices take the softmax over the last dim only", dim, spec.Shape(), d.Name())
+	if outer*n*inner != xb.Len() {
+		return nil, fmt.Errorf("autograd: %s: internal: local block %v of %d elements", op, shape, xb.Len())
 	}
-	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error { return devWrap(op, k.Softmax(y, xb, n, logOut)) })
+	// The host's float32 path: the row kernels over the last dim, the
+	// float64 reference (Softmax64) over another.
+	last := inner == 1
+	out, err := devResult(t.result(), d, spec, func(y device.Buffer) error {
+		if last {
+			return devWrap(op, k.Softmax(y, xb, n, logOut))
+		}
+		return devWrap(op, k.SoftmaxDim(y, xb, outer, n, inner, logOut))
+	})
 	if err != nil {
 		return nil, err
 	}
 	yb := bufOf(out)
 	return devRecordUnary(t, op, x, spec, out, func(_ *placement.Spec, g, dx device.Buffer) error {
-		return k.SoftmaxBackward(dx, yb, g, n, logOut)
+		if last {
+			return k.SoftmaxBackward(dx, yb, g, n, logOut)
+		}
+		return k.SoftmaxDimBackward(dx, yb, g, outer, n, inner, logOut)
 	})
 }
 

@@ -6,6 +6,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -63,9 +64,13 @@ type Block[T float32 | float64] struct {
 // must be T's), and it uses mesh-axis shard order.
 //
 // Forward and Backward get the local blocks of the inputs (and of the
-// output and its gradient); they must not modify them, and must not keep
-// the output's gradient block after Backward returns (the tape may reuse
-// its memory). The blocks they return are owned by autograd afterwards.
+// output and its gradient) as host slices. Inputs on a device other than
+// the host are copied to the host first and the result is copied back to
+// their device (autograd.To, whose backward copies the gradients the same
+// way), so the functions see host copies of the device blocks and each
+// Apply and its backward wait for the device's work. They must not modify
+// the blocks, and must not keep the output's gradient block after
+// Backward returns (the tape may reuse its memory). The blocks they return are owned by autograd afterwards.
 // Each returned block's Shape must equal the local shape its declared spec
 // implies on this rank (shards may be empty) and its Data must have that
 // many elements; anything else is ErrInvalid naming the function and the
@@ -96,6 +101,30 @@ type LocalFunc[T float32 | float64] struct {
 	// grad are ignored (return a zero Block). Required when the op is
 	// recorded (some input requires grad and recording is on).
 	Backward func(gradOut Block[T], in []Block[T], out Block[T]) ([]Block[T], error)
+}
+
+// applyOn is Apply for inputs on device d: the functions take host
+// slices, so the inputs are copied to the host with To, Apply runs
+// there, and its result is copied back to d with To; To's backward
+// carries the gradients across the same way.
+func (f LocalFunc[T]) applyOn(d device.Device, inputs []*Value) (*Value, error) {
+	hosts := make([]*Value, len(inputs))
+	for i, v := range inputs {
+		h, err := To(v, device.Host())
+		if err != nil {
+			return nil, fmt.Errorf("autograd: %s: copying input %d (%q) from %s to the host: %w", f.op(), i, v.name, d.Name(), err)
+		}
+		hosts[i] = h
+	}
+	out, err := f.Apply(hosts...)
+	if err != nil {
+		return nil, err
+	}
+	res, err := To(out, d)
+	if err != nil {
+		return nil, fmt.Errorf("autograd: %s: copying the result to %s: %w", f.op(), d.Name(), err)
+	}
+	return res, nil
 }
 
 // op is the name of the op on the tape and in errors.
@@ -136,9 +165,12 @@ func (f LocalFunc[T]) Apply(inputs ...*Value) (*Value, error) {
 	if len(f.GradIn) != len(inputs) {
 		return nil, invalidf(op, "called with %d inputs, GradIn declares %d: every input needs a declared gradient placement (there is no default)", len(inputs), len(f.GradIn))
 	}
-	t, err := checkInputs(op, inputs...)
+	t, err := checkInputsOn(op, true, inputs...)
 	if err != nil {
 		return nil, err
+	}
+	if d, ok := onDevice(inputs[0].data); ok {
+		return f.applyOn(d, inputs)
 	}
 	first := inputs[0].Spec()
 	names := first.Mesh().Names()

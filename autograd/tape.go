@@ -403,7 +403,9 @@ func (v *Value) IsLeaf() bool { return v != nil && v.leaf }
 // since its last ZeroGrad, or nil if none has arrived. Results of ops do
 // not retain gradients. The returned tensor is owned by the value; later
 // Backward calls replace it rather than modify it, except after ZeroGrad
-// on a tape made WithRecycling.
+// on a tape made WithRecycling, and except on a device, where a gradient
+// Backward allocated is summed into in place (or freed when a sum of
+// another layout replaces it): copy it to keep it across passes.
 func (v *Value) Grad() *placement.DTensor {
 	if v == nil {
 		return nil
@@ -444,13 +446,16 @@ func (v *Value) GradBytes() int64 {
 // device.Buffer of a gradient on a device, which the caller then owns) when
 // Backward allocated it for this leaf alone, for the caller to pass to
 // another leaf's KeepGradBuffer, and nil otherwise (no gradient, one
-// given by SetGrad, or an empty block).
+// given by SetGrad, or an empty host block; an empty device block is
+// returned, as it holds an allocation).
 func (v *Value) ReleaseGrad() any {
 	if v == nil {
 		return nil
 	}
 	var block any
-	if v.grad != nil && v.ownGrad && v.GradBytes() > 0 {
+	// An empty device block still holds an allocation (the allocator's
+	// smallest block): hand it over too, for the caller to free.
+	if v.grad != nil && v.ownGrad && (v.GradBytes() > 0 || bufOf(v.grad) != nil) {
 		block = v.grad.LocalData()
 	}
 	v.grad, v.spare, v.fresh, v.ownGrad, v.ownSpare = nil, nil, 0, false, false
@@ -896,14 +901,30 @@ func (t *Tape) accumulateLeaf(ctx context.Context, v *Value, g *placement.DTenso
 		v.grad, v.spare, v.fresh, v.ownGrad, v.ownSpare = c, nil, t.gen+1, own, false
 		return nil
 	}
-	if v.fresh == t.gen+1 && v.grad.Spec().Equal(g.Spec()) {
-		return addInPlace(v.grad, g)
+	// A device gradient Backward allocated for the leaf is summed into
+	// in place in later passes too, and freed when a sum of another
+	// layout replaces it: nothing else frees device memory, and a new
+	// block per pass would grow the device's memory with every
+	// accumulated micro-batch.
+	old := bufOf(v.grad)
+	if !v.ownGrad {
+		old = nil
+	}
+	if (v.fresh == t.gen+1 || old != nil) && v.grad.Spec().Equal(g.Spec()) {
+		if err := addInPlace(v.grad, g); err != nil {
+			return err
+		}
+		v.fresh = t.gen + 1
+		return nil
 	}
 	acc, err := t.accumulate(ctx, v.name, v.grad, g, false)
 	if err != nil {
 		return err
 	}
 	v.grad, v.fresh, v.ownGrad = acc, t.gen+1, true // accumulate allocates a leaf's sum
+	if old != nil {
+		return old.Free()
+	}
 	return nil
 }
 

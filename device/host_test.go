@@ -123,7 +123,15 @@ type fakeDev struct {
 	device.Device
 	tr      *trace
 	compute *fakeStream
+	coll    device.Collectives
 }
+
+// plainDev is a device without Collectives.
+type plainDev struct{ *fakeDev }
+
+func (d plainDev) Collectives() {}
+
+func (d *fakeDev) Collectives() *device.Collectives { return &d.coll }
 
 func (d *fakeDev) NewEvent(bool) (device.Event, error) { return &fakeEv{tr: d.tr}, nil }
 func (d *fakeDev) Compute() device.Stream              { return d.compute }
@@ -183,6 +191,9 @@ type blockingWork struct {
 	tr *trace
 }
 
+// Done never completes, so the glue's checks leave the work alone.
+func (w blockingWork) Done() <-chan struct{} { return nil }
+
 func (w blockingWork) Wait(context.Context) error {
 	w.tr.calls = append(w.tr.calls, "Wait")
 	return nil
@@ -203,11 +214,16 @@ func TestCollectiveGlue(t *testing.T) {
 		run  func() error
 		want string
 	}{
-		{"before, stream comm", func() error { return device.BeforeCollective(streamComm{s: cs}, d) }, "Record(compute) comm.WaitEvent(compute) Close"},
+		{"before, stream comm", func() error { return device.BeforeCollective(streamComm{s: cs}, d) }, "Record(compute) comm.WaitEvent(compute)"},
+		{"before, stream comm, pooled event", func() error { return device.BeforeCollective(streamComm{s: cs}, d) }, "Record(compute) comm.WaitEvent(compute)"},
+		{"before, stream comm, no pool", func() error { return device.BeforeCollective(streamComm{s: cs}, plainDev{d}) }, "Record(compute) comm.WaitEvent(compute) Close"},
 		{"before, host comm", func() error { return device.BeforeCollective(hostComm{}, d) }, "compute.Synchronize"},
 		{"after, event work", func() error {
-			return device.AfterCollective(ctx, eventWork{ev: &fakeEv{tr: tr, on: "comm"}}, d)
+			return device.AfterCollective(ctx, eventWork{Work: blockingWork{tr: tr}, ev: &fakeEv{tr: tr, on: "comm"}}, d)
 		}, "compute.WaitEvent(comm)"},
+		{"after, event work, device without Collectives", func() error {
+			return device.AfterCollective(ctx, eventWork{Work: blockingWork{tr: tr}, ev: &fakeEv{tr: tr, on: "comm"}}, plainDev{d})
+		}, "compute.WaitEvent(comm) Wait"},
 		{"after, blocking work", func() error { return device.AfterCollective(ctx, blockingWork{tr: tr}, d) }, "Wait"},
 		{"after, Do", func() error { return device.AfterCollective(ctx, nil, d) }, ""},
 	} {
@@ -220,6 +236,9 @@ func TestCollectiveGlue(t *testing.T) {
 				t.Fatalf("calls %q, want %q", got, c.want)
 			}
 		})
+	}
+	if n := d.coll.EventsMade(); n != 1 {
+		t.Errorf("the pool made %d events, want 1", n)
 	}
 	if err := device.BeforeCollective(hostComm{}, nil); !errors.Is(err, device.ErrInvalid) {
 		t.Fatalf("nil device: %v", err)

@@ -144,6 +144,42 @@ type Kernels interface {
 	// ArgmaxRows is kernels.ArgmaxRows: dst (Int64, one per row) is the
 	// index of each row's largest element, rows of n.
 	ArgmaxRows(dst, x Buffer, n int) error
+
+	// The methods below are A6's follow-ups.
+
+	// SoftmaxDim is kernels.Softmax64 (kernels.LogSoftmax form when log)
+	// over the middle dim of [outer, n, inner] Float32 buffers: the
+	// softmax over a dim other than the last, in float64 as the host's.
+	SoftmaxDim(dst, src Buffer, outer, n, inner int, log bool) error
+	// SoftmaxDimBackward is kernels.Softmax64Backward over the middle dim
+	// of [outer, n, inner] Float32 buffers.
+	SoftmaxDimBackward(dx, y, dy Buffer, outer, n, inner int, log bool) error
+	// CrossEntropyMean is CrossEntropy with the mean taken on the device:
+	// loss (Float32, one element) = float32(Σ/float64(count)), the sum of
+	// kernels.CrossEntropyRows in float64 divided by count (the global
+	// rows), as autograd's host path computes it, so that nothing is
+	// read back (0 rows give NaN, as 0/0); lse (Float64, one per row)
+	// may be nil. A negative count wraps ErrInvalid.
+	CrossEntropyMean(loss, lse, logits, targets Buffer, v, count int) error
+	// CrossEntropyMeanBackward is kernels.CrossEntropyRowsBackward with
+	// the scale float64(g[0])/float64(count) read from g (Float32, one
+	// element: the loss's gradient) on the device when the work runs.
+	CrossEntropyMeanBackward(dx, logits, targets, lse, g Buffer, v, count int) error
+}
+
+// Float64Kernels is a Kernels whose dtype-generic methods take Float64
+// buffers as well as Float32 ones (every buffer of a call in one dtype):
+// Add, Mul, ColumnSums, FillRows, SumDims, BroadcastDims, PermuteDims,
+// NarrowDim, PadDim and ConcatDim, besides Gemm, Fill, Scale, CopyBox,
+// AdamW, SGD and SumSquares, which take Float64 on every device. The
+// emulated device's Kernels is one, since the CPU kernels it runs are
+// generic. CUDA's kernels are float32 and need not be: autograd then
+// refuses float64 ops on that device (ErrUnsupported, naming the op,
+// dtype and device) instead of failing in a kernel.
+type Float64Kernels interface {
+	Kernels
+	// Float64 reports whether the generic methods take Float64 buffers.
+	Float64() bool
 }
 
 // Pointwise names an elementwise activation of Kernels.Pointwise.

@@ -1,6 +1,7 @@
 package kernels
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -726,6 +727,35 @@ func TestWorkersGiveTheSameBits(t *testing.T) {
 		for i, b := range run(w) {
 			if !slices.Equal(b, ref[i]) {
 				t.Errorf("Workers(%d): output %d differs from one worker's", w, i)
+			}
+		}
+	}
+}
+
+// TestLayerNormBackwardEmpty: an empty block (a rank's empty shard, whose
+// forward saved no statistics) needs no mean and rstd and zeroes dw and
+// db; a block with rows still needs them.
+func TestLayerNormBackwardEmpty(t *testing.T) {
+	for _, tc := range []struct {
+		rows    int
+		wantErr bool
+	}{{0, false}, {2, true}} {
+		const n = 4
+		x, dy, dx := make([]float32, tc.rows*n), make([]float32, tc.rows*n), make([]float32, tc.rows*n)
+		w, dw, db := []float32{1, 2, 3, 4}, []float32{5, 5, 5, 5}, []float32{6, 6, 6, 6}
+		err := LayerNormBackward(dx, dw, db, dy, x, w, nil, nil, n)
+		if gotErr := err != nil; gotErr != tc.wantErr {
+			t.Fatalf("rows %d: error %v, want an error: %v", tc.rows, err, tc.wantErr)
+		}
+		if tc.wantErr {
+			if !errors.Is(err, ErrInvalid) {
+				t.Errorf("rows %d: error %v does not wrap ErrInvalid", tc.rows, err)
+			}
+			continue
+		}
+		for j := range n {
+			if dw[j] != 0 || db[j] != 0 {
+				t.Fatalf("rows %d: dw %v db %v, want zeros", tc.rows, dw, db)
 			}
 		}
 	}

@@ -1,6 +1,7 @@
 package parallel
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/b7ea7098/loom/autograd"
@@ -100,7 +101,16 @@ func newParam(tape *autograd.Tape, m *mesh.Mesh, name string, shape []int, dt co
 	if err != nil {
 		return nil, fmt.Errorf("parallel: parameter %q: %w", name, err)
 	}
-	return tape.Param(name, dtn)
+	// The value is computed on the host, where the init's generator runs,
+	// and copied once to the tape's device (a no-op on the host).
+	if dtn, err = dtn.To(tape.Device()); err != nil {
+		return nil, fmt.Errorf("parallel: parameter %q: %w", name, err)
+	}
+	p, err := tape.Param(name, dtn)
+	if err != nil {
+		return nil, errors.Join(err, freeLocal(dtn))
+	}
+	return p, nil
 }
 
 // checkNew validates a constructor's tape, mesh and dims.

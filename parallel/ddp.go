@@ -9,6 +9,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/placement"
@@ -99,6 +100,7 @@ type bucket struct {
 	dtype  comm.DType
 	f32    []float32
 	f64    []float64
+	dev    device.Buffer // the bucket on a device (f32 and f64 nil)
 	ready  int
 	work   comm.Work
 }
@@ -136,6 +138,14 @@ type DDP struct {
 	err     error
 	unused  []string
 	trace   func(event string)
+
+	// On a device (dev not nil): the parameters' device, its kernels,
+	// and each parameter's reduced gradient block (a bucket slice under
+	// GradientAsBucketView), which Finish installs every step.
+	dev    device.Device
+	k      device.Kernels
+	gbuf   []device.Buffer
+	closed bool
 }
 
 // New builds a DDP for params on the data-parallel axis of their mesh and
@@ -155,6 +165,19 @@ type DDP struct {
 //
 // The all-reduces issued from the hooks during backward run under the
 // context given to Tape.Backward; Finish and Discard wait under their own.
+//
+// Parameters on a device (autograd.WithDevice; all on one, else an error
+// matching device.ErrMixed) get their buckets on that device, allocated
+// here, and each a block for its reduced gradient (none under
+// GradientAsBucketView, whose gradients are bucket slices): the hooks copy
+// (and scale) gradients into the buckets with the device's kernels, each
+// all-reduce is ordered after the device's compute by
+// device.BeforeCollective and before later compute by
+// device.AfterCollective, and Finish copies the reduced values into the
+// gradient blocks, so a step allocates nothing on the device. An
+// installed gradient is then DDP's memory: valid until the next Finish
+// (or, on a tape made WithRecycling, the next Backward), and freed by
+// Close. A gradient Backward allocated for a leaf is freed at Finish.
 func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, error) {
 	cfg := config{axis: "dp", first: DefaultFirstBucket, cap: DefaultBucketCap}
 	for _, o := range opts {
@@ -199,6 +222,10 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 		dtypes[i] = s.DType()
 		elems[i] = prod(s.LocalShape())
 	}
+	dev, err := paramsDevice("DDP", params)
+	if err != nil {
+		return nil, err
+	}
 	c, err := m.Comm(ctx, cfg.axis)
 	if err != nil {
 		return nil, err
@@ -230,18 +257,35 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 		slots: make([]slot, len(params)), filled: make([]bool, len(params)), has: make([]int32, len(params)),
 		out: make([]*placement.Spec, len(params)), scale: 1,
 	}
+	if !onHost(dev) {
+		if d.k = dev.Kernels(); d.k == nil {
+			return nil, fmt.Errorf("%w: New: device %s has no kernels", ErrInvalid, dev.Name())
+		}
+		d.dev = dev
+	}
 	for bi, idx := range planBuckets(elems, dtypes, cfg.first, cfg.cap) {
 		b := &bucket{params: idx, dtype: dtypes[idx[0]]}
 		for _, i := range idx {
 			d.slots[i] = slot{bucket: bi, off: b.elems, n: elems[i]}
 			b.elems += elems[i]
 		}
-		if b.dtype == comm.Float32 {
+		switch {
+		case d.dev != nil:
+			var err error
+			if b.dev, err = d.dev.Alloc(b.dtype, b.elems); err != nil {
+				return nil, errors.Join(fmt.Errorf("parallel: New: a %d-element bucket on %s: %w", b.elems, d.dev.Name(), err), d.freeDevice())
+			}
+		case b.dtype == comm.Float32:
 			b.f32 = make([]float32, b.elems)
-		} else {
+		default:
 			b.f64 = make([]float64, b.elems)
 		}
 		d.buckets = append(d.buckets, b)
+	}
+	if d.dev != nil {
+		if err := d.allocGrads(); err != nil {
+			return nil, errors.Join(fmt.Errorf("parallel: New: %w", err), d.freeDevice())
+		}
 	}
 	for i, p := range d.params {
 		if err := p.OnGradReady(func(ctx context.Context, _ *autograd.Value) error { return d.ready(ctx, i) }); err != nil {
@@ -320,6 +364,9 @@ func (d *DDP) Buckets() []BucketInfo {
 // GradientAsBucketView the buckets are the gradients' memory and count as
 // Grads (the leaves' gradients are views of them: do not count those
 // again); otherwise they are communication buffers (Comm).
+//
+// On a device, the reduced-gradient blocks DDP keeps without
+// GradientAsBucketView count as Grads too.
 func (d *DDP) Bytes() memory.Use {
 	var n int64
 	for _, b := range d.buckets {
@@ -328,7 +375,11 @@ func (d *DDP) Bytes() memory.Use {
 	if d.cfg.views {
 		return memory.Use{Grads: n}
 	}
-	return memory.Use{Comm: n}
+	var g int64
+	for _, b := range d.gbuf {
+		g += int64(b.Len()) * int64(b.DType().Size())
+	}
+	return memory.Use{Comm: n, Grads: g}
 }
 
 // Comm returns the data-parallel communicator the buckets are reduced on.
@@ -376,6 +427,10 @@ func (d *DDP) ready(ctx context.Context, i int) error {
 	if d.trace != nil {
 		d.trace("ready " + d.names[i])
 	}
+	if d.closed {
+		d.fail(fmt.Errorf("%w: a gradient of %q arrived after DDP.Close", ErrInvalid, d.names[i]))
+		return nil
+	}
 	if d.filled[i] {
 		d.fail(fmt.Errorf("%w: the gradient of %q arrived twice before Finish (run the earlier micro-batches inside NoSync)", ErrInvalid, d.names[i]))
 		return nil
@@ -404,9 +459,14 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 		factor /= float64(d.dp)
 	}
 	zero := func() {
-		if b.f32 != nil {
+		switch {
+		case b.dev != nil:
+			if err := d.k.Fill(d.slice(b, s), 0); err != nil {
+				d.fail(fmt.Errorf("parallel: DDP zeroing the bucket slot of %q: %w", d.names[i], err))
+			}
+		case b.f32 != nil:
 			clear(b.f32[s.off : s.off+s.n])
-		} else {
+		default:
 			clear(b.f64[s.off : s.off+s.n])
 		}
 	}
@@ -455,6 +515,16 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 	}
 	d.out[i] = out
 	switch src := g.LocalData().(type) {
+	case device.Buffer:
+		if b.dev == nil || src.Owner() != d.dev || src.DType() != b.dtype || src.Len() != s.n {
+			break
+		}
+		if err := d.fillDevice(b, s, src, factor); err != nil {
+			zero()
+			d.out[i] = ps
+			d.fail(fmt.Errorf("parallel: DDP gradient of %q: %w", d.names[i], err))
+		}
+		return
 	case []float32:
 		if b.f32 == nil || len(src) != s.n {
 			break
@@ -489,7 +559,7 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 	}
 	zero()
 	d.out[i] = ps
-	d.fail(fmt.Errorf("%w: the gradient of %q has a local block of %v %v elements; its bucket expects %d %v elements (the parameter's local block)", ErrInvalid, d.names[i], gs.LocalShape(), gs.DType(), s.n, d.buckets[s.bucket].dtype))
+	d.fail(fmt.Errorf("%w: the gradient of %q has a local block of %v %v elements on %s; its bucket expects %d %v elements (the parameter's local block) on %s", ErrInvalid, d.names[i], gs.LocalShape(), gs.DType(), g.Device().Name(), s.n, d.buckets[s.bucket].dtype, d.deviceName()))
 }
 
 // launchReady launches, in bucket order, every complete bucket whose
@@ -513,9 +583,18 @@ func (d *DDP) launch(ctx context.Context, b *bucket) error {
 		d.trace(fmt.Sprintf("launch %d", slices.Index(d.buckets, b)))
 	}
 	var buf comm.Buffer
-	if b.f32 != nil {
+	switch {
+	case b.dev != nil:
+		// The hooks' copies into the bucket are queued on compute.
+		if err := device.BeforeCollective(d.c, d.dev); err != nil {
+			err = fmt.Errorf("parallel: DDP all-reduce of a %d-element bucket: %w", b.elems, err)
+			d.fail(err)
+			return err
+		}
+		buf = b.dev
+	case b.f32 != nil:
 		buf = comm.Host(b.f32)
-	} else {
+	default:
 		buf = comm.Host(b.f64)
 	}
 	w, err := comm.AllReduceAsync(ctx, d.c, buf, buf, comm.Sum)
@@ -539,6 +618,9 @@ func (d *DDP) launch(ctx context.Context, b *bucket) error {
 // first error of the step, after every rank's collectives have completed.
 // It must not be called inside NoSync.
 func (d *DDP) Finish(ctx context.Context) error {
+	if d.closed {
+		return fmt.Errorf("%w: DDP.Finish after Close", ErrInvalid)
+	}
 	if d.noSync > 0 {
 		return fmt.Errorf("%w: Finish called inside NoSync", ErrInvalid)
 	}
@@ -555,6 +637,9 @@ func (d *DDP) Finish(ctx context.Context) error {
 // installs nothing, and resets the step. Every rank calls Finish or
 // Discard once per step. Zero the gradients (ZeroGrad) before retrying.
 func (d *DDP) Discard(ctx context.Context) error {
+	if d.closed {
+		return fmt.Errorf("%w: DDP.Discard after Close", ErrInvalid)
+	}
 	defer d.reset()
 	return d.complete(ctx)
 }
@@ -576,10 +661,19 @@ func (d *DDP) complete(ctx context.Context) error {
 	}
 	var errs []error
 	for _, b := range d.buckets {
-		if b.work != nil {
-			if err := b.work.Wait(ctx); err != nil {
-				errs = append(errs, err)
-			}
+		if b.work == nil {
+			continue
+		}
+		var err error
+		if b.dev != nil {
+			// Later compute (Finish's copies, the optimizer) waits for
+			// the bucket without blocking the host where it can.
+			err = device.AfterCollective(ctx, b.work, d.dev)
+		} else {
+			err = b.work.Wait(ctx)
+		}
+		if err != nil {
+			errs = append(errs, err)
 		}
 	}
 	// Which parameters had a gradient on any rank: one small all-reduce,
@@ -611,6 +705,12 @@ func (d *DDP) install() error {
 		}
 		s := d.slots[i]
 		b := d.buckets[s.bucket]
+		if b.dev != nil {
+			if err := d.installDevice(p, i); err != nil {
+				return err
+			}
+			continue
+		}
 		var data any
 		switch {
 		case b.f32 != nil && d.cfg.views:

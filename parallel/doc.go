@@ -236,4 +236,27 @@
 // parameters for the backward that follows, prefetches nothing and starts
 // no new pass), whether the checkpointed modules are FSDP units or
 // contain them. Tape.PeakActivationBytes measures the saving.
+//
+// # Devices
+//
+// A module's parameters live on its tape's device (autograd.WithDevice:
+// the host by default, or a device of package device such as device/emu
+// or a GPU): the constructors compute the initial value on the host and
+// copy it there once. Parallelize, SequenceParallel, Checkpoint and
+// VocabParallelCrossEntropy work on device tensors with the host's
+// results (the vocab-parallel loss through a host copy of the local
+// logits), and Parallelize frees the replicated block each resharded
+// parameter leaves behind. DDP keeps its buckets, and a reduced-gradient
+// block per parameter (none under GradientAsBucketView), on the
+// parameters' device, allocated at New and freed by Close, so a step
+// allocates no device memory: the hooks copy and scale gradients on the
+// device's compute stream, each all-reduce is ordered after that stream
+// (device.BeforeCollective) and later compute after it
+// (device.AfterCollective), and Finish copies the reduced values into the
+// gradient blocks. FSDP and ZeRO keep their shards, unsharded buffers,
+// staging buffers (cast to bfloat16 under MixedPrecision with the
+// device's Cast), sharded gradients, pooled unsharded gradients,
+// ReshardTo's kept pieces and HSDP's replicate all-reduces on the
+// parameters' device, with the same ordering, and free them in Close.
+// Results on device/emu are the host's bit for bit.
 package parallel

@@ -2,12 +2,14 @@ package parallel
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
@@ -243,6 +245,13 @@ type FSDP struct {
 	trace    unitTrace         // the SPMD check (fsdp_spmd.go)
 	fpc      comm.Communicator // its communicator: the data-parallel group's; nil for one rank
 	fpAlong  string            // what its ranks are, for errors
+
+	// On a device (fsdp_device.go): the parameters' device and its
+	// kernels, nil on the host.
+	dev        device.Device
+	k          device.Kernels
+	hostParams bool // a unit holds host parameters
+	closed     bool
 }
 
 // NewFSDP prepares FSDP on mesh m; Wrap then shards modules, bottom-up,
@@ -426,6 +435,7 @@ type fsdpUnit struct {
 	agGroup  bool
 	stageAt  int // staging slot of the in-flight all-gather
 	kept     *comm.HostBuffer
+	dkept    device.Buffer // kept, on a device
 	keptOK   bool
 	swapped  bool
 	fired    int
@@ -455,6 +465,7 @@ type poolSlot struct {
 // stageSlot is a communication staging buffer and the unit using it.
 type stageSlot struct {
 	buf   *comm.HostBuffer
+	dbuf  device.Buffer // on a device, instead of buf
 	owner *fsdpUnit
 }
 
@@ -469,11 +480,16 @@ type stageSlot struct {
 // (comm.Agree on the unit's description); it must precede the first
 // forward.
 //
+// Parameters may live on a device (every unit's on one): FSDP's buffers
+// are then on it too (see the package documentation), and Wrap frees the
+// whole block each shard replaces.
+//
 // Errors wrap ErrInvalid: a module wrapped twice or inside a unit already
 // wrapped, a shard dim out of range, a parameter that is not a fresh leaf
 // (a gradient already), not Replicate on the shard and replicate axes,
 // of a dtype other than float32 or float64 (float32 with MixedPrecision),
-// or held by another unit; *comm.DisagreementError when ranks disagree.
+// held by another unit, or on another device than the others' (matching
+// device.ErrMixed); *comm.DisagreementError when ranks disagree.
 func (f *FSDP) Wrap(ctx context.Context, path string, m Module, opts ...UnitOption) error {
 	var cfg unitConfig
 	for _, o := range opts {
@@ -596,6 +612,9 @@ func (f *FSDP) plan(u *fsdpUnit, fail func(string, ...any) error) error {
 		if !v.IsLeaf() || !v.RequiresGrad() || v.Grad() != nil {
 			return fail("%q is not a fresh parameter leaf (a leaf that requires grad and has no gradient)", p.name)
 		}
+		if err := f.takeDevice(u.path, p.name, v.Data().Device()); err != nil {
+			return err
+		}
 		s := v.Spec()
 		if !slices.Equal(s.Mesh().Names(), m.Names()) || !slices.Equal(s.Mesh().Shape(), m.Shape()) {
 			return fail("parameter %q is on mesh %v, not %v", p.name, s.Mesh(), m)
@@ -700,6 +719,11 @@ func (f *FSDP) shardParams(u *fsdpUnit) error {
 		n := p.outer * p.rows[f.rank] * p.inner
 		var data any
 		switch src := p.orig.Data().LocalData().(type) {
+		case device.Buffer:
+			if shards[i], err = f.shardDevice(p, s1, src, n); err != nil {
+				return errors.Join(fmt.Errorf("sharding %q: %w", p.name, err), freeAll(shards[:i]))
+			}
+			continue
 		case []float32:
 			d := make([]float32, n)
 			p.extract(d, src, f.rank)
@@ -714,10 +738,16 @@ func (f *FSDP) shardParams(u *fsdpUnit) error {
 		}
 	}
 	for i, p := range u.params {
+		old := p.orig.Data()
 		if err := p.orig.Relayout(shards[i]); err != nil {
-			return fmt.Errorf("sharding %q: %w", p.name, err)
+			return errors.Join(fmt.Errorf("sharding %q: %w", p.name, err), freeAll(shards[i:]))
 		}
 		p.sharded = p.orig
+		// On a device nothing else frees the whole block the shard
+		// replaces.
+		if err := freeLocal(old); err != nil {
+			return fmt.Errorf("sharding %q: freeing the unsharded block: %w", p.name, err)
+		}
 	}
 	return nil
 }
@@ -837,6 +867,8 @@ func (f *FSDP) Bytes() FSDPBytes {
 			return 4 * int64(len(s))
 		case []float64:
 			return 8 * int64(len(s))
+		case device.Buffer:
+			return int64(s.Len()) * int64(s.DType().Size())
 		}
 		return 0
 	}
@@ -847,7 +879,10 @@ func (f *FSDP) Bytes() FSDPBytes {
 	}
 	for _, ss := range [][2]*stageSlot{f.stage, f.rstage} {
 		for _, s := range ss {
-			if s != nil {
+			switch {
+			case s != nil && s.dbuf != nil:
+				b.Staging += int64(s.dbuf.Len()) * int64(s.dbuf.DType().Size())
+			case s != nil:
 				b.Staging += int64(len(s.buf.Bytes()))
 			}
 		}
@@ -868,6 +903,7 @@ func (f *FSDP) Bytes() FSDPBytes {
 		if u.kept != nil {
 			b.Kept += int64(len(u.kept.Bytes()))
 		}
+		b.Kept += size(u.dkept)
 		b.ShardedGrads += size(u.acc) + size(u.pend)
 	}
 	return b

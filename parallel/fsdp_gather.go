@@ -8,6 +8,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -75,7 +76,11 @@ func (f *FSDP) setup() error {
 	}
 	for s := range f.slots {
 		if dt[s] != 0 {
-			f.slots[s] = &poolSlot{buf: allocBlock(dt[s], size[s])}
+			buf, err := f.allocBlock(dt[s], size[s])
+			if err != nil {
+				return fmt.Errorf("parallel: FSDP: an unsharded buffer slot: %w", err)
+			}
+			f.slots[s] = &poolSlot{buf: buf}
 		}
 	}
 	byPath := map[string]int{}
@@ -103,12 +108,12 @@ func (f *FSDP) setup() error {
 		}
 		if u.slot >= 0 {
 			u.buf = sliceBlock(f.slots[u.slot].buf, u.elems)
-		} else {
-			u.buf = allocBlock(u.dtype, u.elems)
+		} else if u.buf, err = f.allocBlock(u.dtype, u.elems); err != nil {
+			return fmt.Errorf("parallel: FSDP unit %q: its unsharded buffer: %w", u.path, err)
 		}
 		for _, p := range u.params {
 			view := sliceRange(u.buf, p.off, p.off+p.n)
-			dt, err := placement.NewLocal(p.spec0, view)
+			dt, err := localOf(p.spec0, view)
 			if err != nil {
 				return fmt.Errorf("parallel: FSDP unit %q: %w", u.path, err)
 			}
@@ -146,6 +151,9 @@ func (f *FSDP) setup() error {
 // prefetch if one is in flight), swap them into the modules, prefetch the
 // next unit.
 func (f *FSDP) enter(ctx context.Context, u *fsdpUnit) error {
+	if f.closed {
+		return fmt.Errorf("%w: FSDP unit %q: FSDP.Close has run", ErrInvalid, u.path)
+	}
 	if !f.ready {
 		if err := f.setup(); err != nil {
 			return err
@@ -311,6 +319,9 @@ func (f *FSDP) stageFor(ctx context.Context, ss *[2]*stageSlot, i int, dt comm.D
 			return nil, err
 		}
 	}
+	if f.dev != nil {
+		return f.stageDevice(ss, i, dt, n)
+	}
 	if s == nil || s.buf.DType() != dt || s.buf.Len() < n {
 		size := n
 		for _, u := range f.units { // size the slot once for every unit
@@ -349,6 +360,9 @@ func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, err
 	st, err := f.stageFor(ctx, &f.stage, at, f.commDType(u), n, f.complete)
 	if err != nil {
 		return false, err
+	}
+	if f.dev != nil {
+		return f.issueDevice(ctx, u, st, at, n)
 	}
 	recv := st.buf.SliceHost(0, n)
 	c := f.ag
@@ -390,6 +404,9 @@ func (f *FSDP) complete(ctx context.Context, u *fsdpUnit) error {
 	u.agWork = nil
 	st := f.stage[u.stageAt]
 	st.owner = nil
+	if f.dev != nil {
+		return f.completeDevice(ctx, u, w, st)
+	}
 	if err := w.Wait(ctx); err != nil {
 		return f.gatherError(u, u.agGroup, err)
 	}
@@ -517,6 +534,15 @@ func clearRange(b *comm.HostBuffer, lo, hi int) {
 	}
 }
 
+// allocBlock allocates n elements of dt (float32 or float64): a host
+// slice, or a buffer of FSDP's device.
+func (f *FSDP) allocBlock(dt comm.DType, n int) (any, error) {
+	if f.dev != nil {
+		return f.dev.Alloc(dt, n)
+	}
+	return allocBlock(dt, n), nil
+}
+
 // allocBlock allocates n elements of dt (float32 or float64).
 func allocBlock(dt comm.DType, n int) any {
 	if dt == comm.Float32 {
@@ -535,6 +561,8 @@ func sliceRange(b any, lo, hi int) any {
 		return s[lo:hi:hi]
 	case []float64:
 		return s[lo:hi:hi]
+	case device.Buffer:
+		return s.Slice(lo, hi).(device.Buffer)
 	}
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -91,12 +92,15 @@ func (f *FSDP) launch(ctx context.Context, u *fsdpUnit, at int) error {
 	if err != nil {
 		return err
 	}
+	if f.dev != nil {
+		return f.launchDevice(ctx, u, st, at, n)
+	}
 	buf := st.buf.SliceHost(0, n)
 	for r := range f.p { // the padding of short chunks
 		clearRange(buf, r*blk+u.chunk[r], r*blk+u.L)
 	}
 	for _, p := range u.params {
-		if !f.fillGrad(u, p, buf, blk) {
+		if !f.fillGrad(u, p, buf, nil, blk) {
 			for r := range f.p { // no gradient: zeros
 				lo := r*blk + p.chunkOff[r]
 				clearRange(buf, lo, lo+p.outer*p.rows[r]*p.inner)
@@ -148,7 +152,7 @@ func (f *FSDP) reduceOp() string {
 // fillGrad copies p's unsharded gradient into the rank chunks of buf and
 // reports whether it did: false when p has none, or one FSDP cannot
 // reduce (kept as the step's error).
-func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int) bool {
+func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, dbuf device.Buffer, blk int) bool {
 	g := p.unsharded.Grad()
 	if g == nil {
 		if p.gradSpec == nil {
@@ -204,6 +208,14 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, blk int
 		f.fail(fmt.Errorf("%w: FSDP: the gradient of %q is %v; the parameter is %v", ErrInvalid, p.name, dt, u.dtype))
 		return false
 	}
+	if dbuf != nil {
+		if err := f.fillGradDevice(p, g, dbuf, blk, factor); err != nil {
+			f.fail(err)
+			return false
+		}
+		p.gradSpec, p.has = out, 1
+		return true
+	}
 	p.gradSpec = out
 	p.has = 1
 	for r := range f.p {
@@ -248,6 +260,9 @@ func (f *FSDP) finishRS(ctx context.Context, u *fsdpUnit) error {
 	u.rsWork = nil
 	st := f.rstage[u.rsAt]
 	st.owner = nil
+	if f.dev != nil {
+		return f.finishRSDevice(ctx, u, w, st)
+	}
 	if err := w.Wait(ctx); err != nil {
 		return fmt.Errorf("parallel: FSDP %s of unit %q: %w", f.reduceOp(), u.path, err)
 	}
@@ -327,6 +342,9 @@ func (f *FSDP) finishAR(ctx context.Context, u *fsdpUnit) error {
 		return nil
 	}
 	u.arWork = nil
+	if f.dev != nil {
+		return f.finishARDevice(ctx, u, w)
+	}
 	if err := w.Wait(ctx); err != nil {
 		return fmt.Errorf("parallel: FSDP replicate all-reduce of unit %q: %w", u.path, err)
 	}
@@ -456,7 +474,7 @@ func (f *FSDP) Finish(ctx context.Context) error {
 				continue
 			}
 			off, n := p.chunkOff[f.rank], p.outer*p.rows[f.rank]*p.inner
-			g, err := placement.NewLocal(p.gradSpec, sliceRange(u.acc, off, off+n))
+			g, err := localOf(p.gradSpec, sliceRange(u.acc, off, off+n))
 			if err != nil {
 				return fmt.Errorf("parallel: FSDP gradient of %q: %w", p.name, err)
 			}
@@ -582,14 +600,17 @@ type gradPool map[gradKey][]any
 type gradKey struct {
 	float64 bool
 	n       int
+	dev     bool // a device.Buffer (FSDP's device's)
 }
 
 func keyOf(block any) (gradKey, bool) {
 	switch b := block.(type) {
 	case []float32:
-		return gradKey{false, len(b)}, true
+		return gradKey{false, len(b), false}, true
 	case []float64:
-		return gradKey{true, len(b)}, true
+		return gradKey{true, len(b), false}, true
+	case device.Buffer:
+		return gradKey{b.DType() == comm.Float64, b.Len(), true}, true
 	}
 	return gradKey{}, false
 }

@@ -2,6 +2,7 @@ package parallel
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"reflect"
 	"slices"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -461,7 +463,7 @@ func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, p
 		if err != nil {
 			return nil, fmt.Errorf("reshaping %q: %w", p.Name(), err)
 		}
-		if data, err = placement.NewLocal(rs, cloneLocal(data.LocalData())); err != nil {
+		if data, err = reshaped(rs, data); err != nil {
 			return nil, fmt.Errorf("reshaping %q: %w", p.Name(), err)
 		}
 		spec = rs
@@ -476,8 +478,15 @@ func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, p
 		return nil, fmt.Errorf("laying out %q: %w", p.Name(), err)
 	}
 	from := p.Spec().Shape()
+	old := p.Data()
 	if err := p.Relayout(dt); err != nil {
-		return nil, fmt.Errorf("laying out %q: %w", p.Name(), err)
+		return nil, errors.Join(fmt.Errorf("laying out %q: %w", p.Name(), err), freeLocal(dt))
+	}
+	// On a device nothing else frees the replaced block (Redistribute's
+	// result never shares its memory): the whole replicated weight would
+	// stay allocated beside the shard.
+	if err := freeLocal(old); err != nil {
+		return nil, fmt.Errorf("laying out %q: freeing the replaced block: %w", p.Name(), err)
 	}
 	if cache != nil {
 		cache.new[p] = &reshardEntry{from: from, axis: axis, shape: dst.Shape(), pl: pl, by: []reshardBy{cache.cur}}
@@ -485,14 +494,20 @@ func reshard(ctx context.Context, p *autograd.Value, axis string, shape []int, p
 	return p, nil
 }
 
-func cloneLocal(d any) any {
-	switch s := d.(type) {
+// reshaped returns dt's local block viewed with spec rs (same elements in
+// the same row-major order): a copy of a host block, the same buffer for a
+// block on a device (the caller's Redistribute copies it, and the block
+// is freed once, as the parameter's old data).
+func reshaped(rs *placement.Spec, dt *placement.DTensor) (*placement.DTensor, error) {
+	switch s := dt.LocalData().(type) {
 	case []float32:
-		return slices.Clone(s)
+		return placement.NewLocal(rs, slices.Clone(s))
 	case []float64:
-		return slices.Clone(s)
+		return placement.NewLocal(rs, slices.Clone(s))
+	case device.Buffer:
+		return placement.NewLocalOn(rs, s)
 	}
-	return d
+	return nil, fmt.Errorf("%w: local block of type %T", ErrInvalid, dt.LocalData())
 }
 
 // ReduceGrads makes every gradient laid out like its parameter: a gradient

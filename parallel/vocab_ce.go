@@ -8,6 +8,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -44,6 +45,11 @@ import (
 // next op produces, is the identity) and a LocalFunc for the loss. The
 // max is computed outside the tape. The incoming gradient of the loss must
 // be Replicate on the row-sharded axes, as the default Backward seed is.
+//
+// Logits on a device (not the host) are copied to the host for the
+// arithmetic above and the loss copied back (autograd.To, both
+// differentiable): the result and the gradient are on the logits' device
+// and bit for bit the host's.
 //
 // Every rank of the mesh calls it with the same layouts (it is
 // collective over axis). Errors wrap ErrInvalid (and autograd.ErrRule
@@ -108,10 +114,29 @@ func VocabParallelCrossEntropy(ctx context.Context, logits *autograd.Value, targ
 		ax: ax, axis: axis, n: shape[0], lo: off[1], targets: tg,
 		logits: places, rows: rows, loss: lossSpec.Placements(),
 	}
-	if ls.DType() == comm.Float32 {
-		return vocabCEOp[float32](ctx, vc, logits)
+	// Logits on a device go through a host copy of this rank's block (a
+	// differentiable autograd.To each way): the same arithmetic as the
+	// host's, so the loss and gradients are the host's bit for bit, at
+	// the price of one copy of the local logits each way.
+	dev := logits.Data().Device()
+	if !onHost(dev) {
+		if logits, err = autograd.To(logits, device.Host()); err != nil {
+			return nil, fmt.Errorf("parallel: VocabParallelCrossEntropy: %w", err)
+		}
 	}
-	return vocabCEOp[float64](ctx, vc, logits)
+	var loss *autograd.Value
+	if ls.DType() == comm.Float32 {
+		loss, err = vocabCEOp[float32](ctx, vc, logits)
+	} else {
+		loss, err = vocabCEOp[float64](ctx, vc, logits)
+	}
+	if err != nil || onHost(dev) {
+		return loss, err
+	}
+	if loss, err = autograd.To(loss, dev); err != nil {
+		return nil, fmt.Errorf("parallel: VocabParallelCrossEntropy: %w", err)
+	}
+	return loss, nil
 }
 
 // vocabCE holds one call's layout: the vocab axis (index and name), the

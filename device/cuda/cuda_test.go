@@ -206,7 +206,7 @@ func TestErrorMessages(t *testing.T) {
 		{Library: "nvrtc", Name: "libnvrtc.so.13", Err: errors.New("not found")},
 		{Library: "nvrtc", Name: "libnvrtc.so.12", Err: errors.New("missing symbols nvrtcGetPTX")},
 	}}
-	if got, want := le.Error(), "cuda: no NVRTC library could be loaded; tried libnvrtc.so.13 (not found); libnvrtc.so.12 (missing symbols nvrtcGetPTX)"; got != want {
+	if got, want := le.Error(), "cuda: no NVRTC library could be loaded; tried libnvrtc.so.13 (not found); libnvrtc.so.12 (missing symbols nvrtcGetPTX); set LOOM_NVRTC to the path of another copy"; got != want {
 		t.Errorf("LoadError = %q, want %q", got, want)
 	}
 	if s := le.Tried[0].String(); s != "driver libcuda.so.1: ok" {
@@ -384,5 +384,20 @@ func TestDType(t *testing.T) {
 	}
 	if Float32.String() != "float32" || DType(9).String() != "DType(9)" {
 		t.Error("DType.String")
+	}
+}
+
+// TestNVRTCNotFound: a Lib whose automatic search found no NVRTC fails
+// where NVRTC is needed, with the *LoadError naming the library and its
+// variable.
+func TestNVRTCNotFound(t *testing.T) {
+	l := &Lib{rtcErr: &LoadError{Library: "nvrtc", Tried: []Attempt{{Library: "nvrtc", Name: "libnvrtc.so.13", Err: errors.New("not found")}}}}
+	_, err := l.Compile("", "x.cu", CompileOptions{Arch: 90})
+	var le *LoadError
+	if !errors.As(err, &le) || err.Error() != "cuda: Compile: cuda: no NVRTC library could be loaded; tried libnvrtc.so.13 (not found); set LOOM_NVRTC to the path of another copy" {
+		t.Errorf("Compile without NVRTC: %v", err)
+	}
+	if _, _, err := l.NVRTCVersion(); !errors.As(err, &le) {
+		t.Errorf("NVRTCVersion without NVRTC: %v", err)
 	}
 }

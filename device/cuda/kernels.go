@@ -53,6 +53,10 @@ func KernelFiles() []KernelFile {
 		{Name: "xent.cu", Kernels: []string{"loom_xent_fwd_f32", "loom_xent_bwd_f32"}},
 		{Name: "optim.cu", Kernels: []string{"loom_adamw_f32", "loom_sgd_f32"}},
 		{Name: "embedding.cu", Kernels: []string{"loom_embedding_fwd_f32", "loom_embedding_bwd_f32"}},
+		{Name: "convert.cu", Kernels: []string{
+			"loom_fill_u16", "loom_fill_u64", "loom_cast_f32_f64", "loom_cast_f64_f32", "loom_broadcast_mid_f32",
+			"loom_sum_f32_partial",
+		}},
 		{Name: "shape.cu", Kernels: []string{"loom_copy_box_f32", "loom_permute_nd_f32", "loom_sum_dims_f32", "loom_fill_rows_f32"}},
 		{Name: "pointwise.cu", Kernels: []string{"loom_act_f32", "loom_act_bwd_f32", "loom_dropout_mask_f32", "loom_argmax_rows_f32"}},
 		{Name: "flatten.cu", Kernels: []string{"loom_flatten_f32", "loom_unflatten_f32"}},

@@ -70,12 +70,13 @@ type LoadError struct {
 	Tried []Attempt
 }
 
-// Error lists the failed attempts of the library that did not load.
+// Error lists the failed attempts of the library that did not load and
+// names the variable that points to another copy.
 func (e *LoadError) Error() string {
 	var b strings.Builder
-	what := "no CUDA driver library"
+	what, env := "no CUDA driver library", DriverEnv
 	if e.Library == "nvrtc" {
-		what = "no NVRTC library"
+		what, env = "no NVRTC library", NVRTCEnv
 	}
 	fmt.Fprintf(&b, "cuda: %s could be loaded", what)
 	if e.Forced {
@@ -96,6 +97,7 @@ func (e *LoadError) Error() string {
 	if n == 0 {
 		b.WriteString(" nothing")
 	}
+	fmt.Fprintf(&b, "; set %s to the path of another copy", env)
 	return b.String()
 }
 
@@ -243,8 +245,9 @@ type Lib struct {
 	tried                 []Attempt
 	cacheDir              string // on-disk kernel cache; "" when off
 
-	drv *driverFns // nil when the driver is off
-	rtc *nvrtcFns  // nil when NVRTC is off
+	drv    *driverFns // nil when the driver is off
+	rtc    *nvrtcFns  // nil when NVRTC is off or was not found
+	rtcErr *LoadError // why rtc is nil when NVRTC was searched for and not found
 
 	mu     sync.RWMutex
 	closed bool
@@ -252,7 +255,9 @@ type Lib struct {
 }
 
 // Load opens the CUDA driver and NVRTC as configured by opts, [DriverEnv]
-// and [NVRTCEnv], and initialises the driver (cuInit). The kernel cache
+// and [NVRTCEnv], and initialises the driver (cuInit). An NVRTC that the
+// automatic search does not find is no error here: the Lib works without
+// it, and what compiles returns the [*LoadError] then. The kernel cache
 // folder is chosen here too ([KernelCacheEnv]) but made only when a
 // program is first stored. It returns a
 // [*LoadError] listing every attempt when a needed library cannot be
@@ -277,10 +282,16 @@ func Load(opts ...Option) (*Lib, error) {
 	if nvrtc := dynlib.SpecFrom(c.nvrtc, c.nvrtcSet, NVRTCEnv); !nvrtc.Off() {
 		f, lib, tried, err := dynlib.First(nvrtc.Search("nvrtc", NVRTCCandidates()...), openNVRTC)
 		l.tried = append(l.tried, dynlib.AttemptsAs[Attempt](tried)...)
-		if err != nil {
-			return nil, &LoadError{Library: "nvrtc", Forced: nvrtc.Forced(), Tried: l.tried}
+		switch {
+		case err == nil:
+			l.rtc, l.rtcLib, l.nvrtcPath = f, lib, lib.Path("nvrtcVersion")
+		case nvrtc.Forced():
+			return nil, &LoadError{Library: "nvrtc", Forced: true, Tried: l.tried}
+		default:
+			// Not found by the search: the driver (streams, copies, NCCL,
+			// prebuilt modules) still works; compiling fails naming NVRTC.
+			l.rtcErr = &LoadError{Library: "nvrtc", Tried: slices.Clone(l.tried)}
 		}
-		l.rtc, l.rtcLib, l.nvrtcPath = f, lib, lib.Path("nvrtcVersion")
 	}
 	if l.drv != nil {
 		if err := l.cuCheck("cuInit", l.drv.cuInit(0), "initialising the driver"); err != nil {
@@ -344,6 +355,8 @@ func (l *Lib) nvrtc(what string) (*nvrtcFns, error) {
 		return nil, fmt.Errorf("cuda: %s: %w: nil Lib", what, ErrInvalid)
 	case l.closed:
 		return nil, fmt.Errorf("cuda: %s: %w: Lib is closed", what, ErrInvalid)
+	case l.rtc == nil && l.rtcErr != nil:
+		return nil, fmt.Errorf("cuda: %s: %w", what, l.rtcErr)
 	case l.rtc == nil:
 		return nil, fmt.Errorf("cuda: %s: %w: NVRTC was not loaded (%s=off)", what, ErrUnsupported, NVRTCEnv)
 	}

@@ -64,15 +64,7 @@ func TestKernelFiles(t *testing.T) {
 // of the cubin (an ELF file). It needs no GPU or driver. Without NVRTC it
 // skips, unless LOOM_NVRTC_REQUIRE=1.
 func TestNVRTCCompiles(t *testing.T) {
-	l, err := Load(WithDriver(Off))
-	if err != nil {
-		var le *LoadError
-		if errors.As(err, &le) && os.Getenv(nvrtcRequireEnv) != "1" {
-			t.Skipf("no NVRTC library (%s=1 makes this a failure): %v", nvrtcRequireEnv, err)
-		}
-		t.Fatal(err)
-	}
-	defer l.Close()
+	l := loadNVRTC(t)
 	major, minor, err := l.NVRTCVersion()
 	if err != nil {
 		t.Fatal(err)
@@ -115,16 +107,9 @@ func TestNVRTCCompiles(t *testing.T) {
 // compile under the real NVRTC fails with NVRTC's log naming the file and
 // line, which the #line directive of KernelFile.Source makes the file's own.
 func TestNVRTCCompileErrorHasLog(t *testing.T) {
-	l, err := Load(WithDriver(Off))
-	if err != nil {
-		if os.Getenv(nvrtcRequireEnv) != "1" {
-			t.Skipf("no NVRTC library (%s=1 makes this a failure): %v", nvrtcRequireEnv, err)
-		}
-		t.Fatal(err)
-	}
-	defer l.Close()
+	l := loadNVRTC(t)
 	bad := KernelFile{Name: "bad.cu", text: "extern \"C\" __global__ void k(float *x) {\n  x[0] = undeclared;\n}\n"}
-	_, err = l.Compile(bad.Source(), bad.Name, CompileOptions{Arch: 80})
+	_, err := l.Compile(bad.Source(), bad.Name, CompileOptions{Arch: 80})
 	var ce *CompileError
 	if !errors.As(err, &ce) || !strings.Contains(ce.Log, "bad.cu(2)") || !strings.Contains(ce.Log, "undeclared") {
 		t.Fatalf("compiling a bad source: %v (want a CompileError whose log names bad.cu(2) and the identifier)", err)
@@ -154,4 +139,24 @@ func cubinSymbols(image []byte) (map[string]bool, error) {
 		out[s.Name] = true
 	}
 	return out, nil
+}
+
+// loadNVRTC loads NVRTC alone, or skips when none is found (fails under
+// LOOM_NVRTC_REQUIRE=1). Load does not fail without NVRTC; the first call
+// that needs it returns the *LoadError.
+func loadNVRTC(t *testing.T) *Lib {
+	t.Helper()
+	l, err := Load(WithDriver(Off))
+	if err == nil {
+		_, _, err = l.NVRTCVersion()
+	}
+	if err != nil {
+		var le *LoadError
+		if errors.As(err, &le) && os.Getenv(nvrtcRequireEnv) != "1" {
+			t.Skipf("no NVRTC library (%s=1 makes this a failure): %v", nvrtcRequireEnv, err)
+		}
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = l.Close() })
+	return l
 }

@@ -23,8 +23,10 @@
 package emu
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -92,13 +94,15 @@ type Device struct {
 	alloc   *device.Allocator
 	compute *Stream
 
+	coll device.Collectives
+
 	mu      sync.Mutex
 	streams []*Stream
 	closed  bool
 	blas    *kernels.BLAS
 }
 
-var _ device.Device = (*Device)(nil)
+var _ device.CollectiveDevice = (*Device)(nil)
 
 // New returns the emulated device of the given index (at least 0), named
 // "emu:index". A negative index or a bad option is an error wrapping
@@ -140,6 +144,11 @@ func (d *Device) Compute() device.Stream { return d.compute }
 
 // Memory is the device's caching allocator.
 func (d *Device) Memory() *device.Allocator { return d.alloc }
+
+// Collectives is the device's state for device.BeforeCollective and
+// device.AfterCollective: pooled events and the works compute waits for,
+// whose errors Synchronize returns.
+func (d *Device) Collectives() *device.Collectives { return &d.coll }
 
 // Kernels is the device's op set, on the CPU kernels.
 func (d *Device) Kernels() device.Kernels { return emuKernels{d} }
@@ -213,7 +222,25 @@ func (d *Device) Alloc(dt comm.DType, n int) (device.Buffer, error) {
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("%s: Alloc: internal: %w", d.name, err), d.alloc.Free(blk))
 	}
-	return &Buffer{dev: d, host: h, own: &owner{blk: blk}}, nil
+	return d.newBuffer(h, blk), nil
+}
+
+// newBuffer wraps an allocated block as an owning buffer, with a cleanup
+// that frees the block once the buffer and its slices are unreachable: a
+// safety net for a buffer dropped without Free (op results a caller never
+// frees), as device/cuda's buffers have. The stream order still holds:
+// work queued before the buffer was lost runs before any reuse, since the
+// block is reused on the stream it was allocated on, after that work.
+func (d *Device) newBuffer(h *comm.HostBuffer, blk device.Block) *Buffer {
+	b := &Buffer{dev: d, host: h, own: &owner{alloc: d.alloc, blk: blk}}
+	runtime.AddCleanup(b, func(o *owner) {
+		// Nobody can free the buffer any more. The error has no one to
+		// go to (after Close the allocator has emptied its cache anyway).
+		if !o.freed.Swap(true) {
+			_ = o.alloc.Free(o.blk)
+		}
+	}, b.own)
+	return b
 }
 
 // RecordStream tells the allocator that b is used on s too, so that
@@ -281,12 +308,14 @@ func (d *Device) Copy(dst, src device.Buffer) error {
 }
 
 // Synchronize waits for the work queued on every stream and returns the
-// errors found while it ran (each is returned once).
+// errors found while it ran, then those of the collectives compute waited
+// for (device.AfterCollective), each returned once.
 func (d *Device) Synchronize() error {
 	var errs []error
 	for _, s := range d.allStreams() {
 		errs = append(errs, s.Synchronize())
 	}
+	errs = append(errs, d.coll.Wait(context.Background()))
 	return errors.Join(errs...)
 }
 
@@ -321,7 +350,7 @@ func (d *Device) Close() error {
 	for _, s := range d.allStreams() {
 		s.stop()
 	}
-	return errors.Join(err, d.alloc.EmptyCache())
+	return errors.Join(err, d.coll.Close(), d.alloc.EmptyCache())
 }
 
 // buffer checks that b is a live buffer of d (nil allowed when optional)
@@ -416,16 +445,21 @@ func (r *raw) view(p uintptr, n int) []byte {
 }
 
 // Buffer is memory of an emulated device. It implements device.Buffer and
-// comm.HostBacked.
+// comm.HostBacked. A buffer from Alloc owns its memory and Free gives it
+// back; one dropped without Free is freed when the garbage collector finds
+// it and its slices unreachable (a safety net: the memory stays held
+// until then). Slices keep the buffer they come from reachable.
 type Buffer struct {
 	dev  *Device
 	host *comm.HostBuffer
 	own  *owner
-	view bool // made by Slice: does not own the memory
+	from *Buffer // the owning buffer of a slice; nil for the owner
 }
 
-// owner is the allocation a buffer and its slices share.
+// owner is the allocation a buffer and its slices share; it must not point
+// back at the buffer, so that the buffer's cleanup can run.
 type owner struct {
+	alloc *device.Allocator
 	blk   device.Block
 	freed atomic.Bool
 }
@@ -451,7 +485,11 @@ func (b *Buffer) Owner() device.Device { return b.dev }
 // panics when the bounds are out of range, like a slice expression. Its
 // Free is an error: the buffer it came from owns the memory.
 func (b *Buffer) Slice(lo, hi int) comm.Buffer {
-	return &Buffer{dev: b.dev, host: b.host.SliceHost(lo, hi), own: b.own, view: true}
+	root := b
+	if b.from != nil {
+		root = b.from
+	}
+	return &Buffer{dev: b.dev, host: b.host.SliceHost(lo, hi), own: b.own, from: root}
 }
 
 // Ptr is the host address of the first element, 0 when empty.
@@ -471,7 +509,7 @@ func (b *Buffer) HostView() *comm.HostBuffer { return b.host }
 // queued on the streams it was used on (Device.RecordStream). Freeing a
 // slice, or freeing twice, is an error wrapping device.ErrInvalid.
 func (b *Buffer) Free() error {
-	if b.view {
+	if b.from != nil {
 		return fmt.Errorf("%s: Free: %w: a slice does not own its memory; free the buffer it came from", b.dev.name, device.ErrInvalid)
 	}
 	if b.own.freed.Swap(true) {

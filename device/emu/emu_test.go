@@ -2,6 +2,7 @@ package emu_test
 
 import (
 	"errors"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -458,5 +459,64 @@ func TestDeviceBasics(t *testing.T) {
 	if err := device.Same("autograd: Linear", d, device.Host()); !errors.Is(err, device.ErrMixed) ||
 		err.Error() != "autograd: Linear: data on different devices: inputs on emu:3 and host" {
 		t.Fatalf("Same: %v", err)
+	}
+}
+
+// TestLostBufferFreed: a buffer dropped without Free is given back to the
+// allocator once it and its slices are unreachable (the safety net for op
+// results a caller never frees), and not while a slice is still live.
+func TestLostBufferFreed(t *testing.T) {
+	d := newDevice(t)
+	b, err := d.Alloc(comm.Float32, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := b.Slice(10, 20).(device.Buffer)
+	b = nil
+	for range 3 {
+		runtime.GC()
+	}
+	time.Sleep(10 * time.Millisecond)
+	if d.Memory().Stats().Allocated == 0 {
+		t.Fatal("a buffer with a live slice was freed")
+	}
+	if err := d.Kernels().Fill(s, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	runtime.KeepAlive(s)
+	s = nil
+	deadline := time.Now().Add(5 * time.Second)
+	for d.Memory().Stats().Allocated != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("a lost buffer was not freed")
+		}
+		runtime.GC()
+		time.Sleep(time.Millisecond)
+	}
+	// A buffer freed by its owner is not freed again by the cleanup.
+	c, err := d.Alloc(comm.Float32, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Free(); err != nil {
+		t.Fatal(err)
+	}
+	keep, err := d.Alloc(comm.Float32, 1000) // may reuse c's block
+	if err != nil {
+		t.Fatal(err)
+	}
+	c = nil
+	for range 3 {
+		runtime.GC()
+	}
+	time.Sleep(10 * time.Millisecond)
+	if got := d.Memory().Stats().Allocated; got == 0 {
+		t.Fatal("the cleanup of a freed buffer freed its block again")
+	}
+	if err := keep.Free(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/checked"
 	"github.com/b7ea7098/loom/internal/half"
+	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 )
 
@@ -222,31 +223,38 @@ func convert[D, S any](dst []D, src []S, f func(S) D) {
 	}
 }
 
-// Add runs kernels.Add.
+// Add runs kernels.Add on Float32 or Float64 buffers of one type.
 func (k emuKernels) Add(dst, a, b device.Buffer) error {
-	v, err := k.check("Add", f32("dst", dst), f32("a", a), f32("b", b))
+	v, err := k.checkFloats("Add", fl("dst", dst), fl("a", a), fl("b", b))
 	if err != nil {
 		return err
 	}
-	return k.d.compute.launch("Add", func() error { return kernels.Add(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) })
+	return k.launchFloat("Add", v,
+		func() error { return kernels.Add(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) },
+		func() error { return kernels.Add(v[0].Float64s(), v[1].Float64s(), v[2].Float64s()) })
 }
 
-// Mul runs kernels.Mul.
+// Mul runs kernels.Mul on Float32 or Float64 buffers of one type.
 func (k emuKernels) Mul(dst, a, b device.Buffer) error {
-	v, err := k.check("Mul", f32("dst", dst), f32("a", a), f32("b", b))
+	v, err := k.checkFloats("Mul", fl("dst", dst), fl("a", a), fl("b", b))
 	if err != nil {
 		return err
 	}
-	return k.d.compute.launch("Mul", func() error { return kernels.Mul(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) })
+	return k.launchFloat("Mul", v,
+		func() error { return kernels.Mul(v[0].Float32s(), v[1].Float32s(), v[2].Float32s()) },
+		func() error { return kernels.Mul(v[0].Float64s(), v[1].Float64s(), v[2].Float64s()) })
 }
 
-// ColumnSums runs kernels.ColumnSums.
+// ColumnSums runs kernels.ColumnSums on Float32 or Float64 buffers of one
+// type.
 func (k emuKernels) ColumnSums(out, x device.Buffer, n int) error {
-	v, err := k.check("ColumnSums", f32("out", out), f32("x", x))
+	v, err := k.checkFloats("ColumnSums", fl("out", out), fl("x", x))
 	if err != nil {
 		return err
 	}
-	return k.d.compute.launch("ColumnSums", func() error { return kernels.ColumnSums(v[0].Float32s(), v[1].Float32s(), n) })
+	return k.launchFloat("ColumnSums", v,
+		func() error { return kernels.ColumnSums(v[0].Float32s(), v[1].Float32s(), n) },
+		func() error { return kernels.ColumnSums(v[0].Float64s(), v[1].Float64s(), n) })
 }
 
 // Softmax runs kernels.SoftmaxRows or kernels.LogSoftmaxRows.
@@ -433,6 +441,86 @@ func (k emuKernels) CrossEntropyBackward(dx, logits, targets, lse device.Buffer,
 	})
 }
 
+// SoftmaxDim runs kernels.Softmax64 on Float32 buffers over the middle
+// dim of [outer, n, inner], as autograd's host path does for a dim other
+// than the last.
+func (k emuKernels) SoftmaxDim(dst, src device.Buffer, outer, n, inner int, log bool) error {
+	const op = "SoftmaxDim"
+	v, err := k.check(op, f32("dst", dst), f32("src", src))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		return kernels.Softmax64(v[0].Float32s(), v[1].Float32s(), outer, n, inner, log)
+	})
+}
+
+// SoftmaxDimBackward runs kernels.Softmax64Backward on Float32 buffers.
+func (k emuKernels) SoftmaxDimBackward(dx, y, dy device.Buffer, outer, n, inner int, log bool) error {
+	const op = "SoftmaxDimBackward"
+	v, err := k.check(op, f32("dx", dx), f32("y", y), f32("dy", dy))
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		return kernels.Softmax64Backward(v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), outer, n, inner, log)
+	})
+}
+
+// CrossEntropyMean runs kernels.CrossEntropyRows and stores
+// float32(sum/count) in loss.
+func (k emuKernels) CrossEntropyMean(loss, lse, logits, targets device.Buffer, v, count int) error {
+	const op = "CrossEntropyMean"
+	if err := numcheck.NonNegativeCount(device.ErrInvalid, "count", count); err != nil {
+		return fmt.Errorf("%s: %s: %w", k.d.name, op, err)
+	}
+	views, err := k.check(op, f32("loss", loss), f64("lse", lse, true), f32("logits", logits),
+		arg{name: "targets", b: targets, dtypes: []comm.DType{comm.Int64}})
+	if err != nil {
+		return err
+	}
+	if views[0].Len() != 1 {
+		return fmt.Errorf("%s: %s: %w: loss has %d elements, want 1", k.d.name, op, device.ErrInvalid, views[0].Len())
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		total, err := kernels.CrossEntropyRows(w, float64s(views[1]), views[2].Float32s(), views[3].Int64s(), v)
+		if err != nil {
+			return err
+		}
+		views[0].Float32s()[0] = float32(total / float64(count))
+		return nil
+	})
+}
+
+// CrossEntropyMeanBackward runs kernels.CrossEntropyRowsBackward with the
+// scale g[0]/count, g read when the work runs.
+func (k emuKernels) CrossEntropyMeanBackward(dx, logits, targets, lse, g device.Buffer, v, count int) error {
+	const op = "CrossEntropyMeanBackward"
+	if err := numcheck.NonNegativeCount(device.ErrInvalid, "count", count); err != nil {
+		return fmt.Errorf("%s: %s: %w", k.d.name, op, err)
+	}
+	views, err := k.check(op, f32("dx", dx), f32("logits", logits),
+		arg{name: "targets", b: targets, dtypes: []comm.DType{comm.Int64}}, f64("lse", lse, false), f32("g", g))
+	if err != nil {
+		return err
+	}
+	if views[4].Len() != 1 {
+		return fmt.Errorf("%s: %s: %w: g has %d elements, want 1", k.d.name, op, device.ErrInvalid, views[4].Len())
+	}
+	w, err := k.workers()
+	if err != nil {
+		return err
+	}
+	return k.d.compute.launch(op, func() error {
+		scale := float64(views[4].Float32s()[0]) / float64(count)
+		return kernels.CrossEntropyRowsBackward(w, views[0].Float32s(), views[1].Float32s(), views[2].Int64s(), views[3].Float64s(), v, scale)
+	})
+}
+
 // AdamW runs kernels.AdamW in p's type, Float32 or Float64.
 func (k emuKernels) AdamW(p, g, m, v device.Buffer, c [8]float64) error {
 	const op = "AdamW"
@@ -472,6 +560,39 @@ func (k emuKernels) sameType(op string, names string, views []*comm.HostBuffer) 
 		}
 	}
 	return nil
+}
+
+var _ device.Float64Kernels = emuKernels{}
+
+// Float64 is true: the dtype-generic kernels run the CPU kernels in
+// float64 too.
+func (emuKernels) Float64() bool { return true }
+
+// fl is a Float32 or Float64 argument of a kernel whose float arguments
+// share one dtype (checkFloats).
+func fl(name string, b device.Buffer) arg { return arg{name: name, b: b, dtypes: floats} }
+
+// checkFloats is check for kernels on Float32 or Float64 buffers that
+// all have one dtype (the CPU kernel's type parameter).
+func (k emuKernels) checkFloats(op string, args ...arg) ([]*comm.HostBuffer, error) {
+	v, err := k.check(op, args...)
+	if err != nil {
+		return nil, err
+	}
+	for i, h := range v[1:] {
+		if h != nil && h.DType() != v[0].DType() {
+			return nil, fmt.Errorf("%s: %s: %w: %s is %v, %s %v", k.d.name, op, device.ErrInvalid, args[i+1].name, h.DType(), args[0].name, v[0].DType())
+		}
+	}
+	return v, nil
+}
+
+// launchFloat queues f32 or f64 by the dtype of the views.
+func (k emuKernels) launchFloat(op string, v []*comm.HostBuffer, f32, f64 func() error) error {
+	if v[0].DType() == comm.Float64 {
+		return k.d.compute.launch(op, f64)
+	}
+	return k.d.compute.launch(op, f32)
 }
 
 // SGD runs kernels.SGD in p's type, Float32 or Float64.
@@ -580,89 +701,112 @@ func bytesOff(off []int, es int) []int {
 
 // The kernels below serve autograd's ops on devices (step A6).
 
-// FillRows runs kernels.FillRows.
+// FillRows runs kernels.FillRows on Float32 or Float64 buffers of one
+// type.
 func (k emuKernels) FillRows(dst, row device.Buffer) error {
-	v, err := k.check("FillRows", f32("dst", dst), f32("row", row))
+	v, err := k.checkFloats("FillRows", fl("dst", dst), fl("row", row))
 	if err != nil {
 		return err
 	}
-	return k.d.compute.launch("FillRows", func() error { return kernels.FillRows(v[0].Float32s(), v[1].Float32s()) })
+	return k.launchFloat("FillRows", v,
+		func() error { return kernels.FillRows(v[0].Float32s(), v[1].Float32s()) },
+		func() error { return kernels.FillRows(v[0].Float64s(), v[1].Float64s()) })
 }
 
-// SumDims runs kernels.SumDims; shape and reduce are copied at the call.
+// SumDims runs kernels.SumDims on Float32 or Float64 buffers of one type;
+// shape and reduce are copied at the call.
 func (k emuKernels) SumDims(out, x device.Buffer, shape []int, reduce []bool) error {
-	v, err := k.check("SumDims", f32("out", out), f32("x", x))
+	v, err := k.checkFloats("SumDims", fl("out", out), fl("x", x))
 	if err != nil {
 		return err
 	}
 	shape, reduce = slices.Clone(shape), slices.Clone(reduce)
-	return k.d.compute.launch("SumDims", func() error { return kernels.SumDims(v[0].Float32s(), v[1].Float32s(), shape, reduce) })
+	return k.launchFloat("SumDims", v,
+		func() error { return kernels.SumDims(v[0].Float32s(), v[1].Float32s(), shape, reduce) },
+		func() error { return kernels.SumDims(v[0].Float64s(), v[1].Float64s(), shape, reduce) })
 }
 
-// BroadcastDims runs kernels.BroadcastDims; shape and reduce are copied at
-// the call.
+// BroadcastDims runs kernels.BroadcastDims on Float32 or Float64 buffers
+// of one type; shape and reduce are copied at the call.
 func (k emuKernels) BroadcastDims(out, g device.Buffer, shape []int, reduce []bool) error {
-	v, err := k.check("BroadcastDims", f32("out", out), f32("g", g))
+	v, err := k.checkFloats("BroadcastDims", fl("out", out), fl("g", g))
 	if err != nil {
 		return err
 	}
 	shape, reduce = slices.Clone(shape), slices.Clone(reduce)
-	return k.d.compute.launch("BroadcastDims", func() error {
-		return kernels.BroadcastDims(v[0].Float32s(), v[1].Float32s(), shape, reduce)
-	})
+	return k.launchFloat("BroadcastDims", v,
+		func() error { return kernels.BroadcastDims(v[0].Float32s(), v[1].Float32s(), shape, reduce) },
+		func() error { return kernels.BroadcastDims(v[0].Float64s(), v[1].Float64s(), shape, reduce) })
 }
 
-// PermuteDims runs kernels.PermuteDims; shape and perm are copied at the
-// call.
+// PermuteDims runs kernels.PermuteDims on Float32 or Float64 buffers of
+// one type; shape and perm are copied at the call.
 func (k emuKernels) PermuteDims(out, x device.Buffer, shape, perm []int) error {
-	v, err := k.check("PermuteDims", f32("out", out), f32("x", x))
+	v, err := k.checkFloats("PermuteDims", fl("out", out), fl("x", x))
 	if err != nil {
 		return err
 	}
 	shape, perm = slices.Clone(shape), slices.Clone(perm)
-	return k.d.compute.launch("PermuteDims", func() error { return kernels.PermuteDims(v[0].Float32s(), v[1].Float32s(), shape, perm) })
+	return k.launchFloat("PermuteDims", v,
+		func() error { return kernels.PermuteDims(v[0].Float32s(), v[1].Float32s(), shape, perm) },
+		func() error { return kernels.PermuteDims(v[0].Float64s(), v[1].Float64s(), shape, perm) })
 }
 
-// NarrowDim runs kernels.NarrowDim.
+// NarrowDim runs kernels.NarrowDim on Float32 or Float64 buffers of one
+// type.
 func (k emuKernels) NarrowDim(out, x device.Buffer, outer, n, inner, start, length int) error {
-	v, err := k.check("NarrowDim", f32("out", out), f32("x", x))
+	v, err := k.checkFloats("NarrowDim", fl("out", out), fl("x", x))
 	if err != nil {
 		return err
 	}
-	return k.d.compute.launch("NarrowDim", func() error {
-		return kernels.NarrowDim(v[0].Float32s(), v[1].Float32s(), outer, n, inner, start, length)
-	})
+	return k.launchFloat("NarrowDim", v,
+		func() error {
+			return kernels.NarrowDim(v[0].Float32s(), v[1].Float32s(), outer, n, inner, start, length)
+		},
+		func() error {
+			return kernels.NarrowDim(v[0].Float64s(), v[1].Float64s(), outer, n, inner, start, length)
+		})
 }
 
-// PadDim runs kernels.PadDim.
+// PadDim runs kernels.PadDim on Float32 or Float64 buffers of one type.
 func (k emuKernels) PadDim(out, g device.Buffer, outer, n, inner, start, full int) error {
-	v, err := k.check("PadDim", f32("out", out), f32("g", g))
+	v, err := k.checkFloats("PadDim", fl("out", out), fl("g", g))
 	if err != nil {
 		return err
 	}
-	return k.d.compute.launch("PadDim", func() error {
-		return kernels.PadDim(v[0].Float32s(), v[1].Float32s(), outer, n, inner, start, full)
-	})
+	return k.launchFloat("PadDim", v,
+		func() error { return kernels.PadDim(v[0].Float32s(), v[1].Float32s(), outer, n, inner, start, full) },
+		func() error { return kernels.PadDim(v[0].Float64s(), v[1].Float64s(), outer, n, inner, start, full) })
 }
 
-// ConcatDim runs kernels.ConcatDim; sizes is copied at the call.
+// ConcatDim runs kernels.ConcatDim on Float32 or Float64 buffers of one
+// type; sizes is copied at the call.
 func (k emuKernels) ConcatDim(out device.Buffer, xs []device.Buffer, sizes []int, outer, inner int) error {
-	args := []arg{f32("out", out)}
+	args := []arg{fl("out", out)}
 	for i, x := range xs {
-		args = append(args, f32(fmt.Sprintf("xs[%d]", i), x))
+		args = append(args, fl(fmt.Sprintf("xs[%d]", i), x))
 	}
-	v, err := k.check("ConcatDim", args...)
+	v, err := k.checkFloats("ConcatDim", args...)
 	if err != nil {
 		return err
 	}
 	sizes = slices.Clone(sizes)
-	return k.d.compute.launch("ConcatDim", func() error {
-		in := make([][]float32, len(xs))
-		for i := range in {
-			in[i] = v[1+i].Float32s()
-		}
-		return kernels.ConcatDim(v[0].Float32s(), in, sizes, outer, inner)
-	})
+	return k.launchFloat("ConcatDim", v,
+		func() error {
+			return kernels.ConcatDim(v[0].Float32s(), hostSlices(v[1:], (*comm.HostBuffer).Float32s), sizes, outer, inner)
+		},
+		func() error {
+			return kernels.ConcatDim(v[0].Float64s(), hostSlices(v[1:], (*comm.HostBuffer).Float64s), sizes, outer, inner)
+		})
+}
+
+// hostSlices is the data of each view, taken by get.
+func hostSlices[T any](views []*comm.HostBuffer, get func(*comm.HostBuffer) []T) [][]T {
+	out := make([][]T, len(views))
+	for i, h := range views {
+		out[i] = get(h)
+	}
+	return out
 }
 
 // Embedding runs kernels.EmbeddingForward.

@@ -2,6 +2,7 @@ package emu_test
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"sort"
@@ -337,7 +338,58 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
-	}, autogradCases()...)
+	}, append(autogradCases(), followupCases()...)...)
+}
+
+// followupCases are the kernels of A6's follow-ups: the softmax over a
+// dim other than the last, and the cross entropy whose mean and
+// backward scale stay on the device.
+func followupCases() []kernelCase {
+	var cases []kernelCase
+	for _, log := range []bool{false, true} {
+		cases = append(cases, kernelCase{
+			name: fmt.Sprintf("SoftmaxDim+Backward/log=%v", log),
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF32(r, 60), "y": make([]float32, 60), "dy": randF32(r, 60), "dx": make([]float32, 60)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				if err := kernels.Softmax64(f32s(a["y"]), f32s(a["x"]), 3, 5, 4, log); err != nil {
+					return err
+				}
+				return kernels.Softmax64Backward(f32s(a["dx"]), f32s(a["y"]), f32s(a["dy"]), 3, 5, 4, log)
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				if err := k.SoftmaxDim(b["y"], b["x"], 3, 5, 4, log); err != nil {
+					return err
+				}
+				return k.SoftmaxDimBackward(b["dx"], b["y"], b["dy"], 3, 5, 4, log)
+			},
+		})
+	}
+	cases = append(cases, float64Cases()...)
+	const count = 3 * rows // the global rows: this rank holds a third
+	return append(cases, kernelCase{
+		name: "CrossEntropyMean+Backward",
+		setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+			return arrays{"loss": make([]float32, 1), "lse": make([]float64, rows), "logits": randF32(r, rows*vocab),
+				"targets": randTargets(r, rows, vocab), "dx": make([]float32, rows*vocab), "g": []float32{0.37}}
+		},
+		cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+			total, err := kernels.CrossEntropyRows(w, f64s(a["lse"]), f32s(a["logits"]), i64s(a["targets"]), vocab)
+			if err != nil {
+				return err
+			}
+			f32s(a["loss"])[0] = float32(total / count)
+			scale := float64(f32s(a["g"])[0]) / count
+			return kernels.CrossEntropyRowsBackward(w, f32s(a["dx"]), f32s(a["logits"]), i64s(a["targets"]), f64s(a["lse"]), vocab, scale)
+		},
+		dev: func(k device.Kernels, b map[string]device.Buffer) error {
+			if err := k.CrossEntropyMean(b["loss"], b["lse"], b["logits"], b["targets"], vocab, count); err != nil {
+				return err
+			}
+			return k.CrossEntropyMeanBackward(b["dx"], b["logits"], b["targets"], b["lse"], b["g"], vocab, count)
+		},
+	})
 }
 
 // autogradCases are the kernels autograd's ops on devices use (step A6).
@@ -839,5 +891,64 @@ func TestCopyBoxErrors(t *testing.T) {
 	}
 	if err := d.Synchronize(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func randF64(r *rand.Rand, n int) []float64 {
+	s := make([]float64, n)
+	for i := range s {
+		s[i] = r.Float64()*4 - 2
+	}
+	return s
+}
+
+// float64Cases run the dtype-generic kernels on Float64 buffers (autograd's
+// float64 ops on devices).
+func float64Cases() []kernelCase {
+	shape, reduce := []int{3, 5, 4}, []bool{true, false, true}
+	return []kernelCase{
+		{
+			name: "Float64/Add+Mul+ColumnSums+FillRows",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"a": randF64(r, 60), "b": randF64(r, 60), "s": make([]float64, 60), "p": make([]float64, 60),
+					"c": make([]float64, 4), "f": randF64(r, 60), "row": randF64(r, 4)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return errors.Join(kernels.Add(f64s(a["s"]), f64s(a["a"]), f64s(a["b"])), kernels.Mul(f64s(a["p"]), f64s(a["a"]), f64s(a["b"])),
+					kernels.ColumnSums(f64s(a["c"]), f64s(a["a"]), 4), kernels.FillRows(f64s(a["f"]), f64s(a["row"])))
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				return errors.Join(k.Add(b["s"], b["a"], b["b"]), k.Mul(b["p"], b["a"], b["b"]), k.ColumnSums(b["c"], b["a"], 4), k.FillRows(b["f"], b["row"]))
+			},
+		},
+		{
+			name: "Float64/SumDims+BroadcastDims+PermuteDims",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF64(r, 60), "s": make([]float64, 5), "g": randF64(r, 5), "out": make([]float64, 60), "perm": make([]float64, 60)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return errors.Join(kernels.SumDims(f64s(a["s"]), f64s(a["x"]), shape, reduce), kernels.BroadcastDims(f64s(a["out"]), f64s(a["g"]), shape, reduce),
+					kernels.PermuteDims(f64s(a["perm"]), f64s(a["x"]), shape, []int{2, 0, 1}))
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				return errors.Join(k.SumDims(b["s"], b["x"], shape, reduce), k.BroadcastDims(b["out"], b["g"], shape, reduce),
+					k.PermuteDims(b["perm"], b["x"], shape, []int{2, 0, 1}))
+			},
+		},
+		{
+			name: "Float64/NarrowDim+PadDim+ConcatDim",
+			setup: func(r *rand.Rand, _ kernels.Workers) arrays {
+				return arrays{"x": randF64(r, 60), "n": make([]float64, 24), "g": randF64(r, 24), "p": randF64(r, 60),
+					"y": randF64(r, 12), "c": make([]float64, 72)}
+			},
+			cpu: func(_ *kernels.BLAS, _ kernels.Workers, a arrays) error {
+				return errors.Join(kernels.NarrowDim(f64s(a["n"]), f64s(a["x"]), 3, 5, 4, 1, 2), kernels.PadDim(f64s(a["p"]), f64s(a["g"]), 3, 2, 4, 3, 5),
+					kernels.ConcatDim(f64s(a["c"]), [][]float64{f64s(a["x"]), f64s(a["y"])}, []int{5, 1}, 3, 4))
+			},
+			dev: func(k device.Kernels, b map[string]device.Buffer) error {
+				return errors.Join(k.NarrowDim(b["n"], b["x"], 3, 5, 4, 1, 2), k.PadDim(b["p"], b["g"], 3, 2, 4, 3, 5),
+					k.ConcatDim(b["c"], []device.Buffer{b["x"], b["y"]}, []int{5, 1}, 3, 4))
+			},
+		},
 	}
 }

@@ -6,9 +6,10 @@
 
 // y = (x − μ)·rstd·w + b for every row of n values; w and b may be null
 // (ones, zeros); mean and rstd, when not null, receive each row's μ and
-// 1/sqrt(σ² + eps) for the backward. y may alias x.
-extern "C" __global__ void loom_layernorm_fwd_f32(float *y, float *mean, float *rstd, const float *x, const float *w,
-                                                  const float *b, i64 rows, int n, float eps) {
+// 1/sqrt(σ² + eps) in double, as kernels.LayerNorm keeps them, for the
+// backward. y may alias x.
+extern "C" __global__ void loom_layernorm_fwd_f32(float *y, double *mean, double *rstd, const float *x, const float *w,
+                                                  const float *b, i64 rows, int n, double eps) {
   const unsigned lane = threadIdx.x & 31u;
   const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
   for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
@@ -22,7 +23,7 @@ extern "C" __global__ void loom_layernorm_fwd_f32(float *y, float *mean, float *
       const double d = xr[j] - mu;
       q += d * d;
     }
-    const double rs = 1.0 / sqrt(loom_warp_sum(q) / n + (double)eps);
+    const double rs = 1.0 / sqrt(loom_warp_sum(q) / n + eps);
     for (int j = lane; j < n; j += 32) {
       double h = (xr[j] - mu) * rs;
       if (w) h *= w[j];
@@ -30,8 +31,8 @@ extern "C" __global__ void loom_layernorm_fwd_f32(float *y, float *mean, float *
       yr[j] = (float)h;
     }
     if (lane == 0 && mean) {
-      mean[r] = (float)mu;
-      rstd[r] = (float)rs;
+      mean[r] = mu;
+      rstd[r] = rs;
     }
   }
 }
@@ -45,8 +46,8 @@ LOOM_KERNEL(loom_layernorm_fwd_f32)
 // loom_sum_mid_f32 then reduces to dw and db, so no two warps write one
 // address and the result does not depend on timing.
 extern "C" __global__ void loom_layernorm_bwd_f32(float *dx, float *dwPart, float *dbPart, const float *dy,
-                                                  const float *x, const float *w, const float *mean,
-                                                  const float *rstd, i64 rows, int n) {
+                                                  const float *x, const float *w, const double *mean,
+                                                  const double *rstd, i64 rows, int n) {
   const unsigned lane = threadIdx.x & 31u;
   const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;

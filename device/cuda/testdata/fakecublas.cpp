@@ -23,10 +23,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
+
+// Hooks of the whole-device fake: fakecuda.cpp built with LOOM_FAKE_DEVICE
+// and linked into the same library defines them, and then device memory
+// is the fake driver's allocations and GEMMs run in their stream's order;
+// alone, this file keeps its own blocks (fake_malloc) and computes at the
+// call.
+bool fake_device_in_block(uintptr_t p, size_t bytes) __attribute__((weak));
+int fake_device_enqueue(void *stream, std::function<void()> f) __attribute__((weak));
 
 typedef int cublasStatus_t;
 enum {
@@ -87,6 +96,7 @@ int injected(const char* symbol) {
 
 // inBlock reports whether [p, p+bytes) lies in one live block.
 bool inBlock(uintptr_t p, size_t bytes) {
+	if (fake_device_in_block) return fake_device_in_block(p, bytes);
 	auto it = blocks.upper_bound(p);
 	if (it == blocks.begin()) return false;
 	--it;
@@ -180,6 +190,7 @@ struct Gemm {
 	const void *alpha, *beta;
 	int epilogue;  // 1 default, 4 bias, 256 bgrada, 512 bgradb
 	uintptr_t bias;
+	double alphaV, betaV;  // *alpha and *beta, read at the call
 };
 
 // validTypes checks the combinations loom uses.
@@ -195,8 +206,11 @@ bool validTypes(const Gemm& g) {
 	return false;
 }
 
-// run checks g's operands and computes it; a nonzero status on failure.
-int run(Gemm& g, const char* call) {
+void compute(const Gemm& g);
+
+// run checks g's operands and computes it, at once or, in the whole-device
+// fake, in stream's order; a nonzero status on failure.
+int run(Gemm& g, const char* call, void* stream) {
 	std::string why;
 	if (!validTypes(g)) {
 		logf("%s error=types", call);
@@ -213,8 +227,20 @@ int run(Gemm& g, const char* call) {
 		return ST_INVALID_VALUE;
 	}
 	bool f64 = g.compute == COMPUTE_64F;
-	double alpha = f64 ? *(const double*)g.alpha : *(const float*)g.alpha;
-	double beta = f64 ? *(const double*)g.beta : *(const float*)g.beta;
+	g.alphaV = f64 ? *(const double*)g.alpha : *(const float*)g.alpha;
+	g.betaV = f64 ? *(const double*)g.beta : *(const float*)g.beta;
+	g.alpha = g.beta = nullptr;  // host memory of the caller, gone after the call
+	if (fake_device_enqueue) {
+		Gemm c = g;
+		return fake_device_enqueue(stream, [c] { compute(c); }) == 0 ? ST_SUCCESS : ST_EXECUTION_FAILED;
+	}
+	compute(g);
+	return ST_SUCCESS;
+}
+
+// compute runs a checked GEMM.
+void compute(const Gemm& g) {
+	const double alpha = g.alphaV, beta = g.betaV;
 	bool round = g.compute == COMPUTE_32F_FAST_TF32;
 	auto in = [&](const Operand& o, long long bi, long long r, long long c) {
 		double v = load((const void*)o.p, o.type, size_t(bi * o.stride + c * o.ld + r));
@@ -251,7 +277,6 @@ int run(Gemm& g, const char* call) {
 			store((void*)g.bias, g.d.type, size_t(j), s);
 		}
 	}
-	return ST_SUCCESS;
 }
 
 const char* opName(int op) { return op == 0 ? "N" : op == 1 ? "T" : "?"; }
@@ -461,7 +486,7 @@ cublasStatus_t cublasGemmEx(void* h, int transa, int transb, int m, int n, int k
 	FAIL_IF_INJECTED("cublasGemmEx");
 	if (transa < 0 || transa > 1 || transb < 0 || transb > 1 || algo != -1) return ST_INVALID_VALUE;
 	Gemm g = colMajor(transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb, 0, beta, C, Ctype, ldc, 0, 1, computeType);
-	return run(g, "cublasGemmEx");
+	return run(g, "cublasGemmEx", (void*)p->stream);
 }
 
 cublasStatus_t cublasGemmStridedBatchedEx(void* h, int transa, int transb, int m, int n, int k, const void* alpha, const void* A,
@@ -480,7 +505,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(void* h, int transa, int transb, int m
 		return ST_INVALID_VALUE;
 	Gemm g = colMajor(transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc,
 	                  strideC, batchCount, computeType);
-	return run(g, "cublasGemmStridedBatchedEx");
+	return run(g, "cublasGemmStridedBatchedEx", (void*)p->stream);
 }
 
 // ---- cuBLASLt ----
@@ -653,7 +678,7 @@ cublasStatus_t cublasLtMatmul(void* h, Desc* desc, const void* alpha, const void
 	g.d = {"D", (uintptr_t)D, dl->type, (long long)dl->rows, (long long)dl->cols, dl->ld, 0};
 	g.batch = 1, g.compute = desc->compute, g.alpha = alpha, g.beta = beta;
 	g.epilogue = int(desc->epilogue), g.bias = desc->bias;
-	return run(g, "cublasLtMatmul");
+	return run(g, "cublasLtMatmul", stream);
 }
 
 } // extern "C"

@@ -16,6 +16,16 @@
 // packing, launch geometry, stream order, size checks, error reporting)
 // and the kernels' results.
 
+// Built with -DLOOM_FAKE_DEVICE and linked with fakecublas.cpp, it is the
+// whole-device fake of device_fake_test.go: kernels run under
+// testdata/loom_emu.h (fibers with real barriers and shuffles) from the
+// text of every kernel source, which the test writes to fake_kernels.inc;
+// NVRTC's image names the registered kernels its source defines, and a
+// module finds only those; a kernel the emulator cannot run makes the next
+// synchronising call fail with CUDA_ERROR_LAUNCH_FAILED (fake_last_error
+// says why); and cuBLAS's GEMMs run in their stream's order on this
+// driver's memory (the hooks at the end).
+
 #include <barrier>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +41,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef LOOM_FAKE_DEVICE
+#include "loom_emu.h"
+#include "fake_kernels.inc"
+#else
 struct loom_dim3 {
   unsigned x, y, z;
 };
@@ -66,6 +80,7 @@ static V __shfl_down_sync(unsigned mask, V v, unsigned off) {
 #define __forceinline__ inline
 
 #include "permute.cu"
+#endif
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -107,6 +122,8 @@ static long long compiles;                  // nvrtcCompileProgram calls that co
 static long long clock_;                    // operations run
 static int nvMajor = 12, nvMinor = 4;       // what nvrtcVersion says
 static const size_t totalMem = (size_t)1 << 36;
+static int sticky;                          // a failed launch's CUresult, returned by synchronising calls
+static std::string stickyMsg;               // why
 
 typedef std::lock_guard<std::recursive_mutex> guard;
 
@@ -169,6 +186,7 @@ int fake_streams() { guard g(mu); return (int)streams.size(); }
 long long fake_launches() { guard g(mu); return launches; }
 long long fake_compiles() { guard g(mu); return compiles; }
 void fake_set_nvrtc_version(int a, int b) { guard g(mu); nvMajor = a; nvMinor = b; }
+const char *fake_last_error() { guard g(mu); return stickyMsg.c_str(); }
 
 CUresult cuInit(unsigned flags) { return flags == 0 ? 0 : 1; }
 CUresult cuDriverGetVersion(int *v) { *v = 12040; return 0; }
@@ -206,7 +224,7 @@ CUresult cuCtxSetCurrent(void *ctx) { return ctx == (void *)0x1000 ? 0 : 201; }
 CUresult cuCtxSynchronize() {
   guard g(mu);
   for (fake_stream *s : streams) drain(s);
-  return 0;
+  return sticky;
 }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
   if (n == 0) return 1;
@@ -256,7 +274,7 @@ CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *h) {
   if (st) drain(st);
   std::memcpy(d, (void *)s, n);
   clock_++;
-  return 0;
+  return sticky;
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, void *h) {
   guard g(mu);
@@ -300,7 +318,7 @@ CUresult cuStreamSynchronize(void *h) {
   fake_stream *s = stream(h, &ok);
   if (!ok) return CUDA_INVALID_HANDLE;
   if (s) drain(s);
-  return 0;
+  return sticky;
 }
 CUresult cuStreamQuery(void *h) {
   guard g(mu);
@@ -374,7 +392,7 @@ CUresult cuEventSynchronize(void *ev) {
   fake_event *e = event(ev);
   if (!e) return CUDA_INVALID_HANDLE;
   while (!e->done && e->stream && !e->stream->q.empty()) step(e->stream);
-  return 0;
+  return sticky;
 }
 // Every operation takes 0.25 ms of fake time.
 CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
@@ -399,13 +417,63 @@ CUresult cuEventDestroy_v2(void *ev) {
   return 0;
 }
 
-// A "function" is a thunk that unpacks kernelParams and runs one thread.
+// A "function" is a thunk that unpacks kernelParams and runs one thread
+// (in the whole-device fake, the emulator's kernel of that name).
 struct fake_fn {
   void (*thread)(void **params);
   bool warps;   // shuffles: run the block's threads concurrently, by warps
   int nparams;  // its arguments, each copied from an 8-byte slot at launch
   int maxDynamicShared = 48 << 10;
+  std::string name;
 };
+
+#ifdef LOOM_FAKE_DEVICE
+static std::map<std::string, fake_fn> fns;  // filled from the emulator's registry at lookup
+
+// A module: the kernels its source defines.
+struct fake_module {
+  std::set<std::string> names;
+};
+static std::set<fake_module *> moduleSet;
+
+CUresult cuModuleLoadData(void **mod, const void *image) {
+  const char *img = (const char *)image;
+  if (std::strncmp(img, "FAKE", 4) != 0) return 200;  // CUDA_ERROR_INVALID_IMAGE
+  guard g(mu);
+  fake_module *m = new fake_module;
+  const char *p = std::strchr(img, ';');
+  while (p) {
+    const char *e = std::strchr(p + 1, ';');
+    std::string name = e ? std::string(p + 1, e) : std::string(p + 1);
+    if (!name.empty()) m->names.insert(name);
+    p = e;
+  }
+  moduleSet.insert(m);
+  modules++;
+  *mod = m;
+  return 0;
+}
+CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
+  guard g(mu);
+  fake_module *m = (fake_module *)mod;
+  if (!moduleSet.count(m)) return CUDA_INVALID_HANDLE;
+  if (!m->names.count(name)) return 500;  // CUDA_ERROR_NOT_FOUND
+  auto r = loom_emu::registry().find(name);
+  if (r == loom_emu::registry().end()) return 500;
+  auto it = fns.find(name);
+  if (it == fns.end()) it = fns.emplace(name, fake_fn{nullptr, false, r->second.nargs, 48 << 10, name}).first;
+  *fn = &it->second;
+  return 0;
+}
+CUresult cuModuleUnload(void *mod) {
+  guard g(mu);
+  fake_module *m = (fake_module *)mod;
+  if (!moduleSet.erase(m)) return CUDA_INVALID_HANDLE;
+  delete m;
+  modules--;
+  return 0;
+}
+#else
 
 #define P(i, T) (*(T *)params[i])
 static void th_gather16(void **params) { loom_gather_w16(P(0, void *), P(1, void *), P(2, int *), P(3, int), P(4, i64), P(5, i64)); }
@@ -448,6 +516,7 @@ CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
   return 0;
 }
 CUresult cuModuleUnload(void *mod) { guard g(mu); modules--; return 0; }
+#endif
 CUresult cuFuncSetAttribute(void *f, int attr, int v) {
   fake_fn *fn = (fake_fn *)f;
   if (!fn || attr != 8 || v < 0 || v > 227 << 10) return CUDA_INVALID_VALUE;  // H100/H200's opt-in limit
@@ -456,8 +525,27 @@ CUresult cuFuncSetAttribute(void *f, int attr, int v) {
   return 0;
 }
 
+#ifdef LOOM_FAKE_DEVICE
+struct loom_dim3 {
+  unsigned x, y, z;
+};
+
+// run executes one launch under the emulator; a failure is kept for the
+// next synchronising call.
+static void run(fake_fn *fn, loom_dim3 grid, loom_dim3 block, unsigned shared, std::vector<unsigned long long> &vals) {
+  std::vector<void *> params(vals.size());
+  for (size_t i = 0; i < vals.size(); i++) params[i] = &vals[i];
+  launches++;
+  if (loom_emu_launch(fn->name.c_str(), grid.x, grid.y, grid.z, block.x, block.y, block.z, shared, params.data(),
+                      (int)params.size()) != 0 &&
+      sticky == 0) {
+    sticky = 719;  // CUDA_ERROR_LAUNCH_FAILED
+    stickyMsg = loom_emu_error();
+  }
+}
+#else
 // run executes one launch on the CPU.
-static void run(fake_fn *fn, loom_dim3 grid, loom_dim3 block, std::vector<unsigned long long> &vals) {
+static void run(fake_fn *fn, loom_dim3 grid, loom_dim3 block, unsigned shared, std::vector<unsigned long long> &vals) {
   std::vector<void *> params(vals.size());
   for (size_t i = 0; i < vals.size(); i++) params[i] = &vals[i];
   launches++;
@@ -484,6 +572,7 @@ static void run(fake_fn *fn, loom_dim3 grid, loom_dim3 block, std::vector<unsign
     for (auto &t : ts) t.join();
   }
 }
+#endif
 
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, void *stream, void **params, void **extra) {
@@ -499,7 +588,7 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
   auto vals = std::make_shared<std::vector<unsigned long long>>(fn->nparams);
   for (int i = 0; i < fn->nparams; i++) std::memcpy(&(*vals)[i], params[i], 8);
   loom_dim3 grid{gx, gy, gz}, block{bx, by, bz};
-  return enqueue(stream, [fn, grid, block, vals] { run(fn, grid, block, *vals); });
+  return enqueue(stream, [fn, grid, block, shared, vals] { run(fn, grid, block, shared, *vals); });
 }
 
 CUresult cuGetErrorName(CUresult r, const char **s) {
@@ -509,6 +598,7 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
   case 101: *s = "CUDA_ERROR_INVALID_DEVICE"; return 0;
   case 200: *s = "CUDA_ERROR_INVALID_IMAGE"; return 0;
   case 500: *s = "CUDA_ERROR_NOT_FOUND"; return 0;
+  case 719: *s = "CUDA_ERROR_LAUNCH_FAILED"; return 0;
   }
   return 1;
 }
@@ -554,6 +644,12 @@ nvrtcResult nvrtcCompileProgram(void *prog, int n, const char *const *opts) {
   }
   p->log = "";
   p->image = "FAKE " + arch;
+#ifdef LOOM_FAKE_DEVICE
+  // Name the registered kernels the source defines, for cuModuleGetFunction.
+  for (auto &k : loom_emu::registry())
+    if (p->src.find(k.first + "(") != std::string::npos) p->image += ";" + k.first;
+  p->image.push_back('\0');  // a cubin's size is its own; the module reads up to here
+#endif
   guard g(mu);
   compiles++;
   return 0;
@@ -583,3 +679,19 @@ const char *nvrtcGetErrorString(nvrtcResult r) {
 }
 
 }  // extern "C"
+
+#ifdef LOOM_FAKE_DEVICE
+// The hooks of fakecublas.cpp.
+bool fake_device_in_block(uintptr_t p, size_t bytes) {
+  guard g(mu);
+  auto it = live.upper_bound((void *)p);
+  if (it == live.begin()) return false;
+  --it;
+  uintptr_t base = (uintptr_t)it->first;
+  return p >= base && p - base + bytes <= it->second;
+}
+int fake_device_enqueue(void *stream, std::function<void()> f) {
+  guard g(mu);
+  return enqueue(stream, std::move(f));
+}
+#endif
