@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -61,6 +62,9 @@ func (c Checker) Check(ctx context.Context, f LossFunc, params ...*placement.DTe
 		}
 		if p.Spec().DType() != comm.Float64 {
 			return invalidf(op, "parameter %d is %v; finite differences need float64", i, p.Spec().DType())
+		}
+		if d := p.Device(); d.Kind() != device.KindHost {
+			return invalidf(op, "parameter %d is on %s; finite differences perturb host blocks: pass p.To(device.Host()) and move the inputs inside the loss function", i, d.Name())
 		}
 	}
 	h, tol := c.Step, c.Tol

@@ -1,8 +1,10 @@
 package autograd
 
 import (
+	"fmt"
 	"slices"
 
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -28,7 +30,8 @@ func (v *Value) SetGrad(g *placement.DTensor) error {
 		return invalidf(op, "%q: SetGrad called during Backward (from a gradient hook)", v.name)
 	}
 	if g == nil {
-		v.grad, v.fresh = nil, 0
+		v.freeOwnedGrad(nil)
+		v.grad, v.fresh, v.ownGrad = nil, 0, false
 		return nil
 	}
 	vs, gs := v.data.Spec(), g.Spec()
@@ -41,6 +44,46 @@ func (v *Value) SetGrad(g *placement.DTensor) error {
 	if !slices.Equal(vs.Mesh().Shape(), gs.Mesh().Shape()) || !slices.Equal(vs.Mesh().Names(), gs.Mesh().Names()) {
 		return invalidf(op, "%q: gradient on mesh %v for a value on mesh %v", v.name, gs.Mesh(), vs.Mesh())
 	}
+	if err := device.Same(op, v.data.Device(), g.Device()); err != nil {
+		return fmt.Errorf("autograd: %w (%q's gradient must be on its value's device): %w", err, v.name, ErrInvalid)
+	}
+	v.freeOwnedGrad(g)
 	v.grad, v.fresh, v.ownGrad = g, 0, false
 	return nil
+}
+
+// freeOwnedGrad frees the leaf's gradient when it is device memory that
+// Backward allocated for the leaf (as ZeroGrad does) and not the block of
+// next, the gradient that replaces it: device memory has no garbage
+// collector, so a dropped gradient would stay allocated.
+func (v *Value) freeOwnedGrad(next *placement.DTensor) {
+	if v.grad == nil || !v.ownGrad {
+		return
+	}
+	if b := bufOf(v.grad); b != nil && (next == nil || !sharesMemory(b, bufOf(next))) {
+		_ = b.Free() // a failure means a closed device, which holds nothing
+	}
+}
+
+// sharesMemory reports whether c lies in b's memory (a view of it), so
+// that freeing b would free c's memory too.
+func sharesMemory(b, c device.Buffer) bool {
+	if c == nil || c.Owner() != b.Owner() {
+		return false
+	}
+	size := uintptr(b.Len() * b.DType().Size())
+	return c.Ptr() >= b.Ptr() && c.Ptr() < b.Ptr()+max(size, 1)
+}
+
+// freeOwnedSpare frees the memory kept for the leaf's next gradient when
+// it is a device buffer the leaf owns, unless it is keep.
+func (v *Value) freeOwnedSpare(keep any) {
+	if !v.ownSpare {
+		return
+	}
+	if b, ok := v.spare.(device.Buffer); ok {
+		if k, same := keep.(device.Buffer); !same || k != b {
+			_ = b.Free() // a failure means a closed device, which holds nothing
+		}
+	}
 }

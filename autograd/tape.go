@@ -30,6 +30,12 @@ func WithBLAS(b *kernels.BLAS) Option { return func(t *Tape) { t.blas = b } }
 // tape allocate their parameters, and where their gradients and the
 // optimizer state follow. Ops run on the device of their inputs, not the
 // tape's. Without it, or with nil, the device is the host.
+//
+// Op results on a device are device memory, which the garbage collector
+// frees only when it gets round to it (a safety net): give a tape whose
+// ops run on a device WithRecycling too, as the models' trainers do, so
+// that each step's results go back to the device's allocator at Recycle
+// and the device's memory stays flat.
 func WithDevice(d device.Device) Option { return func(t *Tape) { t.device = d } }
 
 // WithRecycling makes the tape reuse the memory of op results from one
@@ -458,6 +464,7 @@ func (v *Value) ReleaseGrad() any {
 	if v.grad != nil && v.ownGrad && (v.GradBytes() > 0 || bufOf(v.grad) != nil) {
 		block = v.grad.LocalData()
 	}
+	v.freeOwnedSpare(block)
 	v.grad, v.spare, v.fresh, v.ownGrad, v.ownSpare = nil, nil, 0, false, false
 	return block
 }
@@ -475,6 +482,7 @@ func (v *Value) KeepGradBuffer(block any) {
 	}
 	switch block.(type) {
 	case []float32, []float64, device.Buffer:
+		v.freeOwnedSpare(block)
 		v.spare, v.ownSpare = block, true
 	}
 }
@@ -489,6 +497,7 @@ func (v *Value) ZeroGrad() {
 		return
 	}
 	if v.grad != nil && v.tape != nil && v.tape.recycling {
+		v.freeOwnedSpare(v.grad.LocalData())
 		v.spare, v.ownSpare = v.grad.LocalData(), v.ownGrad
 	} else if v.grad != nil && v.ownGrad {
 		if b := bufOf(v.grad); b != nil {

@@ -36,6 +36,21 @@
 // (1 MiB by default, [WithBlockSize]) let a reader that needs a few rows of
 // a large chunk verify what it reads without reading the whole chunk.
 //
+// # Saving in the background
+//
+// A [Saver] saves while training goes on: [Saver.Save] snapshots the
+// chunks this rank writes to host memory (a device block copied off the
+// device) and returns; the files are then written in the background with
+// the same crash safety as Save. Saves run one at a time: the next Save,
+// [Saver.Wait] or [Saver.Close] waits for the previous one and returns its
+// error. [WithMemoryLimit] bounds the snapshot's host memory: the chunks
+// are copied piece by piece while the writer frees what it has written,
+// trading time blocked for memory. The returned [AsyncSave] reports the
+// time the caller was blocked and the peak of host memory the snapshot
+// held. The background writer talks to the other ranks on a communicator
+// split once from the job's, so it never interleaves with training's
+// collectives.
+//
 // # Safety
 //
 // A checkpoint is visible only when complete. Files are written in a
@@ -64,6 +79,17 @@
 // the tensor) is refused before any tensor is built, on every rank.
 // [LoadInto] fills existing tensors in place instead (a model's
 // parameters, which an optimizer already holds), on their own devices.
+//
+// # Interop
+//
+// [Export] writes the whole model as one plain safetensors file, each
+// tensor under its name with its global shape (the file PyTorch's
+// safetensors.torch.load_file and numpy read); the ranks save their blocks
+// to a staging folder beside it, and world rank 0 assembles the file from
+// them in slabs of rows within [WithMemoryLimit]. [Import] reads such a file,
+// PyTorch's included, into any layout as Load reads a checkpoint, each
+// rank reading only its blocks' bytes ([WithPrefix] picks a part of a
+// file, [WithReshape] lets a fused tensor take the target's shape).
 //
 // Tensors are float32 or float64 (placement's dtypes); hosts are
 // little-endian (every platform loom runs on).

@@ -17,19 +17,25 @@ type use uint8
 const (
 	forSave use = 1 << iota
 	forLoad
-	forFill // LoadInto
+	forFill  // LoadInto
+	forSaver // NewSaver and Saver.Save only
+	forExport
+	forImport
 )
 
 type config struct {
-	step    int
-	hasStep bool
-	keep    int
-	block   int
-	world   comm.Communicator
-	dev     device.Device
-	hook    func(event)
-	errs    []error
-	uses    []struct {
+	step     int
+	hasStep  bool
+	keep     int
+	block    int
+	memLimit int
+	prefix   string
+	reshape  bool
+	world    comm.Communicator
+	dev      device.Device
+	hook     func(event)
+	errs     []error
+	uses     []struct {
 		name string
 		use  use
 	}
@@ -96,7 +102,7 @@ func WithBlockSize(bytes int) Option {
 // none, needs it.
 func WithComm(c comm.Communicator) Option {
 	return func(cfg *config) {
-		cfg.note("WithComm", forSave|forLoad|forFill)
+		cfg.note("WithComm", forSave|forLoad|forFill|forExport)
 		cfg.world = c
 	}
 }
@@ -116,7 +122,7 @@ func OnDevice(d device.Device) Option {
 // rank touches and kill the process at each point in turn.
 func withHook(h func(event)) Option {
 	return func(c *config) {
-		c.note("withHook", forSave|forLoad|forFill)
+		c.note("withHook", forSave|forLoad|forFill|forExport)
 		c.hook = h
 	}
 }

@@ -101,61 +101,111 @@ func Save(ctx context.Context, root string, state State, opts ...Option) (string
 	if err != nil {
 		return "", err
 	}
+	return save(ctx, op, root, state, cfg)
+}
+
+// save is Save with its options applied.
+func save(ctx context.Context, op, root string, state State, cfg *config) (string, error) {
 	world, err := worldOf(op, cfg, tensorMeshes(state.Tensors))
 	if err != nil {
 		return "", err
 	}
-	rank := world.Rank()
-	fs := files{rank: rank, hook: cfg.hook}
-
-	// 1. Every rank learns every tensor's layout and checks agreement.
-	desc, err := describe(op, cfg, state, world)
-	msg, _ := json.Marshal(desc) // plain data: Marshal cannot fail
-	all, err := exchange(ctx, world, op, msg, err)
+	fs := files{rank: world.Rank(), hook: cfg.hook}
+	sv, err := prepare(ctx, op, root, cfg, state, world, world, fs)
 	if err != nil {
 		return "", err
 	}
+	defer sv.release()
+	return sv.finish(ctx, op, world, fs, directSource(sv.plan, state.Tensors))
+}
+
+// saving is a save between its agreement (prepare) and its writes
+// (finish): the layouts every rank agreed on, the step, this rank's file
+// plan and, on rank 0, root's lock.
+type saving struct {
+	root    string
+	desc    saveDesc // rank 0's options and entries
+	layouts map[string]*tensorLayout
+	step    int
+	staging string
+	plan    *filePlan // nil when this rank owns no chunk
+	lk      *lock     // rank 0 only
+	err     error     // planning failed: finish reports it to every rank
+}
+
+// release drops root's lock if this rank holds it.
+func (sv *saving) release() {
+	if sv.lk != nil {
+		sv.lk.release()
+		sv.lk = nil
+	}
+}
+
+// prepare runs the first phases of a save on every rank: the ranks agree
+// on every tensor's layout, rank 0 locks root, picks the step and makes
+// the staging folder, and each rank plans its data file. Nothing of the
+// tensors' data is read yet. The ranks talk on wire, world or a
+// communicator split from it with the same ranks.
+func prepare(ctx context.Context, op, root string, cfg *config, state State, world, wire comm.Communicator, fs files) (*saving, error) {
+	rank := world.Rank()
+	// 1. Every rank learns every tensor's layout and checks agreement.
+	desc, err := describe(op, cfg, state, world)
+	msg, _ := json.Marshal(desc) // plain data: Marshal cannot fail
+	all, err := exchange(ctx, wire, op, msg, err)
+	if err != nil {
+		return nil, err
+	}
 	descs, layouts, err := merge(op, all)
 	if err != nil {
-		return "", err // every rank finds the same disagreement
+		return nil, err // every rank finds the same disagreement
 	}
 
 	// 2. Rank 0 locks root, picks the step and makes the staging folder.
-	var lk *lock
+	sv := &saving{root: root, desc: descs[0], layouts: layouts}
 	var stepMsg []byte
 	var lerr error
 	if rank == 0 {
 		var step int
-		lk, step, lerr = begin(op, root, descs[0], fs)
-		if lk != nil {
-			defer lk.release()
-		}
+		sv.lk, step, lerr = begin(op, root, descs[0], fs)
 		stepMsg = []byte(strconv.Itoa(step))
 	}
-	all, err = exchange(ctx, world, op, stepMsg, lerr)
+	all, err = exchange(ctx, wire, op, stepMsg, lerr)
 	if err != nil {
-		return "", err
+		sv.release()
+		return nil, err
 	}
-	step, _ := strconv.Atoi(string(all[0])) // rank 0 wrote a decimal
-	staging := filepath.Join(root, stagingPrefix+stepName(step))
+	sv.step, _ = strconv.Atoi(string(all[0])) // rank 0 wrote a decimal
+	sv.staging = filepath.Join(root, stagingPrefix+stepName(sv.step))
 
-	// 3. Every rank writes the chunks it owns.
+	// An error here reaches the other ranks in finish's first exchange.
 	chunks, err := assign(op, layouts, world.Size())
-	var rec *rankRecord
 	if err == nil {
-		rec, err = writeRank(fs, staging, chunks, state.Tensors, descs[0].Block)
+		sv.plan, err = planRank(rank, chunks, state.Tensors)
 	}
-	msg, _ = json.Marshal(rec)
-	all, err = exchange(ctx, world, op, msg, err)
+	sv.err = err
+	return sv, nil
+}
+
+// finish runs the last phases of a save on every rank: each writes its
+// chunks as src delivers them, then rank 0 writes the manifest and
+// commits. It returns the checkpoint's folder.
+func (sv *saving) finish(ctx context.Context, op string, world comm.Communicator, fs files, src chunkSource) (string, error) {
+	// 3. Every rank writes the chunks it owns.
+	rec, err := (*rankRecord)(nil), sv.err
+	if err == nil {
+		rec, err = writeRank(fs, sv.staging, sv.plan, sv.desc.Block, src)
+	}
+	msg, _ := json.Marshal(rec)
+	all, err := exchange(ctx, world, op, msg, err)
 	if err != nil {
 		return "", err
 	}
 
 	// 4. Rank 0 writes the manifest and commits.
-	final := filepath.Join(root, stepName(step))
+	final := filepath.Join(sv.root, stepName(sv.step))
 	var cerr error
-	if rank == 0 {
-		cerr = commit(op, fs, root, staging, final, step, world.Size(), descs[0], layouts, all)
+	if world.Rank() == 0 {
+		cerr = commit(op, fs, sv.root, sv.staging, final, sv.step, world.Size(), sv.desc, sv.layouts, all)
 	}
 	if _, err := exchange(ctx, world, op, nil, cerr); err != nil {
 		return "", err
@@ -441,81 +491,120 @@ func chunkKey(name string, off, size []int, shape []int) string {
 	return name + "@" + strings.Join(s, ",")
 }
 
-// writeRank writes this rank's chunks into its data file in the staging
-// folder: a safetensors header, then each chunk's bytes, host copies made
-// one tensor at a time; then fsync and rename from the staging name.
-func writeRank(fs files, staging string, all []owned, tensors map[string]*placement.DTensor, block int) (*rankRecord, error) {
-	var mine []owned
+// filePlan is a rank's data file laid out before any byte is written:
+// its chunks in file (key) order, the header, and each chunk's place.
+type filePlan struct {
+	name  string
+	head  []byte // length, JSON header, padding
+	items []planned
+}
+
+// planned is one chunk of a filePlan: its bytes start at begin.
+type planned struct {
+	owned
+	key   string
+	dtype string
+	begin int64
+}
+
+// planRank lays out this rank's data file: the chunks it owns, in key
+// order, back to back after a safetensors header. It returns nil when the
+// rank owns no chunk.
+func planRank(rank int, all []owned, tensors map[string]*placement.DTensor) (*filePlan, error) {
+	p := &filePlan{name: fileName(rank)}
 	for _, c := range all {
-		if c.owner == fs.rank {
-			mine = append(mine, c)
+		if c.owner == rank {
+			t := tensors[c.name]
+			p.items = append(p.items, planned{owned: c, key: chunkKey(c.name, c.off, c.size, t.Spec().Shape()), dtype: dtypeName(t.Spec().DType())})
 		}
 	}
-	rec := &rankRecord{}
-	if len(mine) == 0 {
-		return rec, nil
+	if len(p.items) == 0 {
+		return nil, nil
 	}
-	name := fileName(fs.rank)
-	keys := make([]string, len(mine))
-	for i, c := range mine {
-		keys[i] = chunkKey(c.name, c.off, c.size, tensors[c.name].Spec().Shape())
-	}
-	order := make([]int, len(mine))
-	for i := range order {
-		order[i] = i
-	}
-	slices.SortFunc(order, func(a, b int) int { return strings.Compare(keys[a], keys[b]) })
-	// The header, with chunks in key order back to back.
+	slices.SortFunc(p.items, func(a, b planned) int { return strings.Compare(a.key, b.key) })
 	hdr := map[string]any{"__metadata__": map[string]string{"format": format}}
-	begins := make([]int64, len(mine))
 	var off int64
-	for _, i := range order {
-		c := mine[i]
-		if _, dup := hdr[keys[i]]; dup {
-			return nil, invalidf("Save", "two chunks are named %q in %s", keys[i], name)
+	for i := range p.items {
+		c := &p.items[i]
+		if _, dup := hdr[c.key]; dup {
+			return nil, invalidf("Save", "two chunks are named %q in %s", c.key, p.name)
 		}
-		hdr[keys[i]] = map[string]any{"dtype": dtypeName(tensors[c.name].Spec().DType()), "shape": c.size, "data_offsets": []int64{off, off + int64(c.bytes)}}
-		begins[i] = off
+		hdr[c.key] = map[string]any{"dtype": c.dtype, "shape": c.size, "data_offsets": []int64{off, off + int64(c.bytes)}}
+		c.begin = off
 		off += int64(c.bytes)
 	}
 	h, _ := json.Marshal(hdr) // plain data: Marshal cannot fail
 	for len(h)%8 != 0 {
 		h = append(h, ' ')
 	}
-	base := int64(8 + len(h))
-	head := make([]byte, 8, base)
+	p.head = make([]byte, 8, 8+len(h))
 	for i := range 8 {
-		head[i] = byte(uint64(len(h)) >> (8 * i))
+		p.head[i] = byte(uint64(len(h)) >> (8 * i))
 	}
-	head = append(head, h...)
+	p.head = append(p.head, h...)
+	for i := range p.items {
+		p.items[i].begin += int64(len(p.head))
+	}
+	return p, nil
+}
 
-	tmp := filepath.Join(staging, name+".tmp")
+// chunkSource delivers chunk i's bytes of a filePlan to emit, in order,
+// in one or more pieces that together hold exactly its bytes.
+type chunkSource func(i int, emit func([]byte) error) error
+
+// writeRank writes this rank's chunks into its data file in the staging
+// folder (plan from planRank; nil writes nothing): the header, then each
+// chunk's bytes as src delivers them, checksummed on the way; then fsync
+// and rename from the staging name.
+func writeRank(fs files, staging string, p *filePlan, block int, src chunkSource) (*rankRecord, error) {
+	rec := &rankRecord{}
+	if p == nil {
+		return rec, nil
+	}
+	tmp := filepath.Join(staging, p.name+".tmp")
 	w, err := fs.create(tmp)
 	if err != nil {
 		return nil, wrapf("Save", err, "creating %s", tmp)
 	}
 	defer w.Close() // on error paths; the success path closes it first
-	if err := fs.write(w, 0, head); err != nil {
+	if err := fs.write(w, 0, p.head); err != nil {
 		return nil, wrapf("Save", err, "writing %s", tmp)
 	}
-	for _, i := range order {
-		c := mine[i]
-		data, err := hostBytes(tensors[c.name])
+	end := int64(len(p.head))
+	for i, c := range p.items {
+		var sums []uint32
+		var crc uint32
+		inBlock, got := 0, 0
+		err := src(i, func(data []byte) error {
+			if got+len(data) > c.bytes {
+				return invalidf("Save", "tensor %q: local block of more than the %d bytes its box %v holds", c.name, c.bytes, c.size)
+			}
+			if err := fs.write(w, c.begin+int64(got), data); err != nil {
+				return wrapf("Save", err, "writing %s", tmp)
+			}
+			got += len(data)
+			for len(data) > 0 {
+				n := min(block-inBlock, len(data))
+				crc = crc32.Update(crc, castagnoli, data[:n])
+				data, inBlock = data[n:], inBlock+n
+				if inBlock == block {
+					sums, crc, inBlock = append(sums, crc), 0, 0
+				}
+			}
+			return nil
+		})
 		if err != nil {
-			return nil, wrapf("Save", err, "copying tensor %q to the host", c.name)
+			return nil, err
 		}
-		if len(data) != c.bytes {
-			return nil, invalidf("Save", "tensor %q: local block of %d bytes, its box %v holds %d", c.name, len(data), c.size, c.bytes)
+		if got != c.bytes {
+			return nil, invalidf("Save", "tensor %q: local block of %d bytes, its box %v holds %d", c.name, got, c.size, c.bytes)
 		}
-		sums := make([]uint32, 0, (len(data)+block-1)/block)
-		for b := 0; b < len(data); b += block {
-			sums = append(sums, crc32.Checksum(data[b:min(b+block, len(data))], castagnoli))
+		if inBlock > 0 {
+			sums = append(sums, crc)
 		}
-		if err := fs.write(w, base+begins[i], data); err != nil {
-			return nil, wrapf("Save", err, "writing %s", tmp)
-		}
-		rec.Chunks = append(rec.Chunks, namedChunk{Name: c.name, chunk: chunk{Offset: c.off, Size: c.size, File: name, Key: keys[i],
-			Begin: base + begins[i], End: base + begins[i] + int64(c.bytes), CRC32C: sums}})
+		rec.Chunks = append(rec.Chunks, namedChunk{Name: c.name, chunk: chunk{Offset: c.off, Size: c.size, File: p.name, Key: c.key,
+			Begin: c.begin, End: c.begin + int64(c.bytes), CRC32C: sums}})
+		end = c.begin + int64(c.bytes)
 	}
 	if err := fs.fsync(w); err != nil {
 		return nil, wrapf("Save", err, "syncing %s", tmp)
@@ -523,11 +612,24 @@ func writeRank(fs files, staging string, all []owned, tensors map[string]*placem
 	if err := w.Close(); err != nil {
 		return nil, wrapf("Save", err, "closing %s", tmp)
 	}
-	if err := fs.rename(tmp, filepath.Join(staging, name)); err != nil {
+	if err := fs.rename(tmp, filepath.Join(staging, p.name)); err != nil {
 		return nil, wrapf("Save", err, "renaming %s", tmp)
 	}
-	rec.File = &fileRecord{Name: name, Rank: fs.rank, Bytes: base + off}
+	rec.File = &fileRecord{Name: p.name, Rank: fs.rank, Bytes: end}
 	return rec, nil
+}
+
+// directSource delivers each chunk of p as its tensor's host bytes: a
+// view of a host block, a copy of a device block made when it is written.
+func directSource(p *filePlan, tensors map[string]*placement.DTensor) chunkSource {
+	return func(i int, emit func([]byte) error) error {
+		c := p.items[i]
+		data, err := hostBytes(tensors[c.name])
+		if err != nil {
+			return wrapf("Save", err, "copying tensor %q to the host", c.name)
+		}
+		return emit(data)
+	}
 }
 
 // hostBytes returns the tensor's local block as little-endian bytes in

@@ -242,3 +242,36 @@ type AttnShape struct {
 	Batch, T, DH, DV int
 	Scale            float32
 }
+
+// MoEKernels is the data movement of a mixture-of-experts dispatch and
+// combine on a device (package moe's device path): each method mirrors one
+// permute kernel of package kernels, on Float32 buffers of the device,
+// queued on its Compute stream. A device offers it by implementing it
+// beside Kernels (Kernels().(MoEKernels)); moe refuses device tensors
+// without it, naming the device.
+//
+// The routing plan r (kernels.PlanRouting's, computed on the host from
+// the experts the router chose) and counts are read before a method
+// returns, so the caller may plan the next dispatch into them at once;
+// a nil r or a plan whose sizes do not fit the buffers is an error (at
+// the call for a nil plan, else when the work runs, as for Kernels).
+type MoEKernels interface {
+	// Permute is kernels.Permute: packed row p of out (r.Rows() rows of
+	// d) is row RowSlot[p]/K of x (r.Tokens rows), zero for pad rows.
+	Permute(out, x Buffer, d int, r *kernels.Routing) error
+	// Unpermute is kernels.Unpermute: row t of out (r.Tokens rows of d)
+	// is the gate-weighted sum of its slots' packed rows; gates (n·K
+	// values) may be nil, weighting every slot by 1.
+	Unpermute(out, packed, gates Buffer, d int, r *kernels.Routing) error
+	// UnpermuteBackward is kernels.UnpermuteBackward: dpacked (or nil)
+	// gets the gate-scaled rows of dout, dgates (or nil) the dot products
+	// of packed's rows with dout's; packed may be nil when dgates is,
+	// gates may be nil.
+	UnpermuteBackward(dpacked, dgates, dout, packed, gates Buffer, d int, r *kernels.Routing) error
+	// GroupByExpert is kernels.GroupByExpert: the rows of src (rank-major
+	// chunks of counts, a [ranks, local] matrix) regrouped expert-major
+	// into dst.
+	GroupByExpert(dst, src Buffer, d int, counts []int, ranks, local int) error
+	// GroupByRank is kernels.GroupByRank, GroupByExpert's inverse.
+	GroupByRank(dst, src Buffer, d int, counts []int, ranks, local int) error
+}

@@ -297,6 +297,8 @@ type runConfig struct {
 	local []local.Option
 	shape []int     // the mesh the ranks build, outermost axis first; nil: unknown
 	log   io.Writer // where the root process says how it placed the ranks
+	// device: on NCCL, open the rank's GPU as a cuda.Device (WithDevice)
+	device bool
 }
 
 // WithMesh says which mesh the ranks will build on the world (its axis

@@ -8,6 +8,8 @@ import (
 	"github.com/b7ea7098/loom/comm/nccl"
 	"github.com/b7ea7098/loom/comm/nccl/topology"
 	"github.com/b7ea7098/loom/comm/rendezvous"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/cuda"
 )
 
 // WorldKey is the rendezvous key under which the NCCL backend's world
@@ -24,16 +26,53 @@ func checkNCCL(j *Job) error {
 	return nil
 }
 
+// WithDevice makes Job.Run on NCCL open each rank's GPU as a device/cuda
+// Device (named "cuda:N", with NVRTC searched for and loaded when found)
+// whose context the rank's communicator is made on, so that compute and
+// NCCL share one context and one driver binding; the rank reaches it with
+// DeviceOf(ctx). Job.Run closes it after fn returns. The other backends
+// ignore it (they have no GPU).
+func WithDevice() Option {
+	return func(c *runConfig) { c.device = true }
+}
+
+// deviceKey is the context key of the rank's device (DeviceOf).
+type deviceKey struct{}
+
+// DeviceOf returns the device Job.Run opened for the rank whose fn got ctx
+// (WithDevice on NCCL), or nil when it opened none. The device belongs to
+// Job.Run, which closes it after fn returns: fn must not close it.
+func DeviceOf(ctx context.Context) device.Device {
+	d, _ := ctx.Value(deviceKey{}).(device.Device)
+	return d
+}
+
 // runNCCL runs fn on this process's rank of an NCCL world on the GPU that
 // gpuOf picks, bootstrapped through the rendezvous server at j.Addr. The
-// GPU is opened once, as a device/cuda context of the driver binding NCCL
-// uses (lib.Driver()), and handed to the communicator; fn reaches it as
-// the communicator's Device (interface{ Device() *cuda.Context }), since
-// the topology may have put the rank on another GPU than LOCAL_RANK and
-// compute must use the one NCCL does.
+// GPU is opened once and handed to the communicator: as a bare
+// device/cuda context of NCCL's own driver binding (lib.Driver()), or with
+// cfg.device as a cuda.Device of a binding loaded here with NVRTC, which
+// NCCL is then loaded on (nccl.WithDriverLib) and fn reaches through
+// DeviceOf. Either way fn reaches the context as the communicator's Device
+// (interface{ Device() *cuda.Context }), since the topology may have put
+// the rank on another GPU than LOCAL_RANK and compute must use the one
+// NCCL does.
 func runNCCL(ctx context.Context, j *Job, fn Func, cfg runConfig) (err error) {
 	where := fmt.Sprintf("launch: nccl (RANK=%d LOCAL_RANK=%d)", j.Rank, j.LocalRank)
-	lib, err := nccl.Load()
+	var (
+		cu   *cuda.Lib
+		opts []nccl.LoadOption
+	)
+	if cfg.device {
+		// NVRTC searched for (not forced): a missing one fails the first
+		// kernel compile, naming it, not the job's start.
+		if cu, err = cuda.Load(); err != nil {
+			return fmt.Errorf("%s: CUDA for the rank's device: %w", where, err)
+		}
+		defer func() { err = errors.Join(err, cu.Close()) }()
+		opts = append(opts, nccl.WithDriverLib(cu))
+	}
+	lib, err := nccl.Load(opts...)
 	if err != nil {
 		return fmt.Errorf("%s: %w", where, err)
 	}
@@ -44,17 +83,29 @@ func runNCCL(ctx context.Context, j *Job, fn Func, cfg runConfig) (err error) {
 	if cfg.log != nil && j.Root() {
 		fmt.Fprintln(cfg.log, layout)
 	}
-	dev, err := lib.Driver().Open(gpu)
-	if err != nil {
-		return fmt.Errorf("%s: GPU %d: %w", where, gpu, err)
+	var cctx *cuda.Context
+	if cfg.device {
+		d, err := cuda.OpenDevice(cu, gpu)
+		if err != nil {
+			return fmt.Errorf("%s: GPU %d: %w", where, gpu, err)
+		}
+		defer func() { err = errors.Join(err, d.Close()) }()
+		cctx = d.Context()
+		ctx = context.WithValue(ctx, deviceKey{}, device.Device(d))
+	} else {
+		c, err := lib.Driver().Open(gpu)
+		if err != nil {
+			return fmt.Errorf("%s: GPU %d: %w", where, gpu, err)
+		}
+		defer func() { err = errors.Join(err, c.Close()) }()
+		cctx = c
 	}
-	defer func() { err = errors.Join(err, dev.Close()) }()
 	store, err := rendezvous.Dial(ctx, j.Addr)
 	if err != nil {
 		return fmt.Errorf("%s: rendezvous server %s (MASTER_ADDR, MASTER_PORT): %w", where, j.Addr, err)
 	}
 	defer func() { err = errors.Join(err, store.Close()) }()
-	c, err := lib.NewComm(ctx, dev, store, WorldKey, j.Rank, j.WorldSize)
+	c, err := lib.NewComm(ctx, cctx, store, WorldKey, j.Rank, j.WorldSize)
 	if err != nil {
 		return fmt.Errorf("%s: %w", where, err)
 	}

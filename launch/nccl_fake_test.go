@@ -6,18 +6,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/b7ea7098/loom/comm/nccl/topology"
-	"github.com/b7ea7098/loom/comm/rendezvous"
-	"github.com/b7ea7098/loom/device/cuda"
 	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
@@ -66,58 +59,24 @@ func trainTiny(ctx context.Context, job *launch.Job, steps int) ([]float64, stri
 // NVML the topology is uniform), and three training steps give the losses
 // of in-process ranks exactly (two-rank sums do not depend on the order).
 func TestNCCLFake(t *testing.T) {
-	gcc, err := exec.LookPath("gcc")
-	if err != nil {
-		t.Skip("no gcc to build the fake NCCL")
-	}
-	lib := filepath.Join(t.TempDir(), "libfakenccl.so")
-	if out, err := exec.Command(gcc, "-shared", "-fPIC", "-O1", "-Wall", "-pthread", "-o", lib, filepath.Join("..", "comm", "nccl", "testdata", "fakenccl.c")).CombinedOutput(); err != nil {
-		t.Fatalf("building the fake NCCL: %v\n%s", err, out)
-	}
-	t.Setenv("LOOM_NCCL", lib)
-	t.Setenv(cuda.DriverEnv, lib)
-	t.Setenv(topology.NVMLEnv, filepath.Join(t.TempDir(), "no-libnvidia-ml.so")) // the uniform topology, even on a GPU host
-	t.Setenv("LOOM_COSTMODEL", "off")
-
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	srv, err := rendezvous.Listen(ctx, "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	host, port, err := net.SplitHostPort(srv.Addr())
-	if err != nil {
-		t.Fatal(err)
-	}
+	jobs := fakeNCCLJobs(t, ctx, 2) // the fake's driver finds GPUs: Detect picks NCCL by itself
 
 	const steps = 3
 	losses := make([][]float64, 2)
 	outs := make([]string, 2)
-	errs := make([]error, 2)
-	var wg sync.WaitGroup
-	for rank := range 2 {
-		env := map[string]string{"RANK": fmt.Sprint(rank), "WORLD_SIZE": "2", "LOCAL_RANK": fmt.Sprint(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": host, "MASTER_PORT": port,
-			cuda.DriverEnv: lib} // the fake's driver finds GPUs: Detect picks NCCL by itself
-		job, err := launch.Detect(func(k string) string { return env[k] }, "", 2)
+	runRanks(t, jobs, func(rank int, job *launch.Job) error {
+		if job.Rank != rank || job.Processes != 2 {
+			return fmt.Errorf("Detect = %+v", *job)
+		}
+		var err error
+		losses[rank], outs[rank], err = trainTiny(ctx, job, steps)
 		if err != nil {
-			t.Fatal(err)
+			return fmt.Errorf("%w\n%s", err, outs[rank])
 		}
-		if job.Backend != launch.NCCL || job.Rank != rank || job.Processes != 2 {
-			t.Fatalf("rank %d: Detect = %+v", rank, *job)
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			losses[rank], outs[rank], errs[rank] = trainTiny(ctx, job, steps)
-		}()
-	}
-	wg.Wait()
-	for rank, err := range errs {
-		if err != nil {
-			t.Fatalf("rank %d: %v\n%s", rank, err, outs[rank])
-		}
-	}
+		return nil
+	})
 	if want := "NCCL: mesh [2], [2] on each host; local mesh position i on GPU [0 1][i] (topology from uniform"; !strings.Contains(outs[0], want) {
 		t.Errorf("rank 0 printed %q; want the layout %q", outs[0], want)
 	}

@@ -211,6 +211,9 @@ func rowsBlock[T kernels.Float](h *Handle, n int, grad bool) []T {
 // dispatchForward permutes this rank's tokens and sends them to the
 // experts.
 func (h *Handle) dispatchForward(ctx context.Context, x *placement.DTensor) (*placement.DTensor, error) {
+	if h.dev != nil {
+		return h.dispatchDev(ctx, x)
+	}
 	if h.xs.DType() == comm.Float32 {
 		return dispatchAs[float32](ctx, h, x)
 	}
@@ -265,6 +268,9 @@ func (h *Handle) dispatchBackward(ctx context.Context, g *placement.DTensor) (*p
 	spec, err := gradSpec(h.xs, h.d, places)
 	if err != nil {
 		return nil, err
+	}
+	if h.dev != nil {
+		return h.unpermuteDev(ctx, g, nil, h.d, spec, true, &h.stats.Backward, &h.stats.Backward.Permute, nil)
 	}
 	if h.xs.DType() == comm.Float32 {
 		return unpermuteAs[float32](ctx, h, g, nil, h.d, spec, true, &h.stats.Backward, &h.stats.Backward.Permute)
@@ -322,10 +328,13 @@ type combineState struct {
 	gates   *autograd.Value
 	width   int
 	outSpec *placement.Spec
-	packed  any // []T: the rows the forward received, in packed order
+	packed  any // []T or a device.Buffer: the rows the forward received, in packed order
 }
 
 func (cs *combineState) forward(ctx context.Context) (*placement.DTensor, error) {
+	if cs.h.dev != nil {
+		return combineDev(ctx, cs)
+	}
 	if cs.y.Spec().DType() == comm.Float32 {
 		return combineAs[float32](ctx, cs)
 	}
@@ -358,6 +367,9 @@ func combineAs[T kernels.Float](ctx context.Context, cs *combineState) (*placeme
 }
 
 func (cs *combineState) backward(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	if cs.h.dev != nil {
+		return combineBackwardDev(ctx, cs, g)
+	}
 	if cs.y.Spec().DType() == comm.Float32 {
 		return combineBackwardAs[float32](ctx, cs, g)
 	}

@@ -112,6 +112,23 @@
 // (WithPrefix). SeqLayer puts a Layer in a parallel.Sequential and adds
 // the routing losses to the task loss (SeqLayer.AddLosses).
 //
+// # Devices
+//
+// Tokens and parameters whose local blocks live on a device
+// (autograd.WithDevice; float32) run the same steps there, in the same
+// order on the same values: the router's logits are computed on the
+// device and copied to the host, where the experts are chosen and the
+// gates and losses computed (the dispatch's plan is host metadata either
+// way), and the gates and losses are copied back; the permutes run as the
+// device's device.MoEKernels, the experts' GEMMs, GELU and sums as its
+// Kernels, and the all-to-all-v's take the device buffers, ordered after
+// the compute that wrote them (device.BeforeCollective) and before the
+// compute that reads them (device.AfterCollective). The fused path is host
+// memory's: on a device the payload always takes the all-to-all-v's. A
+// device without MoE kernels, or float64 data on a device, is an error
+// wrapping ErrUnsupported. On the emulated device (device/emu) the results
+// are the host's bit for bit.
+//
 // The package holds no mutable global state; a Router's expert bias is
 // the only state it keeps, and the training loop updates it explicitly
 // (Router.UpdateExpertBias).

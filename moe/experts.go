@@ -29,7 +29,8 @@ type Experts struct {
 	// W1, B1, W2 and B2 are the parameters, usually autograd leaves
 	// (autograd.Tape.Param); NewExperts checks their layouts.
 	W1, B1, W2, B2 *autograd.Value
-	// BLAS runs the GEMMs; nil means kernels.Default().
+	// BLAS runs the GEMMs on the host; nil means kernels.Default(). On a
+	// device the GEMMs are the device's (Kernels.Gemm).
 	BLAS *kernels.BLAS
 
 	axis      string
@@ -232,6 +233,13 @@ func (x *Experts) Forward(ctx context.Context, rows *autograd.Value, h *Handle) 
 	if w1s := x.W1.Spec().Mesh(); w1s.World() != h.xs.Mesh().World() || !slices.Equal(w1s.WorldRanks(), h.xs.Mesh().WorldRanks()) || !slices.Equal(w1s.Names(), h.xs.Mesh().Names()) {
 		return nil, fmt.Errorf("%s: %w: the parameters are on mesh %v, the rows on %v", op, ErrInvalid, w1s, h.xs.Mesh())
 	}
+	dev, err := deviceOf(op, rows.Data())
+	if err != nil {
+		return nil, err
+	}
+	if dev != nil {
+		return x.forwardDev(ctx, rows, h, dev)
+	}
 	blas := x.BLAS
 	if blas == nil {
 		var err error
@@ -398,21 +406,8 @@ func expertsBackward[T kernels.Float](r *expertRun, g *placement.DTensor) ([]*pl
 	if err != nil {
 		return nil, err
 	}
-	// Parameters: Shard(0) on the expert axis, Partial(sum) on the other
-	// token axes, the arriving gradient's placement elsewhere.
 	msh := h.xs.Mesh()
-	names := msh.Names()
-	pp := make([]placement.Placement, len(names))
-	for a, n := range names {
-		switch {
-		case n == x.axis:
-			pp[a] = placement.Shard(0)
-		case slices.Contains(h.tokenAxes, n):
-			pp[a] = placement.Partial(comm.Sum)
-		default:
-			pp[a] = places[a]
-		}
-	}
+	pp := x.paramGradPlaces(h, places)
 	grads := make([]*placement.DTensor, 5)
 	if grads[0], err = placement.NewLocal(dxSpec, dx); err != nil {
 		return nil, err
@@ -430,6 +425,25 @@ func expertsBackward[T kernels.Float](r *expertRun, g *placement.DTensor) ([]*pl
 		}
 	}
 	return grads, nil
+}
+
+// paramGradPlaces is the layout of the parameters' gradients: Shard(0)
+// on the expert axis, Partial(sum) on the other token axes, the arriving
+// gradient's placement (places) elsewhere.
+func (x *Experts) paramGradPlaces(h *Handle, places []placement.Placement) []placement.Placement {
+	names := h.xs.Mesh().Names()
+	pp := make([]placement.Placement, len(names))
+	for a, n := range names {
+		switch {
+		case n == x.axis:
+			pp[a] = placement.Shard(0)
+		case slices.Contains(h.tokenAxes, n):
+			pp[a] = placement.Partial(comm.Sum)
+		default:
+			pp[a] = places[a]
+		}
+	}
+	return pp
 }
 
 // gemm sets c = op(a)·op(b) (row-major, leading dimensions lda, ldb, ldc)

@@ -110,6 +110,8 @@ type Handle struct {
 	// all-to-all-v; decided from the communicator, so the same on every
 	// rank of the axis.
 	fused bool
+	// dev: the tokens' device, nil on the host (device.go).
+	dev *onDevice
 
 	plan       kernels.Routing
 	send, recv []int // rows to and from every expert-parallel rank
@@ -357,12 +359,15 @@ func newHandle(ctx context.Context, op string, x *autograd.Value, r *Routing, cf
 		ws: cfg.Workspace, tape: x.Tape(), diag: cfg.Diagnostics,
 	}
 	h.stats.init(h)
+	if h.dev, err = deviceOf(op, x.Data()); err != nil {
+		return nil, err
+	}
 	// Communicators: created on first use by a collective Split, so every
 	// rank asks for the same ones in the same order.
 	if h.c, err = m.Comm(ctx, cfg.Axis); err != nil {
 		return nil, fmt.Errorf("%s: communicator of axis %q: %w", op, cfg.Axis, err)
 	}
-	h.fused = h.useFused(cfg)
+	h.fused = h.dev == nil && h.useFused(cfg) // the fused path is host memory's
 	exchange := !static || cfg.Diagnostics
 	var group comm.Communicator
 	if exchange {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -381,10 +382,32 @@ func (r *Router) Route(ctx context.Context, x *autograd.Value) (*Routing, error)
 		r: r, x: xs, logits: logits, n: xs.LocalShape()[0], nGlobal: xshape[0], e: e, k: r.cfg.K,
 		tokenAxes: tokenAxes, tokenRanks: tokenRanks,
 	}
-	if xs.DType() == comm.Float32 {
-		return routeAs[float32](ctx, rc)
+	// On a device the choice of experts is made on the host (device.go):
+	// the logits come over, the gates and losses go back.
+	dev := logits.Data().Device()
+	if dev.Kind() != device.KindHost {
+		if rc.logits, err = autograd.To(logits, device.Host()); err != nil {
+			return nil, fmt.Errorf("%s: logits to the host: %w", op, err)
+		}
 	}
-	return routeAs[float64](ctx, rc)
+	var rt *Routing
+	if xs.DType() == comm.Float32 {
+		rt, err = routeAs[float32](ctx, rc)
+	} else {
+		rt, err = routeAs[float64](ctx, rc)
+	}
+	if err != nil || dev.Kind() == device.KindHost {
+		return rt, err
+	}
+	for _, v := range []**autograd.Value{&rt.Gates, &rt.Aux, &rt.Z} {
+		if *v == nil {
+			continue
+		}
+		if *v, err = autograd.To(*v, dev); err != nil {
+			return nil, fmt.Errorf("%s: gates and losses to %s: %w", op, dev.Name(), err)
+		}
+	}
+	return rt, nil
 }
 
 // routeCall is one Route call's layout and sizes.

@@ -18,7 +18,10 @@ import "github.com/b7ea7098/loom/kernels"
 // concurrent use. It keeps the largest buffers it has handed out until it
 // is dropped. The zero value is ready to use; a Layer makes its own. The
 // fused path (ranks sharing memory, see Dispatch) has no intermediate
-// buffers and takes nothing from it.
+// buffers and takes nothing from it. A Workspace holds host memory only:
+// on a device the intermediate rows are the tape's device scratch
+// (autograd.ScratchBuffer), which the device's caching allocator reuses
+// from step to step.
 type Workspace struct {
 	f32 [2][]float32
 	f64 [2][]float64

@@ -273,9 +273,10 @@ func runOnBoth(ctx context.Context, m *mesh.Mesh, dt comm.DType, normType float6
 	return nil
 }
 
-// TestDeviceRejects: a gradient on another device than its parameter, or
-// gradients on two devices given to ClipGradNorm, are errors matching
-// device.ErrMixed and optim.ErrInvalid that change nothing.
+// TestDeviceRejects: gradients on two devices given to ClipGradNorm are
+// an error matching device.ErrMixed and optim.ErrInvalid that changes
+// nothing (a gradient on another device than its parameter is refused
+// earlier, by SetGrad).
 func TestDeviceRejects(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d, err := emu.New(0)
@@ -312,32 +313,17 @@ func TestDeviceRejects(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		if err := onDev.SetGrad(hostGrad); err != nil {
-			return err
-		}
-		if err := onHost.SetGrad(devGrad); err != nil {
-			return err
+		// A gradient on another device than its parameter cannot be
+		// installed (autograd's SetGrad refuses it), so an optimizer
+		// never meets one; gradients on two devices reach ClipGradNorm.
+		if err := onDev.SetGrad(hostGrad); !errors.Is(err, device.ErrMixed) {
+			return fmt.Errorf("SetGrad(host gradient) for a parameter on emu:0 = %v, want device.ErrMixed", err)
 		}
 		mixed := func(what string, err error) error {
 			if !errors.Is(err, device.ErrMixed) || !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), "emu:0") || !strings.Contains(err.Error(), "host") {
 				return fmt.Errorf("%s: %v; want device.ErrMixed and optim.ErrInvalid naming both devices", what, err)
 			}
 			return nil
-		}
-		for _, mk := range []func() (stepper, error){
-			func() (stepper, error) { return optim.NewAdamW([]*autograd.Value{onDev}) },
-			func() (stepper, error) { return optim.NewSGD([]*autograd.Value{onHost}, 0.1, optim.Momentum(0.9)) },
-		} {
-			o, err := mk()
-			if err != nil {
-				return err
-			}
-			if err := mixed("Step", o.Step()); err != nil {
-				return err
-			}
-			if o.StateBytes() != 0 {
-				return fmt.Errorf("a rejected Step made state")
-			}
 		}
 		if err := onHost.SetGrad(hostGrad); err != nil {
 			return err

@@ -13,6 +13,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/launch"
@@ -70,6 +71,9 @@ func (l Loop) Validate() error {
 	if l.Flags.TraceSteps < 1 {
 		bad("-trace-steps %d; want at least 1", l.Flags.TraceSteps)
 	}
+	if err := l.Flags.checkDevice(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -90,9 +94,26 @@ type Rank struct {
 	// BLAS is the GEMM library this process's ranks share, its threads
 	// sized by -threads.
 	BLAS *kernels.BLAS
-	// Tape are the options for the rank's tape: the BLAS and, with
-	// -trace, the tracer's observer.
+	// Tape are the options for the rank's tape: the BLAS, the device
+	// (autograd.WithDevice) when it is not the host and, with -trace, the
+	// tracer's observer.
 	Tape []autograd.Option
+	// Device is where the rank computes (-device): device.Host(), the
+	// rank's emulated device, which Run closes after the rank's Finish, or
+	// the rank's GPU (a device/cuda device named cuda:N whose context the
+	// rank's NCCL communicator uses), which package launch closes.
+	Device device.Device
+}
+
+// runOptions are the options of Run's job.Run: the in-process ranks'
+// options, the mesh (on NCCL it places the ranks on the GPUs), the layout
+// log and, for -device cuda, the rank's GPU opened as a device.
+func (l Loop) runOptions(out io.Writer) []launch.Option {
+	opts := []launch.Option{launch.WithLocal(l.Flags.RunOptions()...), launch.WithMesh(l.Shape...), launch.WithLog(out)}
+	if l.Flags.DeviceKind() == DeviceCUDA {
+		opts = append(opts, launch.WithDevice())
+	}
+	return opts
 }
 
 // Stepper is one rank's training state: Step runs one training step (it
@@ -154,6 +175,9 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 	if err := job.Check(); err != nil {
 		return nil, err
 	}
+	if err := l.Flags.checkJob(job); err != nil {
+		return nil, err
+	}
 	if out == nil || !job.Root() {
 		out = io.Discard
 	}
@@ -168,9 +192,25 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 	tracer := NewTracer(l.Flags.TracePath, l.Steps, l.Flags.TraceSteps, job.Rank)
 	res := &Result[R]{}
 	var mu sync.Mutex
-	err = job.Run(ctx, func(ctx context.Context, c comm.Communicator) error {
+	err = job.Run(ctx, func(ctx context.Context, c comm.Communicator) (err error) {
 		rt := tracer.Rank(c)
-		st, err := setup(ctx, Rank{Comm: rt.Comm(), BLAS: blas, Tape: rt.Tape(autograd.WithBLAS(blas))})
+		dev, err := l.Flags.OpenDevice(ctx, c.Rank(), blas)
+		if err != nil {
+			return err
+		}
+		tape := []autograd.Option{autograd.WithBLAS(blas)}
+		if dev.Kind() != device.KindHost {
+			tape = append(tape, autograd.WithDevice(dev))
+		}
+		// A cuda device is launch's: it closes it after the communicator.
+		if dev.Kind() == device.KindEmulated {
+			defer func() {
+				if cerr := dev.Close(); err == nil && cerr != nil {
+					err = fmt.Errorf("train: closing %s: %w", dev.Name(), cerr)
+				}
+			}()
+		}
+		st, err := setup(ctx, Rank{Comm: rt.Comm(), BLAS: blas, Tape: rt.Tape(tape...), Device: dev})
 		if err != nil {
 			return err
 		}
@@ -217,7 +257,7 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 			res.TokensPerS = MedianTokensPerS(float64(l.Tokens), times)
 		}
 		return nil
-	}, launch.WithLocal(l.Flags.RunOptions()...), launch.WithMesh(l.Shape...), launch.WithLog(out))
+	}, l.runOptions(out)...)
 	if err != nil {
 		return nil, err
 	}

@@ -10,7 +10,10 @@
 // gradient accumulation under the reducers' NoSync (DDP, FSDP; SyncGrads
 // for other axes), clipping (optim.ClipGradNorm), evaluation every N steps
 // (Evaluate, ClassMetrics, ClassifierEval), a progress line (a live bar on
-// a terminal) and JSON-lines metrics. Item reads a scalar loss.
+// a terminal) and JSON-lines metrics. Item reads a scalar loss. A
+// language model trains on a user's token file (OpenTokens: a text file as
+// bytes, nanoGPT's and llm.c's uint16 files) cut into Windows of T+1
+// tokens, with a held-out split (Windows.Split) and ValLoss.
 //
 // Run is the loop that the example programs (examples/transformer and
 // examples/moe) share, public so that a program of one's own can copy
@@ -21,7 +24,7 @@
 // progress, traces the last steps and returns rank 0's results with the
 // median throughput. Loop describes the run and checks it before any rank
 // starts; Flags are the common command-line flags (-threads, -bind,
-// -trace, -trace-steps, -json, -backend, -peak) and Loop.RegisterLoop adds
+// -trace, -trace-steps, -json, -backend, -peak, -device) and Loop.RegisterLoop adds
 // -steps and -every; ShapeFlags are the model-shape flags (-model and the
 // fields that override its preset). The pieces Run is made of are public
 // too: one BLAS whose thread pool the ranks share (LoadBLAS), the Tracer
@@ -79,6 +82,10 @@ type Flags struct {
 	// (one GPU, or the CPUs of one host's ranks), 0 for the table or
 	// estimate (Loop.JobPeak).
 	Peak float64
+	// Device is -device: where the ranks compute, cpu (the default), emu
+	// or cuda (DeviceCPU, DeviceEmu, DeviceCUDA); Run gives each rank its
+	// device (Rank.Device).
+	Device string
 }
 
 // Register defines the flags on fs, storing their values in f.
@@ -89,6 +96,7 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.StringVar(&f.JSONPath, "json", "", "write the run's summary as JSON to this file")
 	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
 	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi), nccl or tcp (under loomrun or torchrun: one process per GPU, or pure-Go TCP between CPU processes); default: "+launch.BackendEnv+", else how the program was launched (under loomrun or torchrun: nccl where the CUDA driver finds a GPU, tcp elsewhere)")
+	fs.StringVar(&f.Device, "device", DeviceCPU, "where the ranks compute: cpu (the host), emu (an emulated device per rank: the device code path on the CPU, the host's results bit for bit) or cuda (each rank's GPU, on the NCCL backend under loomrun or torchrun)")
 	fs.Float64Var(&f.Peak, "peak", 0, "peak of one device in TFLOP/s for the MFU line: one GPU, or the CPUs one host's ranks use (default: the GPU's datasheet figure, or the CPUs' estimate)")
 }
 

@@ -120,10 +120,11 @@ func TestFlags(t *testing.T) {
 		args []string
 		want Flags
 	}{
-		{nil, Flags{TraceSteps: 3}},
+		{nil, Flags{TraceSteps: 3, Device: "cpu"}},
 		{[]string{"-threads", "2", "-trace", "t.json", "-trace-steps", "1", "-json", "r.json"},
-			Flags{Threads: 2, TracePath: "t.json", TraceSteps: 1, JSONPath: "r.json"}},
-		{[]string{"-backend", "mpi", "-bind"}, Flags{TraceSteps: 3, Backend: "mpi", Bind: true}},
+			Flags{Threads: 2, TracePath: "t.json", TraceSteps: 1, JSONPath: "r.json", Device: "cpu"}},
+		{[]string{"-backend", "mpi", "-bind"}, Flags{TraceSteps: 3, Backend: "mpi", Bind: true, Device: "cpu"}},
+		{[]string{"-device", "emu"}, Flags{TraceSteps: 3, Device: "emu"}},
 	} {
 		var f Flags
 		fs := flag.NewFlagSet("test", flag.ContinueOnError)

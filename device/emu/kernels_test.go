@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"testing"
 
@@ -338,7 +339,7 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
-	}, append(autogradCases(), followupCases()...)...)
+	}, slices.Concat(autogradCases(), followupCases(), moeCases())...)
 }
 
 // followupCases are the kernels of A6's follow-ups: the softmax over a

@@ -31,6 +31,14 @@
 //	                      [-capacity 0] [-diag] [-experts 8] [-topk 2]
 //	                      [-trace trace.json] [-json run.json] [-compare]
 //	                      [-collectives] [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
+//	                      [-device cpu|emu|cuda]
+//
+// -device says where the ranks compute (the second line names it; -json's
+// "device"): cpu, the host (the default); emu, an emulated device per
+// rank (device/emu: the device code path, with the host's CPU kernels, so
+// the host's losses bit for bit; in-process or mpi ranks); cuda, the GPUs,
+// which needs launch to hand each rank the GPU device it opens for NCCL
+// and is an error until it does.
 //
 // The final lines give the loss, tokens/s and the MFU: tokens/s times
 // the model FLOPs per token (train.FlopsPerToken: PaLM's 6·N + 12·L·D·T,
@@ -140,6 +148,7 @@ type result struct {
 	K          int       `json:"k"`
 	Capacity   float64   `json:"capacity_factor"`
 	Backend    string    `json:"backend"`
+	Device     string    `json:"device"`
 	Processes  int       `json:"processes"`
 	WorldSize  int       `json:"world_size"`
 	Steps      int       `json:"steps"`
@@ -295,6 +304,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 	}
 	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) from a random init (seed %d) on %s, on dp=%d × ep=%d, %s, %d steps\n",
 		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), o.run.B, cfg.T, o.seed, data, o.dp, o.ep, job, steps)
+	fmt.Fprintln(out, o.loop.Flags.DeviceLine(o.loop.Ranks))
 	init := moegpt.RandomInit(cfg, o.seed)
 
 	res, params, err := trainLayout(ctx, job, cfg, init, o, out)
@@ -407,7 +417,7 @@ func (r *rank) Finish(ctx context.Context) error {
 // rank 0's process). Rank 0 prints progress to out.
 func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init map[string][]float32, o options, out io.Writer) (*result, map[string][]float32, error) {
 	res := &result{DP: o.dp, EP: o.ep, Experts: cfg.E, K: cfg.K, Capacity: cfg.CapacityFactor,
-		Backend: job.Backend, Processes: job.Processes, WorldSize: job.WorldSize, Steps: o.loop.Steps}
+		Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize, Steps: o.loop.Steps}
 	var params map[string][]float32
 	iv := interval{start: time.Now()}
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[*moegpt.StepResult], error) {
@@ -422,7 +432,7 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 		if o.collectives {
 			model = append(model, moegpt.WithCollectives())
 		}
-		opts := []moegpt.TrainOption{moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...)}
+		opts := []moegpt.TrainOption{moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...), moegpt.WithDevice(r.Device)}
 		if o.random {
 			opts = append(opts, moegpt.WithRandomTokens(o.seed))
 		}

@@ -44,6 +44,14 @@
 //	                              [-mp bf16] [-ac none|full|selective]
 //	                              [-trace trace.json] [-json run.json] [-compare]
 //	                              [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
+//	                              [-device cpu|emu|cuda]
+//
+// -device says where the ranks compute (the second line names it): cpu,
+// the host (the default); emu, an emulated device per rank (device/emu:
+// the device code path, with the host's CPU kernels, so the host's losses
+// bit for bit; in-process or mpi ranks); cuda, the GPUs, which needs
+// launch to hand each rank the GPU device it opens for NCCL and is an
+// error until it does.
 //
 // The model and the layout are checked before any rank starts: the
 // shape's values (heads dividing the width, a vocabulary of at least
@@ -61,7 +69,7 @@
 //
 // -trace writes a Chrome trace of every rank's compute, collectives and
 // waits (open it at https://ui.perfetto.dev or chrome://tracing); -json
-// writes {"model","params","dp","fsdp","tp","sp","ac","backend",
+// writes {"model","params","dp","fsdp","tp","sp","ac","backend","device",
 // "processes","world_size","steps","tokens_per_s","final_loss","losses",
 // "mem","mfu","flops_per_token","peak_flops","peak_source"} ("mem": the
 // largest rank's bytes of params, grads, optim, activations, comm and
@@ -146,6 +154,7 @@ type result struct {
 	AC         string        `json:"ac"`
 	Mem        memory.Report `json:"mem"`
 	Backend    string        `json:"backend"`
+	Device     string        `json:"device"`
 	Processes  int           `json:"processes"`
 	WorldSize  int           `json:"world_size"`
 	Steps      int           `json:"steps"`
@@ -379,6 +388,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		out = io.Discard // world rank 0 reports for the job
 	}
 	fmt.Fprintf(out, "%s on %s, %s, %d steps\n", o.describe(), o.layout(), job, o.loop.Steps)
+	fmt.Fprintln(out, o.loop.Flags.DeviceLine(o.loop.Ranks))
 
 	res, params, err := trainLayout(ctx, out, job, init, o, fx)
 	if err != nil {
@@ -472,7 +482,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 			return nil, err
 		}
 		opts := []gpt.TrainOption{
-			gpt.WithRun(o.run), gpt.WithModel(init), gpt.WithTape(r.Tape...),
+			gpt.WithRun(o.run), gpt.WithModel(init), gpt.WithTape(r.Tape...), gpt.WithDevice(r.Device),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
 		}
 		if !o.fixture {
@@ -509,7 +519,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 	if err != nil {
 		return nil, nil, err
 	}
-	res := &result{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, AC: o.ac, Mem: mem, Backend: job.Backend, Processes: job.Processes, WorldSize: job.WorldSize,
+	res := &result{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, AC: o.ac, Mem: mem, Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
 		Steps: o.loop.Steps, Losses: r.Steps, TokensPerS: r.TokensPerS}
 	res.FinalLoss = r.Steps[len(r.Steps)-1]
 	overlap(out, r.Events, o)

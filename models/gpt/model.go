@@ -32,6 +32,7 @@ import (
 	"strconv"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
@@ -151,7 +152,8 @@ func WithSeed(seed uint64) Option { return func(o *options) { o.seed = seed } }
 
 // New builds the model for cfg on tape and mesh m, every parameter a leaf
 // laid out Replicate on every mesh axis, initialised as the options say
-// (default: WithSeed(0)). Every rank calls it alike.
+// (default: WithSeed(0)), its block on the tape's device
+// (autograd.WithDevice; the host by default). Every rank calls it alike.
 func New(tape *autograd.Tape, m *mesh.Mesh, cfg Config, opts ...Option) (*Model, error) {
 	if tape == nil || m == nil {
 		return nil, fmt.Errorf("%w: New: nil tape or mesh", ErrConfig)
@@ -212,7 +214,29 @@ func New(tape *autograd.Tape, m *mesh.Mesh, cfg Config, opts ...Option) (*Model,
 	if md.LMHead, err = parallel.NewLinear(tape, m, cfg.Width, cfg.Vocab, named("lm_head", parallel.WithBias(false))...); err != nil {
 		return nil, fmt.Errorf("gpt: New: %w", err)
 	}
+	if err := placeOn(tape.Device(), md.Params()); err != nil {
+		return nil, fmt.Errorf("gpt: New: %w", err)
+	}
 	return md, nil
+}
+
+// placeOn moves the parameters whose blocks are not on d there (each its
+// own copy, installed by Relayout), so that the model computes on the
+// tape's device whichever device the layers' constructors chose.
+func placeOn(d device.Device, ps []*autograd.Value) error {
+	for _, p := range ps {
+		if device.Same("", p.Data().Device(), d) == nil {
+			continue
+		}
+		dt, err := p.Data().To(d)
+		if err != nil {
+			return fmt.Errorf("%q to %s: %w", p.Name(), d.Name(), err)
+		}
+		if err := p.Relayout(dt); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // checkParams reports every missing, wrongly sized or unknown entry of

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/internal/randtok"
@@ -78,6 +79,13 @@ func WithDDP(opts ...parallel.Option) TrainOption {
 // WithTape adds options for the model's tape (a BLAS, an observer).
 func WithTape(opts ...autograd.Option) TrainOption {
 	return func(c *trainConfig) { c.tape = append(c.tape, opts...) }
+}
+
+// WithDevice trains on device d: the tape's device (autograd.WithDevice),
+// where New places the parameters and the ops, gradients and AdamW's state
+// follow them. Default: the host.
+func WithDevice(d device.Device) TrainOption {
+	return func(c *trainConfig) { c.tape = append(c.tape, autograd.WithDevice(d)) }
 }
 
 // WithModel adds options for New (the initial parameters).

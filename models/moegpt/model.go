@@ -8,6 +8,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
@@ -121,7 +122,8 @@ func (b *Block) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value
 // parameter (the expert parameters' local experts, the whole of the
 // others); nothing is communicated. Missing, surplus or wrongly sized
 // entries, an unknown axis and a layout CheckLayout rejects are errors
-// wrapping ErrConfig.
+// wrapping ErrConfig. The blocks live on the tape's device
+// (autograd.WithDevice; the host by default).
 func New(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]float32, ep string, opts ...Option) (*Model, error) {
 	var o options
 	for _, opt := range opts {
@@ -192,7 +194,7 @@ func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]floa
 		if err != nil {
 			return nil, fmt.Errorf("%q: %w", p.Name, err)
 		}
-		dt, err := placement.FromFull(spec, data) // copies
+		dt, err := placement.FromFull(spec, data, placement.OnDevice(tape.Device())) // copies
 		if err != nil {
 			return nil, fmt.Errorf("%q: %w", p.Name, err)
 		}
@@ -387,7 +389,12 @@ func localScalar(v *autograd.Value) (float64, error) {
 	if v == nil {
 		return 0, nil
 	}
-	switch d := v.Data().LocalData().(type) {
+	// On a device the block comes to the host first (one element).
+	dt, err := v.Data().To(device.Host())
+	if err != nil {
+		return 0, err
+	}
+	switch d := dt.LocalData().(type) {
 	case []float32:
 		if len(d) == 1 {
 			return float64(d[0]), nil

@@ -8,6 +8,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/moe"
@@ -56,6 +57,13 @@ func WithRun(run tinygpt.Config) TrainOption {
 // diagnostics).
 func WithModel(opts ...Option) TrainOption {
 	return func(c *trainConfig) { c.model = append(c.model, opts...) }
+}
+
+// WithDevice trains on device d: the tape's device (autograd.WithDevice),
+// where New places the parameters and the ops, gradients and AdamW's state
+// follow them. Default: the host.
+func WithDevice(d device.Device) TrainOption {
+	return func(c *trainConfig) { c.tape = append(c.tape, autograd.WithDevice(d)) }
 }
 
 // WithDDP adds options for both DDPs (bucket sizes); the axes are set by
