@@ -56,7 +56,7 @@ func deviceOf(op string, dt *placement.DTensor) (*onDevice, error) {
 func (dev *onDevice) bufOf(dt *placement.DTensor, what string) (device.Buffer, error) {
 	b, ok := dt.LocalData().(device.Buffer)
 	if !ok {
-		return nil, fmt.Errorf("moe: %s: %w: local block is %T, want a buffer of %s", what, ErrInvalid, dt.LocalData(), dev.d.Name())
+		return nil, fmt.Errorf("%w: %s: local block is %T, want a buffer of %s", ErrInvalid, what, dt.LocalData(), dev.d.Name())
 	}
 	if err := device.Same("moe: "+what, dev.d, b.Owner()); err != nil {
 		return nil, err
@@ -489,7 +489,7 @@ func expertsBackwardDev(r *expertRun, dev *onDevice, g *placement.DTensor) ([]*p
 	act, _ := r.act.(device.Buffer)
 	deriv, _ := r.deriv.(device.Buffer)
 	if act == nil || deriv == nil {
-		return nil, fmt.Errorf("moe: Experts backward: %w: no saved activations on %s", ErrInvalid, dev.d.Name())
+		return nil, fmt.Errorf("%w: Experts backward: no saved activations on %s", ErrInvalid, dev.d.Name())
 	}
 	k := dev.k
 	hd, d, l := x.hd, x.d, h.local
