@@ -327,36 +327,11 @@ func combineBackwardDev(ctx context.Context, cs *combineState, g *placement.DTen
 
 // combineGradsDev is combineGrads for device buffers.
 func combineGradsDev(cs *combineState, places []placement.Placement, dy, dgates device.Buffer) ([]*placement.DTensor, error) {
-	h := cs.h
-	grads := make([]*placement.DTensor, 1, 2)
-	if cs.y.RequiresGrad() {
-		rowsPl := h.routed.Placements()
-		for a, p := range places {
-			if !rowsPl[a].IsRouted() {
-				rowsPl[a] = p
-			}
-		}
-		spec, err := gradSpec(h.routed, cs.width, rowsPl)
-		if err != nil {
-			return nil, err
-		}
-		if grads[0], err = placement.NewLocalOn(spec, dy); err != nil {
-			return nil, err
-		}
+	var wrapGates func(*placement.Spec) (*placement.DTensor, error)
+	if dgates != nil {
+		wrapGates = func(s *placement.Spec) (*placement.DTensor, error) { return placement.NewLocalOn(s, dgates) }
 	}
-	if cs.gates != nil {
-		grads = append(grads, nil)
-		if dgates != nil {
-			spec, err := gradSpec(h.xs, h.k, places)
-			if err != nil {
-				return nil, err
-			}
-			if grads[1], err = placement.NewLocalOn(spec, dgates); err != nil {
-				return nil, err
-			}
-		}
-	}
-	return grads, nil
+	return layoutCombineGrads(cs, places, func(s *placement.Spec) (*placement.DTensor, error) { return placement.NewLocalOn(s, dy) }, wrapGates)
 }
 
 // forwardDev is Experts.Forward on the device: the host's GEMMs, GELU and

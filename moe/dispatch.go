@@ -463,6 +463,17 @@ func fusedCombineBackwardAs[T kernels.Float](ctx context.Context, cs *combineSta
 // combineGrads lays out the combine's gradients: dy for the rows (nil:
 // none), dgates for the gates (nil: none).
 func combineGrads[T kernels.Float](cs *combineState, places []placement.Placement, dy, dgates []T) ([]*placement.DTensor, error) {
+	var wrapGates func(*placement.Spec) (*placement.DTensor, error)
+	if dgates != nil {
+		wrapGates = func(s *placement.Spec) (*placement.DTensor, error) { return placement.NewLocal(s, dgates) }
+	}
+	return layoutCombineGrads(cs, places, func(s *placement.Spec) (*placement.DTensor, error) { return placement.NewLocal(s, dy) }, wrapGates)
+}
+
+// layoutCombineGrads lays out the combine's gradients on the host or a
+// device: wrapRows wraps the rows' gradient block in its spec, wrapGates
+// the gates' (nil: the gates got none).
+func layoutCombineGrads(cs *combineState, places []placement.Placement, wrapRows, wrapGates func(*placement.Spec) (*placement.DTensor, error)) ([]*placement.DTensor, error) {
 	h := cs.h
 	grads := make([]*placement.DTensor, 1, 2)
 	if cs.y.RequiresGrad() {
@@ -476,18 +487,18 @@ func combineGrads[T kernels.Float](cs *combineState, places []placement.Placemen
 		if err != nil {
 			return nil, err
 		}
-		if grads[0], err = placement.NewLocal(spec, dy); err != nil {
+		if grads[0], err = wrapRows(spec); err != nil {
 			return nil, err
 		}
 	}
 	if cs.gates != nil {
 		grads = append(grads, nil)
-		if dgates != nil {
+		if wrapGates != nil {
 			spec, err := gradSpec(h.xs, h.k, places)
 			if err != nil {
 				return nil, err
 			}
-			if grads[1], err = placement.NewLocal(spec, dgates); err != nil {
+			if grads[1], err = wrapGates(spec); err != nil {
 				return nil, err
 			}
 		}
