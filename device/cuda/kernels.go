@@ -66,6 +66,7 @@ func KernelFiles() []KernelFile {
 			"loom_flash_attn_fwd_f32", "loom_flash_attn_fwd_bf16", "loom_flash_attn_bwd_dq_f32", "loom_flash_attn_bwd_dq_bf16",
 			"loom_flash_attn_bwd_dkv_f32", "loom_flash_attn_bwd_dkv_bf16",
 		}},
+		{Name: permuteFile, Kernels: KernelNames()},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)
