@@ -1,0 +1,47 @@
+package pp
+
+import (
+	"fmt"
+
+	"github.com/b7ea7098/loom"
+)
+
+// Costs are the durations Simulate gives each kind of action, in any unit
+// of time (compute of one micro-batch on one stage).
+type Costs struct {
+	// F, B, I and W are the forward, the full backward and its two parts.
+	F, B, I, W float64
+	// Comm is the time a send takes to reach its receiver (0: free).
+	Comm float64
+}
+
+// UnitCosts returns F=1, B=2, I=1, W=1 and free communication: the
+// balanced-stage costs the bubble formulas assume.
+func UnitCosts() Costs { return Costs{F: 1, B: 2, I: 1, W: 1} }
+
+// Simulation is the outcome of running a schedule's lists with Costs.
+type Simulation struct {
+	// Start[r][i] and End[r][i] are when rank r's i-th action starts and
+	// ends.
+	Start, End [][]float64
+	// Makespan is when the last action ends.
+	Makespan float64
+	// Busy[r] is rank r's compute time.
+	Busy []float64
+	// Bubble is the idle fraction: 1 − ΣBusy / (Ranks · Makespan).
+	Bubble float64
+	// PeakActivations[s] is the largest number of micro-batches whose
+	// activations stage s holds at once (from its F until its B, or
+	// until its W when the backward is split).
+	PeakActivations []int
+}
+
+// Simulate runs s's per-rank lists in order with costs: an action starts
+// when its rank is free and its inputs exist (a forward after the previous
+// stage's forward of the micro-batch, a backward after the next stage's
+// backward; in a lowered schedule a receive after its send plus
+// c.Comm). Sends never block. A list that cannot go on is ErrDeadlock
+// naming each stuck rank's action.
+func Simulate(s *Schedule, c Costs) (*Simulation, error) {
+	return nil, fmt.Errorf("%w: simulate: not built yet", loom.ErrUnsupported)
+}
