@@ -1,10 +1,6 @@
 package pp
 
-import (
-	"fmt"
-
-	"github.com/b7ea7098/loom"
-)
+import "github.com/b7ea7098/loom/internal/numcheck"
 
 // Costs are the durations Simulate gives each kind of action, in any unit
 // of time (compute of one micro-batch on one stage).
@@ -36,12 +32,47 @@ type Simulation struct {
 	PeakActivations []int
 }
 
-// Simulate runs s's per-rank lists in order with costs: an action starts
-// when its rank is free and its inputs exist (a forward after the previous
-// stage's forward of the micro-batch, a backward after the next stage's
-// backward; in a lowered schedule a receive after its send plus
-// c.Comm). Sends never block. A list that cannot go on is ErrDeadlock
-// naming each stuck rank's action.
+// Simulate checks s as Validate does and runs its per-rank lists in
+// order with costs c: an action starts when its rank is free and its
+// inputs exist (a forward after the previous stage's forward of the
+// micro-batch, a backward after the next stage's backward, in a lowered
+// schedule a receive after its send; c.Comm is added where the input
+// crosses ranks). Sends never block; communication takes no time of the
+// rank. A negative or non-finite cost is ErrInvalid; lists that cannot
+// go on are ErrDeadlock naming each stuck rank's action.
 func Simulate(s *Schedule, c Costs) (*Simulation, error) {
-	return nil, fmt.Errorf("%w: simulate: not built yet", loom.ErrUnsupported)
+	for _, v := range []struct {
+		name string
+		v    float64
+	}{{"cost F", c.F}, {"cost B", c.B}, {"cost I", c.I}, {"cost W", c.W}, {"cost Comm", c.Comm}} {
+		if err := numcheck.NonNegative(ErrInvalid, v.name, v.v); err != nil {
+			return nil, err
+		}
+	}
+	g, err := s.check()
+	if err != nil {
+		return nil, err
+	}
+	return g.run(c)
+}
+
+// Bubble returns the theoretical bubble fraction of s with costs c (see
+// Simulation.Bubble); errors as Simulate.
+func (s *Schedule) Bubble(c Costs) (float64, error) {
+	sim, err := Simulate(s, c)
+	if err != nil {
+		return 0, err
+	}
+	return sim.Bubble, nil
+}
+
+// PeakActivations returns, per stage, the largest number of micro-batches
+// whose activations the stage holds at once (see
+// Simulation.PeakActivations); errors as Validate's checks before its
+// simulation.
+func (s *Schedule) PeakActivations() ([]int, error) {
+	if _, err := s.check(); err != nil {
+		return nil, err
+	}
+	return s.peakActivations(), nil
 }

@@ -237,9 +237,10 @@ func tooFew(name string, m, min int, why string) error {
 
 // Build returns the schedule called name for ranks ranks, microBatches
 // micro-batches and stagesPerRank stages per rank: "gpipe", "1f1b",
-// "interleaved", "zb1" (ZB-H1), or "zbv". GPipe, 1F1B and ZB-H1 take
-// stagesPerRank 1 and ZBV takes 2 (0 means the schedule's own); an
-// unknown name or a count a builder refuses is ErrInvalid.
+// "interleaved", "zb1" (ZB-H1, also "zbh1"), or "zbv". GPipe, 1F1B and
+// ZB-H1 take stagesPerRank 1, ZBV takes 2, interleaved any from 2; 0
+// means the schedule's own (2 for interleaved). An unknown name or a
+// count a builder refuses is ErrInvalid.
 func Build(name string, ranks, microBatches, stagesPerRank int) (*Schedule, error) {
 	fixed := func(v int) error {
 		if stagesPerRank != 0 && stagesPerRank != v {
@@ -259,6 +260,9 @@ func Build(name string, ranks, microBatches, stagesPerRank int) (*Schedule, erro
 		}
 		return OneFOneB(ranks, microBatches)
 	case "interleaved":
+		if stagesPerRank == 0 {
+			stagesPerRank = 2
+		}
 		return Interleaved1F1B(ranks, microBatches, stagesPerRank)
 	case "zb1", "zbh1":
 		if err := fixed(1); err != nil {
