@@ -55,6 +55,11 @@ func TestBuildersMatchHandWritten(t *testing.T) {
 			"0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
 			"1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
 		}},
+		// 3 micro-batches on 2 ranks: one round of 3 (PyTorch's rule).
+		{"interleaved", 2, 3, 2, Loop, []string{
+			"0F0 0F1 0F2 2F0 2F1 2F2 2B0 2B1 2B2 0B0 0B1 0B2",
+			"1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1B0 1B1 1B2",
+		}},
 		{"zb1", 2, 3, 0, Loop, []string{
 			"0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2",
 			"1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2",
@@ -135,7 +140,8 @@ func TestBuildErrors(t *testing.T) {
 		{"zb1", 4, 2, 0, "zb1: 2 micro-batches: needs at least 4"},
 		{"zbv", 4, 6, 0, "zbv: 6 micro-batches: needs at least 7"},
 		{"interleaved", 4, 2, 2, "interleaved: 2 micro-batches: needs at least 4"},
-		{"interleaved", 4, 6, 2, "must be a multiple of the 4 ranks"},
+		{"interleaved", 4, 9, 2, "interleaved: 9 micro-batches on 4 ranks: must be a multiple of the 2 rounds of at least 4 (8 or 10 would do)"},
+		{"interleaved", 4, 13, 2, "(12 or 15 would do)"},
 		{"interleaved", 4, 8, 1, "needs at least 2"},
 		{"gpipe", 0, 4, 0, "ranks 0: must be at least 1"},
 		{"gpipe", 2, 0, 0, "micro-batches 0: must be at least 1"},
