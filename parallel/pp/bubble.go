@@ -30,6 +30,11 @@ type Simulation struct {
 	// activations stage s holds at once (from its F until its B, or
 	// until its W when the backward is split).
 	PeakActivations []int
+	// RankPeakActivations[r] is the largest number of (stage,
+	// micro-batch) activations rank r holds at once over all its stages:
+	// what a rank's memory accounting sees, in units of one stage's
+	// activations for one micro-batch.
+	RankPeakActivations []int
 }
 
 // Simulate checks s as Validate does and runs its per-rank lists in
@@ -74,5 +79,6 @@ func (s *Schedule) PeakActivations() ([]int, error) {
 	if _, err := s.check(); err != nil {
 		return nil, err
 	}
-	return s.peakActivations(), nil
+	stage, _ := s.peakActivations()
+	return stage, nil
 }

@@ -137,6 +137,9 @@ func TestPeakActivations(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			if sim.RankPeakActivations[0] != pp {
+				t.Errorf("1f1b pp=%d M=%d: rank 0 holds %d, want pp", pp, m, sim.RankPeakActivations[0])
+			}
 			for st := range pp {
 				if sim.PeakActivations[st] != op[st] {
 					t.Errorf("1f1b pp=%d M=%d: simulation peak %v, method %v", pp, m, sim.PeakActivations, op)
@@ -181,6 +184,39 @@ func TestSimulateTimes(t *testing.T) {
 	for _, c := range []Costs{{F: -1, B: 2}, {F: 1, B: math.NaN()}, {F: 1, B: 1, Comm: math.Inf(1)}} {
 		if _, err := Simulate(s, c); !errors.Is(err, ErrInvalid) {
 			t.Errorf("costs %+v: %v, want ErrInvalid", c, err)
+		}
+	}
+}
+
+// TestRankPeakActivations: a rank's peak over all its stages, against
+// numbers worked out from the lists by hand.
+func TestRankPeakActivations(t *testing.T) {
+	cases := []struct {
+		name     string
+		pp, m, v int
+		want     []int
+	}{
+		// Rank 0 runs 0F0 0F1 2F0 2F1 0F2 before its first backward.
+		{"interleaved", 2, 4, 2, []int{5, 3}},
+		// Rank 0 runs all three forwards of stage 0 and two of stage 3
+		// before 3W0 frees one: 0F0 0F1 0F2 3F0 (3I0 3W0) 3F1 …
+		{"zbv", 2, 3, 0, []int{4, 4}},
+		{"gpipe", 3, 5, 0, []int{5, 5, 5}},
+	}
+	for _, c := range cases {
+		s, err := Build(c.name, c.pp, c.m, c.v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sim, err := Simulate(s, UnitCosts())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for r, w := range c.want {
+			if sim.RankPeakActivations[r] != w {
+				t.Errorf("%s pp=%d M=%d: rank peaks %v, want %v", c.name, c.pp, c.m, sim.RankPeakActivations, c.want)
+				break
+			}
 		}
 	}
 }

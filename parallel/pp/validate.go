@@ -421,29 +421,34 @@ func (g *graph) run(c Costs) (*Simulation, error) {
 	if sim.Makespan > 0 {
 		sim.Bubble = 1 - busy/(float64(s.Ranks)*sim.Makespan)
 	}
-	sim.PeakActivations = s.peakActivations()
+	sim.PeakActivations, sim.RankPeakActivations = s.peakActivations()
 	return sim, nil
 }
 
-// peakActivations returns, per stage, the largest number of micro-batches
-// whose activations the stage holds at once: from the F until the B, or
-// until the W when the backward is split. A stage lives on one rank, so
-// its rank's list order decides.
-func (s *Schedule) peakActivations() []int {
+// peakActivations returns, per stage and per rank, the largest number of
+// micro-batches whose activations are held at once: from the F until the
+// B, or until the W when the backward is split. A stage lives on one
+// rank, so its rank's list order decides.
+func (s *Schedule) peakActivations() (stage, rank []int) {
 	held := make([]int, s.Stages())
-	peak := make([]int, s.Stages())
-	for _, acts := range s.Actions {
+	stage = make([]int, s.Stages())
+	rank = make([]int, s.Ranks)
+	for r, acts := range s.Actions {
+		total := 0
 		for _, a := range acts {
 			switch a.Kind {
 			case F:
 				held[a.Stage]++
-				peak[a.Stage] = max(peak[a.Stage], held[a.Stage])
+				total++
+				stage[a.Stage] = max(stage[a.Stage], held[a.Stage])
+				rank[r] = max(rank[r], total)
 			case B, W:
 				held[a.Stage]--
+				total--
 			}
 		}
 	}
-	return peak
+	return stage, rank
 }
 
 // Infer returns the schedule of a user's own per-rank action lists: the
