@@ -88,7 +88,11 @@ func (s *Schedule) check() (*graph, error) {
 		return nil, err
 	}
 	n := s.Stages()
-	g := &graph{s: s, at: map[key]loc{}}
+	total := 0
+	for _, acts := range s.Actions {
+		total += len(acts)
+	}
+	g := &graph{s: s, at: make(map[key]loc, total)}
 	for r, acts := range s.Actions {
 		for p, a := range acts {
 			if err := s.checkAction(r, p, a); err != nil {
