@@ -44,9 +44,9 @@ func Interleaved1F1B(ranks, microBatches, stagesPerRank int) (*Schedule, error) 
 	v := stagesPerRank
 	total := microBatches * v // compute actions of each kind per rank
 	for r := range ranks {
-		// The k-th forward (backward) of rank r: groups of ranks
-		// micro-batches go through the rank's stages in order (in reverse
-		// for backwards) before the next group starts.
+		// The k-th forward (backward) of rank r: a group of g
+		// micro-batches goes through the rank's stages in order (in
+		// reverse for backwards) before the next group starts.
 		at := func(k int, backward bool) Action {
 			chunk := (k / g) % v
 			kind := F
