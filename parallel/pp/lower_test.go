@@ -23,6 +23,14 @@ func TestLowerHandWritten(t *testing.T) {
 				"0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD 0RESHARD",
 				"1UNSHARD 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1REDUCE_GRAD 1RESHARD",
 			}},
+		// Each stage's UNSHARD comes one compute action before its
+		// first, so the all-gather of stage 2 can overlap 0F1.
+		{"interleaved pp=2 M=2 with FSDP", func() (*Schedule, error) { return Interleaved1F1B(2, 2, 2) }, []LowerOption{WithFSDP()}, []string{
+			"0UNSHARD 0F0 0SEND_F0 2UNSHARD 0F1 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 " +
+				"2RECV_B0 2B0 2SEND_B0 2RECV_B1 2B1 2SEND_B1 2RESHARD 0RECV_B0 0B0 0RECV_B1 0B1 0RESHARD",
+			"1UNSHARD 1RECV_F0 1F0 1SEND_F0 3UNSHARD 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3B0 3SEND_B0 3RECV_F1 3F1 3B1 3SEND_B1 3RESHARD " +
+				"1RECV_B0 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1 1RESHARD",
+		}},
 		// The V's turn (stages 1 and 2) is on rank 1 and its ends
 		// (stages 0 and 3) on rank 0: those pass by memory, without
 		// sends; the reduction follows each stage's last W.
