@@ -68,7 +68,8 @@ func TestLowerHandWritten(t *testing.T) {
 
 // TestLowerCounts: a lowered schedule holds one send and one receive per
 // micro-batch for each stage boundary that crosses ranks, in each
-// direction, and none for boundaries within a rank.
+// direction, and none for boundaries within a rank; it keeps the compute
+// order and simulates to the same makespan with a transfer cost.
 func TestLowerCounts(t *testing.T) {
 	for _, name := range []string{"gpipe", "1f1b", "interleaved", "zb1", "zbv"} {
 		for pp := 1; pp <= 4; pp++ {
@@ -96,6 +97,37 @@ func TestLowerCounts(t *testing.T) {
 				if want := crossing * s.MicroBatches; count[k] != want {
 					t.Errorf("%s pp=%d: %d %v, want %d", name, pp, count[k], k, want)
 				}
+			}
+			// The compute actions keep their order, and the explicit
+			// transfers time out as the implicit ones do.
+			for r := range l.Actions {
+				var compute []Action
+				for _, a := range l.Actions[r] {
+					if a.Kind.Compute() {
+						compute = append(compute, a)
+					}
+				}
+				if len(compute) != len(s.Actions[r]) {
+					t.Fatalf("%s pp=%d rank %d: %d compute actions, want %d", name, pp, r, len(compute), len(s.Actions[r]))
+				}
+				for i := range compute {
+					if compute[i] != s.Actions[r][i] {
+						t.Errorf("%s pp=%d rank %d: compute action %d is %v, want %v", name, pp, r, i, compute[i], s.Actions[r][i])
+						break
+					}
+				}
+			}
+			c := Costs{F: 1, B: 2, I: 1, W: 1, Comm: 0.25}
+			a, err := Simulate(s, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := Simulate(l, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if a.Makespan != b.Makespan {
+				t.Errorf("%s pp=%d: lowered makespan %v, compute-only %v", name, pp, b.Makespan, a.Makespan)
 			}
 		}
 	}
