@@ -1,6 +1,10 @@
 package pp
 
-import "github.com/b7ea7098/loom/internal/numcheck"
+import (
+	"fmt"
+
+	"github.com/b7ea7098/loom/internal/numcheck"
+)
 
 // Costs are the durations Simulate gives each kind of action, in any unit
 // of time (compute of one micro-batch on one stage).
@@ -9,6 +13,10 @@ type Costs struct {
 	F, B, I, W float64
 	// Comm is the time a send takes to reach its receiver (0: free).
 	Comm float64
+	// Stage, when not nil, holds one factor per stage that multiplies
+	// the stage's F, B, I and W: unbalanced stages (an embedding on the
+	// first, the head and loss on the last).
+	Stage []float64
 }
 
 // UnitCosts returns F=1, B=2, I=1, W=1 and free communication: the
@@ -57,6 +65,14 @@ func Simulate(s *Schedule, c Costs) (*Simulation, error) {
 	g, err := s.check()
 	if err != nil {
 		return nil, err
+	}
+	if c.Stage != nil && len(c.Stage) != s.Stages() {
+		return nil, fmt.Errorf("%w: costs: %d stage factors for %d stages", ErrInvalid, len(c.Stage), s.Stages())
+	}
+	for st, f := range c.Stage {
+		if err := numcheck.NonNegative(ErrInvalid, fmt.Sprintf("cost factor of stage %d", st), f); err != nil {
+			return nil, err
+		}
 	}
 	return g.run(c)
 }

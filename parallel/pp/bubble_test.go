@@ -181,7 +181,8 @@ func TestSimulateTimes(t *testing.T) {
 	if lsim.Makespan != sim.Makespan || lsim.Bubble != sim.Bubble {
 		t.Errorf("lowered: makespan %v bubble %v, compute-only %v %v", lsim.Makespan, lsim.Bubble, sim.Makespan, sim.Bubble)
 	}
-	for _, c := range []Costs{{F: -1, B: 2}, {F: 1, B: math.NaN()}, {F: 1, B: 1, Comm: math.Inf(1)}} {
+	for _, c := range []Costs{{F: -1, B: 2}, {F: 1, B: math.NaN()}, {F: 1, B: 1, Comm: math.Inf(1)},
+		{F: 1, B: 2, Stage: []float64{1, 1}}, {F: 1, B: 2, Stage: []float64{1, -1, 1}}} {
 		if _, err := Simulate(s, c); !errors.Is(err, ErrInvalid) {
 			t.Errorf("costs %+v: %v, want ErrInvalid", c, err)
 		}
@@ -218,5 +219,23 @@ func TestRankPeakActivations(t *testing.T) {
 				break
 			}
 		}
+	}
+}
+
+// TestSimulateUnbalanced: per-stage cost factors, against times worked
+// out by hand for 1F1B on 2 ranks whose second stage is twice as slow:
+// rank 1 runs 1F0 [1,3] 1B0 [3,7] 1F1 [7,9] 1B1 [9,13], rank 0 0F0 [0,1]
+// 0F1 [1,2] 0B0 [7,9] 0B1 [13,15].
+func TestSimulateUnbalanced(t *testing.T) {
+	s, _ := OneFOneB(2, 2)
+	sim, err := Simulate(s, Costs{F: 1, B: 2, Stage: []float64{1, 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sim.Makespan != 15 || sim.Busy[0] != 6 || sim.Busy[1] != 12 || math.Abs(sim.Bubble-0.4) > 1e-12 {
+		t.Errorf("makespan %v busy %v bubble %v, want 15 [6 12] 0.4", sim.Makespan, sim.Busy, sim.Bubble)
+	}
+	if sim.Start[0][3] != 13 {
+		t.Errorf("0B1 starts at %v, want 13", sim.Start[0][3])
 	}
 }

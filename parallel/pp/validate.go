@@ -351,16 +351,20 @@ func (g *graph) buildDeps() {
 // order, an action starts when the rank is free and its inputs exist.
 func (g *graph) run(c Costs) (*Simulation, error) {
 	s := g.s
-	cost := func(k Kind) float64 {
-		switch k {
+	cost := func(a Action) float64 {
+		f := 1.0
+		if c.Stage != nil {
+			f = c.Stage[a.Stage]
+		}
+		switch a.Kind {
 		case F:
-			return c.F
+			return f * c.F
 		case B:
-			return c.B
+			return f * c.B
 		case I:
-			return c.I
+			return f * c.I
 		case W:
-			return c.W
+			return f * c.W
 		}
 		return 0 // communication is asynchronous: its time is on the edge
 	}
@@ -391,7 +395,7 @@ func (g *graph) run(c Costs) (*Simulation, error) {
 					}
 					t = max(t, e)
 				}
-				d := cost(acts[p].Kind)
+				d := cost(acts[p])
 				sim.Start[r][p], sim.End[r][p] = t, t+d
 				sim.Busy[r] += d
 				clock[r] = t + d
