@@ -176,8 +176,12 @@ type Schedule struct {
 // Stages returns the number of stages, Ranks·StagesPerRank.
 func (s *Schedule) Stages() int { return s.Ranks * s.StagesPerRank }
 
-// RankOf returns the rank that holds stage (0 ≤ stage < Stages()).
+// RankOf returns the rank that holds stage, or -1 for a stage outside
+// [0, Stages()).
 func (s *Schedule) RankOf(stage int) int {
+	if stage < 0 || stage >= s.Stages() {
+		return -1
+	}
 	return rankOf(s.Placement, s.Ranks, stage)
 }
 

@@ -195,6 +195,14 @@ func TestPlacement(t *testing.T) {
 			t.Errorf("v: stage %d on rank %d, want %d", st, got, wantV[st])
 		}
 	}
+	for _, st := range []int{-1, 9} {
+		if got := v.RankOf(st); got != -1 {
+			t.Errorf("stage %d on rank %d, want -1", st, got)
+		}
+	}
+	if got := (&Schedule{}).RankOf(0); got != -1 {
+		t.Errorf("no ranks: stage 0 on rank %d, want -1", got)
+	}
 	if got := v.StagesOf(0); len(got) != 3 || got[0] != 0 || got[1] != 5 || got[2] != 6 {
 		t.Errorf("v: rank 0 holds %v, want [0 5 6]", got)
 	}
