@@ -100,7 +100,20 @@ func TestBubbleOrder(t *testing.T) {
 // pp, ZB-V's stage s at most 2pp−s.
 func TestPeakActivations(t *testing.T) {
 	for pp := 1; pp <= 5; pp++ {
-		for m := pp; m <= 3*pp; m++ {
+		for m := 1; m <= 3*pp; m++ {
+			v, _ := ZBV(pp, m)
+			vp, err := v.PeakActivations()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for st := range 2 * pp {
+				if want := min(2*pp-st, m); vp[st] != want {
+					t.Errorf("zbv pp=%d M=%d stage %d: peak %d, want min(2pp−stage, M) = %d", pp, m, st, vp[st], want)
+				}
+			}
+			if m < pp {
+				continue
+			}
 			g, _ := GPipe(pp, m)
 			o, _ := OneFOneB(pp, m)
 			z, _ := ZBH1(pp, m)
@@ -119,18 +132,6 @@ func TestPeakActivations(t *testing.T) {
 				}
 				if zp[st] > pp {
 					t.Errorf("zb1 pp=%d M=%d stage %d: peak %d > pp", pp, m, st, zp[st])
-				}
-			}
-			if m >= ZBVMinMicroBatches(pp) {
-				v, _ := ZBV(pp, m)
-				vp, err := v.PeakActivations()
-				if err != nil {
-					t.Fatal(err)
-				}
-				for st := range 2 * pp {
-					if want := min(2*pp-st, m); vp[st] != want {
-						t.Errorf("zbv pp=%d M=%d stage %d: peak %d, want min(2pp−stage, M) = %d", pp, m, st, vp[st], want)
-					}
 				}
 			}
 			sim, err := Simulate(o, UnitCosts())

@@ -68,6 +68,12 @@ func TestBuildersMatchHandWritten(t *testing.T) {
 			"0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 3F2 3I2 3W2 0I1 0W1 0I2 0W2",
 			"1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2",
 		}},
+		// Fewer micro-batches than the warm-up: the lists above without
+		// micro-batch 2.
+		{"zbv", 2, 2, 0, VShape, []string{
+			"0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+			"1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1",
+		}},
 	}
 	for _, c := range cases {
 		s, err := Build(c.name, c.pp, c.m, c.v)
@@ -138,7 +144,7 @@ func TestBuildErrors(t *testing.T) {
 	}{
 		{"1f1b", 4, 3, 0, "1f1b: 3 micro-batches: needs at least 4"},
 		{"zb1", 4, 2, 0, "zb1: 2 micro-batches: needs at least 4"},
-		{"zbv", 4, 6, 0, "zbv: 6 micro-batches: needs at least 7"},
+		{"zbv", 0, 6, 0, "zbv: ranks 0: must be at least 1"},
 		{"interleaved", 4, 2, 2, "interleaved: 2 micro-batches: needs at least 4"},
 		{"interleaved", 4, 9, 2, "interleaved: 9 micro-batches on 4 ranks: must be a multiple of the 2 rounds of at least 4 (8 or 10 would do)"},
 		{"interleaved", 4, 13, 2, "(12 or 15 would do)"},

@@ -124,9 +124,10 @@ func ZBH1(ranks, microBatches int) (*Schedule, error) {
 	return s, nil
 }
 
-// ZBVMinMicroBatches returns the fewest micro-batches ZBV accepts for
-// ranks ranks: 2·ranks−1, the forwards rank 0's first stage runs before
-// its first backward.
+// ZBVMinMicroBatches returns 2·ranks−1, the forwards rank 0's first stage
+// runs before its first backward: from this many micro-batches on, ZBV
+// runs its full warm-up and its bubble formula holds. ZBV accepts fewer
+// (see ZBV).
 func ZBVMinMicroBatches(ranks int) int { return 2*ranks - 1 }
 
 // ZBV returns the V-shaped zero-bubble schedule ZB-V (Qi et al. 2024,
@@ -139,25 +140,32 @@ func ZBVMinMicroBatches(ranks int) int { return 2*ranks - 1 }
 // first and the W's fill the time the rank would wait. With F=I=W=1 per
 // stage the bubble is (Ranks−1)/(6M + Ranks−1): the only idle time is
 // the first forward's trip down the V, half ZB-H1's over the same layers
-// per rank. Stage s holds at most 2·Ranks−s micro-batches' activations
-// (each stage is half a rank's layers, so rank 0 holds what 1F1B's
-// stage 0 holds). It needs microBatches ≥ ZBVMinMicroBatches(ranks).
+// per rank. Stage s holds at most min(2·Ranks−s, M) micro-batches'
+// activations (each stage is half a rank's layers, so rank 0 holds what
+// 1F1B's stage 0 holds).
+//
+// Any microBatches ≥ 1 is accepted: with fewer than
+// ZBVMinMicroBatches(ranks), the builder plans that many and drops the
+// actions of the micro-batches that do not exist (PyTorch's way), which
+// the validator shows stays deadlock-free; the bubble is then larger
+// than the formula (at M = Ranks it equals ZB-H1's).
 func ZBV(ranks, microBatches int) (*Schedule, error) {
 	const name = "zbv"
 	s, err := newSchedule(name, ranks, microBatches, 2, VShape)
 	if err != nil {
 		return nil, err
 	}
-	if min := ZBVMinMicroBatches(ranks); microBatches < min {
-		return nil, tooFew(name, microBatches, min, "2·ranks−1, rank 0's warm-up")
-	}
-	m := microBatches
+	// With fewer micro-batches than the warm-up takes, plan that many
+	// and drop the actions of those that do not exist.
+	m := max(microBatches, ZBVMinMicroBatches(ranks))
 	for r := range ranks {
 		down, up := r, 2*ranks-1-r // the rank's stage on each arm of the V
 		var f0, f1, i0, i1 int
 		acts := make([]Action, 0, 6*m)
 		add := func(stage int, k Kind, mb int) {
-			acts = append(acts, Action{Stage: stage, Kind: k, MicroBatch: mb})
+			if mb < microBatches {
+				acts = append(acts, Action{Stage: stage, Kind: k, MicroBatch: mb})
+			}
 		}
 		// Warm-up: fill the down arm, then alternate the arms, then start
 		// the up arm's backwards as soon as its forwards come back.
