@@ -40,6 +40,9 @@ func Lower(s *Schedule, opts ...LowerOption) (*Schedule, error) {
 	for _, o := range opts {
 		o(&cfg)
 	}
+	if s == nil {
+		return nil, fmt.Errorf("%w: lower: nil schedule", ErrInvalid)
+	}
 	if s.Lowered() {
 		return nil, fmt.Errorf("%w: lower: schedule %q already holds communication or per-stage actions", ErrInvalid, s.Name)
 	}

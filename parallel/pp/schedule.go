@@ -173,8 +173,14 @@ type Schedule struct {
 	Actions [][]Action
 }
 
-// Stages returns the number of stages, Ranks·StagesPerRank.
-func (s *Schedule) Stages() int { return s.Ranks * s.StagesPerRank }
+// Stages returns the number of stages, Ranks·StagesPerRank (0 for a nil
+// schedule).
+func (s *Schedule) Stages() int {
+	if s == nil {
+		return 0
+	}
+	return s.Ranks * s.StagesPerRank
+}
 
 // RankOf returns the rank that holds stage, or -1 for a stage outside
 // [0, Stages()).
@@ -207,6 +213,9 @@ func (s *Schedule) StagesOf(rank int) []int {
 // Lowered reports whether the schedule holds communication or per-stage
 // actions (it came from Lower or from a list that has them).
 func (s *Schedule) Lowered() bool {
+	if s == nil {
+		return false
+	}
 	for _, acts := range s.Actions {
 		for _, a := range acts {
 			if !a.Kind.Compute() {

@@ -64,6 +64,9 @@ func (s *Schedule) Validate() error {
 
 // checkCounts checks the fields other than the action lists.
 func (s *Schedule) checkCounts() error {
+	if s == nil {
+		return fmt.Errorf("%w: nil schedule", ErrInvalid)
+	}
 	if err := numcheck.Count(ErrInvalid, "schedule: ranks", s.Ranks); err != nil {
 		return err
 	}
