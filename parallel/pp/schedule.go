@@ -317,8 +317,8 @@ func GPipe(ranks, microBatches int) (*Schedule, error) {
 // non-interleaved one): rank r runs Ranks−1−r warm-up forwards, then
 // alternates one forward and one full backward, then runs the remaining
 // backwards. A stage holds at most Ranks−r micro-batches' activations.
-// It needs microBatches ≥ ranks (PyTorch's rule: with fewer there is no
-// steady phase).
+// It needs microBatches ≥ ranks: with fewer there is no steady phase and
+// the schedule is GPipe's.
 func OneFOneB(ranks, microBatches int) (*Schedule, error) {
 	s, err := newSchedule("1f1b", ranks, microBatches, 1, Loop)
 	if err != nil {
