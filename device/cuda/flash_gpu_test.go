@@ -88,10 +88,13 @@ func TestGPUFlashAttention(t *testing.T) {
 	// GPT-2 small's attention at batch 8: 8·12 heads of T 1024, width 64.
 	s := device.AttnShape{Batch: 96, T: 1024, DH: 64, DV: 64, Scale: 0.125}
 	bt := s.Batch * s.T
-	alloc := func(n int) device.Buffer {
+	alloc := func(n int, in bool) device.Buffer {
 		b, err := d.Alloc(comm.Float32, n)
 		if err != nil {
 			t.Fatal(err)
+		}
+		if !in { // an output: its first write is the kernel's
+			return b
 		}
 		x := make([]float32, n)
 		for j := range x {
@@ -102,9 +105,9 @@ func TestGPUFlashAttention(t *testing.T) {
 		}
 		return b
 	}
-	q, k, v, g := alloc(bt*s.DH), alloc(bt*s.DH), alloc(bt*s.DV), alloc(bt*s.DV)
-	out, lse, probs := alloc(bt*s.DV), alloc(bt), alloc(bt*s.T)
-	dq, dk, dv := alloc(bt*s.DH), alloc(bt*s.DH), alloc(bt*s.DV)
+	q, k, v, g := alloc(bt*s.DH, true), alloc(bt*s.DH, true), alloc(bt*s.DV, true), alloc(bt*s.DV, true)
+	out, lse, probs := alloc(bt*s.DV, false), alloc(bt, false), alloc(bt*s.T, false)
+	dq, dk, dv := alloc(bt*s.DH, false), alloc(bt*s.DH, false), alloc(bt*s.DV, false)
 	kk := d.Kernels()
 	timeIt := func(f func() error) time.Duration {
 		t.Helper()
@@ -153,6 +156,23 @@ func TestGPUFlashAttention(t *testing.T) {
 		}
 		return kk.AttentionBackward(dq, dk, dv, g, probs, q, k, v, s)
 	})
+	// At T = 1024 the two paths agree (the reference ran last).
+	read := func(b device.Buffer) []float64 {
+		h := comm.Host(make([]float32, b.Len()))
+		if err := d.CopyToHost(h, b); err != nil {
+			t.Fatal(err)
+		}
+		return fromHost(h)
+	}
+	refOut, refDQ := read(out), read(dq)
+	if err := fa.FlashAttention(out, lse, q, k, v, s); err != nil {
+		t.Fatal(err)
+	}
+	if err := fa.FlashAttentionBackward(dq, dk, dv, g, out, lse, q, k, v, s); err != nil {
+		t.Fatal(err)
+	}
+	compareOut(t, "T 1024: out vs the reference path", read(out), refOut, tol{2 * flashOut.rtol, 2 * flashOut.atol})
+	compareOut(t, "T 1024: dq vs the reference path", read(dq), refDQ, tol{2 * flashGrad.rtol, 4 * flashGrad.atol})
 	// FlashAttention-2's count: the forward's two products over the causal
 	// half are 2·B·T²·dh flops, the backward 2.5 times that.
 	flops := 3.5 * 2 * float64(s.Batch) * float64(s.T) * float64(s.T) * float64(s.DH)
