@@ -4,12 +4,14 @@ package cuda
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
@@ -97,6 +99,7 @@ func TestFakeFlashAttention(t *testing.T) {
 	if !ok {
 		t.Fatal("the cuda device's Kernels is not a device.FlashAttention")
 	}
+	testFlashErrors(t, d, fa)
 	r := rand.New(rand.NewPCG(27, 2))
 	for _, c := range flashShapes() {
 		s := c.s
@@ -431,4 +434,44 @@ func tapeAttention(ctx context.Context, m *mesh.Mesh, d device.Device, shape []i
 		res = append(res, wide(p.Grad().LocalData()))
 	}
 	return res, peak, nil
+}
+
+// testFlashErrors: buffers that do not fit the shape, mixed dtypes and a
+// negative shape are device.ErrInvalid, head widths past 128 and float64
+// loom.ErrUnsupported, each naming the method, before anything is queued.
+func testFlashErrors(t *testing.T, d device.Device, fa device.FlashAttention) {
+	t.Helper()
+	s := device.AttnShape{Batch: 2, T: 3, DH: 4, DV: 4, Scale: 0.5}
+	buf := func(dt comm.DType, n int) device.Buffer {
+		b, err := d.Alloc(dt, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = b.Free() })
+		return b
+	}
+	x, lse, short := buf(comm.Float32, 24), buf(comm.Float32, 6), buf(comm.Float32, 5)
+	h, f64 := buf(comm.BFloat16, 24), buf(comm.Float64, 24)
+	wide := device.AttnShape{Batch: 1, T: 1, DH: 129, DV: 4, Scale: 0.5}
+	for _, c := range []struct {
+		name string
+		err  error
+		want error
+		msg  string
+	}{
+		{"short lse", fa.FlashAttention(x, short, x, x, x, s), device.ErrInvalid, "FlashAttention: invalid argument: lse has 5 elements, want 6"},
+		{"short q", fa.FlashAttention(x, lse, short, x, x, s), device.ErrInvalid, "FlashAttention: invalid argument: q has 5 elements, want 24"},
+		{"mixed dtypes", fa.FlashAttention(x, lse, h, h, h, s), device.ErrInvalid, "FlashAttention: invalid argument: out is float32, want [bfloat16]"},
+		{"negative", fa.FlashAttention(x, lse, x, x, x, device.AttnShape{Batch: -1, T: 3, DH: 4, DV: 4}), device.ErrInvalid, "negative shape"},
+		{"wide", fa.FlashAttention(x, lse, x, x, x, wide), loom.ErrUnsupported, "head widths 129 and 4: the fused kernels take 1 to 128"},
+		{"float64", fa.FlashAttention(f64, lse, f64, f64, f64, s), loom.ErrUnsupported, "FlashAttention: unsupported: float64"},
+		{"backward short dk", fa.FlashAttentionBackward(x, short, x, x, x, lse, x, x, x, s), device.ErrInvalid, "FlashAttentionBackward: invalid argument: dk has 5 elements, want 24"},
+	} {
+		if !errors.Is(c.err, c.want) || c.err == nil || !strings.Contains(c.err.Error(), c.msg) {
+			t.Errorf("%s: %v, want %v containing %q", c.name, c.err, c.want, c.msg)
+		}
+	}
+	if err := d.Synchronize(); err != nil {
+		t.Errorf("after the rejected calls: %v", err)
+	}
 }
