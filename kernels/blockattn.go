@@ -25,10 +25,14 @@ import (
 // Q0…Q0+TQ−1, a K/V block of TK rows at K0…K0+TK−1, DH columns of q and
 // k and DV of v. With Causal set, row i of Q sees row j of K only when
 // K0+j <= Q0+i (the causal mask by global position); a row that sees
-// nothing gets output 0 and LSE −Inf. Scale multiplies q·kᵀ.
+// nothing gets output 0 and LSE −Inf. Scale multiplies q·kᵀ. QPos and
+// KPos, when not nil, give the global position of every Q row (TQ values)
+// and K row (TK values) instead of Q0 and K0: a block whose rows are not
+// one run (a load-balanced sequence shard holds two).
 type BlockAttnShape struct {
 	Batch, TQ, TK, DH, DV int
 	Q0, K0                int
+	QPos, KPos            []int
 	Scale                 float64
 	Causal                bool
 }
@@ -44,21 +48,36 @@ func (s BlockAttnShape) check(op string, lens map[string][2]int) error {
 	if _, ok := checked.Product([]int{s.Batch, max(s.TQ, s.TK), max(s.DH, s.DV, 1)}); !ok {
 		return fmt.Errorf("kernels: %s: %w: batch %d × rows %d × width %d overflows int", op, ErrInvalid, s.Batch, max(s.TQ, s.TK), max(s.DH, s.DV))
 	}
+	if s.QPos != nil && len(s.QPos) != s.TQ || s.KPos != nil && len(s.KPos) != s.TK {
+		return fmt.Errorf("kernels: %s: %w: %d Q positions and %d K positions for blocks of %d and %d rows", op, ErrInvalid, len(s.QPos), len(s.KPos), s.TQ, s.TK)
+	}
 	for name, l := range lens {
 		if l[0] != l[1] {
-			return fmt.Errorf("kernels: %s: %w: %s has %d values, want %d for %+v", op, ErrInvalid, name, l[0], l[1], s)
+			return fmt.Errorf("kernels: %s: %w: %s has %d values, want %d for batch %d, rows %d and %d, widths %d and %d", op, ErrInvalid, name, l[0], l[1], s.Batch, s.TQ, s.TK, s.DH, s.DV)
 		}
 	}
 	return nil
 }
 
-// visible returns how many K rows row i of Q sees: all TK without the
-// mask, else those with K0+j <= Q0+i, clamped to [0, TK].
-func (s BlockAttnShape) visible(i int) int {
-	if !s.Causal {
-		return s.TK
+// keys sets buf (TK long) to the K rows row i of Q sees, in order, and
+// returns it: all of them without the mask, else those whose position is
+// at most row i's.
+func (s BlockAttnShape) keys(i int, buf []int) []int {
+	buf = buf[:0]
+	qp := s.Q0 + i
+	if s.QPos != nil {
+		qp = s.QPos[i]
 	}
-	return min(max(s.Q0+i-s.K0+1, 0), s.TK)
+	for j := range s.TK {
+		kp := s.K0 + j
+		if s.KPos != nil {
+			kp = s.KPos[j]
+		}
+		if !s.Causal || kp <= qp {
+			buf = append(buf, j)
+		}
+	}
+	return buf
 }
 
 // BlockAttentionForward sets out ([Batch, TQ, DV]) to the attention of the
@@ -78,18 +97,19 @@ func BlockAttentionForward[T Float](w Workers, out, lse, q, k, v []T, s BlockAtt
 	forRows(w, s.Batch*s.TQ, s.TK*(s.DH+s.DV), func(lo, hi int) {
 		p := make([]float64, s.TK)
 		acc := make([]float64, s.DV)
+		js := make([]int, 0, s.TK)
 		for r := lo; r < hi; r++ {
 			b, i := r/s.TQ, r%s.TQ
 			qi := q[r*s.DH : (r+1)*s.DH]
-			n := s.visible(i)
+			js = s.keys(i, js)
 			oi := out[r*s.DV : (r+1)*s.DV]
-			if n == 0 {
+			if len(js) == 0 {
 				clear(oi)
 				lse[r] = T(math.Inf(-1))
 				continue
 			}
 			m := math.Inf(-1)
-			for j := range n {
+			for _, j := range js {
 				kj := k[(b*s.TK+j)*s.DH : (b*s.TK+j+1)*s.DH]
 				d := 0.0
 				for c, x := range qi {
@@ -99,12 +119,12 @@ func BlockAttentionForward[T Float](w Workers, out, lse, q, k, v []T, s BlockAtt
 				m = max(m, p[j])
 			}
 			sum := 0.0
-			for j := range n {
+			for _, j := range js {
 				p[j] = math.Exp(p[j] - m)
 				sum += p[j]
 			}
 			clear(acc)
-			for j := range n {
+			for _, j := range js {
 				vj := v[(b*s.TK+j)*s.DV : (b*s.TK+j+1)*s.DV]
 				pj := p[j] / sum
 				for c, x := range vj {
@@ -203,33 +223,33 @@ func BlockAttentionBackward[T Float](w Workers, dq, dk, dv, dout, q, k, v, lse, 
 		gk := make([]float64, s.TK*s.DH)
 		gv := make([]float64, s.TK*s.DV)
 		gq := make([]float64, s.DH)
-		p := make([]float64, s.TK)
+		js := make([]int, 0, s.TK)
 		for b := lo; b < hi; b++ {
 			clear(gk)
 			clear(gv)
 			for i := range s.TQ {
-				n := s.visible(i)
-				if n == 0 {
+				js = s.keys(i, js)
+				if len(js) == 0 {
 					continue
 				}
 				r := b*s.TQ + i
 				qi, gi := q[r*s.DH:(r+1)*s.DH], dout[r*s.DV:(r+1)*s.DV]
 				l, dl := float64(lse[r]), float64(delta[r])
 				clear(gq)
-				for j := range n {
+				for _, j := range js {
 					kj := k[(b*s.TK+j)*s.DH : (b*s.TK+j+1)*s.DH]
 					vj := v[(b*s.TK+j)*s.DV : (b*s.TK+j+1)*s.DV]
 					d := 0.0
 					for c, x := range qi {
 						d += float64(x) * float64(kj[c])
 					}
-					p[j] = math.Exp(d*s.Scale - l)
+					p := math.Exp(d*s.Scale - l)
 					dp := 0.0
 					for c, x := range gi {
 						dp += float64(x) * float64(vj[c])
-						gv[j*s.DV+c] += p[j] * float64(x)
+						gv[j*s.DV+c] += p * float64(x)
 					}
-					ds := p[j] * (dp - dl) * s.Scale
+					ds := p * (dp - dl) * s.Scale
 					for c, x := range kj {
 						gq[c] += ds * float64(x)
 					}

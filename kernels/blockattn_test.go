@@ -244,3 +244,51 @@ func TestBlockAttentionInvalid(t *testing.T) {
 		}
 	}
 }
+
+// TestBlockAttentionPositions runs a whole sequence stored in zigzag
+// order (the load-balanced layout: rows of chunks 0, 3, 1, 2) through one
+// block with explicit positions and compares with the textbook attention
+// in natural order.
+func TestBlockAttentionPositions(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	const b, tt, dh, dv = 2, 8, 3, 4
+	scale := 1 / math.Sqrt(dh)
+	q, k, v, g := randBlock(r, b*tt*dh), randBlock(r, b*tt*dh), randBlock(r, b*tt*dv), randBlock(r, b*tt*dv)
+	wantO, wantDQ, wantDK, wantDV := refBlockAttention(q, k, v, g, b, tt, dh, dv, scale)
+	pos := []int{0, 1, 6, 7, 2, 3, 4, 5}
+	perm := func(x []float64, w int) []float64 {
+		y := make([]float64, len(x))
+		for bb := range b {
+			for i, p := range pos {
+				copy(y[(bb*tt+i)*w:(bb*tt+i+1)*w], x[(bb*tt+p)*w:(bb*tt+p+1)*w])
+			}
+		}
+		return y
+	}
+	sh := BlockAttnShape{Batch: b, TQ: tt, TK: tt, DH: dh, DV: dv, QPos: pos, KPos: pos, Scale: scale, Causal: true}
+	pq, pk, pv, pg := perm(q, dh), perm(k, dh), perm(v, dv), perm(g, dv)
+	o, l := make([]float64, b*tt*dv), make([]float64, b*tt)
+	if err := BlockAttentionForward(0, o, l, pq, pk, pv, sh); err != nil {
+		t.Fatal(err)
+	}
+	delta := make([]float64, b*tt)
+	if err := AttentionRowDots(delta, pg, o, dv); err != nil {
+		t.Fatal(err)
+	}
+	dq, dk, dvv := make([]float64, len(pq)), make([]float64, len(pk)), make([]float64, len(pv))
+	if err := BlockAttentionBackward(0, dq, dk, dvv, pg, pq, pk, pv, l, delta, sh); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name      string
+		got, want []float64
+	}{{"out", o, perm(wantO, dv)}, {"dq", dq, perm(wantDQ, dh)}, {"dk", dk, perm(wantDK, dh)}, {"dv", dvv, perm(wantDV, dv)}} {
+		if e := maxRel(c.got, c.want); e > 1e-12 {
+			t.Errorf("%s: relative error %.3g", c.name, e)
+		}
+	}
+	sh.QPos = pos[:3]
+	if err := BlockAttentionForward(0, o, l, pq, pk, pv, sh); !errors.Is(err, ErrInvalid) {
+		t.Errorf("3 positions for 8 rows: %v, want ErrInvalid", err)
+	}
+}
