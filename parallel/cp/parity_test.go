@@ -144,8 +144,9 @@ func seqShard(n, a int, p placement.Placement) []placement.Placement {
 
 // TestAttentionParity: float64 parity with one rank (relative error
 // <= 1e-12, the result and every gradient) for cp = 2, 3 and 4, each
-// method, sequence lengths that divide 2·cp and that do not, heads
-// divisible by cp and not (Ulysses refuses those: TestUlyssesHeads).
+// method, with and without causal load balancing (ShardBalanced),
+// sequence lengths that divide 2·cp and that do not, heads divisible by
+// cp and not (Ulysses refuses those: TestUlyssesHeads).
 func TestAttentionParity(t *testing.T) {
 	var cases []parityCase
 	for _, n := range []int{2, 3, 4} {
@@ -155,8 +156,10 @@ func TestAttentionParity(t *testing.T) {
 					if m == cp.Ulysses && h%n != 0 {
 						continue
 					}
-					cases = append(cases, parityCase{mshape: []int{n}, names: []string{"cp"}, places: seqShard(1, 0, placement.Shard(2)),
-						axis: "cp", method: m, b: 2, h: h, t: tt, dh: 3})
+					for _, p := range []placement.Placement{placement.Shard(2), placement.ShardBalanced(2)} {
+						cases = append(cases, parityCase{mshape: []int{n}, names: []string{"cp"}, places: seqShard(1, 0, p),
+							axis: "cp", method: m, b: 2, h: h, t: tt, dh: 3})
+					}
 				}
 			}
 		}
@@ -167,15 +170,18 @@ func TestAttentionParity(t *testing.T) {
 }
 
 // TestAttentionParityComposed: cp beside tp (heads sharded over tp) and
-// dp (batch sharded), and Hybrid on a 2-D cp mesh.
+// dp (batch sharded), and Hybrid on a 2-D cp mesh, balanced and not.
 func TestAttentionParityComposed(t *testing.T) {
-	S := placement.Shard
+	S, B := placement.Shard, placement.ShardBalanced
 	cases := []parityCase{
 		{mshape: []int{2, 2}, names: []string{"cp", "tp"}, places: []placement.Placement{S(2), S(1)}, axis: "cp", method: cp.Ring, b: 2, h: 4, t: 9, dh: 2},
 		{mshape: []int{2, 2}, names: []string{"dp", "cp"}, places: []placement.Placement{S(0), S(2)}, axis: "cp", method: cp.Ulysses, b: 2, h: 2, t: 8, dh: 2},
 		{mshape: []int{2, 2}, names: []string{"cp", "tp"}, places: []placement.Placement{S(2), S(1)}, axis: "cp", method: cp.AllGather, b: 1, h: 2, t: 7, dh: 2},
 		{mshape: []int{2, 2}, names: []string{"cpr", "cpu"}, places: []placement.Placement{S(2), S(2)}, axis: "cpr", inner: "cpu", method: cp.Hybrid, b: 2, h: 2, t: 11, dh: 3},
 		{mshape: []int{3, 2}, names: []string{"cpr", "cpu"}, places: []placement.Placement{S(2), S(2)}, axis: "cpr", inner: "cpu", method: cp.Hybrid, b: 1, h: 4, t: 12, dh: 2},
+		{mshape: []int{2, 2}, names: []string{"cpr", "cpu"}, places: []placement.Placement{B(2), S(2)}, axis: "cpr", inner: "cpu", method: cp.Hybrid, b: 2, h: 2, t: 11, dh: 3},
+		{mshape: []int{2, 2}, names: []string{"cp", "tp"}, places: []placement.Placement{B(2), S(1)}, axis: "cp", method: cp.Ring, b: 1, h: 2, t: 16, dh: 2},
+		{mshape: []int{2, 2}, names: []string{"dp", "cp"}, places: []placement.Placement{S(0), B(2)}, axis: "cp", method: cp.AllGather, b: 2, h: 2, t: 7, dh: 2},
 	}
 	for _, c := range cases {
 		t.Run(c.String(), func(t *testing.T) { c.run(t, 1e-12) })
