@@ -98,7 +98,8 @@ func balancedCombos(n, ndim int) [][]placement.Placement {
 
 // TestRoundTripBalanced is TestRoundTripExhaustive with ShardBalanced:
 // every pair of placements, balanced or not, Partial included, on 1-D
-// and 2-D meshes with lengths that divide 2·k and that do not.
+// and 2-D meshes with lengths that divide 2·k and that do not, on the
+// host and the emulated device.
 func TestRoundTripBalanced(t *testing.T) {
 	cases := []struct {
 		mesh  []int
@@ -118,7 +119,7 @@ func TestRoundTripBalanced(t *testing.T) {
 		t.Run(fmt.Sprint(tc.mesh, tc.shape), func(t *testing.T) {
 			all := balancedCombos(len(tc.mesh), len(tc.shape))
 			planners := []*placement.Planner{placement.NewPlanner(nil), placement.NewPlanner(testModel)}
-			placementtest.Run(t, tc.mesh, names(len(tc.mesh)), func(ctx context.Context, m *mesh.Mesh) error {
+			runDevices(t, tc.mesh, names(len(tc.mesh)), func(ctx context.Context, m *mesh.Mesh) error {
 				seed := uint64(0)
 				pairs := 0
 				for _, sp := range all {

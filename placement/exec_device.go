@@ -176,7 +176,7 @@ func executeDevice(ctx context.Context, pl *Plan, src, dst *mesh.Mesh, shape []i
 			x, err = r.crossExec(pl, src, dst, x)
 			m = dst
 		case StepPermute:
-			err = unsupportedf("Execute", "the local reorder between load-balanced layouts runs on the host only")
+			x, err = r.permuteExec(st, x)
 		default:
 			x, err = r.stepExec(st, pl.src.shape, m, x)
 		}

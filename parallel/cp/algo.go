@@ -23,7 +23,6 @@ type group struct {
 	pos           [][]int
 	batch, dh, dv int
 	maxRows       int
-	workers       kernels.Workers
 	scale         float64
 	timeout       time.Duration
 }
@@ -42,17 +41,24 @@ func newGroup(c comm.Communicator, pos [][]int, me, batch, dh, dv int) group {
 func (g group) slot() int { return g.batch * g.maxRows * (g.dh + g.dv) }
 
 // kv returns the K and V blocks of member src in the packed slot buf.
-func kv[T float](g group, buf []T, src int) (k, v []T) {
+func (g group) kv(buf comm.Buffer, src int) (k, v comm.Buffer) {
 	t := len(g.pos[src])
 	ko := g.batch * g.maxRows * g.dh
-	return buf[:g.batch*t*g.dh], buf[ko : ko+g.batch*t*g.dv]
+	return buf.Slice(0, g.batch*t*g.dh), buf.Slice(ko, ko+g.batch*t*g.dv)
+}
+
+// slotOf is slot i of a buffer of n slots.
+func (g group) slotOf(buf comm.Buffer, i int) comm.Buffer {
+	return buf.Slice(i*g.slot(), (i+1)*g.slot())
 }
 
 // pack copies k and v (this rank's rows) into a packed slot.
-func pack[T float](g group, buf, k, v []T) {
-	bk, bv := kv(g, buf, g.me)
-	copy(bk, k)
-	copy(bv, v)
+func (g group) pack(o ops, buf, k, v comm.Buffer) error {
+	bk, bv := g.kv(buf, g.me)
+	if err := o.copy(bk, k); err != nil {
+		return err
+	}
+	return o.copy(bv, v)
 }
 
 // shape is the block shape of this rank's rows against member src's.
@@ -69,49 +75,81 @@ func (g group) sees(src int) bool {
 }
 
 // rotate starts sending send to the next member of the ring and receiving
-// recv from the previous one.
-func rotate[T float](ctx context.Context, g group, send, recv []T, tag int) ([]comm.Work, error) {
-	next, prev := (g.me+1)%g.n, (g.me-1+g.n)%g.n
-	ws, err := comm.SendAsync(ctx, g.c, comm.Host(send), next, tag)
-	if err != nil {
-		return nil, fmt.Errorf("ring step %d: send to %d: %w", tag, next, err)
+// recv from the previous one, once the kernels queued on the blocks are
+// done.
+func (g group) rotate(ctx context.Context, o ops, send, recv comm.Buffer, tag int) ([]comm.Work, error) {
+	if err := o.sync(); err != nil {
+		return nil, err
 	}
-	wr, err := comm.RecvAsync(ctx, g.c, comm.Host(recv), prev, tag)
+	next, prev := (g.me+1)%g.n, (g.me-1+g.n)%g.n
+	ws, err := comm.SendAsync(ctx, g.c, send, next, tag)
 	if err != nil {
-		return nil, fmt.Errorf("ring step %d: receive from %d: %w", tag, prev, err)
+		return nil, fmt.Errorf("ring transfer %d: send to %d: %w", tag, next, err)
+	}
+	wr, err := comm.RecvAsync(ctx, g.c, recv, prev, tag)
+	if err != nil {
+		return nil, fmt.Errorf("ring transfer %d: receive from %d: %w", tag, prev, err)
 	}
 	return []comm.Work{ws, wr}, nil
+}
+
+// start allocates the forward's output and LSE (−Inf: nothing seen yet)
+// and the partials of one block.
+func (g group) start(o ops) (out, lse, o2, l2 comm.Buffer, err error) {
+	tq := len(g.pos[g.me])
+	bufs := make([]comm.Buffer, 4)
+	for i, n := range []int{g.batch * tq * g.dv, g.batch * tq, g.batch * tq * g.dv, g.batch * tq} {
+		if bufs[i], err = o.alloc(n); err != nil {
+			return nil, nil, nil, nil, err
+		}
+	}
+	return bufs[0], bufs[1], bufs[2], bufs[3], o.fill(bufs[1], math.Inf(-1))
+}
+
+// attend merges this rank's attention to member src's K/V block (in the
+// packed slot buf) into (out, lse).
+func (g group) attend(o ops, q, buf comm.Buffer, src int, out, lse, o2, l2 comm.Buffer) error {
+	if !g.sees(src) {
+		return nil
+	}
+	bk, bv := g.kv(buf, src)
+	if err := o.forward(o2, l2, q, bk, bv, g.shape(src)); err != nil {
+		return err
+	}
+	return o.merge(out, lse, o2, l2, g.dv)
 }
 
 // ringForward is ring attention: at step s this rank holds the K/V block
 // of member me−s, starts passing it on and receiving the next, attends
 // its Q rows to the block it holds and merges by log-sum-exp.
-func ringForward[T float](ctx context.Context, g group, q, k, v []T) (out, lse []T, err error) {
-	tq := len(g.pos[g.me])
-	out = make([]T, g.batch*tq*g.dv)
-	lse = make([]T, g.batch*tq)
-	kernels.Fill(lse, T(math.Inf(-1)))
-	o2, l2 := make([]T, len(out)), make([]T, len(lse))
-	cur, nxt := make([]T, g.slot()), make([]T, g.slot())
-	pack(g, cur, k, v)
+func ringForward(ctx context.Context, o ops, g group, q, k, v comm.Buffer) (out, lse comm.Buffer, err error) {
+	out, lse, o2, l2, err := g.start(o)
+	if err != nil {
+		return nil, nil, err
+	}
+	cur, err := o.alloc(g.slot())
+	if err != nil {
+		return nil, nil, err
+	}
+	nxt, err := o.alloc(g.slot())
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := g.pack(o, cur, k, v); err != nil {
+		return nil, nil, err
+	}
 	ctx, cancel := context.WithTimeout(ctx, g.timeout)
 	defer cancel()
 	for s := range g.n {
 		src := (g.me - s + g.n) % g.n
 		var ws []comm.Work
 		if s < g.n-1 {
-			if ws, err = rotate(ctx, g, cur, nxt, s); err != nil {
+			if ws, err = g.rotate(ctx, o, cur, nxt, s); err != nil {
 				return nil, nil, err
 			}
 		}
-		if g.sees(src) {
-			bk, bv := kv(g, cur, src)
-			if err := kernels.BlockAttentionForward(g.workers, o2, l2, q, bk, bv, g.shape(src)); err != nil {
-				return nil, nil, fmt.Errorf("ring step %d: %w", s, err)
-			}
-			if err := kernels.MergeAttention(out, lse, o2, l2, g.dv); err != nil {
-				return nil, nil, fmt.Errorf("ring step %d: %w", s, err)
-			}
+		if err := g.attend(o, q, cur, src, out, lse, o2, l2); err != nil {
+			return nil, nil, fmt.Errorf("ring step %d: %w", s, err)
 		}
 		if err := comm.WaitAll(ctx, ws...); err != nil {
 			return nil, nil, fmt.Errorf("ring step %d: %w", s, err)
@@ -121,40 +159,58 @@ func ringForward[T float](ctx context.Context, g group, q, k, v []T) (out, lse [
 	return out, lse, nil
 }
 
+// backStart allocates dq and computes D = rowsum(dO∘O).
+func (g group) backStart(o ops, out, dout comm.Buffer) (dq, delta comm.Buffer, err error) {
+	tq := len(g.pos[g.me])
+	if delta, err = o.alloc(g.batch * tq); err != nil {
+		return nil, nil, err
+	}
+	if err := o.rowDots(delta, dout, out, g.dv); err != nil {
+		return nil, nil, err
+	}
+	dq, err = o.alloc(g.batch * tq * g.dh)
+	return dq, delta, err
+}
+
 // ringBackward is the ring's backward: Q, dO, the LSE and D stay; the K/V
 // blocks travel as in the forward, and the gradients dK, dV of each block
 // travel with it, each rank adding its block's share, until after n steps
 // they reach the block's owner. Each step uses the K/V block it received
 // for that step.
-func ringBackward[T float](ctx context.Context, g group, q, k, v, out, lse, dout []T) (dq, dk, dv []T, err error) {
-	tq := len(g.pos[g.me])
-	delta := make([]T, len(lse))
-	if err := kernels.AttentionRowDots(delta, dout, out, g.dv); err != nil {
+func ringBackward(ctx context.Context, o ops, g group, q, k, v, out, lse, dout comm.Buffer) (dq, dk, dv comm.Buffer, err error) {
+	dq, delta, err := g.backStart(o, out, dout)
+	if err != nil {
 		return nil, nil, nil, err
 	}
-	dq = make([]T, g.batch*tq*g.dh)
-	cur, nxt := make([]T, g.slot()), make([]T, g.slot())
-	dcur, dnxt := make([]T, g.slot()), make([]T, g.slot())
-	pack(g, cur, k, v)
+	b := make([]comm.Buffer, 4) // cur, nxt, dcur, dnxt
+	for i := range b {
+		if b[i], err = o.alloc(g.slot()); err != nil {
+			return nil, nil, nil, err
+		}
+	}
+	cur, nxt, dcur, dnxt := b[0], b[1], b[2], b[3]
+	if err := g.pack(o, cur, k, v); err != nil {
+		return nil, nil, nil, err
+	}
 	ctx, cancel := context.WithTimeout(ctx, g.timeout)
 	defer cancel()
 	for s := range g.n {
 		src := (g.me - s + g.n) % g.n
 		var ws []comm.Work
 		if s < g.n-1 {
-			if ws, err = rotate(ctx, g, cur, nxt, 2*s); err != nil {
+			if ws, err = g.rotate(ctx, o, cur, nxt, 2*s); err != nil {
 				return nil, nil, nil, err
 			}
 		}
 		if g.sees(src) {
-			bk, bv := kv(g, cur, src)
-			gk, gv := kv(g, dcur, src)
-			if err := kernels.BlockAttentionBackward(g.workers, dq, gk, gv, dout, q, bk, bv, lse, delta, g.shape(src)); err != nil {
+			bk, bv := g.kv(cur, src)
+			gk, gv := g.kv(dcur, src)
+			if err := o.backward(dq, gk, gv, dout, q, bk, bv, lse, delta, g.shape(src)); err != nil {
 				return nil, nil, nil, fmt.Errorf("ring backward step %d: %w", s, err)
 			}
 		}
 		if g.n > 1 {
-			wd, err := rotate(ctx, g, dcur, dnxt, 2*s+1)
+			wd, err := g.rotate(ctx, o, dcur, dnxt, 2*s+1)
 			if err != nil {
 				return nil, nil, nil, err
 			}
@@ -168,36 +224,38 @@ func ringBackward[T float](ctx context.Context, g group, q, k, v, out, lse, dout
 			dcur, dnxt = dnxt, dcur
 		}
 	}
-	gk, gv := kv(g, dcur, g.me)
-	return dq, slices.Clone(gk), slices.Clone(gv), nil
+	gk, gv := g.kv(dcur, g.me)
+	return dq, gk, gv, nil
 }
 
 // gatherForward gathers every member's K/V block once and attends this
 // rank's Q rows to each, merging by log-sum-exp. It returns the gathered
 // blocks for the backward.
-func gatherForward[T float](ctx context.Context, g group, q, k, v []T) (out, lse, all []T, err error) {
-	tq := len(g.pos[g.me])
-	out = make([]T, g.batch*tq*g.dv)
-	lse = make([]T, g.batch*tq)
-	kernels.Fill(lse, T(math.Inf(-1)))
-	o2, l2 := make([]T, len(out)), make([]T, len(lse))
-	mine := make([]T, g.slot())
-	pack(g, mine, k, v)
-	all = make([]T, g.n*g.slot())
+func gatherForward(ctx context.Context, o ops, g group, q, k, v comm.Buffer) (out, lse, all comm.Buffer, err error) {
+	out, lse, o2, l2, err := g.start(o)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	mine, err := o.alloc(g.slot())
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if all, err = o.alloc(g.n * g.slot()); err != nil {
+		return nil, nil, nil, err
+	}
+	if err := g.pack(o, mine, k, v); err != nil {
+		return nil, nil, nil, err
+	}
+	if err := o.sync(); err != nil {
+		return nil, nil, nil, err
+	}
 	ctx, cancel := context.WithTimeout(ctx, g.timeout)
 	defer cancel()
-	if err := comm.AllGather(ctx, g.c, comm.Host(mine), comm.Host(all)); err != nil {
+	if err := comm.AllGather(ctx, g.c, mine, all); err != nil {
 		return nil, nil, nil, fmt.Errorf("all-gather of K and V: %w", err)
 	}
 	for src := range g.n {
-		if !g.sees(src) {
-			continue
-		}
-		bk, bv := kv(g, all[src*g.slot():(src+1)*g.slot()], src)
-		if err := kernels.BlockAttentionForward(g.workers, o2, l2, q, bk, bv, g.shape(src)); err != nil {
-			return nil, nil, nil, err
-		}
-		if err := kernels.MergeAttention(out, lse, o2, l2, g.dv); err != nil {
+		if err := g.attend(o, q, g.slotOf(all, src), src, out, lse, o2, l2); err != nil {
 			return nil, nil, nil, err
 		}
 	}
@@ -206,32 +264,38 @@ func gatherForward[T float](ctx context.Context, g group, q, k, v []T) (out, lse
 
 // gatherBackward computes every block's gradients against the gathered
 // K/V and reduce-scatters dK and dV to their owners.
-func gatherBackward[T float](ctx context.Context, g group, q, all, out, lse, dout []T) (dq, dk, dv []T, err error) {
-	tq := len(g.pos[g.me])
-	delta := make([]T, len(lse))
-	if err := kernels.AttentionRowDots(delta, dout, out, g.dv); err != nil {
+func gatherBackward(ctx context.Context, o ops, g group, q, all, out, lse, dout comm.Buffer) (dq, dk, dv comm.Buffer, err error) {
+	dq, delta, err := g.backStart(o, out, dout)
+	if err != nil {
 		return nil, nil, nil, err
 	}
-	dq = make([]T, g.batch*tq*g.dh)
-	dall := make([]T, len(all))
+	dall, err := o.alloc(all.Len())
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	for src := range g.n {
 		if !g.sees(src) {
 			continue
 		}
-		sl := all[src*g.slot() : (src+1)*g.slot()]
-		bk, bv := kv(g, sl, src)
-		gk, gv := kv(g, dall[src*g.slot():(src+1)*g.slot()], src)
-		if err := kernels.BlockAttentionBackward(g.workers, dq, gk, gv, dout, q, bk, bv, lse, delta, g.shape(src)); err != nil {
+		bk, bv := g.kv(g.slotOf(all, src), src)
+		gk, gv := g.kv(g.slotOf(dall, src), src)
+		if err := o.backward(dq, gk, gv, dout, q, bk, bv, lse, delta, g.shape(src)); err != nil {
 			return nil, nil, nil, err
 		}
 	}
-	mine := make([]T, g.slot())
+	mine, err := o.alloc(g.slot())
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if err := o.sync(); err != nil {
+		return nil, nil, nil, err
+	}
 	ctx, cancel := context.WithTimeout(ctx, g.timeout)
 	defer cancel()
-	if err := comm.ReduceScatter(ctx, g.c, comm.Host(dall), comm.Host(mine), comm.Sum); err != nil {
+	if err := comm.ReduceScatter(ctx, g.c, dall, mine, comm.Sum); err != nil {
 		return nil, nil, nil, fmt.Errorf("reduce-scatter of dK and dV: %w", err)
 	}
-	gk, gv := kv(g, mine, g.me)
+	gk, gv := g.kv(mine, g.me)
 	return dq, gk, gv, nil
 }
 
@@ -248,8 +312,7 @@ type heads struct {
 }
 
 func newHeads(c comm.Communicator, rows []int, me, lead, h int, timeout time.Duration) heads {
-	x := heads{c: c, n: len(rows), me: me, rows: rows, lead: lead, h: h, maxR: slices.Max(rows), timeout: timeout}
-	return x
+	return heads{c: c, n: len(rows), me: me, rows: rows, lead: lead, h: h, maxR: slices.Max(rows), timeout: timeout}
 }
 
 // total is the group's rows.
@@ -261,36 +324,64 @@ func (x heads) total() int {
 	return t
 }
 
+// exchange runs the all-to-all of send into recv once the kernels are
+// done.
+func (x heads) exchange(ctx context.Context, o ops, send, recv comm.Buffer, what string) error {
+	if err := o.sync(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, x.timeout)
+	defer cancel()
+	if err := comm.AllToAll(ctx, x.c, send, recv); err != nil {
+		return fmt.Errorf("all-to-all %s heads: %w", what, err)
+	}
+	return nil
+}
+
 // toHeads maps this rank's [lead, h, rows[me], d] block to
 // [lead, h/n, total, d].
-func toHeads[T float](ctx context.Context, x heads, in []T, d int) ([]T, error) {
+func (x heads) toHeads(ctx context.Context, o ops, in comm.Buffer, d int) (comm.Buffer, error) {
 	if x.n == 1 {
 		return in, nil
 	}
 	hn, t := x.h/x.n, x.rows[x.me]
 	blk := x.lead * hn * x.maxR * d
-	send, recv := make([]T, x.n*blk), make([]T, x.n*blk)
+	send, err := o.alloc(x.n * blk)
+	if err != nil {
+		return nil, err
+	}
+	recv, err := o.alloc(x.n * blk)
+	if err != nil {
+		return nil, err
+	}
 	for j := range x.n {
 		for l := range x.lead {
 			for h := range hn {
-				src := in[((l*x.h+j*hn+h)*t)*d : ((l*x.h+j*hn+h)*t+t)*d]
-				copy(send[j*blk+((l*hn+h)*x.maxR)*d:], src)
+				src := ((l*x.h + j*hn + h) * t) * d
+				dst := j*blk + ((l*hn+h)*x.maxR)*d
+				if err := o.copy(send.Slice(dst, dst+t*d), in.Slice(src, src+t*d)); err != nil {
+					return nil, err
+				}
 			}
 		}
 	}
-	ctx, cancel := context.WithTimeout(ctx, x.timeout)
-	defer cancel()
-	if err := comm.AllToAll(ctx, x.c, comm.Host(send), comm.Host(recv)); err != nil {
-		return nil, fmt.Errorf("all-to-all to heads: %w", err)
+	if err := x.exchange(ctx, o, send, recv, "to"); err != nil {
+		return nil, err
 	}
 	tot := x.total()
-	out := make([]T, x.lead*hn*tot*d)
+	out, err := o.alloc(x.lead * hn * tot * d)
+	if err != nil {
+		return nil, err
+	}
 	off := 0
 	for i, ti := range x.rows {
 		for l := range x.lead {
 			for h := range hn {
-				src := recv[i*blk+((l*hn+h)*x.maxR)*d:]
-				copy(out[((l*hn+h)*tot+off)*d:((l*hn+h)*tot+off+ti)*d], src[:ti*d])
+				src := i*blk + ((l*hn+h)*x.maxR)*d
+				dst := ((l*hn+h)*tot + off) * d
+				if err := o.copy(out.Slice(dst, dst+ti*d), recv.Slice(src, src+ti*d)); err != nil {
+					return nil, err
+				}
 			}
 		}
 		off += ti
@@ -300,33 +391,48 @@ func toHeads[T float](ctx context.Context, x heads, in []T, d int) ([]T, error) 
 
 // fromHeads is toHeads' inverse: [lead, h/n, total, d] to this rank's
 // [lead, h, rows[me], d].
-func fromHeads[T float](ctx context.Context, x heads, in []T, d int) ([]T, error) {
+func (x heads) fromHeads(ctx context.Context, o ops, in comm.Buffer, d int) (comm.Buffer, error) {
 	if x.n == 1 {
 		return in, nil
 	}
 	hn, t, tot := x.h/x.n, x.rows[x.me], x.total()
 	blk := x.lead * hn * x.maxR * d
-	send, recv := make([]T, x.n*blk), make([]T, x.n*blk)
+	send, err := o.alloc(x.n * blk)
+	if err != nil {
+		return nil, err
+	}
+	recv, err := o.alloc(x.n * blk)
+	if err != nil {
+		return nil, err
+	}
 	off := 0
 	for i, ti := range x.rows {
 		for l := range x.lead {
 			for h := range hn {
-				copy(send[i*blk+((l*hn+h)*x.maxR)*d:], in[((l*hn+h)*tot+off)*d:((l*hn+h)*tot+off+ti)*d])
+				src := ((l*hn+h)*tot + off) * d
+				dst := i*blk + ((l*hn+h)*x.maxR)*d
+				if err := o.copy(send.Slice(dst, dst+ti*d), in.Slice(src, src+ti*d)); err != nil {
+					return nil, err
+				}
 			}
 		}
 		off += ti
 	}
-	ctx, cancel := context.WithTimeout(ctx, x.timeout)
-	defer cancel()
-	if err := comm.AllToAll(ctx, x.c, comm.Host(send), comm.Host(recv)); err != nil {
-		return nil, fmt.Errorf("all-to-all from heads: %w", err)
+	if err := x.exchange(ctx, o, send, recv, "from"); err != nil {
+		return nil, err
 	}
-	out := make([]T, x.lead*x.h*t*d)
+	out, err := o.alloc(x.lead * x.h * t * d)
+	if err != nil {
+		return nil, err
+	}
 	for j := range x.n {
 		for l := range x.lead {
 			for h := range hn {
-				src := recv[j*blk+((l*hn+h)*x.maxR)*d:]
-				copy(out[((l*x.h+j*hn+h)*t)*d:((l*x.h+j*hn+h)*t+t)*d], src[:t*d])
+				src := j*blk + ((l*hn+h)*x.maxR)*d
+				dst := ((l*x.h + j*hn + h) * t) * d
+				if err := o.copy(out.Slice(dst, dst+t*d), recv.Slice(src, src+t*d)); err != nil {
+					return nil, err
+				}
 			}
 		}
 	}
@@ -335,20 +441,20 @@ func fromHeads[T float](ctx context.Context, x heads, in []T, d int) ([]T, error
 
 // state is one recorded call: the layout and what the forward keeps for
 // the backward.
-type state[T float] struct {
+type state struct {
 	l       *layout
 	timeout time.Duration
 	scale   float64
-	workers kernels.Workers
+	o       ops
 
 	g                group // the attention group
 	hx               heads // the Ulysses all-to-all (n = 1: none)
-	q, k, v, out, ls []T   // in the attention group's layout
-	all              []T   // AllGather: the gathered K/V
+	q, k, v, out, ls comm.Buffer
+	all              comm.Buffer // AllGather: the gathered K/V
 }
 
 // setup builds the attention group and the all-to-all of the method.
-func (s *state[T]) setup() {
+func (s *state) setup() {
 	l := s.l
 	switch l.method {
 	case Ulysses:
@@ -379,59 +485,81 @@ func (s *state[T]) setup() {
 		s.hx = heads{n: 1}
 		s.g = newGroup(l.c, pos, l.me, l.batch, l.dh, l.dv)
 	}
-	s.g.scale, s.g.timeout, s.g.workers = s.scale, s.timeout, s.workers
+	s.g.scale, s.g.timeout = s.scale, s.timeout
 }
 
-// forward runs the method's forward on this rank's blocks.
-func (s *state[T]) forward(ctx context.Context, q, k, v []T) ([]T, error) {
+// forward runs the method's forward on this rank's blocks and returns the
+// result in a buffer of the op's own.
+func (s *state) forward(ctx context.Context, q, k, v comm.Buffer) (comm.Buffer, error) {
 	s.setup()
+	o := s.o
 	var err error
-	if s.q, err = toHeads(ctx, s.hx, q, s.l.dh); err != nil {
+	if s.q, err = s.hx.toHeads(ctx, o, q, s.l.dh); err != nil {
 		return nil, err
 	}
-	if s.k, err = toHeads(ctx, s.hx, k, s.l.dh); err != nil {
+	if s.k, err = s.hx.toHeads(ctx, o, k, s.l.dh); err != nil {
 		return nil, err
 	}
-	if s.v, err = toHeads(ctx, s.hx, v, s.l.dv); err != nil {
+	if s.v, err = s.hx.toHeads(ctx, o, v, s.l.dv); err != nil {
 		return nil, err
 	}
 	if s.l.method == AllGather {
-		s.out, s.ls, s.all, err = gatherForward(ctx, s.g, s.q, s.k, s.v)
+		s.out, s.ls, s.all, err = gatherForward(ctx, o, s.g, s.q, s.k, s.v)
 	} else {
-		s.out, s.ls, err = ringForward(ctx, s.g, s.q, s.k, s.v)
+		s.out, s.ls, err = ringForward(ctx, o, s.g, s.q, s.k, s.v)
 	}
 	if err != nil {
 		return nil, err
 	}
-	return fromHeads(ctx, s.hx, s.out, s.l.dv)
+	y, err := s.hx.fromHeads(ctx, o, s.out, s.l.dv)
+	if err != nil {
+		return nil, err
+	}
+	res, err := o.result(y.Len())
+	if err != nil {
+		return nil, err
+	}
+	return res, o.copy(res, y)
 }
 
 // backward maps the gradient of the result (laid out like it) to dq, dk
 // and dv, laid out like q, k and v.
-func (s *state[T]) backward(ctx context.Context, dout []T) (dq, dk, dv []T, err error) {
+func (s *state) backward(ctx context.Context, dout comm.Buffer) (dq, dk, dv comm.Buffer, err error) {
 	if s.out == nil {
 		return nil, nil, nil, fmt.Errorf("backward before forward")
 	}
-	gh, err := toHeads(ctx, s.hx, dout, s.l.dv)
+	o := s.o
+	gh, err := s.hx.toHeads(ctx, o, dout, s.l.dv)
 	if err != nil {
 		return nil, nil, nil, err
 	}
 	if s.l.method == AllGather {
-		dq, dk, dv, err = gatherBackward(ctx, s.g, s.q, s.all, s.out, s.ls, gh)
+		dq, dk, dv, err = gatherBackward(ctx, o, s.g, s.q, s.all, s.out, s.ls, gh)
 	} else {
-		dq, dk, dv, err = ringBackward(ctx, s.g, s.q, s.k, s.v, s.out, s.ls, gh)
+		dq, dk, dv, err = ringBackward(ctx, o, s.g, s.q, s.k, s.v, s.out, s.ls, gh)
 	}
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	if dq, err = fromHeads(ctx, s.hx, dq, s.l.dh); err != nil {
+	if dq, err = s.hx.fromHeads(ctx, o, dq, s.l.dh); err != nil {
 		return nil, nil, nil, err
 	}
-	if dk, err = fromHeads(ctx, s.hx, dk, s.l.dh); err != nil {
+	if dk, err = s.hx.fromHeads(ctx, o, dk, s.l.dh); err != nil {
 		return nil, nil, nil, err
 	}
-	if dv, err = fromHeads(ctx, s.hx, dv, s.l.dv); err != nil {
+	if dv, err = s.hx.fromHeads(ctx, o, dv, s.l.dv); err != nil {
 		return nil, nil, nil, err
 	}
-	return dq, dk, dv, nil
+	// Each gradient in memory of its own (the ring's are views of a
+	// travelling buffer), which autograd may free once consumed.
+	out := []comm.Buffer{dq, dk, dv}
+	for i, b := range out {
+		if out[i], err = o.alloc(b.Len()); err != nil {
+			return nil, nil, nil, err
+		}
+		if err := o.copy(out[i], b); err != nil {
+			return nil, nil, nil, err
+		}
+	}
+	return out[0], out[1], out[2], o.sync()
 }

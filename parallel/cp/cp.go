@@ -10,6 +10,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -172,10 +173,7 @@ func Attention(ctx context.Context, q, k, v *autograd.Value, axis string, opts .
 	if err := lay.groups(ctx); err != nil {
 		return nil, fmt.Errorf("cp: %s: %w", op, err)
 	}
-	if q.Spec().DType() == comm.Float64 {
-		return attention[float64](ctx, lay, q, k, v, cfg)
-	}
-	return attention[float32](ctx, lay, q, k, v, cfg)
+	return attention(ctx, lay, q, k, v, cfg)
 }
 
 // choose is Auto's rule (see Attention).
@@ -206,10 +204,24 @@ func choose(l *layout, cfg config) Method {
 	return AllGather
 }
 
-// attention records the op for element type T.
-func attention[T float](ctx context.Context, l *layout, q, k, v *autograd.Value, cfg config) (*autograd.Value, error) {
+// attention records the op; o runs its kernels.
+func attention(ctx context.Context, l *layout, q, k, v *autograd.Value, cfg config) (*autograd.Value, error) {
 	name := "cp.Attention(" + l.method.String() + ")"
-	st := &state[T]{l: l, timeout: cfg.timeout, scale: 1 / math.Sqrt(float64(l.dh)), workers: q.Tape().Workers()}
+	var o ops
+	d := q.Data().Device()
+	switch {
+	case d.Kind() != device.KindHost:
+		do, err := newDevOps(d, q.Tape(), l.dtype)
+		if err != nil {
+			return nil, fmt.Errorf("cp: Attention: %w", err)
+		}
+		o = do
+	case l.dtype == comm.Float64:
+		o = hostOps[float64]{w: q.Tape().Workers()}
+	default:
+		o = hostOps[float32]{w: q.Tape().Workers()}
+	}
+	st := &state{l: l, timeout: cfg.timeout, scale: 1 / math.Sqrt(float64(l.dh)), o: o}
 	outSpec, err := l.outSpec(q.Spec())
 	if err != nil {
 		return nil, err
@@ -217,15 +229,11 @@ func attention[T float](ctx context.Context, l *layout, q, k, v *autograd.Value,
 	specs := []*placement.Spec{q.Spec(), k.Spec(), v.Spec()}
 	return autograd.Custom(name, []*autograd.Value{q, k, v},
 		func() (*placement.DTensor, error) {
-			qd, kd, vd, err := hostData[T](q, k, v)
+			out, err := st.forward(ctx, q.Data().LocalBuffer(), k.Data().LocalBuffer(), v.Data().LocalBuffer())
 			if err != nil {
 				return nil, err
 			}
-			out, err := st.forward(ctx, qd, kd, vd)
-			if err != nil {
-				return nil, err
-			}
-			return placement.NewLocal(outSpec, out)
+			return o.wrap(outSpec, out)
 		},
 		func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
 			if !g.Spec().Equal(outSpec) {
@@ -234,35 +242,18 @@ func attention[T float](ctx context.Context, l *layout, q, k, v *autograd.Value,
 					return nil, err
 				}
 			}
-			gd, ok := g.LocalData().([]T)
-			if !ok {
-				return nil, fmt.Errorf("%w: the gradient's local block is %T, not a host block", ErrUnsupported, g.LocalData())
-			}
-			dq, dk, dv, err := st.backward(ctx, gd)
+			dq, dk, dv, err := st.backward(ctx, g.LocalBuffer())
 			if err != nil {
 				return nil, err
 			}
 			grads := make([]*placement.DTensor, 3)
-			for i, d := range [][]T{dq, dk, dv} {
-				if grads[i], err = placement.NewLocal(specs[i], d); err != nil {
+			for i, d := range []comm.Buffer{dq, dk, dv} {
+				if grads[i], err = o.wrap(specs[i], d); err != nil {
 					return nil, err
 				}
 			}
 			return grads, nil
 		})
-}
-
-// hostData returns the local blocks of q, k and v as host slices.
-func hostData[T float](vs ...*autograd.Value) (q, k, v []T, err error) {
-	out := make([][]T, len(vs))
-	for i, x := range vs {
-		d, ok := x.Data().LocalData().([]T)
-		if !ok {
-			return nil, nil, nil, fmt.Errorf("%w: input %d's local block is %T: cp runs on host blocks (device tensors need device.BlockAttentionKernels)", ErrUnsupported, i, x.Data().LocalData())
-		}
-		out[i] = d
-	}
-	return out[0], out[1], out[2], nil
 }
 
 // samePlacements reports whether specs a and b have equal placements and

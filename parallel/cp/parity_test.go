@@ -10,6 +10,8 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/parallel/cp"
 	"github.com/b7ea7098/loom/placement"
@@ -27,10 +29,15 @@ type parityCase struct {
 	method cp.Method
 	b, h   int
 	t, dh  int
+	emu    bool // run cp on each rank's emulated device
 }
 
 func (c parityCase) String() string {
-	return fmt.Sprintf("%v%v/%v/%v/H%d/T%d", c.names, c.mshape, c.places, c.method, c.h, c.t)
+	s := fmt.Sprintf("%v%v/%v/%v/H%d/T%d", c.names, c.mshape, c.places, c.method, c.h, c.t)
+	if c.emu {
+		s += "/emu"
+	}
+	return s
 }
 
 // run checks cp.Attention against the one-rank attention (autograd's
@@ -42,20 +49,24 @@ func (c parityCase) run(t *testing.T, tol float64) {
 	shape := []int{c.b, c.h, c.t, c.dh}
 	full := func(seed uint64) []float64 { return placementtest.Random(shape, comm.Float64, seed).([]float64) }
 	qf, kf, vf, gf := full(1), full(2), full(3), full(4)
+	var opts []placementtest.Option
+	if c.emu {
+		opts = append(opts, placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) }))
+	}
 	placementtest.Run(t, c.mshape, c.names, func(ctx context.Context, m *mesh.Mesh) error {
 		rep := make([]placement.Placement, len(c.mshape))
 		for i := range rep {
 			rep[i] = placement.Replicate()
 		}
-		attn := func(places []placement.Placement, f func(q, k, v *autograd.Value) (*autograd.Value, error)) (out []float64, grads [3][]float64, err error) {
+		attn := func(places []placement.Placement, dev device.Device, f func(q, k, v *autograd.Value) (*autograd.Value, error)) (out []float64, grads [3][]float64, err error) {
 			spec, err := placement.NewSpec(m, shape, comm.Float64, places)
 			if err != nil {
 				return nil, grads, err
 			}
-			tp := autograd.NewTape()
+			tp := autograd.NewTape(autograd.WithDevice(dev))
 			var vs [3]*autograd.Value
 			for i, f := range [][]float64{qf, kf, vf} {
-				d, err := placement.FromFull(spec, f)
+				d, err := placement.FromFull(spec, f, placement.OnDevice(dev))
 				if err != nil {
 					return nil, grads, err
 				}
@@ -67,7 +78,7 @@ func (c parityCase) run(t *testing.T, tol float64) {
 			if err != nil {
 				return nil, grads, err
 			}
-			gd, err := placement.FromFull(y.Spec(), gf)
+			gd, err := placement.FromFull(y.Spec(), gf, placement.OnDevice(dev))
 			if err != nil {
 				return nil, grads, err
 			}
@@ -99,7 +110,7 @@ func (c parityCase) run(t *testing.T, tol float64) {
 			}
 			return o.([]float64), grads, nil
 		}
-		want, wantG, err := attn(rep, autograd.CausalAttention)
+		want, wantG, err := attn(rep, device.Host(), autograd.CausalAttention)
 		if err != nil {
 			return fmt.Errorf("reference: %w", err)
 		}
@@ -107,7 +118,7 @@ func (c parityCase) run(t *testing.T, tol float64) {
 		if c.inner != "" {
 			opts = append(opts, cp.WithUlyssesAxis(c.inner))
 		}
-		got, gotG, err := attn(c.places, func(q, k, v *autograd.Value) (*autograd.Value, error) {
+		got, gotG, err := attn(c.places, placementtest.Device(ctx), func(q, k, v *autograd.Value) (*autograd.Value, error) {
 			return cp.Attention(ctx, q, k, v, c.axis, opts...)
 		})
 		if err != nil {
@@ -119,7 +130,7 @@ func (c parityCase) run(t *testing.T, tol float64) {
 			}
 		}
 		return nil
-	})
+	}, opts...)
 }
 
 func relErr(got, want []float64) float64 {
@@ -164,9 +175,20 @@ func TestAttentionParity(t *testing.T) {
 			}
 		}
 	}
+	cases = withEmu(cases)
 	for _, c := range cases {
 		t.Run(c.String(), func(t *testing.T) { c.run(t, 1e-12) })
 	}
+}
+
+// withEmu returns cases followed by each of them on the emulated device.
+func withEmu(cases []parityCase) []parityCase {
+	out := slices.Clone(cases)
+	for _, c := range cases {
+		c.emu = true
+		out = append(out, c)
+	}
+	return out
 }
 
 // TestAttentionParityComposed: cp beside tp (heads sharded over tp) and
@@ -183,6 +205,7 @@ func TestAttentionParityComposed(t *testing.T) {
 		{mshape: []int{2, 2}, names: []string{"cp", "tp"}, places: []placement.Placement{B(2), S(1)}, axis: "cp", method: cp.Ring, b: 1, h: 2, t: 16, dh: 2},
 		{mshape: []int{2, 2}, names: []string{"dp", "cp"}, places: []placement.Placement{S(0), B(2)}, axis: "cp", method: cp.AllGather, b: 2, h: 2, t: 7, dh: 2},
 	}
+	cases = withEmu(cases)
 	for _, c := range cases {
 		t.Run(c.String(), func(t *testing.T) { c.run(t, 1e-12) })
 	}
