@@ -25,6 +25,7 @@ type group struct {
 	maxRows       int
 	scale         float64
 	timeout       time.Duration
+	stats         *Stats
 }
 
 func newGroup(c comm.Communicator, pos [][]int, me, batch, dh, dv int) group {
@@ -112,11 +113,43 @@ func (g group) attend(o ops, q, buf comm.Buffer, src int, out, lse, o2, l2 comm.
 	if !g.sees(src) {
 		return nil
 	}
+	defer g.computed(time.Now())
 	bk, bv := g.kv(buf, src)
 	if err := o.forward(o2, l2, q, bk, bv, g.shape(src)); err != nil {
 		return err
 	}
 	return o.merge(out, lse, o2, l2, g.dv)
+}
+
+// computed adds the time since start to the stats' compute.
+func (g group) computed(start time.Time) {
+	if g.stats != nil {
+		g.stats.Compute += time.Since(start)
+		g.stats.Blocks++
+	}
+}
+
+// wait waits for a ring step's transfers, adding to the stats the time
+// from their start to their completion and the part of it this rank
+// waited for after its block's compute.
+func (g group) wait(ctx context.Context, ws []comm.Work, start time.Time) error {
+	if g.stats == nil || len(ws) == 0 {
+		return comm.WaitAll(ctx, ws...)
+	}
+	done := make(chan time.Time, 1) // buffered: an early error return leaks nothing
+	go func() {
+		for _, w := range ws {
+			<-w.Done()
+		}
+		done <- time.Now()
+	}()
+	t0 := time.Now()
+	if err := comm.WaitAll(ctx, ws...); err != nil {
+		return err
+	}
+	g.stats.Exposed += time.Since(t0)
+	g.stats.Transfer += (<-done).Sub(start)
+	return nil
 }
 
 // ringForward is ring attention: at step s this rank holds the K/V block
@@ -143,6 +176,7 @@ func ringForward(ctx context.Context, o ops, g group, q, k, v comm.Buffer) (out,
 	for s := range g.n {
 		src := (g.me - s + g.n) % g.n
 		var ws []comm.Work
+		t0 := time.Now()
 		if s < g.n-1 {
 			if ws, err = g.rotate(ctx, o, cur, nxt, s); err != nil {
 				return nil, nil, err
@@ -151,7 +185,7 @@ func ringForward(ctx context.Context, o ops, g group, q, k, v comm.Buffer) (out,
 		if err := g.attend(o, q, cur, src, out, lse, o2, l2); err != nil {
 			return nil, nil, fmt.Errorf("ring step %d: %w", s, err)
 		}
-		if err := comm.WaitAll(ctx, ws...); err != nil {
+		if err := g.wait(ctx, ws, t0); err != nil {
 			return nil, nil, fmt.Errorf("ring step %d: %w", s, err)
 		}
 		cur, nxt = nxt, cur
@@ -203,11 +237,13 @@ func ringBackward(ctx context.Context, o ops, g group, q, k, v, out, lse, dout c
 			}
 		}
 		if g.sees(src) {
+			t := time.Now()
 			bk, bv := g.kv(cur, src)
 			gk, gv := g.kv(dcur, src)
 			if err := o.backward(dq, gk, gv, dout, q, bk, bv, lse, delta, g.shape(src)); err != nil {
 				return nil, nil, nil, fmt.Errorf("ring backward step %d: %w", s, err)
 			}
+			g.computed(t)
 		}
 		if g.n > 1 {
 			wd, err := g.rotate(ctx, o, dcur, dnxt, 2*s+1)
@@ -277,11 +313,13 @@ func gatherBackward(ctx context.Context, o ops, g group, q, all, out, lse, dout 
 		if !g.sees(src) {
 			continue
 		}
+		t := time.Now()
 		bk, bv := g.kv(g.slotOf(all, src), src)
 		gk, gv := g.kv(g.slotOf(dall, src), src)
 		if err := o.backward(dq, gk, gv, dout, q, bk, bv, lse, delta, g.shape(src)); err != nil {
 			return nil, nil, nil, err
 		}
+		g.computed(t)
 	}
 	mine, err := o.alloc(g.slot())
 	if err != nil {
@@ -446,6 +484,7 @@ type state struct {
 	timeout time.Duration
 	scale   float64
 	o       ops
+	stats   *Stats
 
 	g                group // the attention group
 	hx               heads // the Ulysses all-to-all (n = 1: none)
@@ -485,7 +524,7 @@ func (s *state) setup() {
 		s.hx = heads{n: 1}
 		s.g = newGroup(l.c, pos, l.me, l.batch, l.dh, l.dv)
 	}
-	s.g.scale, s.g.timeout = s.scale, s.timeout
+	s.g.scale, s.g.timeout, s.g.stats = s.scale, s.timeout, s.stats
 }
 
 // forward runs the method's forward on this rank's blocks and returns the

@@ -64,6 +64,7 @@ func ParseMethod(s string) (Method, error) {
 type Option func(*config)
 
 type config struct {
+	stats   *Stats
 	method  Method
 	inner   string
 	model   *comm.CostModel
@@ -102,6 +103,25 @@ func WithComputeRate(flops float64) Option {
 		c.flops = flops
 	}
 }
+
+// Stats is what a rank's calls of Attention did, summed over calls,
+// forward and backward (WithStats).
+type Stats struct {
+	// Compute is the time spent in the block kernels (on a device, in
+	// queueing them), and Blocks the block pairs computed: a block
+	// wholly above the causal diagonal is skipped.
+	Compute time.Duration
+	Blocks  int
+	// Transfer is the ring's K/V transfer time, from each step's start to
+	// the completion of its sends and receives, and Exposed the part of
+	// it the rank waited for after the step's compute: 1 − Exposed/Transfer
+	// is the fraction hidden behind attention.
+	Transfer, Exposed time.Duration
+}
+
+// WithStats adds this rank's timings to s (one Stats per rank: it is not
+// safe for concurrent use).
+func WithStats(s *Stats) Option { return func(c *config) { c.stats = s } }
 
 // WithTimeout bounds each of the op's transfers (default 5 minutes); a
 // transfer past it aborts the communicator, as every blocking call does.
@@ -221,7 +241,7 @@ func attention(ctx context.Context, l *layout, q, k, v *autograd.Value, cfg conf
 	default:
 		o = hostOps[float32]{w: q.Tape().Workers()}
 	}
-	st := &state{l: l, timeout: cfg.timeout, scale: 1 / math.Sqrt(float64(l.dh)), o: o}
+	st := &state{l: l, timeout: cfg.timeout, scale: 1 / math.Sqrt(float64(l.dh)), o: o, stats: cfg.stats}
 	outSpec, err := l.outSpec(q.Spec())
 	if err != nil {
 		return nil, err
