@@ -550,6 +550,16 @@ func (s *state) forward(ctx context.Context, q, k, v comm.Buffer) (comm.Buffer, 
 	if err != nil {
 		return nil, err
 	}
+	if s.stats != nil {
+		n := s.out.Len() + s.ls.Len()
+		if s.all != nil {
+			n += s.all.Len()
+		}
+		if s.hx.n > 1 {
+			n += s.q.Len() + s.k.Len() + s.v.Len()
+		}
+		s.stats.Kept += int64(n) * int64(s.l.dtype.Size())
+	}
 	y, err := s.hx.fromHeads(ctx, o, s.out, s.l.dv)
 	if err != nil {
 		return nil, err

@@ -160,3 +160,24 @@ func TestStats(t *testing.T) {
 		}
 	}
 }
+
+// TestKeptMemory: the bytes attention keeps for its backward per rank fall
+// as 1/cp for Ring and Ulysses at T = 1024 (AllGather keeps the whole
+// K/V; Ulysses keeps its head-sharded q, k and v besides, so cp=1, which
+// has none, is no baseline for it); the table is logged (go test -v -run
+// TestKeptMemory).
+func TestKeptMemory(t *testing.T) {
+	const h, tt, dh = 4, 1024, 8
+	for _, m := range []cp.Method{cp.Ring, cp.Ulysses, cp.AllGather} {
+		var prev int64
+		for _, n := range []int{1, 2, 4} {
+			st := runStats(t, n, h, tt, dh, placement.ShardBalanced(2), m)
+			kept := slices.MaxFunc(st, func(a, b cp.Stats) int { return int(a.Kept - b.Kept) }).Kept
+			t.Logf("%-9v cp=%d: %7d bytes kept per rank (T=%d, heads %d, Dh %d, float32)", m, n, kept, tt, h, dh)
+			if m != cp.AllGather && n > 2 && kept*2 != prev {
+				t.Errorf("%v cp=%d: %d bytes kept, want half of cp=%d's %d", m, n, kept, n/2, prev)
+			}
+			prev = kept
+		}
+	}
+}

@@ -117,6 +117,11 @@ type Stats struct {
 	// it the rank waited for after the step's compute: 1 − Exposed/Transfer
 	// is the fraction hidden behind attention.
 	Transfer, Exposed time.Duration
+	// Kept is the bytes the forwards keep for their backwards beyond the
+	// inputs: the output and log-sum-exps of the attention group, the
+	// gathered K/V (AllGather), the head-sharded q, k and v (Ulysses,
+	// Hybrid). It falls as 1/cp for Ring and Ulysses.
+	Kept int64
 }
 
 // WithStats adds this rank's timings to s (one Stats per rank: it is not
