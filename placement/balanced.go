@@ -34,6 +34,18 @@ func ShardBalanced(dim int) Placement { return Placement{kind: KindShard, dim: d
 // IsBalanced reports whether p is ShardBalanced.
 func (p Placement) IsBalanced() bool { return p.kind == KindShard && p.bal }
 
+// WithDim returns the Shard placement p moved to tensor dim d, balanced
+// if p is: what a rule that renumbers dims (a transpose, a reduction)
+// gives its result, so that no rule drops the balancing by building a
+// plain Shard. On a placement other than Shard it returns p.
+func (p Placement) WithDim(d int) Placement {
+	if p.kind != KindShard {
+		return p
+	}
+	p.dim = d
+	return p
+}
+
 // zigzag returns, for dim length n over k ranks, the natural index of
 // every permuted position (see ShardBalanced).
 func zigzag(n, k int) []int {
