@@ -77,3 +77,24 @@ func TestBalancedRules(t *testing.T) {
 		return nil
 	})
 }
+
+// TestBalancedIndices: IndicesFromFull lays position ids out by a
+// load-balanced placement: each rank's ids are the positions it holds.
+func TestBalancedIndices(t *testing.T) {
+	simulate(t, []int{2}, func(ctx context.Context, m *mesh.Mesh) error {
+		const b, n = 2, 8
+		full := make([]int64, b*n)
+		for i := range full {
+			full[i] = int64(i % n)
+		}
+		ids, err := IndicesFromFull(m, []int{b, n}, pl{placement.ShardBalanced(1)}, full)
+		if err != nil {
+			return err
+		}
+		want := [][]int64{{0, 1, 6, 7, 0, 1, 6, 7}, {2, 3, 4, 5, 2, 3, 4, 5}}[m.Rank()]
+		if got := ids.Local(); fmt.Sprint(got) != fmt.Sprint(want) {
+			return fmt.Errorf("position ids %v, want %v", got, want)
+		}
+		return nil
+	})
+}
