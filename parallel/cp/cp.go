@@ -154,8 +154,10 @@ func WithTimeout(d time.Duration) Option {
 // It is recorded as one op whose backward is the method's own:
 // the ring rotates K and V again with their gradients travelling beside
 // them, the all-gather reduce-scatters dK and dV, Ulysses runs the
-// all-to-alls backwards. Every rank of the mesh must call it in the same
-// order. Results and gradients equal the one-rank attention's to
+// all-to-alls backwards. A gradient that reaches it in another layout than
+// the result's is redistributed to the result's first (every rank gets the
+// same layout, so every rank does). Every rank of the mesh must call it in
+// the same order. Results and gradients equal the one-rank attention's to
 // floating-point rounding: partials merge by log-sum-exp in the inputs'
 // precision, sums run in float64.
 //
