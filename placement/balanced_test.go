@@ -67,6 +67,18 @@ func TestBalancedPositions(t *testing.T) {
 					}
 				}
 			}
+			// FromRoot scatters the same blocks.
+			var rootFull any
+			if m.Rank() == 0 {
+				rootFull = full
+			}
+			rt, err := placement.FromRoot(ctx, spec, rootFull, 0)
+			if err != nil {
+				return err
+			}
+			if !slices.Equal(rt.LocalData().([]float64), local) {
+				return fmt.Errorf("k=%d n=%d: FromRoot's block differs from FromFull's", tc.k, tc.n)
+			}
 			return nil
 		})
 	}
