@@ -240,7 +240,7 @@ func attention(ctx context.Context, l *layout, q, k, v *autograd.Value, cfg conf
 	case d.Kind() != device.KindHost:
 		do, err := newDevOps(d, q.Tape(), l.dtype)
 		if err != nil {
-			return nil, fmt.Errorf("cp: Attention: %w", err)
+			return nil, err // names the package, the op and the device
 		}
 		o = do
 	case l.dtype == comm.Float64:

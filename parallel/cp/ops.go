@@ -91,7 +91,7 @@ func newDevOps(d device.Device, t *autograd.Tape, dt comm.DType) (devOps, error)
 	base := d.Kernels()
 	k, ok := base.(device.BlockAttentionKernels)
 	if !ok {
-		return devOps{}, fmt.Errorf("%w: device %s has no block attention kernels (device.BlockAttentionKernels: BlockAttention, MergeAttention, AttentionRowDots, BlockAttentionBackward)", ErrUnsupported, d.Name())
+		return devOps{}, fmt.Errorf("%w: Attention: device %s has no block attention kernels (device.BlockAttentionKernels: BlockAttention, MergeAttention, AttentionRowDots, BlockAttentionBackward)", ErrUnsupported, d.Name())
 	}
 	return devOps{d: d, k: k, base: base, t: t, dt: dt}, nil
 }
