@@ -74,7 +74,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	cfg := &config{}
 	var minS, maxS, dtype, redop string
 	var factor int64
-	fs.StringVar(&cfg.backend, "backend", "local", "communication backend: local (in-process ranks), or mpi in a binary built with -tags mpi and started by mpirun (one rank per process)")
+	fs.StringVar(&cfg.backend, "backend", "local", "communication backend: local (in-process ranks); tcp, started by loomrun or torchrun (one rank per process, pure Go); or mpi in a binary built with -tags mpi and started by mpirun (one rank per process)")
 	fs.StringVar(&cfg.opNames, "op", "allreduce", "comma list of allreduce, allgather, reducescatter, broadcast, reduce, alltoall, alltoallv, sendrecv")
 	fs.IntVar(&cfg.ranks, "ranks", 2, "number of ranks")
 	fs.StringVar(&minS, "b", "8", "minimum size in bytes (K, M, G suffixes are powers of 1024)")
