@@ -14,6 +14,9 @@
 # machine falls on all of them alike:
 #   ceiling    taskset -c C0 and -c C1, two one-rank runs, tokens/s summed
 #   mpi        mpirun -np 2 --bind-to core ./transformer -dp 2 -tp 1
+#              (what mpirun does by default for 2 processes)
+#   mpi-unbound the same with --bind-to none: unpinned, as loomrun's
+#              processes are
 #   tcp        loomrun -n 2 ./transformer -dp 2 -tp 1 (unpinned, as a user
 #              runs it)
 #   tcp-bound  the same, each rank pinned with taskset to core LOCAL_RANK
@@ -54,13 +57,13 @@ go build -o "$tmp/loomrun" ./cmd/loomrun
 variants=(ceiling)
 if command -v mpirun >/dev/null && pkg-config --exists ompi-c 2>/dev/null &&
 	go build -tags mpi -o "$tmp/transformer" ./examples/transformer 2>"$tmp/build.err"; then
-	variants+=(mpi)
+	variants+=(mpi mpi-unbound)
 else
 	echo "dp_scaling: no mpi variant: it needs Open MPI and cgo (apt-get install openmpi-bin libopenmpi-dev)" >&2
 	CGO_ENABLED=0 go build -o "$tmp/transformer" ./examples/transformer
 fi
 variants+=(tcp tcp-bound)
-mpiflags=(--bind-to core -np 2)
+mpiflags=(-np 2)
 [ "$(id -u)" = 0 ] && mpiflags+=(--allow-run-as-root)
 
 # The same run everywhere: the reference's steps, a progress line rarely,
@@ -82,7 +85,8 @@ run() {
 		awk -v a="$(tps "$out.a")" -v b="$(tps "$out.b")" 'BEGIN { printf "%.1f\n", a + b }'
 		return
 		;;
-	mpi) mpirun "${mpiflags[@]}" "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
+	mpi) mpirun "${mpiflags[@]}" --bind-to core "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
+	mpi-unbound) mpirun "${mpiflags[@]}" --bind-to none "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
 	tcp) "$tmp/loomrun" -n 2 --timeout 30m "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
 	tcp-bound)
 		# Each rank pins itself to the core of its LOCAL_RANK (expanded by
@@ -98,7 +102,7 @@ run() {
 
 echo "== $rounds round(s) of ${variants[*]}, $steps steps each; CPUs $c0 and $c1; $(nproc) CPU(s) online, load $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-6s' round
-printf ' %12s' "${variants[@]}"
+printf ' %12.12s' "${variants[@]}"
 echo "   (tokens/s; ratio to the ceiling)"
 declare -A all
 for ((r = 1; r <= rounds; r++)); do
@@ -124,7 +128,7 @@ echo "== medians over $rounds round(s) (load now $(cut -d' ' -f1-3 /proc/loadavg
 printf 'dp_scaling: ceiling (2 x one-thread one-rank, pinned) %.0f tokens/s\n' "$(median "${all[ceiling]}")"
 for v in "${variants[@]}"; do
 	[ "$v" = ceiling ] && continue
-	printf 'dp_scaling: %-9s -dp 2, 2 processes %.0f tokens/s, %.3f x the ceiling (median of the per-round ratios; ratio of the medians %.3f)\n' \
+	printf 'dp_scaling: %-11s -dp 2, 2 processes %.0f tokens/s, %.3f x the ceiling (median of the per-round ratios; ratio of the medians %.3f)\n' \
 		"$v" "$(median "${all[$v]}")" "$(median "${all[$v/ratio]}")" \
 		"$(awk -v a="$(median "${all[$v]}")" -v c="$(median "${all[ceiling]}")" 'BEGIN { print a / c }')"
 done
