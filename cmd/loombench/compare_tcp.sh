@@ -102,7 +102,7 @@ for np in $nps; do
 done
 
 med() {
-	awk -v i="$1" -v o="$2" -v n="$3" -v b="$4" '$1 == i && $2 == o && $3 == n && $4 == b { print $5 }' "$dir/all" | grep -v nan | sort -g |
+	awk -v i="$1" -v o="$2" -v n="$3" -v b="$4" '$1 == i && $2 == o && $3 == n && $4 == b { print $5 }' "$dir/all" | { grep -v nan || true; } | sort -g |
 		awk '{ a[NR] = $1 } END { if (NR == 0) print "nan"; else if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2 }'
 }
 ratio() { awk -v l="$1" -v r="$2" 'BEGIN { if (l == "nan" || r == "nan" || r == 0) print "-"; else printf "%.2f", l / r }'; }
