@@ -22,8 +22,9 @@
 // the slowest rank's time, and the table shows the median over iterations
 // (the CSV also the minimum). With -compare N, the variants take turns,
 // each round timing its -iters calls as one loop (as nccl-tests does), and
-// the table shows the median over the N rounds. With one rank per process (-backend mpi under mpirun, -backend tcp under loomrun),
-// only the process of rank 0 prints the tables and writes -csv, replacing
+// the table shows the median over the N rounds. With one rank per process
+// (-backend mpi under mpirun, -backend tcp under loomrun), only the
+// process of rank 0 prints the tables and writes -csv, replacing
 // the file at once (a temporary file renamed) so that it is complete or
 // absent. Exit status is 1 if any element was wrong or any operation
 // failed, 2 on bad flags.
