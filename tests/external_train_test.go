@@ -170,8 +170,11 @@ func TestExternalTrainModule(t *testing.T) {
 // default algorithms: dp × tp and ep × dp gave the in-process losses bit
 // for bit, fsdp=4 differed at step 8 by 6e-8 (one float32 rounding: its
 // four-rank all-reduce of a few floats takes the TCP backend's binomial
-// tree, (r0+r1)+(r2+r3), where comm/local sums r0+r1+r2+r3); without
-// LOOM_BLAS=go the same. Skipped under -short (it compiles two programs).
+// tree, (r0+r1)+(r2+r3), where comm/local sums r0+r1+r2+r3). Without
+// LOOM_BLAS=go (OpenBLAS in a process of one rank and in the one-rank
+// run, loom's GEMM on four in-process ranks) the same, except that ep × dp
+// then differed from one rank by 6e-8 instead of 0. Skipped under -short
+// (it compiles two programs).
 func TestExternalTrainLoomrun(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipped in -short mode: compiles the user program and loomrun and runs them")
