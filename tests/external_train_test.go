@@ -164,17 +164,18 @@ func TestExternalTrainModule(t *testing.T) {
 //     in-process run's of the same layout bit for bit: the processes
 //     compute exactly what the in-process ranks compute.
 //
-// Every run uses loom's pure-Go GEMM (LOOM_BLAS=go): a process of one
-// rank would otherwise pick OpenBLAS and the in-process ranks loom's GEMM,
-// whose float32 sums may round differently. Measured here with the
+// Every run uses loom's pure-Go GEMM (LOOM_BLAS=go), so that all compute
+// their GEMMs with the same code whatever libraries the host has: the
+// program leaves the choice to kernels.Default, which takes the first
+// CBLAS library that loads (OpenBLAS here), whose float32 sums may round
+// differently from loom's and depend on its threads. Measured here with the
 // default algorithms: dp × tp and ep × dp gave the in-process losses bit
 // for bit, fsdp=4 differed at step 8 by 6e-8 (one float32 rounding: its
 // four-rank all-reduce of a few floats takes the TCP backend's binomial
 // tree, (r0+r1)+(r2+r3), where comm/local sums r0+r1+r2+r3). Without
-// LOOM_BLAS=go (OpenBLAS in a process of one rank and in the one-rank
-// run, loom's GEMM on four in-process ranks) the same, except that ep × dp
-// then differed from one rank by 6e-8 instead of 0. Skipped under -short
-// (it compiles two programs).
+// LOOM_BLAS=go (every run on OpenBLAS) the same, except that ep × dp then
+// differed from one rank by 6e-8 instead of 0. Skipped under -short (it
+// compiles two programs).
 func TestExternalTrainLoomrun(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipped in -short mode: compiles the user program and loomrun and runs them")
