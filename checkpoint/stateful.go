@@ -171,3 +171,14 @@ func (m module) StateDict(prefix string) (map[string]*placement.DTensor, map[str
 
 // LoadStateDict implements Stateful: a module's state is its tensors.
 func (module) LoadStateDict(string, map[string]any) error { return nil }
+
+// StepOf returns the step of the checkpoint in dir (a folder Latest
+// returned), from its manifest, which it checks: ErrNotFound when dir
+// holds no complete checkpoint, ErrCorrupt when the manifest is damaged.
+func StepOf(dir string) (int, error) {
+	m, err := readManifest("StepOf", dir)
+	if err != nil {
+		return 0, err
+	}
+	return m.Step, nil
+}
