@@ -19,7 +19,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/models/moegpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/placement/placementtest"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -134,7 +134,7 @@ func inLayout(l resumeLayout, fn func(ctx context.Context, rank int, tr resumeTr
 		opts := []gpt.TrainOption{gpt.WithRun(run), gpt.WithModel(gpt.WithParams(init)), gpt.WithRandomTokens(11),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp")}
 		if l.FSDP > 1 {
-			opts = append(opts, gpt.WithFullyShard("fsdp", parallel.ZeROStage(l.Zero)))
+			opts = append(opts, gpt.WithFullyShard("fsdp", fsdp.ZeROStage(l.Zero)))
 		}
 		tr, err := gpt.NewTrainer(ctx, m, cfg, opts...)
 		if err != nil {
