@@ -142,8 +142,10 @@ func LoadJob(ctx context.Context, dir string, parts Parts, opts ...Option) (step
 // Module returns the state dict of a model's module tree: its parameter
 // leaves (parallel.Params: after tensor parallelism or FSDP, the
 // resharded leaves, which the checkpoint saves as their shards) under
-// their names (autograd.Value.Name, the names Export writes), and no
-// entries. Every parameter must have a name of its own.
+// their names (autograd.Value.Name, the names Export writes), and the
+// state of every module of the tree that is itself Stateful (a
+// parallel.Dropout's random state) under its path: prefix+path+".".
+// Every parameter must have a name of its own.
 func Module(root parallel.Module) Stateful { return module{root} }
 
 type module struct{ root parallel.Module }
@@ -166,11 +168,47 @@ func (m module) StateDict(prefix string) (map[string]*placement.DTensor, map[str
 		}
 		ts[prefix+n] = p.Data()
 	}
-	return ts, map[string]any{}, nil
+	es := map[string]any{}
+	err = m.stateful(func(path string, s Stateful) error {
+		t, e, err := s.StateDict(prefix + path + ".")
+		if err != nil {
+			return wrapf(op, err, "module %q", path)
+		}
+		for n, x := range t {
+			if _, dup := ts[n]; dup {
+				return invalidf(op, "module %q's tensor %q is named like another", path, n)
+			}
+			ts[n] = x
+		}
+		for n, v := range e {
+			es[n] = v
+		}
+		return nil
+	})
+	return ts, es, err
 }
 
-// LoadStateDict implements Stateful: a module's state is its tensors.
-func (module) LoadStateDict(string, map[string]any) error { return nil }
+// stateful calls fn for every module of the tree, but the root, that is
+// Stateful, with its path.
+func (m module) stateful(fn func(path string, s Stateful) error) error {
+	return parallel.Walk(m.root, func(path string, mod parallel.Module) error {
+		if s, ok := mod.(Stateful); ok && path != "" {
+			return fn(path, s)
+		}
+		return nil
+	})
+}
+
+// LoadStateDict implements Stateful: the parameters were filled in place;
+// the Stateful modules take their entries.
+func (m module) LoadStateDict(prefix string, entries map[string]any) error {
+	return m.stateful(func(path string, s Stateful) error {
+		if err := s.LoadStateDict(prefix+path+".", entries); err != nil {
+			return wrapf("Module.LoadStateDict", err, "module %q", path)
+		}
+		return nil
+	})
+}
 
 // StepOf returns the step of the checkpoint in dir (a folder Latest
 // returned), from its manifest, which it checks: ErrNotFound when dir

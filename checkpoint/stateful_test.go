@@ -4,11 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -166,4 +170,108 @@ func TestJobStateAndLoadJob(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// Module saves the parameters by name and a Dropout's random state under
+// its path: a model loaded from the checkpoint draws the masks the saved
+// one would draw next, so its next forward is the same bits, and the
+// state is not just the seed (one without it differs).
+func TestModuleDropoutState(t *testing.T) {
+	simulate(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		build := func(seed uint64) (*parallel.Sequential, *autograd.Tape, error) {
+			tape := autograd.NewTape()
+			l, err := parallel.NewLinear(tape, m, 8, 8, parallel.WithName("0"), parallel.WithInit(parallel.Normal(0.5, seed)))
+			if err != nil {
+				return nil, nil, err
+			}
+			d, err := parallel.NewDropout(0.5, 9)
+			if err != nil {
+				return nil, nil, err
+			}
+			s, err := parallel.NewSequential(l, d)
+			return s, tape, err
+		}
+		forward := func(s *parallel.Sequential, tape *autograd.Tape) ([]float32, error) {
+			spec, err := placement.NewSpec(m, []int{2, 8}, comm.Float32, []placement.Placement{R})
+			if err != nil {
+				return nil, err
+			}
+			x, err := placement.FromFull(spec, make16())
+			if err != nil {
+				return nil, err
+			}
+			xv, err := tape.Constant(x)
+			if err != nil {
+				return nil, err
+			}
+			y, err := s.Forward(ctx, xv)
+			if err != nil {
+				return nil, err
+			}
+			out := slices.Clone(y.Data().LocalData().([]float32))
+			tape.Reset()
+			return out, nil
+		}
+		a, tapeA, err := build(1)
+		if err != nil {
+			return err
+		}
+		for range 3 {
+			if _, err := forward(a, tapeA); err != nil {
+				return err
+			}
+		}
+		st, err := JobState(3, Parts{"model": Module(a)}, nil)
+		if err != nil {
+			return err
+		}
+		if _, ok := st.Entries["model.1.steps"]; !ok {
+			return fmt.Errorf("no dropout state among %v", slices.Sorted(maps.Keys(st.Entries)))
+		}
+		dir, err := Save(ctx, t.TempDir(), st)
+		if err != nil {
+			return err
+		}
+		want, err := forward(a, tapeA)
+		if err != nil {
+			return err
+		}
+		for _, load := range []bool{true, false} {
+			b, tapeB, err := build(2)
+			if err != nil {
+				return err
+			}
+			if load {
+				if _, _, err := LoadJob(ctx, dir, Parts{"model": Module(b)}); err != nil {
+					return err
+				}
+			} else {
+				// The parameters alone: the masks start over.
+				if _, _, err := LoadJob(ctx, dir, Parts{"model": paramsOnly{Module(b)}}); err != nil {
+					return err
+				}
+			}
+			got, err := forward(b, tapeB)
+			if err != nil {
+				return err
+			}
+			if err := bitsEqual(got, want); (err == nil) != load {
+				return fmt.Errorf("with the dropout state %v: the next forward's match: %v", load, err)
+			}
+		}
+		return nil
+	})
+}
+
+// paramsOnly is a Stateful that loads no entries.
+type paramsOnly struct{ Stateful }
+
+func (paramsOnly) LoadStateDict(string, map[string]any) error { return nil }
+
+func make16() []float32 {
+	x := make([]float32, 16)
+	for i := range x {
+		x[i] = float32(i%5) - 2
+	}
+	return x
 }

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/checkpoint"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/models/moegpt"
@@ -41,17 +42,30 @@ const resumeEnv = "LOOM_RESUME_CHILD"
 // zero with fsdp > 1), or with ep > 0 the MoE GPT on ep ranks.
 type resumeLayout struct {
 	DP, FSDP, TP, Zero, EP int
+	Emu                    bool // on an emulated device per rank
 }
 
 func (l resumeLayout) String() string {
-	if l.EP > 0 {
-		return fmt.Sprintf("moe ep=%d", l.EP)
-	}
 	s := fmt.Sprintf("dp=%d×tp=%d", l.DP, l.TP)
-	if l.FSDP > 1 {
+	switch {
+	case l.EP > 0:
+		s = fmt.Sprintf("moe ep=%d", l.EP)
+	case l.FSDP > 1:
 		s = fmt.Sprintf("dp=%d×fsdp=%d×tp=%d ZeRO-%d", l.DP, l.FSDP, l.TP, l.Zero)
 	}
+	if l.Emu {
+		s += " emu"
+	}
 	return s
+}
+
+// device opens rank's emulated device when l asks for one (nil
+// otherwise); close it after the trainer.
+func (l resumeLayout) device(rank int) (*emu.Device, error) {
+	if !l.Emu {
+		return nil, nil
+	}
+	return emu.New(rank)
 }
 
 // resumeChild is what the parent asks a child process to do.
@@ -121,7 +135,16 @@ func inLayout(l resumeLayout, fn func(ctx context.Context, rank int, tr resumeTr
 		cfg, run := resumeMoE()
 		init := moegpt.RandomInit(cfg, 7)
 		return placementtest.Simulate(ctx, []int{l.EP}, []string{"ep"}, func(ctx context.Context, m *mesh.Mesh) error {
-			tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", moegpt.WithRun(run), moegpt.WithRandomTokens(11))
+			opts := []moegpt.TrainOption{moegpt.WithRun(run), moegpt.WithRandomTokens(11)}
+			d, err := l.device(m.Rank())
+			if err != nil {
+				return err
+			}
+			if d != nil {
+				defer d.Close()
+				opts = append(opts, moegpt.WithDevice(d))
+			}
+			tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", opts...)
 			if err != nil {
 				return err
 			}
@@ -135,6 +158,14 @@ func inLayout(l resumeLayout, fn func(ctx context.Context, rank int, tr resumeTr
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp")}
 		if l.FSDP > 1 {
 			opts = append(opts, gpt.WithFullyShard("fsdp", fsdp.ZeROStage(l.Zero)))
+		}
+		d, err := l.device(m.Rank())
+		if err != nil {
+			return err
+		}
+		if d != nil {
+			defer d.Close()
+			opts = append(opts, gpt.WithDevice(d))
 		}
 		tr, err := gpt.NewTrainer(ctx, m, cfg, opts...)
 		if err != nil {
@@ -266,6 +297,14 @@ func TestResumeExact(t *testing.T) {
 		{resumeLayout{EP: 2}, resumeLayout{EP: 4}},
 		// The fused attention projection changes form ([3D, …] and [3, D, …]).
 		{resumeLayout{DP: 1, FSDP: 3, TP: 1, Zero: 3}, resumeLayout{DP: 2, FSDP: 1, TP: 2}},
+		// HSDP.
+		{resumeLayout{DP: 2, FSDP: 2, TP: 1, Zero: 3}, resumeLayout{DP: 1, FSDP: 1, TP: 2}},
+		// From the host to emulated devices.
+		{resumeLayout{DP: 2, FSDP: 1, TP: 2}, resumeLayout{DP: 2, FSDP: 1, TP: 2, Emu: true}},
+		{resumeLayout{DP: 1, FSDP: 1, TP: 2}, resumeLayout{DP: 1, FSDP: 2, TP: 1, Zero: 3, Emu: true}},
+		{resumeLayout{EP: 2}, resumeLayout{EP: 4, Emu: true}},
+		// From emulated devices to the host.
+		{resumeLayout{DP: 1, FSDP: 2, TP: 1, Zero: 2, Emu: true}, resumeLayout{DP: 1, FSDP: 1, TP: 1}},
 	}
 	if testing.Short() {
 		cases = cases[:1]
@@ -290,7 +329,9 @@ func TestResumeExact(t *testing.T) {
 				t.Fatal(err)
 			}
 			resumed := &resumeRun{Losses: append(first.Losses, second.Losses...), Params: second.Params}
-			compareRuns(t, straight, resumed, c.save == c.load)
+			same := c.save
+			same.Emu = c.load.Emu // the emulated device computes the host's bits
+			compareRuns(t, straight, resumed, same == c.load)
 		})
 	}
 }
