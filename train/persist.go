@@ -104,6 +104,9 @@ func (p *Persist) Prepare() (int, error) {
 	return step, nil
 }
 
+// From is the checkpoint Prepare found for -resume ("" without).
+func (p Persist) From() string { return p.latest }
+
 // Windows opens -data for a model of vocab tokens and sequence length T
 // on mesh m and splits it: the training windows and the held-out
 // validation windows (-val). Close the file when done. Without -data it

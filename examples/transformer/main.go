@@ -398,6 +398,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	}
 	fmt.Fprintf(out, "%s on %s, %s, %d steps\n", o.describe(), o.layout(), job, o.loop.Steps)
 	fmt.Fprintln(out, o.loop.Flags.DeviceLine(o.loop.Ranks))
+	resumeLine(out, o)
 
 	res, params, err := trainLayout(ctx, out, job, init, o, fx)
 	if err != nil {

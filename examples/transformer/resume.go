@@ -45,6 +45,13 @@ func prepareResume(o *options) (int, error) {
 	return start, nil
 }
 
+// resumeLine says, with -resume, which checkpoint the run goes on from.
+func resumeLine(out io.Writer, o options) {
+	if o.start > 0 {
+		fmt.Fprintf(out, "resuming from %s: steps %d to %d\n", o.persist.From(), o.start+1, o.start+o.loop.Steps)
+	}
+}
+
 // dataOptions opens -data on m (nil options without it) and returns the
 // trainer's options for it with the rank's persisted state (its
 // validation windows).
