@@ -68,9 +68,20 @@ func LoadInto(ctx context.Context, dir string, state *State, opts ...Option) err
 		}
 		targets[n] = t.Spec()
 	}
+	return fill(ctx, op, dir, state, targets, cfg, nil)
+}
+
+// fill loads dir into state's tensors in place (LoadInto), after check
+// has passed the loaded entries on every rank (nil: no check).
+func fill(ctx context.Context, op, dir string, state *State, targets map[string]*placement.Spec, cfg *config, check func(map[string]any) error) error {
 	got, err := load(ctx, op, dir, targets, cfg)
 	if err != nil {
 		return err
+	}
+	if check != nil {
+		if _, err := exchange(ctx, got.world, op, nil, check(got.Entries)); err != nil {
+			return err
+		}
 	}
 	for _, n := range slices.Sorted(maps.Keys(state.Tensors)) {
 		t, src := state.Tensors[n], got.Tensors[n]

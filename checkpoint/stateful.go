@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -107,24 +108,47 @@ func partDict(op, prefix string, p Stateful) (map[string]*placement.DTensor, map
 // user entries (without their "user." prefix). Every rank calls it with
 // its parts; opts are LoadInto's (WithComm).
 //
-// A checkpoint of another model (a missing or extra tensor, another
-// shape or dtype) is refused with ErrInvalid naming the tensor before any
-// tensor is written, as is a checkpoint without a "step" entry; damage is
-// ErrCorrupt. A part's LoadStateDict error (a missing entry) is returned
-// after the tensors were filled: the job must not go on from it.
+// A checkpoint of another model or job (a missing or extra tensor,
+// another shape or dtype, a missing entry of the parts' or one of another
+// type, no "step" entry) is refused with ErrInvalid naming the tensor or
+// entry before any tensor is written; damage is ErrCorrupt. A part's
+// LoadStateDict error (a value it refuses) is returned after the tensors
+// were filled: the job must not go on from it.
 func LoadJob(ctx context.Context, dir string, parts Parts, opts ...Option) (step int, user map[string]any, err error) {
 	const op = "LoadJob"
+	cfg, err := newConfig(op, forFill, opts)
+	if err != nil {
+		return 0, nil, err
+	}
 	st, err := JobState(0, parts, nil)
 	if err != nil {
 		return 0, nil, err
 	}
-	if err := LoadInto(ctx, dir, &st, opts...); err != nil {
+	targets := make(map[string]*placement.Spec, len(st.Tensors))
+	for n, t := range st.Tensors {
+		if t == nil {
+			return 0, nil, invalidf(op, "tensor %q is nil", n)
+		}
+		targets[n] = t.Spec()
+	}
+	// The parts' entries must be there, of their types, before anything
+	// is written: their LoadStateDict reads them.
+	check := func(got map[string]any) error {
+		for _, n := range slices.Sorted(maps.Keys(st.Entries)) {
+			v, ok := got[n]
+			switch {
+			case !ok:
+				return invalidf(op, "%s has no entry %q (it has %d): a checkpoint of another job?", dir, n, len(got))
+			case fmt.Sprintf("%T", v) != fmt.Sprintf("%T", st.Entries[n]):
+				return invalidf(op, "%s: entry %q is %T, the job's is %T", dir, n, v, st.Entries[n])
+			}
+		}
+		return nil
+	}
+	if err := fill(ctx, op, dir, &st, targets, cfg, check); err != nil {
 		return 0, nil, err
 	}
-	s, ok := st.Entries[StepEntry].(int64)
-	if !ok || s < 0 {
-		return 0, nil, invalidf(op, "%s has no step entry %q of type int64 (%v): not a checkpoint JobState made", dir, StepEntry, st.Entries[StepEntry])
-	}
+	s := st.Entries[StepEntry].(int64) // check saw it
 	for _, prefix := range slices.Sorted(maps.Keys(parts)) {
 		if err := parts[prefix].LoadStateDict(prefix+".", st.Entries); err != nil {
 			return 0, nil, wrapf(op, err, "part %q", prefix)

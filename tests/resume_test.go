@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"math"
@@ -129,6 +130,11 @@ func (g resMoE) step(ctx context.Context) (float64, error) {
 // inLayout runs fn on every rank of l's mesh (in-process ranks) with a
 // new trainer from the same random init.
 func inLayout(l resumeLayout, fn func(ctx context.Context, rank int, tr resumeTrainer) error) error {
+	return inLayoutWidth(l, 0, fn)
+}
+
+// inLayoutWidth is inLayout with the GPT's width changed (0: unchanged).
+func inLayoutWidth(l resumeLayout, width int, fn func(ctx context.Context, rank int, tr resumeTrainer) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	if l.EP > 0 {
@@ -152,6 +158,9 @@ func inLayout(l resumeLayout, fn func(ctx context.Context, rank int, tr resumeTr
 		})
 	}
 	cfg, run := resumeGPT()
+	if width > 0 {
+		cfg.Width = width
+	}
 	init := gpt.RandomInit(cfg, 7)
 	return placementtest.Simulate(ctx, []int{l.DP, l.FSDP, l.TP}, []string{"dp", "fsdp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		opts := []gpt.TrainOption{gpt.WithRun(run), gpt.WithModel(gpt.WithParams(init)), gpt.WithRandomTokens(11),
@@ -381,4 +390,75 @@ func f32frombits(bits []uint32) []float32 {
 		out[i] = math.Float32frombits(b)
 	}
 	return out
+}
+
+// Loading a checkpoint of another job is refused with a clear error
+// before anything is written into the trainer: another model (the MoE
+// GPT's tensors), other shapes (a wider GPT), a job without the data's
+// position (a missing entry).
+func TestResumeRefuses(t *testing.T) {
+	root := t.TempDir()
+	if _, err := resumeTrain(resumeLayout{DP: 1, FSDP: 1, TP: 2}, "", root, 2); err != nil {
+		t.Fatal(err)
+	}
+	dir, err := checkpoint.Latest(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	partial := t.TempDir()
+	err = inLayout(resumeLayout{DP: 1, FSDP: 1, TP: 1}, func(ctx context.Context, rank int, tr resumeTrainer) error {
+		parts := tr.Parts()
+		delete(parts, "data")
+		st, err := checkpoint.JobState(0, parts, nil)
+		if err != nil {
+			return err
+		}
+		_, err = checkpoint.Save(ctx, partial, st)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	partialDir, err := checkpoint.Latest(partial)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name   string
+		layout resumeLayout
+		dir    string
+		width  int
+		naming string
+	}{
+		{"the MoE GPT from a GPT's checkpoint", resumeLayout{EP: 2}, dir, 0, `tensor "model.`},
+		{"a wider GPT", resumeLayout{DP: 1, FSDP: 1, TP: 1}, dir, 48, "shape"},
+		{"a job without the data's position", resumeLayout{DP: 1, FSDP: 1, TP: 1}, partialDir, 0, `"data.step"`},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := inLayoutWidth(c.layout, c.width, func(ctx context.Context, rank int, tr resumeTrainer) error {
+				before, err := tr.Full(ctx)
+				if err != nil {
+					return err
+				}
+				_, _, lerr := checkpoint.LoadJob(ctx, c.dir, tr.Parts())
+				if !errors.Is(lerr, checkpoint.ErrInvalid) || !strings.Contains(lerr.Error(), c.naming) {
+					return fmt.Errorf("LoadJob: %v, want ErrInvalid naming %s", lerr, c.naming)
+				}
+				after, err := tr.Full(ctx)
+				if err != nil {
+					return err
+				}
+				for n, v := range before {
+					if !slices.Equal(v, after[n]) {
+						return fmt.Errorf("the refused load changed %s", n)
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
 }
