@@ -462,3 +462,57 @@ func TestResumeRefuses(t *testing.T) {
 		})
 	}
 }
+
+// A sharded job's state is saved as its shards, never gathered: after
+// ZeRO-3 on fsdp=3 every parameter and both its AdamW moments are chunks
+// written by the ranks that hold them (read from the manifest, which is
+// JSON any reader parses): no chunk is the whole of a tensor that has
+// more than one row, and every rank's file holds some of each.
+func TestResumeSavesShards(t *testing.T) {
+	root := t.TempDir()
+	if _, err := resumeTrain(resumeLayout{DP: 1, FSDP: 3, TP: 1, Zero: 3}, "", root, 1); err != nil {
+		t.Fatal(err)
+	}
+	dir, err := checkpoint.Latest(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "manifest.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Manifest struct {
+			Tensors map[string]struct {
+				Shape  []int
+				Chunks []struct {
+					Size []int
+					File string
+				}
+			}
+		}
+	}
+	if err := json.Unmarshal(b, &doc); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for name, x := range doc.Manifest.Tensors {
+		if x.Shape[0] < 3 {
+			continue // too few rows to shard over 3 ranks
+		}
+		n++
+		files := map[string]bool{}
+		for _, c := range x.Chunks {
+			files[c.File] = true
+			if slices.Equal(c.Size, x.Shape) {
+				t.Errorf("%s: a chunk holds the whole tensor %v", name, x.Shape)
+			}
+		}
+		if len(files) != 3 {
+			t.Errorf("%s: chunks in %d files, want one per rank (3)", name, len(files))
+		}
+	}
+	if n < 3*10 {
+		t.Errorf("%d sharded tensors checked; want the parameters and both moments of each", n)
+	}
+}
