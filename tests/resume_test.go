@@ -315,9 +315,6 @@ func TestResumeExact(t *testing.T) {
 		// From emulated devices to the host.
 		{resumeLayout{DP: 1, FSDP: 2, TP: 1, Zero: 2, Emu: true}, resumeLayout{DP: 1, FSDP: 1, TP: 1}},
 	}
-	if testing.Short() {
-		cases = cases[:1]
-	}
 	for _, c := range cases {
 		t.Run(c.save.String()+"→"+c.load.String(), func(t *testing.T) {
 			straight, err := resumeTrain(c.save, "", "", 2*half)
