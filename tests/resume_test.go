@@ -43,6 +43,7 @@ const resumeEnv = "LOOM_RESUME_CHILD"
 // zero with fsdp > 1), or with ep > 0 the MoE GPT on ep ranks.
 type resumeLayout struct {
 	DP, FSDP, TP, Zero, EP int
+	SP                     bool // sequence parallelism on the tp axis
 	Emu                    bool // on an emulated device per rank
 }
 
@@ -53,6 +54,9 @@ func (l resumeLayout) String() string {
 		s = fmt.Sprintf("moe ep=%d", l.EP)
 	case l.FSDP > 1:
 		s = fmt.Sprintf("dp=%d×fsdp=%d×tp=%d ZeRO-%d", l.DP, l.FSDP, l.TP, l.Zero)
+	}
+	if l.SP {
+		s += " sp"
 	}
 	if l.Emu {
 		s += " emu"
@@ -167,6 +171,9 @@ func inLayoutWidth(l resumeLayout, width int, fn func(ctx context.Context, rank 
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp")}
 		if l.FSDP > 1 {
 			opts = append(opts, gpt.WithFullyShard("fsdp", fsdp.ZeROStage(l.Zero)))
+		}
+		if l.SP {
+			opts = append(opts, gpt.WithSequenceParallel())
 		}
 		d, err := l.device(m.Rank())
 		if err != nil {
@@ -306,6 +313,8 @@ func TestResumeExact(t *testing.T) {
 		{resumeLayout{EP: 2}, resumeLayout{EP: 4}},
 		// The fused attention projection changes form ([3D, …] and [3, D, …]).
 		{resumeLayout{DP: 1, FSDP: 3, TP: 1, Zero: 3}, resumeLayout{DP: 2, FSDP: 1, TP: 2}},
+		// Sequence parallelism.
+		{resumeLayout{DP: 1, FSDP: 1, TP: 2, SP: true}, resumeLayout{DP: 3, FSDP: 1, TP: 2}},
 		// HSDP.
 		{resumeLayout{DP: 2, FSDP: 2, TP: 1, Zero: 3}, resumeLayout{DP: 1, FSDP: 1, TP: 2}},
 		// From the host to emulated devices.
