@@ -140,6 +140,7 @@ type Checkpointer struct {
 	blocks []time.Duration
 	peak   int64
 	last   string
+	note   string // what Note says
 }
 
 // Checkpointer returns this rank's Checkpointer of parts and, with
@@ -154,11 +155,14 @@ func (p *Persist) Checkpointer(ctx context.Context, parts checkpoint.Parts) (*Ch
 		return c, nil
 	}
 	if p.Resume {
-		step, _, err := checkpoint.LoadJob(ctx, p.latest, parts)
+		step, user, err := checkpoint.LoadJob(ctx, p.latest, parts)
 		if err != nil {
 			return nil, fmt.Errorf("-resume from %s: %w", p.latest, err)
 		}
 		c.saved = step
+		if was, _ := user["data"].(string); was != p.Data {
+			c.note = fmt.Sprintf("note: the checkpoint was trained on %s, this run trains on %s, from the checkpoint's position in its data", dataName(was), dataName(p.Data))
+		}
 	}
 	if p.Async {
 		s, err := checkpoint.NewSaver(p.Dir, c.options()...)
@@ -169,6 +173,18 @@ func (p *Persist) Checkpointer(ctx context.Context, parts checkpoint.Parts) (*Ch
 	}
 	return c, nil
 }
+
+// dataName describes a -data value.
+func dataName(path string) string {
+	if path == "" {
+		return "the model's own data (no -data)"
+	}
+	return "-data " + path
+}
+
+// Note is a line to show the user about the resumed checkpoint (it was
+// trained on another -data file), or "".
+func (c *Checkpointer) Note() string { return c.note }
 
 func (c *Checkpointer) options() []checkpoint.Option {
 	return []checkpoint.Option{checkpoint.WithKeep(c.p.Keep)}
@@ -201,7 +217,8 @@ func (c *Checkpointer) Finish(ctx context.Context, step int) error {
 }
 
 func (c *Checkpointer) save(ctx context.Context, step int) error {
-	st, err := checkpoint.JobState(step, c.parts, nil)
+	// The data file, so that a resumed run can say when it differs.
+	st, err := checkpoint.JobState(step, c.parts, map[string]any{"data": c.p.Data})
 	if err != nil {
 		return err
 	}

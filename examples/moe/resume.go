@@ -63,6 +63,9 @@ func (p *persisted) load(ctx context.Context, o *options, tr *moegpt.Trainer) er
 		return errors.Join(err, p.close())
 	}
 	p.ck = ck
+	if n := ck.Note(); n != "" {
+		fmt.Fprintln(p.out, n)
+	}
 	return nil
 }
 
