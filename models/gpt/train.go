@@ -120,8 +120,10 @@ func WithRandomTokens(seed uint64) TrainOption {
 // axes: the batch rows are sharded over dp, the model over tp by Plan,
 // data-parallel gradients are all-reduced by DDP while backward runs, and
 // AdamW updates each rank's shards. Every rank draws the same global
-// batches of the reference's corpus (§2.3) and keeps its rows, so any
-// layout trains on exactly the batches one rank would.
+// batches of the reference's corpus (§2.3; or WithRandomTokens's, or
+// WithWindows's from a token file) and keeps its rows, so any layout
+// trains on exactly the batches one rank would. Parts gives its state to
+// package checkpoint, to save and to resume on any layout.
 type Trainer struct {
 	Model   *Model
 	fsdp    *fsdp.FSDP
