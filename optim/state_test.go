@@ -34,13 +34,13 @@ func TestStateDictResumesExactly(t *testing.T) {
 		mk   func([]*autograd.Value) (stateful, error)
 	}{
 		{"AdamW", func(ps []*autograd.Value) (stateful, error) {
-			return optim.NewAdamW(ps, optim.LR(0.1), optim.AllowFrozen())
+			return optim.NewAdamW(ps, optim.WithLR(0.1), optim.WithAllowFrozen())
 		}},
 		{"SGD momentum dampening", func(ps []*autograd.Value) (stateful, error) {
-			return optim.NewSGD(ps, 0.1, optim.Momentum(0.9), optim.Dampening(0.5), optim.WeightDecay(0.01), optim.AllowFrozen())
+			return optim.NewSGD(ps, 0.1, optim.WithMomentum(0.9), optim.WithDampening(0.5), optim.WithWeightDecay(0.01), optim.WithAllowFrozen())
 		}},
 		{"SGD nesterov", func(ps []*autograd.Value) (stateful, error) {
-			return optim.NewSGD(ps, 0.1, optim.Momentum(0.9), optim.Nesterov(), optim.AllowFrozen())
+			return optim.NewSGD(ps, 0.1, optim.WithMomentum(0.9), optim.WithNesterov(), optim.WithAllowFrozen())
 		}},
 	}
 	for _, c := range cases {
@@ -135,11 +135,11 @@ func TestLoadStateDictRejects(t *testing.T) {
 		rep := []placement.Placement{placement.Replicate()}
 		tape := autograd.NewTape()
 		a := param(t, tape, m, "a", rep, []float32{1, 2})
-		adam, err := optim.NewAdamW([]*autograd.Value{a}, optim.LR(0.1))
+		adam, err := optim.NewAdamW([]*autograd.Value{a}, optim.WithLR(0.1))
 		if err != nil {
 			return err
 		}
-		sgd, err := optim.NewSGD([]*autograd.Value{a}, 0.1, optim.Momentum(0.9))
+		sgd, err := optim.NewSGD([]*autograd.Value{a}, 0.1, optim.WithMomentum(0.9))
 		if err != nil {
 			return err
 		}

@@ -141,7 +141,7 @@ func run(ndp, nfsdp, nep, ntp, steps int) error {
 			opts = append(opts, train.WithReducer(d))
 		}
 		opts = append(opts, train.WithReducer(train.SyncGrads(params)), train.WithClip(1))
-		opt, err := optim.NewAdamW(params, optim.LR(1e-2))
+		opt, err := optim.NewAdamW(params, optim.WithLR(1e-2))
 		if err != nil {
 			return err
 		}

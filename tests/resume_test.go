@@ -170,7 +170,7 @@ func inLayoutWidth(l resumeLayout, width int, fn func(ctx context.Context, rank 
 		opts := []gpt.TrainOption{gpt.WithRun(run), gpt.WithModel(gpt.WithParams(init)), gpt.WithRandomTokens(11),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp")}
 		if l.FSDP > 1 {
-			opts = append(opts, gpt.WithFullyShard("fsdp", fsdp.ZeROStage(l.Zero)))
+			opts = append(opts, gpt.WithFullyShard("fsdp", fsdp.WithZeROStage(l.Zero)))
 		}
 		if l.SP {
 			opts = append(opts, gpt.WithSequenceParallel())

@@ -35,7 +35,7 @@ func TestTrainerResumes(t *testing.T) {
 		if err != nil {
 			return nil, err
 		}
-		opt, err := optim.NewSGD(ps, 0.1, optim.Momentum(0.9), optim.Dampening(0.1))
+		opt, err := optim.NewSGD(ps, 0.1, optim.WithMomentum(0.9), optim.WithDampening(0.1))
 		if err != nil {
 			return nil, err
 		}
