@@ -136,6 +136,7 @@ type options struct {
 	fixture bool
 	// overridden: a flag changed the preset's shape or batch.
 	overridden bool
+	pipe       pipeOptions // -pp and its flags (pp.go)
 }
 
 // otherBatch is the global batch of the presets other than tiny (whose
@@ -184,6 +185,7 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
 	o.shape.Register(fs, "tiny", gpt.Presets())
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init and the random tokens (setting it trains the tiny model that way too)")
+	o.pipe.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -196,6 +198,9 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	o.loop.Ranks = o.dp * o.fsdp * o.tp
 	o.loop.Shape = []int{o.dp, o.fsdp, o.tp}
 	o.loop.Tokens = o.run.B * o.cfg.SeqLen
+	if err := o.pipeline(fs); err != nil {
+		return o, err
+	}
 	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp}); err != nil {
 		return o, err
 	}
@@ -365,6 +370,17 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	o, err := parse(args, out, ref)
 	if err != nil {
 		return err
+	}
+	if o.pipe.on() {
+		params := gpt.RandomInit(o.cfg, o.seed)
+		if o.fixture {
+			if params, err = fx.Params(tinygpt.PrefixInit); err != nil {
+				return err
+			}
+		} else {
+			fx = nil
+		}
+		return runPipeline(ctx, out, o, fx, params)
 	}
 	// The initial parameters: the reference's, or drawn from -seed.
 	init := gpt.WithSeed(o.seed)
