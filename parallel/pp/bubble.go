@@ -1,6 +1,10 @@
 package pp
 
-import "github.com/b7ea7098/loom/internal/numcheck"
+import (
+	"fmt"
+
+	"github.com/b7ea7098/loom/internal/numcheck"
+)
 
 // Costs are the durations Simulate gives each kind of action, in any unit
 // of time (compute of one micro-batch on one stage).
@@ -9,6 +13,10 @@ type Costs struct {
 	F, B, I, W float64
 	// Comm is the time a send takes to reach its receiver (0: free).
 	Comm float64
+	// Stage, when not nil, holds one factor per stage that multiplies
+	// the stage's F, B, I and W: unbalanced stages (an embedding on the
+	// first, the head and loss on the last).
+	Stage []float64
 }
 
 // UnitCosts returns F=1, B=2, I=1, W=1 and free communication: the
@@ -30,6 +38,11 @@ type Simulation struct {
 	// activations stage s holds at once (from its F until its B, or
 	// until its W when the backward is split).
 	PeakActivations []int
+	// RankPeakActivations[r] is the largest number of (stage,
+	// micro-batch) activations rank r holds at once over all its stages:
+	// what a rank's memory accounting sees, in units of one stage's
+	// activations for one micro-batch.
+	RankPeakActivations []int
 }
 
 // Simulate checks s as Validate does and runs its per-rank lists in
@@ -53,6 +66,14 @@ func Simulate(s *Schedule, c Costs) (*Simulation, error) {
 	if err != nil {
 		return nil, err
 	}
+	if c.Stage != nil && len(c.Stage) != s.Stages() {
+		return nil, fmt.Errorf("%w: costs: %d stage factors for %d stages", ErrInvalid, len(c.Stage), s.Stages())
+	}
+	for st, f := range c.Stage {
+		if err := numcheck.NonNegative(ErrInvalid, fmt.Sprintf("cost factor of stage %d", st), f); err != nil {
+			return nil, err
+		}
+	}
 	return g.run(c)
 }
 
@@ -74,5 +95,6 @@ func (s *Schedule) PeakActivations() ([]int, error) {
 	if _, err := s.check(); err != nil {
 		return nil, err
 	}
-	return s.peakActivations(), nil
+	stage, _ := s.peakActivations()
+	return stage, nil
 }

@@ -62,6 +62,9 @@ func ParseAction(text string) (Action, error) {
 // order, one action per cell in the rank's order (no header; rows are as
 // long as their lists).
 func (s *Schedule) WriteCSV(w io.Writer) error {
+	if s == nil {
+		return fmt.Errorf("%w: write csv: nil schedule", ErrInvalid)
+	}
 	cw := csv.NewWriter(w)
 	for _, acts := range s.Actions {
 		row := make([]string, len(acts))
@@ -120,6 +123,9 @@ func ReadCSV(r io.Reader, name string) (*Schedule, error) {
 // rank waiting (the bubble); for a lowered schedule, or one that does not
 // validate, step i is each rank's i-th action.
 func (s *Schedule) Table() string {
+	if s == nil {
+		return ""
+	}
 	cells := make([][]string, len(s.Actions)) // [rank][step]
 	steps := 0
 	var sim *Simulation

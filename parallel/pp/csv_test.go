@@ -74,6 +74,9 @@ func TestCSVErrors(t *testing.T) {
 		{"0UNSHARD1\n", `UNSHARD takes no micro-batch`},
 		{"0F0,0B0\n1B0,1F0\n", "rank 1 position 0: 1B0: backward before its forward 1F0"},
 		{"0F0,\"0B0\n", "read csv"},
+		// A far stage number is refused at the first gap, without
+		// walking a billion stages.
+		{"0F0,0B0,999999999F0\n", "stage 1 micro-batch 0 has no forward 1F0"},
 	}
 	for _, c := range cases {
 		_, err := ReadCSV(strings.NewReader(c.text), "bad")

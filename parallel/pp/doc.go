@@ -15,4 +15,13 @@
 // before anything runs, and Simulate runs its lists with unit costs to
 // find deadlocks, the bubble fraction and the peak number of micro-batches
 // whose activations each stage holds.
+//
+// What a runtime executing a lowered schedule must do for the checks to
+// hold: run each rank's list in order; never block on a send (the
+// simulation treats sends as asynchronous, as comm.SendAsync is); treat
+// a RECV_F or RECV_B as the point where the data must have arrived (the
+// receive may be posted earlier, but posting them all up front is what
+// makes PyTorch's warm-up bubble); and hold a micro-batch's activations
+// on a stage from its F until its B, or until its W when the backward is
+// split, which is what the peak counts assume.
 package pp

@@ -9,10 +9,13 @@ type lowerConfig struct {
 	fsdp, reduce bool
 }
 
-// WithFSDP makes Lower add an Unshard of each stage just before its first
-// compute action and a Reshard just after its last: the parameters stay
-// gathered through the step, since re-gathering them for every
-// micro-batch's backward would multiply the all-gathers by M
+// WithFSDP makes Lower add an Unshard of each stage one compute action
+// before the stage's first (at the top of the list for the rank's first
+// stage), so that a runtime which starts the all-gather there and waits
+// for it at the stage's first action overlaps it with the action in
+// between, and a Reshard just after the stage's last compute action: the
+// parameters stay gathered through the step, since re-gathering them for
+// every micro-batch's backward would multiply the all-gathers by M
 // (reshard-after-forward is off under PP, as torchtitan does).
 func WithFSDP() LowerOption { return func(c *lowerConfig) { c.fsdp = true } }
 
@@ -37,6 +40,9 @@ func Lower(s *Schedule, opts ...LowerOption) (*Schedule, error) {
 	for _, o := range opts {
 		o(&cfg)
 	}
+	if s == nil {
+		return nil, fmt.Errorf("%w: lower: nil schedule", ErrInvalid)
+	}
 	if s.Lowered() {
 		return nil, fmt.Errorf("%w: lower: schedule %q already holds communication or per-stage actions", ErrInvalid, s.Name)
 	}
@@ -47,10 +53,14 @@ func Lower(s *Schedule, opts ...LowerOption) (*Schedule, error) {
 	out := *s
 	out.Actions = make([][]Action, s.Ranks)
 	for r, acts := range s.Actions {
-		first, last, lastGrad := map[int]int{}, map[int]int{}, map[int]int{}
+		// unshard[p] lists the stages whose Unshard goes before action p:
+		// one action ahead of the stage's first.
+		unshard := map[int][]int{}
+		last, lastGrad := map[int]int{}, map[int]int{}
 		for p, a := range acts {
-			if _, ok := first[a.Stage]; !ok {
-				first[a.Stage] = p
+			if _, ok := last[a.Stage]; !ok {
+				at := max(p-1, 0)
+				unshard[at] = append(unshard[at], a.Stage)
 			}
 			last[a.Stage] = p
 			if a.Kind == B || a.Kind == W {
@@ -61,8 +71,10 @@ func Lower(s *Schedule, opts ...LowerOption) (*Schedule, error) {
 		var l []Action
 		for p, a := range acts {
 			st, mb := a.Stage, a.MicroBatch
-			if cfg.fsdp && first[st] == p {
-				l = append(l, Action{Stage: st, Kind: Unshard, MicroBatch: NoMicroBatch})
+			for _, u := range unshard[p] {
+				if cfg.fsdp {
+					l = append(l, Action{Stage: u, Kind: Unshard, MicroBatch: NoMicroBatch})
+				}
 			}
 			switch a.Kind {
 			case F:

@@ -23,6 +23,14 @@ func TestLowerHandWritten(t *testing.T) {
 				"0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD 0RESHARD",
 				"1UNSHARD 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1REDUCE_GRAD 1RESHARD",
 			}},
+		// Each stage's UNSHARD comes one compute action before its
+		// first, so the all-gather of stage 2 can overlap 0F1.
+		{"interleaved pp=2 M=2 with FSDP", func() (*Schedule, error) { return Interleaved1F1B(2, 2, 2) }, []LowerOption{WithFSDP()}, []string{
+			"0UNSHARD 0F0 0SEND_F0 2UNSHARD 0F1 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 " +
+				"2RECV_B0 2B0 2SEND_B0 2RECV_B1 2B1 2SEND_B1 2RESHARD 0RECV_B0 0B0 0RECV_B1 0B1 0RESHARD",
+			"1UNSHARD 1RECV_F0 1F0 1SEND_F0 3UNSHARD 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3B0 3SEND_B0 3RECV_F1 3F1 3B1 3SEND_B1 3RESHARD " +
+				"1RECV_B0 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1 1RESHARD",
+		}},
 		// The V's turn (stages 1 and 2) is on rank 1 and its ends
 		// (stages 0 and 3) on rank 0: those pass by memory, without
 		// sends; the reduction follows each stage's last W.
@@ -60,7 +68,8 @@ func TestLowerHandWritten(t *testing.T) {
 
 // TestLowerCounts: a lowered schedule holds one send and one receive per
 // micro-batch for each stage boundary that crosses ranks, in each
-// direction, and none for boundaries within a rank.
+// direction, and none for boundaries within a rank; it keeps the compute
+// order and simulates to the same makespan with a transfer cost.
 func TestLowerCounts(t *testing.T) {
 	for _, name := range []string{"gpipe", "1f1b", "interleaved", "zb1", "zbv"} {
 		for pp := 1; pp <= 4; pp++ {
@@ -88,6 +97,37 @@ func TestLowerCounts(t *testing.T) {
 				if want := crossing * s.MicroBatches; count[k] != want {
 					t.Errorf("%s pp=%d: %d %v, want %d", name, pp, count[k], k, want)
 				}
+			}
+			// The compute actions keep their order, and the explicit
+			// transfers time out as the implicit ones do.
+			for r := range l.Actions {
+				var compute []Action
+				for _, a := range l.Actions[r] {
+					if a.Kind.Compute() {
+						compute = append(compute, a)
+					}
+				}
+				if len(compute) != len(s.Actions[r]) {
+					t.Fatalf("%s pp=%d rank %d: %d compute actions, want %d", name, pp, r, len(compute), len(s.Actions[r]))
+				}
+				for i := range compute {
+					if compute[i] != s.Actions[r][i] {
+						t.Errorf("%s pp=%d rank %d: compute action %d is %v, want %v", name, pp, r, i, compute[i], s.Actions[r][i])
+						break
+					}
+				}
+			}
+			c := Costs{F: 1, B: 2, I: 1, W: 1, Comm: 0.25}
+			a, err := Simulate(s, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := Simulate(l, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if a.Makespan != b.Makespan {
+				t.Errorf("%s pp=%d: lowered makespan %v, compute-only %v", name, pp, b.Makespan, a.Makespan)
 			}
 		}
 	}

@@ -173,11 +173,21 @@ type Schedule struct {
 	Actions [][]Action
 }
 
-// Stages returns the number of stages, Ranks·StagesPerRank.
-func (s *Schedule) Stages() int { return s.Ranks * s.StagesPerRank }
+// Stages returns the number of stages, Ranks·StagesPerRank (0 for a nil
+// schedule).
+func (s *Schedule) Stages() int {
+	if s == nil {
+		return 0
+	}
+	return s.Ranks * s.StagesPerRank
+}
 
-// RankOf returns the rank that holds stage (0 ≤ stage < Stages()).
+// RankOf returns the rank that holds stage, or -1 for a stage outside
+// [0, Stages()).
 func (s *Schedule) RankOf(stage int) int {
+	if stage < 0 || stage >= s.Stages() {
+		return -1
+	}
 	return rankOf(s.Placement, s.Ranks, stage)
 }
 
@@ -203,6 +213,9 @@ func (s *Schedule) StagesOf(rank int) []int {
 // Lowered reports whether the schedule holds communication or per-stage
 // actions (it came from Lower or from a list that has them).
 func (s *Schedule) Lowered() bool {
+	if s == nil {
+		return false
+	}
 	for _, acts := range s.Actions {
 		for _, a := range acts {
 			if !a.Kind.Compute() {
@@ -304,8 +317,8 @@ func GPipe(ranks, microBatches int) (*Schedule, error) {
 // non-interleaved one): rank r runs Ranks−1−r warm-up forwards, then
 // alternates one forward and one full backward, then runs the remaining
 // backwards. A stage holds at most Ranks−r micro-batches' activations.
-// It needs microBatches ≥ ranks (PyTorch's rule: with fewer there is no
-// steady phase).
+// It needs microBatches ≥ ranks: with fewer there is no steady phase and
+// the schedule is GPipe's.
 func OneFOneB(ranks, microBatches int) (*Schedule, error) {
 	s, err := newSchedule("1f1b", ranks, microBatches, 1, Loop)
 	if err != nil {

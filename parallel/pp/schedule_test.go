@@ -55,6 +55,11 @@ func TestBuildersMatchHandWritten(t *testing.T) {
 			"0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
 			"1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
 		}},
+		// 3 micro-batches on 2 ranks: one round of 3 (PyTorch's rule).
+		{"interleaved", 2, 3, 2, Loop, []string{
+			"0F0 0F1 0F2 2F0 2F1 2F2 2B0 2B1 2B2 0B0 0B1 0B2",
+			"1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1B0 1B1 1B2",
+		}},
 		{"zb1", 2, 3, 0, Loop, []string{
 			"0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2",
 			"1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2",
@@ -62,6 +67,12 @@ func TestBuildersMatchHandWritten(t *testing.T) {
 		{"zbv", 2, 3, 0, VShape, []string{
 			"0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 3F2 3I2 3W2 0I1 0W1 0I2 0W2",
 			"1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2",
+		}},
+		// Fewer micro-batches than the warm-up: the lists above without
+		// micro-batch 2.
+		{"zbv", 2, 2, 0, VShape, []string{
+			"0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+			"1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1",
 		}},
 	}
 	for _, c := range cases {
@@ -133,9 +144,10 @@ func TestBuildErrors(t *testing.T) {
 	}{
 		{"1f1b", 4, 3, 0, "1f1b: 3 micro-batches: needs at least 4"},
 		{"zb1", 4, 2, 0, "zb1: 2 micro-batches: needs at least 4"},
-		{"zbv", 4, 6, 0, "zbv: 6 micro-batches: needs at least 7"},
+		{"zbv", 0, 6, 0, "zbv: ranks 0: must be at least 1"},
 		{"interleaved", 4, 2, 2, "interleaved: 2 micro-batches: needs at least 4"},
-		{"interleaved", 4, 6, 2, "must be a multiple of the 4 ranks"},
+		{"interleaved", 4, 9, 2, "interleaved: 9 micro-batches on 4 ranks: must be a multiple of the 2 rounds of at least 4 (8 or 10 would do)"},
+		{"interleaved", 4, 13, 2, "(12 or 15 would do)"},
 		{"interleaved", 4, 8, 1, "needs at least 2"},
 		{"gpipe", 0, 4, 0, "ranks 0: must be at least 1"},
 		{"gpipe", 2, 0, 0, "micro-batches 0: must be at least 1"},
@@ -188,6 +200,14 @@ func TestPlacement(t *testing.T) {
 		if got := v.RankOf(st); got != wantV[st] {
 			t.Errorf("v: stage %d on rank %d, want %d", st, got, wantV[st])
 		}
+	}
+	for _, st := range []int{-1, 9} {
+		if got := v.RankOf(st); got != -1 {
+			t.Errorf("stage %d on rank %d, want -1", st, got)
+		}
+	}
+	if got := (&Schedule{}).RankOf(0); got != -1 {
+		t.Errorf("no ranks: stage 0 on rank %d, want -1", got)
 	}
 	if got := v.StagesOf(0); len(got) != 3 || got[0] != 0 || got[1] != 5 || got[2] != 6 {
 		t.Errorf("v: rank 0 holds %v, want [0 5 6]", got)

@@ -5,16 +5,18 @@ import "fmt"
 // Interleaved1F1B returns the interleaved 1F1B schedule (Narayanan et al.
 // 2021, Megatron-LM's interleaved schedule): each rank holds
 // stagesPerRank stages placed in a loop (rank r holds r, r+Ranks, …), and
-// runs the micro-batches in groups of Ranks: forwards of a group on its
-// first stage, then on its second, …, and backwards in the reverse order
-// of stages. Rank r warms up with (V−1)·Ranks + 2·(Ranks−1−r) forwards,
-// then alternates one forward and one full backward. The bubble shrinks
-// by the factor V against OneFOneB: (Ranks−1)/(V·M + Ranks−1) with F=1,
-// B=2.
+// runs the micro-batches in groups of G: forwards of a group on its first
+// stage, then on its second, …, and backwards in the reverse order of
+// stages. Rank r warms up with (V−1)·G + 2·(Ranks−1−r) forwards, then
+// alternates one forward and one full backward. The bubble shrinks by
+// the factor V against OneFOneB: (Ranks−1)/(V·M + Ranks−1) with F=1, B=2.
 //
-// The rule on micro-batches is Megatron's original one: microBatches
-// must be a multiple of ranks (a group fills the pipeline). stagesPerRank
-// must be at least 2 (with one stage per rank it is OneFOneB).
+// The rule on micro-batches is PyTorch's, which relaxes Megatron's
+// "M a multiple of Ranks" (G = Ranks): the M micro-batches run in
+// R = ⌊M/Ranks⌋ rounds of G = M/R each, so M must be at least Ranks and a
+// multiple of R (Ranks=4: 4 to 8, 10, 12, 15, 16, …; the error names
+// the nearest). stagesPerRank must be at least 2 (with one stage per rank
+// it is OneFOneB).
 func Interleaved1F1B(ranks, microBatches, stagesPerRank int) (*Schedule, error) {
 	const name = "interleaved"
 	s, err := newSchedule(name, ranks, microBatches, stagesPerRank, Loop)
@@ -27,24 +29,33 @@ func Interleaved1F1B(ranks, microBatches, stagesPerRank int) (*Schedule, error) 
 	if microBatches < ranks {
 		return nil, tooFew(name, microBatches, ranks, "a group of one per rank")
 	}
-	if microBatches%ranks != 0 {
-		return nil, fmt.Errorf("%w: %s: %d micro-batches: must be a multiple of the %d ranks (micro-batches run in groups of one per rank)", ErrInvalid, name, microBatches, ranks)
+	if !interleavedFits(ranks, microBatches) {
+		lo, hi := microBatches-1, microBatches+1
+		for !interleavedFits(ranks, lo) {
+			lo--
+		}
+		for !interleavedFits(ranks, hi) {
+			hi++
+		}
+		return nil, fmt.Errorf("%w: %s: %d micro-batches on %d ranks: must be a multiple of the %d rounds of at least %d (%d or %d would do)",
+			ErrInvalid, name, microBatches, ranks, microBatches/ranks, ranks, lo, hi)
 	}
+	g := microBatches / (microBatches / ranks) // micro-batches per round
 	v := stagesPerRank
 	total := microBatches * v // compute actions of each kind per rank
 	for r := range ranks {
-		// The k-th forward (backward) of rank r: groups of ranks
-		// micro-batches go through the rank's stages in order (in reverse
-		// for backwards) before the next group starts.
+		// The k-th forward (backward) of rank r: a group of g
+		// micro-batches goes through the rank's stages in order (in
+		// reverse for backwards) before the next group starts.
 		at := func(k int, backward bool) Action {
-			chunk := (k / ranks) % v
+			chunk := (k / g) % v
 			kind := F
 			if backward {
 				chunk, kind = v-1-chunk, B
 			}
-			return Action{Stage: chunk*ranks + r, Kind: kind, MicroBatch: (k/(ranks*v))*ranks + k%ranks}
+			return Action{Stage: chunk*ranks + r, Kind: kind, MicroBatch: (k/(g*v))*g + k%g}
 		}
-		warm := min((v-1)*ranks+2*(ranks-1-r), total)
+		warm := min((v-1)*g+2*(ranks-1-r), total)
 		acts := make([]Action, 0, 2*total)
 		for k := range warm {
 			acts = append(acts, at(k, false))
@@ -59,6 +70,10 @@ func Interleaved1F1B(ranks, microBatches, stagesPerRank int) (*Schedule, error) 
 	}
 	return s, nil
 }
+
+// interleavedFits reports whether m ≥ ranks micro-batches split into
+// ⌊m/ranks⌋ equal rounds.
+func interleavedFits(ranks, m int) bool { return m >= ranks && m%(m/ranks) == 0 }
 
 // ZBH1 returns the zero-bubble schedule ZB-H1 (Qi et al. 2024, "Zero
 // Bubble Pipeline Parallelism"): 1F1B's order of forwards, each backward
@@ -109,9 +124,10 @@ func ZBH1(ranks, microBatches int) (*Schedule, error) {
 	return s, nil
 }
 
-// ZBVMinMicroBatches returns the fewest micro-batches ZBV accepts for
-// ranks ranks: 2·ranks−1, the forwards rank 0's first stage runs before
-// its first backward.
+// ZBVMinMicroBatches returns 2·ranks−1, the forwards rank 0's first stage
+// runs before its first backward: from this many micro-batches on, ZBV
+// runs its full warm-up and its bubble formula holds. ZBV accepts fewer
+// (see ZBV).
 func ZBVMinMicroBatches(ranks int) int { return 2*ranks - 1 }
 
 // ZBV returns the V-shaped zero-bubble schedule ZB-V (Qi et al. 2024,
@@ -124,25 +140,32 @@ func ZBVMinMicroBatches(ranks int) int { return 2*ranks - 1 }
 // first and the W's fill the time the rank would wait. With F=I=W=1 per
 // stage the bubble is (Ranks−1)/(6M + Ranks−1): the only idle time is
 // the first forward's trip down the V, half ZB-H1's over the same layers
-// per rank. Stage s holds at most 2·Ranks−s micro-batches' activations
-// (each stage is half a rank's layers, so rank 0 holds what 1F1B's
-// stage 0 holds). It needs microBatches ≥ ZBVMinMicroBatches(ranks).
+// per rank. Stage s holds at most min(2·Ranks−s, M) micro-batches'
+// activations (each stage is half a rank's layers, so rank 0 holds what
+// 1F1B's stage 0 holds).
+//
+// Any microBatches ≥ 1 is accepted: with fewer than
+// ZBVMinMicroBatches(ranks), the builder plans that many and drops the
+// actions of the micro-batches that do not exist (PyTorch's way), which
+// the validator shows stays deadlock-free; the bubble is then larger
+// than the formula (at M = Ranks it equals ZB-H1's).
 func ZBV(ranks, microBatches int) (*Schedule, error) {
 	const name = "zbv"
 	s, err := newSchedule(name, ranks, microBatches, 2, VShape)
 	if err != nil {
 		return nil, err
 	}
-	if min := ZBVMinMicroBatches(ranks); microBatches < min {
-		return nil, tooFew(name, microBatches, min, "2·ranks−1, rank 0's warm-up")
-	}
-	m := microBatches
+	// With fewer micro-batches than the warm-up takes, plan that many
+	// and drop the actions of those that do not exist.
+	m := max(microBatches, ZBVMinMicroBatches(ranks))
 	for r := range ranks {
 		down, up := r, 2*ranks-1-r // the rank's stage on each arm of the V
 		var f0, f1, i0, i1 int
 		acts := make([]Action, 0, 6*m)
 		add := func(stage int, k Kind, mb int) {
-			acts = append(acts, Action{Stage: stage, Kind: k, MicroBatch: mb})
+			if mb < microBatches {
+				acts = append(acts, Action{Stage: stage, Kind: k, MicroBatch: mb})
+			}
 		}
 		// Warm-up: fill the down arm, then alternate the arms, then start
 		// the up arm's backwards as soon as its forwards come back.

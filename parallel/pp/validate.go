@@ -64,6 +64,9 @@ func (s *Schedule) Validate() error {
 
 // checkCounts checks the fields other than the action lists.
 func (s *Schedule) checkCounts() error {
+	if s == nil {
+		return fmt.Errorf("%w: nil schedule", ErrInvalid)
+	}
 	if err := numcheck.Count(ErrInvalid, "schedule: ranks", s.Ranks); err != nil {
 		return err
 	}
@@ -88,7 +91,11 @@ func (s *Schedule) check() (*graph, error) {
 		return nil, err
 	}
 	n := s.Stages()
-	g := &graph{s: s, at: map[key]loc{}}
+	total := 0
+	for _, acts := range s.Actions {
+		total += len(acts)
+	}
+	g := &graph{s: s, at: make(map[key]loc, total)}
 	for r, acts := range s.Actions {
 		for p, a := range acts {
 			if err := s.checkAction(r, p, a); err != nil {
@@ -347,16 +354,20 @@ func (g *graph) buildDeps() {
 // order, an action starts when the rank is free and its inputs exist.
 func (g *graph) run(c Costs) (*Simulation, error) {
 	s := g.s
-	cost := func(k Kind) float64 {
-		switch k {
+	cost := func(a Action) float64 {
+		f := 1.0
+		if c.Stage != nil {
+			f = c.Stage[a.Stage]
+		}
+		switch a.Kind {
 		case F:
-			return c.F
+			return f * c.F
 		case B:
-			return c.B
+			return f * c.B
 		case I:
-			return c.I
+			return f * c.I
 		case W:
-			return c.W
+			return f * c.W
 		}
 		return 0 // communication is asynchronous: its time is on the edge
 	}
@@ -387,7 +398,7 @@ func (g *graph) run(c Costs) (*Simulation, error) {
 					}
 					t = max(t, e)
 				}
-				d := cost(acts[p].Kind)
+				d := cost(acts[p])
 				sim.Start[r][p], sim.End[r][p] = t, t+d
 				sim.Busy[r] += d
 				clock[r] = t + d
@@ -421,29 +432,34 @@ func (g *graph) run(c Costs) (*Simulation, error) {
 	if sim.Makespan > 0 {
 		sim.Bubble = 1 - busy/(float64(s.Ranks)*sim.Makespan)
 	}
-	sim.PeakActivations = s.peakActivations()
+	sim.PeakActivations, sim.RankPeakActivations = s.peakActivations()
 	return sim, nil
 }
 
-// peakActivations returns, per stage, the largest number of micro-batches
-// whose activations the stage holds at once: from the F until the B, or
-// until the W when the backward is split. A stage lives on one rank, so
-// its rank's list order decides.
-func (s *Schedule) peakActivations() []int {
+// peakActivations returns, per stage and per rank, the largest number of
+// micro-batches whose activations are held at once: from the F until the
+// B, or until the W when the backward is split. A stage lives on one
+// rank, so its rank's list order decides.
+func (s *Schedule) peakActivations() (stage, rank []int) {
 	held := make([]int, s.Stages())
-	peak := make([]int, s.Stages())
-	for _, acts := range s.Actions {
+	stage = make([]int, s.Stages())
+	rank = make([]int, s.Ranks)
+	for r, acts := range s.Actions {
+		total := 0
 		for _, a := range acts {
 			switch a.Kind {
 			case F:
 				held[a.Stage]++
-				peak[a.Stage] = max(peak[a.Stage], held[a.Stage])
+				total++
+				stage[a.Stage] = max(stage[a.Stage], held[a.Stage])
+				rank[r] = max(rank[r], total)
 			case B, W:
 				held[a.Stage]--
+				total--
 			}
 		}
 	}
-	return peak
+	return stage, rank
 }
 
 // Infer returns the schedule of a user's own per-rank action lists: the

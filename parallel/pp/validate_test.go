@@ -217,3 +217,26 @@ func TestInfer(t *testing.T) {
 		t.Errorf("no ranks: %v", err)
 	}
 }
+
+// TestNilSchedule: a nil schedule is an error, not a panic.
+func TestNilSchedule(t *testing.T) {
+	var s *Schedule
+	if err := s.Validate(); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Validate: %v", err)
+	}
+	if _, err := Lower(s); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Lower: %v", err)
+	}
+	if _, err := Simulate(s, UnitCosts()); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Simulate: %v", err)
+	}
+	if _, err := s.PeakActivations(); !errors.Is(err, ErrInvalid) {
+		t.Errorf("PeakActivations: %v", err)
+	}
+	if err := s.WriteCSV(&strings.Builder{}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("WriteCSV: %v", err)
+	}
+	if s.Table() != "" || s.Lowered() || s.RankOf(0) != -1 || s.StagesOf(0) != nil || s.Stages() != 0 {
+		t.Error("Table or Lowered of nil")
+	}
+}
