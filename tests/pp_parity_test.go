@@ -13,6 +13,7 @@ import (
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/pp"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -37,18 +38,18 @@ func ppBatch(step int) (x, y []int64) {
 	return x, y
 }
 
-// sgd steps every parameter by −lr·grad and zeroes the gradients.
-func sgd(ctx context.Context, ps []*autograd.Value) error {
+// sgd steps every parameter by −lr·grad and zeroes the gradients; each
+// gradient must be laid out like its parameter (local blocks alike).
+func sgd(ps []*autograd.Value) error {
 	for _, p := range ps {
 		if p.Grad() == nil {
 			return fmt.Errorf("%s has no gradient", p.Name())
 		}
-		g, err := p.Grad().Full(ctx)
-		if err != nil {
-			return err
+		if !p.Grad().Spec().Equal(p.Spec()) {
+			return fmt.Errorf("%s: gradient %v, parameter %v", p.Name(), p.Grad().Spec(), p.Spec())
 		}
 		d := p.Data().LocalData().([]float32)
-		for i, gi := range g.([]float32) {
+		for i, gi := range p.Grad().LocalData().([]float32) {
 			d[i] -= ppLR * gi
 		}
 		p.ZeroGrad()
@@ -94,7 +95,7 @@ func ppReference(t *testing.T, steps int) ([]float64, map[string][]float32) {
 		if err := tape.Backward(ctx, loss); err != nil {
 			t.Fatal(err)
 		}
-		if err := sgd(ctx, md.Params()); err != nil {
+		if err := sgd(md.Params()); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -105,17 +106,20 @@ func ppReference(t *testing.T, steps int) ([]float64, map[string][]float32) {
 	return losses, out
 }
 
-// ppRun trains the model pipelined on ranks ranks with the schedule sched
-// for steps steps, and returns the losses (from the last stage's rank),
-// the final parameters (from every rank's stages), and each rank's stats
-// of the last step.
-func ppRun(ctx context.Context, s *pp.Schedule, steps int) ([]float64, map[string][]float32, []*pp.StepStats, error) {
+// ppRun trains the model pipelined with the schedule s for steps steps on
+// a (pp, dp, tp) mesh of s.Ranks·dp·tp in-process ranks: batch rows
+// sharded over dp, each stage laid out by gpt.Plan over tp, the stages'
+// gradients reduced once per step at the schedule's ReduceGrad actions
+// (parallel.ReduceGrads: the dp sum, and what TP leaves partial). It
+// returns the losses (summed over dp on the last stage's ranks), the final
+// parameters (whole), and each pp rank's stats of the last step.
+func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int) ([]float64, map[string][]float32, []*pp.StepStats, error) {
 	var mu sync.Mutex
 	params := map[string][]float32{}
 	losses := make([]float64, steps)
 	stats := make([]*pp.StepStats, s.Ranks)
-	err := local.Run(ctx, s.Ranks, func(ctx context.Context, c comm.Communicator) error {
-		m, err := mesh.New(c, []int{s.Ranks, 1}, []string{"pp", "dp"})
+	err := local.Run(ctx, s.Ranks*dp*tp, func(ctx context.Context, c comm.Communicator) error {
+		m, err := mesh.New(c, []int{s.Ranks, dp, tp}, []string{"pp", "dp", "tp"})
 		if err != nil {
 			return err
 		}
@@ -124,6 +128,10 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int) ([]float64, map[strin
 			return err
 		}
 		sm := tr.Mesh()
+		dpc, err := sm.Comm(ctx, "dp")
+		if err != nil {
+			return err
+		}
 		tape := autograd.NewTape()
 		init := gpt.RandomInit(ppCfg, 1)
 		rows, err := pp.MicroBatches(ppRows, s.MicroBatches)
@@ -132,6 +140,7 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int) ([]float64, map[strin
 		}
 		step := 0
 		funcs := map[int]pp.StageFunc{}
+		byStage := map[int][]*autograd.Value{}
 		var all []*autograd.Value
 		S := s.Stages()
 		for _, k := range s.StagesOf(tr.Rank()) {
@@ -139,12 +148,18 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int) ([]float64, map[strin
 			if err != nil {
 				return err
 			}
-			all = append(all, st.Params()...)
+			if tp > 1 {
+				if err := parallel.Parallelize(ctx, st, "tp", st.Plan(false)); err != nil {
+					return err
+				}
+			}
+			byStage[k] = st.Params()
+			all = append(all, byStage[k]...)
 			funcs[k] = func(ctx context.Context, mb int, h *autograd.Value) (*autograd.Value, error) {
 				xs, ys := ppBatch(step)
 				rg, T := rows[mb], ppCfg.SeqLen
 				shape := []int{rg.Hi - rg.Lo, T}
-				r := []placement.Placement{placement.Replicate()}
+				r := []placement.Placement{placement.Shard(0), placement.Replicate()}
 				x, err := autograd.IndicesFromFull(sm, shape, r, xs[rg.Lo*T:rg.Hi*T])
 				if err != nil {
 					return nil, err
@@ -156,7 +171,10 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int) ([]float64, map[strin
 				return st.Forward(ctx, h, x, y, rg.Weight)
 			}
 		}
-		rt, err := pp.NewRuntime(s, tape, tr, funcs)
+		reduce := pp.OnReduceGrad(func(ctx context.Context, stage int) error {
+			return parallel.ReduceGrads(ctx, byStage[stage])
+		})
+		rt, err := pp.NewRuntime(s, tape, tr, funcs, reduce)
 		if err != nil {
 			return err
 		}
@@ -166,17 +184,29 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int) ([]float64, map[strin
 				return err
 			}
 			if !math.IsNaN(st.Loss) {
-				losses[step] = st.Loss
+				v := []float64{st.Loss}
+				if err := comm.AllReduce(ctx, dpc, comm.Host(v), comm.Host(v), comm.Sum); err != nil {
+					return err
+				}
+				losses[step] = v[0]
 			}
 			stats[tr.Rank()] = st
-			if err := sgd(ctx, all); err != nil {
+			if err := sgd(all); err != nil {
 				return err
 			}
 		}
+		full := map[string][]float32{}
+		for _, p := range all {
+			f, err := p.Data().Full(ctx)
+			if err != nil {
+				return err
+			}
+			full[p.Name()] = f.([]float32)
+		}
 		mu.Lock()
 		defer mu.Unlock()
-		for _, p := range all {
-			params[p.Name()] = append([]float32(nil), p.Data().LocalData().([]float32)...)
+		for n, f := range full {
+			params[n] = f
 		}
 		return nil
 	})
@@ -210,28 +240,11 @@ func TestPipelineParity(t *testing.T) {
 						t.Logf("refused: %v", err)
 						return
 					}
-					losses, params, stats, err := ppRun(context.Background(), s, steps)
+					losses, params, stats, err := ppRun(context.Background(), s, steps, 1, 1)
 					if err != nil {
 						t.Fatal(err)
 					}
-					const tol = 2e-5
-					for i := range wantLoss {
-						if d := math.Abs(losses[i] - wantLoss[i]); d > tol {
-							t.Errorf("step %d: loss %.7f, one rank %.7f", i, losses[i], wantLoss[i])
-						}
-					}
-					if len(params) != len(wantParams) {
-						t.Fatalf("%d parameters across the stages, the model has %d", len(params), len(wantParams))
-					}
-					worst := 0.0
-					for n, w := range wantParams {
-						for i := range w {
-							worst = max(worst, math.Abs(float64(params[n][i]-w[i])))
-						}
-					}
-					if worst > tol {
-						t.Errorf("parameters differ by up to %g", worst)
-					}
+					compare(t, losses, params, wantLoss, wantParams)
 					peaks, err := s.PeakActivations()
 					if err != nil {
 						t.Fatal(err)
@@ -246,5 +259,60 @@ func TestPipelineParity(t *testing.T) {
 				})
 			}
 		}
+	}
+}
+
+// TestPipelineComposed: pp=2 with dp=2 (batch rows sharded, the stage's
+// gradients summed over dp once per step at ReduceGrad) and with tp=2 (each
+// stage laid out by gpt.Plan) match the one-rank run, for 1F1B and ZB-H1
+// (split backward), within the same 2e-5 as TestPipelineParity.
+func TestPipelineComposed(t *testing.T) {
+	steps := 20
+	if testing.Short() {
+		steps = 3
+	}
+	wantLoss, wantParams := ppReference(t, steps)
+	// M = 5 gives every micro-batch 2 of the 10 rows, one per dp rank.
+	for _, c := range []struct{ dp, tp, m int }{{2, 1, 5}, {1, 2, 4}} {
+		for _, name := range []string{"1f1b", "zb1"} {
+			t.Run(fmt.Sprintf("dp%d/tp%d/%s", c.dp, c.tp, name), func(t *testing.T) {
+				s, err := pp.Build(name, 2, c.m, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if s, err = pp.Lower(s, pp.WithReduceGrad()); err != nil {
+					t.Fatal(err)
+				}
+				losses, params, _, err := ppRun(context.Background(), s, steps, c.dp, c.tp)
+				if err != nil {
+					t.Fatal(err)
+				}
+				compare(t, losses, params, wantLoss, wantParams)
+			})
+		}
+	}
+}
+
+// compare fails t where losses or params differ from the one-rank run's
+// by more than 2e-5.
+func compare(t *testing.T, losses []float64, params map[string][]float32, wantLoss []float64, wantParams map[string][]float32) {
+	t.Helper()
+	const tol = 2e-5
+	for i := range wantLoss {
+		if d := math.Abs(losses[i] - wantLoss[i]); d > tol {
+			t.Errorf("step %d: loss %.7f, one rank %.7f", i, losses[i], wantLoss[i])
+		}
+	}
+	if len(params) != len(wantParams) {
+		t.Fatalf("%d parameters across the stages, the model has %d", len(params), len(wantParams))
+	}
+	worst := 0.0
+	for n, w := range wantParams {
+		for i := range w {
+			worst = max(worst, math.Abs(float64(params[n][i]-w[i])))
+		}
+	}
+	if worst > tol {
+		t.Errorf("parameters differ by up to %g", worst)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/mesh"
@@ -17,6 +18,7 @@ import (
 // lm_head when Last is Layers. It builds only those parameters, named as
 // in Model, so a pipeline's stages together hold exactly the Model's.
 type Stage struct {
+	parallel.Hooks
 	cfg         Config
 	tape        *autograd.Tape
 	mesh        *mesh.Mesh
@@ -85,6 +87,40 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 		}
 	}
 	return s, nil
+}
+
+// Children returns the stage's modules under the Model's paths (wte,
+// wpe, h.<l> with l the global block index, ln_f, lm_head), so that
+// Plan, applied with parallel.Parallelize, lays a stage out as it lays
+// out the Model.
+func (s *Stage) Children() []parallel.Child {
+	var out []parallel.Child
+	if s.WTE != nil {
+		out = append(out, parallel.Child{Name: "wte", Module: s.WTE}, parallel.Child{Name: "wpe", Module: s.WPE})
+	}
+	h := &stageBlocks{first: s.First, list: s.Blocks}
+	out = append(out, parallel.Child{Name: "h", Module: h})
+	if s.LNF != nil {
+		out = append(out, parallel.Child{Name: "ln_f", Module: s.LNF}, parallel.Child{Name: "lm_head", Module: s.LMHead})
+	}
+	return out
+}
+
+// stageBlocks is a stage's "h" container: its blocks named by their
+// global index.
+type stageBlocks struct {
+	parallel.Hooks
+	first int
+	list  []*Block
+}
+
+// Children returns the blocks, named first … first+len−1.
+func (bs *stageBlocks) Children() []parallel.Child {
+	out := make([]parallel.Child, len(bs.list))
+	for i, b := range bs.list {
+		out[i] = parallel.Child{Name: strconv.Itoa(bs.first + i), Module: b}
+	}
+	return out
 }
 
 // Params returns the stage's parameters in the Model's order.
@@ -167,4 +203,29 @@ func Batches(cfg Config, run tinygpt.Config, random bool, seed uint64) (interfac
 		return nil, fmt.Errorf("gpt: Batches: %w", err)
 	}
 	return s, nil
+}
+
+// Plan is the Model's Plan (sp as there) restricted to the modules the
+// stage holds, for parallel.Parallelize on the stage (which refuses a rule
+// that matches nothing).
+func (s *Stage) Plan(sp bool) parallel.Plan {
+	var out parallel.Plan
+	for _, r := range Plan(sp) {
+		switch {
+		case strings.HasPrefix(r.Pattern, "wte"), strings.HasPrefix(r.Pattern, "wpe"):
+			if s.WTE == nil {
+				continue
+			}
+		case strings.HasPrefix(r.Pattern, "h."):
+			if len(s.Blocks) == 0 {
+				continue
+			}
+		default: // ln_f, lm_head
+			if s.LNF == nil {
+				continue
+			}
+		}
+		out = append(out, r)
+	}
+	return out
 }

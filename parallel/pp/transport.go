@@ -19,6 +19,8 @@ import (
 // builds the spec from the header on its own sub-mesh and checks it, so
 // shapes may change from one micro-batch to the next without any prior
 // agreement. Receives are posted when asked for (Post), not all up front.
+// NewTransport also makes the stage mesh's communicators, which every
+// rank must make together.
 //
 // A Transport belongs to one rank and one goroutine, as its communicator
 // does.
@@ -63,6 +65,21 @@ func NewTransport(ctx context.Context, m *mesh.Mesh, axis string) (*Transport, e
 	sub, err := stageMesh(m, rest)
 	if err != nil {
 		return nil, err
+	}
+	// The stage mesh's communicators, made now on every rank: made lazily
+	// (mesh.Comm on first use) they would be collective over the whole
+	// world, which the other stages' ranks, busy elsewhere in the
+	// schedule, never join.
+	for set := 1; set < 1<<len(rest); set++ {
+		var names []string
+		for i, n := range rest {
+			if set&(1<<i) != 0 {
+				names = append(names, n)
+			}
+		}
+		if _, err := sub.Group(ctx, names...); err != nil {
+			return nil, fmt.Errorf("pp: NewTransport: the stage mesh's communicator over %v: %w", names, err)
+		}
 	}
 	return &Transport{c: c, sub: sub}, nil
 }
