@@ -263,8 +263,9 @@ func TestPipelineParity(t *testing.T) {
 }
 
 // TestPipelineComposed: pp=2 with dp=2 (batch rows sharded, the stage's
-// gradients summed over dp once per step at ReduceGrad) and with tp=2 (each
-// stage laid out by gpt.Plan) match the one-rank run, for 1F1B and ZB-H1
+// gradients summed over dp once per step at ReduceGrad), with tp=2 (each
+// stage laid out by gpt.Plan) and with both (8 ranks) match the one-rank
+// run, for 1F1B and ZB-H1
 // (split backward), within the same 2e-5 as TestPipelineParity.
 func TestPipelineComposed(t *testing.T) {
 	steps := 20
@@ -273,7 +274,7 @@ func TestPipelineComposed(t *testing.T) {
 	}
 	wantLoss, wantParams := ppReference(t, steps)
 	// M = 5 gives every micro-batch 2 of the 10 rows, one per dp rank.
-	for _, c := range []struct{ dp, tp, m int }{{2, 1, 5}, {1, 2, 4}} {
+	for _, c := range []struct{ dp, tp, m int }{{2, 1, 5}, {1, 2, 4}, {2, 2, 5}} {
 		for _, name := range []string{"1f1b", "zb1"} {
 			t.Run(fmt.Sprintf("dp%d/tp%d/%s", c.dp, c.tp, name), func(t *testing.T) {
 				s, err := pp.Build(name, 2, c.m, 0)
