@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"testing"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/pp"
 	"github.com/b7ea7098/loom/placement"
+	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // ppCfg is a small GPT of 8 blocks, so that every stage of pp=4 with two
@@ -57,9 +59,19 @@ func sgd(ps []*autograd.Value) error {
 	return nil
 }
 
+// ppInit is the initial model: with tied, lm_head starts as a copy of
+// wte (a tied embedding, each stage holding a copy).
+func ppInit(tied bool) map[string][]float32 {
+	init := gpt.RandomInit(ppCfg, 1)
+	if tied {
+		init[tinygpt.ParamLMHead] = slices.Clone(init[tinygpt.ParamWTE])
+	}
+	return init
+}
+
 // ppReference trains the whole model on one rank for steps steps and
 // returns the losses and the final parameters.
-func ppReference(t *testing.T, steps int) ([]float64, map[string][]float32) {
+func ppReference(t *testing.T, steps int, tied bool) ([]float64, map[string][]float32) {
 	ctx := context.Background()
 	w, err := local.NewWorld(1)
 	if err != nil {
@@ -70,7 +82,7 @@ func ppReference(t *testing.T, steps int) ([]float64, map[string][]float32) {
 		t.Fatal(err)
 	}
 	tape := autograd.NewTape()
-	md, err := gpt.New(tape, m, ppCfg, gpt.WithParams(gpt.RandomInit(ppCfg, 1)))
+	md, err := gpt.New(tape, m, ppCfg, gpt.WithParams(ppInit(tied)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,6 +107,23 @@ func ppReference(t *testing.T, steps int) ([]float64, map[string][]float32) {
 		if err := tape.Backward(ctx, loss); err != nil {
 			t.Fatal(err)
 		}
+		if tied {
+			// One weight used twice: its gradient is the sum of both
+			// uses', the embedding's first (as the pipeline adds them).
+			wte, head := md.Param(tinygpt.ParamWTE), md.Param(tinygpt.ParamLMHead)
+			a, b := wte.Grad().LocalData().([]float32), head.Grad().LocalData().([]float32)
+			sum := make([]float32, len(a))
+			for i := range a {
+				sum[i] = a[i] + b[i]
+			}
+			g, err := placement.NewLocal(wte.Grad().Spec(), sum)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := errors.Join(wte.SetGrad(g), head.SetGrad(g)); err != nil {
+				t.Fatal(err)
+			}
+		}
 		if err := sgd(md.Params()); err != nil {
 			t.Fatal(err)
 		}
@@ -113,7 +142,7 @@ func ppReference(t *testing.T, steps int) ([]float64, map[string][]float32) {
 // (parallel.ReduceGrads: the dp sum, and what TP leaves partial). It
 // returns the losses (summed over dp on the last stage's ranks), the final
 // parameters (whole), and each pp rank's stats of the last step.
-func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int) ([]float64, map[string][]float32, []*pp.StepStats, error) {
+func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied bool) ([]float64, map[string][]float32, []*pp.StepStats, error) {
 	var mu sync.Mutex
 	params := map[string][]float32{}
 	losses := make([]float64, steps)
@@ -133,7 +162,7 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int) ([]float64, m
 			return err
 		}
 		tape := autograd.NewTape()
-		init := gpt.RandomInit(ppCfg, 1)
+		init := ppInit(tied)
 		rows, err := pp.MicroBatches(ppRows, s.MicroBatches)
 		if err != nil {
 			return err
@@ -191,6 +220,20 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int) ([]float64, m
 				losses[step] = v[0]
 			}
 			stats[tr.Rank()] = st
+			if tied {
+				first, last := s.RankOf(0), s.RankOf(S-1)
+				for _, p := range all {
+					switch {
+					case p.Name() == tinygpt.ParamWTE && tr.Rank() == first:
+						err = pp.SumTied(ctx, tr, p, last)
+					case p.Name() == tinygpt.ParamLMHead && tr.Rank() == last:
+						err = pp.SumTied(ctx, tr, p, first)
+					}
+					if err != nil {
+						return err
+					}
+				}
+			}
 			if err := sgd(all); err != nil {
 				return err
 			}
@@ -227,7 +270,7 @@ func TestPipelineParity(t *testing.T) {
 	if testing.Short() {
 		steps = 3
 	}
-	wantLoss, wantParams := ppReference(t, steps)
+	wantLoss, wantParams := ppReference(t, steps, false)
 	for _, ranks := range []int{2, 4} {
 		for _, m := range []int{ranks, 2 * ranks, 2*ranks - 1} {
 			for _, name := range []string{"gpipe", "1f1b", "interleaved", "zb1", "zbv"} {
@@ -240,7 +283,7 @@ func TestPipelineParity(t *testing.T) {
 						t.Logf("refused: %v", err)
 						return
 					}
-					losses, params, stats, err := ppRun(context.Background(), s, steps, 1, 1)
+					losses, params, stats, err := ppRun(context.Background(), s, steps, 1, 1, false)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -272,7 +315,7 @@ func TestPipelineComposed(t *testing.T) {
 	if testing.Short() {
 		steps = 3
 	}
-	wantLoss, wantParams := ppReference(t, steps)
+	wantLoss, wantParams := ppReference(t, steps, false)
 	// M = 5 gives every micro-batch 2 of the 10 rows, one per dp rank.
 	for _, c := range []struct{ dp, tp, m int }{{2, 1, 5}, {1, 2, 4}, {2, 2, 5}} {
 		for _, name := range []string{"1f1b", "zb1"} {
@@ -284,7 +327,7 @@ func TestPipelineComposed(t *testing.T) {
 				if s, err = pp.Lower(s, pp.WithReduceGrad()); err != nil {
 					t.Fatal(err)
 				}
-				losses, params, _, err := ppRun(context.Background(), s, steps, c.dp, c.tp)
+				losses, params, _, err := ppRun(context.Background(), s, steps, c.dp, c.tp, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -315,5 +358,37 @@ func compare(t *testing.T, losses []float64, params map[string][]float32, wantLo
 	}
 	if worst > tol {
 		t.Errorf("parameters differ by up to %g", worst)
+	}
+}
+
+// TestPipelineTied: a tied embedding and LM head, a copy on the first
+// stage and one on the last, with their gradients summed between the two
+// ranks (pp.SumTied) after each step, trains as one rank's model whose
+// one weight serves both (within 2e-5), and the copies stay equal bit
+// for bit.
+func TestPipelineTied(t *testing.T) {
+	steps := 20
+	if testing.Short() {
+		steps = 3
+	}
+	wantLoss, wantParams := ppReference(t, steps, true)
+	for _, name := range []string{"gpipe", "1f1b", "zb1"} {
+		t.Run(name, func(t *testing.T) {
+			s, err := pp.Build(name, 2, 4, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			losses, params, _, err := ppRun(context.Background(), s, steps, 1, 1, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			compare(t, losses, params, wantLoss, wantParams)
+			a, b := params[tinygpt.ParamWTE], params[tinygpt.ParamLMHead]
+			for i := range a {
+				if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+					t.Fatalf("the copies differ at %d: %v and %v", i, a[i], b[i])
+				}
+			}
+		})
 	}
 }
