@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"testing"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
-	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/pp"
@@ -65,10 +65,15 @@ type tape struct {
 // runSchedule runs one step of s on in-process ranks, with fn's options,
 // and returns each rank's stats.
 func runSchedule(t *testing.T, s *pp.Schedule, opts func(rank int) []pp.Option) ([]*pp.StepStats, error) {
+	return runScheduleOn(t, "local", s, opts)
+}
+
+// runScheduleOn is runSchedule on backend's ranks (pp.RunOn).
+func runScheduleOn(t *testing.T, backend string, s *pp.Schedule, opts func(rank int) []pp.Option) ([]*pp.StepStats, error) {
 	t.Helper()
 	stats := make([]*pp.StepStats, s.Ranks)
 	var mu sync.Mutex
-	err := local.Run(context.Background(), s.Ranks, func(ctx context.Context, c comm.Communicator) error {
+	err := pp.RunOn(t, backend, s.Ranks, func(ctx context.Context, c comm.Communicator) error {
 		m, err := mesh.New(c, []int{s.Ranks, 1}, []string{"pp", "dp"})
 		if err != nil {
 			return err
@@ -183,6 +188,29 @@ func TestRuntimeRefuses(t *testing.T) {
 		_, err := runSchedule(t, c.s, nil)
 		if !errors.Is(err, pp.ErrInvalid) || !strings.Contains(fmt.Sprint(err), c.want) {
 			t.Errorf("%s: %v, want ErrInvalid containing %q", c.name, err, c.want)
+		}
+	}
+}
+
+// TestRuntimeBackends: a step over comm/tcp's ranks (real connections)
+// gives the loss of the step over comm/local's, bit for bit, for a
+// schedule with split backwards and one with stages sharing a rank.
+func TestRuntimeBackends(t *testing.T) {
+	for _, name := range []string{"zb1", "zbv"} {
+		s, err := pp.Build(name, 2, 3, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var loss [2]float64
+		for i, backend := range []string{"local", "tcp"} {
+			stats, err := runScheduleOn(t, backend, s, nil)
+			if err != nil {
+				t.Fatalf("%s on %s: %v", name, backend, err)
+			}
+			loss[i] = stats[s.RankOf(s.Stages()-1)].Loss
+		}
+		if math.Float64bits(loss[0]) != math.Float64bits(loss[1]) || math.IsNaN(loss[0]) {
+			t.Errorf("%s: loss %v on local, %v on tcp", name, loss[0], loss[1])
 		}
 	}
 }
