@@ -12,8 +12,11 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/pp"
 	"github.com/b7ea7098/loom/placement"
@@ -142,7 +145,7 @@ func ppReference(t *testing.T, steps int, tied bool) ([]float64, map[string][]fl
 // (parallel.ReduceGrads: the dp sum, and what TP leaves partial). It
 // returns the losses (summed over dp on the last stage's ranks), the final
 // parameters (whole), and each pp rank's stats of the last step.
-func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied bool) ([]float64, map[string][]float32, []*pp.StepStats, error) {
+func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied, emuDev bool) ([]float64, map[string][]float32, []*pp.StepStats, error) {
 	var mu sync.Mutex
 	params := map[string][]float32{}
 	losses := make([]float64, steps)
@@ -162,6 +165,14 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied bool) ([
 			return err
 		}
 		tape := autograd.NewTape()
+		if emuDev {
+			d, err := emu.New(c.Rank())
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			tape = autograd.NewTape(autograd.WithDevice(d))
+		}
 		init := ppInit(tied)
 		rows, err := pp.MicroBatches(ppRows, s.MicroBatches)
 		if err != nil {
@@ -207,6 +218,23 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied bool) ([
 		if err != nil {
 			return err
 		}
+		update := func() error { return sgd(all) }
+		if emuDev {
+			// The device's own SGD kernel: p −= lr·g, as sgd.
+			opt, err := optim.NewSGD(all, ppLR)
+			if err != nil {
+				return err
+			}
+			update = func() error {
+				if err := opt.Step(); err != nil {
+					return err
+				}
+				for _, p := range all {
+					p.ZeroGrad()
+				}
+				return nil
+			}
+		}
 		for ; step < steps; step++ {
 			st, err := rt.Step(ctx)
 			if err != nil {
@@ -234,13 +262,17 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied bool) ([
 					}
 				}
 			}
-			if err := sgd(all); err != nil {
+			if err := update(); err != nil {
 				return err
 			}
 		}
 		full := map[string][]float32{}
 		for _, p := range all {
-			f, err := p.Data().Full(ctx)
+			h, err := p.Data().To(device.Host())
+			if err != nil {
+				return err
+			}
+			f, err := h.Full(ctx)
 			if err != nil {
 				return err
 			}
@@ -283,7 +315,7 @@ func TestPipelineParity(t *testing.T) {
 						t.Logf("refused: %v", err)
 						return
 					}
-					losses, params, stats, err := ppRun(context.Background(), s, steps, 1, 1, false)
+					losses, params, stats, err := ppRun(context.Background(), s, steps, 1, 1, false, false)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -327,7 +359,7 @@ func TestPipelineComposed(t *testing.T) {
 				if s, err = pp.Lower(s, pp.WithReduceGrad()); err != nil {
 					t.Fatal(err)
 				}
-				losses, params, _, err := ppRun(context.Background(), s, steps, c.dp, c.tp, false)
+				losses, params, _, err := ppRun(context.Background(), s, steps, c.dp, c.tp, false, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -378,7 +410,7 @@ func TestPipelineTied(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			losses, params, _, err := ppRun(context.Background(), s, steps, 1, 1, true)
+			losses, params, _, err := ppRun(context.Background(), s, steps, 1, 1, true, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -389,6 +421,31 @@ func TestPipelineTied(t *testing.T) {
 					t.Fatalf("the copies differ at %d: %v and %v", i, a[i], b[i])
 				}
 			}
+		})
+	}
+}
+
+// TestPipelineEmu: each rank computing on its emulated device (device/emu:
+// the parameters, activations and gradients in device buffers; tensors
+// crossing stages go through host memory) trains as one rank on the host,
+// for 1F1B and ZB-H1, within 2e-5.
+func TestPipelineEmu(t *testing.T) {
+	steps := 5
+	if testing.Short() {
+		steps = 2
+	}
+	wantLoss, wantParams := ppReference(t, steps, false)
+	for _, name := range []string{"1f1b", "zb1"} {
+		t.Run(name, func(t *testing.T) {
+			s, err := pp.Build(name, 2, 4, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			losses, params, _, err := ppRun(context.Background(), s, steps, 1, 1, false, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			compare(t, losses, params, wantLoss[:steps], wantParams)
 		})
 	}
 }

@@ -31,7 +31,7 @@ type Stage struct {
 
 // NewStage builds blocks [first, last) of the GPT cfg on tape and m (the
 // stage's own mesh), with the embeddings on the first stage and the head
-// on the last, initialised from params by name (every name the stage
+// on the last, on the tape's device, initialised from params by name (every name the stage
 // holds must be there: RandomInit gives the whole model's). Errors wrap
 // ErrConfig.
 func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, params map[string][]float32) (*Stage, error) {
@@ -85,6 +85,9 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 		if s.LMHead, err = parallel.NewLinear(tape, m, cfg.Width, cfg.Vocab, named("lm_head", parallel.WithBias(false))...); err != nil {
 			return nil, fmt.Errorf("gpt: NewStage: %w", err)
 		}
+	}
+	if err := placeOn(tape.Device(), s.Params()); err != nil {
+		return nil, fmt.Errorf("gpt: NewStage: %w", err)
 	}
 	return s, nil
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/trace"
 )
@@ -341,14 +342,14 @@ func (r *Runtime) run(ctx context.Context, a Action, st map[int][]*mbState, stat
 		}
 		return r.tr.Send(ctx, m.in.Grad(), r.s.RankOf(a.Peer), r.tag(1, a.Stage, a.MicroBatch))
 	case RecvF:
-		dt, err := m.recvF.Wait(ctx)
+		dt, err := r.onDevice(m.recvF.Wait(ctx))
 		if err != nil {
 			return err
 		}
 		m.act, m.recvF = dt, nil
 		return nil
 	case RecvB:
-		dt, err := m.recvB.Wait(ctx)
+		dt, err := r.onDevice(m.recvB.Wait(ctx))
 		if err != nil {
 			return err
 		}
@@ -398,9 +399,25 @@ func (r *Runtime) forward(ctx context.Context, a Action, m *mbState, last bool, 
 	return nil
 }
 
-// scalar returns a one-value local block.
+// onDevice moves a received tensor to the tape's device.
+func (r *Runtime) onDevice(dt *placement.DTensor, err error) (*placement.DTensor, error) {
+	if err != nil || r.tape.Device().Kind() == device.KindHost {
+		return dt, err
+	}
+	return dt.To(r.tape.Device())
+}
+
+// scalar returns a one-value local block (copied to the host from a
+// device).
 func scalar(v *autograd.Value) (float64, error) {
-	switch d := v.Data().LocalData().(type) {
+	dt := v.Data()
+	if dt.Device().Kind() != device.KindHost {
+		var err error
+		if dt, err = dt.To(device.Host()); err != nil {
+			return 0, err
+		}
+	}
+	switch d := dt.LocalData().(type) {
 	case []float32:
 		if len(d) == 1 {
 			return float64(d[0]), nil
@@ -410,7 +427,7 @@ func scalar(v *autograd.Value) (float64, error) {
 			return d[0], nil
 		}
 	}
-	return 0, fmt.Errorf("%v is not a scalar loss on the host", v.Spec())
+	return 0, fmt.Errorf("%v is not a scalar loss", v.Spec())
 }
 
 // Range is one micro-batch's rows [Lo, Hi) of a batch and its Weight

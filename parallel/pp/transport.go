@@ -6,6 +6,7 @@ import (
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -107,10 +108,19 @@ func (tr *Transport) Rank() int { return tr.c.Rank() }
 
 // Send starts sending dt to the rank at position peer of the pp axis with
 // tag; it returns at once. The local block must not change until Flush.
+// A tensor on a device is sent from a host copy.
 func (tr *Transport) Send(ctx context.Context, dt *placement.DTensor, peer, tag int) error {
 	const op = "Send"
 	if dt == nil {
 		return fmt.Errorf("%w: %s: nil tensor", ErrInvalid, op)
+	}
+	if dt.Device().Kind() != device.KindHost {
+		// The block travels from host memory: a device's block is copied
+		// there first (a device-to-device path for NCCL is not built).
+		var err error
+		if dt, err = dt.To(device.Host()); err != nil {
+			return fmt.Errorf("pp: %s: %w", op, err)
+		}
 	}
 	s := dt.Spec()
 	buf, err := bufferOf(dt)
@@ -179,7 +189,7 @@ func (tr *Transport) Post(ctx context.Context, peer, tag int) (*Pending, error) 
 
 // Wait completes the receive: it waits for the header, builds and checks
 // the spec on the stage's sub-mesh, and receives the local block into a
-// fresh host block. Errors wrap ErrMismatch when the header does not
+// fresh host block (the Runtime copies it to its tape's device). Errors wrap ErrMismatch when the header does not
 // describe a tensor of this stage's mesh (a different number of mesh axes,
 // an unknown dtype or placement, a local length the spec does not give).
 func (p *Pending) Wait(ctx context.Context) (*placement.DTensor, error) {
