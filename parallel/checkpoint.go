@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/parallel/internal/tree"
 )
 
 // Checkpoint makes every module of root's tree whose path matches one of
@@ -14,8 +15,8 @@ import (
 // autograd.Checkpoint with opts: it installs an Around wrapper (OnAround),
 // so the module's input hooks and computation save no activations and are
 // recomputed during backward, while its enter and output hooks run once,
-// outside the region. Pass autograd.KeepMatrixProducts() (or
-// autograd.KeepOps) for selective checkpointing.
+// outside the region. Pass autograd.WithKeepMatrixProducts() (or
+// autograd.WithKeepOps) for selective checkpointing.
 //
 // It composes with the other parallelisms: with Parallelize (before or
 // after it: the redistributions a style installs inside the module are
@@ -53,11 +54,11 @@ func Checkpoint(root Module, patterns []string, opts ...autograd.CheckpointOptio
 		pat := strings.Split(pattern, ".")
 		n := 0
 		for _, mm := range mods {
-			if !matchPath(pat, mm.path) {
+			if !tree.MatchPath(pat, mm.path) {
 				continue
 			}
 			n++
-			if isComparable(mm.m) {
+			if tree.Comparable(mm.m) {
 				if seen[mm.m] {
 					continue
 				}

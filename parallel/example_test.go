@@ -3,7 +3,6 @@ package parallel_test
 import (
 	"context"
 	"fmt"
-	"slices"
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
@@ -13,114 +12,51 @@ import (
 	"github.com/b7ea7098/loom/placement"
 )
 
-// input returns a [rows, cols] float32 constant, Replicate on every axis
-// of m, with the values 0.1·(i mod 7) in row-major order.
-func input(tape *autograd.Tape, m *mesh.Mesh, rows, cols int) (*autograd.Value, error) {
-	rep := make([]placement.Placement, m.NDim())
-	for i := range rep {
-		rep[i] = placement.Replicate()
-	}
-	spec, err := placement.NewSpec(m, []int{rows, cols}, comm.Float32, rep)
-	if err != nil {
-		return nil, err
-	}
-	data := make([]float32, rows*cols)
-	for i := range data {
-		data[i] = 0.1 * float32(i%7)
-	}
-	dt, err := placement.NewLocal(spec, data)
-	if err != nil {
-		return nil, err
-	}
-	return tape.Constant(dt)
-}
-
-// Build an MLP from the constructors and lay it out for tensor parallelism
-// over two in-process ranks: fc colwise, proj rowwise (Megatron's MLP).
-// Each rank then holds half of each weight, and the forward pass gives the
-// serial model's output with one all-reduce.
-func ExampleParallelize() {
+// Build a small model from the module tree on one rank. Sequential names
+// its layers "0", "1", "2": the paths that tp.Plan rules, fsdp.FullyShard
+// and Checkpoint patterns name. Walk visits every module with its path and
+// Params collects the parameters for an optimizer.
+func ExampleNewSequential() {
 	ctx := context.Background()
-	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Communicator) error {
-		m, err := mesh.New(c, []int{2}, []string{"tp"})
+	err := local.Run(ctx, 1, func(ctx context.Context, c comm.Communicator) error {
+		m, err := mesh.New(c, []int{1}, []string{"dp"})
 		if err != nil {
 			return err
 		}
 		tape := autograd.NewTape()
-		mlp, err := parallel.NewMLP(tape, m, 4, 8, parallel.WithName("mlp"), parallel.WithInit(parallel.Normal(0.5, 1)))
+		fc1, err := parallel.NewLinear(tape, m, 2, 3, parallel.WithName("0"),
+			parallel.WithInit(parallel.Values([]float32{1, 0, 0, 1, -1, -1})))
 		if err != nil {
 			return err
 		}
-		plan := parallel.Plan{
-			{Pattern: "fc", Style: parallel.ColwiseParallel{}},
-			{Pattern: "proj", Style: parallel.RowwiseParallel{}},
-		}
-		if err := parallel.Parallelize(ctx, mlp, "tp", plan); err != nil {
-			return err
-		}
-		x, err := input(tape, m, 2, 4)
+		fc2, err := parallel.NewLinear(tape, m, 3, 1, parallel.WithName("2"),
+			parallel.WithInit(parallel.Values([]float32{1, 1, 1})))
 		if err != nil {
 			return err
 		}
-		y, err := mlp.Forward(ctx, x)
+		model, err := parallel.NewSequential(fc1, parallel.NewReLU(), fc2)
 		if err != nil {
 			return err
 		}
-		if m.Rank() != 0 {
+		if err := parallel.Walk(model, func(path string, mod parallel.Module) error {
+			fmt.Printf("module %q %T\n", path, mod)
 			return nil
+		}); err != nil {
+			return err
 		}
-		params, err := parallel.Params(mlp)
+		params, err := parallel.Params(model)
 		if err != nil {
 			return err
 		}
 		for _, p := range params {
-			fmt.Printf("%-15s global %v, local %v, %v\n", p.Name(), p.Spec().Shape(), p.Spec().LocalShape(), p.Spec().Placements())
+			fmt.Println("parameter", p.Name(), p.Spec().Shape())
 		}
-		out := y.Data().LocalData().([]float32)
-		fmt.Printf("output %v %v, first row %.4f\n", y.Spec().Shape(), y.Spec().Placements(), slices.Clone(out[:4]))
-		return nil
-	})
-	if err != nil {
-		fmt.Println(err)
-	}
-	// Output:
-	// mlp.fc.weight   global [8 4], local [4 4], [S(0)]
-	// mlp.fc.bias     global [8], local [4], [S(0)]
-	// mlp.proj.weight global [4 8], local [4 4], [S(1)]
-	// mlp.proj.bias   global [4], local [4], [R]
-	// output [2 4] [R], first row [0.1150 -0.0477 -0.0181 -0.0589]
-}
-
-// DDP over two data-parallel ranks: the batch is sharded on dp, so each
-// rank's backward leaves its rows' contribution to the weight gradient
-// (Partial(sum) on dp); Finish all-reduces the contributions (launched
-// from the gradient hooks while backward runs) and installs their sum,
-// Replicate on dp. The loss is the mean over the global batch, so the sum
-// is the gradient of the mean: the average of the rows.
-func ExampleNew() {
-	ctx := context.Background()
-	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Communicator) error {
-		m, err := mesh.New(c, []int{2}, []string{"dp"})
+		// One row, x = [1, 2]: fc1 gives [1, 2, -3], ReLU [1, 2, 0], fc2 3.
+		spec, err := placement.NewSpec(m, []int{1, 2}, comm.Float32, []placement.Placement{placement.Replicate()})
 		if err != nil {
 			return err
 		}
-		tape := autograd.NewTape()
-		lin, err := parallel.NewLinear(tape, m, 2, 1, parallel.WithName("lin"), parallel.WithBias(false),
-			parallel.WithInit(parallel.Values([]float32{1, 1})))
-		if err != nil {
-			return err
-		}
-		ddp, err := parallel.New(ctx, []*autograd.Value{lin.Weight})
-		if err != nil {
-			return err
-		}
-		// The global batch is [[1, 2], [2, 4]]; rank r holds row r.
-		spec, err := placement.NewSpec(m, []int{2, 2}, comm.Float32, []placement.Placement{placement.Shard(0)})
-		if err != nil {
-			return err
-		}
-		r := float32(m.Rank() + 1)
-		xd, err := placement.NewLocal(spec, []float32{r, 2 * r})
+		xd, err := placement.NewLocal(spec, []float32{1, 2})
 		if err != nil {
 			return err
 		}
@@ -128,33 +64,24 @@ func ExampleNew() {
 		if err != nil {
 			return err
 		}
-		y, err := lin.Forward(ctx, x)
+		y, err := model.Forward(ctx, x)
 		if err != nil {
 			return err
 		}
-		sum, err := autograd.Sum(y)
-		if err != nil {
-			return err
-		}
-		loss, err := autograd.Scale(sum, 0.5) // the mean over the 2 rows
-		if err != nil {
-			return err
-		}
-		if err := tape.Backward(ctx, loss); err != nil {
-			return err
-		}
-		if err := ddp.Finish(ctx); err != nil {
-			return err
-		}
-		if m.Rank() == 0 {
-			g := lin.Weight.Grad()
-			fmt.Println("gradient", g.LocalData(), g.Spec().Placements())
-		}
+		fmt.Println("output", y.Data().LocalData())
 		return nil
 	})
 	if err != nil {
 		fmt.Println(err)
 	}
 	// Output:
-	// gradient [1.5 3] [R]
+	// module "" *parallel.Sequential
+	// module "0" *parallel.Linear
+	// module "1" *parallel.Activation
+	// module "2" *parallel.Linear
+	// parameter 0.weight [3 2]
+	// parameter 0.bias [3]
+	// parameter 2.weight [1 3]
+	// parameter 2.bias [1]
+	// output [3]
 }

@@ -207,7 +207,7 @@ type Planner struct {
 // PlannerOption configures NewPlanner.
 type PlannerOption func(*Planner)
 
-// CheckConsistency makes Redistribute and Execute compare the source and
+// WithCheckConsistency makes Redistribute and Execute compare the source and
 // destination specs across the mesh (one small all-gather of fingerprints)
 // before any tensor data moves, so ranks that disagree get ErrMismatch
 // instead of a hang or wrong data. It costs one collective per call, an
@@ -217,7 +217,7 @@ type PlannerOption func(*Planner)
 // a 2-core machine; BenchmarkRedistributeConsistency). It is off by
 // default for that reason: a step of many small redistributes pays it on
 // each.
-func CheckConsistency() PlannerOption { return func(p *Planner) { p.check = true } }
+func WithCheckConsistency() PlannerOption { return func(p *Planner) { p.check = true } }
 
 // NewPlanner returns a planner that prices steps with model; a nil model
 // means no time estimates.

@@ -15,7 +15,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/models/moegpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -142,7 +142,7 @@ func TestDeviceMatchesHost(t *testing.T) {
 		build  func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error)
 	}{
 		{"gpt dp2×tp2", []int{2, 2}, []string{"dp", "tp"}, 2, gptRun(gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"))},
-		{"gpt fsdp4 bf16", []int{4}, []string{"fsdp"}, 2, gptRun(gpt.WithFullyShard("fsdp", parallel.MixedPrecision(comm.BFloat16)))},
+		{"gpt fsdp4 bf16", []int{4}, []string{"fsdp"}, 2, gptRun(gpt.WithFullyShard("fsdp", fsdp.WithMixedPrecision(comm.BFloat16)))},
 		{"moegpt ep2", []int{2}, []string{"ep"}, steps, moeRun(0)},
 		{"moegpt ep2 capacity", []int{2}, []string{"ep"}, 2, moeRun(1.25)},
 	} {

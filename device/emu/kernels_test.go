@@ -806,7 +806,7 @@ func TestKernelsMatchCPU(t *testing.T) {
 	for _, mode := range []struct {
 		name string
 		opts []emu.Option
-	}{{"async", nil}, {"sync", []emu.Option{emu.Synchronous()}}} {
+	}{{"async", nil}, {"sync", []emu.Option{emu.WithSynchronous()}}} {
 		d, err := emu.New(0, append(mode.opts, emu.WithBLAS(bl))...)
 		if err != nil {
 			t.Fatal(err)

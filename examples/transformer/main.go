@@ -99,7 +99,7 @@ import (
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/trace"
 	"github.com/b7ea7098/loom/train"
@@ -330,16 +330,16 @@ func (o options) layout() string {
 
 // fsdpOptions are FSDP's options for -reshard, -zero and -mp (checked by
 // checkSharding).
-func (o options) fsdpOptions() []parallel.FSDPOption {
-	opts := []parallel.FSDPOption{parallel.ZeROStage(o.zero)}
+func (o options) fsdpOptions() []fsdp.Option {
+	opts := []fsdp.Option{fsdp.WithZeROStage(o.zero)}
 	switch n, _ := o.reshardGroup(); {
 	case n < 0:
-		opts = append(opts, parallel.Reshard(false))
+		opts = append(opts, fsdp.WithReshard(false))
 	case n > 0:
-		opts = append(opts, parallel.ReshardTo(n))
+		opts = append(opts, fsdp.WithReshardTo(n))
 	}
 	if o.mp == "bf16" {
-		opts = append(opts, parallel.MixedPrecision(comm.BFloat16))
+		opts = append(opts, fsdp.WithMixedPrecision(comm.BFloat16))
 	}
 	return opts
 }
@@ -514,7 +514,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 		case "full":
 			opts = append(opts, gpt.WithCheckpointing())
 		case "selective":
-			opts = append(opts, gpt.WithCheckpointing(autograd.KeepMatrixProducts()))
+			opts = append(opts, gpt.WithCheckpointing(autograd.WithKeepMatrixProducts()))
 		}
 		tr, err := gpt.NewTrainer(ctx, m, o.cfg, opts...)
 		if err != nil {

@@ -9,7 +9,7 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -29,7 +29,7 @@ func TestRecyclingMatchesFreshMemory(t *testing.T) {
 	}{{"1 rank", []int{1, 1}, false}, {"dp=2,tp=2,sp", []int{2, 2}, true}, {"dp=2", []int{2, 1}, false}, {"tp=2", []int{1, 2}, false}} {
 		t.Run(l.name, func(t *testing.T) {
 			placementtest.Run(t, l.shape, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
-				tapes := []*autograd.Tape{autograd.NewTape(autograd.PoisonRecycled()), autograd.NewTape()}
+				tapes := []*autograd.Tape{autograd.NewTape(autograd.WithPoisonRecycled()), autograd.NewTape()}
 				models := make([]*gpt.Model, 2)
 				for i, tape := range tapes {
 					md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(init))
@@ -37,7 +37,7 @@ func TestRecyclingMatchesFreshMemory(t *testing.T) {
 						return err
 					}
 					if m.Shape()[1] > 1 {
-						if err := parallel.Parallelize(ctx, md, "tp", gpt.Plan(l.sp)); err != nil {
+						if err := tp.Parallelize(ctx, md, "tp", gpt.Plan(l.sp)); err != nil {
 							return err
 						}
 					}
