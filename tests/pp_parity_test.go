@@ -17,8 +17,8 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/optim"
-	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/pp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -142,16 +142,16 @@ func ppReference(t *testing.T, steps int, tied bool) ([]float64, map[string][]fl
 // a (pp, dp, tp) mesh of s.Ranks·dp·tp in-process ranks: batch rows
 // sharded over dp, each stage laid out by gpt.Plan over tp, the stages'
 // gradients reduced once per step at the schedule's ReduceGrad actions
-// (parallel.ReduceGrads: the dp sum, and what TP leaves partial). It
+// (tp.ReduceGrads: the dp sum, and what TP leaves partial). It
 // returns the losses (summed over dp on the last stage's ranks), the final
 // parameters (whole), and each pp rank's stats of the last step.
-func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied, emuDev bool) ([]float64, map[string][]float32, []*pp.StepStats, error) {
+func ppRun(ctx context.Context, s *pp.Schedule, steps, dpN, tpN int, tied, emuDev bool) ([]float64, map[string][]float32, []*pp.StepStats, error) {
 	var mu sync.Mutex
 	params := map[string][]float32{}
 	losses := make([]float64, steps)
 	stats := make([]*pp.StepStats, s.Ranks)
-	err := local.Run(ctx, s.Ranks*dp*tp, func(ctx context.Context, c comm.Communicator) error {
-		m, err := mesh.New(c, []int{s.Ranks, dp, tp}, []string{"pp", "dp", "tp"})
+	err := local.Run(ctx, s.Ranks*dpN*tpN, func(ctx context.Context, c comm.Communicator) error {
+		m, err := mesh.New(c, []int{s.Ranks, dpN, tpN}, []string{"pp", "dp", "tp"})
 		if err != nil {
 			return err
 		}
@@ -188,8 +188,8 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied, emuDev 
 			if err != nil {
 				return err
 			}
-			if tp > 1 {
-				if err := parallel.Parallelize(ctx, st, "tp", st.Plan(false)); err != nil {
+			if tpN > 1 {
+				if err := tp.Parallelize(ctx, st, "tp", st.Plan(false)); err != nil {
 					return err
 				}
 			}
@@ -211,8 +211,8 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dp, tp int, tied, emuDev 
 				return st.Forward(ctx, h, x, y, rg.Weight)
 			}
 		}
-		reduce := pp.OnReduceGrad(func(ctx context.Context, stage int) error {
-			return parallel.ReduceGrads(ctx, byStage[stage])
+		reduce := pp.WithGradReduction(func(ctx context.Context, stage int) error {
+			return tp.ReduceGrads(ctx, byStage[stage])
 		})
 		rt, err := pp.NewRuntime(s, tape, tr, funcs, reduce)
 		if err != nil {

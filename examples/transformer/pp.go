@@ -256,7 +256,7 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 		return nil, err
 	}
 	run := o.run
-	if pr.opt, err = optim.NewAdamW(pr.params, optim.LR(run.LR), optim.WeightDecay(run.WD), optim.Betas(run.Beta1, run.Beta2), optim.Eps(run.Eps)); err != nil {
+	if pr.opt, err = optim.NewAdamW(pr.params, optim.WithLR(run.LR), optim.WithWeightDecay(run.WD), optim.WithBetas(run.Beta1, run.Beta2), optim.WithEps(run.Eps)); err != nil {
 		return nil, err
 	}
 	return pr, nil

@@ -10,6 +10,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
@@ -211,8 +212,8 @@ func Batches(cfg Config, run tinygpt.Config, random bool, seed uint64) (interfac
 // Plan is the Model's Plan (sp as there) restricted to the modules the
 // stage holds, for parallel.Parallelize on the stage (which refuses a rule
 // that matches nothing).
-func (s *Stage) Plan(sp bool) parallel.Plan {
-	var out parallel.Plan
+func (s *Stage) Plan(sp bool) tp.Plan {
+	var out tp.Plan
 	for _, r := range Plan(sp) {
 		switch {
 		case strings.HasPrefix(r.Pattern, "wte"), strings.HasPrefix(r.Pattern, "wpe"):

@@ -40,11 +40,11 @@ func WithTimeline(tl *trace.Timeline, traceRank int) Option {
 	return func(c *runtimeConfig) { c.tl, c.traceRk = tl, traceRank }
 }
 
-// OnReduceGrad has the runtime call fn at each ReduceGrad action of a
+// WithGradReduction has the runtime call fn at each ReduceGrad action of a
 // stage (once per step, after the stage's last backward): where data
 // parallelism reduces the stage's gradients. A schedule given to NewRuntime
 // unlowered is then lowered with the ReduceGrad actions.
-func OnReduceGrad(fn func(ctx context.Context, stage int) error) Option {
+func WithGradReduction(fn func(ctx context.Context, stage int) error) Option {
 	return func(c *runtimeConfig) {
 		c.reduce = fn
 		if fn != nil {
@@ -110,7 +110,7 @@ func NewRuntime(s *Schedule, tape *autograd.Tape, tr *Transport, stages map[int]
 	for _, a := range s.Actions[rank] {
 		switch {
 		case a.Kind == ReduceGrad && cfg.reduce == nil:
-			return nil, fmt.Errorf("%w: NewRuntime: rank %d's list has %v but no OnReduceGrad function", ErrInvalid, rank, a)
+			return nil, fmt.Errorf("%w: NewRuntime: rank %d's list has %v but no WithGradReduction function", ErrInvalid, rank, a)
 		case a.Kind == Unshard || a.Kind == Reshard:
 			return nil, fmt.Errorf("%w: NewRuntime: rank %d's list has %v: FSDP actions are not run by this runtime yet", ErrInvalid, rank, a)
 		}

@@ -11,8 +11,8 @@ import (
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/pp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/trace"
 )
@@ -59,12 +59,12 @@ func ExampleNewRuntime() {
 		if err != nil {
 			return err
 		}
-		reduce := func(ctx context.Context, stage int) error { return parallel.ReduceGrads(ctx, st.Params()) }
+		reduce := func(ctx context.Context, stage int) error { return tp.ReduceGrads(ctx, st.Params()) }
 		stages := map[int]pp.StageFunc{k: func(ctx context.Context, mb int, h *autograd.Value) (*autograd.Value, error) {
 			x, y := ids(rows[mb]), targets(rows[mb])
 			return st.Forward(ctx, h, x, y, rows[mb].Weight) // the last stage: mean CE × n_mb/N
 		}}
-		rt, err := pp.NewRuntime(s, tape, tr, stages, pp.OnReduceGrad(reduce), pp.WithTimeline(tl, rank))
+		rt, err := pp.NewRuntime(s, tape, tr, stages, pp.WithGradReduction(reduce), pp.WithTimeline(tl, rank))
 		if err != nil {
 			return err
 		}

@@ -183,7 +183,7 @@ func TestRuntimeRefuses(t *testing.T) {
 		want string
 	}{
 		{"FSDP actions", fsdp, "FSDP actions"},
-		{"ReduceGrad without a function", reduce, "OnReduceGrad"},
+		{"ReduceGrad without a function", reduce, "WithGradReduction"},
 	} {
 		_, err := runSchedule(t, c.s, nil)
 		if !errors.Is(err, pp.ErrInvalid) || !strings.Contains(fmt.Sprint(err), c.want) {
