@@ -17,6 +17,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/optim"
+	"github.com/b7ea7098/loom/parallel/ddp"
 	"github.com/b7ea7098/loom/parallel/pp"
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
@@ -145,7 +146,16 @@ func ppReference(t *testing.T, steps int, tied bool) ([]float64, map[string][]fl
 // (tp.ReduceGrads: the dp sum, and what TP leaves partial). It
 // returns the losses (summed over dp on the last stage's ranks), the final
 // parameters (whole), and each pp rank's stats of the last step.
-func ppRun(ctx context.Context, s *pp.Schedule, steps, dpN, tpN int, tied, emuDev bool) ([]float64, map[string][]float32, []*pp.StepStats, error) {
+// ppLayout is how ppRun lays the pipeline out beside pp.
+type ppLayout struct {
+	dp, tp int  // data- and tensor-parallel ranks (0 counts as 1)
+	tied   bool // lm_head starts as wte's copy; SumTied after each step
+	emu    bool // each rank computes on its emulated device
+	ddp    bool // with dp > 1: DDP (ddp.New) reduces once per step, after it, instead of ReduceGrad actions
+}
+
+func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float64, map[string][]float32, []*pp.StepStats, error) {
+	dpN, tpN, tied, emuDev := max(l.dp, 1), max(l.tp, 1), l.tied, l.emu
 	var mu sync.Mutex
 	params := map[string][]float32{}
 	losses := make([]float64, steps)
@@ -211,12 +221,36 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dpN, tpN int, tied, emuDe
 				return st.Forward(ctx, h, x, y, rg.Weight)
 			}
 		}
-		reduce := pp.WithGradReduction(func(ctx context.Context, stage int) error {
-			return tp.ReduceGrads(ctx, byStage[stage])
-		})
-		rt, err := pp.NewRuntime(s, tape, tr, funcs, reduce)
+		var opts []pp.Option
+		var dd *ddp.DDP
+		if l.ddp {
+			// Every micro-batch's backward accumulates locally (NoSync);
+			// one bucketed all-reduce per step after the pipeline's.
+			if dd, err = ddp.New(ctx, all, ddp.WithAxis("dp")); err != nil {
+				return err
+			}
+		} else if s.Lowered() {
+			opts = append(opts, pp.WithGradReduction(func(ctx context.Context, stage int) error {
+				return tp.ReduceGrads(ctx, byStage[stage])
+			}))
+		}
+		rt, err := pp.NewRuntime(s, tape, tr, funcs, opts...)
 		if err != nil {
 			return err
+		}
+		stepFn := func(ctx context.Context) (*pp.StepStats, error) {
+			if dd == nil {
+				return rt.Step(ctx)
+			}
+			var st *pp.StepStats
+			err := dd.NoSync(func() (err error) {
+				st, err = rt.Step(ctx)
+				return err
+			})
+			if err != nil {
+				return nil, err
+			}
+			return st, dd.Finish(ctx)
 		}
 		update := func() error { return sgd(all) }
 		if emuDev {
@@ -236,7 +270,7 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps, dpN, tpN int, tied, emuDe
 			}
 		}
 		for ; step < steps; step++ {
-			st, err := rt.Step(ctx)
+			st, err := stepFn(ctx)
 			if err != nil {
 				return err
 			}
@@ -315,7 +349,7 @@ func TestPipelineParity(t *testing.T) {
 						t.Logf("refused: %v", err)
 						return
 					}
-					losses, params, stats, err := ppRun(context.Background(), s, steps, 1, 1, false, false)
+					losses, params, stats, err := ppRun(context.Background(), s, steps, ppLayout{})
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -338,7 +372,9 @@ func TestPipelineParity(t *testing.T) {
 }
 
 // TestPipelineComposed: pp=2 with dp=2 (batch rows sharded, the stage's
-// gradients summed over dp once per step at ReduceGrad), with tp=2 (each
+// gradients summed over dp once per step at ReduceGrad, or by DDP's
+// bucketed all-reduce once after the step, the micro-batches' backwards
+// inside its NoSync), with tp=2 (each
 // stage laid out by gpt.Plan) and with both (8 ranks) match the one-rank
 // run, for 1F1B and ZB-H1
 // (split backward), within the same 2e-5 as TestPipelineParity.
@@ -349,17 +385,22 @@ func TestPipelineComposed(t *testing.T) {
 	}
 	wantLoss, wantParams := ppReference(t, steps, false)
 	// M = 5 gives every micro-batch 2 of the 10 rows, one per dp rank.
-	for _, c := range []struct{ dp, tp, m int }{{2, 1, 5}, {1, 2, 4}, {2, 2, 5}} {
+	for _, c := range []struct {
+		dp, tp, m int
+		ddp       bool
+	}{{2, 1, 5, false}, {1, 2, 4, false}, {2, 2, 5, false}, {2, 1, 5, true}} {
 		for _, name := range []string{"1f1b", "zb1"} {
-			t.Run(fmt.Sprintf("dp%d/tp%d/%s", c.dp, c.tp, name), func(t *testing.T) {
+			t.Run(fmt.Sprintf("dp%d/tp%d/ddp=%v/%s", c.dp, c.tp, c.ddp, name), func(t *testing.T) {
 				s, err := pp.Build(name, 2, c.m, 0)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if s, err = pp.Lower(s, pp.WithReduceGrad()); err != nil {
-					t.Fatal(err)
+				if !c.ddp {
+					if s, err = pp.Lower(s, pp.WithReduceGrad()); err != nil {
+						t.Fatal(err)
+					}
 				}
-				losses, params, _, err := ppRun(context.Background(), s, steps, c.dp, c.tp, false, false)
+				losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{dp: c.dp, tp: c.tp, ddp: c.ddp})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -410,7 +451,7 @@ func TestPipelineTied(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			losses, params, _, err := ppRun(context.Background(), s, steps, 1, 1, true, false)
+			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{tied: true})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -441,7 +482,7 @@ func TestPipelineEmu(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			losses, params, _, err := ppRun(context.Background(), s, steps, 1, 1, false, true)
+			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{emu: true})
 			if err != nil {
 				t.Fatal(err)
 			}
