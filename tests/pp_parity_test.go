@@ -229,7 +229,7 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 			if dd, err = ddp.New(ctx, all, ddp.WithAxis("dp")); err != nil {
 				return err
 			}
-		} else if s.Lowered() {
+		} else {
 			opts = append(opts, pp.WithGradReduction(func(ctx context.Context, stage int) error {
 				return tp.ReduceGrads(ctx, byStage[stage])
 			}))
