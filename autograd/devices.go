@@ -453,9 +453,9 @@ func layerNormDev(t *Tape, d device.Device, spec *placement.Spec, x, w, b *Value
 	if err != nil {
 		return nil, err
 	}
-	needX, needW, needB := x.requiresGrad, w.requiresGrad, b.requiresGrad
 	ws, bs := w.Spec(), b.Spec()
-	return t.record(op, out, []*Value{x, w, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record(op, out, []*Value{x, w, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needX, needW, needB := t.need(x), t.need(w), t.need(b)
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err
@@ -509,7 +509,7 @@ func layerNormDev(t *Tape, d device.Device, spec *placement.Spec, x, w, b *Value
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // geluDev is GELU on a device: Kernels.BiasGELU without a bias, saving

@@ -138,6 +138,7 @@ type options struct {
 	overridden bool
 	persist    train.Persist // -data and -checkpoint (resume.go)
 	start      int           // the step -resume goes on from
+	pipe       pipeOptions   // -pp and its flags (pp.go)
 }
 
 // otherBatch is the global batch of the presets other than tiny (whose
@@ -187,6 +188,7 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	o.shape.Register(fs, "tiny", gpt.Presets())
 	o.persist.Register(fs)
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init and the random tokens (setting it trains the tiny model that way too)")
+	o.pipe.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -199,6 +201,9 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	o.loop.Ranks = o.dp * o.fsdp * o.tp
 	o.loop.Shape = []int{o.dp, o.fsdp, o.tp}
 	o.loop.Tokens = o.run.B * o.cfg.SeqLen
+	if err := o.pipeline(fs); err != nil {
+		return o, err
+	}
 	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp}); err != nil {
 		return o, err
 	}
@@ -371,6 +376,17 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	o, err := parse(args, out, ref)
 	if err != nil {
 		return err
+	}
+	if o.pipe.on() {
+		params := gpt.RandomInit(o.cfg, o.seed)
+		if o.fixture {
+			if params, err = fx.Params(tinygpt.PrefixInit); err != nil {
+				return err
+			}
+		} else {
+			fx = nil
+		}
+		return runPipeline(ctx, out, o, fx, params)
 	}
 	// The initial parameters: the reference's, or drawn from -seed.
 	init := gpt.WithSeed(o.seed)
