@@ -242,7 +242,7 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 		return nil, fmt.Errorf("ddp: New: %w", err)
 	}
 	// WithAverage on some ranks only would silently scale some contributions.
-	opt := []string{fmt.Sprintf("first bucket %d B", cfg.first), fmt.Sprintf("bucket cap %d B", cfg.cap), fmt.Sprintf("Average %v", cfg.avg)}
+	opt := []string{fmt.Sprintf("first bucket %d B", cfg.first), fmt.Sprintf("bucket cap %d B", cfg.cap), fmt.Sprintf("WithAverage %v", cfg.avg)}
 	if err := comm.Agree(ctx, c, "the DDP options"+along, opt); err != nil {
 		return nil, fmt.Errorf("ddp: New: %w", err)
 	}
