@@ -422,7 +422,7 @@ func (f *FSDP) nextPass(ctx context.Context) {
 
 // Finish completes the step's gradient reduction and installs every
 // sharded parameter's gradient, laid out like the parameter on the shard
-// and replicate axes (other axes as backward produced them: ReduceGrads
+// and replicate axes (other axes as backward produced them: tp.ReduceGrads
 // then sums what sequence parallelism leaves Partial on the TP axis). A
 // parameter no rank gave a gradient keeps none, so the optimizer skips
 // it. The installed gradients are views of FSDP's sharded gradient

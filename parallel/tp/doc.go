@@ -24,7 +24,7 @@
 // still holds the parameters. It runs before DDP or FSDP take the
 // parameters (gradient hooks, buckets sized for a layout) and before the
 // first backward. After
-// backward (and DDP.Finish), ReduceGrads sums the gradients that sequence
+// backward (and ddp.DDP.Finish), ReduceGrads sums the gradients that sequence
 // parallelism leaves Partial(sum) on the tensor-parallel axis.
 // VocabParallelCrossEntropy takes vocab-sharded logits without gathering
 // them.
