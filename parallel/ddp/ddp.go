@@ -480,13 +480,7 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 		return
 	}
 	places[d.axis] = placement.Replicate()
-	var orders []placement.SpecOption
-	for dim := range gs.Shape() {
-		if o := gs.Order(dim); len(o) > 1 {
-			orders = append(orders, placement.WithOrder(dim, o...))
-		}
-	}
-	out, err := gs.With(places, orders...)
+	out, err := gs.With(places, blocks.Orders(gs, -1, "")...)
 	if err != nil {
 		zero()
 		d.out[i] = ps

@@ -700,17 +700,7 @@ func (f *FSDP) shardParams(u *fsdpUnit) error {
 		s := p.spec0
 		places := s.Placements()
 		places[f.axis] = placement.Shard(p.dim)
-		var opts []placement.SpecOption
-		for d := range s.Shape() {
-			o := s.Order(d)
-			if d == p.dim {
-				o = append(o, f.cfg.axis)
-			}
-			if len(o) > 1 {
-				opts = append(opts, placement.WithOrder(d, o...))
-			}
-		}
-		s1, err := s.With(places, opts...)
+		s1, err := s.With(places, blocks.Orders(s, p.dim, f.cfg.axis)...)
 		if err != nil {
 			return fmt.Errorf("laying out %q: %w", p.name, err)
 		}

@@ -415,15 +415,14 @@ func (f *FSDP) finishRSDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st 
 	if err != nil {
 		return fail(err)
 	}
-	a, p := float64(u.index+1), float64(f.p)
 	var s1, s2 float64
 	if u.dtype == comm.Float32 {
 		s1, s2 = float64(h.Float32s()[0]), float64(h.Float32s()[1])
 	} else {
 		s1, s2 = h.Float64s()[0], h.Float64s()[1]
 	}
-	if s1 != p*a || s2 != p*a*a {
-		return fmt.Errorf("fsdp: FSDP %s of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", f.reduceOp(), u.path, loom.ErrMismatch)
+	if err := f.checkReduceTag(u, s1, s2); err != nil {
+		return err
 	}
 	// As on the host: an earlier pass's replicate all-reduce completes
 	// first, and later passes reduce their own sum (pend).
