@@ -289,7 +289,7 @@ type SequenceParallel struct {
 // Apply implements Style.
 func (s SequenceParallel) Apply(_ context.Context, m parallel.Module, axis string) error {
 	if _, ok := m.(*parallel.Embedding); ok {
-		return fmt.Errorf("%w: SequenceParallel on an Embedding, whose ids take no input hooks; shard its output with RowwiseParallel{Output: ...} or PrepareOutput", ErrInvalid)
+		return fmt.Errorf("%w: SequenceParallel on an Embedding, whose ids take no input hooks; shard its output with RowwiseParallel{Output: ...} or PrepareModuleOutput", ErrInvalid)
 	}
 	p := s.Layout
 	if p == (placement.Placement{}) {
@@ -299,30 +299,32 @@ func (s SequenceParallel) Apply(_ context.Context, m parallel.Module, axis strin
 	return nil
 }
 
-// PrepareInput redistributes a module's inputs to Layout on the axis, e.g.
+// PrepareModuleInput redistributes a module's inputs to Layout on the
+// axis (PyTorch's PrepareModuleInput with one desired layout), e.g.
 // Replicate before a tensor-parallel region entered from sequence-sharded
 // activations.
-type PrepareInput struct{ Layout placement.Placement }
+type PrepareModuleInput struct{ Layout placement.Placement }
 
 // Apply implements Style.
-func (s PrepareInput) Apply(_ context.Context, m parallel.Module, axis string) error {
+func (s PrepareModuleInput) Apply(_ context.Context, m parallel.Module, axis string) error {
 	if s.Layout == (placement.Placement{}) {
-		return fmt.Errorf("%w: PrepareInput without a layout", ErrInvalid)
+		return fmt.Errorf("%w: PrepareModuleInput without a layout", ErrInvalid)
 	}
 	if _, ok := m.(*parallel.Embedding); ok {
-		return fmt.Errorf("%w: PrepareInput on an Embedding, whose ids take no input hooks", ErrInvalid)
+		return fmt.Errorf("%w: PrepareModuleInput on an Embedding, whose ids take no input hooks", ErrInvalid)
 	}
 	m.Boundary().OnInput(ToLayout(axis, s.Layout))
 	return nil
 }
 
-// PrepareOutput redistributes a module's outputs to Layout on the axis.
-type PrepareOutput struct{ Layout placement.Placement }
+// PrepareModuleOutput redistributes a module's outputs to Layout on the
+// axis (PyTorch's PrepareModuleOutput with one desired layout).
+type PrepareModuleOutput struct{ Layout placement.Placement }
 
 // Apply implements Style.
-func (s PrepareOutput) Apply(_ context.Context, m parallel.Module, axis string) error {
+func (s PrepareModuleOutput) Apply(_ context.Context, m parallel.Module, axis string) error {
 	if s.Layout == (placement.Placement{}) {
-		return fmt.Errorf("%w: PrepareOutput without a layout", ErrInvalid)
+		return fmt.Errorf("%w: PrepareModuleOutput without a layout", ErrInvalid)
 	}
 	m.Boundary().OnOutput(ToLayout(axis, s.Layout))
 	return nil
