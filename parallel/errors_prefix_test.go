@@ -47,6 +47,13 @@ func TestErrorsSayPackageOnce(t *testing.T) {
 			{"Parallelize axis", tp.ErrInvalid, func() error {
 				return tp.Parallelize(ctx, mlp, "model", tp.Plan{{Pattern: "fc", Style: tp.ColwiseParallel{}}})
 			}},
+			{"Parallelize style misfit", tp.ErrInvalid, func() error {
+				seq, err := parallel.NewSequential(mlp)
+				if err != nil {
+					return err
+				}
+				return tp.Parallelize(ctx, seq, "tp", tp.Plan{{Pattern: "0", Style: tp.ColwiseParallel{}}})
+			}},
 			{"Parallelize no match", tp.ErrInvalid, func() error {
 				return tp.Parallelize(ctx, mlp, "tp", tp.Plan{{Pattern: "fx", Style: tp.ColwiseParallel{}}})
 			}},

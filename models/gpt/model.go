@@ -285,7 +285,7 @@ func Plan(sp bool) tp.Plan {
 	seq := placement.Shard(1)
 	return tp.Plan{
 		{Pattern: "wte", Style: tp.RowwiseParallel{Output: seq}},
-		{Pattern: "wpe", Style: tp.PrepareOutput{Layout: seq}},
+		{Pattern: "wpe", Style: tp.PrepareModuleOutput{Layout: seq}},
 		{Pattern: "h.*.ln1", Style: tp.SequenceParallel{}},
 		{Pattern: "h.*.attn.qkv", Style: tp.ColwiseParallel{}},
 		{Pattern: "h.*.attn.proj", Style: tp.RowwiseParallel{Output: seq}},
