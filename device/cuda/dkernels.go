@@ -389,6 +389,20 @@ func (d *Device) blasHandle(op string) (*BLASHandle, error) {
 	return h, nil
 }
 
+// TF32 reports whether the device's float32 GEMMs may use TF32: the
+// setting of the BLAS given by [WithBLAS], or of [WithBLASOptions]'
+// [WithTF32] for the one loaded at the first GEMM (off by default).
+func (d *Device) TF32() bool {
+	if d.blas != nil {
+		return d.blas.TF32()
+	}
+	var c blasConfig
+	for _, o := range d.blasOpts {
+		o(&c)
+	}
+	return c.tf32
+}
+
 // GEMMPath says which GEMM path the device's cuBLAS calls took, for a
 // program's "GEMM:" line ([BLASHandle.Path]); "cuBLAS not loaded yet"
 // before the first GEMM.
