@@ -382,7 +382,10 @@ func TestErrors(t *testing.T) {
 		t.Fatalf("queueing: %v", err)
 	}
 	err := d.Synchronize()
-	if !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), "emu:0: Softmax: kernels: SoftmaxRows") {
+	// The error names the kernel and the call that queued it (this
+	// test), not only the Synchronize that reports it.
+	if !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), "emu:0: Softmax: kernels: SoftmaxRows") ||
+		!strings.Contains(err.Error(), "queued by emu_test.TestErrors (emu_test.go:") || !strings.Contains(err.Error(), "reported at the next synchronisation") {
 		t.Fatalf("Synchronize after a bad Softmax: %v", err)
 	}
 	if err := d.Synchronize(); err != nil {
