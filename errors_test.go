@@ -13,6 +13,9 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/fsdp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/safetensors"
 )
@@ -39,6 +42,9 @@ func TestOneVocabulary(t *testing.T) {
 		{"autograd.ErrInvalid", autograd.ErrInvalid, loom.ErrInvalid},
 		{"autograd.ErrRule", autograd.ErrRule, loom.ErrInvalid},
 		{"parallel.ErrInvalid", parallel.ErrInvalid, loom.ErrInvalid},
+		{"tp.ErrInvalid", tp.ErrInvalid, loom.ErrInvalid},
+		{"ddp.ErrInvalid", ddp.ErrInvalid, loom.ErrInvalid},
+		{"fsdp.ErrInvalid", fsdp.ErrInvalid, loom.ErrInvalid},
 		{"moe.ErrInvalid", moe.ErrInvalid, loom.ErrInvalid},
 		{"moe.ErrMismatch", moe.ErrMismatch, loom.ErrMismatch},
 		{"safetensors.ErrInvalid", safetensors.ErrInvalid, loom.ErrInvalid},

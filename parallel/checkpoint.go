@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/parallel/internal/tree"
 )
 
 // Checkpoint makes every module of root's tree whose path matches one of
@@ -53,11 +54,11 @@ func Checkpoint(root Module, patterns []string, opts ...autograd.CheckpointOptio
 		pat := strings.Split(pattern, ".")
 		n := 0
 		for _, mm := range mods {
-			if !matchPath(pat, mm.path) {
+			if !tree.MatchPath(pat, mm.path) {
 				continue
 			}
 			n++
-			if isComparable(mm.m) {
+			if tree.Comparable(mm.m) {
 				if seen[mm.m] {
 					continue
 				}

@@ -1,4 +1,4 @@
-package parallel
+package parallel_test
 
 import (
 	"context"
@@ -12,6 +12,10 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/internal/ptest"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -20,40 +24,40 @@ import (
 // h += mlp(ln2(h)), each running through Hooks.Run so that Around wrappers
 // apply.
 type ckNet struct {
-	Hooks
+	parallel.Hooks
 	h ckBlocks
 }
 
 type ckBlocks struct {
-	Hooks
+	parallel.Hooks
 	list []*ckBlk
 }
 
 type ckBlk struct {
-	Hooks
-	ln1, ln2 *LayerNorm
-	attn     *Attention
-	mlp      *MLP
+	parallel.Hooks
+	ln1, ln2 *parallel.LayerNorm
+	attn     *parallel.Attention
+	mlp      *parallel.MLP
 }
 
-func (n *ckNet) Children() []Child { return []Child{{"h", &n.h}} }
+func (n *ckNet) Children() []parallel.Child { return []parallel.Child{{Name: "h", Module: &n.h}} }
 
-func (bs *ckBlocks) Children() []Child {
-	var out []Child
+func (bs *ckBlocks) Children() []parallel.Child {
+	var out []parallel.Child
 	for i, b := range bs.list {
-		out = append(out, Child{strconv.Itoa(i), b})
+		out = append(out, parallel.Child{Name: strconv.Itoa(i), Module: b})
 	}
 	return out
 }
 
-func (b *ckBlk) Children() []Child {
-	return []Child{{"ln1", b.ln1}, {"attn", b.attn}, {"ln2", b.ln2}, {"mlp", b.mlp}}
+func (b *ckBlk) Children() []parallel.Child {
+	return []parallel.Child{{Name: "ln1", Module: b.ln1}, {Name: "attn", Module: b.attn}, {Name: "ln2", Module: b.ln2}, {Name: "mlp", Module: b.mlp}}
 }
 
 func (b *ckBlk) Forward(ctx context.Context, h *autograd.Value) (*autograd.Value, error) {
 	return b.Run(ctx, h, func(ctx context.Context, h *autograd.Value) (*autograd.Value, error) {
 		for _, sub := range []struct {
-			ln *LayerNorm
+			ln *parallel.LayerNorm
 			f  func(context.Context, *autograd.Value) (*autograd.Value, error)
 		}{{b.ln1, b.attn.Forward}, {b.ln2, b.mlp.Forward}} {
 			a, err := sub.ln.Forward(ctx, h)
@@ -78,19 +82,19 @@ func newCkNet(tape *autograd.Tape, m *mesh.Mesh) (*ckNet, error) {
 	n := &ckNet{}
 	for l := range ckNL {
 		p := "h." + strconv.Itoa(l)
-		ln1, err := NewLayerNorm(tape, m, ckND, WithName(p+".ln1"))
+		ln1, err := parallel.NewLayerNorm(tape, m, ckND, parallel.WithName(p+".ln1"))
 		if err != nil {
 			return nil, err
 		}
-		attn, err := NewAttention(tape, m, ckND, ckNH, WithName(p+".attn"), WithInit(Normal(0.3, 1)))
+		attn, err := parallel.NewAttention(tape, m, ckND, ckNH, parallel.WithName(p+".attn"), parallel.WithInit(parallel.Normal(0.3, 1)))
 		if err != nil {
 			return nil, err
 		}
-		ln2, err := NewLayerNorm(tape, m, ckND, WithName(p+".ln2"))
+		ln2, err := parallel.NewLayerNorm(tape, m, ckND, parallel.WithName(p+".ln2"))
 		if err != nil {
 			return nil, err
 		}
-		mlp, err := NewMLP(tape, m, ckND, ckNF, WithName(p+".mlp"), WithInit(Normal(0.3, 2)), WithBiasInit(Normal(0.1, 3)))
+		mlp, err := parallel.NewMLP(tape, m, ckND, ckNF, parallel.WithName(p+".mlp"), parallel.WithInit(parallel.Normal(0.3, 2)), parallel.WithBiasInit(parallel.Normal(0.1, 3)))
 		if err != nil {
 			return nil, err
 		}
@@ -99,10 +103,10 @@ func newCkNet(tape *autograd.Tape, m *mesh.Mesh) (*ckNet, error) {
 	return n, nil
 }
 
-func ckPlan(sp bool) Plan {
-	var plan Plan
-	for _, r := range blockPlan(sp) {
-		plan = append(plan, Rule{"h.*." + r.Pattern, r.Style})
+func ckPlan(sp bool) tp.Plan {
+	var plan tp.Plan
+	for _, r := range ptest.BlockPlan(sp) {
+		plan = append(plan, tp.Rule{Pattern: "h.*." + r.Pattern, Style: r.Style})
 	}
 	return plan
 }
@@ -111,12 +115,12 @@ func ckPlan(sp bool) Plan {
 // plan applied on tp > 1, DDP on dp > 1), with checkpointing as ck says,
 // and returns every parameter's gradient's local block on every rank and
 // how often each parameter's hook fired.
-func ckGrads(t *testing.T, dp, tp int, sp bool, ck string) (map[string][]float32, map[string]int, int64) {
+func ckGrads(t *testing.T, dp, tpn int, sp bool, ck string) (map[string][]float32, map[string]int, int64) {
 	t.Helper()
 	var mu sync.Mutex
 	var peak int64
 	grads, fired := map[string][]float32{}, map[string]int{}
-	err := placementtest.Simulate(context.Background(), []int{dp, tp}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
+	err := placementtest.Simulate(context.Background(), []int{dp, tpn}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape(autograd.PoisonRecycled())
 		net, err := newCkNet(tape, m)
 		if err != nil {
@@ -127,32 +131,32 @@ func ckGrads(t *testing.T, dp, tp int, sp bool, ck string) (map[string][]float32
 			opts = append(opts, autograd.KeepMatrixProducts())
 		}
 		if ck == "full before tp" {
-			if err := Checkpoint(net, []string{"h.*"}); err != nil {
+			if err := parallel.Checkpoint(net, []string{"h.*"}); err != nil {
 				return err
 			}
 		}
-		if tp > 1 {
-			if err := Parallelize(ctx, net, "tp", ckPlan(sp)); err != nil {
+		if tpn > 1 {
+			if err := tp.Parallelize(ctx, net, "tp", ckPlan(sp)); err != nil {
 				return err
 			}
 		}
 		switch ck {
 		case "full", "selective":
-			if err := Checkpoint(net, []string{"h.*"}, opts...); err != nil {
+			if err := parallel.Checkpoint(net, []string{"h.*"}, opts...); err != nil {
 				return err
 			}
 		case "attention and mlp":
-			if err := Checkpoint(net, []string{"h.*.attn", "h.*.mlp"}); err != nil {
+			if err := parallel.Checkpoint(net, []string{"h.*.attn", "h.*.mlp"}); err != nil {
 				return err
 			}
 		}
-		params, err := Params(net)
+		params, err := parallel.Params(net)
 		if err != nil {
 			return err
 		}
-		var ddp *DDP
+		var dd *ddp.DDP
 		if dp > 1 {
-			if ddp, err = New(ctx, params, WithFirstBucket(512), WithBucketCap(2048)); err != nil {
+			if dd, err = ddp.New(ctx, params, ddp.WithFirstBucket(512), ddp.WithBucketCap(2048)); err != nil {
 				return err
 			}
 		}
@@ -166,7 +170,7 @@ func ckGrads(t *testing.T, dp, tp int, sp bool, ck string) (map[string][]float32
 				return err
 			}
 		}
-		places := batchPlaces(m)
+		places := ptest.BatchPlaces(m)
 		if sp {
 			places[1] = placement.Shard(1)
 		}
@@ -199,8 +203,8 @@ func ckGrads(t *testing.T, dp, tp int, sp bool, ck string) (map[string][]float32
 		if err := tape.Backward(ctx, l); err != nil {
 			return err
 		}
-		if ddp != nil {
-			if err := ddp.Finish(ctx); err != nil {
+		if dd != nil {
+			if err := dd.Finish(ctx); err != nil {
 				return err
 			}
 		}
@@ -219,7 +223,7 @@ func ckGrads(t *testing.T, dp, tp int, sp bool, ck string) (map[string][]float32
 		return nil
 	})
 	if err != nil {
-		t.Fatalf("dp=%d tp=%d sp=%v %s: %v", dp, tp, sp, ck, err)
+		t.Fatalf("dp=%d tp=%d sp=%v %s: %v", dp, tpn, sp, ck, err)
 	}
 	return grads, fired, peak
 }
@@ -271,12 +275,12 @@ func TestCheckpointErrors(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		emb, err := NewEmbedding(tape, m, 5, ckND)
+		emb, err := parallel.NewEmbedding(tape, m, 5, ckND)
 		if err != nil {
 			return err
 		}
 		for _, c := range []struct {
-			root     Module
+			root     parallel.Module
 			patterns []string
 		}{
 			{net, nil},
@@ -285,7 +289,7 @@ func TestCheckpointErrors(t *testing.T) {
 			{emb, []string{""}},
 			{nil, []string{"h.*"}},
 		} {
-			if err := Checkpoint(c.root, c.patterns); !errors.Is(err, ErrInvalid) {
+			if err := parallel.Checkpoint(c.root, c.patterns); !errors.Is(err, parallel.ErrInvalid) {
 				t.Errorf("Checkpoint(%T, %q): got %v, want ErrInvalid", c.root, c.patterns, err)
 			}
 		}

@@ -7,6 +7,7 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/parallel/internal/blocks"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -108,7 +109,7 @@ func newParam(tape *autograd.Tape, m *mesh.Mesh, name string, shape []int, dt co
 	}
 	p, err := tape.Param(name, dtn)
 	if err != nil {
-		return nil, errors.Join(err, freeLocal(dtn))
+		return nil, errors.Join(err, blocks.FreeLocal(dtn))
 	}
 	return p, nil
 }

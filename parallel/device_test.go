@@ -1,4 +1,4 @@
-package parallel
+package parallel_test
 
 import (
 	"context"
@@ -15,6 +15,12 @@ import (
 	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
+	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/fsdp"
+	"github.com/b7ea7098/loom/parallel/internal/blocks"
+	"github.com/b7ea7098/loom/parallel/internal/ptest"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -49,40 +55,42 @@ type devTrace struct {
 	final  int64   // and once everything is freed
 }
 
-// newConstructedBlock builds the block of tp_test.go with the
+// newConstructedBlock builds ptest.Block with the
 // constructors, in float32, on tape (so on the tape's device).
-func newConstructedBlock(tape *autograd.Tape, m *mesh.Mesh) (*block, error) {
-	ln1, err := NewLayerNorm(tape, m, blkD, WithName("ln1"))
+func newConstructedBlock(tape *autograd.Tape, m *mesh.Mesh) (*ptest.Block, error) {
+	ln1, err := parallel.NewLayerNorm(tape, m, ptest.BlkD, parallel.WithName("ln1"))
 	if err != nil {
 		return nil, err
 	}
-	attn, err := NewAttention(tape, m, blkD, blkH, WithName("attn"), WithBiasInit(Normal(0.1, 5)))
+	attn, err := parallel.NewAttention(tape, m, ptest.BlkD, ptest.BlkH, parallel.WithName("attn"), parallel.WithBiasInit(parallel.Normal(0.1, 5)))
 	if err != nil {
 		return nil, err
 	}
-	ln2, err := NewLayerNorm(tape, m, blkD, WithName("ln2"), WithBiasInit(Normal(0.1, 6)))
+	ln2, err := parallel.NewLayerNorm(tape, m, ptest.BlkD, parallel.WithName("ln2"), parallel.WithBiasInit(parallel.Normal(0.1, 6)))
 	if err != nil {
 		return nil, err
 	}
-	mlp, err := NewMLP(tape, m, blkD, blkF, WithName("mlp"), WithInit(Normal(0.3, 7)))
+	mlp, err := parallel.NewMLP(tape, m, ptest.BlkD, ptest.BlkF, parallel.WithName("mlp"), parallel.WithInit(parallel.Normal(0.3, 7)))
 	if err != nil {
 		return nil, err
 	}
-	return &block{ln1: ln1, attn: attn, ln2: ln2, mlp: mlp}, nil
+	return &ptest.Block{LN1: ln1, Attn: attn, LN2: ln2, MLP: mlp}, nil
 }
 
 // headed is the block under "blk" with an lm head "head" of vocab
 // outputs (by default headVocab, uneven over 2 and 3 ranks).
 type headed struct {
-	Hooks
-	blk   *block
-	head  *Linear
+	parallel.Hooks
+	blk   *ptest.Block
+	head  *parallel.Linear
 	vocab int
 }
 
 const headVocab = 7
 
-func (h *headed) Children() []Child { return []Child{{"blk", h.blk}, {"head", h.head}} }
+func (h *headed) Children() []parallel.Child {
+	return []parallel.Child{{Name: "blk", Module: h.blk}, {Name: "head", Module: h.head}}
+}
 
 // headLoss is VocabParallelCrossEntropy of the head's logits of the
 // block's output y, against fixed targets, rows sharded on dp.
@@ -91,32 +99,32 @@ func (h *headed) headLoss(ctx context.Context, m *mesh.Mesh, y *autograd.Value) 
 	if err != nil {
 		return nil, err
 	}
-	if logits, err = autograd.Reshape(logits, blkB*blkT, h.vocab); err != nil {
+	if logits, err = autograd.Reshape(logits, ptest.BlkB*ptest.BlkT, h.vocab); err != nil {
 		return nil, err
 	}
-	full := make([]int64, blkB*blkT)
+	full := make([]int64, ptest.BlkB*ptest.BlkT)
 	for i := range full {
 		full[i] = int64((i * 5) % h.vocab)
 	}
-	tg, err := autograd.IndicesFromFull(m, []int{blkB * blkT}, batchPlaces(m), full)
+	tg, err := autograd.IndicesFromFull(m, []int{ptest.BlkB * ptest.BlkT}, ptest.BatchPlaces(m), full)
 	if err != nil {
 		return nil, err
 	}
-	return VocabParallelCrossEntropy(ctx, logits, tg, "tp")
+	return tp.VocabParallelCrossEntropy(ctx, logits, tg, "tp")
 }
 
-// devLoss is block.loss in float32 (a mean), its input x on the tape's
+// devLoss is ptest.Block.Loss in float32 (a mean), its input x on the tape's
 // device; the caller frees x after the backward pass.
-func (b *block) devLoss(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, sp bool, step int, hd *headed) (*autograd.Value, *placement.DTensor, error) {
-	places := batchPlaces(m)
+func devLoss(ctx context.Context, b *ptest.Block, tape *autograd.Tape, m *mesh.Mesh, sp bool, step int, hd *headed) (*autograd.Value, *placement.DTensor, error) {
+	places := ptest.BatchPlaces(m)
 	if sp {
 		places[1] = placement.Shard(1)
 	}
-	spec, err := placement.NewSpec(m, []int{blkB, blkT, blkD}, comm.Float32, places)
+	spec, err := placement.NewSpec(m, []int{ptest.BlkB, ptest.BlkT, ptest.BlkD}, comm.Float32, places)
 	if err != nil {
 		return nil, nil, err
 	}
-	xd, err := placement.FromFull(spec, placementtest.Random([]int{blkB, blkT, blkD}, comm.Float32, uint64(99+step)))
+	xd, err := placement.FromFull(spec, placementtest.Random([]int{ptest.BlkB, ptest.BlkT, ptest.BlkD}, comm.Float32, uint64(99+step)))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -127,22 +135,22 @@ func (b *block) devLoss(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, 
 	if err != nil {
 		return nil, nil, err
 	}
-	a, err := b.ln1.Forward(ctx, x)
+	a, err := b.LN1.Forward(ctx, x)
 	if err != nil {
 		return nil, nil, err
 	}
-	if a, err = b.attn.Forward(ctx, a); err != nil {
+	if a, err = b.Attn.Forward(ctx, a); err != nil {
 		return nil, nil, err
 	}
 	h, err := autograd.Add(x, a)
 	if err != nil {
 		return nil, nil, err
 	}
-	u, err := b.ln2.Forward(ctx, h)
+	u, err := b.LN2.Forward(ctx, h)
 	if err != nil {
 		return nil, nil, err
 	}
-	if u, err = b.mlp.Forward(ctx, u); err != nil {
+	if u, err = b.MLP.Forward(ctx, u); err != nil {
 		return nil, nil, err
 	}
 	y, err := autograd.Add(h, u)
@@ -186,14 +194,14 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 	if err != nil {
 		return tr, err
 	}
-	var root Module = b
+	var root parallel.Module = b
 	var hd *headed
 	if c.head {
 		v := c.vocab
 		if v == 0 {
 			v = headVocab
 		}
-		lin, err := NewLinear(tape, m, blkD, v, WithName("head"), WithBias(false))
+		lin, err := parallel.NewLinear(tape, m, ptest.BlkD, v, parallel.WithName("head"), parallel.WithBias(false))
 		if err != nil {
 			return tr, err
 		}
@@ -201,40 +209,40 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 		root = hd
 	}
 	if c.tp > 1 {
-		plan := blockPlan(c.sp)
+		plan := ptest.BlockPlan(c.sp)
 		if c.head {
 			for i := range plan {
 				plan[i].Pattern = "blk." + plan[i].Pattern
 			}
-			plan = append(plan, Rule{"head", ColwiseParallel{}})
+			plan = append(plan, tp.Rule{Pattern: "head", Style: tp.ColwiseParallel{}})
 		}
-		if err := Parallelize(ctx, root, "tp", plan); err != nil {
+		if err := tp.Parallelize(ctx, root, "tp", plan); err != nil {
 			return tr, err
 		}
 	}
 	if c.ckpt {
-		if err := Checkpoint(b, []string{"attn", "mlp"}); err != nil { // b, not root: the paths are the block's
+		if err := parallel.Checkpoint(b, []string{"attn", "mlp"}); err != nil { // b, not root: the paths are the block's
 			return tr, err
 		}
 	}
-	params, err := Params(root)
+	params, err := parallel.Params(root)
 	if err != nil {
 		return tr, err
 	}
-	dopts := []Option{WithFirstBucket(4 * blkD), WithBucketCap(4 * blkD * blkF)}
+	dopts := []ddp.Option{ddp.WithFirstBucket(4 * ptest.BlkD), ddp.WithBucketCap(4 * ptest.BlkD * ptest.BlkF)}
 	if c.views {
-		dopts = append(dopts, GradientAsBucketView())
+		dopts = append(dopts, ddp.GradientAsBucketView())
 	}
 	if c.scale {
-		dopts = append(dopts, Average())
+		dopts = append(dopts, ddp.Average())
 	}
-	ddp, err := New(ctx, params, dopts...)
+	dd, err := ddp.New(ctx, params, dopts...)
 	if err != nil {
 		return tr, err
 	}
-	defer ddp.Close()
+	defer dd.Close()
 	if c.scale {
-		if err := ddp.SetScale(0.5); err != nil {
+		if err := dd.SetScale(0.5); err != nil {
 			return tr, err
 		}
 	}
@@ -250,18 +258,18 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 		if c.accum {
 			// A first micro-batch (another input) whose gradients
 			// accumulate locally, then the synced one below.
-			err := ddp.NoSync(func() error {
-				l, x, err := b.devLoss(ctx, tape, m, c.sp, step+10, hd)
+			err := dd.NoSync(func() error {
+				l, x, err := devLoss(ctx, b, tape, m, c.sp, step+10, hd)
 				if err != nil {
 					return err
 				}
-				return errors.Join(tape.Backward(ctx, l), freeLocal(x))
+				return errors.Join(tape.Backward(ctx, l), blocks.FreeLocal(x))
 			})
 			if err != nil {
 				return tr, fmt.Errorf("step %d: NoSync: %w", step, err)
 			}
 		}
-		l, x, err := b.devLoss(ctx, tape, m, c.sp, step, hd)
+		l, x, err := devLoss(ctx, b, tape, m, c.sp, step, hd)
 		if err != nil {
 			return tr, fmt.Errorf("step %d: %w", step, err)
 		}
@@ -275,13 +283,13 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 		if err := tape.Backward(ctx, l); err != nil {
 			return tr, fmt.Errorf("step %d: %w", step, err)
 		}
-		if err := freeLocal(x); err != nil {
+		if err := blocks.FreeLocal(x); err != nil {
 			return tr, err
 		}
-		if err := ddp.Finish(ctx); err != nil {
+		if err := dd.Finish(ctx); err != nil {
 			return tr, fmt.Errorf("step %d: %w", step, err)
 		}
-		if err := ReduceGrads(ctx, params); err != nil {
+		if err := tp.ReduceGrads(ctx, params); err != nil {
 			return tr, fmt.Errorf("step %d: %w", step, err)
 		}
 		if err := opt.Step(); err != nil {
@@ -314,7 +322,7 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 	// Everything allocated for the run comes back: DDP's buckets and
 	// gradient blocks, the optimizer's state, the parameters, and the
 	// tape's results and scratch.
-	if err := errors.Join(ddp.Close(), opt.Close()); err != nil {
+	if err := errors.Join(dd.Close(), opt.Close()); err != nil {
 		return tr, err
 	}
 	for _, p := range params {
@@ -323,7 +331,7 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 				return tr, err
 			}
 		}
-		if err := freeLocal(p.Data()); err != nil {
+		if err := blocks.FreeLocal(p.Data()); err != nil {
 			return tr, err
 		}
 	}
@@ -432,35 +440,35 @@ func TestDeviceRejects(t *testing.T) {
 		{
 			name: "DDP/two devices",
 			run: func(ctx context.Context, m *mesh.Mesh, d device.Device) error {
-				on, err := NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 3, 2, WithName("a"))
+				on, err := parallel.NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 3, 2, parallel.WithName("a"))
 				if err != nil {
 					return err
 				}
-				host, err := NewLinear(autograd.NewTape(), m, 3, 2, WithName("b"))
+				host, err := parallel.NewLinear(autograd.NewTape(), m, 3, 2, parallel.WithName("b"))
 				if err != nil {
 					return err
 				}
-				_, err = New(ctx, []*autograd.Value{on.Weight, host.Weight})
+				_, err = ddp.New(ctx, []*autograd.Value{on.Weight, host.Weight})
 				return err
 			},
-			is:   []error{device.ErrMixed, ErrInvalid},
+			is:   []error{device.ErrMixed, ddp.ErrInvalid},
 			says: []string{"emu:", "host", `"b.weight"`},
 		},
 		{
 			name: "FSDP/two devices",
 			run: func(ctx context.Context, m *mesh.Mesh, d device.Device) error {
-				fc, err := NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 4, 6, WithName("fc"))
+				fc, err := parallel.NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 4, 6, parallel.WithName("fc"))
 				if err != nil {
 					return err
 				}
-				proj, err := NewLinear(autograd.NewTape(), m, 6, 4, WithName("proj"))
+				proj, err := parallel.NewLinear(autograd.NewTape(), m, 6, 4, parallel.WithName("proj"))
 				if err != nil {
 					return err
 				}
-				_, err = FullyShard(ctx, &MLP{FC: fc, Proj: proj}, []string{"fc", "proj"}, ShardAxis("dp"))
+				_, err = fsdp.FullyShard(ctx, &parallel.MLP{FC: fc, Proj: proj}, []string{"fc", "proj"}, fsdp.ShardAxis("dp"))
 				return err
 			},
-			is:   []error{ErrInvalid, device.ErrMixed},
+			is:   []error{fsdp.ErrInvalid, device.ErrMixed},
 			says: []string{"emu:", "host", `"proj.weight"`},
 		},
 		{
@@ -474,12 +482,12 @@ func TestDeviceRejects(t *testing.T) {
 					return err
 				}
 				defer d.Close()
-				lin, err := NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 2048, 2048, WithBias(false), WithInit(Zeros()))
+				lin, err := parallel.NewLinear(autograd.NewTape(autograd.WithDevice(d)), m, 2048, 2048, parallel.WithBias(false), parallel.WithInit(parallel.Zeros()))
 				if err != nil {
 					return err
 				}
 				held := d.Memory().Stats().Allocated
-				_, err = New(ctx, []*autograd.Value{lin.Weight}, WithBucketCap(1<<20))
+				_, err = ddp.New(ctx, []*autograd.Value{lin.Weight}, ddp.WithBucketCap(1<<20))
 				// Failures of the checks below quote New's error (%v),
 				// so that they do not pass for it.
 				if after := d.Memory().Stats().Allocated; after != held {
@@ -564,12 +572,12 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 	if err != nil {
 		return tr, err
 	}
-	var root Module = b
+	var root parallel.Module = b
 	var hd *headed
 	units := []string{"ln1", "attn", "ln2", "mlp"}
-	plan := blockPlan(false)
+	plan := ptest.BlockPlan(false)
 	if c.head > 0 {
-		lin, err := NewLinear(tape, m, blkD, c.head, WithName("head"), WithBias(false))
+		lin, err := parallel.NewLinear(tape, m, ptest.BlkD, c.head, parallel.WithName("head"), parallel.WithBias(false))
 		if err != nil {
 			return tr, err
 		}
@@ -582,24 +590,24 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 		for i := range plan {
 			plan[i].Pattern = "blk." + plan[i].Pattern
 		}
-		plan = append(plan, Rule{"head", ColwiseParallel{}})
+		plan = append(plan, tp.Rule{Pattern: "head", Style: tp.ColwiseParallel{}})
 	}
 	if c.tp > 1 {
-		if err := Parallelize(ctx, root, "tp", plan); err != nil {
+		if err := tp.Parallelize(ctx, root, "tp", plan); err != nil {
 			return tr, err
 		}
 	}
-	opts := []FSDPOption{ShardAxis("dp"), ZeROStage(c.stage), Prefetch(c.prefetch), Reshard(c.reshard), FSDPAverage()}
+	opts := []fsdp.Option{fsdp.ShardAxis("dp"), fsdp.ZeROStage(c.stage), fsdp.Prefetch(c.prefetch), fsdp.Reshard(c.reshard), fsdp.Average()}
 	if c.rep > 0 {
-		opts = append(opts, ReplicateAxis("rep"))
+		opts = append(opts, fsdp.ReplicateAxis("rep"))
 	}
 	if c.to > 0 {
-		opts = append(opts, ReshardTo(c.to))
+		opts = append(opts, fsdp.ReshardTo(c.to))
 	}
 	if c.mp {
-		opts = append(opts, MixedPrecision(comm.BFloat16))
+		opts = append(opts, fsdp.MixedPrecision(comm.BFloat16))
 	}
-	f, err := FullyShard(ctx, root, units, opts...)
+	f, err := fsdp.FullyShard(ctx, root, units, opts...)
 	if err != nil {
 		return tr, err
 	}
@@ -611,7 +619,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 	}
 	defer opt.Close()
 	pass := func(step int) error {
-		l, x, err := b.devLoss(ctx, tape, m, false, step, hd)
+		l, x, err := devLoss(ctx, b, tape, m, false, step, hd)
 		if err != nil {
 			return err
 		}
@@ -623,7 +631,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 			return err
 		}
 		tr.values = append(tr.values, loss)
-		return errors.Join(tape.Backward(ctx, l), freeLocal(x))
+		return errors.Join(tape.Backward(ctx, l), blocks.FreeLocal(x))
 	}
 	for step := range c.steps {
 		tape.Recycle()
@@ -643,7 +651,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 		if err := f.Finish(ctx); err != nil {
 			return tr, fmt.Errorf("step %d: %w", step, err)
 		}
-		if err := ReduceGrads(ctx, params); err != nil {
+		if err := tp.ReduceGrads(ctx, params); err != nil {
 			return tr, fmt.Errorf("step %d: %w", step, err)
 		}
 		if err := opt.Step(); err != nil {
@@ -675,7 +683,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 		return tr, err
 	}
 	for _, p := range params {
-		if err := freeLocal(p.Data()); err != nil {
+		if err := blocks.FreeLocal(p.Data()); err != nil {
 			return tr, err
 		}
 	}

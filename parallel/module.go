@@ -3,9 +3,9 @@ package parallel
 import (
 	"context"
 	"fmt"
-	"reflect"
 
 	"github.com/b7ea7098/loom/autograd"
+	"github.com/b7ea7098/loom/parallel/internal/tree"
 )
 
 // Module is one node of a model's layer tree. A model is written once, in
@@ -75,6 +75,10 @@ func (b *Hooks) OnOutput(h Hook) { b.out = append(b.out, h) }
 // the outermost.
 func (b *Hooks) OnAround(a Around) { b.around = append(b.around, a) }
 
+// Count returns how many hooks and wrappers are installed (enter, input,
+// output and Around together): 0 for a module no parallelism has touched.
+func (b *Hooks) Count() int { return len(b.enter) + len(b.in) + len(b.out) + len(b.around) }
+
 // Enter runs the enter hooks.
 func (b *Hooks) Enter(ctx context.Context) error {
 	for _, h := range b.enter {
@@ -137,21 +141,10 @@ func runHooks(ctx context.Context, hooks []Hook, v *autograd.Value) (*autograd.V
 // first error fn returns. A nil module (also a nil pointer of a module
 // type) is an error wrapping ErrInvalid.
 func Walk(root Module, fn func(path string, m Module) error) error {
-	if isNil(root) {
+	if tree.IsNil(root) {
 		return fmt.Errorf("%w: Walk: nil module", ErrInvalid)
 	}
 	return walk("", root, fn)
-}
-
-// isNil reports whether m is nil or a nil pointer behind a non-nil
-// interface (a *Linear field left unset), on which a module's methods
-// would dereference nil.
-func isNil(m Module) bool {
-	if m == nil {
-		return true
-	}
-	v := reflect.ValueOf(m)
-	return v.Kind() == reflect.Pointer && v.IsNil()
 }
 
 func walk(path string, m Module, fn func(string, Module) error) error {
@@ -159,7 +152,7 @@ func walk(path string, m Module, fn func(string, Module) error) error {
 		return err
 	}
 	for _, c := range m.Children() {
-		if isNil(c.Module) {
+		if tree.IsNil(c.Module) {
 			return fmt.Errorf("%w: module %q: child %q is nil", ErrInvalid, path, c.Name)
 		}
 		p := c.Name

@@ -7,6 +7,7 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/internal/numcheck"
+	"github.com/b7ea7098/loom/parallel/internal/tree"
 )
 
 // Layer is a module whose forward takes one value and returns one: what
@@ -35,7 +36,7 @@ func NewSequential(layers ...Layer) (*Sequential, error) {
 		return nil, fmt.Errorf("%w: NewSequential: no layers", ErrInvalid)
 	}
 	for i, l := range layers {
-		if isNil(l) {
+		if tree.IsNil(l) {
 			return nil, fmt.Errorf("%w: NewSequential: layer %d is nil", ErrInvalid, i)
 		}
 	}
@@ -65,7 +66,7 @@ func (s *Sequential) Forward(ctx context.Context, x *autograd.Value) (*autograd.
 	}
 	return s.Run(ctx, x, func(ctx context.Context, x *autograd.Value) (*autograd.Value, error) {
 		for i, l := range s.Layers {
-			if isNil(l) {
+			if tree.IsNil(l) {
 				return nil, fmt.Errorf("%w: Sequential: layer %d is nil", ErrInvalid, i)
 			}
 			var err error

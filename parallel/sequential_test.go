@@ -1,4 +1,4 @@
-package parallel
+package parallel_test
 
 import (
 	"context"
@@ -11,32 +11,36 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
+	"github.com/b7ea7098/loom/parallel/internal/ptest"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
 // seqModel is Linear(4→7), ReLU, Dropout(0.4), Linear(7→3), Tanh: hidden
 // width 7 splits unevenly over 2 or 3 ranks.
-func seqModel(tape *autograd.Tape, m *mesh.Mesh) (*Sequential, error) {
-	l0, err := NewLinear(tape, m, 4, 7, WithName("0"), WithInit(Normal(0.7, 1)), WithDType(comm.Float64))
+func seqModel(tape *autograd.Tape, m *mesh.Mesh) (*parallel.Sequential, error) {
+	l0, err := parallel.NewLinear(tape, m, 4, 7, parallel.WithName("0"), parallel.WithInit(parallel.Normal(0.7, 1)), parallel.WithDType(comm.Float64))
 	if err != nil {
 		return nil, err
 	}
-	l3, err := NewLinear(tape, m, 7, 3, WithName("3"), WithInit(Normal(0.7, 2)), WithDType(comm.Float64))
+	l3, err := parallel.NewLinear(tape, m, 7, 3, parallel.WithName("3"), parallel.WithInit(parallel.Normal(0.7, 2)), parallel.WithDType(comm.Float64))
 	if err != nil {
 		return nil, err
 	}
-	d, err := NewDropout(0.4, 77)
+	d, err := parallel.NewDropout(0.4, 77)
 	if err != nil {
 		return nil, err
 	}
-	return NewSequential(l0, NewReLU(), d, l3, NewTanh())
+	return parallel.NewSequential(l0, parallel.NewReLU(), d, l3, parallel.NewTanh())
 }
 
 // seqLayout lays a model out and returns the leaves that will hold its
 // gradients (nil: its parameters) and what completes a step's gradients
 // (nil: nothing).
-type seqLayout func(context.Context, *Sequential) ([]*autograd.Value, func(context.Context) error, error)
+type seqLayout func(context.Context, *parallel.Sequential) ([]*autograd.Value, func(context.Context) error, error)
 
 // seqRun builds seqModel on m, lays it out with layout (nil: as built),
 // runs two training steps and one eval forward on x [5, 4] (rows sharded
@@ -56,7 +60,7 @@ func seqRun(ctx context.Context, m *mesh.Mesh, layout seqLayout) ([]float64, [][
 			return nil, nil, err
 		}
 	}
-	places := dataPlaces(m)
+	places := ptest.DataPlaces(m)
 	mk := func(shape []int, seed uint64) (*autograd.Value, error) {
 		spec, err := placement.NewSpec(m, shape, comm.Float64, places)
 		if err != nil {
@@ -72,7 +76,7 @@ func seqRun(ctx context.Context, m *mesh.Mesh, layout seqLayout) ([]float64, [][
 	var grads [][]float64
 	for step := range 3 {
 		if step == 2 {
-			if err := Eval(seq); err != nil {
+			if err := parallel.Eval(seq); err != nil {
 				return nil, nil, err
 			}
 		}
@@ -112,7 +116,7 @@ func seqRun(ctx context.Context, m *mesh.Mesh, layout seqLayout) ([]float64, [][
 		}
 	}
 	if ps == nil {
-		if ps, err = Params(seq); err != nil {
+		if ps, err = parallel.Params(seq); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -143,11 +147,11 @@ func TestSequentialParallelEqualsSerial(t *testing.T) {
 	if len(want) != 3 || want[0] == want[1] {
 		t.Fatalf("serial losses %v: want three, the first two with different masks", want)
 	}
-	tp := func(ctx context.Context, s *Sequential) ([]*autograd.Value, func(context.Context) error, error) {
-		return nil, nil, Parallelize(ctx, s, "tp", Plan{{Pattern: "0", Style: ColwiseParallel{}}, {Pattern: "3", Style: RowwiseParallel{}}})
+	tp := func(ctx context.Context, s *parallel.Sequential) ([]*autograd.Value, func(context.Context) error, error) {
+		return nil, nil, tp.Parallelize(ctx, s, "tp", tp.Plan{{Pattern: "0", Style: tp.ColwiseParallel{}}, {Pattern: "3", Style: tp.RowwiseParallel{}}})
 	}
-	fsdp := func(ctx context.Context, s *Sequential) ([]*autograd.Value, func(context.Context) error, error) {
-		f, err := FullyShard(ctx, s, []string{"0", "3"})
+	fsdp := func(ctx context.Context, s *parallel.Sequential) ([]*autograd.Value, func(context.Context) error, error) {
+		f, err := fsdp.FullyShard(ctx, s, []string{"0", "3"})
 		if err != nil {
 			return nil, nil, err
 		}
@@ -193,18 +197,18 @@ func TestSequentialTreeModesAndHooks(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		outer, err := NewSequential(seq, NewSigmoid())
+		outer, err := parallel.NewSequential(seq, parallel.NewSigmoid())
 		if err != nil {
 			return err
 		}
 		var paths []string
-		if err := Walk(outer, func(p string, _ Module) error { paths = append(paths, p); return nil }); err != nil {
+		if err := parallel.Walk(outer, func(p string, _ parallel.Module) error { paths = append(paths, p); return nil }); err != nil {
 			return err
 		}
 		if want := []string{"", "0", "0.0", "0.1", "0.2", "0.3", "0.4", "1"}; !slices.Equal(paths, want) {
 			return fmt.Errorf("paths %v, want %v", paths, want)
 		}
-		ps, err := Params(outer)
+		ps, err := parallel.Params(outer)
 		if err != nil {
 			return err
 		}
@@ -219,8 +223,8 @@ func TestSequentialTreeModesAndHooks(t *testing.T) {
 			reluIn++
 			return v, nil
 		})
-		drop := seq.Layers[2].(*Dropout)
-		dt, err := replicated(m, []int{2, 4}, 3)
+		drop := seq.Layers[2].(*parallel.Dropout)
+		dt, err := ptest.Replicated(m, []int{2, 4}, 3)
 		if err != nil {
 			return err
 		}
@@ -235,7 +239,7 @@ func TestSequentialTreeModesAndHooks(t *testing.T) {
 			return fmt.Errorf("hooks ran %d and %d times, want 1 and 1", seqIn, reluIn)
 		}
 		// Modes: Eval makes Dropout the identity, Train restores it.
-		if err := Eval(outer); err != nil {
+		if err := parallel.Eval(outer); err != nil {
 			return err
 		}
 		if drop.Training() {
@@ -244,7 +248,7 @@ func TestSequentialTreeModesAndHooks(t *testing.T) {
 		if y, err := drop.Forward(ctx, x); err != nil || y != x {
 			return fmt.Errorf("eval Dropout returned %v, %v; want its input", y, err)
 		}
-		if err := Train(outer); err != nil {
+		if err := parallel.Train(outer); err != nil {
 			return err
 		}
 		if y, err := drop.Forward(ctx, x); err != nil || y == x || !drop.Training() {
@@ -255,28 +259,31 @@ func TestSequentialTreeModesAndHooks(t *testing.T) {
 }
 
 func TestSequentialRejects(t *testing.T) {
-	var nilLin *Linear
+	var nilLin *parallel.Linear
 	cases := []struct {
 		name string
 		f    func() error
 	}{
-		{"no layers", func() error { _, err := NewSequential(); return err }},
-		{"nil layer", func() error { _, err := NewSequential(NewReLU(), nil); return err }},
-		{"nil pointer layer", func() error { _, err := NewSequential(nilLin); return err }},
+		{"no layers", func() error { _, err := parallel.NewSequential(); return err }},
+		{"nil layer", func() error { _, err := parallel.NewSequential(parallel.NewReLU(), nil); return err }},
+		{"nil pointer layer", func() error { _, err := parallel.NewSequential(nilLin); return err }},
 		{"nil input", func() error {
-			_, err := (&Sequential{Layers: []Layer{NewReLU()}}).Forward(context.Background(), nil)
+			_, err := (&parallel.Sequential{Layers: []parallel.Layer{parallel.NewReLU()}}).Forward(context.Background(), nil)
 			return err
 		}},
-		{"empty Sequential", func() error { _, err := (&Sequential{}).Forward(context.Background(), nil); return err }},
-		{"dropout p=1", func() error { _, err := NewDropout(1, 0); return err }},
-		{"dropout p NaN", func() error { _, err := NewDropout(math.NaN(), 0); return err }},
-		{"dropout P set out of range", func() error { _, err := (&Dropout{P: -1}).Forward(context.Background(), &autograd.Value{}); return err }},
-		{"activation without function", func() error { _, err := (&Activation{}).Forward(context.Background(), nil); return err }},
-		{"Train nil", func() error { return Train(nil) }},
-		{"Eval nil child", func() error { return Eval(&Sequential{Layers: []Layer{nilLin}}) }},
+		{"empty Sequential", func() error { _, err := (&parallel.Sequential{}).Forward(context.Background(), nil); return err }},
+		{"dropout p=1", func() error { _, err := parallel.NewDropout(1, 0); return err }},
+		{"dropout p NaN", func() error { _, err := parallel.NewDropout(math.NaN(), 0); return err }},
+		{"dropout P set out of range", func() error {
+			_, err := (&parallel.Dropout{P: -1}).Forward(context.Background(), &autograd.Value{})
+			return err
+		}},
+		{"activation without function", func() error { _, err := (&parallel.Activation{}).Forward(context.Background(), nil); return err }},
+		{"Train nil", func() error { return parallel.Train(nil) }},
+		{"Eval nil child", func() error { return parallel.Eval(&parallel.Sequential{Layers: []parallel.Layer{nilLin}}) }},
 	}
 	for _, c := range cases {
-		if err := c.f(); !errors.Is(err, ErrInvalid) {
+		if err := c.f(); !errors.Is(err, parallel.ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", c.name, err)
 		}
 	}
@@ -287,7 +294,7 @@ func TestSequentialRejects(t *testing.T) {
 func TestActivationModules(t *testing.T) {
 	placementtest.Run(t, []int{1}, []string{"tp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
-		dt, err := replicated(m, []int{3, 5}, 4)
+		dt, err := ptest.Replicated(m, []int{3, 5}, 4)
 		if err != nil {
 			return err
 		}
@@ -296,11 +303,11 @@ func TestActivationModules(t *testing.T) {
 			return err
 		}
 		for _, c := range []struct {
-			a  *Activation
+			a  *parallel.Activation
 			op func(*autograd.Value) (*autograd.Value, error)
 		}{
-			{NewReLU(), autograd.ReLU}, {NewSiLU(), autograd.SiLU}, {NewTanh(), autograd.Tanh},
-			{NewSigmoid(), autograd.Sigmoid}, {NewGELU(), autograd.GELU},
+			{parallel.NewReLU(), autograd.ReLU}, {parallel.NewSiLU(), autograd.SiLU}, {parallel.NewTanh(), autograd.Tanh},
+			{parallel.NewSigmoid(), autograd.Sigmoid}, {parallel.NewGELU(), autograd.GELU},
 		} {
 			got, err := c.a.Forward(ctx, x)
 			if err != nil {
@@ -313,7 +320,7 @@ func TestActivationModules(t *testing.T) {
 			if err := placementtest.Compare(got.Data().LocalData(), want.Data().LocalData(), 0); err != nil {
 				return fmt.Errorf("%s: %w", c.a.Name, err)
 			}
-			if _, err := c.a.Forward(ctx, nil); err == nil || !errors.Is(err, ErrInvalid) {
+			if _, err := c.a.Forward(ctx, nil); err == nil || !errors.Is(err, parallel.ErrInvalid) {
 				return fmt.Errorf("%s on nil: %v, want ErrInvalid", c.a.Name, err)
 			}
 		}

@@ -33,6 +33,9 @@ import (
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/fsdp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/train"
 )
 
@@ -95,8 +98,8 @@ func model(tape *autograd.Tape, m *mesh.Mesh) (*parallel.Sequential, *moe.SeqLay
 	return seq, mo, err
 }
 
-func run(dp, fsdp, ep, tp, steps int) error {
-	job, err := launch.InProcess(dp * fsdp * ep * tp)
+func run(ndp, nfsdp, nep, ntp, steps int) error {
+	job, err := launch.InProcess(ndp * nfsdp * nep * ntp)
 	if err != nil {
 		return err
 	}
@@ -105,7 +108,7 @@ func run(dp, fsdp, ep, tp, steps int) error {
 		return err
 	}
 	return job.Run(context.Background(), func(ctx context.Context, c comm.Communicator) error {
-		m, err := mesh.New(c, []int{dp, fsdp, ep, tp}, []string{"dp", "fsdp", "ep", "tp"})
+		m, err := mesh.New(c, []int{ndp, nfsdp, nep, ntp}, []string{"dp", "fsdp", "ep", "tp"})
 		if err != nil {
 			return err
 		}
@@ -114,13 +117,13 @@ func run(dp, fsdp, ep, tp, steps int) error {
 		if err != nil {
 			return err
 		}
-		plan := parallel.Plan{{Pattern: "0", Style: parallel.ColwiseParallel{}}, {Pattern: "3", Style: parallel.RowwiseParallel{}}}
-		if err := parallel.Parallelize(ctx, seq, "tp", plan); err != nil {
+		plan := tp.Plan{{Pattern: "0", Style: tp.ColwiseParallel{}}, {Pattern: "3", Style: tp.RowwiseParallel{}}}
+		if err := tp.Parallelize(ctx, seq, "tp", plan); err != nil {
 			return err
 		}
 		var opts []train.Option
-		if fsdp > 1 {
-			f, err := parallel.FullyShard(ctx, seq, []string{"0", "3", "4"})
+		if nfsdp > 1 {
+			f, err := fsdp.FullyShard(ctx, seq, []string{"0", "3", "4"})
 			if err != nil {
 				return err
 			}
@@ -130,12 +133,12 @@ func run(dp, fsdp, ep, tp, steps int) error {
 		if err != nil {
 			return err
 		}
-		if dp > 1 {
-			ddp, err := parallel.New(ctx, params)
+		if ndp > 1 {
+			d, err := ddp.New(ctx, params)
 			if err != nil {
 				return err
 			}
-			opts = append(opts, train.WithReducer(ddp))
+			opts = append(opts, train.WithReducer(d))
 		}
 		opts = append(opts, train.WithReducer(train.SyncGrads(params)), train.WithClip(1))
 		opt, err := optim.NewAdamW(params, optim.LR(1e-2))

@@ -14,6 +14,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -27,7 +28,7 @@ type fsdpConfig struct {
 	name string
 	// mesh returns the shape and axis names for p ranks.
 	mesh func(p int) ([]int, []string)
-	opts func(p int) []parallel.FSDPOption
+	opts func(p int) []fsdp.Option
 	dt   comm.DType
 }
 
@@ -50,8 +51,8 @@ func reshardGroup(p int) int {
 	return 1
 }
 
-func fixed(o ...parallel.FSDPOption) func(int) []parallel.FSDPOption {
-	return func(int) []parallel.FSDPOption { return o }
+func fixed(o ...fsdp.Option) func(int) []fsdp.Option {
+	return func(int) []fsdp.Option { return o }
 }
 
 // fsdpPolicies are every reshard policy and ZeRO stage.
@@ -59,19 +60,19 @@ func fsdpPolicies() []fsdpConfig {
 	f64 := comm.Float64
 	return []fsdpConfig{
 		{"reshard true", flat, fixed(), f64},
-		{"reshard false", flat, fixed(parallel.Reshard(false)), f64},
-		{"ReshardTo", flat, func(p int) []parallel.FSDPOption { return []parallel.FSDPOption{parallel.ReshardTo(reshardGroup(p))} }, f64},
-		{"ZeRO-2", flat, fixed(parallel.ZeROStage(2)), f64},
-		{"ZeRO-1", flat, fixed(parallel.ZeROStage(1)), f64},
-		{"HSDP", hsdpMesh, fixed(parallel.ReplicateAxis("dp")), f64},
+		{"reshard false", flat, fixed(fsdp.Reshard(false)), f64},
+		{"ReshardTo", flat, func(p int) []fsdp.Option { return []fsdp.Option{fsdp.ReshardTo(reshardGroup(p))} }, f64},
+		{"ZeRO-2", flat, fixed(fsdp.ZeROStage(2)), f64},
+		{"ZeRO-1", flat, fixed(fsdp.ZeROStage(1)), f64},
+		{"HSDP", hsdpMesh, fixed(fsdp.ReplicateAxis("dp")), f64},
 	}
 }
 
 // fsdpConfigs adds bfloat16 gathers and prefetch off to the policies.
 func fsdpConfigs() []fsdpConfig {
 	return append(fsdpPolicies(),
-		fsdpConfig{"bf16", flat, fixed(parallel.MixedPrecision(comm.BFloat16)), comm.Float32},
-		fsdpConfig{"prefetch off", flat, fixed(parallel.Prefetch(false)), comm.Float64},
+		fsdpConfig{"bf16", flat, fixed(fsdp.MixedPrecision(comm.BFloat16)), comm.Float32},
+		fsdpConfig{"prefetch off", flat, fixed(fsdp.Prefetch(false)), comm.Float64},
 	)
 }
 
@@ -107,7 +108,7 @@ func fsdpMLP(c comm.Communicator, fc fsdpConfig) (*mesh.Mesh, *parallel.MLP, *au
 
 // fsdpPass runs forward (run: the whole MLP, or only fc), Sum and
 // Backward; on an error it discards the step, as a training loop must.
-func fsdpPass(ctx context.Context, f *parallel.FSDP, tape *autograd.Tape, run func() (*autograd.Value, error)) error {
+func fsdpPass(ctx context.Context, f *fsdp.FSDP, tape *autograd.Tape, run func() (*autograd.Value, error)) error {
 	y, err := run()
 	if err == nil {
 		var l *autograd.Value
@@ -122,7 +123,7 @@ func fsdpPass(ctx context.Context, f *parallel.FSDP, tape *autograd.Tape, run fu
 }
 
 // fsdpGrads returns the full gradients of f's parameters.
-func fsdpGrads(ctx context.Context, f *parallel.FSDP) ([][]float64, error) {
+func fsdpGrads(ctx context.Context, f *fsdp.FSDP) ([][]float64, error) {
 	var out [][]float64
 	for _, p := range f.Params() {
 		if p.Grad() == nil {
@@ -161,7 +162,7 @@ func fsdpSecondBackward(fc fsdpConfig) func(ctx context.Context, c comm.Communic
 		if err != nil {
 			return err
 		}
-		fs, err := parallel.FullyShard(ctx, mlp, []string{"fc", "proj"}, fc.opts(c.Size())...)
+		fs, err := fsdp.FullyShard(ctx, mlp, []string{"fc", "proj"}, fc.opts(c.Size())...)
 		if err != nil {
 			return err
 		}
@@ -202,7 +203,7 @@ func fsdpSkippedUnit(fc fsdpConfig) func(ctx context.Context, c comm.Communicato
 		if err != nil {
 			return err
 		}
-		fs, err := parallel.FullyShard(ctx, mlp, []string{"fc", "proj"}, fc.opts(c.Size())...)
+		fs, err := fsdp.FullyShard(ctx, mlp, []string{"fc", "proj"}, fc.opts(c.Size())...)
 		if err != nil {
 			return err
 		}
@@ -222,14 +223,14 @@ func fsdpSkippedUnit(fc fsdpConfig) func(ctx context.Context, c comm.Communicato
 
 // fsdpBadOption: every rank passes the same bad option to FullyShard,
 // which must refuse it with ErrInvalid before any collective.
-func fsdpBadOption(opt parallel.FSDPOption) func(ctx context.Context, c comm.Communicator, f int) error {
+func fsdpBadOption(opt fsdp.Option) func(ctx context.Context, c comm.Communicator, f int) error {
 	return func(ctx context.Context, c comm.Communicator, _ int) error {
 		_, mlp, _, _, err := fsdpMLP(c, fsdpConfig{mesh: flat, dt: comm.Float64})
 		if err != nil {
 			return err
 		}
 		before := len(c.Recorder().Entries())
-		_, err = parallel.FullyShard(ctx, mlp, []string{"fc", "proj"}, opt)
+		_, err = fsdp.FullyShard(ctx, mlp, []string{"fc", "proj"}, opt)
 		if n := len(c.Recorder().Entries()) - before; n > 0 {
 			return errors.Join(err, fmt.Errorf("%w: %d collectives before the option was refused", errWrong, n))
 		}
@@ -247,7 +248,7 @@ func fsdpLateRank(ctx context.Context, c comm.Communicator, f int) error {
 	if err != nil {
 		return err
 	}
-	fs, err := parallel.FullyShard(ctx, mlp, []string{"fc", "proj"}, parallel.ReshardTo(reshardGroup(c.Size())))
+	fs, err := fsdp.FullyShard(ctx, mlp, []string{"fc", "proj"}, fsdp.ReshardTo(reshardGroup(c.Size())))
 	if err != nil {
 		return err
 	}
@@ -304,15 +305,15 @@ func fsdpFaultCases() []faultCase {
 	}
 	for _, bad := range []struct {
 		name string
-		opt  parallel.FSDPOption
+		opt  fsdp.Option
 	}{
-		{"GradientDivideFactor(+Inf)", parallel.GradientDivideFactor(math.Inf(1))},
-		{"GradientDivideFactor(0)", parallel.GradientDivideFactor(0)},
-		{"GradientDivideFactor(-1)", parallel.GradientDivideFactor(-1)},
-		{"GradientDivideFactor(NaN)", parallel.GradientDivideFactor(math.NaN())},
-		{"ReshardTo(0)", parallel.ReshardTo(0)},
+		{"GradientDivideFactor(+Inf)", fsdp.GradientDivideFactor(math.Inf(1))},
+		{"GradientDivideFactor(0)", fsdp.GradientDivideFactor(0)},
+		{"GradientDivideFactor(-1)", fsdp.GradientDivideFactor(-1)},
+		{"GradientDivideFactor(NaN)", fsdp.GradientDivideFactor(math.NaN())},
+		{"ReshardTo(0)", fsdp.ReshardTo(0)},
 	} {
-		out = append(out, faultCase{name: "FSDP " + bad.name, check: expectEverywhere(parallel.ErrInvalid), body: fsdpBadOption(bad.opt)})
+		out = append(out, faultCase{name: "FSDP " + bad.name, check: expectEverywhere(fsdp.ErrInvalid), body: fsdpBadOption(bad.opt)})
 	}
 	out = append(out, faultCase{name: "FSDP late rank under ReshardTo", check: expectLate(comm.ErrTimeout), body: fsdpLateRank,
 		dependsOn: "comm/local naming the rank that never arrived (branch errs)"})

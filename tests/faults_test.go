@@ -14,7 +14,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
 	"github.com/b7ea7098/loom/mesh"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
 	"github.com/b7ea7098/loom/placement"
 )
 
@@ -344,7 +344,7 @@ func ddpParams(c comm.Communicator, wShape []int, wType comm.DType) (tape *autog
 
 // ddpStep builds a DDP over params, runs ddpLoss backward and Finish, and returns the reduced gradients of w and b.
 func ddpStep(ctx context.Context, tape *autograd.Tape, params []*autograd.Value, w, b, x, y *autograd.Value) (gw, gb []float64, err error) {
-	d, err := parallel.New(ctx, params)
+	d, err := ddp.New(ctx, params)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -622,7 +622,7 @@ func TestFaultDDPFinishMismatchEveryRank(t *testing.T) {
 					if err != nil {
 						return err
 					}
-					d, err := parallel.New(ctx, []*autograd.Value{w, b})
+					d, err := ddp.New(ctx, []*autograd.Value{w, b})
 					if err != nil {
 						return err
 					}

@@ -6,7 +6,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 )
 
 // TestMixedPrecisionTraining trains the tiny GPT for the reference's 200
@@ -31,7 +31,7 @@ func TestMixedPrecisionTraining(t *testing.T) {
 	}
 	ref := loadReference(t)
 	f32 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp"))
-	bf16 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", parallel.MixedPrecision(comm.BFloat16)))
+	bf16 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", fsdp.MixedPrecision(comm.BFloat16)))
 	const window, tol, lastTol = 20, 0.15, 0.08
 	for lo := 0; lo+window <= len(f32); lo += window {
 		d := mean(bf16[lo:lo+window]) - mean(f32[lo:lo+window])

@@ -11,6 +11,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/train"
 )
 
@@ -54,7 +55,7 @@ func ExampleTrainer() {
 		if err != nil {
 			return err
 		}
-		fsdp, err := parallel.FullyShard(ctx, model, []string{"0", "3"}) // or parallel.New(ctx, params): DDP
+		f, err := fsdp.FullyShard(ctx, model, []string{"0", "3"}) // or ddp.New(ctx, params): DDP
 		if err != nil {
 			return err
 		}
@@ -90,7 +91,7 @@ func ExampleTrainer() {
 			}
 			return autograd.CrossEntropy(logits, b.Y)
 		}
-		opts := []train.Option{train.WithReducer(fsdp),
+		opts := []train.Option{train.WithReducer(f),
 			train.WithSchedule(sched, &opt.LR), train.WithClip(1), train.WithAccumulation(2),
 			train.WithEval(steps, train.ClassifierEval(model, tape, held, heldSampler))}
 		if c.Rank() == 0 {

@@ -10,7 +10,8 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/optim"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement/placementtest"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/train"
@@ -55,17 +56,17 @@ func TestGPTOnText(t *testing.T) {
 				return err
 			}
 			if shape[1] > 1 {
-				if err := parallel.Parallelize(ctx, md, "tp", gpt.Plan(false)); err != nil {
+				if err := tp.Parallelize(ctx, md, "tp", gpt.Plan(false)); err != nil {
 					return err
 				}
 			}
 			opts := []train.Option{}
 			if shape[0] > 1 {
-				ddp, err := parallel.New(ctx, md.Params(), parallel.WithAxis("dp"))
+				d, err := ddp.New(ctx, md.Params(), ddp.WithAxis("dp"))
 				if err != nil {
 					return err
 				}
-				opts = append(opts, train.WithReducer(ddp))
+				opts = append(opts, train.WithReducer(d))
 			}
 			opts = append(opts, train.WithReducer(train.SyncGrads(md.Params())))
 			opt, err := optim.NewAdamW(md.Params(), optim.LR(1e-2))

@@ -30,7 +30,7 @@ type Optimizer interface {
 type LossFunc[B any] func(ctx context.Context, b B) (*autograd.Value, error)
 
 // Reducer completes a step's gradients after the last backward:
-// parallel.DDP and parallel.FSDP. A Reducer that also has NoSync(fn
+// ddp.DDP and fsdp.FSDP. A Reducer that also has NoSync(fn
 // func() error) error (both have) runs every micro-batch but the last of a
 // step inside it, so that accumulation communicates once per step.
 type Reducer interface {

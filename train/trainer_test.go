@@ -18,6 +18,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -125,11 +126,11 @@ func TestAccumulation(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		ddp, err := parallel.New(ctx, ps)
+		d, err := ddp.New(ctx, ps)
 		if err != nil {
 			return err
 		}
-		got, err := n.fit(ctx, 8, 6, WithAccumulation(2), WithReducer(ddp))
+		got, err := n.fit(ctx, 8, 6, WithAccumulation(2), WithReducer(d))
 		if err != nil {
 			return err
 		}

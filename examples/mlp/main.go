@@ -20,6 +20,9 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/fsdp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/train"
 )
 
@@ -60,25 +63,25 @@ func newModel(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, o options)
 	if err != nil {
 		return nil, nil, err
 	}
-	plan := parallel.Plan{{Pattern: "0", Style: parallel.ColwiseParallel{}}, {Pattern: "3", Style: parallel.RowwiseParallel{}}}
-	if err := parallel.Parallelize(ctx, model, "tp", plan); err != nil {
+	plan := tp.Plan{{Pattern: "0", Style: tp.ColwiseParallel{}}, {Pattern: "3", Style: tp.RowwiseParallel{}}}
+	if err := tp.Parallelize(ctx, model, "tp", plan); err != nil {
 		return nil, nil, err
 	}
 	switch {
 	case o.fsdp > 1:
-		var hsdp []parallel.FSDPOption // with -dp too: HSDP, replicas of the shards
+		var hsdp []fsdp.Option // with -dp too: HSDP, replicas of the shards
 		if o.dp > 1 {
-			hsdp = append(hsdp, parallel.ReplicateAxis("dp"))
+			hsdp = append(hsdp, fsdp.ReplicateAxis("dp"))
 		}
-		f, err := parallel.FullyShard(ctx, model, []string{"0", "3"}, hsdp...)
+		f, err := fsdp.FullyShard(ctx, model, []string{"0", "3"}, hsdp...)
 		return model, f, err
 	case o.dp > 1:
 		params, err := parallel.Params(model)
 		if err != nil {
 			return nil, nil, err
 		}
-		ddp, err := parallel.New(ctx, params)
-		return model, ddp, err
+		d, err := ddp.New(ctx, params)
+		return model, d, err
 	}
 	return model, nil, nil
 }

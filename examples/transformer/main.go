@@ -110,7 +110,7 @@ import (
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/trace"
 	"github.com/b7ea7098/loom/train"
@@ -335,18 +335,18 @@ func (o options) layout() string {
 	return s
 }
 
-// fsdpOptions are FSDP's options for -reshard, -zero and -mp (checked by
-// checkSharding).
-func (o options) fsdpOptions() []parallel.FSDPOption {
-	opts := []parallel.FSDPOption{parallel.ZeROStage(o.zero)}
+// fsdpOptions are FSDP's options for -reshard, -zero (checked by
+// checkSharding) and -mp (train.Loop.Validate).
+func (o options) fsdpOptions() []fsdp.Option {
+	opts := []fsdp.Option{fsdp.ZeROStage(o.zero)}
 	switch n, _ := o.reshardGroup(); {
 	case n < 0:
-		opts = append(opts, parallel.Reshard(false))
+		opts = append(opts, fsdp.Reshard(false))
 	case n > 0:
-		opts = append(opts, parallel.ReshardTo(n))
+		opts = append(opts, fsdp.ReshardTo(n))
 	}
 	if o.loop.Flags.MP == "bf16" {
-		opts = append(opts, parallel.MixedPrecision(comm.BFloat16))
+		opts = append(opts, fsdp.MixedPrecision(comm.BFloat16))
 	}
 	return opts
 }

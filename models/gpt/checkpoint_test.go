@@ -10,6 +10,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -39,7 +40,7 @@ func TestCheckpointMatchesPlain(t *testing.T) {
 							return err
 						}
 						if m.Shape()[1] > 1 {
-							if err := parallel.Parallelize(ctx, md, "tp", gpt.Plan(l.sp)); err != nil {
+							if err := tp.Parallelize(ctx, md, "tp", gpt.Plan(l.sp)); err != nil {
 								return err
 							}
 						}

@@ -11,13 +11,13 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
-// TestFSDPGPT shards a small GPT with parallel.FullyShard (each block a
+// TestFSDPGPT shards a small GPT with fsdp.FullyShard (each block a
 // unit, the model the root) over fsdp=3 (uneven shards) and checks one
 // step's loss and every gradient against one rank: float32, so within
 // 1e-5 (reduction order).
@@ -39,9 +39,9 @@ func TestFSDPGPT(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			var f *parallel.FSDP
+			var f *fsdp.FSDP
 			if p > 1 {
-				if f, err = parallel.FullyShard(ctx, md, []string{"h.*"}); err != nil {
+				if f, err = fsdp.FullyShard(ctx, md, []string{"h.*"}); err != nil {
 					return err
 				}
 			}

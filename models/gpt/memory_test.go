@@ -9,7 +9,7 @@ import (
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -100,7 +100,7 @@ func TestFSDPMemory(t *testing.T) {
 	row("DDP", ddp)
 	var ratios [4]float64
 	for _, stage := range []int{1, 2, 3} {
-		r := trainMemory(t, c, []int{4}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", parallel.ZeROStage(stage)))
+		r := trainMemory(t, c, []int{4}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", fsdp.ZeROStage(stage)))
 		ratios[stage] = row(fmt.Sprintf("ZeRO-%d", stage), r)
 	}
 	if ratios[3] > 0.3 {

@@ -6,7 +6,7 @@
 // tests/ reproduce.
 //
 // New lays every parameter out Replicate on every mesh axis; Plan, applied
-// with parallel.Parallelize on the tensor-parallel axis, shards them
+// with tp.Parallelize on the tensor-parallel axis, shards them
 // (Megatron's layout, optionally with sequence parallelism). The module
 // paths a Plan matches, which are also the parameter names' prefixes, are
 //
@@ -35,12 +35,13 @@ import (
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
 // Model is a GPT (see the package documentation). It is a tree of
-// parallel modules written in global terms: parallel.Parallelize (with
+// parallel modules written in global terms: tp.Parallelize (with
 // Plan) lays it out for tensor and sequence parallelism without changing
 // its code. Its parameters are leaves of one tape (the tape given to New).
 type Model struct {
@@ -270,29 +271,29 @@ func checkParams(cfg Config, params map[string][]float32) error {
 // the sequence dim (LayerNorms run on sequence shards; the regions are
 // entered by an all-gather and left by a reduce-scatter), and ReduceGrads
 // must sum the LayerNorm gradients over the axis after backward.
-func Plan(sp bool) parallel.Plan {
+func Plan(sp bool) tp.Plan {
 	if !sp {
-		return parallel.Plan{
-			{Pattern: "wte", Style: parallel.RowwiseParallel{}},
-			{Pattern: "h.*.attn.qkv", Style: parallel.ColwiseParallel{}},
-			{Pattern: "h.*.attn.proj", Style: parallel.RowwiseParallel{}},
-			{Pattern: "h.*.mlp.fc", Style: parallel.ColwiseParallel{}},
-			{Pattern: "h.*.mlp.proj", Style: parallel.RowwiseParallel{}},
-			{Pattern: "lm_head", Style: parallel.ColwiseParallel{}},
+		return tp.Plan{
+			{Pattern: "wte", Style: tp.RowwiseParallel{}},
+			{Pattern: "h.*.attn.qkv", Style: tp.ColwiseParallel{}},
+			{Pattern: "h.*.attn.proj", Style: tp.RowwiseParallel{}},
+			{Pattern: "h.*.mlp.fc", Style: tp.ColwiseParallel{}},
+			{Pattern: "h.*.mlp.proj", Style: tp.RowwiseParallel{}},
+			{Pattern: "lm_head", Style: tp.ColwiseParallel{}},
 		}
 	}
 	seq := placement.Shard(1)
-	return parallel.Plan{
-		{Pattern: "wte", Style: parallel.RowwiseParallel{Output: seq}},
-		{Pattern: "wpe", Style: parallel.PrepareOutput{Layout: seq}},
-		{Pattern: "h.*.ln1", Style: parallel.SequenceParallel{}},
-		{Pattern: "h.*.attn.qkv", Style: parallel.ColwiseParallel{}},
-		{Pattern: "h.*.attn.proj", Style: parallel.RowwiseParallel{Output: seq}},
-		{Pattern: "h.*.ln2", Style: parallel.SequenceParallel{}},
-		{Pattern: "h.*.mlp.fc", Style: parallel.ColwiseParallel{}},
-		{Pattern: "h.*.mlp.proj", Style: parallel.RowwiseParallel{Output: seq}},
-		{Pattern: "ln_f", Style: parallel.SequenceParallel{}},
-		{Pattern: "lm_head", Style: parallel.ColwiseParallel{}},
+	return tp.Plan{
+		{Pattern: "wte", Style: tp.RowwiseParallel{Output: seq}},
+		{Pattern: "wpe", Style: tp.PrepareOutput{Layout: seq}},
+		{Pattern: "h.*.ln1", Style: tp.SequenceParallel{}},
+		{Pattern: "h.*.attn.qkv", Style: tp.ColwiseParallel{}},
+		{Pattern: "h.*.attn.proj", Style: tp.RowwiseParallel{Output: seq}},
+		{Pattern: "h.*.ln2", Style: tp.SequenceParallel{}},
+		{Pattern: "h.*.mlp.fc", Style: tp.ColwiseParallel{}},
+		{Pattern: "h.*.mlp.proj", Style: tp.RowwiseParallel{Output: seq}},
+		{Pattern: "ln_f", Style: tp.SequenceParallel{}},
+		{Pattern: "lm_head", Style: tp.ColwiseParallel{}},
 	}
 }
 
@@ -370,7 +371,7 @@ func (md *Model) Inputs(b tinygpt.Batch, places []placement.Placement) (x, y *au
 // split into H heads of Dh = D/H contiguous channels; attention is causal
 // with scale 1/sqrt(Dh); GELU is the erf form; LayerNorm uses the biased
 // variance and LNEps. Logits sharded on the vocab dim (a colwise
-// lm_head) go to parallel.VocabParallelCrossEntropy on that axis; the
+// lm_head) go to tp.VocabParallelCrossEntropy on that axis; the
 // only communication is what the modules' styles asked for.
 func (md *Model) Forward(ctx context.Context, tape *autograd.Tape, x, y *autograd.Indices) (*autograd.Value, error) {
 	loss, err := md.forward(ctx, tape, x, y)
@@ -461,7 +462,7 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 	names := md.mesh.Names()
 	for a, p := range logits.Spec().Placements() {
 		if p.Dim() == 1 {
-			return parallel.VocabParallelCrossEntropy(ctx, logits, tgt, names[a])
+			return tp.VocabParallelCrossEntropy(ctx, logits, tgt, names[a])
 		}
 	}
 	return autograd.CrossEntropy(logits, tgt)

@@ -13,6 +13,8 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
@@ -100,7 +102,7 @@ func TestBlocksContainerHooksRun(t *testing.T) {
 			return err
 		}
 		n := 0
-		if err := parallel.Parallelize(ctx, md, "tp", parallel.Plan{{Pattern: "h", Style: countInputs{&n}}}); err != nil {
+		if err := tp.Parallelize(ctx, md, "tp", tp.Plan{{Pattern: "h", Style: countInputs{&n}}}); err != nil {
 			return err
 		}
 		x, y, err := md.Inputs(randomBatch(c, 2), nil)
@@ -155,7 +157,7 @@ func TestTrainerDDPOptions(t *testing.T) {
 		})
 		return out
 	}
-	def, tiny := losses(), losses(gpt.WithDDP(parallel.WithFirstBucket(4), parallel.WithBucketCap(4)))
+	def, tiny := losses(), losses(gpt.WithDDP(ddp.WithFirstBucket(4), ddp.WithBucketCap(4)))
 	if len(def) != 3 || !slices.Equal(def, tiny) {
 		t.Errorf("losses with default buckets %v, with one bucket per parameter %v", def, tiny)
 	}

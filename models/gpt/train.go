@@ -13,6 +13,9 @@ import (
 	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/fsdp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -23,11 +26,11 @@ type TrainOption func(*trainConfig)
 type trainConfig struct {
 	dp, tp string
 	fsdp   string
-	fsOpts []parallel.FSDPOption
+	fsOpts []fsdp.Option
 	sp     bool
 	ckpt   []autograd.CheckpointOption
 	ac     bool
-	ddp    []parallel.Option
+	ddp    []ddp.Option
 	tape   []autograd.Option
 	model  []Option
 	run    tinygpt.Config
@@ -52,13 +55,13 @@ func WithSequenceParallel() TrainOption { return func(c *trainConfig) { c.sp = t
 
 // WithFullyShard shards the parameters, gradients and AdamW's state over
 // the named mesh axis (FSDP; ZeRO-3 unless opts say otherwise:
-// parallel.ZeROStage, Reshard, ReshardTo, MixedPrecision, Prefetch): each
+// fsdp.ZeROStage, Reshard, ReshardTo, MixedPrecision, Prefetch): each
 // block is a unit of its own, the root holds the embeddings, the final
 // norm and the head. The batch rows are sharded over it as well, after
 // WithDataParallel's axis, which then becomes HSDP's replicate axis
 // (gradients reduce-scattered over this axis and all-reduced over that
 // one, with no DDP). An axis of size 1 leaves the model unsharded.
-func WithFullyShard(axis string, opts ...parallel.FSDPOption) TrainOption {
+func WithFullyShard(axis string, opts ...fsdp.Option) TrainOption {
 	return func(c *trainConfig) { c.fsdp, c.fsOpts = axis, append(c.fsOpts, opts...) }
 }
 
@@ -72,7 +75,7 @@ func WithCheckpointing(opts ...autograd.CheckpointOption) TrainOption {
 }
 
 // WithDDP adds DDP options (bucket sizes); the axis is WithDataParallel's.
-func WithDDP(opts ...parallel.Option) TrainOption {
+func WithDDP(opts ...ddp.Option) TrainOption {
 	return func(c *trainConfig) { c.ddp = append(c.ddp, opts...) }
 }
 
@@ -124,13 +127,13 @@ type batches interface{ Next() tinygpt.Batch }
 // layout trains on exactly the batches one rank would.
 type Trainer struct {
 	Model   *Model
-	fsdp    *parallel.FSDP
+	fsdp    *fsdp.FSDP
 	mesh    *mesh.Mesh
 	tape    *autograd.Tape
 	meter   memory.Meter
 	params  []*autograd.Value // the leaves the optimizer updates
 	opt     *optim.AdamW
-	ddp     *parallel.DDP
+	ddp     *ddp.DDP
 	sampler batches
 	places  []placement.Placement
 }
@@ -176,8 +179,8 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	if tc.sp && tc.tp == "" {
 		return nil, fmt.Errorf("%w: trainer: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
-	dp, fsdp, tp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1)
-	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: fsdp, TP: tp, SP: tc.sp}); err != nil {
+	dp, nfsdp, ntp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1)
+	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: nfsdp, TP: ntp, SP: tc.sp}); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	// Step ends each step's values before the next forward pass, so the
@@ -194,8 +197,8 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	for i := range tr.places {
 		tr.places[i] = placement.Replicate()
 	}
-	if tp > 1 {
-		if err := parallel.Parallelize(ctx, md, tc.tp, Plan(tc.sp)); err != nil {
+	if ntp > 1 {
+		if err := tp.Parallelize(ctx, md, tc.tp, Plan(tc.sp)); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	}
@@ -208,22 +211,22 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		tr.places[slices.Index(names, tc.dp)] = placement.Shard(0)
 	}
 	switch {
-	case fsdp > 1:
+	case nfsdp > 1:
 		tr.places[slices.Index(names, tc.fsdp)] = placement.Shard(0)
-		fsOpts := []parallel.FSDPOption{parallel.ShardAxis(tc.fsdp)}
+		fsOpts := []fsdp.Option{fsdp.ShardAxis(tc.fsdp)}
 		if dp > 1 {
-			fsOpts = append(fsOpts, parallel.ReplicateAxis(tc.dp))
+			fsOpts = append(fsOpts, fsdp.ReplicateAxis(tc.dp))
 		}
 		var units []string // one unit per block; a model of no blocks has the root alone
 		if len(md.Blocks) > 0 {
 			units = []string{"h.*"}
 		}
-		if tr.fsdp, err = parallel.FullyShard(ctx, md, units, append(fsOpts, tc.fsOpts...)...); err != nil {
+		if tr.fsdp, err = fsdp.FullyShard(ctx, md, units, append(fsOpts, tc.fsOpts...)...); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	case dp > 1:
-		ddpOpts := append(slices.Clone(tc.ddp), parallel.WithAxis(tc.dp), parallel.GradientAsBucketView())
-		if tr.ddp, err = parallel.New(ctx, md.Params(), ddpOpts...); err != nil {
+		ddpOpts := append(slices.Clone(tc.ddp), ddp.WithAxis(tc.dp), ddp.GradientAsBucketView())
+		if tr.ddp, err = ddp.New(ctx, md.Params(), ddpOpts...); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	}
@@ -291,7 +294,7 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (float64, error) {
 			return 0, err
 		}
 	}
-	if err := parallel.ReduceGrads(ctx, tr.params); err != nil {
+	if err := tp.ReduceGrads(ctx, tr.params); err != nil {
 		return 0, err
 	}
 	// The loss is Partial(sum) over the batch-sharding axis: the one

@@ -11,7 +11,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
@@ -69,14 +69,14 @@ func TestTrainerFSDP(t *testing.T) {
 		opts  []gpt.TrainOption
 	}{
 		{"fsdp=2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp")}},
-		{"fsdp=4 reshard 2", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.ReshardTo(2))}},
+		{"fsdp=4 reshard 2", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.ReshardTo(2))}},
 		{"hsdp dp=2×fsdp=2", []int{2, 2}, []string{"dp", "fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithDataParallel("dp"), gpt.WithFullyShard("fsdp")}},
 		{"fsdp=2×tp=2", []int{2, 2}, []string{"fsdp", "tp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp"), gpt.WithTensorParallel("tp")}},
-		{"fsdp=4 no prefetch", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.Prefetch(false))}},
+		{"fsdp=4 no prefetch", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.Prefetch(false))}},
 		{"fsdp=2×tp=2 sp", []int{2, 2}, []string{"fsdp", "tp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp"), gpt.WithTensorParallel("tp"), gpt.WithSequenceParallel()}},
-		{"zero-1", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.ZeROStage(1))}},
-		{"zero-2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.ZeROStage(2), parallel.Reshard(false))}},
-		{"bf16", []int{2}, []string{"fsdp"}, 2e-2, []gpt.TrainOption{gpt.WithFullyShard("fsdp", parallel.MixedPrecision(comm.BFloat16))}},
+		{"zero-1", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.ZeROStage(1))}},
+		{"zero-2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.ZeROStage(2), fsdp.Reshard(false))}},
+		{"bf16", []int{2}, []string{"fsdp"}, 2e-2, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.MixedPrecision(comm.BFloat16))}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			gotL, gotP := trainFull(t, steps, c.shape, c.names, c.opts...)

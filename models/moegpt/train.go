@@ -13,7 +13,8 @@ import (
 	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/optim"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
@@ -22,7 +23,7 @@ type TrainOption func(*trainConfig)
 
 type trainConfig struct {
 	model []Option
-	ddp   []parallel.Option
+	ddp   []ddp.Option
 	tape  []autograd.Option
 	run   tinygpt.Config
 	// random: random tokens (WithRandomTokens) instead of the corpus.
@@ -68,7 +69,7 @@ func WithDevice(d device.Device) TrainOption {
 
 // WithDDP adds options for both DDPs (bucket sizes); the axes are set by
 // the trainer.
-func WithDDP(opts ...parallel.Option) TrainOption {
+func WithDDP(opts ...ddp.Option) TrainOption {
 	return func(c *trainConfig) { c.ddp = append(c.ddp, opts...) }
 }
 
@@ -87,8 +88,8 @@ type Trainer struct {
 	// Model is the model being trained.
 	Model   *Model
 	opt     *optim.AdamW
-	dense   *parallel.DDP // replicated parameters over the ep axis
-	experts *parallel.DDP // expert parameters over the dp axis
+	dense   *ddp.DDP // replicated parameters over the ep axis
+	experts *ddp.DDP // expert parameters over the dp axis
 	sampler batches
 	group   comm.Communicator // the token axes, for the reported scalars
 }
@@ -125,14 +126,14 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	}
 	tr := &Trainer{Model: md}
 	if axisSize(m, ep) > 1 {
-		o := append(slices.Clone(tc.ddp), parallel.WithAxis(ep), parallel.GradientAsBucketView())
-		if tr.dense, err = parallel.New(ctx, md.ReplicatedParams(), o...); err != nil {
+		o := append(slices.Clone(tc.ddp), ddp.WithAxis(ep), ddp.GradientAsBucketView())
+		if tr.dense, err = ddp.New(ctx, md.ReplicatedParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", ep, err)
 		}
 	}
 	if axisSize(m, mo.dp) > 1 {
-		o := append(slices.Clone(tc.ddp), parallel.WithAxis(mo.dp), parallel.GradientAsBucketView())
-		if tr.experts, err = parallel.New(ctx, md.ExpertParams(), o...); err != nil {
+		o := append(slices.Clone(tc.ddp), ddp.WithAxis(mo.dp), ddp.GradientAsBucketView())
+		if tr.experts, err = ddp.New(ctx, md.ExpertParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", mo.dp, err)
 		}
 	}
@@ -266,7 +267,7 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (*StepResult, erro
 	}
 	if err := md.tape.Backward(ctx, out.Loss); err != nil {
 		var errs []error
-		for _, d := range []*parallel.DDP{tr.dense, tr.experts} {
+		for _, d := range []*ddp.DDP{tr.dense, tr.experts} {
 			if d != nil {
 				errs = append(errs, d.Discard(ctx))
 			}
@@ -276,14 +277,14 @@ func (tr *Trainer) step(ctx context.Context, b tinygpt.Batch) (*StepResult, erro
 		}
 		return nil, fmt.Errorf("backward: %w", err)
 	}
-	for _, d := range []*parallel.DDP{tr.dense, tr.experts} {
+	for _, d := range []*ddp.DDP{tr.dense, tr.experts} {
 		if d != nil {
 			if err := d.Finish(ctx); err != nil {
 				return nil, err
 			}
 		}
 	}
-	if err := parallel.ReduceGrads(ctx, md.params); err != nil {
+	if err := tp.ReduceGrads(ctx, md.params); err != nil {
 		return nil, err
 	}
 	if err := comm.AllReduce(ctx, tr.group, comm.Host(shares), comm.Host(shares), comm.Sum); err != nil {

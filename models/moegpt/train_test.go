@@ -10,7 +10,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/moegpt"
-	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/ddp"
 	"github.com/b7ea7098/loom/placement/placementtest"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -77,7 +77,7 @@ func TestLayoutsMatchOneRank(t *testing.T) {
 	for _, l := range []struct {
 		dp, ep int
 		opts   []moegpt.TrainOption
-	}{{1, 2, nil}, {2, 2, nil}, {2, 2, []moegpt.TrainOption{moegpt.WithDDP(parallel.WithFirstBucket(64), parallel.WithBucketCap(64))}}} {
+	}{{1, 2, nil}, {2, 2, nil}, {2, 2, []moegpt.TrainOption{moegpt.WithDDP(ddp.WithFirstBucket(64), ddp.WithBucketCap(64))}}} {
 		got := train(t, cfg, l.dp, l.ep, steps, l.opts...)
 		if len(got) != steps {
 			t.Fatalf("dp=%d ep=%d: %d results", l.dp, l.ep, len(got))
