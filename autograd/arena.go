@@ -42,7 +42,7 @@ type arena struct {
 	out  map[unsafe.Pointer]arenaBuf
 	made int // buffers allocated (not reused) since the arena was made
 	// poison makes recycle fill the op results it takes back with NaN, so
-	// that a read of a recycled value shows (PoisonRecycled).
+	// that a read of a recycled value shows (WithPoisonRecycled).
 	poison bool
 	// tracks lists, per checkpoint being recomputed (innermost last), the
 	// buffers handed out since it started, to take them back when its

@@ -27,7 +27,7 @@ type checkpointConfig struct {
 	keep map[string]bool
 }
 
-// KeepOps makes Checkpoint selective: the results of the region's ops
+// WithKeepOps makes Checkpoint selective: the results of the region's ops
 // named names (as Value.Name names them: "Linear", "MatMul",
 // "BatchedMatMul", "CausalAttention") are kept from the first forward
 // (fused CausalAttention keeps its probabilities as well) and reused when
@@ -35,9 +35,9 @@ type checkpointConfig struct {
 // ops are recomputed. Reuse is implemented by Linear, MatMul,
 // BatchedMatMul and fused CausalAttention; other ops named are kept in
 // the count (ActivationBytes) but recomputed. Gradients are unchanged bit
-// for bit. Options accumulate: KeepOps("Linear"), KeepOps("MatMul") keeps
+// for bit. Options accumulate: WithKeepOps("Linear"), WithKeepOps("MatMul") keeps
 // both.
-func KeepOps(names ...string) CheckpointOption {
+func WithKeepOps(names ...string) CheckpointOption {
 	return func(c *checkpointConfig) {
 		if c.keep == nil {
 			c.keep = map[string]bool{}
@@ -48,12 +48,12 @@ func KeepOps(names ...string) CheckpointOption {
 	}
 }
 
-// KeepMatrixProducts is the usual selective policy: KeepOps("Linear",
+// WithKeepMatrixProducts is the usual selective policy: WithKeepOps("Linear",
 // "MatMul", "BatchedMatMul", "CausalAttention"), the matrix products,
 // whose recomputation costs the most time for the memory they hold; the
 // cheap elementwise and normalisation ops are recomputed.
-func KeepMatrixProducts() CheckpointOption {
-	return KeepOps("Linear", "MatMul", "BatchedMatMul", "CausalAttention")
+func WithKeepMatrixProducts() CheckpointOption {
+	return WithKeepOps("Linear", "MatMul", "BatchedMatMul", "CausalAttention")
 }
 
 // frame is one checkpointed region whose function is running: its first
@@ -174,7 +174,7 @@ type checkpoint struct {
 // Backward. It returns fn's results as values that require grad through
 // that node. It trades compute for memory: what the tape holds for the
 // region between forward and backward is its inputs and outputs (and what
-// KeepOps keeps), not every intermediate result (see ActivationBytes).
+// WithKeepOps keeps), not every intermediate result (see ActivationBytes).
 //
 // The node's inputs are inputs plus every value that requires grad that
 // fn's ops read and that fn did not make: parameter leaves, and values
@@ -194,7 +194,7 @@ type checkpoint struct {
 // same point of its walk.
 //
 // On a tape made WithRecycling the memory of the results fn's ops made in
-// the forward, other than fn's results and what KeepOps kept, goes back to
+// the forward, other than fn's results and what WithKeepOps kept, goes back to
 // the tape as soon as fn returns, and everything the recomputation and
 // its walk took from the tape's arena goes back when the node's backward
 // is over (except the gradients handed on): values made inside fn must not

@@ -271,13 +271,13 @@ func TestCheckpointExact(t *testing.T) {
 	runs := []ckRun{
 		{name: "plain"},
 		{name: "full", wrap: ckOne()},
-		{name: "selective", wrap: ckOne(KeepMatrixProducts())},
-		{name: "keep attention", wrap: ckOne(KeepOps("CausalAttention", "GELU"))},
+		{name: "selective", wrap: ckOne(WithKeepMatrixProducts())},
+		{name: "keep attention", wrap: ckOne(WithKeepOps("CausalAttention", "GELU"))},
 		{name: "nested", wrap: nested()},
-		{name: "nested selective", wrap: nested(KeepOps("Linear"))},
-		{name: "full recycling", opts: []Option{PoisonRecycled()}, wrap: ckOne()},
-		{name: "selective recycling", opts: []Option{PoisonRecycled()}, wrap: ckOne(KeepMatrixProducts())},
-		{name: "plain recycling", opts: []Option{PoisonRecycled()}},
+		{name: "nested selective", wrap: nested(WithKeepOps("Linear"))},
+		{name: "full recycling", opts: []Option{WithPoisonRecycled()}, wrap: ckOne()},
+		{name: "selective recycling", opts: []Option{WithPoisonRecycled()}, wrap: ckOne(WithKeepMatrixProducts())},
+		{name: "plain recycling", opts: []Option{WithPoisonRecycled()}},
 	}
 	simulate(t, []int{1}, func(ctx context.Context, m *mesh.Mesh) error {
 		wantLoss, want, _, plainPeak, err := ckStep(ctx, m, runs[0], layers)
@@ -335,7 +335,7 @@ func TestActivationBytesByHand(t *testing.T) {
 			// next to Scale's 24.
 			{name: "full", ckpt: true, after: 52, pk: 72},
 			// The kept MatMul result (24) is held from the forward on.
-			{name: "keep MatMul", ckpt: true, opts: []CheckpointOption{KeepOps("MatMul")}, after: 76, pk: 76},
+			{name: "keep MatMul", ckpt: true, opts: []CheckpointOption{WithKeepOps("MatMul")}, after: 76, pk: 76},
 		} {
 			tape := NewTape()
 			x0, err := ckParam(tape, m, "x0", []int{2, 3}, 1)
@@ -510,7 +510,7 @@ func TestCheckpointCases(t *testing.T) {
 			runs := 0
 			var opts []CheckpointOption
 			if keep {
-				opts = append(opts, KeepOps("MatMul"))
+				opts = append(opts, WithKeepOps("MatMul"))
 			}
 			outs, err := Checkpoint(ctx, []*Value{x}, func(ctx context.Context, in []*Value) ([]*Value, error) {
 				runs++

@@ -312,9 +312,9 @@ func devCases() []devCase {
 			return autograd.CrossEntropy(in[0], tg)
 		}},
 		{name: "Checkpoint/KeepMatrixProducts", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}},
-			fm: checkpointed(tinyGPT, autograd.KeepMatrixProducts())},
+			fm: checkpointed(tinyGPT, autograd.WithKeepMatrixProducts())},
 		{name: "Checkpoint/KeepOps", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}},
-			fm: checkpointed(tinyGPT, autograd.KeepOps("CausalAttention", "LayerNorm"))},
+			fm: checkpointed(tinyGPT, autograd.WithKeepOps("CausalAttention", "LayerNorm"))},
 		{name: "TinyGPT", shapes: [][]int{{11, 8}, {8}, {8}, {24, 8}, {24}, {8, 8}, {16, 8}, {16}, {8, 16}, {11, 8}}, fm: tinyGPT},
 		{name: "MLP", shapes: [][]int{{4, 6}, {8, 6}, {8}, {6, 8}, {6}, {6}, {6}}, f: func(in []*autograd.Value) (*autograd.Value, error) {
 			h, err := autograd.Linear(in[0], in[1], in[2])
@@ -536,7 +536,7 @@ func forEachDevice(t *testing.T, fn func(ctx context.Context, m *mesh.Mesh, d de
 		for _, mode := range []struct {
 			name string
 			opts []emu.Option
-		}{{"async", nil}, {"sync", []emu.Option{emu.Synchronous()}}} {
+		}{{"async", nil}, {"sync", []emu.Option{emu.WithSynchronous()}}} {
 			d, err := emu.New(0, mode.opts...)
 			if err != nil {
 				return err
@@ -1254,7 +1254,7 @@ func TestDeviceParallel(t *testing.T) {
 				return got
 			}
 			want := run()
-			got := run(placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+			got := run(placementtest.WithDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
 			for r := range want {
 				if err := sameBits(want[r], got[r]); err != nil {
 					t.Errorf("rank %d: %v", r, err)
@@ -1334,7 +1334,7 @@ func TestDeviceParallelMemory(t *testing.T) {
 			}
 		}
 		return nil
-	}, placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+	}, placementtest.WithDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
 }
 
 // TestDeviceAutocastMatchesHost runs every device case under

@@ -54,7 +54,7 @@
 // and every value requiring grad the region read (parameters, captured
 // values), so each leaf's OnGradReady hooks still fire once, after the
 // node's backward. Gradients are bit for bit those without checkpointing.
-// KeepOps (KeepMatrixProducts: Linear, MatMul, BatchedMatMul,
+// WithKeepOps (WithKeepMatrixProducts: Linear, MatMul, BatchedMatMul,
 // CausalAttention) keeps those ops' results from the first run and reuses
 // them in the recompute, looked up by the op's position in the region and
 // checked against its name and spec; a region that runs other ops when
@@ -79,7 +79,7 @@
 // Op results, the loss and leaf gradients are freshly allocated: a user
 // may keep them. A tape made WithRecycling takes op results from its
 // arena as well, for a training loop that declares each step's values
-// dead with Tape.Recycle (PoisonRecycled checks that nothing reads them
+// dead with Tape.Recycle (WithPoisonRecycled checks that nothing reads them
 // afterwards), and writes a leaf's next gradient into the memory ZeroGrad
 // dropped. Custom ops take part through ResultBlock and ScratchBlock. What
 // dies with a pass is recycled by every tape:

@@ -709,7 +709,7 @@ func TestRecycling(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		rec, plain := NewTape(PoisonRecycled()), NewTape()
+		rec, plain := NewTape(WithPoisonRecycled()), NewTape()
 		rps, pps := trainParams(t, rec, m), trainParams(t, plain, m)
 		gradAt := make([]*float32, len(rps))
 		var made int

@@ -282,7 +282,7 @@ func autocastOperands(t *Tape, x, y []float32) ([]float32, []float32) {
 }
 
 // reusedOr returns the result a selective checkpoint kept of op when its
-// region is being recomputed (see KeepOps), and compute's otherwise.
+// region is being recomputed (see WithKeepOps), and compute's otherwise.
 func reusedOr(t *Tape, op string, spec *placement.Spec, compute func() (*placement.DTensor, error)) (*placement.DTensor, error) {
 	if len(t.frames) > 0 {
 		k, err := t.reuse(op, spec)

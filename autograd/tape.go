@@ -88,12 +88,12 @@ func (t *Tape) gemmPrecision(dt comm.DType) device.GemmPrecision {
 	return device.GemmF32
 }
 
-// PoisonRecycled is WithRecycling with a check: Recycle fills the memory
+// WithPoisonRecycled is WithRecycling with a check: Recycle fills the memory
 // it takes back with NaN, so that a value read after its Recycle (through
 // a DTensor kept from it) shows up as NaN rather than as plausible numbers
 // from a later pass. It is for tests and debugging: the filling costs a
 // pass over every result.
-func PoisonRecycled() Option {
+func WithPoisonRecycled() Option {
 	return func(t *Tape) { t.recycling, t.arena.poison = true, true }
 }
 

@@ -68,7 +68,7 @@ func TestAsyncSave(t *testing.T) {
 			root := t.TempDir()
 			var opts []placementtest.Option
 			if c.emu {
-				opts = append(opts, placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+				opts = append(opts, placementtest.WithDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
 			}
 			paths := make([]string, 2)
 			size := prod(c.lay.shape)
@@ -243,7 +243,7 @@ func TestSaverRefuses(t *testing.T) {
 			return err
 		}, "WithMemoryLimit is not an option of Save"},
 		{"negative bound", func() error { _, err := NewSaver(t.TempDir(), WithMemoryLimit(-1)); return err }, "memory limit -1"},
-		{"load option", func() error { _, err := NewSaver(t.TempDir(), OnDevice(nil)); return err }, "OnDevice is not an option of NewSaver"},
+		{"load option", func() error { _, err := NewSaver(t.TempDir(), WithDevice(nil)); return err }, "WithDevice is not an option of NewSaver"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			err := c.err()

@@ -99,7 +99,7 @@ func TestKeepAndLatest(t *testing.T) {
 // and loads them onto emulated devices on another layout, bit for bit.
 func TestEmulatedDevice(t *testing.T) {
 	root := t.TempDir()
-	onEmu := placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) })
+	onEmu := placementtest.WithDevice(func(rank int) (device.Device, error) { return emu.New(rank) })
 	var path string
 	simulate(t, dp2tp2.shape, dp2tp2.axes, func(ctx context.Context, m *mesh.Mesh) error {
 		specs, err := specsOn(m, testTensors, dp2tp2.lay)
@@ -131,7 +131,7 @@ func TestEmulatedDevice(t *testing.T) {
 			return err
 		}
 		dev := placementtest.Device(ctx)
-		st, err := Load(ctx, path, specs, OnDevice(dev))
+		st, err := Load(ctx, path, specs, WithDevice(dev))
 		if err != nil {
 			return err
 		}
@@ -166,7 +166,7 @@ func TestLoadInto(t *testing.T) {
 	for _, dev := range []bool{false, true} {
 		var opts []placementtest.Option
 		if dev {
-			opts = append(opts, placementtest.OnDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+			opts = append(opts, placementtest.WithDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
 		}
 		simulate(t, tp3.shape, tp3.axes, func(ctx context.Context, m *mesh.Mesh) error {
 			specs, err := specsOn(m, zero, tp3.lay)

@@ -216,7 +216,7 @@ func writeTensor(op string, fs files, w *os.File, pos int64, dir string, m *mani
 // with the specs of the tensors it holds; the file's tensor prefix+n fills
 // target n (WithPrefix; the file's tensors without the prefix are
 // ignored; WithReshape reads a tensor of another shape with as many
-// elements as the target's). OnDevice puts the blocks on a device.
+// elements as the target's). WithDevice puts the blocks on a device.
 //
 // A target missing from the file, a tensor of the file (under the prefix)
 // that no rank loads, another shape, or another dtype (targets are F32 or

@@ -273,7 +273,7 @@ func TestExportNumpy(t *testing.T) {
 
 // TestExportRefuses: Export takes no Save-only or Load option.
 func TestExportRefuses(t *testing.T) {
-	for _, o := range []Option{WithKeep(1), OnDevice(nil), WithStep(3)} {
+	for _, o := range []Option{WithKeep(1), WithDevice(nil), WithStep(3)} {
 		err := Export(context.Background(), filepath.Join(t.TempDir(), "x"), State{}, o)
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "not an option of Export") {
 			t.Errorf("got %v, want ErrInvalid: not an option of Export", err)

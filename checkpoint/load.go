@@ -24,7 +24,7 @@ import (
 // tensor of the checkpoint must be some rank's target), reads only the
 // byte ranges its own blocks need (rounded out to the checksum blocks
 // around them, which it verifies), and never holds more of a tensor than
-// its block. OnDevice puts the blocks on a device.
+// its block. WithDevice puts the blocks on a device.
 //
 // Nothing is built until every rank's checks have passed: a missing or
 // extra tensor, another shape or dtype, or a Partial or Routed target is

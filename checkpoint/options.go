@@ -107,12 +107,12 @@ func WithComm(c comm.Communicator) Option {
 	}
 }
 
-// OnDevice places the loaded tensors' local blocks on d (Load); nil, the
+// WithDevice places the loaded tensors' local blocks on d (Load); nil, the
 // default, is the host. The data is read into host memory and copied to
 // the device tensor by tensor.
-func OnDevice(d device.Device) Option {
+func WithDevice(d device.Device) Option {
 	return func(c *config) {
-		c.note("OnDevice", forLoad)
+		c.note("WithDevice", forLoad)
 		c.dev = d
 	}
 }

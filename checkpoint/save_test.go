@@ -194,7 +194,7 @@ func TestSaveRefuses(t *testing.T) {
 		{"entries differ", func(m *mesh.Mesh) (State, error) {
 			return State{Entries: map[string]any{"r": int64(m.Rank())}}, nil
 		}, nil, ErrMismatch, "entries differ"},
-		{"load option", func(*mesh.Mesh) (State, error) { return State{}, nil }, []Option{OnDevice(nil)}, ErrInvalid, "OnDevice is not an option of Save"},
+		{"load option", func(*mesh.Mesh) (State, error) { return State{}, nil }, []Option{WithDevice(nil)}, ErrInvalid, "WithDevice is not an option of Save"},
 		{"negative keep", func(*mesh.Mesh) (State, error) { return State{}, nil }, []Option{WithKeep(-1)}, ErrInvalid, "keep -1"},
 		{"chunk name", func(m *mesh.Mesh) (State, error) {
 			s, _ := placement.NewSpec(m, []int{2}, comm.Float32, []placement.Placement{R})

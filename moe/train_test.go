@@ -33,7 +33,7 @@ func trainMoE(t *testing.T, fx *epFixture, mc epMesh, steps int, lr float64) tra
 	t.Helper()
 	var res trainResult
 	placementtest.Run(t, mc.shape, mc.names, func(ctx context.Context, m *mesh.Mesh) error {
-		tape := autograd.NewTape(autograd.PoisonRecycled())
+		tape := autograd.NewTape(autograd.WithPoisonRecycled())
 		tok := mc.tokenPlaces()
 		wr, err := epValue(tape, m, "Wr", []int{fx.e, fx.d}, replicated(m), fx.wr, true)
 		if err != nil {

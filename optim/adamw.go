@@ -81,7 +81,7 @@ func Update[T Float](c AdamWCoeffs, p, g, m, v []T) error {
 // parameter has its own moments m and v (zero at first) and its own step
 // count t, which starts at 1 and advances only on steps where the
 // parameter has a gradient. A parameter with no gradient is an error,
-// unless the optimizer was made with AllowFrozen: then it is skipped
+// unless the optimizer was made with WithAllowFrozen: then it is skipped
 // entirely, like PyTorch's grad None.
 type AdamW struct {
 	// LR, WeightDecay, Beta1, Beta2 and Eps are the hyper-parameters, as
@@ -101,12 +101,12 @@ type adamState struct {
 }
 
 // adamWOptions are the options NewAdamW takes.
-var adamWOptions = []string{"LR", "Betas", "Eps", "WeightDecay", "AllowFrozen"}
+var adamWOptions = []string{"WithLR", "WithBetas", "WithEps", "WithWeightDecay", "WithAllowFrozen"}
 
 // NewAdamW returns an AdamW optimizer for params (leaves that require
 // grad, each listed once, holding float32 or float64) with PyTorch 1.13's
 // defaults unless opts say otherwise: LR 1e-3, Betas (0.9, 0.999), Eps
-// 1e-8, WeightDecay 0.01, no AllowFrozen. Errors wrap ErrInvalid: a bad
+// 1e-8, WeightDecay 0.01, no WithAllowFrozen. Errors wrap ErrInvalid: a bad
 // parameter list, an option AdamW does not take, or invalid
 // hyper-parameters (NaN and ±Inf always; a negative learning rate or
 // weight decay, a beta outside [0, 1), an ε that is not > 0), naming the
@@ -143,7 +143,7 @@ func (o *AdamW) StepCount(i int) int {
 
 // Step updates every parameter, in place, from the local block of its
 // gradient; a parameter without a gradient is an error naming it, or is
-// skipped with AllowFrozen. Call it after Backward (which leaves the
+// skipped with WithAllowFrozen. Call it after Backward (which leaves the
 // tape empty) and before the next forward pass: it rewrites the leaves'
 // local blocks, which values recorded earlier may share. The gradient's
 // local block must line up with the parameter's: on every mesh axis of

@@ -90,7 +90,7 @@ func TestStepSkipsParamsWithoutGradient(t *testing.T) {
 		rep := []placement.Placement{placement.Replicate()}
 		a := param(t, tape, m, "a", rep, []float32{1, 2})
 		b := param(t, tape, m, "b", rep, []float32{3, 4})
-		opt, err := optim.NewAdamW([]*autograd.Value{a, b}, optim.LR(0.1), optim.WeightDecay(0.01), optim.Betas(0.9, 0.999), optim.Eps(1e-8), optim.AllowFrozen())
+		opt, err := optim.NewAdamW([]*autograd.Value{a, b}, optim.WithLR(0.1), optim.WithWeightDecay(0.01), optim.WithBetas(0.9, 0.999), optim.WithEps(1e-8), optim.WithAllowFrozen())
 		if err != nil {
 			return err
 		}
@@ -155,7 +155,7 @@ func TestStepRejectsPartialGradient(t *testing.T) {
 		if err := tape.Backward(ctx, loss); err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW([]*autograd.Value{w}, optim.LR(0.1), optim.WeightDecay(0), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
+		opt, err := optim.NewAdamW([]*autograd.Value{w}, optim.WithLR(0.1), optim.WithWeightDecay(0), optim.WithBetas(0.9, 0.999), optim.WithEps(1e-8))
 		if err != nil {
 			return err
 		}
@@ -188,15 +188,15 @@ func TestNewAdamWRejects(t *testing.T) {
 			{"duplicate", []*autograd.Value{a, a}, nil, "listed twice"},
 			{"constant", []*autograd.Value{c}, nil, "not a leaf that requires grad"},
 			{"nil parameter", []*autograd.Value{nil}, nil, "parameter 0 is nil"},
-			{"beta1 = 1", []*autograd.Value{a}, []optim.Option{optim.Betas(1, 0.999)}, "Beta1 1: must be in [0, 1)"},
-			{"negative beta2", []*autograd.Value{a}, []optim.Option{optim.Betas(0.9, -0.1)}, "Beta2 -0.1"},
-			{"negative lr", []*autograd.Value{a}, []optim.Option{optim.LR(-1)}, "LR -1"},
-			{"infinite lr", []*autograd.Value{a}, []optim.Option{optim.LR(math.Inf(1))}, "LR +Inf"},
-			{"nan weight decay", []*autograd.Value{a}, []optim.Option{optim.WeightDecay(math.NaN())}, "WeightDecay NaN"},
-			{"zero eps", []*autograd.Value{a}, []optim.Option{optim.Eps(0)}, "Eps 0: must be positive"},
-			{"clip option", []*autograd.Value{a}, []optim.Option{optim.NormType(1)}, "option NormType does not apply"},
-			{"momentum", []*autograd.Value{a}, []optim.Option{optim.Momentum(0.9)}, "option Momentum does not apply"},
-			{"maximize", []*autograd.Value{a}, []optim.Option{optim.Maximize()}, "option Maximize does not apply"},
+			{"beta1 = 1", []*autograd.Value{a}, []optim.Option{optim.WithBetas(1, 0.999)}, "Beta1 1: must be in [0, 1)"},
+			{"negative beta2", []*autograd.Value{a}, []optim.Option{optim.WithBetas(0.9, -0.1)}, "Beta2 -0.1"},
+			{"negative lr", []*autograd.Value{a}, []optim.Option{optim.WithLR(-1)}, "LR -1"},
+			{"infinite lr", []*autograd.Value{a}, []optim.Option{optim.WithLR(math.Inf(1))}, "LR +Inf"},
+			{"nan weight decay", []*autograd.Value{a}, []optim.Option{optim.WithWeightDecay(math.NaN())}, "WeightDecay NaN"},
+			{"zero eps", []*autograd.Value{a}, []optim.Option{optim.WithEps(0)}, "Eps 0: must be positive"},
+			{"clip option", []*autograd.Value{a}, []optim.Option{optim.WithNormType(1)}, "option WithNormType does not apply"},
+			{"momentum", []*autograd.Value{a}, []optim.Option{optim.WithMomentum(0.9)}, "option WithMomentum does not apply"},
+			{"maximize", []*autograd.Value{a}, []optim.Option{optim.WithMaximize()}, "option WithMaximize does not apply"},
 			{"nil option", []*autograd.Value{a}, []optim.Option{nil}, "nil option"},
 		} {
 			_, err := optim.NewAdamW(tc.params, tc.opts...)
@@ -222,14 +222,14 @@ func TestOptimizerDefaults(t *testing.T) {
 		if got, want := [5]float64{adam.LR, adam.Beta1, adam.Beta2, adam.Eps, adam.WeightDecay}, [5]float64{1e-3, 0.9, 0.999, 1e-8, 0.01}; got != want {
 			t.Errorf("AdamW defaults (lr, beta1, beta2, eps, weight_decay) = %v, want %v", got, want)
 		}
-		adam, err = optim.NewAdamW([]*autograd.Value{a}, optim.LR(0), optim.Betas(0.8, 0.99), optim.Eps(1e-6), optim.WeightDecay(0), optim.LR(0.5))
+		adam, err = optim.NewAdamW([]*autograd.Value{a}, optim.WithLR(0), optim.WithBetas(0.8, 0.99), optim.WithEps(1e-6), optim.WithWeightDecay(0), optim.WithLR(0.5))
 		if err != nil {
 			return err
 		}
 		if got, want := [5]float64{adam.LR, adam.Beta1, adam.Beta2, adam.Eps, adam.WeightDecay}, [5]float64{0.5, 0.8, 0.99, 1e-6, 0}; got != want {
 			t.Errorf("AdamW with options = %v, want %v (the last LR wins)", got, want)
 		}
-		if _, err := optim.NewAdamW([]*autograd.Value{a}, optim.LR(0)); err != nil {
+		if _, err := optim.NewAdamW([]*autograd.Value{a}, optim.WithLR(0)); err != nil {
 			t.Errorf("AdamW with lr 0: %v", err)
 		}
 		sgd, err := optim.NewSGD([]*autograd.Value{a}, 0.1)
@@ -239,14 +239,14 @@ func TestOptimizerDefaults(t *testing.T) {
 		if sgd.LR != 0.1 || sgd.Momentum != 0 || sgd.Dampening != 0 || sgd.WeightDecay != 0 || sgd.Nesterov || sgd.Maximize {
 			t.Errorf("SGD defaults: %+v", *sgd)
 		}
-		sgd, err = optim.NewSGD([]*autograd.Value{a}, 0, optim.Momentum(0.9), optim.Nesterov(), optim.WeightDecay(0.1), optim.Maximize())
+		sgd, err = optim.NewSGD([]*autograd.Value{a}, 0, optim.WithMomentum(0.9), optim.WithNesterov(), optim.WithWeightDecay(0.1), optim.WithMaximize())
 		if err != nil {
 			return err
 		}
 		if sgd.LR != 0 || sgd.Momentum != 0.9 || sgd.Dampening != 0 || sgd.WeightDecay != 0.1 || !sgd.Nesterov || !sgd.Maximize {
 			t.Errorf("SGD with options: %+v", *sgd)
 		}
-		for _, o := range []optim.Option{optim.LR(0.1), optim.Betas(0.9, 0.99), optim.Eps(1e-8)} {
+		for _, o := range []optim.Option{optim.WithLR(0.1), optim.WithBetas(0.9, 0.99), optim.WithEps(1e-8)} {
 			if _, err := optim.NewSGD([]*autograd.Value{a}, 0.1, o); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), "does not apply") {
 				t.Errorf("SGD with an AdamW option: %v", err)
 			}

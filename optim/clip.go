@@ -17,26 +17,26 @@ import (
 )
 
 // ClipOption configures ClipGradNorm: it is Option, so that the options
-// ClipGradNorm shares with the optimizers (AllowFrozen) are the same
+// ClipGradNorm shares with the optimizers (WithAllowFrozen) are the same
 // values, and one it does not take is an error.
 type ClipOption = Option
 
 // clipOptions are the options ClipGradNorm takes.
-var clipOptions = []string{"NormType", "ErrorIfNonfinite", "AllowFrozen"}
+var clipOptions = []string{"WithNormType", "WithErrorIfNonfinite", "WithAllowFrozen"}
 
-// NormType sets the norm ClipGradNorm measures: p > 0 for the p-norm
+// WithNormType sets the norm ClipGradNorm measures: p > 0 for the p-norm
 // (Σ|g|^p)^(1/p) over every element of every gradient (default 2),
 // or math.Inf(1) for the largest absolute element.
-func NormType(p float64) ClipOption {
-	return func(c *config) { c.normType = p; c.set("NormType") }
+func WithNormType(p float64) ClipOption {
+	return func(c *config) { c.normType = p; c.set("WithNormType") }
 }
 
-// ErrorIfNonfinite makes ClipGradNorm return an error, without scaling
+// WithErrorIfNonfinite makes ClipGradNorm return an error, without scaling
 // anything, when the total norm is NaN or infinite (PyTorch's
 // error_if_nonfinite=True). Without it such a norm scales the gradients
 // like any other, which turns them into NaN (PyTorch's default).
-func ErrorIfNonfinite() ClipOption {
-	return func(c *config) { c.errNonfinite = true; c.set("ErrorIfNonfinite") }
+func WithErrorIfNonfinite() ClipOption {
+	return func(c *config) { c.errNonfinite = true; c.set("WithErrorIfNonfinite") }
 }
 
 // clipEps is PyTorch's 1e-6 added to the norm before dividing.
@@ -44,12 +44,12 @@ const clipEps = 1e-6
 
 // ClipGradNorm rescales the gradients of params so that their total norm
 // is at most maxNorm, like torch.nn.utils.clip_grad_norm_, and returns the
-// total norm before clipping. The norm (2 by default, see NormType) is
+// total norm before clipping. The norm (2 by default, see WithNormType) is
 // over the global gradient tensors, as if every gradient were gathered on
 // one rank: each distinct element counts once whatever the placement.
 // When maxNorm/(norm + 1e-6) < 1 (or is NaN), every gradient is multiplied
 // by it; otherwise nothing changes. A parameter without a gradient is an
-// error naming it, as in the optimizers' Step, unless AllowFrozen is
+// error naming it, as in the optimizers' Step, unless WithAllowFrozen is
 // given: then it is skipped, and with no gradient at all the norm is 0.
 //
 // Each rank sums |g|^p (or takes max |g|) over its local blocks, in
@@ -71,8 +71,8 @@ const clipEps = 1e-6
 // an error, since its norm is not determined by any rank's block: reduce
 // it first (DDP's all-reduce, FSDP's reduce-scatter). Errors also for a
 // maxNorm that is not positive and finite (0 would zero every gradient),
-// a NormType that is neither positive and finite nor +Inf, an option
-// ClipGradNorm does not take, or (with ErrorIfNonfinite) a non-finite
+// a WithNormType that is neither positive and finite nor +Inf, an option
+// ClipGradNorm does not take, or (with WithErrorIfNonfinite) a non-finite
 // norm; all checks but the last run before any communication,
 // and no gradient changes on an error. Bad arguments wrap ErrInvalid, a
 // non-finite norm ErrNonfinite (a training loop may skip that step).

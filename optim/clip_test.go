@@ -143,7 +143,7 @@ func TestClipGradNormMatchesSerial(t *testing.T) {
 							if clip {
 								maxNorm = want / 4
 							}
-							got, err := optim.ClipGradNorm(ctx, vals, maxNorm, optim.NormType(p), optim.AllowFrozen())
+							got, err := optim.ClipGradNorm(ctx, vals, maxNorm, optim.WithNormType(p), optim.WithAllowFrozen())
 							if err != nil {
 								return err
 							}
@@ -239,7 +239,7 @@ func TestClipGradNormOneAllReducePerAxisSet(t *testing.T) {
 }
 
 // TestClipGradNormRejects: a Partial gradient, bad arguments and (with
-// ErrorIfNonfinite) a non-finite norm are errors that leave every gradient
+// WithErrorIfNonfinite) a non-finite norm are errors that leave every gradient
 // as it was; without the option an infinite norm is returned and scales.
 func TestClipGradNormRejects(t *testing.T) {
 	R, S0 := placement.Replicate(), placement.Shard(0)
@@ -264,9 +264,9 @@ func TestClipGradNormRejects(t *testing.T) {
 		}{
 			{-1, nil, "maxNorm -1: must be positive"},
 			{math.NaN(), nil, "maxNorm NaN: must be positive"},
-			{1, []optim.ClipOption{optim.NormType(0)}, "NormType 0: must be positive"},
-			{1, []optim.ClipOption{optim.NormType(math.Inf(-1))}, "NormType -Inf: must be positive"},
-			{1, []optim.ClipOption{optim.Momentum(0.9)}, "option Momentum does not apply"},
+			{1, []optim.ClipOption{optim.WithNormType(0)}, "NormType 0: must be positive"},
+			{1, []optim.ClipOption{optim.WithNormType(math.Inf(-1))}, "NormType -Inf: must be positive"},
+			{1, []optim.ClipOption{optim.WithMomentum(0.9)}, "option WithMomentum does not apply"},
 		} {
 			if _, err := optim.ClipGradNorm(ctx, vals[:1], c.max, c.opts...); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), c.text) {
 				t.Errorf("maxNorm %v %d options: %v, want %q", c.max, len(c.opts), err, c.text)
@@ -298,7 +298,7 @@ func TestClipGradNormRejects(t *testing.T) {
 			return err
 		}
 		g := inf[0].Grad()
-		if n, err := optim.ClipGradNorm(ctx, inf, 1, optim.ErrorIfNonfinite()); !math.IsInf(n, 1) || !errors.Is(err, optim.ErrNonfinite) || errors.Is(err, optim.ErrInvalid) {
+		if n, err := optim.ClipGradNorm(ctx, inf, 1, optim.WithErrorIfNonfinite()); !math.IsInf(n, 1) || !errors.Is(err, optim.ErrNonfinite) || errors.Is(err, optim.ErrInvalid) {
 			t.Errorf("ErrorIfNonfinite: %v, %v", n, err)
 		}
 		if inf[0].Grad() != g {

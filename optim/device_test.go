@@ -91,19 +91,19 @@ func TestDeviceMatchesHost(t *testing.T) {
 		make     func(ps []*autograd.Value) (stepper, error)
 	}{
 		{"AdamW/f32/clip2", comm.Float32, 2, func(ps []*autograd.Value) (stepper, error) {
-			return optim.NewAdamW(ps, optim.LR(0.01), optim.WeightDecay(0.1))
+			return optim.NewAdamW(ps, optim.WithLR(0.01), optim.WithWeightDecay(0.1))
 		}},
 		{"AdamW/f64/clipInf", comm.Float64, math.Inf(1), func(ps []*autograd.Value) (stepper, error) {
-			return optim.NewAdamW(ps, optim.LR(0.01))
+			return optim.NewAdamW(ps, optim.WithLR(0.01))
 		}},
 		{"SGD/f32/nesterov/clip2", comm.Float32, 2, func(ps []*autograd.Value) (stepper, error) {
-			return optim.NewSGD(ps, 0.05, optim.Momentum(0.9), optim.Nesterov(), optim.WeightDecay(0.01))
+			return optim.NewSGD(ps, 0.05, optim.WithMomentum(0.9), optim.WithNesterov(), optim.WithWeightDecay(0.01))
 		}},
 		{"SGD/f32/dampening/maximize", comm.Float32, 0, func(ps []*autograd.Value) (stepper, error) {
-			return optim.NewSGD(ps, 0.05, optim.Momentum(0.8), optim.Dampening(0.3), optim.Maximize())
+			return optim.NewSGD(ps, 0.05, optim.WithMomentum(0.8), optim.WithDampening(0.3), optim.WithMaximize())
 		}},
 		{"SGD/f64/plain/clip1", comm.Float64, 1, func(ps []*autograd.Value) (stepper, error) {
-			return optim.NewSGD(ps, 0.1, optim.WeightDecay(0.02))
+			return optim.NewSGD(ps, 0.1, optim.WithWeightDecay(0.02))
 		}},
 	}
 	for _, c := range cases {
@@ -192,11 +192,11 @@ func runOnBoth(ctx context.Context, m *mesh.Mesh, dt comm.DType, normType float6
 		}
 		before := d.Memory().Stats()
 		if normType != 0 {
-			hn, err := optim.ClipGradNorm(ctx, hostPs, 0.5, optim.NormType(normType))
+			hn, err := optim.ClipGradNorm(ctx, hostPs, 0.5, optim.WithNormType(normType))
 			if err != nil {
 				return fmt.Errorf("host clip: %w", err)
 			}
-			dn, err := optim.ClipGradNorm(ctx, devPs, 0.5, optim.NormType(normType))
+			dn, err := optim.ClipGradNorm(ctx, devPs, 0.5, optim.WithNormType(normType))
 			if err != nil {
 				return fmt.Errorf("device clip: %w", err)
 			}
@@ -363,7 +363,7 @@ func TestDeviceStateOutOfMemory(t *testing.T) {
 		make   func(ps []*autograd.Value) (stepper, error)
 	}{
 		{"AdamW", 2, 6 << 20, func(ps []*autograd.Value) (stepper, error) { return optim.NewAdamW(ps) }},
-		{"SGD", 3, 8 << 20, func(ps []*autograd.Value) (stepper, error) { return optim.NewSGD(ps, 0.1, optim.Momentum(0.9)) }},
+		{"SGD", 3, 8 << 20, func(ps []*autograd.Value) (stepper, error) { return optim.NewSGD(ps, 0.1, optim.WithMomentum(0.9)) }},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -18,7 +18,7 @@
 //
 // Arguments rejected before anything changed (a bad parameter list,
 // invalid hyper-parameters, an option the optimizer does not take, a
-// parameter without a gradient when AllowFrozen is not given, a gradient
+// parameter without a gradient when WithAllowFrozen is not given, a gradient
 // laid out unlike its parameter) wrap ErrInvalid.
 package optim
 
@@ -28,7 +28,7 @@ var (
 	// ErrInvalid marks arguments rejected before any parameter or
 	// gradient changed; errors.Is(err, loom.ErrInvalid) matches it too.
 	ErrInvalid = loom.NewSentinel("invalid argument", loom.ErrInvalid)
-	// ErrNonfinite is ClipGradNorm's error (with ErrorIfNonfinite) for a
+	// ErrNonfinite is ClipGradNorm's error (with WithErrorIfNonfinite) for a
 	// total gradient norm that is NaN or infinite; no gradient was scaled.
 	ErrNonfinite = loom.NewSentinel("non-finite gradient norm")
 )

@@ -18,19 +18,19 @@ import (
 
 // TestNoGradientIsAnError: a step (AdamW, SGD) or a clip in which a
 // parameter has no gradient fails with ErrInvalid naming it and changes
-// nothing, unless AllowFrozen is given: then the parameter is skipped and
+// nothing, unless WithAllowFrozen is given: then the parameter is skipped and
 // the others are updated.
 func TestNoGradientIsAnError(t *testing.T) {
 	type stepper func(ps []*autograd.Value, opts ...optim.Option) error
 	adamw := func(ps []*autograd.Value, opts ...optim.Option) error {
-		o, err := optim.NewAdamW(ps, append(opts, optim.LR(0.1))...)
+		o, err := optim.NewAdamW(ps, append(opts, optim.WithLR(0.1))...)
 		if err != nil {
 			return err
 		}
 		return o.Step()
 	}
 	sgd := func(ps []*autograd.Value, opts ...optim.Option) error {
-		o, err := optim.NewSGD(ps, 0.1, append(opts, optim.Momentum(0.9))...)
+		o, err := optim.NewSGD(ps, 0.1, append(opts, optim.WithMomentum(0.9))...)
 		if err != nil {
 			return err
 		}
@@ -61,7 +61,7 @@ func TestNoGradientIsAnError(t *testing.T) {
 					ga := a.Grad()
 					var opts []optim.Option
 					if frozen {
-						opts = append(opts, optim.AllowFrozen())
+						opts = append(opts, optim.WithAllowFrozen())
 					}
 					err = tc.step([]*autograd.Value{a, b}, opts...)
 					ad := a.Data().LocalData().([]float32)
@@ -134,7 +134,7 @@ func TestRelayoutAfterFirstStep(t *testing.T) {
 					}
 					run = o.Step
 				case "SGD":
-					o, err := optim.NewSGD([]*autograd.Value{w}, 0.1, optim.Momentum(0.9))
+					o, err := optim.NewSGD([]*autograd.Value{w}, 0.1, optim.WithMomentum(0.9))
 					if err != nil {
 						return err
 					}

@@ -41,17 +41,17 @@ func TestNumericOptions(t *testing.T) {
 		return err
 	}
 	options := []option{
-		{"LR", adamw(optim.LR), zeroOK},
-		{"Beta1", adamw(func(v float64) optim.Option { return optim.Betas(v, 0.999) }), zeroOK},
-		{"Beta2", adamw(func(v float64) optim.Option { return optim.Betas(0.9, v) }), zeroOK},
-		{"Eps", adamw(optim.Eps), func(float64) bool { return false }},
-		{"WeightDecay", adamw(optim.WeightDecay), zeroOK},
+		{"LR", adamw(optim.WithLR), zeroOK},
+		{"Beta1", adamw(func(v float64) optim.Option { return optim.WithBetas(v, 0.999) }), zeroOK},
+		{"Beta2", adamw(func(v float64) optim.Option { return optim.WithBetas(0.9, v) }), zeroOK},
+		{"Eps", adamw(optim.WithEps), func(float64) bool { return false }},
+		{"WeightDecay", adamw(optim.WithWeightDecay), zeroOK},
 		{"LR", func(ps []*autograd.Value, v float64) error { _, err := optim.NewSGD(ps, v); return err }, zeroOK},
-		{"Momentum", sgd(optim.Momentum), zeroOK},
-		{"Dampening", sgd(optim.Dampening), zeroOK},
-		{"WeightDecay", sgd(optim.WeightDecay), zeroOK},
+		{"Momentum", sgd(optim.WithMomentum), zeroOK},
+		{"Dampening", sgd(optim.WithDampening), zeroOK},
+		{"WeightDecay", sgd(optim.WithWeightDecay), zeroOK},
 		{"maxNorm", func(ps []*autograd.Value, v float64) error { return clip(ps, v) }, func(float64) bool { return false }},
-		{"NormType", func(ps []*autograd.Value, v float64) error { return clip(ps, 1, optim.NormType(v)) }, func(v float64) bool { return math.IsInf(v, 1) }},
+		{"NormType", func(ps []*autograd.Value, v float64) error { return clip(ps, 1, optim.WithNormType(v)) }, func(v float64) bool { return math.IsInf(v, 1) }},
 	}
 	placementtest.Run(t, []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		tape := autograd.NewTape()
@@ -79,8 +79,8 @@ func TestNumericOptions(t *testing.T) {
 		}
 		// A dampening of 1 would keep every later gradient out of the
 		// momentum buffer.
-		if _, err := optim.NewSGD(ps, 0.1, optim.Dampening(1)); !errors.Is(err, optim.ErrInvalid) {
-			t.Errorf("Dampening(1): %v, want ErrInvalid", err)
+		if _, err := optim.NewSGD(ps, 0.1, optim.WithDampening(1)); !errors.Is(err, optim.ErrInvalid) {
+			t.Errorf("WithDampening(1): %v, want ErrInvalid", err)
 		}
 		if d := a.Data().LocalData().([]float32); d[0] != 1 || d[1] != 2 {
 			t.Errorf("a rejected option changed the parameter to %v", d)

@@ -11,8 +11,8 @@ import (
 )
 
 // Option configures NewAdamW, NewSGD or ClipGradNorm. Options that mean
-// the same for several (WeightDecay, AllowFrozen) are shared; giving one
-// an option it does not take (Momentum to AdamW, Betas to SGD, NormType
+// the same for several (WeightDecay, WithAllowFrozen) are shared; giving one
+// an option it does not take (Momentum to AdamW, Betas to SGD, WithNormType
 // to an optimizer) is an error wrapping ErrInvalid rather than a setting
 // silently ignored. When an option is given twice, the last one wins.
 type Option func(*config)
@@ -32,50 +32,52 @@ type config struct {
 
 func (c *config) set(name string) { c.given = append(c.given, name) }
 
-// LR sets AdamW's learning rate (default 1e-3, as torch.optim.AdamW), in
+// WithLR sets AdamW's learning rate (default 1e-3, as torch.optim.AdamW), in
 // parameter units per unit of the normalised update. SGD takes its
 // learning rate positionally, as torch.optim.SGD requires one.
-func LR(lr float64) Option { return func(c *config) { c.lr = lr; c.set("LR") } }
+func WithLR(lr float64) Option { return func(c *config) { c.lr = lr; c.set("WithLR") } }
 
-// Betas sets AdamW's moment decay rates β1 and β2, each in [0, 1)
+// WithBetas sets AdamW's moment decay rates β1 and β2, each in [0, 1)
 // (default 0.9 and 0.999, as torch.optim.AdamW).
-func Betas(beta1, beta2 float64) Option {
-	return func(c *config) { c.beta1, c.beta2 = beta1, beta2; c.set("Betas") }
+func WithBetas(beta1, beta2 float64) Option {
+	return func(c *config) { c.beta1, c.beta2 = beta1, beta2; c.set("WithBetas") }
 }
 
-// Eps sets AdamW's ε, added to sqrt(v̂) before dividing (default 1e-8, as
+// WithEps sets AdamW's ε, added to sqrt(v̂) before dividing (default 1e-8, as
 // torch.optim.AdamW). It must be > 0: PyTorch accepts 0, which divides 0
 // by 0 wherever a gradient has always been 0.
-func Eps(eps float64) Option { return func(c *config) { c.eps = eps; c.set("Eps") } }
+func WithEps(eps float64) Option { return func(c *config) { c.eps = eps; c.set("WithEps") } }
 
-// WeightDecay sets the weight decay λ ≥ 0. For AdamW it is decoupled:
+// WithWeightDecay sets the weight decay λ ≥ 0. For AdamW it is decoupled:
 // every step first multiplies the parameter by 1 − lr·λ (default 0.01, as
 // torch.optim.AdamW). For SGD it is coupled L2 regularisation: λ·p is
 // added to the gradient before momentum (default 0, as torch.optim.SGD).
-func WeightDecay(wd float64) Option {
-	return func(c *config) { c.weightDecay = wd; c.set("WeightDecay") }
+func WithWeightDecay(wd float64) Option {
+	return func(c *config) { c.weightDecay = wd; c.set("WithWeightDecay") }
 }
 
-// Momentum sets SGD's momentum factor μ ≥ 0 (default 0: no momentum
+// WithMomentum sets SGD's momentum factor μ ≥ 0 (default 0: no momentum
 // buffer, as torch.optim.SGD).
-func Momentum(mu float64) Option { return func(c *config) { c.momentum = mu; c.set("Momentum") } }
+func WithMomentum(mu float64) Option {
+	return func(c *config) { c.momentum = mu; c.set("WithMomentum") }
+}
 
-// Dampening sets SGD's dampening τ: later steps add (1 − τ)·g to the
+// WithDampening sets SGD's dampening τ: later steps add (1 − τ)·g to the
 // momentum buffer (the first step sets it to g). Default 0, as
 // torch.optim.SGD.
-func Dampening(tau float64) Option {
-	return func(c *config) { c.dampening = tau; c.set("Dampening") }
+func WithDampening(tau float64) Option {
+	return func(c *config) { c.dampening = tau; c.set("WithDampening") }
 }
 
-// Nesterov makes SGD use Nesterov momentum; it needs Momentum > 0 and
+// WithNesterov makes SGD use Nesterov momentum; it needs Momentum > 0 and
 // zero Dampening. Off by default, as torch.optim.SGD.
-func Nesterov() Option { return func(c *config) { c.nesterov = true; c.set("Nesterov") } }
+func WithNesterov() Option { return func(c *config) { c.nesterov = true; c.set("WithNesterov") } }
 
-// Maximize makes SGD ascend the objective instead of descending it. Off
+// WithMaximize makes SGD ascend the objective instead of descending it. Off
 // by default, as torch.optim.SGD.
-func Maximize() Option { return func(c *config) { c.maximize = true; c.set("Maximize") } }
+func WithMaximize() Option { return func(c *config) { c.maximize = true; c.set("WithMaximize") } }
 
-// AllowFrozen lets a parameter have no gradient in a step: AdamW.Step and
+// WithAllowFrozen lets a parameter have no gradient in a step: AdamW.Step and
 // SGD.Step skip it (PyTorch's grad None: no decay, no moment or step
 // count advance) and ClipGradNorm leaves it out of the norm. Without it a
 // parameter with no gradient is an error wrapping ErrInvalid that names
@@ -86,7 +88,7 @@ func Maximize() Option { return func(c *config) { c.maximize = true; c.set("Maxi
 // DDP and FSDP make every rank agree on which parameters have a
 // gradient (one that no rank gave a gradient gets none), so after them
 // it fails alike on every rank.
-func AllowFrozen() Option { return func(c *config) { c.frozen = true; c.set("AllowFrozen") } }
+func WithAllowFrozen() Option { return func(c *config) { c.frozen = true; c.set("WithAllowFrozen") } }
 
 // newConfig applies opts over the defaults d and rejects any option not in
 // takes, naming it.
@@ -112,7 +114,7 @@ func newConfig(op string, d config, takes []string, opts []Option) (config, erro
 }
 
 // noGrad is the error for parameters without a gradient in a step that
-// does not AllowFrozen: names lists them, in list order.
+// does not WithAllowFrozen: names lists them, in list order.
 func noGrad(op string, names []string) error {
 	if len(names) == 0 {
 		return nil
@@ -129,7 +131,7 @@ func noGrad(op string, names []string) error {
 		}
 		what += " (" + strings.Join(q, ", ") + ")"
 	}
-	return fmt.Errorf("optim: %s: %w: %s no gradient: a leaf the model no longer uses (collected before a layout change that replaced it?), a layer the loss does not reach, or a missing DDP or FSDP Finish; give AllowFrozen for parameters frozen on purpose", op, ErrInvalid, what)
+	return fmt.Errorf("optim: %s: %w: %s no gradient: a leaf the model no longer uses (collected before a layout change that replaced it?), a layer the loss does not reach, or a missing DDP or FSDP Finish; give WithAllowFrozen for parameters frozen on purpose", op, ErrInvalid, what)
 }
 
 // sameBlock checks that optimizer state made for p (nil: none yet) still

@@ -35,7 +35,7 @@ func TestAdamWRejectsAnotherShardOrder(t *testing.T) {
 		if err := p.SetGrad(gd); err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW([]*autograd.Value{p}, optim.LR(0.1), optim.WeightDecay(0), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
+		opt, err := optim.NewAdamW([]*autograd.Value{p}, optim.WithLR(0.1), optim.WithWeightDecay(0), optim.WithBetas(0.9, 0.999), optim.WithEps(1e-8))
 		if err != nil {
 			return err
 		}
@@ -60,7 +60,7 @@ func TestAdamWStepChecksHyperparamsAndStepCountRange(t *testing.T) {
 		tape := autograd.NewTape()
 		p, _ := tape.Param("p", pd)
 		_ = p.SetGrad(gd)
-		opt, _ := optim.NewAdamW([]*autograd.Value{p}, optim.LR(0.1), optim.WeightDecay(0), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
+		opt, _ := optim.NewAdamW([]*autograd.Value{p}, optim.WithLR(0.1), optim.WithWeightDecay(0), optim.WithBetas(0.9, 0.999), optim.WithEps(1e-8))
 		opt.Beta1 = 1 // "may be changed between steps"
 		if err := opt.Step(); err == nil {
 			return fmt.Errorf("Beta1=1 accepted by Step; parameter now %v", p.Data().LocalData())

@@ -25,7 +25,7 @@ import (
 // Like AdamW it works on each rank's local blocks, so parameters of any
 // placement are updated in place from the matching block of their
 // gradient, and it never communicates. A parameter without a gradient is
-// an error, unless the optimizer was made with AllowFrozen: then it is
+// an error, unless the optimizer was made with WithAllowFrozen: then it is
 // skipped entirely (PyTorch's grad None), its momentum buffer neither
 // decaying nor starting. Float32 parameters are updated in float32 arithmetic
 // (each coefficient rounded once), float64 in float64.
@@ -43,13 +43,13 @@ type SGD struct {
 }
 
 // sgdOptions are the options NewSGD takes.
-var sgdOptions = []string{"Momentum", "Dampening", "WeightDecay", "Nesterov", "Maximize", "AllowFrozen"}
+var sgdOptions = []string{"WithMomentum", "WithDampening", "WithWeightDecay", "WithNesterov", "WithMaximize", "WithAllowFrozen"}
 
 // NewSGD returns an SGD optimizer for params (leaves that require grad,
 // each listed once, holding float32 or float64) with learning rate lr ≥ 0
 // (required, as in torch.optim.SGD) and PyTorch 1.13's defaults unless
 // opts say otherwise: Momentum 0, Dampening 0, WeightDecay 0, no
-// Nesterov, no Maximize, no AllowFrozen. Errors wrap ErrInvalid: a bad
+// Nesterov, no Maximize, no WithAllowFrozen. Errors wrap ErrInvalid: a bad
 // parameter list, an option SGD does not take, or hyper-parameters
 // torch.optim.SGD rejects (negative learning rate, momentum or weight
 // decay; Nesterov without momentum or with dampening), NaN or ±Inf, or a
@@ -102,7 +102,7 @@ func (o *SGD) HasMomentumBuffer(i int) bool {
 
 // Step updates every parameter, in place, from the local block of its
 // gradient; a parameter without a gradient is an error naming it, or is
-// skipped with AllowFrozen. Call it after Backward and before the next
+// skipped with WithAllowFrozen. Call it after Backward and before the next
 // forward pass, as for AdamW. The gradient's local block must line up
 // with the parameter's (on every mesh axis of size > 1 both sharded on the
 // same dim, in the same shard order, or neither) and must not be Partial:

@@ -29,19 +29,19 @@ type sgdHyper struct {
 func (h sgdHyper) opts() []optim.Option {
 	var o []optim.Option
 	if h.Momentum != 0 {
-		o = append(o, optim.Momentum(h.Momentum))
+		o = append(o, optim.WithMomentum(h.Momentum))
 	}
 	if h.Dampening != 0 {
-		o = append(o, optim.Dampening(h.Dampening))
+		o = append(o, optim.WithDampening(h.Dampening))
 	}
 	if h.WeightDecay != 0 {
-		o = append(o, optim.WeightDecay(h.WeightDecay))
+		o = append(o, optim.WithWeightDecay(h.WeightDecay))
 	}
 	if h.Nesterov {
-		o = append(o, optim.Nesterov())
+		o = append(o, optim.WithNesterov())
 	}
 	if h.Maximize {
-		o = append(o, optim.Maximize())
+		o = append(o, optim.WithMaximize())
 	}
 	return o
 }
@@ -139,7 +139,7 @@ func runSGD(t *testing.T, ctx context.Context, m *mesh.Mesh, dt comm.DType, cfg 
 		}
 		specs[i] = s
 	}
-	opt, err := optim.NewSGD(vals, cfg.LR, append(cfg.opts(), optim.AllowFrozen())...)
+	opt, err := optim.NewSGD(vals, cfg.LR, append(cfg.opts(), optim.WithAllowFrozen())...)
 	if err != nil {
 		return err
 	}
@@ -264,7 +264,7 @@ func TestSGDSkipKeepsMomentum(t *testing.T) {
 		rep := []placement.Placement{placement.Replicate()}
 		a := param(t, tape, m, "a", rep, []float32{1, 2})
 		b := param(t, tape, m, "b", rep, []float32{3, 4})
-		opt, err := optim.NewSGD([]*autograd.Value{a, b}, 0.5, optim.Momentum(0.9), optim.WeightDecay(0.1), optim.AllowFrozen())
+		opt, err := optim.NewSGD([]*autograd.Value{a, b}, 0.5, optim.WithMomentum(0.9), optim.WithWeightDecay(0.1), optim.WithAllowFrozen())
 		if err != nil {
 			return err
 		}

@@ -15,8 +15,8 @@ import (
 // autograd.Checkpoint with opts: it installs an Around wrapper (OnAround),
 // so the module's input hooks and computation save no activations and are
 // recomputed during backward, while its enter and output hooks run once,
-// outside the region. Pass autograd.KeepMatrixProducts() (or
-// autograd.KeepOps) for selective checkpointing.
+// outside the region. Pass autograd.WithKeepMatrixProducts() (or
+// autograd.WithKeepOps) for selective checkpointing.
 //
 // It composes with the other parallelisms: with Parallelize (before or
 // after it: the redistributions a style installs inside the module are

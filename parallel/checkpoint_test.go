@@ -121,14 +121,14 @@ func ckGrads(t *testing.T, dp, tpn int, sp bool, ck string) (map[string][]float3
 	var peak int64
 	grads, fired := map[string][]float32{}, map[string]int{}
 	err := placementtest.Simulate(context.Background(), []int{dp, tpn}, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
-		tape := autograd.NewTape(autograd.PoisonRecycled())
+		tape := autograd.NewTape(autograd.WithPoisonRecycled())
 		net, err := newCkNet(tape, m)
 		if err != nil {
 			return err
 		}
 		var opts []autograd.CheckpointOption
 		if ck == "selective" {
-			opts = append(opts, autograd.KeepMatrixProducts())
+			opts = append(opts, autograd.WithKeepMatrixProducts())
 		}
 		if ck == "full before tp" {
 			if err := parallel.Checkpoint(net, []string{"h.*"}); err != nil {

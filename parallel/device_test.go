@@ -36,7 +36,7 @@ type devRun struct {
 	ckpt    bool // activation checkpointing of attn and mlp
 	head    bool // a colwise lm head and VocabParallelCrossEntropy (tp > 1)
 	accum   bool // each step a micro-batch under NoSync, then a synced one
-	scale   bool // DDP's Average and SetScale(0.5): gradients scaled into the buckets
+	scale   bool // DDP's WithAverage and SetScale(0.5): gradients scaled into the buckets
 	vocab   int  // the head's outputs (0: headVocab)
 	steps   int
 }
@@ -231,10 +231,10 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 	}
 	dopts := []ddp.Option{ddp.WithFirstBucket(4 * ptest.BlkD), ddp.WithBucketCap(4 * ptest.BlkD * ptest.BlkF)}
 	if c.views {
-		dopts = append(dopts, ddp.GradientAsBucketView())
+		dopts = append(dopts, ddp.WithGradientAsBucketView())
 	}
 	if c.scale {
-		dopts = append(dopts, ddp.Average())
+		dopts = append(dopts, ddp.WithAverage())
 	}
 	dd, err := ddp.New(ctx, params, dopts...)
 	if err != nil {
@@ -246,7 +246,7 @@ func (c devRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (devTr
 			return tr, err
 		}
 	}
-	opt, err := optim.NewSGD(params, 0.05, optim.Momentum(0.9))
+	opt, err := optim.NewSGD(params, 0.05, optim.WithMomentum(0.9))
 	if err != nil {
 		return tr, err
 	}
@@ -465,7 +465,7 @@ func TestDeviceRejects(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				_, err = fsdp.FullyShard(ctx, &parallel.MLP{FC: fc, Proj: proj}, []string{"fc", "proj"}, fsdp.ShardAxis("dp"))
+				_, err = fsdp.FullyShard(ctx, &parallel.MLP{FC: fc, Proj: proj}, []string{"fc", "proj"}, fsdp.WithShardAxis("dp"))
 				return err
 			},
 			is:   []error{fsdp.ErrInvalid, device.ErrMixed},
@@ -529,7 +529,7 @@ func TestDeviceRejects(t *testing.T) {
 					}
 				}
 				return nil
-			}, placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) }))
+			}, placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) }))
 		})
 	}
 }
@@ -541,11 +541,11 @@ func TestDeviceRejects(t *testing.T) {
 type fsdpDevRun struct {
 	fsdp, tp int
 	rep      int // HSDP's replicas (0: none)
-	to       int // ReshardTo(to) (0: none)
+	to       int // WithReshardTo(to) (0: none)
 	stage    int
-	mp       bool // MixedPrecision(bfloat16)
+	mp       bool // WithMixedPrecision(bfloat16)
 	prefetch bool
-	reshard  bool // Reshard(false) when not set
+	reshard  bool // WithReshard(false) when not set
 	accum    bool // a NoSync micro-batch before the synced one
 	twice    bool // a synced pass before the last one (no Finish between)
 	head     int  // a colwise lm head of this many outputs and VocabParallelCrossEntropy (tp > 1)
@@ -597,15 +597,15 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 			return tr, err
 		}
 	}
-	opts := []fsdp.Option{fsdp.ShardAxis("dp"), fsdp.ZeROStage(c.stage), fsdp.Prefetch(c.prefetch), fsdp.Reshard(c.reshard), fsdp.Average()}
+	opts := []fsdp.Option{fsdp.WithShardAxis("dp"), fsdp.WithZeROStage(c.stage), fsdp.WithPrefetch(c.prefetch), fsdp.WithReshard(c.reshard), fsdp.WithAverage()}
 	if c.rep > 0 {
-		opts = append(opts, fsdp.ReplicateAxis("rep"))
+		opts = append(opts, fsdp.WithReplicateAxis("rep"))
 	}
 	if c.to > 0 {
-		opts = append(opts, fsdp.ReshardTo(c.to))
+		opts = append(opts, fsdp.WithReshardTo(c.to))
 	}
 	if c.mp {
-		opts = append(opts, fsdp.MixedPrecision(comm.BFloat16))
+		opts = append(opts, fsdp.WithMixedPrecision(comm.BFloat16))
 	}
 	f, err := fsdp.FullyShard(ctx, root, units, opts...)
 	if err != nil {
@@ -613,7 +613,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 	}
 	defer f.Close()
 	params := f.Params()
-	opt, err := optim.NewSGD(params, 0.05, optim.Momentum(0.9))
+	opt, err := optim.NewSGD(params, 0.05, optim.WithMomentum(0.9))
 	if err != nil {
 		return tr, err
 	}
@@ -699,7 +699,7 @@ func (c fsdpDevRun) train(ctx context.Context, m *mesh.Mesh, d device.Device) (d
 }
 
 // TestFSDPDeviceMatchesHost: FSDP (ZeRO-1, 2 and 3, with and without
-// prefetch and resharding, ReshardTo, HSDP, bfloat16 MixedPrecision,
+// prefetch and resharding, WithReshardTo, HSDP, bfloat16 WithMixedPrecision,
 // NoSync accumulation and passes without Finish, with tensor parallelism)
 // trains the constructed block on emulated
 // devices exactly as on the host: every loss and parameter after every

@@ -12,9 +12,9 @@
 //     (fsdp.FullyShard).
 //
 // Use this package to build a model and to write modules of your own; use
-// the others to distribute it. The README's "A first program" and
-// examples/mlp show the whole path, and parallel/tp's Example builds an MLP
-// from these constructors.
+// the others to distribute it. ExampleNewSequential builds a model, walks
+// its paths and runs it; the README's "A first program" and examples/mlp
+// show the whole path to a trained, distributed model.
 //
 // A parallelism acts on modules through their Hooks (Boundary): an enter
 // hook, input and output hooks and Around wrappers that Hooks.Run calls
@@ -56,7 +56,7 @@
 // autograd.Checkpoint, through an Around wrapper: the module's input hooks
 // and computation keep no activations and are recomputed during backward,
 // with gradients identical bit for bit; its enter and output hooks run
-// once, outside. autograd.KeepMatrixProducts() makes it selective (the
+// once, outside. autograd.WithKeepMatrixProducts() makes it selective (the
 // matrix products' results are kept, the rest recomputed). It composes
 // with Parallelize (in either order), DDP (each hook fires once, after the
 // checkpointed module's backward) and FSDP (Tape.Recomputing tells a hook

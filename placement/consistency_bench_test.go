@@ -15,7 +15,7 @@ import (
 
 // BenchmarkRedistributeConsistency times the Redistribute of a small
 // tensor (a [16 16] float32 Shard(0) -> Replicate all-gather) on a 1-D
-// mesh of p ranks, with and without CheckConsistency, to price the check:
+// mesh of p ranks, with and without WithCheckConsistency, to price the check:
 // the difference is its one all-gather of 16 bytes per rank. Plans come
 // from a cache in both, so only the check differs.
 //
@@ -26,7 +26,7 @@ func BenchmarkRedistributeConsistency(b *testing.B) {
 			b.Run(fmt.Sprintf("p=%d/check=%v", p, check), func(b *testing.B) {
 				var opts []placement.PlannerOption
 				if check {
-					opts = append(opts, placement.CheckConsistency())
+					opts = append(opts, placement.WithCheckConsistency())
 				}
 				planner := placement.NewPlanner(nil, opts...)
 				wd, err := local.NewWorld(p, local.WithCostModel(comm.BuiltinCostModel()))

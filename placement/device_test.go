@@ -116,14 +116,14 @@ func TestToAndNewLocalOn(t *testing.T) {
 
 // TestDeviceConstructors: every way in and out of a DTensor on an
 // emulated device per rank: FromFull, FromRoot and FromLocal with
-// OnDevice, FromLocal of a device buffer (copied on the device), Full
+// WithDevice, FromLocal of a device buffer (copied on the device), Full
 // back to the host, and the errors that name the device; with empty
 // shards and a tensor with no elements.
 func TestDeviceConstructors(t *testing.T) {
-	onEmu := placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })
+	onEmu := placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) })
 	placementtest.Run(t, []int{2, 2}, []string{"a", "b"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d := placementtest.Device(ctx)
-		on := placement.OnDevice(d)
+		on := placement.WithDevice(d)
 		for _, tc := range []struct {
 			shape  []int
 			places []placement.Placement
@@ -226,11 +226,11 @@ func TestDeviceConstructors(t *testing.T) {
 }
 
 // TestDeviceExecute: Execute on a device allocates its result on the
-// device, never returns its input unless ReuseInput (then a reduction
+// device, never returns its input unless WithReuseInput (then a reduction
 // runs in place, in the input's buffer), leaves nothing allocated but its
 // result, and Inner and ExtremumGrad refuse tensors on two devices.
 func TestDeviceExecute(t *testing.T) {
-	onEmu := placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })
+	onEmu := placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) })
 	placementtest.Run(t, []int{3}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d := placementtest.Device(ctx)
 		var p placement.Planner
@@ -263,7 +263,7 @@ func TestDeviceExecute(t *testing.T) {
 		if err := placementtest.CheckFull(ctx, y, full, 1e-12); err != nil {
 			return err
 		}
-		z, err := p.Execute(ctx, pl, x, nil, placement.ReuseInput())
+		z, err := p.Execute(ctx, pl, x, nil, placement.WithReuseInput())
 		if err != nil {
 			return err
 		}
@@ -290,7 +290,7 @@ func TestDeviceExecute(t *testing.T) {
 			return fmt.Errorf("Inner on two devices: %v", err)
 		}
 		mspec, _ := src.With([]placement.Placement{Pmax})
-		xm, err := placement.FromFull(mspec, full, placement.OnDevice(d))
+		xm, err := placement.FromFull(mspec, full, placement.WithDevice(d))
 		if err != nil {
 			return err
 		}
@@ -311,14 +311,14 @@ func TestDeviceExecute(t *testing.T) {
 // to the allocator: the device holds after the error exactly what it held
 // before the call.
 func TestDeviceExtremumGradErrorFrees(t *testing.T) {
-	onEmu := placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })
+	onEmu := placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) })
 	placementtest.Run(t, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d := placementtest.Device(ctx)
 		var p placement.Planner
 		full := placementtest.Random([]int{4, 3}, comm.Float32, 5)
 		mspec, _ := placement.NewSpec(m, []int{4, 3}, comm.Float32, []placement.Placement{Pmax})
 		rspec, _ := mspec.With([]placement.Placement{R})
-		x, err := placement.FromFull(mspec, full, placement.OnDevice(d))
+		x, err := placement.FromFull(mspec, full, placement.WithDevice(d))
 		if err != nil {
 			return err
 		}
@@ -326,7 +326,7 @@ func TestDeviceExtremumGradErrorFrees(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		g, err := placement.FromFull(rspec, full, placement.OnDevice(d))
+		g, err := placement.FromFull(rspec, full, placement.WithDevice(d))
 		if err != nil {
 			return err
 		}

@@ -139,11 +139,11 @@ type localConfig struct {
 	set bool
 }
 
-// OnDevice places the tensor's local block on d (nil: the host): the
+// WithDevice places the tensor's local block on d (nil: the host): the
 // block is cut out on the host as without the option, then copied to d
 // (DTensor.To). Without it the block stays where its data is: on the
 // host, or for FromLocal on the device of a device buffer.
-func OnDevice(d device.Device) LocalOption {
+func WithDevice(d device.Device) LocalOption {
 	return func(c *localConfig) { c.dev, c.set = d, true }
 }
 
@@ -179,7 +179,7 @@ func checkOptions(op string, opts []LocalOption) error {
 // 0). Each rank copies its block, with no communication; full is not
 // retained. On a Partial(sum) axis the rank at coordinate 0 keeps the
 // value and the others hold zeros; on Partial(avg|max|min) every rank
-// keeps it. OnDevice places the block on a device; full is host data
+// keeps it. WithDevice places the block on a device; full is host data
 // either way. Errors wrap ErrInvalid (ErrUnsupported for Routed specs).
 func FromFull(spec *Spec, full any, opts ...LocalOption) (*DTensor, error) {
 	const op = "FromFull"
@@ -198,9 +198,9 @@ func FromFull(spec *Spec, full any, opts ...LocalOption) (*DTensor, error) {
 	var t *DTensor
 	switch d := full.(type) {
 	case []float32:
-		t = newDTensor(spec, sliceFull(spec, d))
+		t = newDTensor(spec, sliceFull(spec, permuteFull(spec.l, d)))
 	default:
-		t = newDTensor(spec, sliceFull(spec, d.([]float64)))
+		t = newDTensor(spec, sliceFull(spec, permuteFull(spec.l, d.([]float64))))
 	}
 	return place(op, t, opts)
 }
@@ -240,7 +240,7 @@ func zeroPartialSum[T elem](l *layout, coord []int, data []T) {
 // only). Partial axes follow FromFull's rule. Root checks full's length and
 // element type and tells every rank the verdict before any data moves, so
 // a bad tensor is an error everywhere. full is host data (a device
-// buffer is refused, naming its device); OnDevice places the block on a
+// buffer is refused, naming its device); WithDevice places the block on a
 // device once it has arrived.
 func FromRoot(ctx context.Context, spec *Spec, full any, root int, opts ...LocalOption) (*DTensor, error) {
 	const op = "FromRoot"
@@ -323,6 +323,7 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 	var send []T
 	if m.Rank() == root {
 		send = make([]T, p*maxBox) // FromRoot checked the product
+		full = permuteFull(l, full)
 		for r := range p {
 			off, sz := boxOf(l.shape, l.mshape, l.order, unravel(r, l.mshape))
 			kernels.CopyBox(send[r*maxBox:], sz, make([]int, len(sz)), full, l.shape, off, sz)
@@ -364,7 +365,7 @@ func scatterBlock(l *layout) int {
 // this rank's block is checked. NewLocal wraps a block without copying.
 // local may also be a device.Buffer of a device other than the host, of
 // the spec's dtype and local length: the copy is then made on that
-// device. OnDevice places the copy on a device.
+// device. WithDevice places the copy on a device.
 func FromLocal(ctx context.Context, spec *Spec, local any, check bool, opts ...LocalOption) (*DTensor, error) {
 	const op = "FromLocal"
 	if spec == nil {
@@ -588,18 +589,18 @@ func WithAllocator(a Allocator) ExecuteOption {
 	return func(c *executeConfig) { c.alloc = a }
 }
 
-// ReuseInput lets Execute write its result over t's local block, so that a
+// WithReuseInput lets Execute write its result over t's local block, so that a
 // reduction such as Partial(sum) -> Replicate all-reduces in place and
 // allocates nothing. The caller gives t up: after the call its data is
 // undefined, and the result may share its memory.
-func ReuseInput() ExecuteOption {
+func WithReuseInput() ExecuteOption {
 	return func(c *executeConfig) { c.reuse = true }
 }
 
 // Execute applies a plan to t, which must be laid out as the plan's
 // source; dst is the destination mesh (t's own mesh unless the plan is
 // cross-mesh; nil means t's mesh). Autograd uses it to run backward plans.
-// The result never shares memory with t, unless ReuseInput says it may.
+// The result never shares memory with t, unless WithReuseInput says it may.
 func (p *Planner) Execute(ctx context.Context, pl *Plan, t *DTensor, dst *mesh.Mesh, opts ...ExecuteOption) (*DTensor, error) {
 	const op = "Execute"
 	var cfg executeConfig

@@ -156,7 +156,7 @@ func TestFromLocalCheck(t *testing.T) {
 	// The planner's consistency check catches ranks asking for different
 	// destinations.
 	_ = placementtest.Simulate(context.Background(), []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
-		p := placement.NewPlanner(nil, placement.CheckConsistency())
+		p := placement.NewPlanner(nil, placement.WithCheckConsistency())
 		src, _ := placement.NewSpec(m, []int{4}, comm.Float64, []placement.Placement{S0})
 		dp := R
 		if m.Rank() == 1 {

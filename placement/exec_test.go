@@ -97,7 +97,7 @@ func start(b any) unsafe.Pointer {
 // although every buffer starts as NaN, must sit in a buffer handed out as
 // a result (unless a cross-mesh step made it), and must survive the
 // temporaries and the input being overwritten after the call. With
-// ReuseInput the result must be right too, and a reduction to Replicate
+// WithReuseInput the result must be right too, and a reduction to Replicate
 // must run in the input's memory without asking for any buffer.
 func TestExecuteWithAllocator(t *testing.T) {
 	cases := []struct {
@@ -158,7 +158,7 @@ func redistributeInto(ctx context.Context, p *placement.Planner, src, dst *place
 	var al poisonAllocator
 	opts := []placement.ExecuteOption{placement.WithAllocator(&al)}
 	if reuse {
-		opts = append(opts, placement.ReuseInput())
+		opts = append(opts, placement.WithReuseInput())
 	}
 	inData := in.LocalData()
 	out, err := p.Execute(ctx, pl, in, nil, opts...)

@@ -86,7 +86,7 @@ func checkExtremumGrad(ctx context.Context, m *mesh.Mesh, src, dst []placement.P
 	for i := range local {
 		local[i] = levels[(i*7+q)%3]
 	}
-	on := placement.OnDevice(placementtest.Device(ctx))
+	on := placement.WithDevice(placementtest.Device(ctx))
 	x, err := placement.FromLocal(ctx, spec, local, false, on)
 	if err != nil {
 		return err

@@ -105,7 +105,7 @@ var devices = []struct {
 	opts []placementtest.Option
 }{
 	{"host", nil},
-	{"emu", []placementtest.Option{placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })}},
+	{"emu", []placementtest.Option{placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) })}},
 }
 
 // onDevice copies a host tensor to the rank's device (itself on the

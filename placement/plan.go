@@ -40,6 +40,10 @@ const (
 	// ranks, and the planner's alternative to several per-axis collectives
 	// for misaligned nested shards.
 	StepDirect
+	// StepPermute: a local reorder of dims that every rank holds whole,
+	// between the orders of two load-balanced (ShardBalanced) layouts, or
+	// one and the natural order.
+	StepPermute
 )
 
 // String names the step kind as plans print it.
@@ -61,6 +65,8 @@ func (k StepKind) String() string {
 		return "shard-to-partial(local)"
 	case StepDirect:
 		return "direct alltoallv"
+	case StepPermute:
+		return "permute(local)"
 	}
 	return fmt.Sprintf("step(%d)", uint8(k))
 }
@@ -97,6 +103,7 @@ type Step struct {
 
 	pre   *state     // the layout before the step
 	cross *crossData // the schedule of a cross-mesh step
+	perm  []dimPerm  // the reorders of a StepPermute
 }
 
 // Plan is a redistribution from one layout to another: a list of steps.
@@ -207,7 +214,7 @@ type Planner struct {
 // PlannerOption configures NewPlanner.
 type PlannerOption func(*Planner)
 
-// CheckConsistency makes Redistribute and Execute compare the source and
+// WithCheckConsistency makes Redistribute and Execute compare the source and
 // destination specs across the mesh (one small all-gather of fingerprints)
 // before any tensor data moves, so ranks that disagree get ErrMismatch
 // instead of a hang or wrong data. It costs one collective per call, an
@@ -217,7 +224,7 @@ type PlannerOption func(*Planner)
 // a 2-core machine; BenchmarkRedistributeConsistency). It is off by
 // default for that reason: a step of many small redistributes pays it on
 // each.
-func CheckConsistency() PlannerOption { return func(p *Planner) { p.check = true } }
+func WithCheckConsistency() PlannerOption { return func(p *Planner) { p.check = true } }
 
 // NewPlanner returns a planner that prices steps with model; a nil model
 // means no time estimates.
@@ -298,8 +305,14 @@ func makePlan(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 		return nil, unsupportedf(op, "Routed placements (%v -> %v) are moved by the MoE dispatch and combine of the moe package, not by Redistribute", src.places, dst.places)
 	}
 	pl := &Plan{src: src, dst: dst, cross: -1}
+	if (src.hasPerm() || dst.hasPerm()) && !src.sameMesh(dst) {
+		return nil, unsupportedf(op, "a load-balanced layout (%v -> %v) changes mesh through a plain Shard or Replicate on its own mesh first", src.places, dst.places)
+	}
 	if !src.sameMesh(dst) {
 		return planDirect(src, dst, model)
+	}
+	if !slices.Equal(src.permKs(), dst.permKs()) {
+		return planPermute(src, dst, model)
 	}
 	steps, err := planAxes(newState(src), newState(dst), src, model)
 	if err != nil {

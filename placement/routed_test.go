@@ -107,7 +107,7 @@ func TestRoutedRows(t *testing.T) {
 			return fmt.Errorf("specs with rows [1 1 1] and [3 0 0] are equal")
 		}
 		return nil
-	}, placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) }))
+	}, placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) }))
 	if err != nil {
 		t.Fatal(err)
 	}

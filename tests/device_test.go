@@ -145,7 +145,7 @@ func TestDeviceMatchesHost(t *testing.T) {
 		build  func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error)
 	}{
 		{"gpt dp2×tp2", []int{2, 2}, []string{"dp", "tp"}, 2, gptRun(gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"))},
-		{"gpt fsdp4 bf16", []int{4}, []string{"fsdp"}, 2, gptRun(gpt.WithFullyShard("fsdp", fsdp.MixedPrecision(comm.BFloat16)))},
+		{"gpt fsdp4 bf16", []int{4}, []string{"fsdp"}, 2, gptRun(gpt.WithFullyShard("fsdp", fsdp.WithMixedPrecision(comm.BFloat16)))},
 		{"moegpt ep2", []int{2}, []string{"ep"}, steps, moeRun(0)},
 		{"moegpt ep2 capacity", []int{2}, []string{"ep"}, 2, moeRun(1.25)},
 		// -mp bf16 without FSDP (autocast): the host rounds GEMM
@@ -153,7 +153,7 @@ func TestDeviceMatchesHost(t *testing.T) {
 		{"gpt dp2×tp2 sp autocast", []int{2, 2}, []string{"dp", "tp"}, 2,
 			gptRun(gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"), gpt.WithSequenceParallel(), autocast)},
 		{"gpt fsdp4 bf16 autocast", []int{4}, []string{"fsdp"}, 2,
-			gptRun(gpt.WithFullyShard("fsdp", fsdp.MixedPrecision(comm.BFloat16)), autocast)},
+			gptRun(gpt.WithFullyShard("fsdp", fsdp.WithMixedPrecision(comm.BFloat16)), autocast)},
 		{"moegpt ep2 autocast", []int{2}, []string{"ep"}, steps, moeRun(0, autograd.WithAutocast())},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -42,7 +42,7 @@ func hsdpMesh(p int) ([]int, []string) {
 	return []int{1, p}, []string{"dp", "fsdp"}
 }
 
-// reshardGroup is a ReshardTo group size that divides p: 2 where p is a
+// reshardGroup is a WithReshardTo group size that divides p: 2 where p is a
 // multiple of 4 (a real sub-group), 1 otherwise.
 func reshardGroup(p int) int {
 	if p%4 == 0 {
@@ -60,19 +60,19 @@ func fsdpPolicies() []fsdpConfig {
 	f64 := comm.Float64
 	return []fsdpConfig{
 		{"reshard true", flat, fixed(), f64},
-		{"reshard false", flat, fixed(fsdp.Reshard(false)), f64},
-		{"ReshardTo", flat, func(p int) []fsdp.Option { return []fsdp.Option{fsdp.ReshardTo(reshardGroup(p))} }, f64},
-		{"ZeRO-2", flat, fixed(fsdp.ZeROStage(2)), f64},
-		{"ZeRO-1", flat, fixed(fsdp.ZeROStage(1)), f64},
-		{"HSDP", hsdpMesh, fixed(fsdp.ReplicateAxis("dp")), f64},
+		{"reshard false", flat, fixed(fsdp.WithReshard(false)), f64},
+		{"ReshardTo", flat, func(p int) []fsdp.Option { return []fsdp.Option{fsdp.WithReshardTo(reshardGroup(p))} }, f64},
+		{"ZeRO-2", flat, fixed(fsdp.WithZeROStage(2)), f64},
+		{"ZeRO-1", flat, fixed(fsdp.WithZeROStage(1)), f64},
+		{"HSDP", hsdpMesh, fixed(fsdp.WithReplicateAxis("dp")), f64},
 	}
 }
 
 // fsdpConfigs adds bfloat16 gathers and prefetch off to the policies.
 func fsdpConfigs() []fsdpConfig {
 	return append(fsdpPolicies(),
-		fsdpConfig{"bf16", flat, fixed(fsdp.MixedPrecision(comm.BFloat16)), comm.Float32},
-		fsdpConfig{"prefetch off", flat, fixed(fsdp.Prefetch(false)), comm.Float64},
+		fsdpConfig{"bf16", flat, fixed(fsdp.WithMixedPrecision(comm.BFloat16)), comm.Float32},
+		fsdpConfig{"prefetch off", flat, fixed(fsdp.WithPrefetch(false)), comm.Float64},
 	)
 }
 
@@ -194,7 +194,7 @@ func fsdpSecondBackward(fc fsdpConfig) func(ctx context.Context, c comm.Communic
 
 // fsdpSkippedUnit: the faulty rank runs only mlp.FC.Forward, the others
 // the whole MLP. Every rank must fail with ErrMismatch naming the faulty
-// rank (and the unit). Under Reshard(false), ZeRO-2 and ZeRO-1 every
+// rank (and the unit). Under WithReshard(false), ZeRO-2 and ZeRO-1 every
 // rank used to succeed with proj's gradient missing the faulty rank's
 // share.
 func fsdpSkippedUnit(fc fsdpConfig) func(ctx context.Context, c comm.Communicator, f int) error {
@@ -238,7 +238,7 @@ func fsdpBadOption(opt fsdp.Option) func(ctx context.Context, c comm.Communicato
 	}
 }
 
-// fsdpLateRank: under ReshardTo, the faulty rank sleeps in proj's enter
+// fsdpLateRank: under WithReshardTo, the faulty rank sleeps in proj's enter
 // hook past the timeout. Every rank's error must name it: its peers wait
 // for it in the group all-gather of backward, or in reduce-scatters
 // behind the peers that do.
@@ -248,7 +248,7 @@ func fsdpLateRank(ctx context.Context, c comm.Communicator, f int) error {
 	if err != nil {
 		return err
 	}
-	fs, err := fsdp.FullyShard(ctx, mlp, []string{"fc", "proj"}, fsdp.ReshardTo(reshardGroup(c.Size())))
+	fs, err := fsdp.FullyShard(ctx, mlp, []string{"fc", "proj"}, fsdp.WithReshardTo(reshardGroup(c.Size())))
 	if err != nil {
 		return err
 	}
@@ -307,11 +307,11 @@ func fsdpFaultCases() []faultCase {
 		name string
 		opt  fsdp.Option
 	}{
-		{"GradientDivideFactor(+Inf)", fsdp.GradientDivideFactor(math.Inf(1))},
-		{"GradientDivideFactor(0)", fsdp.GradientDivideFactor(0)},
-		{"GradientDivideFactor(-1)", fsdp.GradientDivideFactor(-1)},
-		{"GradientDivideFactor(NaN)", fsdp.GradientDivideFactor(math.NaN())},
-		{"ReshardTo(0)", fsdp.ReshardTo(0)},
+		{"WithGradientDivideFactor(+Inf)", fsdp.WithGradientDivideFactor(math.Inf(1))},
+		{"WithGradientDivideFactor(0)", fsdp.WithGradientDivideFactor(0)},
+		{"WithGradientDivideFactor(-1)", fsdp.WithGradientDivideFactor(-1)},
+		{"WithGradientDivideFactor(NaN)", fsdp.WithGradientDivideFactor(math.NaN())},
+		{"WithReshardTo(0)", fsdp.WithReshardTo(0)},
 	} {
 		out = append(out, faultCase{name: "FSDP " + bad.name, check: expectEverywhere(fsdp.ErrInvalid), body: fsdpBadOption(bad.opt)})
 	}

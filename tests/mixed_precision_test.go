@@ -31,7 +31,7 @@ func TestMixedPrecisionTraining(t *testing.T) {
 	}
 	ref := loadReference(t)
 	f32 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp"))
-	bf16 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", fsdp.MixedPrecision(comm.BFloat16)))
+	bf16 := trainLosses(t, ref, []int{2}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", fsdp.WithMixedPrecision(comm.BFloat16)))
 	const window, tol, lastTol = 20, 0.15, 0.08
 	for lo := 0; lo+window <= len(f32); lo += window {
 		d := mean(bf16[lo:lo+window]) - mean(f32[lo:lo+window])

@@ -201,7 +201,7 @@ func runStep(ref *reference) (*stepResult, error) {
 			}
 			res.grads[p.Name()] = slices.Clone(gd)
 		}
-		opt, err := optim.NewAdamW(md.Params(), optim.LR(cfg.LR), optim.WeightDecay(cfg.WD), optim.Betas(cfg.Beta1, cfg.Beta2), optim.Eps(cfg.Eps))
+		opt, err := optim.NewAdamW(md.Params(), optim.WithLR(cfg.LR), optim.WithWeightDecay(cfg.WD), optim.WithBetas(cfg.Beta1, cfg.Beta2), optim.WithEps(cfg.Eps))
 		if err != nil {
 			return err
 		}

@@ -63,7 +63,7 @@ func ExampleTrainer() {
 		if err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW(params, optim.LR(1e-2))
+		opt, err := optim.NewAdamW(params, optim.WithLR(1e-2))
 		if err != nil {
 			return err
 		}

@@ -69,7 +69,7 @@ func TestGPTOnText(t *testing.T) {
 				opts = append(opts, train.WithReducer(d))
 			}
 			opts = append(opts, train.WithReducer(train.SyncGrads(md.Params())))
-			opt, err := optim.NewAdamW(md.Params(), optim.LR(1e-2))
+			opt, err := optim.NewAdamW(md.Params(), optim.WithLR(1e-2))
 			if err != nil {
 				return err
 			}

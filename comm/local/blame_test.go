@@ -45,7 +45,7 @@ func (b blameRank) reduceScatterRing(name string) error {
 // TestTimeoutNamesLateRank: a call that times out names the rank that
 // never joined, on every rank, also when the ranks it waits for are
 // themselves blocked in another communicator's call waiting for the late
-// rank (a cascade, as under FSDP's ReshardTo), whichever rank's timeout
+// rank (a cascade, as under FSDP's WithReshardTo), whichever rank's timeout
 // fires first; ranks that wait for each other are named as such.
 func TestTimeoutNamesLateRank(t *testing.T) {
 	noLeaks(t)

@@ -62,7 +62,7 @@ func TestCollectiveEventsPooled(t *testing.T) {
 	for _, sync := range []bool{false, true} {
 		var opts []emu.Option
 		if sync {
-			opts = append(opts, emu.Synchronous())
+			opts = append(opts, emu.WithSynchronous())
 		}
 		base := newDevice(t, opts...)
 		d := countingDev{Device: base, made: new(atomic.Int64)}

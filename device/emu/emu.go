@@ -17,7 +17,7 @@
 // Work queued on a stream runs later, on the stream's goroutine: an
 // error that a kernel finds then (a length that does not match, a target
 // out of range) is kept and returned, wrapped with the kernel's name, by
-// the next Synchronize of the stream or the device. Synchronous makes
+// the next Synchronize of the stream or the device. WithSynchronous makes
 // every stream run its work inline instead, returning such errors from
 // the call that queued it: for debugging.
 package emu
@@ -67,11 +67,11 @@ func WithMemory(bytes int64) Option {
 	}
 }
 
-// Synchronous makes every stream run its work inline, when it is queued,
+// WithSynchronous makes every stream run its work inline, when it is queued,
 // instead of on the stream's goroutine; errors of that work are returned
 // by the call that queued it. For debugging: the order of work is the
 // order of calls, on every stream.
-func Synchronous() Option { return func(c *config) { c.sync = true } }
+func WithSynchronous() Option { return func(c *config) { c.sync = true } }
 
 // WithBLAS makes Kernels.Gemm run on b, and the row kernels on b's
 // threads, as the host path does with the rank's BLAS. Without it the
@@ -154,7 +154,7 @@ func (d *Device) Collectives() *device.Collectives { return &d.coll }
 func (d *Device) Kernels() device.Kernels { return emuKernels{d} }
 
 // NewStream makes another stream, a goroutine of its own (inline under
-// Synchronous). It runs until Close.
+// WithSynchronous). It runs until Close.
 func (d *Device) NewStream() (device.Stream, error) {
 	if err := d.live("NewStream"); err != nil {
 		return nil, err

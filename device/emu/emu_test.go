@@ -401,7 +401,7 @@ func TestErrors(t *testing.T) {
 
 	// Under Synchronous the error comes from the call, and a panic of a
 	// launched function is an error, not a crash.
-	s := newDevice(t, emu.Synchronous())
+	s := newDevice(t, emu.WithSynchronous())
 	sx, _ := s.Alloc(comm.Float32, 8)
 	if err := s.Kernels().Softmax(sx, sx, 3, false); !errors.Is(err, loom.ErrInvalid) {
 		t.Fatalf("Synchronous Softmax: %v", err)

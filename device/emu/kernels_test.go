@@ -346,7 +346,7 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
-	}, slices.Concat(autogradCases(), followupCases(), moeCases())...)
+	}, slices.Concat(autogradCases(), followupCases(), moeCases(), blockAttnCases())...)
 }
 
 // followupCases are the kernels of A6's follow-ups: the softmax over a
@@ -813,7 +813,7 @@ func TestKernelsMatchCPU(t *testing.T) {
 	for _, mode := range []struct {
 		name string
 		opts []emu.Option
-	}{{"async", nil}, {"sync", []emu.Option{emu.Synchronous()}}} {
+	}{{"async", nil}, {"sync", []emu.Option{emu.WithSynchronous()}}} {
 		d, err := emu.New(0, append(mode.opts, emu.WithBLAS(bl))...)
 		if err != nil {
 			t.Fatal(err)

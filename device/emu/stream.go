@@ -12,7 +12,7 @@ import (
 )
 
 // Stream is a stream of an emulated device: a goroutine running a FIFO of
-// closures (inline under Synchronous). It implements device.Stream.
+// closures (inline under WithSynchronous). It implements device.Stream.
 type Stream struct {
 	dev  *Device
 	sync bool
@@ -75,7 +75,7 @@ func (s *Stream) Owner() device.Device { return s.dev }
 // Launch queues fn on the stream, after the work queued before it (a host
 // function, as cuLaunchHostFunc): it runs on the stream's goroutine, and
 // the stream's later work waits for it. An error it returns (or a panic,
-// recovered) is returned by the next Synchronize; under Synchronous fn
+// recovered) is returned by the next Synchronize; under WithSynchronous fn
 // runs now and its error is returned here.
 func (s *Stream) Launch(fn func() error) error {
 	if fn == nil {

@@ -71,7 +71,7 @@ func newModel(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, o options)
 	case o.fsdp > 1:
 		var hsdp []fsdp.Option // with -dp too: HSDP, replicas of the shards
 		if o.dp > 1 {
-			hsdp = append(hsdp, fsdp.ReplicateAxis("dp"))
+			hsdp = append(hsdp, fsdp.WithReplicateAxis("dp"))
 		}
 		f, err := fsdp.FullyShard(ctx, model, []string{"0", "3"}, hsdp...)
 		return model, f, err
@@ -86,10 +86,11 @@ func newModel(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, o options)
 	return model, nil, nil
 }
 
-// run trains on dp × fsdp × tp in-process ranks and returns rank 0's
-// history; rank 0 reports progress to out.
+// run trains on dp × fsdp × tp ranks — in-process when started by hand,
+// one per process under loomrun, torchrun or mpirun (launch.Auto) — and
+// returns rank 0's history; rank 0 reports progress to out.
 func run(ctx context.Context, out io.Writer, o options) (*train.History, error) {
-	job, err := launch.InProcess(o.dp * o.fsdp * o.tp)
+	job, err := launch.Auto(o.dp * o.fsdp * o.tp)
 	if err != nil {
 		return nil, err
 	}
@@ -108,7 +109,7 @@ func run(ctx context.Context, out io.Writer, o options) (*train.History, error) 
 		if err != nil {
 			return err
 		}
-		opt, err1 := optim.NewAdamW(params, optim.LR(1e-2))
+		opt, err1 := optim.NewAdamW(params, optim.WithLR(1e-2))
 		sched, err2 := train.WarmupCosine(1e-2, 1e-3, o.steps/10, o.steps)
 		x, y, err3 := train.Blobs(rows, features, classes, 1) // the same on every rank
 		all := &train.InMemory{X: x, Features: features, Y: y, Tape: tape, Mesh: m, Axes: []string{"dp", "fsdp"}}

@@ -338,15 +338,15 @@ func (o options) layout() string {
 // fsdpOptions are FSDP's options for -reshard, -zero (checked by
 // checkSharding) and -mp (train.Loop.Validate).
 func (o options) fsdpOptions() []fsdp.Option {
-	opts := []fsdp.Option{fsdp.ZeROStage(o.zero)}
+	opts := []fsdp.Option{fsdp.WithZeROStage(o.zero)}
 	switch n, _ := o.reshardGroup(); {
 	case n < 0:
-		opts = append(opts, fsdp.Reshard(false))
+		opts = append(opts, fsdp.WithReshard(false))
 	case n > 0:
-		opts = append(opts, fsdp.ReshardTo(n))
+		opts = append(opts, fsdp.WithReshardTo(n))
 	}
 	if o.loop.Flags.MP == "bf16" {
-		opts = append(opts, fsdp.MixedPrecision(comm.BFloat16))
+		opts = append(opts, fsdp.WithMixedPrecision(comm.BFloat16))
 	}
 	return opts
 }
@@ -509,7 +509,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 		case "full":
 			opts = append(opts, gpt.WithCheckpointing())
 		case "selective":
-			opts = append(opts, gpt.WithCheckpointing(autograd.KeepMatrixProducts()))
+			opts = append(opts, gpt.WithCheckpointing(autograd.WithKeepMatrixProducts()))
 		}
 		tr, err := gpt.NewTrainer(ctx, m, o.cfg, opts...)
 		if err != nil {

@@ -32,7 +32,7 @@ func TestCheckpointMatchesPlain(t *testing.T) {
 		for _, mode := range []string{"full", "selective"} {
 			t.Run(l.name+" "+mode, func(t *testing.T) {
 				placementtest.Run(t, l.shape, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
-					tapes := []*autograd.Tape{autograd.NewTape(autograd.PoisonRecycled()), autograd.NewTape(autograd.PoisonRecycled())}
+					tapes := []*autograd.Tape{autograd.NewTape(autograd.WithPoisonRecycled()), autograd.NewTape(autograd.WithPoisonRecycled())}
 					models := make([]*gpt.Model, 2)
 					for i, tape := range tapes {
 						md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(init))
@@ -47,7 +47,7 @@ func TestCheckpointMatchesPlain(t *testing.T) {
 						if i == 1 {
 							var opts []autograd.CheckpointOption
 							if mode == "selective" {
-								opts = append(opts, autograd.KeepMatrixProducts())
+								opts = append(opts, autograd.WithKeepMatrixProducts())
 							}
 							if err := parallel.Checkpoint(md, []string{"h.*"}, opts...); err != nil {
 								return err
@@ -133,7 +133,7 @@ func BenchmarkCheckpointStep(b *testing.B) {
 				case "full":
 					err = parallel.Checkpoint(md, []string{"h.*"})
 				case "selective":
-					err = parallel.Checkpoint(md, []string{"h.*"}, autograd.KeepMatrixProducts())
+					err = parallel.Checkpoint(md, []string{"h.*"}, autograd.WithKeepMatrixProducts())
 				}
 				if err != nil {
 					return err

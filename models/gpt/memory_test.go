@@ -59,7 +59,7 @@ func TestTrainerMemory(t *testing.T) {
 		name string
 		opts []autograd.CheckpointOption
 		max  float64
-	}{{"full", nil, 0.5}, {"selective", []autograd.CheckpointOption{autograd.KeepMatrixProducts()}, 0.9}} {
+	}{{"full", nil, 0.5}, {"selective", []autograd.CheckpointOption{autograd.WithKeepMatrixProducts()}, 0.9}} {
 		r := trainMemory(t, c, []int{2}, []string{"dp"}, gpt.WithDataParallel("dp"), gpt.WithCheckpointing(ac.opts...))
 		ratio := float64(r.Activations) / float64(ddp.Activations)
 		t.Logf("-ac %s: activations %d vs %d (%.2f×)", ac.name, r.Activations, ddp.Activations, ratio)
@@ -100,7 +100,7 @@ func TestFSDPMemory(t *testing.T) {
 	row("DDP", ddp)
 	var ratios [4]float64
 	for _, stage := range []int{1, 2, 3} {
-		r := trainMemory(t, c, []int{4}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", fsdp.ZeROStage(stage)))
+		r := trainMemory(t, c, []int{4}, []string{"fsdp"}, gpt.WithFullyShard("fsdp", fsdp.WithZeROStage(stage)))
 		ratios[stage] = row(fmt.Sprintf("ZeRO-%d", stage), r)
 	}
 	if ratios[3] > 0.3 {

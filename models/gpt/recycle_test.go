@@ -29,7 +29,7 @@ func TestRecyclingMatchesFreshMemory(t *testing.T) {
 	}{{"1 rank", []int{1, 1}, false}, {"dp=2,tp=2,sp", []int{2, 2}, true}, {"dp=2", []int{2, 1}, false}, {"tp=2", []int{1, 2}, false}} {
 		t.Run(l.name, func(t *testing.T) {
 			placementtest.Run(t, l.shape, []string{"dp", "tp"}, func(ctx context.Context, m *mesh.Mesh) error {
-				tapes := []*autograd.Tape{autograd.NewTape(autograd.PoisonRecycled()), autograd.NewTape()}
+				tapes := []*autograd.Tape{autograd.NewTape(autograd.WithPoisonRecycled()), autograd.NewTape()}
 				models := make([]*gpt.Model, 2)
 				for i, tape := range tapes {
 					md, err := gpt.New(tape, m, gpt.FromReference(c), gpt.WithParams(init))

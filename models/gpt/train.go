@@ -55,7 +55,7 @@ func WithSequenceParallel() TrainOption { return func(c *trainConfig) { c.sp = t
 
 // WithFullyShard shards the parameters, gradients and AdamW's state over
 // the named mesh axis (FSDP; ZeRO-3 unless opts say otherwise:
-// fsdp.ZeROStage, Reshard, ReshardTo, MixedPrecision, Prefetch): each
+// fsdp.WithZeROStage, Reshard, WithReshardTo, WithMixedPrecision, Prefetch): each
 // block is a unit of its own, the root holds the embeddings, the final
 // norm and the head. The batch rows are sharded over it as well, after
 // WithDataParallel's axis, which then becomes HSDP's replicate axis
@@ -67,7 +67,7 @@ func WithFullyShard(axis string, opts ...fsdp.Option) TrainOption {
 
 // WithCheckpointing checkpoints every block (parallel.Checkpoint on
 // "h.*"): a block keeps only its input for backward and recomputes its
-// forward there. With autograd.KeepMatrixProducts() (or KeepOps) it is
+// forward there. With autograd.WithKeepMatrixProducts() (or WithKeepOps) it is
 // selective: the blocks keep those ops' outputs and recompute the rest.
 // The gradients are the same, bit for bit.
 func WithCheckpointing(opts ...autograd.CheckpointOption) TrainOption {
@@ -213,9 +213,9 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	switch {
 	case nfsdp > 1:
 		tr.places[slices.Index(names, tc.fsdp)] = placement.Shard(0)
-		fsOpts := []fsdp.Option{fsdp.ShardAxis(tc.fsdp)}
+		fsOpts := []fsdp.Option{fsdp.WithShardAxis(tc.fsdp)}
 		if dp > 1 {
-			fsOpts = append(fsOpts, fsdp.ReplicateAxis(tc.dp))
+			fsOpts = append(fsOpts, fsdp.WithReplicateAxis(tc.dp))
 		}
 		var units []string // one unit per block; a model of no blocks has the root alone
 		if len(md.Blocks) > 0 {
@@ -225,7 +225,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
 	case dp > 1:
-		ddpOpts := append(slices.Clone(tc.ddp), ddp.WithAxis(tc.dp), ddp.GradientAsBucketView())
+		ddpOpts := append(slices.Clone(tc.ddp), ddp.WithAxis(tc.dp), ddp.WithGradientAsBucketView())
 		if tr.ddp, err = ddp.New(ctx, md.Params(), ddpOpts...); err != nil {
 			return nil, fmt.Errorf("gpt: trainer: %w", err)
 		}
@@ -234,7 +234,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	tr.meter.Add(tr.memoryUse)
 	// On a device, Memory reports its allocator too ("mem".device in -json).
 	tr.meter.SetDevice(tr.tape.Device())
-	if tr.opt, err = optim.NewAdamW(tr.params, optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
+	if tr.opt, err = optim.NewAdamW(tr.params, optim.WithLR(data.LR), optim.WithWeightDecay(data.WD), optim.WithBetas(data.Beta1, data.Beta2), optim.WithEps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	if tc.random {

@@ -69,21 +69,21 @@ func TestTrainerFSDP(t *testing.T) {
 		opts  []gpt.TrainOption
 	}{
 		{"fsdp=2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp")}},
-		{"fsdp=4 reshard 2", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.ReshardTo(2))}},
+		{"fsdp=4 reshard 2", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.WithReshardTo(2))}},
 		{"hsdp dp=2×fsdp=2", []int{2, 2}, []string{"dp", "fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithDataParallel("dp"), gpt.WithFullyShard("fsdp")}},
 		{"fsdp=2×tp=2", []int{2, 2}, []string{"fsdp", "tp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp"), gpt.WithTensorParallel("tp")}},
-		{"fsdp=4 no prefetch", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.Prefetch(false))}},
+		{"fsdp=4 no prefetch", []int{4}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.WithPrefetch(false))}},
 		{"fsdp=2×tp=2 sp", []int{2, 2}, []string{"fsdp", "tp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp"), gpt.WithTensorParallel("tp"), gpt.WithSequenceParallel()}},
-		{"zero-1", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.ZeROStage(1))}},
-		{"zero-2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.ZeROStage(2), fsdp.Reshard(false))}},
-		{"bf16", []int{2}, []string{"fsdp"}, 2e-2, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.MixedPrecision(comm.BFloat16))}},
+		{"zero-1", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.WithZeROStage(1))}},
+		{"zero-2", []int{2}, []string{"fsdp"}, 2e-5, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.WithZeROStage(2), fsdp.WithReshard(false))}},
+		{"bf16", []int{2}, []string{"fsdp"}, 2e-2, []gpt.TrainOption{gpt.WithFullyShard("fsdp", fsdp.WithMixedPrecision(comm.BFloat16))}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			gotL, gotP := trainFull(t, steps, c.shape, c.names, c.opts...)
 			if err := near(gotL, gotP, wantL, wantP, c.tol); err != nil {
 				t.Errorf("vs one rank: %v", err)
 			}
-			for _, ac := range [][]autograd.CheckpointOption{nil, {autograd.KeepMatrixProducts()}} {
+			for _, ac := range [][]autograd.CheckpointOption{nil, {autograd.WithKeepMatrixProducts()}} {
 				acL, acP := trainFull(t, steps, c.shape, c.names, append(c.opts, gpt.WithCheckpointing(ac...))...)
 				if err := near(acL, acP, gotL, gotP, 0); err != nil {
 					t.Errorf("checkpointing %v: not bit for bit: %v", ac, err)

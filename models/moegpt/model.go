@@ -194,7 +194,7 @@ func build(tape *autograd.Tape, m *mesh.Mesh, cfg Config, init map[string][]floa
 		if err != nil {
 			return nil, fmt.Errorf("%q: %w", p.Name, err)
 		}
-		dt, err := placement.FromFull(spec, data, placement.OnDevice(tape.Device())) // copies
+		dt, err := placement.FromFull(spec, data, placement.WithDevice(tape.Device())) // copies
 		if err != nil {
 			return nil, fmt.Errorf("%q: %w", p.Name, err)
 		}

@@ -126,13 +126,13 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	}
 	tr := &Trainer{Model: md}
 	if axisSize(m, ep) > 1 {
-		o := append(slices.Clone(tc.ddp), ddp.WithAxis(ep), ddp.GradientAsBucketView())
+		o := append(slices.Clone(tc.ddp), ddp.WithAxis(ep), ddp.WithGradientAsBucketView())
 		if tr.dense, err = ddp.New(ctx, md.ReplicatedParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", ep, err)
 		}
 	}
 	if axisSize(m, mo.dp) > 1 {
-		o := append(slices.Clone(tc.ddp), ddp.WithAxis(mo.dp), ddp.GradientAsBucketView())
+		o := append(slices.Clone(tc.ddp), ddp.WithAxis(mo.dp), ddp.WithGradientAsBucketView())
 		if tr.experts, err = ddp.New(ctx, md.ExpertParams(), o...); err != nil {
 			return nil, fmt.Errorf("moegpt: trainer: DDP over %q: %w", mo.dp, err)
 		}
@@ -140,7 +140,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	if tr.group, err = m.Group(ctx, md.group...); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: communicator of %v: %w", md.group, err)
 	}
-	if tr.opt, err = optim.NewAdamW(md.Params(), optim.LR(data.LR), optim.WeightDecay(data.WD), optim.Betas(data.Beta1, data.Beta2), optim.Eps(data.Eps)); err != nil {
+	if tr.opt, err = optim.NewAdamW(md.Params(), optim.WithLR(data.LR), optim.WithWeightDecay(data.WD), optim.WithBetas(data.Beta1, data.Beta2), optim.WithEps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)
 	}
 	if tc.random {

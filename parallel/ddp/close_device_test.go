@@ -28,7 +28,7 @@ import (
 // once rank 1 has caught up: no collective writes into a bucket after
 // Close gave it back.
 func TestCloseAfterFailedBackwardOnDevice(t *testing.T) {
-	onEmu := placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })
+	onEmu := placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) })
 	placementtest.Run(t, []int{2}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		d := placementtest.Device(ctx)
 		tape := autograd.NewTape(autograd.WithDevice(d))
@@ -39,7 +39,7 @@ func TestCloseAfterFailedBackwardOnDevice(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			dt, err := placement.FromFull(spec, placementtest.Random(sh, comm.Float32, uint64(10+k)), placement.OnDevice(d))
+			dt, err := placement.FromFull(spec, placementtest.Random(sh, comm.Float32, uint64(10+k)), placement.WithDevice(d))
 			if err != nil {
 				return err
 			}
@@ -58,7 +58,7 @@ func TestCloseAfterFailedBackwardOnDevice(t *testing.T) {
 			return err
 		}
 		xspec, _ := placement.NewSpec(m, []int{6, 4}, comm.Float32, []placement.Placement{placement.Shard(0)})
-		xd, err := placement.FromFull(xspec, placementtest.Random([]int{6, 4}, comm.Float32, 3), placement.OnDevice(d))
+		xd, err := placement.FromFull(xspec, placementtest.Random([]int{6, 4}, comm.Float32, 3), placement.WithDevice(d))
 		if err != nil {
 			return err
 		}

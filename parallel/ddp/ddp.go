@@ -57,25 +57,25 @@ func WithFirstBucket(bytes int64) Option { return func(c *config) { c.first = by
 // at least 1: New fails with ErrInvalid otherwise.
 func WithBucketCap(bytes int64) Option { return func(c *config) { c.cap = bytes } }
 
-// GradientAsBucketView makes the reduced gradients DDP installs views of
+// WithGradientAsBucketView makes the reduced gradients DDP installs views of
 // its buckets rather than copies (PyTorch's gradient_as_bucket_view): no
 // pass copies them out, and on a tape made autograd.WithRecycling the next
 // step's Backward writes each gradient straight into its bucket (ZeroGrad
 // keeps the view for it), so the bucket needs no filling either. An
 // installed gradient is then valid only until the next backward pass
 // reaches its bucket: copy it to keep it longer.
-func GradientAsBucketView() Option { return func(c *config) { c.views = true } }
+func WithGradientAsBucketView() Option { return func(c *config) { c.views = true } }
 
-// Average divides every rank's contribution by dp before the sum, for
+// WithAverage divides every rank's contribution by dp before the sum, for
 // losses that are a per-rank mean over equal local counts. Without it the
 // contributions are summed (the convention of autograd.CrossEntropy, which
 // already divides by the global row count).
-func Average() Option { return func(c *config) { c.avg = true } }
+func WithAverage() Option { return func(c *config) { c.avg = true } }
 
-// ReportUnused makes Finish call fn with the names of the parameters that
+// WithReportUnused makes Finish call fn with the names of the parameters that
 // no rank gave a gradient in the step (in parameter order), when there
 // are any.
-func ReportUnused(fn func(names []string)) Option { return func(c *config) { c.report = fn } }
+func WithReportUnused(fn func(names []string)) Option { return func(c *config) { c.report = fn } }
 
 // BucketInfo describes one bucket: the parameters in it (indices into the
 // list given to New, in bucket order, which is reverse parameter order),
@@ -136,7 +136,7 @@ type DDP struct {
 
 	// On a device (dev not nil): the parameters' device, its kernels,
 	// and each parameter's reduced gradient block (a bucket slice under
-	// GradientAsBucketView), which Finish installs every step.
+	// WithGradientAsBucketView), which Finish installs every step.
 	dev    device.Device
 	k      device.Kernels
 	gbuf   []device.Buffer
@@ -152,7 +152,7 @@ type DDP struct {
 //
 // Before planning any bucket, New checks that every rank of the dp group
 // passed the same parameters (names, global and local shapes, dtypes) in
-// the same order, and the same bucket limits and Average option; otherwise
+// the same order, and the same bucket limits and WithAverage option; otherwise
 // every rank of the group returns the same *comm.DisagreementError
 // (matching loom.ErrMismatch), which names the ranks that differ and the
 // first entry where they do. The check costs one all-gather of 8 bytes per
@@ -164,7 +164,7 @@ type DDP struct {
 // Parameters on a device (autograd.WithDevice; all on one, else an error
 // matching device.ErrMixed) get their buckets on that device, allocated
 // here, and each a block for its reduced gradient (none under
-// GradientAsBucketView, whose gradients are bucket slices): the hooks copy
+// WithGradientAsBucketView, whose gradients are bucket slices): the hooks copy
 // (and scale) gradients into the buckets with the device's kernels, each
 // all-reduce is ordered after the device's compute by
 // device.BeforeCollective and before later compute by
@@ -241,7 +241,7 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 	if err := comm.Agree(ctx, c, "the parameter list"+along, blocks.Describe(params)); err != nil {
 		return nil, fmt.Errorf("ddp: New: %w", err)
 	}
-	// Average on some ranks only would silently scale some contributions.
+	// WithAverage on some ranks only would silently scale some contributions.
 	opt := []string{fmt.Sprintf("first bucket %d B", cfg.first), fmt.Sprintf("bucket cap %d B", cfg.cap), fmt.Sprintf("Average %v", cfg.avg)}
 	if err := comm.Agree(ctx, c, "the DDP options"+along, opt); err != nil {
 		return nil, fmt.Errorf("ddp: New: %w", err)
@@ -341,12 +341,12 @@ func (d *DDP) Buckets() []BucketInfo {
 }
 
 // Bytes returns the memory DDP holds: its buckets. With
-// GradientAsBucketView the buckets are the gradients' memory and count as
+// WithGradientAsBucketView the buckets are the gradients' memory and count as
 // Grads (the leaves' gradients are views of them: do not count those
 // again); otherwise they are communication buffers (Comm).
 //
 // On a device, the reduced-gradient blocks DDP keeps without
-// GradientAsBucketView count as Grads too.
+// WithGradientAsBucketView count as Grads too.
 func (d *DDP) Bytes() memory.Use {
 	var n int64
 	for _, b := range d.buckets {
@@ -366,7 +366,7 @@ func (d *DDP) Bytes() memory.Use {
 func (d *DDP) Comm() comm.Communicator { return d.c }
 
 // SetScale sets the factor every rank applies to its own gradient
-// contribution before the sum (default 1; with Average it is further
+// contribution before the sum (default 1; with WithAverage it is further
 // divided by dp). Set it before the synced backward of a step: the hooks
 // apply it when they copy gradients into the buckets. For example, with a
 // per-rank mean loss over n of N global tokens use n/N; with a per-rank

@@ -29,7 +29,7 @@ func (d *DDP) deviceName() string {
 }
 
 // allocGrads allocates each parameter's reduced-gradient block: its
-// bucket slot under GradientAsBucketView, a block of its own otherwise.
+// bucket slot under WithGradientAsBucketView, a block of its own otherwise.
 func (d *DDP) allocGrads() error {
 	d.gbuf = make([]device.Buffer, len(d.params))
 	for i, s := range d.slots {

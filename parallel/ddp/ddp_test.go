@@ -99,7 +99,7 @@ func TestBucketsFromNew(t *testing.T) {
 		if b := d.Bytes(); b != (memory.Use{Comm: 2840}) {
 			return fmt.Errorf("Bytes %+v, want Comm 2840", b)
 		}
-		v, err := New(ctx, params, WithFirstBucket(200), WithBucketCap(400), GradientAsBucketView())
+		v, err := New(ctx, params, WithFirstBucket(200), WithBucketCap(400), WithGradientAsBucketView())
 		if err != nil {
 			return err
 		}
@@ -178,8 +178,8 @@ func TestMatchesSerial(t *testing.T) {
 					var tapeOpts []autograd.Option
 					opts := []Option{WithFirstBucket(8 * mlpOut), WithBucketCap(8 * mlpOut * mlpHid)}
 					if views {
-						tapeOpts = append(tapeOpts, autograd.PoisonRecycled())
-						opts = append(opts, GradientAsBucketView())
+						tapeOpts = append(tapeOpts, autograd.WithPoisonRecycled())
+						opts = append(opts, WithGradientAsBucketView())
 					}
 					n, err := newMLP(m, false, tapeOpts...)
 					if err != nil {
@@ -221,7 +221,7 @@ func TestMatchesSerial(t *testing.T) {
 	}
 }
 
-// TestAverageAndScale: Average and SetScale scale each rank's contribution.
+// TestAverageAndScale: WithAverage and SetScale scale each rank's contribution.
 func TestAverageAndScale(t *testing.T) {
 	want, err := serialMLPGrads(0, 12)
 	if err != nil {
@@ -232,9 +232,9 @@ func TestAverageAndScale(t *testing.T) {
 		scale float64
 		mul   float64
 	}{
-		"average":      {[]Option{Average()}, 1, 0.5},
+		"average":      {[]Option{WithAverage()}, 1, 0.5},
 		"scale":        {nil, 0.25, 0.25},
-		"average 0.25": {[]Option{Average()}, 4, 2},
+		"average 0.25": {[]Option{WithAverage()}, 4, 2},
 	} {
 		scaled := map[string][]float64{}
 		for k, v := range want {
@@ -314,8 +314,8 @@ func TestNoSyncAccumulation(t *testing.T) {
 			var tapeOpts []autograd.Option
 			opts := []Option{WithFirstBucket(8), WithBucketCap(8)}
 			if tc.views {
-				tapeOpts = append(tapeOpts, autograd.PoisonRecycled())
-				opts = append(opts, GradientAsBucketView())
+				tapeOpts = append(tapeOpts, autograd.WithPoisonRecycled())
+				opts = append(opts, WithGradientAsBucketView())
 			}
 			n, err := newMLP(m, false, tapeOpts...)
 			if err != nil {
@@ -387,7 +387,7 @@ func TestUnusedParameter(t *testing.T) {
 				return err
 			}
 			var reported []string
-			d, err := New(ctx, n.params, WithFirstBucket(64), ReportUnused(func(names []string) { reported = names }))
+			d, err := New(ctx, n.params, WithFirstBucket(64), WithReportUnused(func(names []string) { reported = names }))
 			if err != nil {
 				return err
 			}
@@ -404,7 +404,7 @@ func TestUnusedParameter(t *testing.T) {
 				return err
 			}
 			// By default the optimizer refuses a step that would leave a
-			// parameter silently untrained, naming it; with AllowFrozen it
+			// parameter silently untrained, naming it; with WithAllowFrozen it
 			// accepts the reduced gradients and, like serial training,
 			// leaves the unused parameter alone.
 			strict, err := optim.NewAdamW(n.params)
@@ -414,7 +414,7 @@ func TestUnusedParameter(t *testing.T) {
 			if err := strict.Step(); !errors.Is(err, optim.ErrInvalid) || !strings.Contains(err.Error(), `"unused" has no gradient`) {
 				return fmt.Errorf("a step without the unused parameter's gradient: %v, want ErrInvalid naming it", err)
 			}
-			opt, err := optim.NewAdamW(n.params, optim.LR(1e-3), optim.WeightDecay(0.1), optim.Betas(0.9, 0.999), optim.Eps(1e-8), optim.AllowFrozen())
+			opt, err := optim.NewAdamW(n.params, optim.WithLR(1e-3), optim.WithWeightDecay(0.1), optim.WithBetas(0.9, 0.999), optim.WithEps(1e-8), optim.WithAllowFrozen())
 			if err != nil {
 				return err
 			}
@@ -446,7 +446,7 @@ func TestOptimizerRefusesUnreduced(t *testing.T) {
 		if err := n.step(ctx, m, 0, 12); err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW(n.params, optim.LR(1e-3), optim.WeightDecay(0.1), optim.Betas(0.9, 0.999), optim.Eps(1e-8))
+		opt, err := optim.NewAdamW(n.params, optim.WithLR(1e-3), optim.WithWeightDecay(0.1), optim.WithBetas(0.9, 0.999), optim.WithEps(1e-8))
 		if err != nil {
 			return err
 		}

@@ -49,7 +49,7 @@
 // number of rows, and the sum of the contributions is the global mean. For
 // other conventions, scale each rank's contribution before the sum:
 //
-//   - a per-rank mean over equal local counts: the Average option (1/dp);
+//   - a per-rank mean over equal local counts: the WithAverage option (1/dp);
 //   - a per-rank mean over n_r of N global tokens (uneven shards, padding):
 //     SetScale(n_r/N) before the synced backward;
 //   - a per-rank sum of token losses: SetScale(1/N).
@@ -68,7 +68,7 @@
 // same collectives. A parameter that some ranks used gets the reduced sum;
 // one that no rank used keeps no gradient after Finish (one small
 // all-reduce of presence flags decides), so the optimizer leaves it alone
-// as serial training would. Unused lists those; the ReportUnused option
+// as serial training would. Unused lists those; the WithReportUnused option
 // reports them at every Finish. An unused
 // parameter in an early bucket delays every later bucket to Finish, so
 // overlap is lost: remove such parameters from the list given to New.
@@ -80,7 +80,7 @@
 // # Devices
 //
 // DDP keeps its buckets, and a reduced-gradient block per parameter (none
-// under GradientAsBucketView), on the parameters' device, allocated at New
+// under WithGradientAsBucketView), on the parameters' device, allocated at New
 // and freed by Close, so a step allocates no device memory: the hooks copy
 // and scale gradients on the device's compute stream, each all-reduce is
 // ordered after that stream (device.BeforeCollective) and later compute

@@ -31,7 +31,7 @@ func TestCloseAfterFailedBackwardOnDevice(t *testing.T) {
 	held := map[bool][]int64{} // by Discard first, per rank
 	var mu sync.Mutex
 	for _, discard := range []bool{true, false} {
-		onEmu := placementtest.OnDevice(func(r int) (device.Device, error) { return emu.New(r) })
+		onEmu := placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) })
 		placementtest.Run(t, []int{2}, []string{"fsdp"}, func(ctx context.Context, m *mesh.Mesh) error {
 			d := placementtest.Device(ctx)
 			// Recycling: the tape's op results (the MLP's intermediate
@@ -49,7 +49,7 @@ func TestCloseAfterFailedBackwardOnDevice(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			xd, err := placement.FromFull(spec, placementtest.Random([]int{6, 8}, comm.Float32, 3), placement.OnDevice(d))
+			xd, err := placement.FromFull(spec, placementtest.Random([]int{6, 8}, comm.Float32, 3), placement.WithDevice(d))
 			if err != nil {
 				return err
 			}

@@ -17,7 +17,7 @@
 // bottom-up with the root last; FullyShard does both for the modules
 // whose paths match Plan patterns ("h.*"). A unit's parameters (those of
 // its subtree not in units wrapped before it) are laid out anew, in place,
-// as Shard(0) on the shard axis (ShardDim picks another dim; a dim
+// as Shard(0) on the shard axis (WithShardDim picks another dim; a dim
 // already sharded by tensor parallelism keeps that axis outer:
 // WithOrder(dim, "tp", "fsdp")), exactly, by the chunk rule of the
 // placement package (uneven and empty shards included). The leaves stay
@@ -34,13 +34,13 @@
 // plus two elements naming the unit) into the views and swaps the module
 // fields to the gathered leaves; its first output hook of the pass swaps
 // them back and, by the reshard policy, frees the gathered buffer
-// (Reshard(true), the default), keeps it (Reshard(false)) or keeps this
-// rank's 1/n of it (ReshardTo(n), gathered again in backward within
+// (WithReshard(true), the default), keeps it (WithReshard(false)) or keeps this
+// rank's 1/n of it (WithReshardTo(n), gathered again in backward within
 // groups of n consecutive shard-axis ranks). Every output is wrapped in an
 // identity op whose backward is the unit's pre-backward: gather again if
-// resharded and prefetch the unit backward reaches next. With Prefetch
+// resharded and prefetch the unit backward reaches next. Under WithPrefetch(true)
 // (the default) the enter hook also issues the next unit's all-gather:
-// by explicit lists (PrefetchForward, PrefetchBackward), else the forward
+// by explicit lists (WithPrefetchForward, WithPrefetchBackward), else the forward
 // order recorded in the previous step (the first step assumes the root,
 // then wrap order) and its reverse in backward. The root unit (wrapped
 // last, containing every other) is never resharded after forward, as in
@@ -66,10 +66,10 @@
 // run on two duplicates of the shard-axis communicator, so their relative
 // order cannot differ across ranks. A parameter no rank gave a gradient
 // keeps none. Gradients are summed, the convention of CrossEntropy;
-// Average divides by the data-parallel ranks, GradientDivideFactor by
+// WithAverage divides by the data-parallel ranks, WithGradientDivideFactor by
 // a given factor.
 //
-// HSDP: with ReplicateAxis (a mesh ("dp", "fsdp") and the batch sharded on
+// HSDP: with WithReplicateAxis (a mesh ("dp", "fsdp") and the batch sharded on
 // both), each unit's reduce-scatter on the shard axis is followed by an
 // all-reduce of its shard over the replicate axis. Accumulation: several
 // forward and backward passes before one Finish add up as on one rank,
@@ -80,10 +80,10 @@
 // its own and adds it). NoSync runs micro-batches without reduction (the
 // gathered leaves accumulate gradients); NoReplicaSync reduce-scatters
 // each micro-batch and skips the replicate all-reduce until the synced
-// one. ZeROStage(2) keeps the
-// parameters gathered from a step's first forward to Finish; ZeROStage(1)
+// one. WithZeROStage(2) keeps the
+// parameters gathered from a step's first forward to Finish; WithZeROStage(1)
 // also all-reduces gradients in full, each rank keeping its slice.
-// MixedPrecision(comm.BFloat16) all-gathers bfloat16 copies of the float32
+// WithMixedPrecision(comm.BFloat16) all-gathers bfloat16 copies of the float32
 // master weights (half the bytes) and reduces gradients in float32.
 //
 // Ranks that run different modules (non-SPMD control flow) gather or
@@ -91,7 +91,7 @@
 // make that an error on every rank naming the units (ErrMismatch), or the
 // communicator's timeout, wrapped with the operation and the unit's path.
 // A rank can also skip a unit and still issue its peers' collectives (the
-// unit was prefetched, or kept gathered by Reshard(false) or ZeRO-1/2, and
+// unit was prefetched, or kept gathered by WithReshard(false) or ZeRO-1/2, and
 // is reduced with zeros), which the tags cannot see. So each rank keeps a
 // trace of the units it enters in forward (not a checkpointed region's
 // recomputation), and at the first reduction of every pass the
@@ -104,7 +104,7 @@
 // differs ("rank 1 has nothing at position 1 where ranks 0, 2, 3 have
 // "proj""), before any gradient is installed. A unit that some ranks skip
 // is therefore an error, never a sum with zeros (DDP, by contrast, sums a
-// parameter that only some ranks used). A ReshardTo group's communicator
+// parameter that only some ranks used). A WithReshardTo group's communicator
 // numbers its ranks from 0: errors of its all-gathers say which
 // shard-axis rank each group rank is. Bytes reports the memory FSDP holds; Traffic the bytes each rank
 // sent: an all-gather of chunk c bytes over k ranks sends (k−1)·c, that
@@ -114,8 +114,8 @@
 // # Devices
 //
 // FSDP and ZeRO keep their shards, unsharded buffers, staging buffers
-// (cast to bfloat16 under MixedPrecision with the device's Cast), sharded
-// gradients, pooled unsharded gradients, ReshardTo's kept pieces and
+// (cast to bfloat16 under WithMixedPrecision with the device's Cast), sharded
+// gradients, pooled unsharded gradients, WithReshardTo's kept pieces and
 // HSDP's replicate all-reduces on the parameters' device, ordered after
 // the compute stream (device.BeforeCollective) and before later compute
 // (device.AfterCollective), and free them in Close. Results on device/emu

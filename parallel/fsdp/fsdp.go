@@ -33,20 +33,20 @@ type config struct {
 	prefetch      bool
 }
 
-// ShardAxis names the mesh axis parameters are sharded on (default
+// WithShardAxis names the mesh axis parameters are sharded on (default
 // "fsdp").
-func ShardAxis(name string) Option { return func(c *config) { c.axis = name } }
+func WithShardAxis(name string) Option { return func(c *config) { c.axis = name } }
 
-// ReplicateAxis names a mesh axis parameters stay replicated on while the
+// WithReplicateAxis names a mesh axis parameters stay replicated on while the
 // batch is sharded there too (HSDP): gradients are reduce-scattered on the
 // shard axis, then all-reduced on this one. Default: none.
-func ReplicateAxis(name string) Option { return func(c *config) { c.repAxis = name } }
+func WithReplicateAxis(name string) Option { return func(c *config) { c.repAxis = name } }
 
-// Reshard sets whether units free their gathered parameters after their
+// WithReshard sets whether units free their gathered parameters after their
 // forward (true, the default: ZeRO-3, gathered again in backward) or keep
 // them until their backward (false: one all-gather a step, more memory).
 // The root unit never reshards after forward.
-func Reshard(on bool) Option {
+func WithReshard(on bool) Option {
 	return func(c *config) {
 		c.reshard, c.reshardTo = 0, false
 		if on {
@@ -55,15 +55,15 @@ func Reshard(on bool) Option {
 	}
 }
 
-// ReshardTo makes units keep, after their forward, the 1/n of the
+// WithReshardTo makes units keep, after their forward, the 1/n of the
 // gathered unit that the backward all-gather within a group of n
 // consecutive shard-axis ranks rebuilds (FSDP2's reshard_after_forward=n).
 // n must be at least 1 and divide the shard axis size (New fails with
-// ErrInvalid otherwise); n equal to it is Reshard(true), 1 is
-// Reshard(false) with less memory.
-func ReshardTo(n int) Option { return func(c *config) { c.reshard, c.reshardTo = n, true } }
+// ErrInvalid otherwise); n equal to it is WithReshard(true), 1 is
+// WithReshard(false) with less memory.
+func WithReshardTo(n int) Option { return func(c *config) { c.reshard, c.reshardTo = n, true } }
 
-// ZeROStage selects the ZeRO stage, 1, 2 or 3 (default 3; New fails
+// WithZeROStage selects the ZeRO stage, 1, 2 or 3 (default 3; New fails
 // with ErrInvalid on another): 3 shards parameters,
 // gradients and optimizer state (the units gather their parameters in
 // forward and, when resharded, again in backward); 2 keeps every unit's
@@ -72,31 +72,31 @@ func ReshardTo(n int) Option { return func(c *config) { c.reshard, c.reshardTo =
 // gathered likewise and all-reduces gradients in full, each rank keeping
 // its shard's slice. In every stage the optimizer sees only the sharded
 // parameters, so its state is 1/p.
-func ZeROStage(s int) Option { return func(c *config) { c.stage = s } }
+func WithZeROStage(s int) Option { return func(c *config) { c.stage = s } }
 
-// MixedPrecision all-gathers parameters in dt (comm.BFloat16: half the
+// WithMixedPrecision all-gathers parameters in dt (comm.BFloat16: half the
 // bytes of float32) and casts them up to the parameters' dtype for
 // compute; the sharded master weights stay float32 and gradients are
 // reduced in float32. comm.Float32 (or the zero value) turns it off.
-func MixedPrecision(dt comm.DType) Option { return func(c *config) { c.mp = dt } }
+func WithMixedPrecision(dt comm.DType) Option { return func(c *config) { c.mp = dt } }
 
-// Average divides every rank's gradient contribution by the number of
+// WithAverage divides every rank's gradient contribution by the number of
 // data-parallel ranks (shard × replicate axis) before the sum, for losses
 // that are a per-rank mean. Without it contributions are summed (the
 // convention of autograd.CrossEntropy, normalised by the global count).
-func Average() Option { return func(c *config) { c.avg = true } }
+func WithAverage() Option { return func(c *config) { c.avg = true } }
 
-// GradientDivideFactor divides every rank's gradient contribution by f
-// (FSDP2's set_gradient_divide_factor); it replaces Average's factor.
+// WithGradientDivideFactor divides every rank's gradient contribution by f
+// (FSDP2's set_gradient_divide_factor); it replaces WithAverage's factor.
 // f must be positive and finite: New fails with ErrInvalid on zero, a
 // negative value, NaN or ±Inf (+Inf would zero every gradient).
-func GradientDivideFactor(f float64) Option {
+func WithGradientDivideFactor(f float64) Option {
 	return func(c *config) { c.divide, c.divideSet = f, true }
 }
 
-// Prefetch turns on (default) or off the all-gather of the next unit
+// WithPrefetch turns on (default) or off the all-gather of the next unit
 // while the current one computes, in forward and in backward.
-func Prefetch(on bool) Option { return func(c *config) { c.prefetch = on } }
+func WithPrefetch(on bool) Option { return func(c *config) { c.prefetch = on } }
 
 // UnitOption configures one Wrap.
 type UnitOption func(*unitConfig)
@@ -108,9 +108,9 @@ type unitConfig struct {
 	bwdSet   bool
 }
 
-// ShardDim shards the parameter named param (its Value name) on tensor
+// WithShardDim shards the parameter named param (its Value name) on tensor
 // dim dim instead of 0.
-func ShardDim(param string, dim int) UnitOption {
+func WithShardDim(param string, dim int) UnitOption {
 	return func(c *unitConfig) {
 		if c.dims == nil {
 			c.dims = map[string]int{}
@@ -119,16 +119,16 @@ func ShardDim(param string, dim int) UnitOption {
 	}
 }
 
-// PrefetchForward replaces the default forward prefetch (the unit that
+// WithPrefetchForward replaces the default forward prefetch (the unit that
 // entered next in the previous step's forward) by the units at paths
 // (Wrap paths); none turns it off for this unit.
-func PrefetchForward(paths ...string) UnitOption {
+func WithPrefetchForward(paths ...string) UnitOption {
 	return func(c *unitConfig) { c.fwd, c.fwdSet = slices.Clone(paths), true }
 }
 
-// PrefetchBackward replaces the default backward prefetch (the unit
+// WithPrefetchBackward replaces the default backward prefetch (the unit
 // before this one in the forward order) by the units at paths.
-func PrefetchBackward(paths ...string) UnitOption {
+func WithPrefetchBackward(paths ...string) UnitOption {
 	return func(c *unitConfig) { c.bwd, c.bwdSet = slices.Clone(paths), true }
 }
 
@@ -168,7 +168,7 @@ type Bytes struct {
 	// Gathered is the part of Unsharded that holds gathered parameters
 	// now.
 	Gathered int64
-	// Kept is the 1/n pieces ReshardTo units keep between forward and
+	// Kept is the 1/n pieces WithReshardTo units keep between forward and
 	// backward.
 	Kept int64
 	// ShardedGrads is the reduced (sharded) gradient buffers.
@@ -263,9 +263,9 @@ type FSDP struct {
 // split twice, one duplicate for all-gathers and one for reduce-scatters,
 // so that their relative order cannot differ across ranks, and the
 // data-parallel group's (shard and replicate axes) once for the SPMD
-// check (see FSDP). Errors wrap ErrInvalid: a missing axis, ZeROStage
-// other than 1, 2 or 3, ReshardTo(n) with n < 1 or not dividing the shard
-// axis, GradientDivideFactor not positive and finite, MixedPrecision in
+// check (see FSDP). Errors wrap ErrInvalid: a missing axis, WithZeROStage
+// other than 1, 2 or 3, WithReshardTo(n) with n < 1 or not dividing the shard
+// axis, WithGradientDivideFactor not positive and finite, WithMixedPrecision in
 // another dtype than bfloat16 or float32; ranks whose options differ get
 // a *comm.DisagreementError.
 func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
@@ -296,7 +296,7 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 			return nil, err
 		}
 		if f.p%cfg.reshard != 0 {
-			return nil, fmt.Errorf("%w: New: ReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, cfg.axis, f.p)
+			return nil, fmt.Errorf("%w: New: WithReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, cfg.axis, f.p)
 		}
 		if cfg.reshard == f.p {
 			f.cfg.reshard = -1
@@ -310,7 +310,7 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 	if cfg.mp == comm.Float32 {
 		f.cfg.mp = 0
 	} else if cfg.mp != 0 && cfg.mp != comm.BFloat16 {
-		return nil, fmt.Errorf("%w: New: MixedPrecision(%v); want bfloat16 or float32", ErrInvalid, cfg.mp)
+		return nil, fmt.Errorf("%w: New: WithMixedPrecision(%v); want bfloat16 or float32", ErrInvalid, cfg.mp)
 	}
 	var err error
 	if f.rank, err = m.Local(cfg.axis); err != nil {
@@ -475,7 +475,7 @@ type stageSlot struct {
 // Wrap makes module m (at path, for errors and prefetch lists) an FSDP
 // unit: its parameters, except those of units wrapped before it, are
 // laid out anew, in place, sharded on the shard axis (Shard(0), or the dim
-// ShardDim gives; a dim that another axis already shards keeps that axis
+// WithShardDim gives; a dim that another axis already shards keeps that axis
 // outer: WithOrder(dim, tp, fsdp)). Wrap modules bottom-up and the root
 // last; a unit wrapped after units it contains is the root when it
 // contains all of them. Every ParamHolder in the unit must implement
@@ -490,7 +490,7 @@ type stageSlot struct {
 // Errors wrap ErrInvalid: a module wrapped twice or inside a unit already
 // wrapped, a shard dim out of range, a parameter that is not a fresh leaf
 // (a gradient already), not Replicate on the shard and replicate axes,
-// of a dtype other than float32 or float64 (float32 with MixedPrecision),
+// of a dtype other than float32 or float64 (float32 with WithMixedPrecision),
 // held by another unit, or on another device than the others' (matching
 // device.ErrMixed); *comm.DisagreementError when ranks disagree.
 func (f *FSDP) Wrap(ctx context.Context, path string, m parallel.Module, opts ...UnitOption) error {
@@ -650,7 +650,7 @@ func (f *FSDP) plan(u *fsdpUnit, fail func(string, ...any) error) error {
 			p.dim = d
 		}
 		if p.dim < 0 || p.dim >= len(p.local) {
-			return fail("ShardDim(%q, %d) is out of range for shape %v", p.name, p.dim, s.Shape())
+			return fail("WithShardDim(%q, %d) is out of range for shape %v", p.name, p.dim, s.Shape())
 		}
 		p.outer, p.inner = blocks.Prod(p.local[:p.dim]), blocks.Prod(p.local[p.dim+1:])
 		p.n = blocks.Prod(p.local)

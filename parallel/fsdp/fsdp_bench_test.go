@@ -51,7 +51,7 @@ func BenchmarkFSDPStep(b *testing.B) {
 						return err
 					}
 				}
-				opt, err := optim.NewAdamW(params, optim.AllowFrozen()) // FSDP's list holds the unused spare
+				opt, err := optim.NewAdamW(params, optim.WithAllowFrozen()) // FSDP's list holds the unused spare
 				if err != nil {
 					return err
 				}

@@ -43,7 +43,7 @@ func TestFSDPOverTP(t *testing.T) {
 				if err := tp.Parallelize(ctx, b, "tp", ptest.BlockPlan(sp)); err != nil {
 					return err
 				}
-				f, err := New(ctx, m, ShardAxis("dp"))
+				f, err := New(ctx, m, WithShardAxis("dp"))
 				if err != nil {
 					return err
 				}
@@ -120,9 +120,9 @@ func fsdpRun(t *testing.T, p int, fn func(ctx context.Context, m *mesh.Mesh) err
 // UnitInfo.Chunk) of e bytes each is all-gathered with c·e bytes sent in
 // per rank (the recorder's count) over p ranks, which is (p−1)·c·e bytes
 // on the wire per rank ((p−1)/p of the padded unit p·c·e); its
-// reduce-scatter likewise. Reshard(true): two all-gathers per unit (the
-// root one) and one reduce-scatter; Reshard(false): one and one;
-// ReshardTo(n): one over p, one over n of (p/n)·c·e, one reduce-scatter.
+// reduce-scatter likewise. WithReshard(true): two all-gathers per unit (the
+// root one) and one reduce-scatter; WithReshard(false): one and one;
+// WithReshardTo(n): one over p, one over n of (p/n)·c·e, one reduce-scatter.
 func TestTraffic(t *testing.T) {
 	const p = 4
 	cases := []struct {
@@ -139,8 +139,8 @@ func TestTraffic(t *testing.T) {
 			}
 			return 2
 		}, nil, 8, 8},
-		{"keep", []Option{Reshard(false)}, func(UnitInfo) int64 { return 1 }, nil, 8, 8},
-		{"reshard to 2", []Option{ReshardTo(2)}, func(UnitInfo) int64 { return 1 }, func(u UnitInfo) int64 {
+		{"keep", []Option{WithReshard(false)}, func(UnitInfo) int64 { return 1 }, nil, 8, 8},
+		{"reshard to 2", []Option{WithReshardTo(2)}, func(UnitInfo) int64 { return 1 }, func(u UnitInfo) int64 {
 			if u.Root {
 				return 0
 			}
@@ -216,7 +216,7 @@ func TestFSDPMixedPrecisionBytes(t *testing.T) {
 			}
 			var opts []Option
 			if mp {
-				opts = append(opts, MixedPrecision(comm.BFloat16))
+				opts = append(opts, WithMixedPrecision(comm.BFloat16))
 			}
 			f, err := FullyShard(ctx, n, []string{"h.*"}, opts...)
 			if err != nil {
@@ -259,66 +259,66 @@ func TestFSDPBadInput(t *testing.T) {
 		fn   func(ctx context.Context, m *mesh.Mesh, n *fnet) error
 	}{
 		{"missing axis", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, ShardAxis("zero"))
+			_, err := New(ctx, m, WithShardAxis("zero"))
 			return err
 		}},
 		{"replicate axis missing", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, ReplicateAxis("dp"))
+			_, err := New(ctx, m, WithReplicateAxis("dp"))
 			return err
 		}},
 		{"reshard group", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, ReshardTo(3))
+			_, err := New(ctx, m, WithReshardTo(3))
 			return err
 		}},
 		{"stage", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, ZeROStage(4))
+			_, err := New(ctx, m, WithZeROStage(4))
 			return err
 		}},
 		{"stage 0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, ZeROStage(0))
+			_, err := New(ctx, m, WithZeROStage(0))
 			return err
 		}},
-		// ReshardTo(0) used to mean Reshard(false) and ReshardTo(-1)
-		// Reshard(true), while ReshardTo(-2) was refused.
+		// WithReshardTo(0) used to mean WithReshard(false) and WithReshardTo(-1)
+		// WithReshard(true), while WithReshardTo(-2) was refused.
 		{"pattern matches no module", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
 			_, err := FullyShard(ctx, n, []string{"h.*", "blocks.*"})
 			return err
 		}},
 		{"reshard to 0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
-			_, err := FullyShard(ctx, n, []string{"h.*"}, ReshardTo(0))
+			_, err := FullyShard(ctx, n, []string{"h.*"}, WithReshardTo(0))
 			return err
 		}},
 		{"reshard to -1", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
-			_, err := FullyShard(ctx, n, []string{"h.*"}, ReshardTo(-1))
+			_, err := FullyShard(ctx, n, []string{"h.*"}, WithReshardTo(-1))
 			return err
 		}},
 		{"reshard to -2", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, ReshardTo(-2))
+			_, err := New(ctx, m, WithReshardTo(-2))
 			return err
 		}},
 		// +Inf used to zero every gradient, 0 to mean no division.
 		{"divide by +Inf", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
-			_, err := FullyShard(ctx, n, []string{"h.*"}, GradientDivideFactor(math.Inf(1)))
+			_, err := FullyShard(ctx, n, []string{"h.*"}, WithGradientDivideFactor(math.Inf(1)))
 			return err
 		}},
 		{"divide by 0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
-			_, err := FullyShard(ctx, n, []string{"h.*"}, GradientDivideFactor(0))
+			_, err := FullyShard(ctx, n, []string{"h.*"}, WithGradientDivideFactor(0))
 			return err
 		}},
 		{"divide by -0", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, GradientDivideFactor(math.Copysign(0, -1)))
+			_, err := New(ctx, m, WithGradientDivideFactor(math.Copysign(0, -1)))
 			return err
 		}},
 		{"divide by -2", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, GradientDivideFactor(-2))
+			_, err := New(ctx, m, WithGradientDivideFactor(-2))
 			return err
 		}},
 		{"divide by NaN", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, GradientDivideFactor(math.NaN()))
+			_, err := New(ctx, m, WithGradientDivideFactor(math.NaN()))
 			return err
 		}},
 		{"divide by -Inf", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, _ *fnet) error {
-			_, err := New(ctx, m, GradientDivideFactor(math.Inf(-1)))
+			_, err := New(ctx, m, WithGradientDivideFactor(math.Inf(-1)))
 			return err
 		}},
 		{"wrapped twice", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
@@ -346,7 +346,7 @@ func TestFSDPBadInput(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			return f.Wrap(ctx, "head", n.head, ShardDim("head.weight", 2))
+			return f.Wrap(ctx, "head", n.head, WithShardDim("head.weight", 2))
 		}},
 		{"not a setter", ErrInvalid, func(ctx context.Context, m *mesh.Mesh, n *fnet) error {
 			f, err := New(ctx, m)
@@ -361,7 +361,7 @@ func TestFSDPBadInput(t *testing.T) {
 				return err
 			}
 			dim := m.Rank() % 2 // rank 1 shards head.weight's columns
-			return f.Wrap(ctx, "head", n.head, ShardDim("head.weight", dim))
+			return f.Wrap(ctx, "head", n.head, WithShardDim("head.weight", dim))
 		}},
 	}
 	for _, c := range cases {
@@ -405,7 +405,7 @@ func traffic(m *mesh.Mesh) int {
 
 // TestFSDPNonSPMD runs a step where rank 1 skips block h.1's forward:
 // every rank must fail with an error naming a unit, within the timeout,
-// with prefetch on and off; under Reshard(false), where rank 1 issues
+// with prefetch on and off; under WithReshard(false), where rank 1 issues
 // the same collectives as rank 0 and only the unit-order check can tell,
 // with ErrMismatch naming rank 1 and the units that differ.
 func TestFSDPNonSPMD(t *testing.T) {
@@ -415,9 +415,9 @@ func TestFSDPNonSPMD(t *testing.T) {
 		want     string
 		mismatch bool
 	}{
-		{"prefetch=true", Prefetch(true), `unit "h.`, false},
-		{"prefetch=false", Prefetch(false), `unit "h.`, false},
-		{"reshard=false", Reshard(false), `rank 1 has "h.2" at position 2 where rank 0 has "h.1"`, true},
+		{"prefetch=true", WithPrefetch(true), `unit "h.`, false},
+		{"prefetch=false", WithPrefetch(false), `unit "h.`, false},
+		{"reshard=false", WithReshard(false), `rank 1 has "h.2" at position 2 where rank 0 has "h.1"`, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			start := time.Now()
@@ -479,7 +479,7 @@ func TestFSDPClipGradNorm(t *testing.T) {
 			if err := n.step(ctx, m, f); err != nil {
 				return err
 			}
-			norm, err := optim.ClipGradNorm(ctx, params, 1e9, optim.AllowFrozen()) // the spare Linear is never used
+			norm, err := optim.ClipGradNorm(ctx, params, 1e9, optim.WithAllowFrozen()) // the spare Linear is never used
 			if err != nil {
 				return err
 			}
@@ -578,8 +578,8 @@ func TestBytes(t *testing.T) {
 	}
 }
 
-// TestFSDPGradientScale checks Average (1/p over the data-parallel
-// ranks) and GradientDivideFactor (1/f) against the summed gradients.
+// TestFSDPGradientScale checks WithAverage (1/p over the data-parallel
+// ranks) and WithGradientDivideFactor (1/f) against the summed gradients.
 func TestFSDPGradientScale(t *testing.T) {
 	grads := map[string][]float64{}
 	var mu sync.Mutex
@@ -587,7 +587,7 @@ func TestFSDPGradientScale(t *testing.T) {
 		name string
 		opts []Option
 		div  float64
-	}{{"sum", nil, 1}, {"average", []Option{Average()}, 3}, {"divide", []Option{GradientDivideFactor(0.5)}, 0.5}}
+	}{{"sum", nil, 1}, {"average", []Option{WithAverage()}, 3}, {"divide", []Option{WithGradientDivideFactor(0.5)}, 0.5}}
 	for _, c := range cases {
 		errs := fsdpRun(t, 3, func(ctx context.Context, m *mesh.Mesh) error {
 			n, err := newFnet(m, comm.Float64)
@@ -646,11 +646,11 @@ func TestFSDPExplicitPrefetch(t *testing.T) {
 				var opts []UnitOption
 				switch {
 				case mode == "explicit" && i == 0:
-					opts = append(opts, PrefetchForward("h.1", "h.2"), PrefetchBackward())
+					opts = append(opts, WithPrefetchForward("h.1", "h.2"), WithPrefetchBackward())
 				case mode == "explicit":
-					opts = append(opts, PrefetchBackward(fmt.Sprintf("h.%d", i-1)))
+					opts = append(opts, WithPrefetchBackward(fmt.Sprintf("h.%d", i-1)))
 				case mode == "unknown":
-					opts = append(opts, PrefetchForward("h.9"))
+					opts = append(opts, WithPrefetchForward("h.9"))
 				}
 				if err := f.Wrap(ctx, fmt.Sprintf("h.%d", i), b, opts...); err != nil {
 					return err
@@ -723,10 +723,10 @@ func TestFSDPSlotConflict(t *testing.T) {
 	}
 }
 
-// TestFSDPErrorsNameUnit: under ReshardTo(2) on fsdp=4, rank 3 sleeps in
+// TestFSDPErrorsNameUnit: under WithReshardTo(2) on fsdp=4, rank 3 sleeps in
 // proj's enter hook past the timeout. Every rank's error is a timeout
 // wrapped with the FSDP operation and the unit it was in; rank 2, which
-// waits for rank 3 in proj's all-gather within their ReshardTo group,
+// waits for rank 3 in proj's all-gather within their WithReshardTo group,
 // says which shard-axis rank each rank of the group's communicator is
 // (its errors count from 0 within the group, so its "rank 1" is rank 3).
 func TestFSDPErrorsNameUnit(t *testing.T) {
@@ -742,7 +742,7 @@ func TestFSDPErrorsNameUnit(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			f, err := FullyShard(ctx, mlp, []string{"fc", "proj"}, ReshardTo(2))
+			f, err := FullyShard(ctx, mlp, []string{"fc", "proj"}, WithReshardTo(2))
 			if err != nil {
 				return err
 			}
@@ -774,7 +774,7 @@ func TestFSDPErrorsNameUnit(t *testing.T) {
 			t.Errorf("rank %d: %v; want a timeout naming the FSDP operation and unit", r, err)
 		}
 	}
-	const group = `fsdp: FSDP all-gather of unit "proj" within its ReshardTo(2) group (on its communicator group rank 0 is rank 2, group rank 1 is rank 3)`
+	const group = `fsdp: FSDP all-gather of unit "proj" within its WithReshardTo(2) group (on its communicator group rank 0 is rank 2, group rank 1 is rank 3)`
 	if err := errs[2]; err == nil || !strings.Contains(err.Error(), group) {
 		t.Errorf("rank 2: %v; want %s", err, group)
 	}

@@ -16,12 +16,12 @@ import (
 // units' own), the staging buffers, the sharded gradients and the pooled
 // unsharded gradients are buffers of the parameters' device. The steps
 // are the host's, on device slices: copies into and out of the staging
-// layout are Copy, CopyBox and Cast (MixedPrecision's bfloat16) on the
+// layout are Copy, CopyBox and Cast (WithMixedPrecision's bfloat16) on the
 // compute stream; the unit tags go through small host copies; every
 // collective is ordered after compute by device.BeforeCollective and
 // later compute after it by device.AfterCollective. Each contribution is
 // scaled as on the host, so results on device/emu are the host's bit for
-// bit. ReshardTo's kept pieces and HSDP's replicate all-reduces are
+// bit. WithReshardTo's kept pieces and HSDP's replicate all-reduces are
 // device buffers too.
 
 // takeDevice records the device of a unit's parameter: every parameter of

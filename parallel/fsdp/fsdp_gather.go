@@ -338,7 +338,7 @@ func (f *FSDP) stageFor(ctx context.Context, ss *[2]*stageSlot, i int, dt comm.D
 }
 
 // issue starts u's all-gather (from its kept piece within its group when
-// ReshardTo left one). A prefetch that would take a slot another unit
+// WithReshardTo left one). A prefetch that would take a slot another unit
 // holds is skipped (false); a demand gather then fails.
 func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, error) {
 	if u.gathered || u.agWork != nil {
@@ -350,7 +350,7 @@ func (f *FSDP) issue(ctx context.Context, u *fsdpUnit, prefetch bool) (bool, err
 			if prefetch {
 				return false, nil
 			}
-			return false, fmt.Errorf("%w: FSDP unit %q: its unsharded buffer slot %d is held by unit %q, still gathered (units resharded after forward share two slots by wrap-order parity; wrap them in execution order, or use Reshard(false))", ErrInvalid, u.path, u.slot, s.owner.path)
+			return false, fmt.Errorf("%w: FSDP unit %q: its unsharded buffer slot %d is held by unit %q, still gathered (units resharded after forward share two slots by wrap-order parity; wrap them in execution order, or use WithReshard(false))", ErrInvalid, u.path, u.slot, s.owner.path)
 		}
 		s.owner = u
 	}
@@ -447,11 +447,11 @@ func (f *FSDP) complete(ctx context.Context, u *fsdpUnit) error {
 }
 
 // gatherError wraps an error of u's all-gather, over the shard axis or
-// (group) within its ReshardTo group, whose communicator numbers its
+// (group) within its WithReshardTo group, whose communicator numbers its
 // ranks from 0.
 func (f *FSDP) gatherError(u *fsdpUnit, group bool, err error) error {
 	if group {
-		return fmt.Errorf("fsdp: FSDP all-gather of unit %q within its ReshardTo(%d) group%s: %w", u.path, f.cfg.reshard, f.groupNote(), err)
+		return fmt.Errorf("fsdp: FSDP all-gather of unit %q within its WithReshardTo(%d) group%s: %w", u.path, f.cfg.reshard, f.groupNote(), err)
 	}
 	return fmt.Errorf("fsdp: FSDP all-gather of unit %q: %w", u.path, err)
 }

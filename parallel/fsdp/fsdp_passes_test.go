@@ -41,13 +41,13 @@ func fsdpVariants() []fsdpVariant {
 	f64 := comm.Float64
 	return []fsdpVariant{
 		{name: "reshard", shape: []int{4}, names: one, dt: f64},
-		{name: "reshard false", shape: []int{4}, names: one, dt: f64, opts: []Option{Reshard(false)}},
-		{name: "reshard to 2 of 4", shape: []int{4}, names: one, dt: f64, opts: []Option{ReshardTo(2)}},
-		{name: "zero2", shape: []int{4}, names: one, dt: f64, opts: []Option{ZeROStage(2)}},
-		{name: "zero1", shape: []int{4}, names: one, dt: f64, opts: []Option{ZeROStage(1)}},
-		{name: "hsdp 2x2", shape: []int{2, 2}, names: hsdp, dt: f64, opts: []Option{ReplicateAxis("dp")}},
-		{name: "bfloat16 gathers", shape: []int{4}, names: one, dt: comm.Float32, opts: []Option{MixedPrecision(comm.BFloat16)}},
-		{name: "no prefetch", shape: []int{4}, names: one, dt: f64, opts: []Option{Prefetch(false)}},
+		{name: "reshard false", shape: []int{4}, names: one, dt: f64, opts: []Option{WithReshard(false)}},
+		{name: "reshard to 2 of 4", shape: []int{4}, names: one, dt: f64, opts: []Option{WithReshardTo(2)}},
+		{name: "zero2", shape: []int{4}, names: one, dt: f64, opts: []Option{WithZeROStage(2)}},
+		{name: "zero1", shape: []int{4}, names: one, dt: f64, opts: []Option{WithZeROStage(1)}},
+		{name: "hsdp 2x2", shape: []int{2, 2}, names: hsdp, dt: f64, opts: []Option{WithReplicateAxis("dp")}},
+		{name: "bfloat16 gathers", shape: []int{4}, names: one, dt: comm.Float32, opts: []Option{WithMixedPrecision(comm.BFloat16)}},
+		{name: "no prefetch", shape: []int{4}, names: one, dt: f64, opts: []Option{WithPrefetch(false)}},
 	}
 }
 
@@ -153,9 +153,9 @@ func TestFSDPBackwardPasses(t *testing.T) {
 	ckpt := []fsdpVariant{
 		{name: "checkpointed units", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true},
 		{name: "units in checkpointed blocks", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}},
-		{name: "units in checkpointed blocks, reshard to 2", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []Option{ReshardTo(2)}},
-		{name: "units in checkpointed blocks, zero2", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []Option{ZeROStage(2)}},
-		{name: "units in checkpointed blocks, reshard false", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []Option{Reshard(false)}},
+		{name: "units in checkpointed blocks, reshard to 2", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []Option{WithReshardTo(2)}},
+		{name: "units in checkpointed blocks, zero2", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []Option{WithZeROStage(2)}},
+		{name: "units in checkpointed blocks, reshard false", shape: []int{4}, names: one, dt: comm.Float64, ckpt: true, units: []string{"h.*.mlp"}, opts: []Option{WithReshard(false)}},
 	}
 	for _, v := range append(fsdpVariants(), ckpt...) {
 		patterns := []string{"PP", "PPP", "PNP", "NPP"}
@@ -303,7 +303,7 @@ func meshRun(shape []int, names []string, fn func(ctx context.Context, m *mesh.M
 // TestFSDPSkippedUnit is the issue's second case: rank 1 runs only the
 // MLP's fc, the others the whole MLP. Every rank must fail with
 // ErrMismatch naming rank 1 and the unit it did not run, in every
-// configuration; Reshard(false), ZeRO-2 and ZeRO-1 used to give a wrong
+// configuration; WithReshard(false), ZeRO-2 and ZeRO-1 used to give a wrong
 // proj.bias with no error (rank 1 issues the same collectives: proj is
 // gathered by the prefetch and reduced with zeros). TestFSDPNonSPMD skips
 // a whole block on rank 1.

@@ -13,7 +13,7 @@ import (
 // The SPMD check of a step. The unit tags of every all-gather and
 // reduce-scatter chunk catch ranks that issue different collectives, but
 // not ranks that issue the same ones for different reasons: with the
-// parameters kept gathered (Reshard(false), ZeRO-1/2) or prefetched, a
+// parameters kept gathered (WithReshard(false), ZeRO-1/2) or prefetched, a
 // rank that skips a unit issues exactly its peers' collectives and
 // contributes zeros for the unit it skipped, so the others' gradients are
 // mixed with nothing to show for it. So every rank also keeps a trace of
@@ -192,9 +192,9 @@ func (f *FSDP) traceEntry(i int32) string {
 	return f.units[i].path
 }
 
-// groupNote says which shard-axis ranks the ReshardTo group's ranks are,
+// groupNote says which shard-axis ranks the WithReshardTo group's ranks are,
 // for an error of the group communicator: its ranks count from 0 within
-// the group, so that its "rank 1" is, in group 2 of ReshardTo(2), rank 5.
+// the group, so that its "rank 1" is, in group 2 of WithReshardTo(2), rank 5.
 func (f *FSDP) groupNote() string {
 	n := f.cfg.reshard
 	base := f.rank / n * n

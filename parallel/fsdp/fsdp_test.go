@@ -212,7 +212,7 @@ func train(t *testing.T, c trainCase, fsdp bool, steps int) ([]float64, map[stri
 		} else if ps, err = parallel.Params(n); err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW(ps, optim.AllowFrozen()) // the spare Linear is never used
+		opt, err := optim.NewAdamW(ps, optim.WithAllowFrozen()) // the spare Linear is never used
 		if err != nil {
 			return err
 		}
@@ -319,18 +319,18 @@ func TestFSDPParity(t *testing.T) {
 		{name: "fsdp2", shape: []int{2}, names: one, dt: f64},
 		{name: "fsdp3 uneven", shape: []int{3}, names: one, dt: f64},
 		{name: "fsdp4 empty shard", shape: []int{4}, names: one, dt: f64},
-		{name: "hsdp 2x2", shape: []int{2, 2}, names: hsdp, dt: f64, opts: []Option{ReplicateAxis("dp")}},
-		{name: "reshard false", shape: []int{3}, names: one, dt: f64, opts: []Option{Reshard(false)}},
-		{name: "reshard to 2 of 4", shape: []int{4}, names: one, dt: f64, opts: []Option{ReshardTo(2)}},
-		{name: "no prefetch", shape: []int{3}, names: one, dt: f64, opts: []Option{Prefetch(false)}},
-		{name: "zero1", shape: []int{3}, names: one, dt: f64, opts: []Option{ZeROStage(1)}},
-		{name: "zero2", shape: []int{3}, names: one, dt: f64, opts: []Option{ZeROStage(2)}},
+		{name: "hsdp 2x2", shape: []int{2, 2}, names: hsdp, dt: f64, opts: []Option{WithReplicateAxis("dp")}},
+		{name: "reshard false", shape: []int{3}, names: one, dt: f64, opts: []Option{WithReshard(false)}},
+		{name: "reshard to 2 of 4", shape: []int{4}, names: one, dt: f64, opts: []Option{WithReshardTo(2)}},
+		{name: "no prefetch", shape: []int{3}, names: one, dt: f64, opts: []Option{WithPrefetch(false)}},
+		{name: "zero1", shape: []int{3}, names: one, dt: f64, opts: []Option{WithZeROStage(1)}},
+		{name: "zero2", shape: []int{3}, names: one, dt: f64, opts: []Option{WithZeROStage(2)}},
 		{name: "nosync x4", shape: []int{2}, names: one, dt: f64, accum: 4},
-		{name: "hsdp nosync x4", shape: []int{2, 2}, names: hsdp, dt: f64, accum: 4, opts: []Option{ReplicateAxis("dp")}},
-		{name: "hsdp noreplicasync x4", shape: []int{2, 2}, names: hsdp, dt: f64, accum: 4, noRep: true, opts: []Option{ReplicateAxis("dp")}},
+		{name: "hsdp nosync x4", shape: []int{2, 2}, names: hsdp, dt: f64, accum: 4, opts: []Option{WithReplicateAxis("dp")}},
+		{name: "hsdp noreplicasync x4", shape: []int{2, 2}, names: hsdp, dt: f64, accum: 4, noRep: true, opts: []Option{WithReplicateAxis("dp")}},
 		{name: "recycling tape", shape: []int{3}, names: one, dt: f64, recycle: true},
 		{name: "float32", shape: []int{2}, names: one, dt: f32, tol: 1e-4},
-		{name: "bfloat16 gathers", shape: []int{2}, names: one, dt: f32, tol: 1e-2, paramTol: 2 * 0.02 * steps, opts: []Option{MixedPrecision(comm.BFloat16)}},
+		{name: "bfloat16 gathers", shape: []int{2}, names: one, dt: f32, tol: 1e-2, paramTol: 2 * 0.02 * steps, opts: []Option{WithMixedPrecision(comm.BFloat16)}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -13,7 +13,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 )
 
-// TestFSDPTimeoutNamesLateRank: under ReshardTo(2) on fsdp=4, rank 1
+// TestFSDPTimeoutNamesLateRank: under WithReshardTo(2) on fsdp=4, rank 1
 // sleeps in a unit's enter hook past the communicator's timeout. Rank 0
 // then waits for it in the group all-gather of backward while ranks 2
 // and 3 wait in the reduce-scatter for ranks 0 and 1; every rank's error
@@ -32,7 +32,7 @@ func TestFSDPTimeoutNamesLateRank(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			f, err := FullyShard(ctx, n, []string{"h.*"}, ReshardTo(2))
+			f, err := FullyShard(ctx, n, []string{"h.*"}, WithReshardTo(2))
 			if err != nil {
 				return err
 			}

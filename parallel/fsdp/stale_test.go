@@ -30,10 +30,10 @@ func TestParamsCollectedBeforeLayoutChange(t *testing.T) {
 	}{
 		{"Parallelize", "Parallelize", comm.Float64, nil},
 		{"FullyShard", "FullyShard", comm.Float64, nil},
-		{"FullyShard Reshard(false)", "FullyShard", comm.Float64, []Option{Reshard(false)}},
-		{"FullyShard ZeRO-2", "FullyShard", comm.Float64, []Option{ZeROStage(2)}},
-		{"FullyShard ZeRO-1", "FullyShard", comm.Float64, []Option{ZeROStage(1)}},
-		{"FullyShard bf16", "FullyShard", comm.Float32, []Option{MixedPrecision(comm.BFloat16)}},
+		{"FullyShard WithReshard(false)", "FullyShard", comm.Float64, []Option{WithReshard(false)}},
+		{"FullyShard ZeRO-2", "FullyShard", comm.Float64, []Option{WithZeROStage(2)}},
+		{"FullyShard ZeRO-1", "FullyShard", comm.Float64, []Option{WithZeROStage(1)}},
+		{"FullyShard bf16", "FullyShard", comm.Float32, []Option{WithMixedPrecision(comm.BFloat16)}},
 	} {
 		mode := tc.mode
 		t.Run(tc.name, func(t *testing.T) {
@@ -148,7 +148,7 @@ func staleStep(t *testing.T, mode string, before bool, dt comm.DType, opts ...Op
 		if err := tp.ReduceGrads(ctx, ps); err != nil {
 			return err
 		}
-		opt, err := optim.NewAdamW(ps, optim.LR(0.1))
+		opt, err := optim.NewAdamW(ps, optim.WithLR(0.1))
 		if err != nil {
 			return err
 		}

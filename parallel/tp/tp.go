@@ -522,7 +522,7 @@ func ReduceGrads(ctx context.Context, params []*autograd.Value) error {
 	for _, p := range todo {
 		// In place: the gradient's memory is the parameter's own (or its
 		// DDP bucket's), so the reduction allocates nothing.
-		r, err := p.Tape().Planner().Redistribute(ctx, p.Grad(), p.Spec(), placement.ReuseInput())
+		r, err := p.Tape().Planner().Redistribute(ctx, p.Grad(), p.Spec(), placement.WithReuseInput())
 		if err != nil {
 			return fmt.Errorf("tp: ReduceGrads %q: %w", p.Name(), err)
 		}

@@ -33,7 +33,7 @@ import (
 // mesh are summed up in one line. A panic in fn is an error of its rank.
 // errors.Is and errors.As see every rank's error.
 //
-// OnDevice gives every rank a device, which fn reads with Device(ctx).
+// WithDevice gives every rank a device, which fn reads with Device(ctx).
 func Simulate(ctx context.Context, shape []int, names []string, fn func(ctx context.Context, m *mesh.Mesh) error, opts ...Option) error {
 	var cfg config
 	for i, o := range opts {
@@ -98,12 +98,12 @@ type config struct {
 	device func(rank int) (device.Device, error)
 }
 
-// OnDevice makes Simulate and Run give each rank the device that newDevice
+// WithDevice makes Simulate and Run give each rank the device that newDevice
 // returns for its world rank (an emu.New(rank), say), made on the rank's
 // goroutine before fn runs and closed after it returns; fn reads it with
 // Device(ctx). An error of newDevice, or of closing the device, is the
 // rank's error.
-func OnDevice(newDevice func(rank int) (device.Device, error)) Option {
+func WithDevice(newDevice func(rank int) (device.Device, error)) Option {
 	return func(c *config) { c.device = newDevice }
 }
 
@@ -111,7 +111,7 @@ func OnDevice(newDevice func(rank int) (device.Device, error)) Option {
 type deviceKey struct{}
 
 // Device returns the device Simulate gave the rank whose ctx this is
-// (OnDevice), or device.Host() without one.
+// (WithDevice), or device.Host() without one.
 func Device(ctx context.Context) device.Device {
 	if d, ok := ctx.Value(deviceKey{}).(device.Device); ok {
 		return d
@@ -362,9 +362,13 @@ func Distribute(spec *placement.Spec, full any, seed uint64) (*placement.DTensor
 		return nil, err
 	}
 	m := spec.Mesh()
-	off, _, err := spec.Box(m.Rank())
-	if err != nil {
-		return nil, err
+	// The global index along every dim of each local position (a
+	// load-balanced dim's block is two runs, not a box).
+	pos := make([][]int, len(spec.Shape()))
+	for d := range pos {
+		if pos[d], err = spec.Positions(d, m.Rank()); err != nil {
+			return nil, err
+		}
 	}
 	shape := r.LocalShape()
 	gshape := spec.Shape()
@@ -375,7 +379,7 @@ func Distribute(spec *placement.Spec, full any, seed uint64) (*placement.DTensor
 		c := unravel(i, shape)
 		g := 0
 		for d := range c {
-			g = g*gshape[d] + off[d] + c[d]
+			g = g*gshape[d] + pos[d][c[d]]
 		}
 		return uint64(g)
 	}

@@ -134,7 +134,7 @@ func TestRandomRejectsOverflowingShapes(t *testing.T) {
 	}
 }
 
-// TestOnDevice: without OnDevice a rank's device is the host; with it
+// TestOnDevice: without WithDevice a rank's device is the host; with it
 // every rank gets the device made for its rank, closed when fn returns; an
 // error making it, or a nil device, is the rank's error.
 func TestOnDevice(t *testing.T) {
@@ -148,7 +148,7 @@ func TestOnDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	made := make([]*emu.Device, 3)
-	on := placementtest.OnDevice(func(r int) (device.Device, error) {
+	on := placementtest.WithDevice(func(r int) (device.Device, error) {
 		d, err := emu.New(r)
 		made[r] = d
 		return d, err
@@ -176,7 +176,7 @@ func TestOnDevice(t *testing.T) {
 		{"error", func(r int) (device.Device, error) { return nil, errBoom }, "boom"},
 		{"nil", func(r int) (device.Device, error) { return nil, nil }, "nil device"},
 	} {
-		err := placementtest.Simulate(ctx, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error { return nil }, placementtest.OnDevice(tc.new))
+		err := placementtest.Simulate(ctx, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error { return nil }, placementtest.WithDevice(tc.new))
 		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "rank") {
 			t.Errorf("%s: %v, want an error with %q", tc.name, err, tc.want)
 		}
