@@ -3,6 +3,7 @@ package autograd
 import (
 	"context"
 	"fmt"
+	"github.com/b7ea7098/loom/internal/half"
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
@@ -245,6 +246,7 @@ func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTenso
 		if k == 0 {
 			clear(c)
 		} else {
+			xd, yd := autocastOperands(a.t, xd, yd)
 			if err := b.Sgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, beta, c, max(1, n)); err != nil {
 				return nil, fmt.Errorf("autograd: internal: %w", err)
 			}
@@ -263,6 +265,20 @@ func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTenso
 		return placement.NewLocal(spec, c)
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
+}
+
+// autocastOperands returns a float32 GEMM's operands as t computes with
+// them: copies rounded to bfloat16 under WithAutocast (the host's form of
+// device.GemmBF16, so that host and emulated device agree bit for bit),
+// else x and y themselves.
+func autocastOperands(t *Tape, x, y []float32) ([]float32, []float32) {
+	if !t.Autocast() {
+		return x, y
+	}
+	rx, ry := make([]float32, len(x)), make([]float32, len(y))
+	half.RoundBFloat16s(rx, x)
+	half.RoundBFloat16s(ry, y)
+	return rx, ry
 }
 
 // reusedOr returns the result a selective checkpoint kept of op when its
@@ -608,7 +624,8 @@ func gemmBias[T float](t *Tape, b *kernels.BLAS, spec *placement.Spec, x, w *pla
 	if k > 0 && m > 0 && n > 0 {
 		switch cd := any(c).(type) {
 		case []float32:
-			err = b.Sgemm(false, true, m, n, k, 1, any(xd).([]float32), k, any(wd).([]float32), k, 1, cd, n)
+			x32, w32 := autocastOperands(t, any(xd).([]float32), any(wd).([]float32))
+			err = b.Sgemm(false, true, m, n, k, 1, x32, k, w32, k, 1, cd, n)
 		case []float64:
 			err = b.Dgemm(false, true, m, n, k, 1, any(xd).([]float64), k, any(wd).([]float64), k, 1, cd, n)
 		}
@@ -869,6 +886,7 @@ func bmmLocal(a alloc, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.D
 		if k == 0 {
 			clear(c)
 		} else if m > 0 && n > 0 {
+			xd, yd := autocastOperands(a.t, xd, yd)
 			for i := range batch {
 				if err := bl.Sgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, beta, c[i*sc:(i+1)*sc], max(1, n)); err != nil {
 					return nil, fmt.Errorf("autograd: internal: %w", err)

@@ -59,6 +59,35 @@ func WithDevice(d device.Device) Option { return func(t *Tape) { t.device = d } 
 // Recycle is never called keeps every result it made.
 func WithRecycling() Option { return func(t *Tape) { t.recycling = true } }
 
+// WithAutocast makes the tape's float32 matrix products compute in
+// bfloat16 with float32 accumulation, as PyTorch's
+// torch.autocast(dtype=torch.bfloat16) does for matmul, bmm and linear
+// (its lower-precision list): MatMul, BatchedMatMul and Linear, forward
+// and backward, round both operands of each GEMM to bfloat16 and sum
+// their products in float32 (device.GemmBF16; on the host a float32 GEMM
+// over rounded copies, so the host and the emulated device agree bit for
+// bit). Everything else stays float32: results and activations (PyTorch
+// would keep a matmul's result in bfloat16), LayerNorm, softmax,
+// cross-entropy and the other reductions (autocast's float32 list), the
+// fused CausalAttention, parameters, gradients and optimizer state
+// (float32 master weights). Float64 tensors are not cast, as autocast
+// leaves float64 alone. Custom ops that run their own GEMMs read it with
+// Tape.Autocast.
+func WithAutocast() Option { return func(t *Tape) { t.autocast = true } }
+
+// Autocast reports whether the tape was made WithAutocast: whether its
+// float32 matrix products compute in bfloat16.
+func (t *Tape) Autocast() bool { return t != nil && t.autocast }
+
+// gemmPrecision is the precision of the tape's GEMMs on dtype dt:
+// bfloat16 for float32 under WithAutocast.
+func (t *Tape) gemmPrecision(dt comm.DType) device.GemmPrecision {
+	if t.Autocast() && dt == comm.Float32 {
+		return device.GemmBF16
+	}
+	return device.GemmF32
+}
+
 // WithPoisonRecycled is WithRecycling with a check: Recycle fills the memory
 // it takes back with NaN, so that a value read after its Recycle (through
 // a DTensor kept from it) shows up as NaN rather than as plausible numbers
@@ -137,6 +166,7 @@ type Tape struct {
 	// lists the values made since the last Recycle, to invalidate them.
 	recycling bool
 	results   []*Value
+	autocast  bool // WithAutocast
 	// walk is the reverse walk in progress (nil outside Backward); frames
 	// are the checkpointed regions whose function is running, innermost
 	// last; recomputing counts the regions being recomputed in backward.
