@@ -50,16 +50,21 @@ func IndicesFromFull(m *mesh.Mesh, shape []int, places []placement.Placement, fu
 	if len(full) != prod(shape) {
 		return nil, invalidf(op, "full has %d elements for global shape %v", len(full), shape)
 	}
-	off, size, err := spec.Box(m.Rank())
-	if err != nil {
-		return nil, err
+	// The global index along every dim of each local position (a
+	// load-balanced dim's block is two runs, not a box).
+	size := spec.LocalShape()
+	pos := make([][]int, len(shape))
+	for d := range pos {
+		if pos[d], err = spec.Positions(d, m.Rank()); err != nil {
+			return nil, err
+		}
 	}
 	local := make([]int64, 0, prod(size))
 	for i := range prod(size) {
 		c := unravel(i, size)
 		g := 0
 		for d := range c {
-			g = g*shape[d] + off[d] + c[d]
+			g = g*shape[d] + pos[d][c[d]]
 		}
 		local = append(local, full[g])
 	}

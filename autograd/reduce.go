@@ -115,7 +115,7 @@ func sumRule(a *placement.Spec, dims []int) (*placement.Spec, []bool, error) {
 			if nd := newDim[p.Dim()]; nd < 0 {
 				places[ax] = placement.Partial(comm.Sum)
 			} else {
-				places[ax] = placement.Shard(nd)
+				places[ax] = p.WithDim(nd)
 			}
 		}
 	}

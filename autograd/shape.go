@@ -393,7 +393,7 @@ func PermuteRule(x *placement.Spec, perm ...int) (*placement.Spec, error) {
 	places := x.Placements()
 	for ax, p := range places {
 		if p.IsShard() {
-			places[ax] = placement.Shard(inv[p.Dim()])
+			places[ax] = p.WithDim(inv[p.Dim()])
 		}
 	}
 	out, err := specWith(x, shape, places, orders)
@@ -632,7 +632,12 @@ func reshapeRule(x *placement.Spec, shape []int) (*placement.Spec, []int, error)
 	orders := map[int][]string{}
 	for ax, p := range places {
 		if p.IsShard() {
-			places[ax] = placement.Shard(newDim[p.Dim()])
+			// A balanced dim's permutation is of its own length: it
+			// survives a reshape only unmerged and unsplit.
+			if p.IsBalanced() && sx[p.Dim()] != shape[newDim[p.Dim()]] {
+				return nil, nil, rulef(op, "dim %d of %v is load-balanced (%v) and would become dim %d of size %d of %v: a balanced dim must keep its size; redistribute it to Shard or Replicate first", p.Dim(), sx, p, newDim[p.Dim()], shape[newDim[p.Dim()]], shape)
+			}
+			places[ax] = p.WithDim(newDim[p.Dim()])
 			orders[newDim[p.Dim()]] = x.Order(p.Dim())
 		}
 	}

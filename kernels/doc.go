@@ -123,6 +123,15 @@
 // backwards, are the float64-computed forms of the row kernels, for
 // float64 tensors and layouts the float32 kernels do not take.
 //
+// # Block attention
+//
+// [BlockAttentionForward], [MergeAttention], [AttentionRowDots] and
+// [BlockAttentionBackward] are attention of one Q block against one K/V
+// block under the causal mask by global position, merged by log-sum-exp,
+// and its backward from the merged output's LSE: what context parallelism
+// (parallel/cp) builds exact attention from when the sequence is split
+// over ranks. They are generic over float32 and float64.
+//
 // # Peak throughput
 //
 // [EstimatePeak] estimates the CPU's peak single-precision FLOP/s from the

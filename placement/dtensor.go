@@ -198,9 +198,9 @@ func FromFull(spec *Spec, full any, opts ...LocalOption) (*DTensor, error) {
 	var t *DTensor
 	switch d := full.(type) {
 	case []float32:
-		t = newDTensor(spec, sliceFull(spec, d))
+		t = newDTensor(spec, sliceFull(spec, permuteFull(spec.l, d)))
 	default:
-		t = newDTensor(spec, sliceFull(spec, d.([]float64)))
+		t = newDTensor(spec, sliceFull(spec, permuteFull(spec.l, d.([]float64))))
 	}
 	return place(op, t, opts)
 }
@@ -323,6 +323,7 @@ func fromRoot[T elem](ctx context.Context, spec *Spec, c comm.Communicator, full
 	var send []T
 	if m.Rank() == root {
 		send = make([]T, p*maxBox) // FromRoot checked the product
+		full = permuteFull(l, full)
 		for r := range p {
 			off, sz := boxOf(l.shape, l.mshape, l.order, unravel(r, l.mshape))
 			kernels.CopyBox(send[r*maxBox:], sz, make([]int, len(sz)), full, l.shape, off, sz)

@@ -46,10 +46,13 @@ func execute[T elem](ctx context.Context, pl *Plan, src, dst *mesh.Mesh, x block
 		st := &pl.steps[i]
 		buf := bufs[T]{al: al, last: i == len(pl.steps)-1, orig: orig, reuse: reuse, short: &short}
 		var err error
-		if st.Kind == StepDirect {
+		switch st.Kind {
+		case StepDirect:
 			x, err = crossExec(ctx, pl, src, dst, x)
 			m = dst
-		} else {
+		case StepPermute:
+			x = permuteExec(st, x)
+		default:
 			x, err = stepExec(ctx, st, shape, m, x, buf)
 		}
 		if err == nil {

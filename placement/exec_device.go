@@ -171,10 +171,13 @@ func executeDevice(ctx context.Context, pl *Plan, src, dst *mesh.Mesh, shape []i
 	x := devBlock{shape: shape, buf: b}
 	for i := range pl.steps {
 		st := &pl.steps[i]
-		if st.Kind == StepDirect {
+		switch st.Kind {
+		case StepDirect:
 			x, err = r.crossExec(pl, src, dst, x)
 			m = dst
-		} else {
+		case StepPermute:
+			x, err = r.permuteExec(st, x)
+		default:
 			x, err = r.stepExec(st, pl.src.shape, m, x)
 		}
 		if err != nil {

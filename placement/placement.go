@@ -43,6 +43,7 @@ type Placement struct {
 	kind Kind
 	dim  int
 	op   comm.ReduceOp
+	bal  bool // ShardBalanced
 }
 
 // Replicate is the placement where every rank on the axis holds the whole
@@ -107,12 +108,15 @@ func (p Placement) IsPartial() bool { return p.kind == KindPartial }
 func (p Placement) IsRouted() bool { return p.kind == KindRouted }
 
 // String returns the short form used in plans and errors: "R", "S(0)",
-// "P(sum)", "Routed".
+// "Sbal(1)" (ShardBalanced), "P(sum)", "Routed".
 func (p Placement) String() string {
 	switch p.kind {
 	case KindReplicate:
 		return "R"
 	case KindShard:
+		if p.bal {
+			return fmt.Sprintf("Sbal(%d)", p.dim)
+		}
 		return fmt.Sprintf("S(%d)", p.dim)
 	case KindPartial:
 		return fmt.Sprintf("P(%v)", p.op)

@@ -40,6 +40,10 @@ const (
 	// ranks, and the planner's alternative to several per-axis collectives
 	// for misaligned nested shards.
 	StepDirect
+	// StepPermute: a local reorder of dims that every rank holds whole,
+	// between the orders of two load-balanced (ShardBalanced) layouts, or
+	// one and the natural order.
+	StepPermute
 )
 
 // String names the step kind as plans print it.
@@ -61,6 +65,8 @@ func (k StepKind) String() string {
 		return "shard-to-partial(local)"
 	case StepDirect:
 		return "direct alltoallv"
+	case StepPermute:
+		return "permute(local)"
 	}
 	return fmt.Sprintf("step(%d)", uint8(k))
 }
@@ -97,6 +103,7 @@ type Step struct {
 
 	pre   *state     // the layout before the step
 	cross *crossData // the schedule of a cross-mesh step
+	perm  []dimPerm  // the reorders of a StepPermute
 }
 
 // Plan is a redistribution from one layout to another: a list of steps.
@@ -298,8 +305,14 @@ func makePlan(src, dst *layout, model *comm.CostModel) (*Plan, error) {
 		return nil, unsupportedf(op, "Routed placements (%v -> %v) are moved by the MoE dispatch and combine of the moe package, not by Redistribute", src.places, dst.places)
 	}
 	pl := &Plan{src: src, dst: dst, cross: -1}
+	if (src.hasPerm() || dst.hasPerm()) && !src.sameMesh(dst) {
+		return nil, unsupportedf(op, "a load-balanced layout (%v -> %v) changes mesh through a plain Shard or Replicate on its own mesh first", src.places, dst.places)
+	}
 	if !src.sameMesh(dst) {
 		return planDirect(src, dst, model)
+	}
+	if !slices.Equal(src.permKs(), dst.permKs()) {
+		return planPermute(src, dst, model)
 	}
 	steps, err := planAxes(newState(src), newState(dst), src, model)
 	if err != nil {

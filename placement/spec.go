@@ -196,6 +196,9 @@ func (l *layout) init(orders map[int][]int) error {
 	if err := l.checkRows(); err != nil {
 		return err
 	}
+	if err := l.checkBalanced(); err != nil {
+		return err
+	}
 	l.key = l.computeKey()
 	return nil
 }
@@ -332,6 +335,9 @@ func (l *layout) computeKey() string {
 		b = strconv.AppendInt(b, int64(p.dim), 10)
 		b = append(b, ':')
 		b = strconv.AppendInt(b, int64(p.op), 10)
+		if p.bal {
+			b = append(b, 'b')
+		}
 	}
 	for _, o := range l.order {
 		b = append(b, '[')
@@ -470,10 +476,14 @@ func (s *Spec) OnMesh(m *mesh.Mesh, placements []Placement, opts ...SpecOption) 
 // mesh rank meshRank (a position in the mesh view, not a world rank) holds.
 // Partial axes do not affect it; sizes may be 0 (empty shard). A Routed
 // spec has a box only with row counts (WithRoutedRows): its dim 0 is the
-// routed group's run of rows.
+// routed group's run of rows. A ShardBalanced dim is two runs, not a box:
+// Box refuses it (ErrUnsupported); Positions lists its indices.
 func (s *Spec) Box(meshRank int) (offset, size []int, err error) {
 	if s.l.hasRouted() && s.l.rows == nil {
 		return nil, nil, unsupportedf("Box", "a Routed spec without row counts has no layout (the moe package assigns rows: WithRoutedRows)")
+	}
+	if s.l.hasPerm() {
+		return nil, nil, unsupportedf("Box", "%v is load-balanced (ShardBalanced): a rank's block is two runs of the dim, not a box; use Positions", s.l.places)
 	}
 	coord, err := s.m.CoordOf(meshRank)
 	if err != nil {

@@ -339,7 +339,7 @@ func kernelCases() []kernelCase {
 		},
 		adamwCase(comm.Float32),
 		adamwCase(comm.Float64),
-	}, slices.Concat(autogradCases(), followupCases(), moeCases())...)
+	}, slices.Concat(autogradCases(), followupCases(), moeCases(), blockAttnCases())...)
 }
 
 // followupCases are the kernels of A6's follow-ups: the softmax over a

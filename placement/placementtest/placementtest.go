@@ -362,9 +362,13 @@ func Distribute(spec *placement.Spec, full any, seed uint64) (*placement.DTensor
 		return nil, err
 	}
 	m := spec.Mesh()
-	off, _, err := spec.Box(m.Rank())
-	if err != nil {
-		return nil, err
+	// The global index along every dim of each local position (a
+	// load-balanced dim's block is two runs, not a box).
+	pos := make([][]int, len(spec.Shape()))
+	for d := range pos {
+		if pos[d], err = spec.Positions(d, m.Rank()); err != nil {
+			return nil, err
+		}
 	}
 	shape := r.LocalShape()
 	gshape := spec.Shape()
@@ -375,7 +379,7 @@ func Distribute(spec *placement.Spec, full any, seed uint64) (*placement.DTensor
 		c := unravel(i, shape)
 		g := 0
 		for d := range c {
-			g = g*gshape[d] + off[d] + c[d]
+			g = g*gshape[d] + pos[d][c[d]]
 		}
 		return uint64(g)
 	}
