@@ -7,7 +7,7 @@
 // gloo plays for torchrun). NCCL's unique id and TCP's addresses pass
 // through the rendezvous server at MASTER_ADDR:MASTER_PORT.
 //
-//	job, err := launch.Detect(os.Getenv, *backend, dp*tp)
+//	job, err := launch.Detect(os.Getenv, *backend, dp*tp) // or launch.Auto(dp*tp)
 //	...
 //	err = job.Run(ctx, func(ctx context.Context, c comm.Communicator) error {
 //		m, err := mesh.New(c, []int{dp, tp}, []string{"dp", "tp"})
@@ -31,6 +31,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -105,6 +106,19 @@ func (j *Job) String() string {
 // one process (a one-rank comparison).
 func InProcess(ranks int) (*Job, error) {
 	return Detect(func(string) string { return "" }, Local, ranks)
+}
+
+// Auto returns how this process takes part in a job of ranks ranks (what
+// the program's layout flags ask for), read from the process's own
+// environment with the backend chosen automatically: it is
+// Detect(os.Getenv, "", ranks), the one call of a program without a
+// -backend flag. The same binary then runs ranks in-process ranks when
+// started by hand or by go run, one rank per process under loomrun or
+// torchrun (TCP, or NCCL where the CUDA driver finds a GPU) and under
+// mpirun (a binary built with -tags mpi); LOOM_BACKEND overrides the
+// choice. Its errors are Detect's (wrapping ErrInvalid).
+func Auto(ranks int) (*Job, error) {
+	return Detect(os.Getenv, "", ranks)
 }
 
 // Detect returns how this process takes part in a job of ranks ranks

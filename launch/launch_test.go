@@ -12,6 +12,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/nccl"
+	"github.com/b7ea7098/loom/device/cuda"
 )
 
 // env is a fake environment.
@@ -207,6 +208,48 @@ func TestEndMPIRank(t *testing.T) {
 			}
 			if len(tc.stderrWants) == 0 && stderr.Len() > 0 {
 				t.Errorf("stderr %q, want nothing", stderr.String())
+			}
+		})
+	}
+}
+
+// TestAuto: Auto reads the process's own environment (not a fake one):
+// nothing set is in-process ranks, loomrun's variables on a host without
+// GPUs one TCP rank of this process's RANK, LOOM_BACKEND overrides the
+// choice, and a world of the wrong size is refused.
+func TestAuto(t *testing.T) {
+	vars := []string{BackendEnv, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", cuda.DriverEnv}
+	loomrun := []string{"RANK", "1", "WORLD_SIZE", "2", "LOCAL_RANK", "1", "LOCAL_WORLD_SIZE", "2", "MASTER_ADDR", "127.0.0.1", "MASTER_PORT", "29500", cuda.DriverEnv, "off"}
+	tests := []struct {
+		name    string
+		env     []string
+		ranks   int
+		want    *Job
+		wantErr string
+	}{
+		{"nothing set", nil, 3, &Job{Backend: Local, WorldSize: 3, Processes: 1, LocalRanks: 3}, ""},
+		{"loomrun without GPUs", loomrun, 2, &Job{Backend: TCP, WorldSize: 2, Processes: 2, Rank: 1, LocalRank: 1, LocalRanks: 2, Addr: "127.0.0.1:29500"}, ""},
+		{"LOOM_BACKEND=local under loomrun", append(slices.Clone(loomrun), BackendEnv, "local"), 2, &Job{Backend: Local, WorldSize: 2, Processes: 1, LocalRanks: 2}, ""},
+		{"world of the wrong size", loomrun, 4, nil, "WORLD_SIZE=2 but the layout needs 4 ranks"},
+		{"LOOM_BACKEND=tcp without loomrun", []string{BackendEnv, "tcp"}, 2, nil, "WORLD_SIZE is not set"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, v := range vars {
+				t.Setenv(v, "")
+			}
+			for i := 0; i+1 < len(tc.env); i += 2 {
+				t.Setenv(tc.env[i], tc.env[i+1])
+			}
+			got, err := Auto(tc.ranks)
+			if tc.want == nil {
+				if err == nil || !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("Auto(%d) = %+v, %v; want an error matching loom.ErrInvalid with %q", tc.ranks, got, err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil || *got != *tc.want {
+				t.Fatalf("Auto(%d) = %+v, %v; want %+v", tc.ranks, got, err, tc.want)
 			}
 		})
 	}

@@ -36,12 +36,24 @@
 #   rank at fault by its world rank (for the partition: a rank of node 1,
 #   or node 1).
 #
+#   loomrun, two nodes of 2 ranks each, a user's program in a module of
+#   its own (tests/testdata/usertrain, built with CGO_ENABLED=0 against
+#   this clone through a replace directive; it picks its ranks with
+#   launch.Auto), no fault, LOOM_BLAS=go:
+#     ext-dp2-tp2, ext-fsdp4, ext-ep2-dp2
+#                      the layout's 8 losses on 2+2 processes match one
+#                      in-process rank's to 1e-6 relative (the layouts
+#                      differ only in the order of float32 sums), with the
+#                      TCP backend's own algorithms and with
+#                      LOOM_ALGO=direct; with direct they also equal the
+#                      same layout's on in-process ranks bit for bit.
+#
 # Each case prints one line: "netns: PASS|FAIL <case>: ended in <s> (bound
 # <s>) ...". Needs root and `ip netns`; without them it says so and exits
 # 0. It cleans up the namespaces on exit and removes leftovers of an
 # earlier run first.
 #
-# Usage: scripts/netns_check.sh [loomrun|mpi|tcp ...]   (the case groups to
+# Usage: scripts/netns_check.sh [loomrun|mpi|tcp|external ...]   (the case groups to
 # run, default all; Debian: iproute2, openmpi-bin, libopenmpi-dev)
 set -euo pipefail
 
@@ -55,7 +67,7 @@ port=29513
 node_timeout=4 # seconds
 loom_timeout=8 # seconds
 tcp_timeout=8  # seconds
-groups=" ${*:-loomrun mpi tcp} "
+groups=" ${*:-loomrun mpi tcp external} "
 
 if [ "$(id -u)" != 0 ]; then
 	echo "netns: skipped: needs root to make network namespaces (ip netns)"
@@ -101,6 +113,11 @@ echo "== go build ./cmd/loomrun, go test -c ./cmd/loomrun, go build [-tags mpi] 
 go build -o "$tmp/loomrun" ./cmd/loomrun
 go test -c -o "$tmp/loomrun.test" ./cmd/loomrun
 CGO_ENABLED=0 go build -o "$tmp/transformer-tcp" ./examples/transformer
+# The user's program: a module of its own beside the clone, offline.
+mkdir "$tmp/usermod"
+cp tests/testdata/usertrain/main.go go.sum "$tmp/usermod/"
+printf 'module example.com/user\n\ngo 1.26\n\nrequire github.com/b7ea7098/loom v0.0.0\n\nreplace github.com/b7ea7098/loom => %s\n' "$root" >"$tmp/usermod/go.mod"
+(cd "$tmp/usermod" && GOFLAGS=-mod=mod GOPROXY=off GOWORK=off CGO_ENABLED=0 go build -o "$tmp/user" .)
 mpi=1
 if command -v mpirun >/dev/null && pkg-config --exists ompi-c 2>/dev/null; then
 	go build -tags mpi -o "$tmp/transformer" ./examples/transformer
@@ -369,6 +386,61 @@ if [[ $groups == *" tcp "* ]]; then
 	tcp_case tcp-rank-killed kill "rank R: connection closed"
 	tcp_case tcp-link-down link "waiting for rank ([23]|[0-9]+ \(world rank [23]\))|node 1's loomrun stopped responding"
 	tcp_case tcp-rank-stopped stop "waiting for rank (R|[0-9]+ \(world rank R\))"
+fi
+
+# ext_losses FILE: the losses world rank 0 printed (one per line), loomrun's
+# prefix taken off.
+ext_losses() { sed -n 's/^\[rank 0\] \([-0-9.eE+]*\)$/\1/p' "$1"; }
+# ext_close A B: whether the loss files A and B have the same number of
+# lines and agree to 1e-6 relative (at least 1e-6), line by line.
+ext_close() {
+	[ "$(wc -l <"$1")" = "$(wc -l <"$2")" ] && [ -s "$1" ] &&
+		paste "$1" "$2" | awk '{ d = $1 - $2; if (d < 0) d = -d; m = $2 < 0 ? -$2 : $2; if (m < 1) m = 1; if (d > 1e-6 * m) exit 1 }'
+}
+# ext_case NAME ALGO LAYOUT...: the user's program on 2+2 processes across
+# the namespaces (LOOM_ALGO=ALGO), against one in-process rank and against
+# the same layout on in-process ranks.
+ext_case() {
+	local name=$1 algo=$2
+	shift 2
+	local flags=(--nnodes 2 -n 2 --master-addr "$addr0" --master-port "$port" --node-timeout "${tcp_timeout}s" --grace 1s --timeout 120s)
+	local env=(env LOOM_BLAS=go LOOM_CUDA_DRIVER=off LOOM_BACKEND= "LOOM_TIMEOUT=${tcp_timeout}s" LOOM_ALGO="$algo")
+	"${env[@]}" "$tmp/user" "$@" >"$tmp/$name.inproc" 2>"$tmp/$name.inproc.err" || true
+	net
+	local t0 pids=() k rc=0 problems=()
+	t0=$(now)
+	for k in 0 1; do
+		ip netns exec "$([ $k = 0 ] && echo "$ns0" || echo "$ns1")" "${env[@]}" \
+			"$tmp/loomrun" --node-rank $k "${flags[@]}" -- "$tmp/user" "$@" >"$tmp/$name.$k" 2>&1 &
+		pids+=($!)
+	done
+	for k in "${pids[@]}"; do wait "$k" || rc=$?; done
+	ext_losses "$tmp/$name.0" >"$tmp/$name.losses"
+	[ "$rc" = 0 ] || problems+=("a loomrun exited $rc")
+	grep -qF "[rank 0] 4 tcp processes of one rank each (2 on this host)" "$tmp/$name.0" || problems+=("node 0 does not say it runs 4 tcp processes")
+	ext_close "$tmp/$name.losses" "$tmp/ext-one" ||
+		problems+=("losses across the hosts $(tr '\n' ' ' <"$tmp/$name.losses"); one rank $(tr '\n' ' ' <"$tmp/ext-one"); want them within 1e-6 relative")
+	local same=no
+	cmp -s "$tmp/$name.losses" "$tmp/$name.inproc" && same=yes
+	[ "$algo" = direct ] && [ $same = no ] &&
+		problems+=("losses across the hosts $(tr '\n' ' ' <"$tmp/$name.losses"); in-process $(tr '\n' ' ' <"$tmp/$name.inproc"); want them bit for bit")
+	if [ ${#problems[@]} -gt 0 ]; then
+		printf '%s\n' "--- node 0:" "$(cat "$tmp/$name.0")" "--- node 1:" "$(cat "$tmp/$name.1")" >&2
+	fi
+	verdict "$name" "$(elapsed "$t0")" 120 "${problems[@]}"
+	echo "netns:      $name: largest difference from one rank $(paste "$tmp/$name.losses" "$tmp/ext-one" | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > m) m = d } END { printf "%.3g", m }'), in-process losses bit for bit: $same"
+}
+
+if [[ $groups == *" external "* ]]; then
+	echo "== loomrun, 2 nodes x 2 ranks, a user's program (tests/testdata/usertrain) on the tcp backend"
+	LOOM_BLAS=go LOOM_BACKEND='' LOOM_ALGO='' "$tmp/user" >"$tmp/ext-one" 2>"$tmp/ext-one.err" ||
+		{ echo "netns: FAIL ext: the one-rank run failed: $(cat "$tmp/ext-one.err")"; fails=$((fails + 1)); }
+	for algo in "" direct; do
+		sfx=${algo:+-$algo}
+		ext_case "ext-dp2-tp2$sfx" "$algo" -dp 2 -tp 2
+		ext_case "ext-fsdp4$sfx" "$algo" -fsdp 4
+		ext_case "ext-ep2-dp2$sfx" "$algo" -ep 2 -dp 2
+	done
 fi
 
 if [ "$fails" -gt 0 ]; then

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/comm/rendezvous"
 )
 
 func op(t *testing.T, name string) benchOp {
@@ -400,5 +402,76 @@ func TestCSVOneWriter(t *testing.T) {
 				t.Errorf("temporary files left: %v", tmp)
 			}
 		})
+	}
+}
+
+// TestTCPBackend runs loombench -backend tcp as loomrun's processes do,
+// each simulated process with its own environment (RANK, WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT) and its own rank of one TCP world over
+// loopback: every op and algorithm measured is checked against the serial
+// reference (no wrong element), only rank 0 prints the table, and a
+// process without loomrun's environment is refused, naming what to do.
+func TestTCPBackend(t *testing.T) {
+	const procs = 3
+	srv, err := rendezvous.Listen(t.Context(), "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	host, port, err := net.SplitHostPort(srv.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	codes := make([]int, procs)
+	outs := make([]bytes.Buffer, procs)
+	var wg sync.WaitGroup
+	for i := range procs {
+		vars := map[string]string{"RANK": fmt.Sprint(i), "WORLD_SIZE": fmt.Sprint(procs), "MASTER_ADDR": host, "MASTER_PORT": port}
+		be := tcpBackend(func(k string) string { return vars[k] })
+		cfg, err := parseFlags([]string{"-backend", "tcp", "-op", "allreduce,reducescatter,alltoall", "-algo", "all", "-b", "1K", "-e", "64K", "-f", "8", "-iters", "2", "-warmup", "1", "-timeout", "1m"}, &outs[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.copySize = 1 << 16
+		wg.Go(func() { codes[i] = bench(t.Context(), cfg, be, &outs[i], &outs[i]) })
+	}
+	wg.Wait()
+	for i, code := range codes {
+		if code != 0 {
+			t.Fatalf("process %d: exit %d: %s", i, code, outs[i].String())
+		}
+	}
+	out := outs[0].String()
+	for _, want := range []string{"backend=tcp ranks=3", "op=allreduce algo=ring", "op=reducescatter algo=direct", "op=alltoall algo=auto"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("rank 0's output lacks %q:\n%s", want, out)
+		}
+	}
+	// Rows: 3 sizes of allreduce (auto, direct, ring, tree),
+	// reducescatter (auto, direct, ring) and alltoall (auto, direct), each
+	// ending with its count of wrong elements, 0.
+	rows := 0
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) > 0 && !strings.HasPrefix(line, "#") {
+			rows++
+			if f[len(f)-1] != "0" {
+				t.Errorf("row %q: wrong elements", line)
+			}
+		}
+	}
+	if rows != 3*(4+3+2) || strings.Contains(out, "# error") {
+		t.Errorf("rank 0 printed %d rows, want %d, or errors:\n%s", rows, 3*(4+3+2), out)
+	}
+	if outs[1].Len() != 0 || outs[2].Len() != 0 {
+		t.Errorf("ranks 1 and 2 printed %q and %q; want nothing", outs[1].String(), outs[2].String())
+	}
+
+	var stderr bytes.Buffer
+	cfg, err := parseFlags([]string{"-backend", "tcp"}, &stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code := bench(t.Context(), cfg, tcpBackend(func(string) string { return "" }), &stderr, &stderr); code != 2 || !strings.Contains(stderr.String(), "start loombench with loomrun") {
+		t.Errorf("without loomrun's environment: exit %d, %q; want 2 and how to start it", code, stderr.String())
 	}
 }

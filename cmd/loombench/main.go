@@ -22,8 +22,9 @@
 // the slowest rank's time, and the table shows the median over iterations
 // (the CSV also the minimum). With -compare N, the variants take turns,
 // each round timing its -iters calls as one loop (as nccl-tests does), and
-// the table shows the median over the N rounds. With one rank per process (-backend mpi),
-// only the process of rank 0 prints the tables and writes -csv, replacing
+// the table shows the median over the N rounds. With one rank per process
+// (-backend mpi under mpirun, -backend tcp under loomrun), only the
+// process of rank 0 prints the tables and writes -csv, replacing
 // the file at once (a temporary file renamed) so that it is complete or
 // absent. Exit status is 1 if any element was wrong or any operation
 // failed, 2 on bad flags.
@@ -74,7 +75,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	cfg := &config{}
 	var minS, maxS, dtype, redop string
 	var factor int64
-	fs.StringVar(&cfg.backend, "backend", "local", "communication backend: local (in-process ranks), or mpi in a binary built with -tags mpi and started by mpirun (one rank per process)")
+	fs.StringVar(&cfg.backend, "backend", "local", "communication backend: local (in-process ranks); tcp, started by loomrun or torchrun (one rank per process, pure Go); or mpi in a binary built with -tags mpi and started by mpirun (one rank per process)")
 	fs.StringVar(&cfg.opNames, "op", "allreduce", "comma list of allreduce, allgather, reducescatter, broadcast, reduce, alltoall, alltoallv, sendrecv")
 	fs.IntVar(&cfg.ranks, "ranks", 2, "number of ranks")
 	fs.StringVar(&minS, "b", "8", "minimum size in bytes (K, M, G suffixes are powers of 1024)")
