@@ -86,8 +86,13 @@ func TestErrorsSayPackageOnce(t *testing.T) {
 				errs = append(errs, errors.New(c.name+": "+msg+": does not match "+c.pkg.Error()))
 			default:
 				prefix := "parallel:"
-				if c.pkg != nil {
-					prefix, _, _ = strings.Cut(c.pkg.Error(), " ")
+				switch c.pkg {
+				case tp.ErrInvalid:
+					prefix = "tp:"
+				case ddp.ErrInvalid:
+					prefix = "ddp:"
+				case fsdp.ErrInvalid:
+					prefix = "fsdp:"
 				}
 				n := 0
 				for _, p := range []string{"parallel:", "tp:", "ddp:", "fsdp:"} {
