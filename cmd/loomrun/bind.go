@@ -12,8 +12,23 @@ const (
 	bindNone = "none" // no pinning
 )
 
-// bindEnv sets --bind's default.
+// bindEnv sets --bind's default, in the words comm/local reads it with
+// (local.BindEnv), since the ranks inherit it.
 const bindEnv = "LOOM_BIND"
+
+// bindDefault returns --bind's default for a bindEnv value: core when it
+// is unset or empty, or says 1, true or auto; none for 0, false or none.
+// Any other value is an error (and the default core), which --bind given
+// on the command line overrides.
+func bindDefault(v string) (string, error) {
+	switch strings.ToLower(strings.TrimSpace(v)) {
+	case "", "1", "true", "auto":
+		return bindCore, nil
+	case "0", "false", "none":
+		return bindNone, nil
+	}
+	return bindCore, fmt.Errorf("%s=%q: want 1, true or auto to bind each rank to cores of its own, or 0, false or none", bindEnv, v)
+}
 
 // cpusEnv carries a rank's CPU list ("0,1") from the launcher to its
 // supervisor, which pins the thread that starts the rank so that the rank

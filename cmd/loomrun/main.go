@@ -69,14 +69,16 @@
 //
 // # Binding
 //
-// With --bind core (the default, like mpirun's --bind-to core; the
-// environment variable LOOM_BIND sets the default) each local rank is
+// With --bind core (the default, like mpirun's --bind-to core) each local rank is
 // pinned to cores of its own on Linux: the CPUs loomrun may run on are cut
 // into N equal runs of consecutive CPUs, LOCAL_RANK taking the
 // LOCAL_RANK-th, so that two ranks never share a core and a rank's memory
 // stays warm in its core's caches. With more ranks than CPUs, or on
 // systems other than Linux, nothing is pinned and loomrun says so.
-// --bind none leaves the scheduler free to move every rank anywhere.
+// --bind none leaves the scheduler free to move every rank anywhere. The
+// environment variable LOOM_BIND, which also binds comm/local's in-process
+// ranks, sets the default in its words: 1, true or auto for core; 0,
+// false or none for none.
 //
 // Each process runs in its own process group. SIGINT and SIGTERM sent to
 // loomrun are forwarded to every process's whole group; after --grace the
@@ -181,11 +183,8 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	fs.DurationVar(&cfg.nodeTimeout, "node-timeout", 30*time.Second, "end the job when another node's loomrun (or node 0's rendezvous server) has not been heard from for this long")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "end the whole job after this long (0: no limit)")
 	fs.DurationVar(&cfg.grace, "grace", 5*time.Second, "time between SIGTERM and SIGKILL when ending processes")
-	bind := os.Getenv(bindEnv)
-	if bind == "" {
-		bind = bindCore
-	}
-	fs.StringVar(&cfg.bind, "bind", bind, "pin each local rank to cores of its own (core) or not (none); default from "+bindEnv+", else core")
+	bind, bindErr := bindDefault(os.Getenv(bindEnv))
+	fs.StringVar(&cfg.bind, "bind", bind, "pin each local rank to cores of its own (core) or not (none); default core, or as "+bindEnv+" says")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: loomrun [-n N] [--nnodes M --node-rank K] [--master-addr ADDR] [--master-port PORT]\n"+
 			"               [--join-timeout D] [--node-timeout D] [--timeout D] [--grace D] [--bind none|core] [--] prog [args...]\n\n")
@@ -193,6 +192,11 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	bindSet := false
+	fs.Visit(func(f *flag.Flag) { bindSet = bindSet || f.Name == "bind" })
+	if bindErr != nil && !bindSet {
+		return nil, bindErr
 	}
 	rest := fs.Args()
 	if len(rest) == 0 {
@@ -225,7 +229,7 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	case cfg.grace < 0:
 		return nil, fmt.Errorf("--grace %v is negative", cfg.grace)
 	case cfg.bind != bindCore && cfg.bind != bindNone:
-		return nil, fmt.Errorf("--bind %q (or %s): want core or none", cfg.bind, bindEnv)
+		return nil, fmt.Errorf("--bind %q: want core or none", cfg.bind)
 	}
 	return cfg, nil
 }
