@@ -181,14 +181,17 @@ func (e *exec) run(ctx context.Context) error {
 			return nil
 		}
 		if e.algo == comm.Ring {
-			// The partial sums land in scratch memory, and the last one,
-			// block r, in recv: send is only read, never copied.
-			work := e.c.scratchOf(len(send))
+			// The partial sums land in scratch memory, slot s holding the
+			// block received at step s, and the last one, block r, in
+			// recv: send is only read, never copied, and p=2 needs no
+			// scratch at all.
+			work := e.c.scratchOf((p - 2) * n)
 			block := func(i int) []byte {
 				if i == r {
 					return recv
 				}
-				return work[i*n : (i+1)*n]
+				s := (r - i - 2 + 2*p) % p
+				return work[s*n : (s+1)*n]
 			}
 			err := e.ring(ctx, p-1, p-1, func(s int) (int, int) { return (r - s - 1 + p) % p, (r - s - 2 + 2*p) % p },
 				block, func(i int) []byte { return send[i*n : (i+1)*n] }, dt, false)
