@@ -52,9 +52,9 @@ func MatMul(a, b *Value) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	needA, needB := a.requiresGrad, b.requiresGrad
 	sa, sb := a.Spec(), b.Spec()
-	return t.record("MatMul", out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record("MatMul", out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needA, needB := t.need(a), t.need(b)
 		g, err := t.alignGrad(ctx, "MatMul", g, spec)
 		if err != nil {
 			return nil, err
@@ -122,7 +122,7 @@ func MatMul(a, b *Value) (*Value, error) {
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // MatMulRule is the sharding rule of MatMul for a [m, k] times b [k, n].
@@ -496,9 +496,9 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 	}
 	sx, sw := x.Spec(), w.Spec()
 	xd, wd := x.data, w.data
-	needX, needW, needB := x.requiresGrad, w.requiresGrad, b != nil && b.requiresGrad
 	names := sx.Mesh().Names()
-	return t.record(op, y, inputs, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record(op, y, inputs, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needX, needW, needB := t.need(x), t.need(w), t.need(b)
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err
@@ -580,7 +580,7 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // gemmBias computes x·wᵀ for the local blocks x [m, k] and w [n, k], plus
@@ -673,9 +673,9 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 	}
 	sa, sb := a.Spec(), b.Spec()
 	x, y := a.data, b.data
-	needA, needB := a.requiresGrad, b.requiresGrad
 	names := sa.Mesh().Names()
-	return t.record(op, out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record(op, out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needA, needB := t.need(a), t.need(b)
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err
@@ -740,7 +740,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // BatchedMatMulRule is the sharding rule of BatchedMatMul for a

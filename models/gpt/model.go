@@ -406,27 +406,10 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 		return nil, fmt.Errorf("targets have shape %v for ids %v", ys, xs)
 	}
 
-	// Position ids t, laid out like x.
-	pos := make([]int64, B*T)
-	for i := range pos {
-		pos[i] = int64(i % T)
-	}
-	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, orderOpts(x)...)
-	if err != nil {
-		return nil, fmt.Errorf("position ids: %w", err)
-	}
 	if err := md.Enter(ctx); err != nil {
 		return nil, err
 	}
-	tok, err := md.WTE.Forward(ctx, x)
-	if err != nil {
-		return nil, err
-	}
-	pe, err := md.WPE.Forward(ctx, posIdx)
-	if err != nil {
-		return nil, err
-	}
-	h, err := autograd.Add(tok, pe)
+	h, err := md.embed(ctx, x)
 	if err != nil {
 		return nil, err
 	}
@@ -441,7 +424,46 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 	if h, err = md.h.Output(ctx, h); err != nil {
 		return nil, fmt.Errorf("blocks' output: %w", err)
 	}
-	if h, err = md.LNF.Forward(ctx, h); err != nil {
+	return md.head(ctx, h, y)
+}
+
+// embed is the embeddings: wte[x] + wpe[t] for ids x [B, T].
+func (md *Model) embed(ctx context.Context, x *autograd.Indices) (*autograd.Value, error) {
+	xs := x.Shape()
+	if len(xs) != 2 {
+		return nil, fmt.Errorf("ids have shape %v; want [B, T]", xs)
+	}
+	B, T := xs[0], xs[1]
+	// Position ids t, laid out like x.
+	pos := make([]int64, B*T)
+	for i := range pos {
+		pos[i] = int64(i % T)
+	}
+	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, orderOpts(x)...)
+	if err != nil {
+		return nil, fmt.Errorf("position ids: %w", err)
+	}
+	tok, err := md.WTE.Forward(ctx, x)
+	if err != nil {
+		return nil, err
+	}
+	pe, err := md.WPE.Forward(ctx, posIdx)
+	if err != nil {
+		return nil, err
+	}
+	return autograd.Add(tok, pe)
+}
+
+// head is the final LayerNorm, lm_head and the mean cross-entropy of h
+// [B, T, D] against y ([B, T] or [B·T]).
+func (md *Model) head(ctx context.Context, h *autograd.Value, y *autograd.Indices) (*autograd.Value, error) {
+	hs := h.Spec().Shape()
+	if len(hs) != 3 || y == nil {
+		return nil, fmt.Errorf("head: activation of shape %v (want [B, T, D]) or nil targets", hs)
+	}
+	B, T := hs[0], hs[1]
+	h, err := md.LNF.Forward(ctx, h)
+	if err != nil {
 		return nil, err
 	}
 	logits, err := md.LMHead.Forward(ctx, h)
