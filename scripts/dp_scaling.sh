@@ -17,10 +17,11 @@
 #              (what mpirun does by default for 2 processes)
 #   mpi-unbound the same with --bind-to none: unpinned, as loomrun's
 #              processes are
-#   tcp        loomrun -n 2 ./transformer -dp 2 -tp 1 (unpinned, as a user
-#              runs it)
-#   tcp-bound  the same, each rank pinned with taskset to core LOCAL_RANK
-#              (like mpirun's --bind-to core)
+#   tcp        loomrun -n 2 ./transformer -dp 2 -tp 1, as a user runs it:
+#              loomrun pins each rank to a core of its own (--bind core,
+#              its default, like mpirun's --bind-to core); loomrun itself
+#              runs under taskset -c CORES, so that its ranks get those two
+#   tcp-unbound the same with --bind none: unpinned
 # Each run's tokens/s is the median over its steps (the transformer's
 # -json "tokens_per_s"); the script prints every round, then per variant
 # the median over the rounds and the median of the per-round ratios to
@@ -62,7 +63,7 @@ else
 	echo "dp_scaling: no mpi variant: it needs Open MPI and cgo (apt-get install openmpi-bin libopenmpi-dev)" >&2
 	CGO_ENABLED=0 go build -o "$tmp/transformer" ./examples/transformer
 fi
-variants+=(tcp tcp-bound)
+variants+=(tcp tcp-unbound)
 mpiflags=(-np 2)
 [ "$(id -u)" = 0 ] && mpiflags+=(--allow-run-as-root)
 
@@ -87,14 +88,8 @@ run() {
 		;;
 	mpi) mpirun "${mpiflags[@]}" --bind-to core "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
 	mpi-unbound) mpirun "${mpiflags[@]}" --bind-to none "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
-	tcp) "$tmp/loomrun" -n 2 --timeout 30m "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
-	tcp-bound)
-		# Each rank pins itself to the core of its LOCAL_RANK (expanded by
-		# the rank's shell, not this one).
-		# shellcheck disable=SC2016
-		"$tmp/loomrun" -n 2 --timeout 30m sh -c 'exec taskset -c "$(echo "$0" | cut -d, -f$((LOCAL_RANK + 1)))" "$@"' \
-			"$c0,$c1" "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1
-		;;
+	tcp) taskset -c "$c0,$c1" "$tmp/loomrun" -n 2 --timeout 30m "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
+	tcp-unbound) taskset -c "$c0,$c1" "$tmp/loomrun" -n 2 --bind none --timeout 30m "$tmp/transformer" -dp 2 "${args[@]}" -json "$out" >"$out.log" 2>&1 ;;
 	esac || { cat "$out.log" >&2; return 1; }
 	grep -q '"processes": *2' "$out" || { echo "dp_scaling: $v did not run as 2 processes:" >&2; cat "$out.log" >&2; return 1; }
 	tps "$out"

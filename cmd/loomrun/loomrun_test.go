@@ -79,6 +79,16 @@ func childMain(mode string, args []string) int {
 		}
 	}
 	switch mode {
+	case "affinity":
+		// The CPUs this rank may run on, and whether loomrun's internal
+		// variable leaked into its environment.
+		cpus, err := allowedCPUs()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fmt.Printf("cpus=%s leaked=%t\n", formatCPUs(cpus), os.Getenv(cpusEnv) != "")
+		return 0
 	case "env":
 		for _, k := range []string{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} {
 			fmt.Printf("%s=%s\n", k, os.Getenv(k))

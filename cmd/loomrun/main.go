@@ -5,7 +5,8 @@
 //
 //	loomrun [-n N | --nproc-per-node N] [--nnodes M --node-rank K]
 //	        [--master-addr ADDR] [--master-port PORT] [--join-timeout D]
-//	        [--node-timeout D] [--timeout D] [--grace D] [--] prog [args...]
+//	        [--node-timeout D] [--timeout D] [--grace D] [--bind none|core]
+//	        [--] prog [args...]
 //
 // loomrun starts N copies of prog on this machine (a node), each with the
 // environment torchrun sets:
@@ -65,6 +66,19 @@
 // reported its end (or, after a failure, once they had the time to end
 // their ranks), so its server outlives the other nodes' use of it, and
 // its exit status is 1 if any node failed.
+//
+// # Binding
+//
+// With --bind core (the default, like mpirun's --bind-to core) each local rank is
+// pinned to cores of its own on Linux: the CPUs loomrun may run on are cut
+// into N equal runs of consecutive CPUs, LOCAL_RANK taking the
+// LOCAL_RANK-th, so that two ranks never share a core and a rank's memory
+// stays warm in its core's caches. With more ranks than CPUs, or on
+// systems other than Linux, nothing is pinned and loomrun says so.
+// --bind none leaves the scheduler free to move every rank anywhere. The
+// environment variable LOOM_BIND, which also binds comm/local's in-process
+// ranks, sets the default in its words: 1, true or auto for core; 0,
+// false or none for none.
 //
 // Each process runs in its own process group. SIGINT and SIGTERM sent to
 // loomrun are forwarded to every process's whole group; after --grace the
@@ -141,6 +155,7 @@ import (
 // config is the parsed command line.
 type config struct {
 	nproc       int
+	bind        string        // "core" or "none"
 	nnodes      int           // nodes of the job; 0 counts as 1
 	nodeRank    int           // this node, 0..nnodes-1
 	joinTimeout time.Duration // how long the nodes wait for each other
@@ -168,13 +183,20 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 	fs.DurationVar(&cfg.nodeTimeout, "node-timeout", 30*time.Second, "end the job when another node's loomrun (or node 0's rendezvous server) has not been heard from for this long")
 	fs.DurationVar(&cfg.timeout, "timeout", 0, "end the whole job after this long (0: no limit)")
 	fs.DurationVar(&cfg.grace, "grace", 5*time.Second, "time between SIGTERM and SIGKILL when ending processes")
+	bind, bindErr := bindDefault(os.Getenv(bindEnv))
+	fs.StringVar(&cfg.bind, "bind", bind, "pin each local rank to cores of its own (core) or not (none); default core, or as "+bindEnv+" says")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: loomrun [-n N] [--nnodes M --node-rank K] [--master-addr ADDR] [--master-port PORT]\n"+
-			"               [--join-timeout D] [--node-timeout D] [--timeout D] [--grace D] [--] prog [args...]\n\n")
+			"               [--join-timeout D] [--node-timeout D] [--timeout D] [--grace D] [--bind none|core] [--] prog [args...]\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	bindSet := false
+	fs.Visit(func(f *flag.Flag) { bindSet = bindSet || f.Name == "bind" })
+	if bindErr != nil && !bindSet {
+		return nil, bindErr
 	}
 	rest := fs.Args()
 	if len(rest) == 0 {
@@ -206,6 +228,8 @@ func parseArgs(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("--timeout %v is negative", cfg.timeout)
 	case cfg.grace < 0:
 		return nil, fmt.Errorf("--grace %v is negative", cfg.grace)
+	case cfg.bind != bindCore && cfg.bind != bindNone:
+		return nil, fmt.Errorf("--bind %q: want core or none", cfg.bind)
 	}
 	return cfg, nil
 }

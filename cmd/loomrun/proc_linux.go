@@ -154,3 +154,31 @@ func endOrphans(timeout time.Duration) int {
 		time.Sleep(pollInterval)
 	}
 }
+
+// allowedCPUs lists, in increasing order, the CPUs this process may run on.
+func allowedCPUs() ([]int, error) {
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		return nil, os.NewSyscallError("sched_getaffinity", err)
+	}
+	var cpus []int
+	for c := range 8 * int(unsafe.Sizeof(set)) {
+		if set.IsSet(c) {
+			cpus = append(cpus, c)
+		}
+	}
+	return cpus, nil
+}
+
+// pinThread restricts the calling OS thread to cpus; the caller holds the
+// thread locked, and the processes it starts inherit the mask.
+func pinThread(cpus []int) error {
+	var set unix.CPUSet
+	for _, c := range cpus {
+		set.Set(c)
+	}
+	if err := unix.SchedSetaffinity(0, &set); err != nil {
+		return os.NewSyscallError("sched_setaffinity", err)
+	}
+	return nil
+}

@@ -60,3 +60,8 @@ func signalName(n int) string { return fmt.Sprintf("signal %d", n) }
 func signalExitCode(os.Signal) int { return 1 }
 
 func sigString(sig os.Signal) string { return sig.String() }
+
+// allowedCPUs: ranks started directly are not pinned here.
+func allowedCPUs() ([]int, error) {
+	return nil, fmt.Errorf("binding to cores needs Linux's sched_setaffinity")
+}

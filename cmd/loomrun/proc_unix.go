@@ -44,10 +44,14 @@ func startProcess(p *rankProc, s *rankSpec, stdout, stderr *os.File, events chan
 		ctrlW.Close()
 		return fmt.Errorf("status pipe: %w", err)
 	}
+	env := append(s.env[:len(s.env):len(s.env)], supervisorEnv+"=1")
+	if s.cpus != nil {
+		env = append(env, cpusEnv+"="+formatCPUs(s.cpus))
+	}
 	cmd := &exec.Cmd{
 		Path: exe,
 		Args: append([]string{fmt.Sprintf("loomrun-supervisor[rank %d]", s.rank), s.grace.String(), s.path}, s.args...),
-		Env:  append(s.env[:len(s.env):len(s.env)], supervisorEnv+"=1"),
+		Env:  env,
 		// Stdin nil: /dev/null, which the rank inherits.
 		Stdout:     stdout,
 		Stderr:     stderr,

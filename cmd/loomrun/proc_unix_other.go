@@ -37,3 +37,12 @@ func waitRank(pid int) (rankExit, bool) {
 func subtree(int) ([]proc, bool) { return nil, false }
 
 func endOrphans(time.Duration) int { return 0 }
+
+// Pinning needs Linux's sched_setaffinity.
+func allowedCPUs() ([]int, error) {
+	return nil, errors.New("binding to cores needs Linux's sched_setaffinity")
+}
+
+func pinThread([]int) error {
+	return errors.New("binding to cores needs Linux's sched_setaffinity")
+}

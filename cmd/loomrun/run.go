@@ -77,6 +77,7 @@ type rankSpec struct {
 	args  []string // its argv; args[0] is the name the user gave
 	env   []string
 	grace time.Duration
+	cpus  []int // the CPUs to pin the rank to; nil: not pinned
 }
 
 // rankProc is one rank as the launcher sees it.
@@ -291,6 +292,25 @@ func run(ctx context.Context, cfg *config, stdout, stderr io.Writer, sigs <-chan
 	return code
 }
 
+// bindPlan returns the CPUs of each local rank under --bind core, nil
+// (saying why through logf) where ranks cannot each have cores of their
+// own.
+func bindPlan(cfg *config, logf func(string, ...any)) [][]int {
+	if cfg.bind != bindCore {
+		return nil
+	}
+	cpus, err := allowedCPUs()
+	if err != nil {
+		logf("not binding ranks to cores: %v", err)
+		return nil
+	}
+	plan, why := planCPUs(cpus, cfg.nproc)
+	if plan == nil {
+		logf("%s", why)
+	}
+	return plan
+}
+
 // runNode runs this node's ranks (see run) and returns loomrun's exit
 // status and, when it is not 0, why, for the other nodes. cl is nil for a
 // job of one node; with cl set, the first failure on this node is
@@ -312,11 +332,15 @@ func runNode(ctx context.Context, cfg *config, path, port string, cl *cluster, o
 	events := make(chan rankEvent, cfg.nproc)
 	ranks := make([]*rankProc, 0, cfg.nproc)
 	env := os.Environ()
+	plan := bindPlan(cfg, logf)
 	var startErr error
 	for local := 0; local < cfg.nproc; local++ {
 		s := &rankSpec{
 			rank: base + local, path: path, args: append([]string{cfg.prog}, cfg.args...),
 			env: childEnv(env, cfg, local, port), grace: cfg.grace,
+		}
+		if plan != nil {
+			s.cpus = plan[local]
 		}
 		p, err := launchRank(s, outW, errW, events)
 		if err != nil {

@@ -106,8 +106,20 @@ func superviseMain(args []string) int {
 	}
 	env := make([]string, 0, len(os.Environ()))
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, supervisorEnv+"=") {
+		if !strings.HasPrefix(kv, supervisorEnv+"=") && !strings.HasPrefix(kv, cpusEnv+"=") {
 			env = append(env, kv)
+		}
+	}
+	// Pinned here, on the locked thread that starts the rank: the rank
+	// inherits the mask before it runs anything, all its threads too. A
+	// failure costs speed, not correctness, so the rank starts unpinned.
+	if list := os.Getenv(cpusEnv); list != "" {
+		cpus, err := parseCPUs(list)
+		if err == nil {
+			err = pinThread(cpus)
+		}
+		if err != nil {
+			s.send("note", fmt.Sprintf("rank not bound to CPUs %s: %v", list, err))
 		}
 	}
 	if err := setSubreaper(); err != nil {

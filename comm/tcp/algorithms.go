@@ -28,19 +28,26 @@ func Algorithms(op comm.Op) []comm.Algorithm {
 func supports(op comm.Op, a comm.Algorithm) bool { return slices.Contains(Algorithms(op), a) }
 
 // Crossovers of the automatic choice: fixed, not measured. Below
-// treeBytes an all-reduce takes the binomial tree (2·log2 p messages of
-// the whole vector); above, the ring (2(p-1) messages of 1/p of it). Below
-// directBytes per rank, all-gather and reduce-scatter exchange directly
-// (one round of p-1 messages); above, the ring. Loopback measurements on a
-// 2-core machine put both crossovers within a factor of two of these.
+// directBytes an all-reduce exchanges the whole vector with every rank at
+// once (one round of p-1 messages, summed in rank order), below treeBytes
+// it takes the binomial tree (2·log2 p rounds of the whole vector), above,
+// the ring (2(p-1) messages of 1/p of it). Below directBytes per rank,
+// all-gather and reduce-scatter exchange directly; above, the ring. A
+// message's latency on loopback is tens of microseconds, so for a small
+// vector the number of rounds, not the bytes, sets the time: one round
+// beats the tree's 2·log2 p.
 const (
 	treeBytes   = 64 << 10
 	directBytes = 16 << 10
 )
 
 // segmentBytes is the size of the frames a ring step is cut into, so that
-// the receiver reduces one segment while the next is on the wire.
-const segmentBytes = 256 << 10
+// the receiver reduces one segment while the next is on the wire;
+// minSegmentBytes bounds how small segmentOf cuts a small block.
+const (
+	segmentBytes    = 256 << 10
+	minSegmentBytes = 32 << 10
+)
 
 func (c *Comm) choose(call *comm.Call) (comm.Algorithm, error) {
 	a := call.Algorithm
@@ -61,6 +68,9 @@ func (c *Comm) choose(call *comm.Call) (comm.Algorithm, error) {
 	}
 	switch call.Op {
 	case comm.OpAllReduce:
+		if bytes < directBytes {
+			return comm.Direct, nil
+		}
 		if bytes < treeBytes {
 			return comm.Tree, nil
 		}
@@ -159,21 +169,35 @@ func (e *exec) run(ctx context.Context) error {
 			copy(own, send)
 		}
 		if e.algo == comm.Ring {
-			return e.ring(ctx, p-1, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p },
-				func(i int) []byte { return recv[i*n : (i+1)*n] }, dt, false)
+			return e.ring(ctx, p-1, 0, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p },
+				func(i int) []byte { return recv[i*n : (i+1)*n] }, nil, dt, false)
 		}
 		return e.exchange(ctx, func(int) []byte { return own },
 			func(q int, b []byte) error { return e.fill(q, recv[q*n:(q+1)*n], b) })
 	case comm.OpReduceScatter:
 		n := len(send) / p
+		if p == 1 {
+			copy(recv, send)
+			return nil
+		}
 		if e.algo == comm.Ring {
-			work := slices.Clone(send)
-			err := e.ring(ctx, p-1, func(s int) (int, int) { return (r - s - 1 + p) % p, (r - s - 2 + 2*p) % p },
-				func(i int) []byte { return work[i*n : (i+1)*n] }, dt, true)
+			// The partial sums land in scratch memory, slot s holding the
+			// block received at step s, and the last one, block r, in
+			// recv: send is only read, never copied, and p=2 needs no
+			// scratch at all.
+			work := e.c.scratchOf((p - 2) * n)
+			block := func(i int) []byte {
+				if i == r {
+					return recv
+				}
+				s := (r - i - 2 + 2*p) % p
+				return work[s*n : (s+1)*n]
+			}
+			err := e.ring(ctx, p-1, p-1, func(s int) (int, int) { return (r - s - 1 + p) % p, (r - s - 2 + 2*p) % p },
+				block, func(i int) []byte { return send[i*n : (i+1)*n] }, dt, false)
 			if err != nil {
 				return err
 			}
-			copy(recv, work[r*n:(r+1)*n])
 			e.scale(dt, recv)
 			return nil
 		}
@@ -259,6 +283,7 @@ func (e *exec) fill(src int, dst, b []byte) error {
 		return e.lengthMismatch(src, len(b), len(dst))
 	}
 	copy(dst, b)
+	e.c.t.release(b)
 	return nil
 }
 
@@ -297,24 +322,47 @@ func (e *exec) exchange(ctx context.Context, out func(q int) []byte, in func(q i
 
 // ring runs steps of a ring: at step s this rank sends block out of
 // idx(s) to its right neighbour and receives block in from its left one,
-// reducing it into its own block or overwriting it. Each block travels as
-// segments, so that the reduction of one overlaps the transfer of the
-// next; the writes of a step finish before the next step reuses memory.
-func (e *exec) ring(ctx context.Context, steps int, idx func(s int) (out, in int), block func(i int) []byte, dt comm.DType, reduce bool) error {
+// reducing it into its own block (the first reduceSteps steps) or
+// overwriting it (the rest). Every caller's ring passes on at step s+1 the
+// block it received at step s, so the ring is pipelined by segment: each
+// segment goes on to the right as soon as it is reduced or copied, while
+// the next one is still on the wire, instead of a step waiting for the
+// whole of the previous one. With scale, the segments of the last reduced
+// block are averaged before they go on (an all-reduce's Avg). src, when
+// not nil, holds this rank's own contribution by block, read only: step
+// 0 sends src's block and a reduction writes src's block plus the
+// received one into block's; nil means block holds it, reduced in place.
+//
+// A segment is overwritten (a later step's copy) only after this rank's
+// own earlier frame of it was written: the value that overwrites it came
+// round the ring from the peers, which could only compute it from the
+// bytes of that frame, already taken by the kernel. The writes all finish
+// before ring returns, so callers may reuse the memory.
+func (e *exec) ring(ctx context.Context, steps, reduceSteps int, idx func(s int) (out, in int), block, src func(i int) []byte, dt comm.DType, scale bool) error {
+	if steps == 0 {
+		return nil
+	}
+	if src == nil {
+		src = block
+	}
 	p, r := e.c.Size(), e.rank()
 	right, left := (r+1)%p, (r-1+p)%p
-	seg := max(segmentBytes/max(dt.Size(), 1), 1) * max(dt.Size(), 1)
+	es := max(dt.Size(), 1)
 	var fs []*outFrame
 	var ds []int
+	o, _ := idx(0)
+	ob := src(o)
+	seg := segmentOf(len(ob), es)
+	for lo := 0; lo < len(ob); lo += seg {
+		fs, ds = append(fs, e.send(right, ob[lo:min(lo+seg, len(ob))])), append(ds, right)
+	}
 	for s := range steps {
-		o, i := idx(s)
-		ob, ib := block(o), block(i)
-		fs, ds = fs[:0], ds[:0]
-		for lo := 0; lo < len(ob); lo += seg {
-			fs, ds = append(fs, e.send(right, ob[lo:min(lo+seg, len(ob))])), append(ds, right)
-		}
+		_, i := idx(s)
+		ib, sb := block(i), src(i)
+		seg := segmentOf(len(ib), es)
 		for lo := 0; lo < len(ib); lo += seg {
-			dst := ib[lo:min(lo+seg, len(ib))]
+			hi := min(lo+seg, len(ib))
+			dst := ib[lo:hi]
 			b, err := e.recv(ctx, left)
 			if err != nil {
 				return err
@@ -322,34 +370,48 @@ func (e *exec) ring(ctx context.Context, steps int, idx func(s int) (out, in int
 			if len(b) != len(dst) {
 				return e.lengthMismatch(left, len(b), len(dst))
 			}
-			if reduce {
-				if err := kernel.Reduce(dt, e.call.Reduce, dst, dst, b); err != nil {
+			if s < reduceSteps {
+				if err := kernel.Reduce(dt, e.call.Reduce, dst, sb[lo:hi], b); err != nil {
 					return err
+				}
+				if scale && s == reduceSteps-1 {
+					e.scale(dt, dst)
 				}
 			} else {
 				copy(dst, b)
 			}
-		}
-		if err := e.sent(ctx, fs, ds); err != nil {
-			return err
+			e.c.t.release(b)
+			if s+1 < steps {
+				fs, ds = append(fs, e.send(right, dst)), append(ds, right)
+			}
 		}
 	}
-	return nil
+	return e.sent(ctx, fs, ds)
 }
 
-// allReduceRing reduce-scatters buf around the ring, leaving rank r with
-// block r+1 reduced, then all-gathers the blocks.
+// segmentOf returns the frame size, in bytes, a ring cuts a block of n
+// bytes into: segmentBytes, or for a block under four of them a quarter of
+// it (at least minSegmentBytes), so that even a small block pipelines;
+// always a whole number of elements of es bytes.
+func segmentOf(n, es int) int {
+	seg := segmentBytes
+	if n < 4*segmentBytes {
+		seg = max(n/4, minSegmentBytes)
+	}
+	return max(seg/es, 1) * es
+}
+
+// allReduceRing reduce-scatters buf around the ring (p-1 steps, leaving
+// rank r with block r+1 reduced), then all-gathers the blocks (p-1 more),
+// as one ring of 2(p-1) steps: the step that passes on block r+1 finished
+// is the step after the one that reduced it, so the two phases pipeline
+// into each other.
 func (e *exec) allReduceRing(ctx context.Context, dt comm.DType, buf []byte) error {
 	p, r := e.c.Size(), e.rank()
 	es := dt.Size()
 	n := len(buf) / es
 	block := func(i int) []byte { return buf[i*n/p*es : (i+1)*n/p*es] }
-	err := e.ring(ctx, p-1, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p }, block, dt, true)
-	if err != nil {
-		return err
-	}
-	e.scale(dt, block((r+1)%p))
-	return e.ring(ctx, p-1, func(s int) (int, int) { return (r + 1 - s + p) % p, (r - s + p) % p }, block, dt, false)
+	return e.ring(ctx, 2*(p-1), p-1, func(s int) (int, int) { return ((r-s)%p + p) % p, ((r-s-1)%p + p) % p }, block, nil, dt, true)
 }
 
 // reduceTree reduces work up a binomial tree rooted at root; the result
@@ -374,6 +436,7 @@ func (e *exec) reduceTree(ctx context.Context, dt comm.DType, work []byte, root 
 			if err := kernel.Reduce(dt, e.call.Reduce, work, work, b); err != nil {
 				return err
 			}
+			e.c.t.release(b)
 		}
 	}
 	e.scale(dt, work)

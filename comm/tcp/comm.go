@@ -27,6 +27,11 @@ type Comm struct {
 	rank    int
 	rec     *comm.Recorder
 
+	// scratch is working memory of the ring reduce-scatter, kept from call
+	// to call: collectives run one after another, each after the
+	// previous one's writes finished, so one buffer serves them all.
+	scratch []byte
+
 	seq    uint64 // collectives issued, owned by the issuing goroutine
 	last   *work  // the latest collective issued, owned likewise
 	p2pSeq atomic.Uint64
@@ -45,6 +50,15 @@ func newComm(t *transport, cfg config, id uint64, name string, members []int, ra
 	}
 	t.register(c)
 	return c
+}
+
+// scratchOf returns the communicator's scratch memory, at least n bytes,
+// its contents undefined.
+func (c *Comm) scratchOf(n int) []byte {
+	if cap(c.scratch) < n {
+		c.scratch = make([]byte, n)
+	}
+	return c.scratch[:n]
 }
 
 // Rank implements comm.Communicator.
@@ -394,6 +408,7 @@ func (e *exec) recvInto(ctx context.Context, src int, dst []byte) error {
 		return e.c.failure.Load()
 	}
 	copy(dst, b)
+	e.c.t.release(b)
 	return nil
 }
 

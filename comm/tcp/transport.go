@@ -92,6 +92,77 @@ type transport struct {
 
 	stopped  chan struct{} // closed when the connections are
 	stopOnce sync.Once
+
+	// bufs recycles the payload buffers of received frames by size class
+	// (bufs[k] holds buffers of minPooled<<k bytes), so that a ring's
+	// segments reuse memory instead of each costing an allocation and
+	// its clearing.
+	bufs [poolClasses]sync.Pool
+}
+
+// Payload buffers from minPooled to maxPooled bytes are pooled.
+const (
+	minPooled   = 4 << 10
+	poolClasses = 7 // 4 KiB … 256 KiB
+	maxPooled   = minPooled << (poolClasses - 1)
+)
+
+// poolClass returns the class of a payload of n bytes, -1 when such
+// payloads are not pooled.
+func poolClass(n int) int {
+	if n <= 0 || n > maxPooled {
+		return -1
+	}
+	k := 0
+	for minPooled<<k < n {
+		k++
+	}
+	return k
+}
+
+// getBuf returns a payload buffer of n bytes, recycled where one is free.
+func (t *transport) getBuf(n int) []byte {
+	k := poolClass(n)
+	if k < 0 {
+		return make([]byte, n)
+	}
+	if b, ok := t.bufs[k].Get().(*[]byte); ok {
+		return (*b)[:n]
+	}
+	return make([]byte, n, minPooled<<k)
+}
+
+// release hands back a payload buffer the receiver is done with; only a
+// message's data, once, and never while anything still reads it.
+func (t *transport) release(b []byte) {
+	k := poolClass(cap(b))
+	if k < 0 || cap(b) != minPooled<<k {
+		return
+	}
+	b = b[:cap(b)]
+	t.bufs[k].Put(&b)
+}
+
+// directRead: a payload rest at least this long is read from the
+// connection straight into its buffer, not through the bufio.Reader,
+// which would copy every byte once more.
+const directRead = 32 << 10
+
+// readPayload fills data: first from what br holds already, then from
+// conn directly when much is left.
+func readPayload(br *bufio.Reader, conn io.Reader, data []byte) error {
+	k := min(br.Buffered(), len(data))
+	if k > 0 {
+		// Served from br's buffer alone: it cannot fail.
+		br.Read(data[:k])
+	}
+	rest := data[k:]
+	if len(rest) < directRead {
+		_, err := io.ReadFull(br, rest)
+		return err
+	}
+	_, err := io.ReadFull(conn, rest)
+	return err
 }
 
 func newTransport(rank, size int) *transport {
@@ -242,7 +313,7 @@ func (t *transport) deliver(k mkey, m message) {
 }
 
 func (t *transport) readLoop(p *peer) {
-	br := bufio.NewReaderSize(p.conn, 256<<10)
+	br := bufio.NewReaderSize(p.conn, 64<<10)
 	var hdr [headerBytes]byte
 	for {
 		if _, err := io.ReadFull(br, hdr[:]); err != nil {
@@ -256,8 +327,8 @@ func (t *transport) readLoop(p *peer) {
 			t.fail(p.rank, fmt.Errorf("garbage frame (kind %d, length %d)", kind, n))
 			return
 		}
-		data := make([]byte, n)
-		if _, err := io.ReadFull(br, data); err != nil {
+		data := t.getBuf(int(n))
+		if err := readPayload(br, p.conn, data); err != nil {
 			t.fail(p.rank, connErr(err))
 			return
 		}
