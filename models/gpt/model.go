@@ -448,20 +448,29 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 	if err != nil {
 		return nil, err
 	}
-	if logits, err = autograd.Reshape(logits, B*T, md.cfg.Vocab); err != nil {
-		return nil, err
-	}
-	tgt := y
-	if len(y.Shape()) == 2 {
-		if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), orderOpts(y)...); err != nil {
-			return nil, fmt.Errorf("targets: %w", err)
+	tgt, vocab := y, 2
+	if len(x.Order(1)) > 0 {
+		// A sharded sequence (context parallelism): [B·T] is no layout of
+		// the rows when B > 1, so the loss takes [B, T, V] as it is.
+		if len(y.Shape()) != 2 {
+			return nil, fmt.Errorf("targets have shape %v; with the sequence sharded over %v they must be [B, T] like the ids", y.Shape(), x.Order(1))
+		}
+	} else {
+		if logits, err = autograd.Reshape(logits, B*T, md.cfg.Vocab); err != nil {
+			return nil, err
+		}
+		vocab = 1
+		if len(y.Shape()) == 2 {
+			if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), orderOpts(y)...); err != nil {
+				return nil, fmt.Errorf("targets: %w", err)
+			}
 		}
 	}
 	// Logits sharded on the vocab dim need the cross-entropy that reduces
 	// over that axis.
 	names := md.mesh.Names()
 	for a, p := range logits.Spec().Placements() {
-		if p.Dim() == 1 {
+		if p.IsShard() && p.Dim() == vocab {
 			return tp.VocabParallelCrossEntropy(ctx, logits, tgt, names[a])
 		}
 	}
