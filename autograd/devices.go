@@ -685,8 +685,10 @@ func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Val
 
 // attentionDev is the fused CausalAttention on a device:
 // Kernels.Attention, keeping the probabilities (scratch) for the
-// backward, and Kernels.AttentionBackward; a selective checkpoint's kept
-// result and probabilities are reused as on the host.
+// backward, and Kernels.AttentionBackward; or, where the device offers
+// device.FlashAttention for the shape, its fused kernels, keeping each
+// row's log-sum-exp instead (Batch·T, not Batch·T·T). A selective
+// checkpoint's kept result and saved buffer are reused as on the host.
 func attentionDev(t *Tape, d device.Device, spec *placement.Spec, q, k, v *Value) (*Value, error) {
 	const op = "CausalAttention"
 	kk, err := devKernels(op, d, spec.DType())
@@ -701,8 +703,17 @@ func attentionDev(t *Tape, d device.Device, spec *placement.Spec, q, k, v *Value
 	if qb.Len() != shape.Batch*shape.T*shape.DH || kb.Len() != qb.Len() || vb.Len() != shape.Batch*shape.T*shape.DV {
 		return nil, fmt.Errorf("autograd: %s: internal: local blocks %v, %v and %v", op, lq, k.data.LocalShape(), lv)
 	}
-	nprobs := shape.Batch * shape.T * shape.T
-	var probs device.Buffer
+	flash, _ := kk.(device.FlashAttention)
+	if flash != nil && !flash.FlashFits(shape, qb.DType()) {
+		flash = nil
+	}
+	// saved is what the backward reads besides q, k, v (and out): the
+	// probabilities, or the fused kernels' log-sum-exps.
+	nsaved := shape.Batch * shape.T * shape.T
+	if flash != nil {
+		nsaved = shape.Batch * shape.T
+	}
+	var saved device.Buffer
 	var res *placement.DTensor
 	kept, err := t.reuse(op, spec)
 	if err != nil {
@@ -710,27 +721,30 @@ func attentionDev(t *Tape, d device.Device, spec *placement.Spec, q, k, v *Value
 	}
 	if kept != nil {
 		res = kept.out
-		probs, _ = kept.aux.(device.Buffer)
-		if ob := bufOf(res); ob == nil || probs == nil || ob.Len() != vb.Len() || probs.Len() != nprobs {
+		saved, _ = kept.aux.(device.Buffer)
+		if ob := bufOf(res); ob == nil || saved == nil || ob.Len() != vb.Len() || saved.Len() != nsaved {
 			return nil, fmt.Errorf("autograd: %s: internal: kept blocks do not fit", op)
 		}
 	} else {
-		// Without a backward the probabilities are a temporary, freed
-		// once the kernel that writes them is queued.
+		// Without a backward the saved buffer is a temporary, freed
+		// once the kernel that writes it is queued.
 		keep := t.records(q, k, v) || t.keeping(op)
 		where := t.scratch()
 		if !keep {
 			where = alloc{}
 		}
-		if probs, err = devBlock(where, d, comm.Float32, nprobs); err != nil {
+		if saved, err = devBlock(where, d, comm.Float32, nsaved); err != nil {
 			return nil, err
 		}
 		res, err = devResult(t.result(), d, spec, func(out device.Buffer) error {
-			return devWrap(op, kk.Attention(out, probs, qb, kb, vb, shape))
+			if flash != nil {
+				return devWrap(op, flash.FlashAttention(out, saved, qb, kb, vb, shape))
+			}
+			return devWrap(op, kk.Attention(out, saved, qb, kb, vb, shape))
 		})
 		if !keep {
-			err = errors.Join(err, probs.Free())
-			probs = nil
+			err = errors.Join(err, saved.Free())
+			saved = nil
 		}
 		if err != nil {
 			return nil, err
@@ -739,8 +753,8 @@ func attentionDev(t *Tape, d device.Device, spec *placement.Spec, q, k, v *Value
 	sq, sk, sv := q.Spec(), k.Spec(), v.Spec()
 	needQ, needK, needV := q.requiresGrad, k.requiresGrad, v.requiresGrad
 	var aux any
-	if probs != nil {
-		aux = probs
+	if saved != nil {
+		aux = saved
 	}
 	return t.recordAux(op, res, aux, []*Value{q, k, v}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
 		g, err := t.alignGrad(ctx, op, g, spec)
@@ -764,7 +778,12 @@ func attentionDev(t *Tape, d device.Device, spec *placement.Spec, q, k, v *Value
 				}
 			}
 		}
-		if err := kk.AttentionBackward(bufs[0], bufs[1], bufs[2], gb, probs, qb, kb, vb, shape); err != nil {
+		if flash != nil {
+			err = flash.FlashAttentionBackward(bufs[0], bufs[1], bufs[2], gb, bufOf(res), saved, qb, kb, vb, shape)
+		} else {
+			err = kk.AttentionBackward(bufs[0], bufs[1], bufs[2], gb, saved, qb, kb, vb, shape)
+		}
+		if err != nil {
 			return nil, devWrap(op, err)
 		}
 		for i, s := range []*placement.Spec{sq, sk, sv} {

@@ -80,6 +80,22 @@
 // [LoadInto] fills existing tensors in place instead (a model's
 // parameters, which an optimizer already holds), on their own devices.
 //
+// # State dicts and resuming a job
+//
+// A part of a training job that a checkpoint holds is a [Stateful]: its
+// StateDict returns its tensors (handles on the live tensors, with their
+// placements) and entries under a prefix, and LoadStateDict takes the
+// entries back after a load has filled the tensors in place. [Module]
+// makes one of a model's module tree (its parameters by name, and the
+// state of its Stateful modules, such as a Dropout's, by path);
+// optim.AdamW and optim.SGD, train.Sampler and train.Trainer, and the
+// models' trainers (gpt.Trainer.Parts) are Stateful. [JobState] builds a
+// whole job's State from its [Parts] and the step; [LoadJob] loads a
+// checkpoint into the parts on the job's current layout and device. A
+// fused tensor saved as [C·R, …] loads into [C, R, …] and back: tensor
+// parallelism keeps a fused projection by chunks, one rank and FSDP keep
+// it flat. [StepOf] reads a checkpoint's step.
+//
 // # Interop
 //
 // [Export] writes the whole model as one plain safetensors file, each

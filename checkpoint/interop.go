@@ -258,7 +258,7 @@ func Import(ctx context.Context, path string, targets map[string]*placement.Spec
 		}
 	}
 	if err == nil {
-		err = checkTargets(op, m, targets, names, world)
+		err = checkTargets(op, m, targets, names, world, false)
 	}
 	msg, _ := json.Marshal(names) // a list of strings: Marshal cannot fail
 	all, err := exchange(ctx, world, op, msg, err)

@@ -68,9 +68,20 @@ func LoadInto(ctx context.Context, dir string, state *State, opts ...Option) err
 		}
 		targets[n] = t.Spec()
 	}
+	return fill(ctx, op, dir, state, targets, cfg, nil)
+}
+
+// fill loads dir into state's tensors in place (LoadInto), after check
+// has passed the loaded entries on every rank (nil: no check).
+func fill(ctx context.Context, op, dir string, state *State, targets map[string]*placement.Spec, cfg *config, check func(map[string]any) error) error {
 	got, err := load(ctx, op, dir, targets, cfg)
 	if err != nil {
 		return err
+	}
+	if check != nil {
+		if _, err := exchange(ctx, got.world, op, nil, check(got.Entries)); err != nil {
+			return err
+		}
 	}
 	for _, n := range slices.Sorted(maps.Keys(state.Tensors)) {
 		t, src := state.Tensors[n], got.Tensors[n]
@@ -115,7 +126,7 @@ func load(ctx context.Context, op, dir string, targets map[string]*placement.Spe
 	// 1. The manifest, and the targets against it.
 	m, err := readManifest(op, dir)
 	if err == nil {
-		err = checkTargets(op, m, targets, names, world)
+		err = checkTargets(op, m, targets, names, world, true)
 	}
 	msg, _ := json.Marshal(names) // a list of strings: Marshal cannot fail
 	all, err := exchange(ctx, world, op, msg, err)
@@ -193,15 +204,16 @@ func readManifest(op, dir string) (*manifest, error) {
 	return decodeManifest(op, path, b)
 }
 
-// checkTargets refuses targets the checkpoint cannot fill.
-func checkTargets(op string, m *manifest, targets map[string]*placement.Spec, names []string, world comm.Communicator) error {
+// checkTargets refuses targets the checkpoint cannot fill; with fused, a
+// target may be the other form of a fused tensor (fusedSplit).
+func checkTargets(op string, m *manifest, targets map[string]*placement.Spec, names []string, world comm.Communicator, fused bool) error {
 	for _, n := range names {
 		s := targets[n]
 		t, ok := m.Tensors[n]
 		if !ok {
 			return invalidf(op, "the checkpoint has no tensor %q (it has %d tensors): a checkpoint of another model?", n, len(m.Tensors))
 		}
-		if !slices.Equal(t.Shape, s.Shape()) {
+		if !slices.Equal(t.Shape, s.Shape()) && (!fused || fusedSplit(t.Shape, s.Shape()) == nil) {
 			return invalidf(op, "tensor %q: the checkpoint's shape is %v, the target's %v", n, t.Shape, s.Shape())
 		}
 		if dt := dtypeName(s.DType()); dt != t.DType {
@@ -342,8 +354,14 @@ func readBlocks(op string, fs files, dir string, m *manifest, targets map[string
 		if len(dstBytes) == 0 {
 			continue
 		}
+		fine := fusedSplit(t.Shape, s.Shape())
 		for _, c := range t.Chunks {
-			rs := runs(c.Offset, c.Size, do, ds, es)
+			var rs []run
+			if fine == nil {
+				rs = runs(c.Offset, c.Size, do, ds, es)
+			} else {
+				rs = fusedRuns(fine, len(t.Shape) < len(fine), len(ds) < len(fine), c.Offset, c.Size, do, ds, es)
+			}
 			if len(rs) == 0 {
 				continue
 			}

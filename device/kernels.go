@@ -3,6 +3,7 @@ package device
 import (
 	"fmt"
 
+	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/kernels"
 )
 
@@ -241,6 +242,28 @@ type Gemm struct {
 type AttnShape struct {
 	Batch, T, DH, DV int
 	Scale            float32
+}
+
+// FlashAttention is fused causal attention, which a device may offer
+// beside Kernels (Kernels().(FlashAttention)): the results of Attention
+// and AttentionBackward without the Batch·T·T probabilities in device
+// memory. The forward keeps each row's log-sum-exp of the scaled scores
+// instead (lse: Float32, Batch·T elements); the backward recomputes the
+// probabilities from q, k and lse tile by tile, and reads the forward's
+// out for the softmax backward's row sums. Buffers are queued on the
+// Compute stream as Kernels' are; errors wrap ErrInvalid for buffers that
+// do not fit s, loom.ErrUnsupported for a shape or dtype without a kernel.
+type FlashAttention interface {
+	// FlashFits reports whether the fused kernels take shape s and
+	// element type dt; a caller uses Attention otherwise.
+	FlashFits(s AttnShape, dt comm.DType) bool
+	// FlashAttention writes out (Batch·T·DV) and lse (Batch·T, Float32)
+	// from q, k (Batch·T·DH) and v (Batch·T·DV).
+	FlashAttention(out, lse, q, k, v Buffer, s AttnShape) error
+	// FlashAttentionBackward writes the gradients dq, dk and dv (each
+	// may be nil when not wanted) of FlashAttention's out from its
+	// gradient g, given the forward's out and lse.
+	FlashAttentionBackward(dq, dk, dv, g, out, lse, q, k, v Buffer, s AttnShape) error
 }
 
 // MoEKernels is the data movement of a mixture-of-experts dispatch and

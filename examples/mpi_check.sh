@@ -78,6 +78,20 @@ check "transformer-dp2-tp2" 4 "$tmp/transformer" -dp 2 -tp 2
 check "transformer-dp2-tp1" 2 "$tmp/transformer" -dp 2 -tp 1
 check "moe-dp1-ep2" 2 "$tmp/moe" -dp 1 -ep 2
 
+# An in-process run that saves a checkpoint, resumed under mpirun: the
+# resumed steps' losses are the uninterrupted in-process run's (dp=2, so
+# bit for bit as above).
+half=$((steps / 2))
+echo "== resume: $half steps in one process with -checkpoint, then to step $steps under mpirun -np 2 with -resume"
+timeout "$timeout" "$tmp/transformer" -dp 2 -tp 1 -steps "$steps" -every "$steps" -backend local -json "$tmp/straight.json" >/dev/null
+timeout "$timeout" "$tmp/transformer" -dp 2 -tp 1 -steps "$half" -every "$half" -backend local -checkpoint "$tmp/ck" >/dev/null
+timeout "$timeout" mpirun "${mpirun_flags[@]}" -np 2 "$tmp/transformer" -dp 2 -tp 1 -steps "$steps" -every "$steps" -checkpoint "$tmp/ck" -resume -json "$tmp/resumed.json" >/dev/null
+if ! paste <(losses "$tmp/straight.json" | tail -n +"$((half + 1))") <(losses "$tmp/resumed.json") | awk -v tol="$tol" -v n="$((steps - half))" '
+	{ d = $1 - $2; if (d < 0) d = -d; if (d > worst) worst = d; if (d > tol || $1 == "" || $2 == "") { bad = 1; printf "FAIL resume step %d: straight %s, resumed under mpirun %s\n", NR, $1, $2 } }
+	END { if (NR != n) { printf "FAIL resume: %d losses, want %d\n", NR, n; exit 1 } printf "resume: %d losses, largest difference %g (tolerance %g)\n", NR, worst, tol; exit bad }' >&2; then
+	fail=1
+fi
+
 echo "== a binary built without -tags mpi under mpirun -np 2"
 if timeout "$timeout" mpirun "${mpirun_flags[@]}" -np 2 "$tmp/transformer-notag" -dp 2 -tp 1 -steps 1 >"$tmp/notag.out" 2>&1; then
 	echo "FAIL: the untagged binary ran under mpirun" >&2

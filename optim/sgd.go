@@ -38,8 +38,12 @@ type SGD struct {
 
 	params []*autograd.Value
 	bufs   []any // momentum buffers: nil, []float32, []float64 or a device.Buffer
-	frozen bool  // AllowFrozen
-	closed bool  // Close
+	// unset marks buffers that StateDict made (or a load left) which no
+	// update has set yet: the next update sets them to the gradient, as
+	// for a nil buffer. Nil until StateDict.
+	unset  []bool
+	frozen bool // AllowFrozen
+	closed bool // Close
 }
 
 // sgdOptions are the options NewSGD takes.
@@ -97,7 +101,7 @@ func (o *SGD) check(op string) error {
 // (it has one after its first update with Momentum ≠ 0); false if i is out
 // of range.
 func (o *SGD) HasMomentumBuffer(i int) bool {
-	return i >= 0 && i < len(o.bufs) && o.bufs[i] != nil
+	return i >= 0 && i < len(o.bufs) && o.bufs[i] != nil && (o.unset == nil || !o.unset[i])
 }
 
 // Step updates every parameter, in place, from the local block of its
@@ -170,28 +174,37 @@ func (o *SGD) Step() error {
 
 // allocBufs makes the momentum buffer of every parameter that has a
 // gradient and none yet, where the parameter lives, when Momentum ≠ 0,
-// and reports which parameters got one (their first step with momentum).
+// and reports which parameters got one or hold one no update has set
+// (their first step with momentum).
 // On an error it frees what it made, so that nothing has changed.
 func (o *SGD) allocBufs(op string) ([]bool, error) {
 	first := make([]bool, len(o.params))
 	if o.Momentum == 0 {
 		return first, nil
 	}
+	made := make([]bool, len(o.params))
 	for i, p := range o.params {
-		if p.Grad() == nil || o.bufs[i] != nil {
+		if p.Grad() == nil {
+			continue
+		}
+		if o.bufs[i] != nil {
+			first[i] = o.unset != nil && o.unset[i]
 			continue
 		}
 		b, err := newState(p.Data(), false)
 		if err != nil {
-			for j, made := range first {
-				if made {
+			for j := range made {
+				if made[j] {
 					err = errors.Join(err, freeState(o.bufs[j]))
 					o.bufs[j] = nil
 				}
 			}
 			return nil, fmt.Errorf("optim: %s: the momentum buffer of %q on %s: %w", op, p.Name(), p.Data().Device().Name(), err)
 		}
-		o.bufs[i], first[i] = b, true
+		o.bufs[i], first[i], made[i] = b, true, true
+	}
+	for i := range o.unset {
+		o.unset[i] = o.unset[i] && !first[i]
 	}
 	return first, nil
 }

@@ -11,6 +11,11 @@
 #                     LOOM_CUDA_REQUIRE=1, LOOM_NCCL_REQUIRE=1 (a missing GPU
 #                     or library fails instead of skipping); a skipped TestGPU
 #                     fails the check
+#   flash-attn        from test-device/cuda's log: TestGPUFlashAttention (the
+#                     fused attention against the CPU kernels on random shapes,
+#                     float32 and bf16) and its line timing the fused forward
+#                     and backward against the reference path (cuBLAS + causal
+#                     softmax) at T = 1024, B·H = 96, dh = 64
 #   tiny-gpt          loomrun -n 1 transformer -device cuda -dp 1 -tp 1 -steps
 #                     200: its final loss within 0.05 of PyTorch's step-200 loss
 #                     (the example's own verdict line), on the NCCL backend
@@ -221,7 +226,10 @@ else
 fi
 train_checks=(tiny-gpt tiny-gpt-allocs moe gpt2-small-f32 gpt2-small-tf32 gpt2-small-bf16)
 checks=()
-for t in "${tests[@]}"; do checks+=("test-${t%% *}"); done
+for t in "${tests[@]}"; do
+	checks+=("test-${t%% *}")
+	[[ ${t%% *} == device/cuda ]] && checks+=(flash-attn)
+done
 checks+=("${train_checks[@]}")
 
 finish() {
@@ -428,6 +436,27 @@ for t in "${tests[@]}"; do
 		report "$name" SKIP "$nums (host mode)"
 	else
 		report "$name" PASS "$nums"
+	fi
+	if [[ $pkg == device/cuda ]]; then
+		# TestGPUFlashAttention's verdict (the fused attention against the
+		# CPU kernels on random shapes) and its timing line against the
+		# reference path at T = 1024.
+		line=$(grep -oE 'flash_attn: .*' "$log" | tail -n 1)
+		if grep -qE '^\s*--- FAIL: TestGPUFlashAttention' "$log"; then
+			report flash-attn FAIL "TestGPUFlashAttention failed (see test-device/cuda)"
+		elif grep -qE '^\s*--- PASS: TestGPUFlashAttention' "$log"; then
+			if [[ -n $line ]]; then
+				report flash-attn PASS "${line#flash_attn: }"
+			elif ((host)); then
+				report flash-attn SKIP "matches the CPU; no timing in host mode"
+			else
+				report flash-attn FAIL "matches the CPU, but no timing line (LOOM_CUDA_BENCH=1 was set)"
+			fi
+		elif ((host)); then
+			report flash-attn SKIP "TestGPUFlashAttention did not run (host mode)"
+		else
+			report flash-attn FAIL "TestGPUFlashAttention did not run"
+		fi
 	fi
 done
 

@@ -53,7 +53,9 @@ func compareRows(a, b row) int {
 // WriteChrome writes the timeline as Chrome trace JSON (the object form,
 // {"traceEvents": [...]}), which Perfetto and chrome://tracing open: one
 // process per rank named "rank N", one thread per lane ("compute",
-// "wait") and per group on the comm lane ("comm [0,1]"), and a complete
+// "wait", and on a device "stream compute" and "stream comm", the spans
+// its streams executed: Streams) and per group on the comm lane ("comm
+// [0,1]"), and a complete
 // event (ph "X", ts and dur in microseconds since the timeline's epoch) per
 // span. Communication events carry op, group, bytes, dtype, seq, peer and
 // queued_us arguments. Calls still running are left out (see Pending).
@@ -125,11 +127,11 @@ func (tl *Timeline) WriteChrome(w io.Writer) error {
 			Pid: e.Rank, Tid: tids[prow{e.Rank, rows[i]}],
 		}
 		switch e.Lane {
-		case LaneCompute:
-			if e.Cat != "" {
+		case LaneCompute, LaneStreamCompute:
+			if e.Cat != "" && e.Cat != e.Lane.String() {
 				ce.Name = e.Cat + " " + e.Name
 			}
-		case LaneComm, LaneWait:
+		case LaneComm, LaneWait, LaneStreamComm:
 			ce.Name = e.Name
 			if e.Group != "" {
 				ce.Name += " " + e.Group

@@ -7,6 +7,7 @@ import (
 	"sort"
 
 	"github.com/b7ea7098/loom/comm"
+	"github.com/b7ea7098/loom/device"
 )
 
 // Comm wraps c so that its calls are recorded in tl as events of rank (the
@@ -36,12 +37,21 @@ func Comm(c comm.Communicator, tl *Timeline, rank int) comm.Communicator {
 	return wrap(&traced{inner: c, tl: tl, rec: c.Recorder(), rank: int32(rank), group: g, key: key})
 }
 
-// wrap returns t, with Share where the wrapped communicator has it, so
-// that wrapping hides no capability (comm.SharedMemory: MoE dispatch's
-// fused path).
+// wrap returns t, with Share and CommStream where the wrapped
+// communicator has them, so that wrapping hides no capability
+// (comm.SharedMemory: MoE dispatch's fused path; device.StreamComm: NCCL's
+// stream, which device.BeforeCollective orders after compute on the device
+// instead of synchronising).
 func wrap(t *traced) comm.Communicator {
-	if _, ok := t.inner.(comm.SharedMemory); ok {
+	_, shared := t.inner.(comm.SharedMemory)
+	_, stream := t.inner.(device.StreamComm)
+	switch {
+	case shared && stream:
+		return &tracedSharedStream{&tracedShared{t}}
+	case shared:
 		return &tracedShared{t}
+	case stream:
+		return &tracedStream{t}
 	}
 	return t
 }
@@ -53,8 +63,59 @@ func tracedOf(c comm.Communicator) *traced {
 		return t
 	case *tracedShared:
 		return t.traced
+	case *tracedStream:
+		return t.traced
+	case *tracedSharedStream:
+		return t.traced
 	}
 	return nil
+}
+
+// tracedStream is the wrapper of a device.StreamComm.
+type tracedStream struct{ *traced }
+
+// CommStream implements device.StreamComm: the wrapped communicator's.
+func (t *tracedStream) CommStream() device.Stream { return t.inner.(device.StreamComm).CommStream() }
+
+// tracedSharedStream is the wrapper of a communicator that is both a
+// comm.SharedMemory and a device.StreamComm.
+type tracedSharedStream struct{ *tracedShared }
+
+// CommStream implements device.StreamComm: the wrapped communicator's.
+func (t *tracedSharedStream) CommStream() device.Stream {
+	return t.inner.(device.StreamComm).CommStream()
+}
+
+// streams returns the rank's stream recorder and the communicator's
+// stream when both exist (a device.StreamComm of a rank with Streams).
+func (t *traced) streams() (*Streams, device.Stream) {
+	sc, ok := t.inner.(device.StreamComm)
+	if !ok {
+		return nil, nil
+	}
+	s := t.tl.streamsOf(t.rank)
+	if s == nil {
+		return nil, nil
+	}
+	return s, sc.CommStream()
+}
+
+// onStream runs call, a collective queued on the communicator's stream,
+// between two of the rank's stream events (when it has Streams).
+func (t *traced) onStream(c *comm.Call, call func() error) error {
+	s, st := t.streams()
+	if s == nil {
+		return call()
+	}
+	start := s.commStart(st)
+	t0 := t.tl.clock()
+	err := call()
+	e := t.template(LaneStreamComm, c, t0)
+	if err != nil {
+		e.flags |= flagFailed
+	}
+	s.commEnd(st, start, e)
+	return err
 }
 
 // tracedShared is the wrapper of a communicator that implements
@@ -142,7 +203,7 @@ func (t *traced) template(lane Lane, c *comm.Call, start int64) event {
 // Do implements comm.Communicator. The caller is blocked for the whole
 // call (a wait event); the execution is a comm event.
 func (t *traced) Do(ctx context.Context, c comm.Call) error {
-	return t.blocking(c, func() error { return t.inner.Do(ctx, c) })
+	return t.blocking(c, func() error { return t.onStream(&c, func() error { return t.inner.Do(ctx, c) }) })
 }
 
 // blocking runs call, which blocks its caller throughout, and records it
@@ -166,7 +227,11 @@ func (t *traced) blocking(c comm.Call, call func() error) error {
 // its caller blocks in Wait.
 func (t *traced) Start(ctx context.Context, c comm.Call) (comm.Work, error) {
 	t0 := t.tl.clock()
-	w, err := t.inner.Start(ctx, c)
+	var w comm.Work
+	err := t.onStream(&c, func() (err error) {
+		w, err = t.inner.Start(ctx, c)
+		return err
+	})
 	t1 := t.tl.clock()
 	e := t.template(LaneComm, &c, t0)
 	if err != nil || w == nil {
@@ -176,6 +241,9 @@ func (t *traced) Start(ctx context.Context, c comm.Call) (comm.Work, error) {
 	}
 	id := t.tl.issue(t.rec, e, t1, -1, false, nil)
 	tw := &work{inner: w, tl: t.tl, id: id, ev: e}
+	if _, ok := w.(device.EventWork); ok {
+		return &eventWork{tw}, nil
+	}
 	return tw, nil
 }
 
@@ -204,6 +272,13 @@ type work struct {
 	id    uint64
 	ev    event // the comm event's template, for the wait event
 }
+
+// eventWork wraps a device.EventWork, keeping its event visible so that
+// device.AfterCollective makes compute wait on the device.
+type eventWork struct{ *work }
+
+// Event implements device.EventWork: the wrapped work's.
+func (w *eventWork) Event() device.Event { return w.inner.(device.EventWork).Event() }
 
 // Done implements comm.Work.
 func (w *work) Done() <-chan struct{} { return w.inner.Done() }

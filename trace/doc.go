@@ -7,7 +7,8 @@
 //
 // A Timeline belongs to a process and is shared by all its ranks (the
 // goroutines of comm/local, or the one rank of an MPI process). Each event
-// has a rank, a lane (LaneCompute, LaneComm or LaneWait), a name and a time
+// has a rank, a lane (LaneCompute, LaneComm, LaneWait, or on a device
+// LaneStreamCompute and LaneStreamComm), a name and a time
 // span; communication events also carry the op, the group of ranks, the
 // payload in bytes, the dtype, the sequence number and the peer or root.
 // Recording an event appends a small struct under a mutex; nothing else is
@@ -16,7 +17,7 @@
 // A nil *Timeline is a valid no-op everywhere, so code can trace
 // unconditionally and pay one nil check when tracing is off.
 //
-// Events come from three sources:
+// Events come from four sources:
 //
 //   - Comm wraps a comm.Communicator. Every Do, Start and Split and every
 //     Wait on a Work it returns are recorded, and Split returns a wrapped
@@ -27,6 +28,15 @@
 //   - TapeObserver is an autograd.Observer (pass it to autograd.NewTape with
 //     autograd.WithObserver): every op's forward, every op's backward and
 //     every leaf's gradient-ready hooks become compute events.
+//   - Streams, on a device: an event recorded on the compute stream after
+//     each op (Streams.Op, which package train's tape observer calls) and
+//     on the communicator's stream around each collective of a Comm of the
+//     same rank that is a device.StreamComm (NCCL's), read once when the
+//     step ends (Streams.End), give the spans the device executed: the
+//     "stream compute" and "stream comm" tracks, which Overlap then uses
+//     in place of the host lanes. Comm keeps a wrapped communicator's
+//     device.StreamComm and its works' device.EventWork, so tracing does
+//     not make device.BeforeCollective synchronise compute.
 //
 // # What the communication spans mean
 //

@@ -42,22 +42,45 @@ func (o OverlapStats) Fraction() float64 {
 // communication here: they measure the caller, not the transfer. Overlap
 // reads every event, as Events does: measure after the run, not per step
 // of a long one.
+//
+// On a device (a rank with Streams) the stream lanes replace the host
+// lanes they time: the rank's LaneStreamComm events, where it has any,
+// are its communication, and its LaneStreamCompute events, where it has
+// any, its compute (the host lanes then say when work was queued, not
+// when it ran). A rank whose collectives run on the host (not a
+// device.StreamComm) keeps its LaneComm events against its stream
+// compute.
 func (tl *Timeline) Overlap(rank int, win Window, commFilter func(Event) bool) OverlapStats {
-	var commIv, compIv []interval
+	var comm, streamComm, comp, streamComp []interval
+	onStream := false // the rank has stream comm events, accepted or not
 	for _, e := range tl.Events() {
 		if e.Rank != rank {
 			continue
 		}
+		iv := interval{e.Start, e.End}
 		switch e.Lane {
-		case LaneComm:
+		case LaneComm, LaneStreamComm:
+			onStream = onStream || e.Lane == LaneStreamComm
 			if commFilter == nil || commFilter(e) {
-				commIv = append(commIv, interval{e.Start, e.End})
+				if e.Lane == LaneComm {
+					comm = append(comm, iv)
+				} else {
+					streamComm = append(streamComm, iv)
+				}
 			}
 		case LaneCompute:
-			compIv = append(compIv, interval{e.Start, e.End})
+			comp = append(comp, iv)
+		case LaneStreamCompute:
+			streamComp = append(streamComp, iv)
 		}
 	}
-	return overlap(commIv, compIv, win)
+	if onStream {
+		comm = streamComm
+	}
+	if len(streamComp) > 0 {
+		comp = streamComp
+	}
+	return overlap(comm, comp, win)
 }
 
 // interval is the half-open span [lo, hi).

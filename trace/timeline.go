@@ -23,9 +23,16 @@ const (
 	LaneComm
 	// LaneWait holds the time a caller was blocked in communication.
 	LaneWait
+	// LaneStreamCompute holds the execution of a rank's ops on its
+	// device's compute stream, timed by device events (Streams).
+	LaneStreamCompute
+	// LaneStreamComm holds the execution of a rank's collectives on its
+	// communicator's device stream, timed by device events (Streams).
+	LaneStreamComm
 )
 
-// String returns "compute", "comm" or "wait".
+// String returns "compute", "comm", "wait", "stream compute" or "stream
+// comm".
 func (l Lane) String() string {
 	switch l {
 	case LaneCompute:
@@ -34,12 +41,19 @@ func (l Lane) String() string {
 		return "comm"
 	case LaneWait:
 		return "wait"
+	case LaneStreamCompute:
+		return "stream compute"
+	case LaneStreamComm:
+		return "stream comm"
 	}
 	return "lane(" + strconv.Itoa(int(l)) + ")"
 }
 
 // Valid reports whether l is one of the lanes.
-func (l Lane) Valid() bool { return l >= LaneCompute && l <= LaneWait }
+func (l Lane) Valid() bool { return l >= LaneCompute && l <= LaneStreamComm }
+
+// IsStream reports whether l is one of the device stream lanes.
+func (l Lane) IsStream() bool { return l == LaneStreamCompute || l == LaneStreamComm }
 
 // DefaultCapacity is the number of events a Timeline keeps unless
 // WithCapacity says otherwise (about 100 MB of events).
@@ -83,6 +97,7 @@ type Timeline struct {
 	gen       uint64 // incremented by Reset
 	groups    []group
 	groupIdx  map[string]int32
+	streams   map[int32]*Streams // per rank: its device stream recorder
 }
 
 // NewTimeline returns an empty timeline whose clock starts now.

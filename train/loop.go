@@ -210,6 +210,13 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 				}
 			}()
 		}
+		// Before the device closes: the stream events are the device's.
+		rt.OnDevice(dev)
+		defer func() {
+			if cerr := rt.Close(); err == nil && cerr != nil {
+				err = fmt.Errorf("train: -trace: %w", cerr)
+			}
+		}()
 		st, err := setup(ctx, Rank{Comm: rt.Comm(), BLAS: blas, Tape: rt.Tape(tape...), Device: dev})
 		if err != nil {
 			return err
@@ -226,7 +233,9 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 			}
 			t0 := time.Now()
 			r, err := st.Step(ctx)
-			span.End()
+			if eerr := rt.EndStep(span); err == nil {
+				err = eerr
+			}
 			if err != nil {
 				return err
 			}

@@ -54,6 +54,7 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/trace"
@@ -247,7 +248,25 @@ type RankTracer struct {
 	rank    int
 	c       comm.Communicator
 	tracing atomic.Bool
+	streams *trace.Streams // nil: no device streams traced
 }
+
+// OnDevice traces the rank's device streams too (trace.Streams): each
+// traced op's execution on d's compute stream and each collective's on
+// the communicator's stream (a device.StreamComm such as NCCL's), as the
+// "stream compute" and "stream comm" tracks, read once at the end of each
+// traced step (EndStep). It does nothing for the host device or when the
+// Tracer traces nothing. Call it once, before the first step; Close
+// releases the events.
+func (r *RankTracer) OnDevice(d device.Device) {
+	if r.t.tl == nil || r.streams != nil {
+		return
+	}
+	r.streams = r.t.tl.Streams(r.rank, d)
+}
+
+// Close releases what OnDevice holds.
+func (r *RankTracer) Close() error { return r.streams.Close() }
 
 // Comm returns the rank's communicator, traced when the Tracer traces.
 func (r *RankTracer) Comm() comm.Communicator { return r.c }
@@ -262,6 +281,7 @@ func (r *RankTracer) Observer() autograd.Observer {
 	return func(op, phase string, start, end time.Time) {
 		if r.tracing.Load() {
 			observe(op, phase, start, end)
+			r.streams.Op(op, phase, start)
 		}
 	}
 }
@@ -292,7 +312,23 @@ func (r *RankTracer) BeginStep(ctx context.Context, i int) (trace.Span, error) {
 		}
 		r.tracing.Store(true)
 	}
+	if r.tracing.Load() {
+		if err := r.streams.Begin(); err != nil {
+			return trace.Span{}, fmt.Errorf("train: -trace: %w", err)
+		}
+	}
 	return r.t.tl.Begin(r.rank, fmt.Sprintf("%s%d", StepSpan, i+1)), nil
+}
+
+// EndStep ends the step span of BeginStep and, on a device (OnDevice),
+// reads the step's stream events: the step's one synchronisation of the
+// device for tracing.
+func (r *RankTracer) EndStep(span trace.Span) error {
+	span.End()
+	if err := r.streams.End(); err != nil {
+		return fmt.Errorf("train: -trace: %w", err)
+	}
+	return nil
 }
 
 // Gather merges, on world rank 0, the timelines of a job whose processes
@@ -323,17 +359,37 @@ func (t *Tracer) Write(out io.Writer) ([]trace.Event, error) {
 // Overlap measures the union of rank's comm events that isComm accepts and
 // the part of it during which the rank computed (tape ops and hooks). The
 // step spans are left out of the compute: they cover the whole step,
-// communication included, and would make everything look hidden.
+// communication included, and would make everything look hidden. On a
+// device the stream lanes (trace.Streams: when the device ran the work)
+// replace the host lanes (when it was queued): stream comm events, where
+// the rank has any, are its communication, and stream compute events,
+// where it has any, its compute; collectives run by the host (not on a
+// device stream) keep their comm events.
 func Overlap(events []trace.Event, rank int, isComm func(trace.Event) bool) trace.OverlapStats {
-	var commIv, compIv [][2]time.Duration
+	var commIv, compIv, streamComm, streamComp [][2]time.Duration
+	onStream := false
 	for _, e := range events {
+		iv := [2]time.Duration{e.Start, e.End}
 		switch {
 		case e.Rank != rank:
+		case e.Lane == trace.LaneStreamComm:
+			onStream = true
+			if isComm(e) {
+				streamComm = append(streamComm, iv)
+			}
+		case e.Lane == trace.LaneStreamCompute:
+			streamComp = append(streamComp, iv)
 		case e.Lane == trace.LaneComm && isComm(e):
-			commIv = append(commIv, [2]time.Duration{e.Start, e.End})
+			commIv = append(commIv, iv)
 		case e.Lane == trace.LaneCompute && !strings.HasPrefix(e.Name, StepSpan):
-			compIv = append(compIv, [2]time.Duration{e.Start, e.End})
+			compIv = append(compIv, iv)
 		}
+	}
+	if onStream {
+		commIv = streamComm
+	}
+	if len(streamComp) > 0 {
+		compIv = streamComp
 	}
 	c, k := union(commIv), union(compIv)
 	var s trace.OverlapStats

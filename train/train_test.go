@@ -17,6 +17,7 @@ import (
 
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/launch"
 	"github.com/b7ea7098/loom/trace"
@@ -240,6 +241,24 @@ func TestOverlap(t *testing.T) {
 			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 20, 30),
 			ev(1, trace.LaneCompute, "Linear", 0, 20, 30),
 		}, us(10), 0},
+		// On a device the stream lanes (when the work ran) replace the
+		// host lanes (when it was queued).
+		{"device streams replace the host lanes", []trace.Event{
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 0, 10),
+			ev(0, trace.LaneCompute, "Linear", 0, 0, 2),
+			ev(0, trace.LaneStreamComm, "allreduce", comm.OpAllReduce, 20, 40),
+			ev(0, trace.LaneStreamCompute, "Linear", 0, 30, 50),
+		}, us(20), us(10)},
+		{"host collectives against stream compute", []trace.Event{
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 0, 10),
+			ev(0, trace.LaneCompute, "Linear", 0, 0, 1),
+			ev(0, trace.LaneStreamCompute, "Linear", 0, 5, 20),
+		}, us(10), us(5)},
+		{"a stream collective left out still replaces the host comm", []trace.Event{
+			ev(0, trace.LaneStreamComm, "alltoallv", comm.OpAllToAllV, 0, 10),
+			ev(0, trace.LaneComm, "allreduce", comm.OpAllReduce, 0, 10),
+			ev(0, trace.LaneStreamCompute, "Linear", 0, 0, 10),
+		}, 0, 0},
 	} {
 		s := Overlap(c.events, 0, ar)
 		if s.Comm != c.comm || s.Hidden != c.hidden {
@@ -426,6 +445,74 @@ func TestRunJob(t *testing.T) {
 		_, err := Run(context.Background(), nil, c.job, loop, setup, nil)
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: %v, want ErrInvalid with %q", c.name, err, c.want)
+		}
+	}
+}
+
+// TestTracerOnDevice traces steps of two ranks on emulated devices: each
+// step queues a 5 ms sleep on the rank's compute stream inside an
+// observed op, and EndStep reads the stream events, so the kept steps
+// (and only those) have a "stream compute" span of the op lasting at
+// least the sleep, while the host op span (the queueing) is shorter.
+func TestTracerOnDevice(t *testing.T) {
+	const ranks, steps, last, sleep = 2, 3, 2, 5 * time.Millisecond
+	tracer := NewTracer(filepath.Join(t.TempDir(), "trace.json"), steps, last, 0)
+	err := local.Run(context.Background(), ranks, func(ctx context.Context, cm comm.Communicator) (err error) {
+		rt := tracer.Rank(cm)
+		d, err := emu.New(cm.Rank())
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		rt.OnDevice(d)
+		defer func() {
+			if cerr := rt.Close(); err == nil {
+				err = cerr
+			}
+		}()
+		observe := rt.Observer()
+		for i := range steps {
+			span, err := rt.BeginStep(ctx, i)
+			if err != nil {
+				return err
+			}
+			t0 := time.Now()
+			if err := d.Compute().(*emu.Stream).Launch(func() error { time.Sleep(sleep); return nil }); err != nil {
+				return err
+			}
+			observe(fmt.Sprintf("op%d", i+1), "forward", t0, time.Now())
+			if err := rt.EndStep(span); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	events, err := tracer.Write(io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rank := range ranks {
+		host, dev := map[string]time.Duration{}, map[string]time.Duration{}
+		for _, e := range events {
+			switch {
+			case e.Rank != rank:
+			case e.Lane == trace.LaneCompute && e.Cat == "forward":
+				host[e.Name] = e.Duration()
+			case e.Lane == trace.LaneStreamCompute:
+				dev[e.Name] = e.Duration()
+			}
+		}
+		if len(dev) != last {
+			t.Errorf("rank %d: stream spans %v, want the last %d steps' ops", rank, dev, last)
+		}
+		for s := steps - last + 1; s <= steps; s++ {
+			name := fmt.Sprintf("op%d", s)
+			if dev[name] < sleep || host[name] >= dev[name] {
+				t.Errorf("rank %d: %s ran %v on the stream (queued in %v), want at least %v", rank, name, dev[name], host[name], sleep)
+			}
 		}
 	}
 }

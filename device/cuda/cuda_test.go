@@ -352,14 +352,8 @@ func TestSource(t *testing.T) {
 		t.Error("the kernel source includes a header; NVRTC has none without a toolkit")
 	}
 	defined := map[string]bool{}
-	for _, m := range regexp.MustCompile(`(?m)^LOOM_GATHER\((\w+),`).FindAllStringSubmatch(src, -1) {
+	for _, m := range regexp.MustCompile(`extern "C" __global__ void (\w+)\(`).FindAllStringSubmatch(src, -1) {
 		defined[m[1]] = true
-	}
-	kinds := regexp.MustCompile(`void (loom_\w+)_##SUFFIX\(`).FindAllStringSubmatch(src, -1)
-	for _, m := range regexp.MustCompile(`(?m)^LOOM_TYPED\((\w+),`).FindAllStringSubmatch(src, -1) {
-		for _, k := range kinds {
-			defined[k[1]+"_"+m[1]] = true
-		}
 	}
 	for _, n := range KernelNames() {
 		if !defined[n] {

@@ -54,11 +54,6 @@ func buildDeviceFake(t *testing.T) *deviceFake {
 		inc.WriteString(f.Source())
 		inc.WriteString("\n")
 	}
-	inc.WriteString("#line 1 \"permute.cu\"\n" + Source() + "\n")
-	for _, k := range KernelNames() {
-		inc.WriteString("LOOM_KERNEL(" + k + ")\n")
-	}
-	inc.WriteString("#define LOOM_PERMUTE_KERNELS \";" + strings.Join(KernelNames(), ";") + "\"\n")
 	if err := os.WriteFile(filepath.Join(dir, "fake_kernels.inc"), []byte(inc.String()), 0o644); err != nil {
 		t.Fatal(err)
 	}

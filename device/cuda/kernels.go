@@ -62,7 +62,11 @@ func KernelFiles() []KernelFile {
 		{Name: "flatten.cu", Kernels: []string{"loom_flatten_f32", "loom_unflatten_f32"}},
 		{Name: "vocab_ce.cu", Kernels: []string{"loom_vocab_max_f32", "loom_vocab_sumexp_pick_f32", "loom_vocab_ce_bwd_f32"}},
 		{Name: "router.cu", Kernels: []string{"loom_router_topk_f32"}},
-		{Name: "flash_attn.cu", Kernels: []string{"loom_flash_attn_fwd_f32", "loom_flash_attn_bwd_dq_f32", "loom_flash_attn_bwd_dkv_f32"}},
+		{Name: "flash_attn.cu", Kernels: []string{
+			"loom_flash_attn_fwd_f32", "loom_flash_attn_fwd_bf16", "loom_flash_attn_bwd_dq_f32", "loom_flash_attn_bwd_dq_bf16",
+			"loom_flash_attn_bwd_dkv_f32", "loom_flash_attn_bwd_dkv_bf16",
+		}},
+		{Name: permuteFile, Kernels: KernelNames()},
 	}
 	for i := range files {
 		files[i].text = mustRead("kernels/" + files[i].Name)

@@ -1,17 +1,23 @@
 package cuda
 
-import (
-	_ "embed"
-	"strconv"
-)
+import "strconv"
 
-//go:embed permute.cu
-var permuteSource string
+// permuteFile is the kernel file of the MoE permute kernels.
+const permuteFile = "permute.cu"
 
 // Source returns the CUDA C++ source of the MoE permute kernels, the text
-// [NewMoE] compiles. It includes no header, so NVRTC needs no CUDA toolkit
-// headers; every kernel is extern "C", so its name needs no lowering.
-func Source() string { return permuteSource }
+// [NewMoE] compiles: kernels/permute.cu after the prelude, as
+// [KernelFile.Source] gives every kernel file. It includes no header, so
+// NVRTC needs no CUDA toolkit headers; every kernel is extern "C", so its
+// name needs no lowering.
+func Source() string {
+	for _, f := range KernelFiles() {
+		if f.Name == permuteFile {
+			return f.Source()
+		}
+	}
+	panic("cuda: " + permuteFile + " is not among KernelFiles") // a build defect, which TestKernelFiles catches
+}
 
 // The row-gather kernels in [Source], by the size of the word they copy.
 const (

@@ -86,10 +86,11 @@ func newModel(ctx context.Context, tape *autograd.Tape, m *mesh.Mesh, o options)
 	return model, nil, nil
 }
 
-// run trains on dp × fsdp × tp in-process ranks and returns rank 0's
-// history; rank 0 reports progress to out.
+// run trains on dp × fsdp × tp ranks — in-process when started by hand,
+// one per process under loomrun, torchrun or mpirun (launch.Auto) — and
+// returns rank 0's history; rank 0 reports progress to out.
 func run(ctx context.Context, out io.Writer, o options) (*train.History, error) {
-	job, err := launch.InProcess(o.dp * o.fsdp * o.tp)
+	job, err := launch.Auto(o.dp * o.fsdp * o.tp)
 	if err != nil {
 		return nil, err
 	}

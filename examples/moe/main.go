@@ -131,7 +131,9 @@ type options struct {
 	shape       train.ShapeFlags
 	// random: random tokens (seed) instead of the tiny GPT's corpus, for
 	// a shape or batch other than the tiny preset's.
-	random bool
+	random  bool
+	persist train.Persist // -data and -checkpoint (resume.go)
+	start   int           // the step -resume goes on from
 }
 
 // otherBatch is the global batch of the presets other than tiny: the
@@ -190,6 +192,7 @@ func parse(args []string, errOut io.Writer) (options, moegpt.Config, error) {
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest differences")
 	fs.BoolVar(&o.collectives, "collectives", false, "move the token rows by all-to-all-v (the MPI and NCCL path) instead of straight from the peers' memory")
 	o.shape.Register(fs, "tiny", moegpt.Presets())
+	o.persist.Register(fs)
 	if err := fs.Parse(args); err != nil {
 		return o, moegpt.Config{}, err
 	}
@@ -249,7 +252,7 @@ func check(cfg moegpt.Config, o *options) error {
 	if err := cfg.CheckLayout(o.run.B, o.dp, o.ep); err != nil {
 		return err
 	}
-	return o.loop.Validate()
+	return errors.Join(o.loop.Validate(), o.persist.Validate())
 }
 
 // config is cfg with the experts, routing and capacity the options ask
@@ -287,20 +290,29 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 			routing += ", padded to capacity"
 		}
 	}
+	if err := prepareResume(&o); err != nil {
+		return err
+	}
 	steps := o.loop.Steps
 	job, err := o.loop.Flags.Job(o.loop.Ranks)
 	if err != nil {
 		return fmt.Errorf("-dp %d -ep %d: %w", o.dp, o.ep, err)
 	}
-	if o.compare && job.Backend != launch.Local {
-		return fmt.Errorf("-compare trains on in-process ranks only (this is a %s job)", job.Backend)
+	if o.compare && (job.Backend != launch.Local || o.persist.Data != "" || o.persist.Dir != "") {
+		return fmt.Errorf("-compare trains on in-process ranks only, from the start, without -data or -checkpoint (this is a %s job)", job.Backend)
 	}
 	if !job.Root() {
 		out = io.Discard // world rank 0 reports for the job
 	}
 	data := "the tiny GPT's corpus"
-	if o.random {
+	switch {
+	case o.persist.Data != "":
+		data = fmt.Sprintf("%s (%g held out for validation)", o.persist.Data, o.persist.ValFrac)
+	case o.random:
 		data = fmt.Sprintf("random tokens (seed %d: a throughput run)", o.seed)
+	}
+	if o.start > 0 {
+		data += fmt.Sprintf(", resumed from step %d", o.start)
 	}
 	fmt.Fprintf(out, "MoE transformer (V=%d D=%d H=%d L=%d, E=%d experts of width %d, top-%d, %s; %d parameters; batch %d×%d) from a random init (seed %d) on %s, on dp=%d × ep=%d, %s, %d steps\n",
 		cfg.V, cfg.D, cfg.H, cfg.L, cfg.E, cfg.Hd, cfg.K, routing, cfg.NumParams(), o.run.B, cfg.T, o.seed, data, o.dp, o.ep, job, steps)
@@ -389,6 +401,7 @@ func (iv *interval) add(r *moegpt.StepResult) {
 // parameters (rank 0 keeps them).
 type rank struct {
 	tr     *moegpt.Trainer
+	p      *persisted
 	rank0  bool
 	iv     *interval
 	params *map[string][]float32
@@ -397,14 +410,20 @@ type rank struct {
 // Step implements train.Stepper.
 func (r *rank) Step(ctx context.Context) (*moegpt.StepResult, error) {
 	res, err := r.tr.Step(ctx)
-	if err == nil && r.rank0 {
+	if err != nil {
+		return res, err
+	}
+	if r.rank0 {
 		r.iv.add(res)
 	}
-	return res, err
+	return res, r.p.after(ctx, r.tr)
 }
 
 // Finish implements train.Finisher.
 func (r *rank) Finish(ctx context.Context) error {
+	if err := r.p.finish(ctx, r.tr); err != nil {
+		return err
+	}
 	full, err := r.tr.Full(ctx)
 	if err == nil && r.rank0 {
 		*r.params = full
@@ -433,14 +452,27 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 			model = append(model, moegpt.WithCollectives())
 		}
 		opts := []moegpt.TrainOption{moegpt.WithRun(o.run), moegpt.WithModel(model...), moegpt.WithTape(r.Tape...), moegpt.WithDevice(r.Device)}
-		if o.random {
+		dataOpts, p, err := dataOptions(o, cfg, m, out)
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case dataOpts != nil:
+			opts = append(opts, dataOpts...)
+		case o.random:
 			opts = append(opts, moegpt.WithRandomTokens(o.seed))
 		}
 		tr, err := moegpt.NewTrainer(ctx, m, cfg, init, "ep", opts...)
 		if err != nil {
+			return nil, errors.Join(err, p.close())
+		}
+		if m.Rank() != 0 {
+			p.out = io.Discard
+		}
+		if err := p.load(ctx, &o, tr); err != nil {
 			return nil, err
 		}
-		return &rank{tr: tr, rank0: m.Rank() == 0, iv: &iv, params: &params}, nil
+		return &rank{tr: tr, p: p, rank0: m.Rank() == 0, iv: &iv, params: &params}, nil
 	}
 	// Rank 0's MoE times: of the current progress interval and in all.
 	var total moe.Timings

@@ -143,6 +143,8 @@ type options struct {
 	fixture bool
 	// overridden: a flag changed the preset's shape or batch.
 	overridden bool
+	persist    train.Persist // -data and -checkpoint (resume.go)
+	start      int           // the step -resume goes on from
 }
 
 // otherBatch is the global batch of the presets other than tiny (whose
@@ -192,6 +194,7 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
 	o.shape.Register(fs, "tiny", gpt.Presets())
 	o.cpf.register(fs)
+	o.persist.Register(fs)
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init and the random tokens (setting it trains the tiny model that way too)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -214,7 +217,7 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	if err := o.checkSharding(); err != nil {
 		return o, err
 	}
-	return o, o.loop.Validate()
+	return o, errors.Join(o.loop.Validate(), o.persist.Validate())
 }
 
 // model sets o's model and run from -model, the flags that override its
@@ -246,7 +249,7 @@ func (o *options) model(fs *flag.FlagSet, ref tinygpt.Config) error {
 	fs.Visit(func(f *flag.Flag) { seeded = seeded || f.Name == "seed" })
 	o.cfg, o.run = cfg, ref
 	o.run.B = sh.Batch
-	o.fixture = cfg == gpt.FromReference(ref) && sh.Batch == ref.B && !seeded
+	o.fixture = cfg == gpt.FromReference(ref) && sh.Batch == ref.B && !seeded && o.persist.Data == ""
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
@@ -268,6 +271,9 @@ func (o options) describe() string {
 	name := o.shape.Model
 	if o.overridden {
 		name += " changed by flags"
+	}
+	if o.persist.Data != "" {
+		return fmt.Sprintf("GPT -model %s %s from a random init (seed %d) on %s, %g of it held out for validation", name, s, o.seed, o.persist.Data, o.persist.ValFrac)
 	}
 	return fmt.Sprintf("GPT -model %s %s from a random init on random tokens (seed %d: a throughput run, no reference losses)", name, s, o.seed)
 }
@@ -393,14 +399,18 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("-dp %d -tp %d: %w", o.dp, o.tp, err)
 	}
-	if o.compare && job.Backend != launch.Local {
-		return fmt.Errorf("-compare trains on in-process ranks only (this is a %s job)", job.Backend)
+	if o.start, err = prepareResume(&o); err != nil {
+		return err
+	}
+	if o.compare && (job.Backend != launch.Local || o.persist.Data != "" || o.persist.Dir != "") {
+		return fmt.Errorf("-compare trains on in-process ranks only, from the start, without -data or -checkpoint (this is a %s job)", job.Backend)
 	}
 	if !job.Root() {
 		out = io.Discard // world rank 0 reports for the job
 	}
 	fmt.Fprintf(out, "%s on %s, %s, %d steps\n", o.describe(), o.layout(), job, o.loop.Steps)
 	fmt.Fprintln(out, o.loop.Flags.DeviceLine(o.loop.Ranks))
+	resumeLine(out, o)
 
 	res, params, err := trainLayout(ctx, out, job, init, o, fx)
 	if err != nil {
@@ -457,6 +467,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 // them).
 type rank struct {
 	tr     *gpt.Trainer
+	p      *persisted
 	rank0  bool
 	params *map[string][]float32
 	mem    *memory.Report
@@ -465,12 +476,18 @@ type rank struct {
 // Step implements train.Stepper.
 func (r *rank) Step(ctx context.Context) (float64, error) {
 	_, loss, err := r.tr.Step(ctx)
-	return loss, err
+	if err != nil {
+		return loss, err
+	}
+	return loss, r.p.after(ctx, r.tr, loss)
 }
 
 // Finish implements train.Finisher: the last step's memory (the maximum
 // over ranks) and the final parameters, kept by rank 0.
 func (r *rank) Finish(ctx context.Context) error {
+	if err := r.p.finish(ctx, r.tr); err != nil {
+		return err
+	}
 	mem, err := r.tr.Memory(ctx)
 	if err != nil {
 		return err
@@ -499,7 +516,14 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
 		}
 		opts = append(opts, o.cpf.trainOptions()...)
-		if !o.fixture {
+		dataOpts, p, err := dataOptions(o, m, out)
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case dataOpts != nil:
+			opts = append(opts, dataOpts...)
+		case !o.fixture:
 			opts = append(opts, gpt.WithRandomTokens(o.seed))
 		}
 		if o.sp {
@@ -516,11 +540,18 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 		}
 		tr, err := gpt.NewTrainer(ctx, m, o.cfg, opts...)
 		if err != nil {
+			return nil, errors.Join(err, p.close())
+		}
+		if m.Rank() != 0 {
+			p.out = io.Discard
+		}
+		if err := p.load(ctx, &o, tr); err != nil {
 			return nil, err
 		}
-		return &rank{tr: tr, rank0: m.Rank() == 0, params: &params, mem: &mem}, nil
+		return &rank{tr: tr, p: p, rank0: m.Rank() == 0, params: &params, mem: &mem}, nil
 	}
 	progress := func(step int, loss, tokensPerS float64) {
+		step += o.start
 		line := fmt.Sprintf("step %4d  loss %.6f", step, loss)
 		if fx != nil {
 			if want, ok := fx.LossAt(step); ok {

@@ -10,7 +10,7 @@ import (
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/memory"
 	"github.com/b7ea7098/loom/mesh"
-	"github.com/b7ea7098/loom/models/internal/randtok"
+	"github.com/b7ea7098/loom/models/internal/batches"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/cp"
@@ -41,6 +41,7 @@ type trainConfig struct {
 	run    tinygpt.Config
 	random bool // random tokens (WithRandomTokens) instead of the corpus
 	seed   uint64
+	data   *windows // a user's token file (WithWindows) instead of the corpus
 }
 
 // WithDataParallel shards the batch rows over the named mesh axis, with
@@ -147,16 +148,14 @@ func WithRandomTokens(seed uint64) TrainOption {
 	return func(c *trainConfig) { c.random, c.seed = true, seed }
 }
 
-// batches is where a Trainer's batches come from: the reference's sampler
-// or random tokens.
-type batches interface{ Next() tinygpt.Batch }
-
 // Trainer trains a GPT on a mesh with optional data- and tensor-parallel
 // axes: the batch rows are sharded over dp, the model over tp by Plan,
 // data-parallel gradients are all-reduced by DDP while backward runs, and
 // AdamW updates each rank's shards. Every rank draws the same global
-// batches of the reference's corpus (§2.3) and keeps its rows, so any
-// layout trains on exactly the batches one rank would.
+// batches of the reference's corpus (§2.3; or WithRandomTokens's, or
+// WithWindows's from a token file) and keeps its rows, so any layout
+// trains on exactly the batches one rank would. Parts gives its state to
+// package checkpoint, to save and to resume on any layout.
 type Trainer struct {
 	Model   *Model
 	fsdp    *fsdp.FSDP
@@ -166,8 +165,9 @@ type Trainer struct {
 	params  []*autograd.Value // the leaves the optimizer updates
 	opt     *optim.AdamW
 	ddp     *ddp.DDP
-	sampler batches
+	sampler batches.Source // the corpus, random tokens or a token file
 	places  []placement.Placement
+	batch   int // the global batch, in sequences
 }
 
 // NewTrainer builds the model for cfg on m, parallelizes it as the options
@@ -228,7 +228,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	// Step ends each step's values before the next forward pass, so the
 	// tape may reuse their memory.
 	// The memory meter samples after every op.
-	tr := &Trainer{mesh: m, places: make([]placement.Placement, m.NDim())}
+	tr := &Trainer{mesh: m, places: make([]placement.Placement, m.NDim()), batch: data.B}
 	sample := autograd.WithObserver(func(string, string, time.Time, time.Time) { tr.meter.Sample() })
 	tr.tape = autograd.NewTape(append([]autograd.Option{autograd.WithRecycling(), sample}, tc.tape...)...)
 	md, err := New(tr.tape, m, cfg, tc.model...)
@@ -302,11 +302,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	if tr.opt, err = optim.NewAdamW(tr.params, optim.WithLR(data.LR), optim.WithWeightDecay(data.WD), optim.WithBetas(data.Beta1, data.Beta2), optim.WithEps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
-	if tc.random {
-		tr.sampler = randtok.New(tc.seed, data.B, data.T, data.V)
-		return tr, nil
-	}
-	if tr.sampler, err = tinygpt.NewSampler(data, tinygpt.Corpus(data)); err != nil {
+	if tr.sampler, err = tc.source(data); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	return tr, nil
@@ -322,7 +318,10 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 // usually means the communicator is unusable, though, and every rank must
 // see the same errors to stay in step.
 func (tr *Trainer) Step(ctx context.Context) (step int, loss float64, err error) {
-	b := tr.sampler.Next()
+	b, err := tr.sampler.Next()
+	if err != nil {
+		return tr.sampler.Step() + 1, 0, fmt.Errorf("gpt: step %d: the batch: %w", tr.sampler.Step()+1, err)
+	}
 	tr.tape.Recycle() // the previous step's values are dead
 	tr.meter.Reset()
 	defer tr.meter.Sample() // after the update: the optimizer's state

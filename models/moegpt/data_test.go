@@ -29,7 +29,10 @@ func TestRandomTokens(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			got := tr.sampler.Next()
+			got, err := tr.sampler.Next()
+			if err != nil {
+				return err
+			}
 			want := randtok.New(5, run.B, cfg.T, cfg.V).Next()
 			same := slices.Equal(got.X, want.X) && slices.Equal(got.Y, want.Y)
 			if same != random || got.B != run.B || got.T != cfg.T {

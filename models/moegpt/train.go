@@ -10,7 +10,7 @@ import (
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/mesh"
-	"github.com/b7ea7098/loom/models/internal/randtok"
+	"github.com/b7ea7098/loom/models/internal/batches"
 	"github.com/b7ea7098/loom/moe"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel/ddp"
@@ -29,6 +29,7 @@ type trainConfig struct {
 	// random: random tokens (WithRandomTokens) instead of the corpus.
 	random bool
 	seed   uint64
+	data   *windows // a user's token file (WithWindows) instead of the corpus
 }
 
 // WithRandomTokens trains on random tokens instead of the tiny GPT's
@@ -40,10 +41,6 @@ type trainConfig struct {
 func WithRandomTokens(seed uint64) TrainOption {
 	return func(c *trainConfig) { c.random, c.seed = true, seed }
 }
-
-// batches is where a Trainer's batches come from: the tiny GPT's sampler
-// or random tokens.
-type batches interface{ Next() tinygpt.Batch }
 
 // WithRun sets the training run: the batch size, corpus and sampler seeds
 // (reference/TINY_GPT.md §2) and AdamW's hyper-parameters (§4) are read
@@ -88,9 +85,10 @@ type Trainer struct {
 	// Model is the model being trained.
 	Model   *Model
 	opt     *optim.AdamW
-	dense   *ddp.DDP // replicated parameters over the ep axis
-	experts *ddp.DDP // expert parameters over the dp axis
-	sampler batches
+	dense   *ddp.DDP          // replicated parameters over the ep axis
+	experts *ddp.DDP          // expert parameters over the dp axis
+	sampler batches.Source    // the corpus, random tokens or a token file
+	batch   int               // the global batch, in sequences
 	group   comm.Communicator // the token axes, for the reported scalars
 }
 
@@ -124,7 +122,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	if err != nil {
 		return nil, err
 	}
-	tr := &Trainer{Model: md}
+	tr := &Trainer{Model: md, batch: data.B}
 	if axisSize(m, ep) > 1 {
 		o := append(slices.Clone(tc.ddp), ddp.WithAxis(ep), ddp.WithGradientAsBucketView())
 		if tr.dense, err = ddp.New(ctx, md.ReplicatedParams(), o...); err != nil {
@@ -143,11 +141,7 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, init map[string][
 	if tr.opt, err = optim.NewAdamW(md.Params(), optim.WithLR(data.LR), optim.WithWeightDecay(data.WD), optim.WithBetas(data.Beta1, data.Beta2), optim.WithEps(data.Eps)); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)
 	}
-	if tc.random {
-		tr.sampler = randtok.New(tc.seed, data.B, data.T, data.V)
-		return tr, nil
-	}
-	if tr.sampler, err = tinygpt.NewSampler(data, tinygpt.Corpus(data)); err != nil {
+	if tr.sampler, err = tc.source(data); err != nil {
 		return nil, fmt.Errorf("moegpt: trainer: %w", err)
 	}
 	return tr, nil
@@ -231,7 +225,10 @@ type StepResult struct {
 // AdamW and ZeroGrad. Its numbers are computed before the update; the one
 // collective that is only for reporting is an all-reduce of 1+2L scalars.
 func (tr *Trainer) Step(ctx context.Context) (*StepResult, error) {
-	b := tr.sampler.Next()
+	b, err := tr.sampler.Next()
+	if err != nil {
+		return nil, fmt.Errorf("moegpt: step %d: the batch: %w", tr.sampler.Step()+1, err)
+	}
 	tr.Model.tape.Recycle() // the previous step's values are dead
 	res, err := tr.step(ctx, b)
 	if err != nil {

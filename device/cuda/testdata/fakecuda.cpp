@@ -5,10 +5,10 @@
 //
 // it exports the driver and NVRTC entry points package cuda binds. "Device"
 // memory is host memory; cuLaunchKernel runs the real kernels of
-// permute.cu on the CPU: blocks one after another, and the threads of a
-// block one after another, or, for the kernels whose warps exchange values
-// (__shfl_down_sync), as real threads, each warp's lanes meeting at a
-// barrier of their own in every shuffle. Streams queue their work until
+// kernels/permute.cu, after the prelude kernels/loom.cuh as on a GPU, under
+// testdata/loom_emu.h (blocks one after another, a block's threads as
+// fibers with real barriers and shuffles), as every other kernel source
+// runs in the tests. Streams queue their work until
 // something waits for it (see fake_stream below), events complete in
 // their stream's order and time it on a fake clock, and NVRTC counts its
 // compilations and reports a version the test sets, for the kernel cache.
@@ -41,45 +41,14 @@
 #include <thread>
 #include <vector>
 
-#ifdef LOOM_FAKE_DEVICE
 #include "loom_emu.h"
+#ifdef LOOM_FAKE_DEVICE
 #include "fake_kernels.inc"
 #else
-struct loom_dim3 {
-  unsigned x, y, z;
-};
-static thread_local loom_dim3 threadIdx;
-static loom_dim3 blockIdx, blockDim, gridDim;
-
-// One warp of a kernel that shuffles: its 32 lanes run as threads.
-struct loom_warp {
-  std::barrier<> bar{32};
-  unsigned long long value[32];
-};
-static thread_local loom_warp *loom_this_warp;
-
-// __shfl_down_sync returns lane+off's v (its own past the last lane), as
-// on the GPU: every lane publishes v, the warp meets, each reads, and the
-// warp meets again before a lane may publish its next value.
-template <typename V>
-static V __shfl_down_sync(unsigned mask, V v, unsigned off) {
-  static_assert(sizeof(V) <= sizeof(unsigned long long));
-  if (mask != 0xffffffffu || !loom_this_warp) std::abort();
-  loom_warp *w = loom_this_warp;
-  unsigned lane = threadIdx.x & 31u;
-  std::memcpy(&w->value[lane], &v, sizeof v);
-  w->bar.arrive_and_wait();
-  V r = v;
-  if (lane + off < 32) std::memcpy(&r, &w->value[lane + off], sizeof r);
-  w->bar.arrive_and_wait();
-  return r;
-}
-
-#define __global__
-#define __device__
-#define __forceinline__ inline
-
-#include "permute.cu"
+// The MoE permute kernels alone, under the prelude every kernel source
+// compiles with (as Source() gives it to NVRTC).
+#include "kernels/loom.cuh"
+#include "kernels/permute.cu"
 #endif
 
 typedef int CUresult;
@@ -417,19 +386,26 @@ CUresult cuEventDestroy_v2(void *ev) {
   return 0;
 }
 
-// A "function" is a thunk that unpacks kernelParams and runs one thread
-// (in the whole-device fake, the emulator's kernel of that name).
+// A "function" is the emulator's kernel of that name (loom_emu.h's
+// registry).
 struct fake_fn {
-  void (*thread)(void **params);
-  bool warps;   // shuffles: run the block's threads concurrently, by warps
   int nparams;  // its arguments, each copied from an 8-byte slot at launch
   int maxDynamicShared = 48 << 10;
   std::string name;
 };
 
-#ifdef LOOM_FAKE_DEVICE
 static std::map<std::string, fake_fn> fns;  // filled from the emulator's registry at lookup
 
+// function returns the fake_fn of the registered kernel name, or null.
+static fake_fn *function(const char *name) {
+  auto r = loom_emu::registry().find(name);
+  if (r == loom_emu::registry().end()) return nullptr;
+  auto it = fns.find(name);
+  if (it == fns.end()) it = fns.emplace(name, fake_fn{r->second.nargs, 48 << 10, name}).first;
+  return &it->second;
+}
+
+#ifdef LOOM_FAKE_DEVICE
 // A module: the kernels its source defines.
 struct fake_module {
   std::set<std::string> names;
@@ -458,11 +434,9 @@ CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
   fake_module *m = (fake_module *)mod;
   if (!moduleSet.count(m)) return CUDA_INVALID_HANDLE;
   if (!m->names.count(name)) return 500;  // CUDA_ERROR_NOT_FOUND
-  auto r = loom_emu::registry().find(name);
-  if (r == loom_emu::registry().end()) return 500;
-  auto it = fns.find(name);
-  if (it == fns.end()) it = fns.emplace(name, fake_fn{nullptr, false, r->second.nargs, 48 << 10, name}).first;
-  *fn = &it->second;
+  fake_fn *f = function(name);
+  if (!f) return 500;
+  *fn = f;
   return 0;
 }
 CUresult cuModuleUnload(void *mod) {
@@ -474,34 +448,6 @@ CUresult cuModuleUnload(void *mod) {
   return 0;
 }
 #else
-
-#define P(i, T) (*(T *)params[i])
-static void th_gather16(void **params) { loom_gather_w16(P(0, void *), P(1, void *), P(2, int *), P(3, int), P(4, i64), P(5, i64)); }
-static void th_gather8(void **params) { loom_gather_w8(P(0, void *), P(1, void *), P(2, int *), P(3, int), P(4, i64), P(5, i64)); }
-static void th_gather4(void **params) { loom_gather_w4(P(0, void *), P(1, void *), P(2, int *), P(3, int), P(4, i64), P(5, i64)); }
-static void th_gather1(void **params) { loom_gather_w1(P(0, void *), P(1, void *), P(2, int *), P(3, int), P(4, i64), P(5, i64)); }
-#define TYPED(K, T)                                                                                   \
-  static void th_##K(void **params) {                                                                 \
-    loom_##K(P(0, T *), P(1, T *), P(2, T *), P(3, int *), P(4, int), P(5, i64), P(6, i64));         \
-  }
-#define TYPED_ALL(SUFFIX, T) TYPED(unpermute_##SUFFIX, T) TYPED(scale_gather_##SUFFIX, T) TYPED(gate_grad_##SUFFIX, T)
-TYPED_ALL(f32, float)
-TYPED_ALL(f64, double)
-TYPED_ALL(f32x4, float)
-TYPED_ALL(f64x2, double)
-
-static std::map<std::string, fake_fn> fns = {
-    {"loom_gather_w16", {th_gather16, false, 6}},
-    {"loom_gather_w8", {th_gather8, false, 6}},
-    {"loom_gather_w4", {th_gather4, false, 6}},
-    {"loom_gather_w1", {th_gather1, false, 6}},
-#define FNS(SUFFIX)                                                                                   \
-  {"loom_unpermute_" #SUFFIX, {th_unpermute_##SUFFIX, false, 7}},                                     \
-      {"loom_scale_gather_" #SUFFIX, {th_scale_gather_##SUFFIX, false, 7}},                           \
-      {"loom_gate_grad_" #SUFFIX, {th_gate_grad_##SUFFIX, true, 7}}
-    FNS(f32), FNS(f64), FNS(f32x4), FNS(f64x2),
-};
-
 CUresult cuModuleLoadData(void **mod, const void *image) {
   if (std::strncmp((const char *)image, "FAKE", 4) != 0) return 200;  // CUDA_ERROR_INVALID_IMAGE
   guard g(mu);
@@ -510,9 +456,10 @@ CUresult cuModuleLoadData(void **mod, const void *image) {
   return 0;
 }
 CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
-  auto it = fns.find(name);
-  if (it == fns.end()) return 500;  // CUDA_ERROR_NOT_FOUND
-  *fn = &it->second;
+  guard g(mu);
+  fake_fn *f = function(name);
+  if (!f) return 500;  // CUDA_ERROR_NOT_FOUND
+  *fn = f;
   return 0;
 }
 CUresult cuModuleUnload(void *mod) { guard g(mu); modules--; return 0; }
@@ -525,7 +472,6 @@ CUresult cuFuncSetAttribute(void *f, int attr, int v) {
   return 0;
 }
 
-#ifdef LOOM_FAKE_DEVICE
 struct loom_dim3 {
   unsigned x, y, z;
 };
@@ -543,36 +489,6 @@ static void run(fake_fn *fn, loom_dim3 grid, loom_dim3 block, unsigned shared, s
     stickyMsg = loom_emu_error();
   }
 }
-#else
-// run executes one launch on the CPU.
-static void run(fake_fn *fn, loom_dim3 grid, loom_dim3 block, unsigned shared, std::vector<unsigned long long> &vals) {
-  std::vector<void *> params(vals.size());
-  for (size_t i = 0; i < vals.size(); i++) params[i] = &vals[i];
-  launches++;
-  gridDim = grid;
-  blockDim = block;
-  for (unsigned b = 0; b < grid.x; b++) {
-    blockIdx = {b, 0, 0};
-    if (!fn->warps) {
-      for (unsigned y = 0; y < block.y; y++)
-        for (unsigned x = 0; x < block.x; x++) {
-          threadIdx = {x, y, 0};
-          fn->thread(params.data());
-        }
-      continue;
-    }
-    std::vector<loom_warp> warps(block.x / 32);
-    std::vector<std::thread> ts;
-    for (unsigned x = 0; x < block.x; x++)
-      ts.emplace_back([=, &warps, &params] {
-        threadIdx = {x, 0, 0};
-        loom_this_warp = &warps[x / 32];
-        fn->thread(params.data());
-      });
-    for (auto &t : ts) t.join();
-  }
-}
-#endif
 
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, void *stream, void **params, void **extra) {
@@ -580,7 +496,6 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
   if (!fn || !params || extra) return 1;
   if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0) return 1;
   if ((unsigned long long)bx * by * bz > 1024 || gy > 65535 || gz > 65535 || by > 1024 || bz > 64) return 1;
-  if (fn->warps && (by != 1 || bz != 1 || bx % 32 != 0)) return 1;
   guard g(mu);
   if ((int)shared > fn->maxDynamicShared) return 1;
   // The driver copies the argument values at launch: the caller's array
@@ -648,10 +563,6 @@ nvrtcResult nvrtcCompileProgram(void *prog, int n, const char *const *opts) {
   // Name the registered kernels the source defines, for cuModuleGetFunction.
   for (auto &k : loom_emu::registry())
     if (p->src.find(k.first + "(") != std::string::npos) p->image += ";" + k.first;
-  // permute.cu makes its kernels' names by macros (LOOM_TYPED pastes
-  // them), so its source names none: the test lists them in
-  // LOOM_PERMUTE_KERNELS (";name;name…").
-  if (p->src.find("LOOM_TYPED(") != std::string::npos) p->image += LOOM_PERMUTE_KERNELS;
   p->image.push_back('\0');  // a cubin's size is its own; the module reads up to here
 #endif
   guard g(mu);

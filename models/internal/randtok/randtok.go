@@ -4,6 +4,7 @@
 package randtok
 
 import (
+	"fmt"
 	"math/rand/v2"
 
 	"github.com/b7ea7098/loom/reference/tinygpt"
@@ -44,4 +45,18 @@ func (s *Sampler) Next() tinygpt.Batch {
 		copy(y[r*s.t:], row[1:])
 	}
 	return tinygpt.Batch{Step: s.step, B: s.b, T: s.t, X: x, Y: y}
+}
+
+// Step is the number of batches drawn (or sought to).
+func (s *Sampler) Step() int { return s.step }
+
+// Seek makes Next draw step+1's batch next: a step's batch depends only
+// on the seed and the step, so nothing is replayed. A negative step is an
+// error.
+func (s *Sampler) Seek(step int) error {
+	if step < 0 {
+		return fmt.Errorf("randtok: seek to step %d", step)
+	}
+	s.step = step
+	return nil
 }

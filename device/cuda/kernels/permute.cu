@@ -1,12 +1,11 @@
-// loom MoE permute kernels, compiled at run time by NVRTC (no headers).
+// loom MoE permute kernels, compiled at run time by NVRTC after the
+// prelude loom.cuh, like every kernel source (Source, KernelFile.Source).
 //
 // Rows are processed by 2-D blocks: threadIdx.x walks the elements (or
 // 16-byte words) of a row, threadIdx.y picks one of blockDim.y rows, and
 // the grid strides over rows; the gate gradient instead gives each slot a
 // warp of a 1-D block. Index maps are int32; -1 marks a pad row or a dead
 // slot, exactly as in package kernels' Routing.
-
-typedef long long i64;
 
 // Raw words for the dtype-agnostic row copies: a row of B bytes moves as
 // B/16, B/8, B/4 or B words.
@@ -129,32 +128,83 @@ __device__ __forceinline__ void loom_gate_grad(T *__restrict__ dgates, const T *
   }
 }
 
-#define LOOM_GATHER(NAME, W)                                                                             \
-  extern "C" __global__ void NAME(void *dst, const void *src, const int *idx, int div, i64 rows,         \
-                                  i64 words) {                                                           \
-    loom_gather<W>((W *)dst, (const W *)src, idx, div, rows, words);                                     \
-  }
-LOOM_GATHER(loom_gather_w16, loom_w16)
-LOOM_GATHER(loom_gather_w8, loom_w8)
-LOOM_GATHER(loom_gather_w4, loom_w4)
-LOOM_GATHER(loom_gather_w1, loom_w1)
+// The row gathers, by the size of the word they copy.
+extern "C" __global__ void loom_gather_w16(void *dst, const void *src, const int *idx, int div, i64 rows, i64 words) {
+  loom_gather<loom_w16>((loom_w16 *)dst, (const loom_w16 *)src, idx, div, rows, words);
+}
+LOOM_KERNEL(loom_gather_w16)
+extern "C" __global__ void loom_gather_w8(void *dst, const void *src, const int *idx, int div, i64 rows, i64 words) {
+  loom_gather<loom_w8>((loom_w8 *)dst, (const loom_w8 *)src, idx, div, rows, words);
+}
+LOOM_KERNEL(loom_gather_w8)
+extern "C" __global__ void loom_gather_w4(void *dst, const void *src, const int *idx, int div, i64 rows, i64 words) {
+  loom_gather<loom_w4>((loom_w4 *)dst, (const loom_w4 *)src, idx, div, rows, words);
+}
+LOOM_KERNEL(loom_gather_w4)
+extern "C" __global__ void loom_gather_w1(void *dst, const void *src, const int *idx, int div, i64 rows, i64 words) {
+  loom_gather<loom_w1>((loom_w1 *)dst, (const loom_w1 *)src, idx, div, rows, words);
+}
+LOOM_KERNEL(loom_gather_w1)
 
 // Each typed kernel is defined for an element type and a vector width:
-// SUFFIX is f32 and f64 (V = 1), f32x4 and f64x2 (16-byte accesses).
-#define LOOM_TYPED(SUFFIX, T, V)                                                                         \
-  extern "C" __global__ void loom_unpermute_##SUFFIX(T *out, const T *packed, const T *gates,            \
-                                                     const int *slotRow, int k, i64 tokens, i64 d) {     \
-    loom_unpermute<T, V>(out, packed, gates, slotRow, k, tokens, d);                                     \
-  }                                                                                                      \
-  extern "C" __global__ void loom_scale_gather_##SUFFIX(T *dpacked, const T *dout, const T *gates,       \
-                                                        const int *rowSlot, int k, i64 rows, i64 d) {    \
-    loom_scale_gather<T, V>(dpacked, dout, gates, rowSlot, k, rows, d);                                  \
-  }                                                                                                      \
-  extern "C" __global__ void loom_gate_grad_##SUFFIX(T *dgates, const T *packed, const T *dout,          \
-                                                     const int *slotRow, int k, i64 slots, i64 d) {      \
-    loom_gate_grad<T, V>(dgates, packed, dout, slotRow, k, slots, d);                                    \
-  }
-LOOM_TYPED(f32, float, 1)
-LOOM_TYPED(f64, double, 1)
-LOOM_TYPED(f32x4, float, 4)
-LOOM_TYPED(f64x2, double, 2)
+// the suffix is f32 and f64 (V = 1), f32x4 and f64x2 (16-byte accesses).
+extern "C" __global__ void loom_unpermute_f32(
+    float *out, const float *packed, const float *gates, const int *slotRow, int k, i64 tokens, i64 d) {
+  loom_unpermute<float, 1>(out, packed, gates, slotRow, k, tokens, d);
+}
+LOOM_KERNEL(loom_unpermute_f32)
+extern "C" __global__ void loom_unpermute_f32x4(
+    float *out, const float *packed, const float *gates, const int *slotRow, int k, i64 tokens, i64 d) {
+  loom_unpermute<float, 4>(out, packed, gates, slotRow, k, tokens, d);
+}
+LOOM_KERNEL(loom_unpermute_f32x4)
+extern "C" __global__ void loom_unpermute_f64(
+    double *out, const double *packed, const double *gates, const int *slotRow, int k, i64 tokens, i64 d) {
+  loom_unpermute<double, 1>(out, packed, gates, slotRow, k, tokens, d);
+}
+LOOM_KERNEL(loom_unpermute_f64)
+extern "C" __global__ void loom_unpermute_f64x2(
+    double *out, const double *packed, const double *gates, const int *slotRow, int k, i64 tokens, i64 d) {
+  loom_unpermute<double, 2>(out, packed, gates, slotRow, k, tokens, d);
+}
+LOOM_KERNEL(loom_unpermute_f64x2)
+extern "C" __global__ void loom_scale_gather_f32(
+    float *dpacked, const float *dout, const float *gates, const int *rowSlot, int k, i64 rows, i64 d) {
+  loom_scale_gather<float, 1>(dpacked, dout, gates, rowSlot, k, rows, d);
+}
+LOOM_KERNEL(loom_scale_gather_f32)
+extern "C" __global__ void loom_scale_gather_f32x4(
+    float *dpacked, const float *dout, const float *gates, const int *rowSlot, int k, i64 rows, i64 d) {
+  loom_scale_gather<float, 4>(dpacked, dout, gates, rowSlot, k, rows, d);
+}
+LOOM_KERNEL(loom_scale_gather_f32x4)
+extern "C" __global__ void loom_scale_gather_f64(
+    double *dpacked, const double *dout, const double *gates, const int *rowSlot, int k, i64 rows, i64 d) {
+  loom_scale_gather<double, 1>(dpacked, dout, gates, rowSlot, k, rows, d);
+}
+LOOM_KERNEL(loom_scale_gather_f64)
+extern "C" __global__ void loom_scale_gather_f64x2(
+    double *dpacked, const double *dout, const double *gates, const int *rowSlot, int k, i64 rows, i64 d) {
+  loom_scale_gather<double, 2>(dpacked, dout, gates, rowSlot, k, rows, d);
+}
+LOOM_KERNEL(loom_scale_gather_f64x2)
+extern "C" __global__ void loom_gate_grad_f32(
+    float *dgates, const float *packed, const float *dout, const int *slotRow, int k, i64 slots, i64 d) {
+  loom_gate_grad<float, 1>(dgates, packed, dout, slotRow, k, slots, d);
+}
+LOOM_KERNEL(loom_gate_grad_f32)
+extern "C" __global__ void loom_gate_grad_f32x4(
+    float *dgates, const float *packed, const float *dout, const int *slotRow, int k, i64 slots, i64 d) {
+  loom_gate_grad<float, 4>(dgates, packed, dout, slotRow, k, slots, d);
+}
+LOOM_KERNEL(loom_gate_grad_f32x4)
+extern "C" __global__ void loom_gate_grad_f64(
+    double *dgates, const double *packed, const double *dout, const int *slotRow, int k, i64 slots, i64 d) {
+  loom_gate_grad<double, 1>(dgates, packed, dout, slotRow, k, slots, d);
+}
+LOOM_KERNEL(loom_gate_grad_f64)
+extern "C" __global__ void loom_gate_grad_f64x2(
+    double *dgates, const double *packed, const double *dout, const int *slotRow, int k, i64 slots, i64 d) {
+  loom_gate_grad<double, 2>(dgates, packed, dout, slotRow, k, slots, d);
+}
+LOOM_KERNEL(loom_gate_grad_f64x2)

@@ -1,0 +1,132 @@
+package gpt
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/b7ea7098/loom/checkpoint"
+	"github.com/b7ea7098/loom/internal/numcheck"
+	"github.com/b7ea7098/loom/models/internal/batches"
+	"github.com/b7ea7098/loom/placement"
+	"github.com/b7ea7098/loom/reference/tinygpt"
+	"github.com/b7ea7098/loom/train"
+)
+
+// windows is WithWindows's token file and sampler options.
+type windows struct {
+	w    *train.Windows
+	opts []train.SamplerOption
+}
+
+// WithWindows trains on a user's token file instead of the reference's
+// corpus: step s's global batch is the next B windows of w (train.Windows,
+// whose T must be the model's sequence length) in the order of a
+// train.Sampler with opts (train.WithShuffle), every rank reading the
+// global batch and keeping its rows, so any layout trains on the batches
+// one rank would. Hold out a validation split with Windows.Split and
+// measure it with ValLoss.
+func WithWindows(w *train.Windows, opts ...train.SamplerOption) TrainOption {
+	return func(c *trainConfig) { c.data = &windows{w, opts} }
+}
+
+// source is the Trainer's batches as the options say.
+func (c trainConfig) source(data tinygpt.Config) (batches.Source, error) {
+	switch {
+	case c.data != nil:
+		if c.data.w == nil {
+			return nil, fmt.Errorf("%w: WithWindows: nil windows", ErrConfig)
+		}
+		if c.data.w.T() != data.T {
+			return nil, fmt.Errorf("%w: WithWindows: windows of %d tokens for a model of sequence length %d", ErrConfig, c.data.w.T(), data.T)
+		}
+		return batches.Windows(c.data.w, data.B, c.data.opts...)
+	case c.random:
+		return batches.Random(c.seed, data.B, data.T, data.V), nil
+	}
+	return batches.Corpus(data)
+}
+
+// Steps is the number of steps taken, or resumed from: the next Step is
+// Steps()+1.
+func (tr *Trainer) Steps() int { return tr.sampler.Step() }
+
+// Parts returns the trainer's state for package checkpoint, by part:
+// "model", the parameters by name (checkpoint.Module: after tensor
+// parallelism or FSDP, this rank's shards); "optim", AdamW's moments
+// (with the parameters' placements), step counts and hyper-parameters
+// (optim.AdamW.StateDict); "data", the batches' position. Give them to
+// checkpoint.JobState with Steps() to save, and to checkpoint.LoadJob to
+// resume on any layout and device: the next Step then trains on the
+// batch the saved run would have trained on next.
+func (tr *Trainer) Parts() checkpoint.Parts {
+	return checkpoint.Parts{"model": checkpoint.Module(tr.Model), "optim": tr.opt, "data": dataPart{tr}}
+}
+
+// dataPart is a Trainer's batch position as a checkpoint part.
+type dataPart struct{ tr *Trainer }
+
+// StateDict implements checkpoint.Stateful: the int64 entry
+// prefix+"step", the batches drawn.
+func (d dataPart) StateDict(prefix string) (map[string]*placement.DTensor, map[string]any, error) {
+	return map[string]*placement.DTensor{}, map[string]any{prefix + "step": int64(d.tr.sampler.Step())}, nil
+}
+
+// LoadStateDict implements checkpoint.Stateful: it seeks the batches to
+// the saved step.
+func (d dataPart) LoadStateDict(prefix string, entries map[string]any) error {
+	v, ok := entries[prefix+"step"].(int64)
+	if !ok || v < 0 {
+		return fmt.Errorf("%w: the batch position: entry %q is %v (%T), want a step count", ErrConfig, prefix+"step", entries[prefix+"step"], entries[prefix+"step"])
+	}
+	if err := d.tr.sampler.Seek(int(v)); err != nil {
+		return fmt.Errorf("gpt: the batch position: %w", err)
+	}
+	return nil
+}
+
+// ValLoss is the mean loss over the first n global batches (n ≥ 1) of
+// w in order (a validation split: the same batches at every call, so that
+// the losses compare across a run and across layouts), with no backward
+// and no update. It is collective over the mesh like Step. w's T must be
+// the model's sequence length and each batch is Step's batch size.
+func (tr *Trainer) ValLoss(ctx context.Context, w *train.Windows, n int) (float64, error) {
+	if err := numcheck.Count(ErrConfig, "ValLoss: validation batches", n); err != nil {
+		return 0, err
+	}
+	if w == nil || w.T() != tr.Model.Config().SeqLen {
+		return 0, fmt.Errorf("%w: ValLoss: windows %v for a model of sequence length %d", ErrConfig, w, tr.Model.Config().SeqLen)
+	}
+	src, err := batches.Windows(w, tr.batch)
+	if err != nil {
+		return 0, fmt.Errorf("gpt: ValLoss: %w", err)
+	}
+	var sum float64
+	for i := range n {
+		b, err := src.Next()
+		if err == nil {
+			var l float64
+			if l, err = tr.loss(ctx, b); err == nil {
+				sum += l
+				continue
+			}
+		}
+		return 0, fmt.Errorf("gpt: ValLoss: batch %d: %w", i+1, err)
+	}
+	return sum / float64(n), nil
+}
+
+// loss is the global loss of batch b, forward only: the ops it records
+// are dropped after.
+func (tr *Trainer) loss(ctx context.Context, b tinygpt.Batch) (float64, error) {
+	tr.tape.Recycle()
+	defer tr.tape.Reset()
+	x, y, err := tr.Model.Inputs(b, tr.places)
+	if err != nil {
+		return 0, err
+	}
+	l, err := tr.Model.Forward(ctx, tr.tape, x, y)
+	if err != nil {
+		return 0, err
+	}
+	return train.Item(ctx, l)
+}

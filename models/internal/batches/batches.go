@@ -1,0 +1,111 @@
+// Package batches is where the models' trainers take their global
+// batches from: the tiny GPT's corpus, random tokens, or a user's token
+// file (train.Windows), each able to seek to a step so that a run resumed
+// from a checkpoint draws the batches the uninterrupted run would.
+package batches
+
+import (
+	"fmt"
+
+	"github.com/b7ea7098/loom/models/internal/randtok"
+	"github.com/b7ea7098/loom/reference/tinygpt"
+	"github.com/b7ea7098/loom/train"
+)
+
+// Source gives step after step of global batches, the same on every
+// rank (each keeps its rows).
+type Source interface {
+	// Next returns the next step's global batch; its Step counts from 1.
+	Next() (tinygpt.Batch, error)
+	// Seek moves the source so that Next gives step+1's batch (step ≥ 0
+	// batches drawn).
+	Seek(step int) error
+	// Step is the number of batches drawn (or sought to).
+	Step() int
+}
+
+// Corpus returns the tiny GPT's sampler over its corpus (cfg's seeds,
+// batch and sequence length).
+func Corpus(cfg tinygpt.Config) (Source, error) {
+	s, err := tinygpt.NewSampler(cfg, tinygpt.Corpus(cfg))
+	if err != nil {
+		return nil, err
+	}
+	return &corpus{cfg: cfg, s: s}, nil
+}
+
+type corpus struct {
+	cfg tinygpt.Config
+	s   *tinygpt.Sampler
+}
+
+func (c *corpus) Next() (tinygpt.Batch, error) { return c.s.Next(), nil }
+func (c *corpus) Step() int                    { return c.s.Step() }
+
+// Seek replays the sampler's stream from the start (B draws a step, no
+// tokens built), since each step's offsets come from one LCG.
+func (c *corpus) Seek(step int) error {
+	if step < 0 {
+		return fmt.Errorf("batches: seek to step %d", step)
+	}
+	s, err := tinygpt.NewSampler(c.cfg, tinygpt.Corpus(c.cfg))
+	if err != nil {
+		return err
+	}
+	for s.Step() < step {
+		s.NextOffsets()
+	}
+	c.s = s
+	return nil
+}
+
+// Random returns randtok's batches of b rows of t tokens below v.
+func Random(seed uint64, b, t, v int) Source { return random{randtok.New(seed, b, t, v)} }
+
+type random struct{ *randtok.Sampler }
+
+func (r random) Next() (tinygpt.Batch, error) { return r.Sampler.Next(), nil }
+
+// Windows returns the global batches of b windows of w (a user's token
+// file), drawn by a train.Sampler over the whole global batch (rank 0 of
+// 1: every rank reads the global batch and keeps its rows), with opts
+// (train.WithShuffle).
+func Windows(w *train.Windows, b int, opts ...train.SamplerOption) (Source, error) {
+	s, err := train.NewSampler(w.Len(), b, 0, 1, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return &windows{w: w, s: s}, nil
+}
+
+type windows struct {
+	w    *train.Windows
+	s    *train.Sampler
+	step int
+}
+
+func (w *windows) Next() (tinygpt.Batch, error) {
+	rows := w.s.Next().Global
+	x, y, err := w.w.Rows(rows)
+	if err != nil {
+		return tinygpt.Batch{}, err
+	}
+	w.step++
+	return tinygpt.Batch{Step: w.step, B: len(rows), T: w.w.T(), Offsets: rows, X: x, Y: y}, nil
+}
+
+func (w *windows) Step() int { return w.step }
+
+// Seek restores the sampler's position after step batches: its epochs are
+// whole numbers of batches, so the position follows from the count.
+func (w *windows) Seek(step int) error {
+	if step < 0 {
+		return fmt.Errorf("batches: seek to step %d", step)
+	}
+	n := w.s.BatchesPerEpoch()
+	if err := w.s.Restore(train.SamplerState{Epoch: step / n, Index: step % n}); err != nil {
+		return err
+	}
+	w.step = step
+	return nil
+}

@@ -1,0 +1,59 @@
+package train
+
+import (
+	"errors"
+	"flag"
+	"io"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// Persist's flags are checked together before any rank starts, and
+// -resume without a checkpoint names the folder.
+func TestPersistValidate(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want []string // substrings of the error; none: valid
+	}{
+		{nil, nil},
+		{[]string{"-checkpoint", "d", "-save-every", "5", "-keep", "2", "-async-save", "-resume"}, nil},
+		{[]string{"-data", "f.txt", "-val", "0"}, []string{"-val 0"}},
+		{[]string{"-data", "f.txt", "-val", "1"}, []string{"-val 1"}},
+		{[]string{"-save-every", "-1", "-checkpoint", "d"}, []string{"-save-every"}},
+		{[]string{"-val-batches", "0"}, []string{"-val-batches"}},
+		{[]string{"-resume"}, []string{"need -checkpoint DIR"}},
+		{[]string{"-keep", "3", "-save-every", "-2"}, []string{"need -checkpoint DIR", "-save-every"}},
+	} {
+		var p Persist
+		fs := flag.NewFlagSet("t", flag.ContinueOnError)
+		fs.SetOutput(io.Discard)
+		p.Register(fs)
+		if err := fs.Parse(c.args); err != nil {
+			t.Fatal(err)
+		}
+		err := p.Validate()
+		if len(c.want) == 0 {
+			if err != nil {
+				t.Errorf("%v: %v", c.args, err)
+			}
+			continue
+		}
+		if !errors.Is(err, ErrInvalid) {
+			t.Errorf("%v: %v, want ErrInvalid", c.args, err)
+			continue
+		}
+		for _, w := range c.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%v: %v, want it to say %q", c.args, err, w)
+			}
+		}
+	}
+	p := Persist{Dir: filepath.Join(t.TempDir(), "none"), Resume: true}
+	if _, err := p.Prepare(); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), p.Dir) {
+		t.Errorf("-resume without a checkpoint: %v, want ErrInvalid naming %s", err, p.Dir)
+	}
+	if step, err := (&Persist{}).Prepare(); step != 0 || err != nil {
+		t.Errorf("without -resume: %d, %v", step, err)
+	}
+}
