@@ -22,6 +22,7 @@ type cpLayout struct {
 	dp, fsdp, tp, cp int
 	method           cp.Method
 	plain            bool
+	ulysses          int // Hybrid: the inner (Ulysses) axis's size
 }
 
 func (l cpLayout) String() string {
@@ -37,6 +38,9 @@ func (l cpLayout) String() string {
 	if l.plain {
 		s += ",plain"
 	}
+	if l.ulysses > 1 {
+		s += fmt.Sprintf(",ulysses=%d", l.ulysses)
+	}
 	return s
 }
 
@@ -49,8 +53,8 @@ func runCP(t *testing.T, cfg tinygpt.Config, init map[string][]float32, l cpLayo
 		losses []float64
 		params map[string][]float32
 	)
-	shape := []int{max(l.dp, 1), max(l.fsdp, 1), max(l.tp, 1), max(l.cp, 1)}
-	err := placementtest.Simulate(context.Background(), shape, []string{"dp", "fsdp", "tp", "cp"}, func(ctx context.Context, m *mesh.Mesh) error {
+	shape := []int{max(l.dp, 1), max(l.fsdp, 1), max(l.tp, 1), max(l.cp, 1), max(l.ulysses, 1)}
+	err := placementtest.Simulate(context.Background(), shape, []string{"dp", "fsdp", "tp", "cp", "cpu"}, func(ctx context.Context, m *mesh.Mesh) error {
 		opts := []gpt.TrainOption{gpt.WithRun(cfg), gpt.WithModel(gpt.WithParams(init)),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
 			gpt.WithContextParallel("cp", cp.WithMethod(l.method))}
@@ -59,6 +63,9 @@ func runCP(t *testing.T, cfg tinygpt.Config, init map[string][]float32, l cpLayo
 		}
 		if l.plain {
 			opts = append(opts, gpt.WithPlainSequenceShards())
+		}
+		if l.ulysses > 1 {
+			opts = append(opts, gpt.WithUlyssesAxis("cpu"))
 		}
 		tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), opts...)
 		if err != nil {
@@ -91,7 +98,7 @@ func runCP(t *testing.T, cfg tinygpt.Config, init map[string][]float32, l cpLayo
 
 // Context parallelism trains the tiny GPT as one rank does: 20 steps of
 // every attention method on cp=2 (load balanced, and plain for the ring),
-// and cp=2 with tp=2 and with dp=2, give the one-rank losses and
+// Hybrid on cp=2 × ulysses=2, and cp=2 with tp=2, dp=2 and fsdp=2, give the one-rank losses and
 // parameters within TestParallelLayoutsMatchOneRank's tolerances (the
 // layouts differ only in float32 summation order: attention merged by
 // log-sum-exp over blocks, gradients summed over cp). A wrong position,
@@ -108,6 +115,8 @@ func TestContextParallelMatchesOneRank(t *testing.T) {
 		{cp: 2, method: cp.Ring, plain: true},
 		{cp: 2, tp: 2, method: cp.Ring},
 		{cp: 2, dp: 2, method: cp.Ring},
+		{cp: 2, ulysses: 2, method: cp.Hybrid},
+		{cp: 2, fsdp: 2, method: cp.Ring},
 	}
 	if testing.Short() {
 		cases = cases[:1]
