@@ -17,9 +17,10 @@
 //	ln_f, lm_head                     final LayerNorm, output projection
 //
 // with <l> from 0 to Layers−1. The token ids may be Replicate or sharded on
-// the batch dim (data parallelism); the loss is then Partial(sum) on the
-// batch-sharding axes and the parameter gradients Partial(sum) there as
-// well. Trainer puts it together with DDP and AdamW on the reference's
+// the batch dim (data parallelism) and on the sequence dim (context
+// parallelism, with every block's Attn.Core set to parallel/cp's
+// Attention: WithContextParallel); the loss is then Partial(sum) on the
+// sharding axes and the parameter gradients Partial(sum) there as well. Trainer puts it together with DDP and AdamW on the reference's
 // data.
 package gpt
 
