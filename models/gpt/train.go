@@ -218,6 +218,9 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 			return nil, fmt.Errorf("%w: trainer: axis %q named for both %s parallelism", ErrConfig, pair.a, pair.kinds)
 		}
 	}
+	if tc.cpu != "" && slices.Index(names, tc.cpu) < slices.Index(names, tc.cp) {
+		return nil, fmt.Errorf("%w: trainer: the Ulysses axis %q must come after the context-parallel axis %q in the mesh (axes %v)", ErrConfig, tc.cpu, tc.cp, names)
+	}
 	if tc.sp && tc.tp == "" {
 		return nil, fmt.Errorf("%w: trainer: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
@@ -263,9 +266,6 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 			// The inner axis shards each outer shard in plain blocks;
 			// Inputs lays the ids out in mesh order, which must be
 			// outer first.
-			if slices.Index(names, tc.cpu) < slices.Index(names, tc.cp) {
-				return nil, fmt.Errorf("%w: trainer: the Ulysses axis %q must come after the context-parallel axis %q in the mesh (axes %v)", ErrConfig, tc.cpu, tc.cp, names)
-			}
 			tr.places[slices.Index(names, tc.cpu)] = placement.Shard(1)
 			cpOpts = append(cpOpts, cp.WithMethod(cp.Hybrid), cp.WithUlyssesAxis(tc.cpu))
 		}
