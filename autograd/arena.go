@@ -89,7 +89,7 @@ func block[T float](a alloc, n int) []T {
 	if a.fresh() {
 		return make([]T, n)
 	}
-	return take[T](&a.t.arena, n, a.result)
+	return take[T](a.t.arena, n, a.result)
 }
 
 // resultBlock is block(t.result(), n), for op results.
@@ -97,7 +97,7 @@ func resultBlock[T float](t *Tape, n int) []T { return block[T](t.result(), n) }
 
 // getBuf returns a scratch buffer of n elements from t's arena, with
 // arbitrary contents; nil when n is 0.
-func getBuf[T float](t *Tape, n int) []T { return take[T](&t.arena, n, false) }
+func getBuf[T float](t *Tape, n int) []T { return take[T](t.arena, n, false) }
 
 // take returns a buffer of n elements from a, with arbitrary contents,
 // marked as an op result or as scratch; nil when n is 0.
@@ -156,7 +156,7 @@ func putBuf[T float](t *Tape, buf []T) {
 	if len(buf) == 0 {
 		return
 	}
-	a := &t.arena
+	a := t.arena
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if p := unsafe.Pointer(unsafe.SliceData(buf)); !a.out[p].result {

@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -1334,4 +1335,47 @@ func TestDeviceParallelMemory(t *testing.T) {
 		}
 		return nil
 	}, placementtest.WithDevice(func(rank int) (device.Device, error) { return emu.New(rank) }))
+}
+
+// TestDeviceAutocastMatchesHost runs every device case under
+// WithAutocast on the host and on emu (async and synchronous) and
+// compares outputs and gradients bit for bit: both round every float32
+// GEMM's operands to bfloat16 and sum in float32 on the same BLAS. The
+// matrix-product cases (MatMul, Linear, BatchedMatMul in the composed
+// attention) must differ from their float32 results in every output and
+// gradient: the rounding happened, forward and backward.
+func TestDeviceAutocastMatchesHost(t *testing.T) {
+	gemms := map[string]bool{"MatMul": true, "Linear": true, "Linear/no-bias": true, "CausalAttention/composed": true}
+	for _, c := range append(devCases(), float64Cases()...) {
+		t.Run(c.name, func(t *testing.T) {
+			forEachDevice(t, func(ctx context.Context, m *mesh.Mesh, d device.Device) ([][]float32, error) {
+				return devRun(ctx, m, c, d, autograd.WithAutocast())
+			})
+			if !gemms[c.name] {
+				return
+			}
+			placementtest.Run(t, []int{1}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+				f32, err := devRun(ctx, m, c, device.Host())
+				if err != nil {
+					return err
+				}
+				bf16, err := devRun(ctx, m, c, device.Host(), autograd.WithAutocast())
+				if err != nil {
+					return err
+				}
+				for i := range f32 {
+					// devRun's results: output, loss, activation bytes
+					// (alike), then the gradients (a Linear's bias
+					// gradient is a sum of g alone: no GEMM).
+					if i == 2 || (i == 5 && c.name == "Linear") {
+						continue
+					}
+					if slices.Equal(f32[i], bf16[i]) {
+						return fmt.Errorf("result %d is float32's under WithAutocast", i)
+					}
+				}
+				return nil
+			})
+		})
+	}
 }

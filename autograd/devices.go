@@ -356,7 +356,7 @@ func devGemm(a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTe
 		ldb = k
 	}
 	g := device.Gemm{TransA: transA, TransB: transB, M: m, N: n, K: k, A: bufOf(x), B: bufOf(y),
-		LDA: max(1, lda), LDB: max(1, ldb), LDC: max(1, n), Alpha: 1}
+		LDA: max(1, lda), LDB: max(1, ldb), LDC: max(1, n), Alpha: 1, Precision: a.t.gemmPrecision(spec.DType())}
 	return devResult(a, d, spec, func(c device.Buffer) error {
 		if k == 0 || m == 0 || n == 0 {
 			return devWrap(op, kk.Fill(c, 0))
@@ -385,7 +385,7 @@ func devGemmBias(t *Tape, d device.Device, spec *placement.Spec, x, w *placement
 			return nil
 		}
 		return devWrap(op, kk.Gemm(device.Gemm{TransB: true, M: m, N: n, K: k, A: bufOf(x), B: bufOf(w), C: c,
-			LDA: k, LDB: k, LDC: n, Alpha: 1, Beta: 1}))
+			LDA: k, LDB: k, LDC: n, Alpha: 1, Beta: 1, Precision: t.gemmPrecision(spec.DType())}))
 	})
 }
 
@@ -453,9 +453,9 @@ func layerNormDev(t *Tape, d device.Device, spec *placement.Spec, x, w, b *Value
 	if err != nil {
 		return nil, err
 	}
-	needX, needW, needB := x.requiresGrad, w.requiresGrad, b.requiresGrad
 	ws, bs := w.Spec(), b.Spec()
-	return t.record(op, out, []*Value{x, w, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record(op, out, []*Value{x, w, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needX, needW, needB := t.need(x), t.need(w), t.need(b)
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err
@@ -509,7 +509,7 @@ func layerNormDev(t *Tape, d device.Device, spec *placement.Spec, x, w, b *Value
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // geluDev is GELU on a device: Kernels.BiasGELU without a bias, saving
@@ -818,7 +818,8 @@ func devBmm(a alloc, d device.Device, spec *placement.Spec, x, y *placement.DTen
 		ldb = max(1, k)
 	}
 	g := device.Gemm{TransA: transA, TransB: transB, M: m, N: n, K: k, A: bufOf(x), B: bufOf(y),
-		LDA: lda, LDB: ldb, LDC: max(1, n), Alpha: 1, Batch: batch, StrideA: m * k, StrideB: k * n, StrideC: m * n}
+		LDA: lda, LDB: ldb, LDC: max(1, n), Alpha: 1, Batch: batch, StrideA: m * k, StrideB: k * n, StrideC: m * n,
+		Precision: a.t.gemmPrecision(spec.DType())}
 	return devResult(a, d, spec, func(c device.Buffer) error {
 		switch {
 		case batch == 0 || m == 0 || n == 0:

@@ -43,6 +43,21 @@
 // and may return an error, which stops Backward. DDP and FSDP start their
 // communication there.
 //
+// # Pipeline stages: graphs and the split backward
+//
+// A Graph is a recording scope of a tape (Graph.Do): a pipeline stage
+// records each micro-batch's forward in its own Graph over the shared
+// parameter leaves, keeps several in flight, and runs their backwards in
+// any order; each walks and clears only its Graph, and the gradients add
+// up in the leaves. BackwardFrom starts a backward from a stage's outputs
+// with the gradients the next stage sent (or from the loss), and
+// accumulates into the stage's input leaves too. BackwardInput and
+// BackwardWeight split it as zero-bubble schedules need: the first
+// computes the gradients of the inputs and of everything between, the
+// second the weights' (Linear, MatMul, BatchedMatMul, LayerNorm and Mul
+// compute the two separately; other ops' weight gradients are kept from
+// the first half), and the sum is bit for bit BackwardFrom's.
+//
 // # Activation checkpointing
 //
 // Checkpoint runs a function of values (a region: a transformer block)

@@ -62,8 +62,8 @@ func Mul(a, b *Value) (*Value, error) {
 		return nil, err
 	}
 	x, y := a.data, b.data
-	needA, needB := a.requiresGrad, b.requiresGrad
-	return t.record("Mul", out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record("Mul", out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needA, needB := t.need(a), t.need(b)
 		g, err := t.alignGrad(ctx, "Mul", g, spec)
 		if err != nil {
 			return nil, err
@@ -80,7 +80,7 @@ func Mul(a, b *Value) (*Value, error) {
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // MulRule is the sharding rule of Mul: the same as AddRule, except that Mul

@@ -515,11 +515,11 @@ func TestArenaNeverAliasesUserData(t *testing.T) {
 		var keepGrads [][]float32
 		for i, g := range g1 {
 			keepGrads = append(keepGrads, slices.Clone(block32(g)))
-			if overlapsArena(&tp.arena, block32(g)) {
+			if overlapsArena(tp.arena, block32(g)) {
 				t.Errorf("gradient of param %d is arena memory", i)
 			}
 		}
-		if overlapsArena(&tp.arena, block32(l1.Data())) || overlapsArena(&tp.arena, block32(mid1.Data())) {
+		if overlapsArena(tp.arena, block32(l1.Data())) || overlapsArena(tp.arena, block32(mid1.Data())) {
 			t.Errorf("the loss or an op result is arena memory")
 		}
 		// Accumulation: a second Backward without ZeroGrad doubles the
@@ -731,7 +731,7 @@ func TestRecycling(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			if !overlapsArena(&rec.arena, block32(rmid.Data())) {
+			if !overlapsArena(rec.arena, block32(rmid.Data())) {
 				t.Errorf("pass %d: a recycling tape's result is not arena memory", pass)
 			}
 			for _, tp := range []*Tape{rec, plain} {
@@ -793,13 +793,13 @@ func TestCustomBlocks(t *testing.T) {
 			t.Errorf("ScratchBlock(nil, %d) = %v", n, b)
 		}
 	}
-	if b := ResultBlock[float32](plain, 5); len(b) != 5 || overlapsArena(&plain.arena, b) {
+	if b := ResultBlock[float32](plain, 5); len(b) != 5 || overlapsArena(plain.arena, b) {
 		t.Errorf("an ordinary tape's result block is arena memory")
 	}
-	if b := ResultBlock[float32](rec, 5); len(b) != 5 || !overlapsArena(&rec.arena, b) {
+	if b := ResultBlock[float32](rec, 5); len(b) != 5 || !overlapsArena(rec.arena, b) {
 		t.Errorf("a recycling tape's result block is not arena memory")
 	}
-	if b := ScratchBlock[float32](plain, 5); len(b) != 5 || !overlapsArena(&plain.arena, b) {
+	if b := ScratchBlock[float32](plain, 5); len(b) != 5 || !overlapsArena(plain.arena, b) {
 		t.Errorf("a scratch block is not arena memory")
 	}
 	if b := ResultBlock[float32](nil, 3); len(b) != 3 {

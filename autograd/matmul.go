@@ -3,6 +3,7 @@ package autograd
 import (
 	"context"
 	"fmt"
+	"github.com/b7ea7098/loom/internal/half"
 	"slices"
 
 	"github.com/b7ea7098/loom/comm"
@@ -52,9 +53,9 @@ func MatMul(a, b *Value) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	needA, needB := a.requiresGrad, b.requiresGrad
 	sa, sb := a.Spec(), b.Spec()
-	return t.record("MatMul", out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record("MatMul", out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needA, needB := t.need(a), t.need(b)
 		g, err := t.alignGrad(ctx, "MatMul", g, spec)
 		if err != nil {
 			return nil, err
@@ -122,7 +123,7 @@ func MatMul(a, b *Value) (*Value, error) {
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // MatMulRule is the sharding rule of MatMul for a [m, k] times b [k, n].
@@ -245,6 +246,7 @@ func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTenso
 		if k == 0 {
 			clear(c)
 		} else {
+			xd, yd := autocastOperands(a.t, xd, yd)
 			if err := b.Sgemm(transA, transB, m, n, k, 1, xd, lda, yd, ldb, beta, c, max(1, n)); err != nil {
 				return nil, fmt.Errorf("autograd: internal: %w", err)
 			}
@@ -263,6 +265,20 @@ func gemm(a alloc, b *kernels.BLAS, spec *placement.Spec, x, y *placement.DTenso
 		return placement.NewLocal(spec, c)
 	}
 	return nil, fmt.Errorf("autograd: local data of type %T", x.LocalData())
+}
+
+// autocastOperands returns a float32 GEMM's operands as t computes with
+// them: copies rounded to bfloat16 under WithAutocast (the host's form of
+// device.GemmBF16, so that host and emulated device agree bit for bit),
+// else x and y themselves.
+func autocastOperands(t *Tape, x, y []float32) ([]float32, []float32) {
+	if !t.Autocast() {
+		return x, y
+	}
+	rx, ry := make([]float32, len(x)), make([]float32, len(y))
+	half.RoundBFloat16s(rx, x)
+	half.RoundBFloat16s(ry, y)
+	return rx, ry
 }
 
 // reusedOr returns the result a selective checkpoint kept of op when its
@@ -496,9 +512,9 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 	}
 	sx, sw := x.Spec(), w.Spec()
 	xd, wd := x.data, w.data
-	needX, needW, needB := x.requiresGrad, w.requiresGrad, b != nil && b.requiresGrad
 	names := sx.Mesh().Names()
-	return t.record(op, y, inputs, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record(op, y, inputs, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needX, needW, needB := t.need(x), t.need(w), t.need(b)
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err
@@ -580,7 +596,7 @@ func linearOp[T float](t *Tape, spec *placement.Spec, cases []linearCase, x, w, 
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // gemmBias computes x·wᵀ for the local blocks x [m, k] and w [n, k], plus
@@ -608,7 +624,8 @@ func gemmBias[T float](t *Tape, b *kernels.BLAS, spec *placement.Spec, x, w *pla
 	if k > 0 && m > 0 && n > 0 {
 		switch cd := any(c).(type) {
 		case []float32:
-			err = b.Sgemm(false, true, m, n, k, 1, any(xd).([]float32), k, any(wd).([]float32), k, 1, cd, n)
+			x32, w32 := autocastOperands(t, any(xd).([]float32), any(wd).([]float32))
+			err = b.Sgemm(false, true, m, n, k, 1, x32, k, w32, k, 1, cd, n)
 		case []float64:
 			err = b.Dgemm(false, true, m, n, k, 1, any(xd).([]float64), k, any(wd).([]float64), k, 1, cd, n)
 		}
@@ -673,9 +690,9 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 	}
 	sa, sb := a.Spec(), b.Spec()
 	x, y := a.data, b.data
-	needA, needB := a.requiresGrad, b.requiresGrad
 	names := sa.Mesh().Names()
-	return t.record(op, out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record(op, out, []*Value{a, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needA, needB := t.need(a), t.need(b)
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err
@@ -740,7 +757,7 @@ func BatchedMatMul(a, b *Value) (*Value, error) {
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // BatchedMatMulRule is the sharding rule of BatchedMatMul for a
@@ -869,6 +886,7 @@ func bmmLocal(a alloc, bl *kernels.BLAS, spec *placement.Spec, x, y *placement.D
 		if k == 0 {
 			clear(c)
 		} else if m > 0 && n > 0 {
+			xd, yd := autocastOperands(a.t, xd, yd)
 			for i := range batch {
 				if err := bl.Sgemm(transA, transB, m, n, k, 1, xd[i*sa:(i+1)*sa], lda, yd[i*sb:(i+1)*sb], ldb, beta, c[i*sc:(i+1)*sc], max(1, n)); err != nil {
 					return nil, fmt.Errorf("autograd: internal: %w", err)

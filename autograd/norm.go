@@ -104,9 +104,9 @@ func layerNormOp[T float](t *Tape, spec *placement.Spec, x, w, b *Value, eps flo
 	if err != nil {
 		return nil, err
 	}
-	needX, needW, needB := x.requiresGrad, w.requiresGrad, b.requiresGrad
 	ws, bs := w.Spec(), b.Spec()
-	return t.record(op, out, []*Value{x, w, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+	return splitAware(t.record(op, out, []*Value{x, w, b}, func(ctx context.Context, g *placement.DTensor) ([]*placement.DTensor, error) {
+		needX, needW, needB := t.need(x), t.need(w), t.need(b)
 		g, err := t.alignGrad(ctx, op, g, spec)
 		if err != nil {
 			return nil, err
@@ -145,7 +145,7 @@ func layerNormOp[T float](t *Tape, spec *placement.Spec, x, w, b *Value, eps flo
 			}
 		}
 		return grads, nil
-	}), nil
+	})), nil
 }
 
 // lnSaved is what LayerNorm's backward needs: the rows' mean and

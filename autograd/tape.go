@@ -59,6 +59,35 @@ func WithDevice(d device.Device) Option { return func(t *Tape) { t.device = d } 
 // Recycle is never called keeps every result it made.
 func WithRecycling() Option { return func(t *Tape) { t.recycling = true } }
 
+// WithAutocast makes the tape's float32 matrix products compute in
+// bfloat16 with float32 accumulation, as PyTorch's
+// torch.autocast(dtype=torch.bfloat16) does for matmul, bmm and linear
+// (its lower-precision list): MatMul, BatchedMatMul and Linear, forward
+// and backward, round both operands of each GEMM to bfloat16 and sum
+// their products in float32 (device.GemmBF16; on the host a float32 GEMM
+// over rounded copies, so the host and the emulated device agree bit for
+// bit). Everything else stays float32: results and activations (PyTorch
+// would keep a matmul's result in bfloat16), LayerNorm, softmax,
+// cross-entropy and the other reductions (autocast's float32 list), the
+// fused CausalAttention, parameters, gradients and optimizer state
+// (float32 master weights). Float64 tensors are not cast, as autocast
+// leaves float64 alone. Custom ops that run their own GEMMs read it with
+// Tape.Autocast.
+func WithAutocast() Option { return func(t *Tape) { t.autocast = true } }
+
+// Autocast reports whether the tape was made WithAutocast: whether its
+// float32 matrix products compute in bfloat16.
+func (t *Tape) Autocast() bool { return t != nil && t.autocast }
+
+// gemmPrecision is the precision of the tape's GEMMs on dtype dt:
+// bfloat16 for float32 under WithAutocast.
+func (t *Tape) gemmPrecision(dt comm.DType) device.GemmPrecision {
+	if t.Autocast() && dt == comm.Float32 {
+		return device.GemmBF16
+	}
+	return device.GemmF32
+}
+
 // WithPoisonRecycled is WithRecycling with a check: Recycle fills the memory
 // it takes back with NaN, so that a value read after its Recycle (through
 // a DTensor kept from it) shows up as NaN rather than as plausible numbers
@@ -125,18 +154,19 @@ type Tape struct {
 	planner *placement.Planner
 	blas    *kernels.BLAS
 	device  device.Device // WithDevice; nil is the host
-	nodes   []*node
-	gen     uint64 // incremented every time the nodes are cleared
-	noGrad  int    // depth of NoGrad scopes
-	walking bool   // inside Backward (hooks run with recording off)
+	// graphState is the active recording scope's: the default scope's,
+	// or a Graph's while Graph.Do runs (graph.go).
+	graphState
+	noGrad  int  // depth of NoGrad scopes
+	walking bool // inside Backward (hooks run with recording off)
 	trace   func(event string)
 	observe Observer  // WithObserver; nil: nothing is timed
 	opStart time.Time // when the op being computed checked its inputs
-	arena   arena     // scratch and intermediate gradients, reused across passes
 	// recycling (WithRecycling) puts op results in the arena too; results
 	// lists the values made since the last Recycle, to invalidate them.
 	recycling bool
 	results   []*Value
+	autocast  bool // WithAutocast
 	// walk is the reverse walk in progress (nil outside Backward); frames
 	// are the checkpointed regions whose function is running, innermost
 	// last; recomputing counts the regions being recomputed in backward.
@@ -144,11 +174,14 @@ type Tape struct {
 	frames      []*frame
 	recomputing int
 	acct        activations
+	graphs      graphs    // the Graphs made on the tape (graph.go)
+	split       *splitRun // the split backward in progress (split.go)
 }
 
 // NewTape returns an empty tape.
 func NewTape(opts ...Option) *Tape {
 	t := &Tape{}
+	t.arena = &arena{}
 	for _, o := range opts {
 		o(t)
 	}
@@ -190,10 +223,22 @@ func (t *Tape) Reset() {
 	if t == nil {
 		return
 	}
+	if t.graphs.made == 0 {
+		t.acct.reset()
+	} else {
+		// Other graphs' nodes still hold their blocks: release only
+		// this graph's.
+		for _, n := range t.nodes {
+			if n != nil {
+				t.unhold(n)
+			}
+		}
+	}
 	clear(t.nodes)
 	t.nodes = t.nodes[:0]
-	t.gen++
-	t.acct.reset()
+	t.weights = false
+	t.graphs.gens++
+	t.gen = t.graphs.gens // unique across graphs, so a value of one is refused in another
 	t.arena.reset()
 }
 
@@ -252,6 +297,9 @@ type node struct {
 	// held lists the blocks the node holds for backward, counted in the
 	// tape's activation bytes until the walk passes the node.
 	held []heldBlock
+	// split says the op computes an input's gradient only when Tape.need
+	// says so (split.go).
+	split bool
 }
 
 // Value is a distributed tensor in a computation: its data (a DTensor),
@@ -556,6 +604,9 @@ func checkInputsOn(op string, onDev bool, vs ...*Value) (*Tape, error) {
 		}
 		if t == nil {
 			t = v.tape
+			if t.weights && !t.walking {
+				return nil, invalidf(op, "the recording scope has a weight backward pending (BackwardInput ran, BackwardWeight not yet); record in another Graph")
+			}
 			if t.observe != nil {
 				t.opStart = time.Now()
 			}
@@ -633,76 +684,127 @@ func (t *Tape) recordAux(op string, out *placement.DTensor, aux any, inputs []*V
 // leaves may hold partial gradients for the pass: ZeroGrad before retrying.
 func (t *Tape) Backward(ctx context.Context, loss *Value) error {
 	const op = "Backward"
+	if t != nil && (loss == nil || loss.data == nil) {
+		return invalidf(op, "nil loss")
+	}
+	if err := t.checkWalk(op, []*Value{loss}); err != nil {
+		return err
+	}
+	defer t.Reset()
+	seed, err := t.seedLoss(op, loss)
+	if err != nil {
+		return err
+	}
+	return t.walkFrom(ctx, []*Value{loss}, []*placement.DTensor{seed}, nil)
+}
+
+// checkWalk checks that a backward may start on t from outs: the tape is
+// not walking or inside a checkpointed function, and every out is this
+// scope's, requires grad and is of the current pass.
+func (t *Tape) checkWalk(op string, outs []*Value) error {
 	if t == nil {
 		return invalidf(op, "nil tape")
 	}
-	if loss == nil || loss.data == nil {
-		return invalidf(op, "nil loss")
-	}
-	if loss.tape != t {
-		return invalidf(op, "the loss %q was recorded on another tape", loss.name)
-	}
 	if t.walking || t.walk != nil {
-		return invalidf(op, "Backward called from a gradient hook or during another Backward")
+		return invalidf(op, "%s called from a gradient hook or during another backward", op)
 	}
 	if len(t.frames) > 0 {
-		return invalidf(op, "Backward called inside a checkpointed function")
+		return invalidf(op, "%s called inside a checkpointed function", op)
 	}
-	if !loss.requiresGrad {
-		return invalidf(op, "the loss %q does not require grad (built from constants only, or under NoGrad)", loss.name)
+	if t.weights {
+		return invalidf(op, "the recording scope has a weight backward pending (BackwardInput ran, BackwardWeight not yet)")
 	}
-	if !loss.leaf && loss.node.gen != t.gen {
-		return invalidf(op, "the loss %q was recorded before the tape was last cleared; Backward has already run on it", loss.name)
+	if len(outs) == 0 {
+		return invalidf(op, "no outputs to start from")
 	}
-	defer t.Reset()
+	for i, out := range outs {
+		switch {
+		case out == nil || out.data == nil:
+			return invalidf(op, "nil output %d", i)
+		case out.tape != t:
+			return invalidf(op, "output %d (%q) was recorded on another tape", i, out.name)
+		case !out.requiresGrad:
+			return invalidf(op, "output %d (%q) does not require grad (built from constants only, or under NoGrad)", i, out.name)
+		case !out.leaf && out.node.gen != t.gen:
+			return invalidf(op, "output %d (%q) was recorded before its scope was last cleared (Backward has already run on it) or in another Graph", i, out.name)
+		case slices.Index(outs, out) != i:
+			return invalidf(op, "output %d (%q) is given twice", i, out.name)
+		}
+	}
+	return nil
+}
+
+// seedLoss checks that loss is a scalar (global shape [] or [1]) laid out
+// Replicate or Partial(sum) on every mesh axis, and returns its seed: ones
+// laid out as placement.GradSpec(loss), in scratch on a device.
+func (t *Tape) seedLoss(op string, loss *Value) (*placement.DTensor, error) {
 	spec := loss.Spec()
 	if sh := spec.Shape(); !(len(sh) == 0 || (len(sh) == 1 && sh[0] == 1)) {
-		return invalidf(op, "the loss %q has global shape %v; want a scalar (shape [] or [1]): reduce it with Sum", loss.name, sh)
+		return nil, invalidf(op, "the loss %q has global shape %v; want a scalar (shape [] or [1]): reduce it with Sum", loss.name, sh)
 	}
 	for a, p := range spec.Placements() {
 		if !(p.IsReplicate() || (p.IsPartial() && p.Op() == comm.Sum)) {
-			return invalidf(op, "the loss %q is %v on mesh axis %q; want Replicate or Partial(sum) on every axis", loss.name, p, spec.Mesh().Names()[a])
+			return nil, invalidf(op, "the loss %q is %v on mesh axis %q; want Replicate or Partial(sum) on every axis", loss.name, p, spec.Mesh().Names()[a])
 		}
 	}
 	seedSpec, err := placement.GradSpec(spec)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	var seed *placement.DTensor
 	if d, ok := onDevice(loss.data); ok {
 		// Scratch, freed when the walk is over, as the host's seed is
 		// left to the garbage collector.
-		seed, err = filledOn(t.scratch(), d, seedSpec, 1)
-	} else {
-		seed, err = filled(seedSpec, 1)
+		return filledOn(t.scratch(), d, seedSpec, 1)
 	}
-	if err != nil {
-		return err
-	}
+	return filled(seedSpec, 1)
+}
+
+// walkFrom runs the reverse walk over the active scope's nodes from outs,
+// whose gradients are seeds (owned by the caller or scratch: never
+// modified). split, when not nil, makes it the input half of a split
+// backward (split.go).
+func (t *Tape) walkFrom(ctx context.Context, outs []*Value, seeds []*placement.DTensor, split *splitRun) error {
 	t.walking = true
 	defer func() { t.walking = false }()
-	if loss.leaf {
-		if err := t.accumulateLeaf(ctx, loss, seed); err != nil {
+	t.split = split
+	defer func() { t.split = nil }()
+	pending := map[*Value]*placement.DTensor{}
+	got := map[*Value]bool{}
+	for i, out := range outs {
+		if !out.leaf {
+			pending[out] = seeds[i]
+			continue
+		}
+		if err := t.accumulateLeaf(ctx, out, seeds[i]); err != nil {
 			return err
 		}
-		return fire(ctx, loss)
+		got[out] = true
+		if err := fire(ctx, out); err != nil {
+			return err
+		}
 	}
+	if len(pending) == 0 {
+		return nil
+	}
+	w := &walker{t: t, nodes: t.nodes, pending: pending, got: got, finalAt: finalAt(t.nodes), split: split}
+	return w.run(ctx)
+}
 
-	// finalAt[i] lists the leaves whose earliest consumer is node i, in
-	// order of first appearance: their gradient is final once node i's
-	// backward has run.
-	finalAt := make([][]*Value, len(t.nodes))
+// finalAt lists, for each node i, the leaves whose earliest consumer is
+// node i, in order of first appearance: their gradient is final once node
+// i's backward has run.
+func finalAt(nodes []*node) [][]*Value {
+	out := make([][]*Value, len(nodes))
 	seen := map[*Value]bool{}
-	for i, n := range t.nodes {
+	for i, n := range nodes {
 		for _, in := range n.inputs {
 			if in.leaf && in.requiresGrad && !seen[in] {
 				seen[in] = true
-				finalAt[i] = append(finalAt[i], in)
+				out[i] = append(out[i], in)
 			}
 		}
 	}
-	w := &walker{t: t, nodes: t.nodes, pending: map[*Value]*placement.DTensor{loss: seed}, got: map[*Value]bool{}, finalAt: finalAt}
-	return w.run(ctx)
+	return out
 }
 
 // walker is one reverse walk over recorded nodes: Backward's, or the
@@ -718,6 +820,8 @@ type walker struct {
 	// seeds are gradients the parent walk owns (those it handed to the
 	// checkpoint node): never returned to the arena here.
 	seeds []*placement.DTensor
+	// split is the input half of a split backward (nil otherwise).
+	split *splitRun
 }
 
 // run walks w.nodes in reverse: each node with a pending output gradient
@@ -736,13 +840,15 @@ func (w *walker) run(ctx context.Context) error {
 		if dead, err = w.step(ctx, i, n, dead[:0]); err != nil {
 			return err
 		}
-		t.unhold(n)
-		w.nodes[i] = nil
+		if w.split == nil || !w.split.keeps(n) {
+			t.unhold(n)
+			w.nodes[i] = nil
+		}
 		if w.finalAt == nil {
 			continue
 		}
 		for _, leaf := range w.finalAt[i] {
-			if w.got[leaf] {
+			if w.got[leaf] && (w.split == nil || !w.split.weight(leaf)) {
 				if err := fire(ctx, leaf); err != nil {
 					return err
 				}
@@ -777,6 +883,12 @@ func (w *walker) step(ctx context.Context, i int, n *node, dead []*placement.DTe
 			return dead, nil
 		}
 	}
+	if w.split != nil {
+		deferred, err := w.split.before(i, n, consumed)
+		if err != nil || deferred {
+			return dead, err
+		}
+	}
 	if t.trace != nil {
 		t.trace("backward " + n.op)
 	}
@@ -797,12 +909,20 @@ func (w *walker) step(ctx context.Context, i int, n *node, dead []*placement.DTe
 	if len(grads) != len(n.inputs) {
 		return dead, fmt.Errorf("autograd: backward of %s returned %d gradients for %d inputs", n.op, len(grads), len(n.inputs))
 	}
-	dead = append(dead, consumed...)
+	if w.split == nil || !w.split.keeps(n) {
+		dead = append(dead, consumed...)
+	}
 	busy := append(slices.Clone(grads), consumed...)
 	for j, in := range n.inputs {
 		gj := grads[j]
 		if gj == nil || !in.requiresGrad {
 			dead = append(dead, gj)
+			continue
+		}
+		if w.split != nil && w.split.weight(in) {
+			// Computed by an op that cannot leave it out: kept for
+			// BackwardWeight to add in, in the order Backward would.
+			w.split.stash(i, n, in, gj)
 			continue
 		}
 		if in.leaf {
@@ -851,6 +971,9 @@ func (w *walker) live() []*placement.DTensor {
 			out = append(out, g)
 		}
 		out = append(out, x.seeds...)
+		if x.split != nil {
+			out = append(out, x.split.kept...)
+		}
 	}
 	return out
 }
@@ -866,6 +989,9 @@ func (w *walker) exclusive(g *placement.DTensor, v *Value, busy []*placement.DTe
 			}
 		}
 		others = append(others, x.seeds...)
+		if x.split != nil {
+			others = append(others, x.split.kept...)
+		}
 	}
 	return w.t.arena.exclusive(g, append(others, busy...))
 }

@@ -26,7 +26,8 @@ import (
 // a serial loop, so results do not depend on it.
 type Kernels interface {
 	// Gemm is (*kernels.BLAS).Sgemm for Float32 buffers and Dgemm for
-	// Float64, once or Batch times at the strides of g.
+	// Float64, once or Batch times at the strides of g; with
+	// g.Precision GemmBF16, Sgemm over A and B rounded to bfloat16.
 	Gemm(g Gemm) error
 	// Fill sets every element of dst (Float32, Float64, BFloat16 or
 	// Float16) to v, rounded to dst's type.
@@ -234,6 +235,39 @@ type Gemm struct {
 	// from StrideA·i, StrideB·i and StrideC·i elements on.
 	Batch                     int
 	StrideA, StrideB, StrideC int
+	// Precision is the arithmetic of the products: GemmF32 (the zero
+	// value: the buffers' own type) or GemmBF16 (Float32 buffers only).
+	Precision GemmPrecision
+}
+
+// GemmPrecision is the arithmetic of a Gemm's products.
+type GemmPrecision int
+
+// The precisions of Gemm.
+const (
+	// GemmF32 multiplies in the buffers' type (Float32 or Float64). On
+	// CUDA a Float32 GEMM may use TF32 where the device's BLAS allows
+	// it (device/cuda's WithTF32).
+	GemmF32 GemmPrecision = iota
+	// GemmBF16 is autocast's GEMM: A and B (Float32) are rounded to
+	// bfloat16 (nearest even) and their products accumulated in float32
+	// into C (Float32), as cuBLAS's bfloat16 GEMM with a float32 compute
+	// type does. On the host and the emulated device it is the float32
+	// GEMM over the rounded inputs (internal/half.RoundBFloat16s): each
+	// product of two bfloat16 values is exact in float32, so only the
+	// order of the float32 sums may differ from cuBLAS's.
+	GemmBF16
+)
+
+// String returns "f32" or "bf16".
+func (p GemmPrecision) String() string {
+	switch p {
+	case GemmF32:
+		return "f32"
+	case GemmBF16:
+		return "bf16"
+	}
+	return fmt.Sprintf("GemmPrecision(%d)", int(p))
 }
 
 // AttnShape is the shape of causal attention over Batch heads: T

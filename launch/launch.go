@@ -39,6 +39,7 @@ import (
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/comm/local"
+	"github.com/b7ea7098/loom/device/cuda"
 )
 
 // BackendEnv names the environment variable that chooses the backend
@@ -312,7 +313,9 @@ type runConfig struct {
 	shape []int     // the mesh the ranks build, outermost axis first; nil: unknown
 	log   io.Writer // where the root process says how it placed the ranks
 	// device: on NCCL, open the rank's GPU as a cuda.Device (WithDevice)
-	device bool
+	// with deviceOpts
+	device     bool
+	deviceOpts []cuda.DeviceOption
 }
 
 // WithMesh says which mesh the ranks will build on the world (its axis

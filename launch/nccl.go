@@ -31,9 +31,10 @@ func checkNCCL(j *Job) error {
 // whose context the rank's communicator is made on, so that compute and
 // NCCL share one context and one driver binding; the rank reaches it with
 // DeviceOf(ctx). Job.Run closes it after fn returns. The other backends
-// ignore it (they have no GPU).
-func WithDevice() Option {
-	return func(c *runConfig) { c.device = true }
+// ignore it (they have no GPU). opts are cuda.OpenDevice's (e.g.
+// cuda.WithBLASOptions(cuda.WithTF32(true)) for -tf32).
+func WithDevice(opts ...cuda.DeviceOption) Option {
+	return func(c *runConfig) { c.device, c.deviceOpts = true, opts }
 }
 
 // deviceKey is the context key of the rank's device (DeviceOf).
@@ -85,7 +86,7 @@ func runNCCL(ctx context.Context, j *Job, fn Func, cfg runConfig) (err error) {
 	}
 	var cctx *cuda.Context
 	if cfg.device {
-		d, err := cuda.OpenDevice(cu, gpu)
+		d, err := cuda.OpenDevice(cu, gpu, cfg.deviceOpts...)
 		if err != nil {
 			return fmt.Errorf("%s: GPU %d: %w", where, gpu, err)
 		}

@@ -136,18 +136,23 @@ func TestNCCLDeviceFake(t *testing.T) {
 		})
 	})
 
-	names := make([]string, 2)
-	runRanks(t, fakeNCCLJobs(t, ctx, 2), func(rank int, job *launch.Job) error {
-		l := train.Loop{Ranks: 2, Shape: []int{2}, Steps: 1, Every: 1, Tokens: 1, Flags: train.Flags{Threads: 1, TraceSteps: 1, Device: train.DeviceCUDA}}
-		_, err := train.Run(ctx, nil, job, l, func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
-			names[rank] = r.Device.Name()
-			return nopStepper{}, nil
-		}, nil)
-		return err
-	})
-	for rank, name := range names {
-		if want := fmt.Sprintf("cuda:%d", rank); name != want {
-			t.Errorf("train.Run -device cuda: rank %d's device %q, want %s", rank, name, want)
+	for _, tf32 := range []bool{false, true} {
+		names := make([]string, 2)
+		runRanks(t, fakeNCCLJobs(t, ctx, 2), func(rank int, job *launch.Job) error {
+			l := train.Loop{Ranks: 2, Shape: []int{2}, Steps: 1, Every: 1, Tokens: 1, Flags: train.Flags{Threads: 1, TraceSteps: 1, Device: train.DeviceCUDA, TF32: tf32}}
+			_, err := train.Run(ctx, nil, job, l, func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
+				names[rank] = r.Device.Name()
+				if got := r.Device.(*cuda.Device).TF32(); got != tf32 {
+					return nil, fmt.Errorf("-tf32=%v: the device's TF32() is %v", tf32, got)
+				}
+				return nopStepper{}, nil
+			}, nil)
+			return err
+		})
+		for rank, name := range names {
+			if want := fmt.Sprintf("cuda:%d", rank); name != want {
+				t.Errorf("train.Run -device cuda: rank %d's device %q, want %s", rank, name, want)
+			}
 		}
 	}
 }

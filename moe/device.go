@@ -375,9 +375,14 @@ func expertBufs(r *expertRun, dev *onDevice) (xs, w1, b1, w2, b2 device.Buffer, 
 	return
 }
 
-// gemmDev queues c = op(a)·op(b) (row-major) on the device, as gemm.
-func gemmDev(k device.Kernels, ta, tb bool, m, n, kk int, a device.Buffer, lda int, b device.Buffer, ldb int, c device.Buffer, ldc int) error {
-	return k.Gemm(device.Gemm{TransA: ta, TransB: tb, M: m, N: n, K: kk, A: a, LDA: lda, B: b, LDB: ldb, C: c, LDC: ldc, Alpha: 1})
+// gemmDev queues c = op(a)·op(b) (row-major) on the device, as gemm: in
+// bfloat16 when r's tape autocasts.
+func gemmDev(r *expertRun, k device.Kernels, ta, tb bool, m, n, kk int, a device.Buffer, lda int, b device.Buffer, ldb int, c device.Buffer, ldc int) error {
+	p := device.GemmF32
+	if r.rows.Tape().Autocast() && a.DType() == comm.Float32 {
+		p = device.GemmBF16
+	}
+	return k.Gemm(device.Gemm{TransA: ta, TransB: tb, M: m, N: n, K: kk, A: a, LDA: lda, B: b, LDB: ldb, C: c, LDC: ldc, Alpha: 1, Precision: p})
 }
 
 func expertsForwardDev(r *expertRun, dev *onDevice) (*placement.DTensor, error) {
@@ -417,13 +422,13 @@ func expertsForwardDev(r *expertRun, dev *onDevice) (*placement.DTensor, error) 
 		w1l, w2l := rows(w1, l, 1, hd*d), rows(w2, l, 1, d*hd)
 		b1l, b2l := rows(b1, l, 1, hd), rows(b2, l, 1, d)
 		// u = x·W1ᵀ, h = GELU(u + b1), o = h·W2ᵀ + b2.
-		if err := gemmDev(k, false, true, c, hd, d, xl, d, w1l, d, al, hd); err != nil {
+		if err := gemmDev(r, k, false, true, c, hd, d, xl, d, w1l, d, al, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		if err := k.BiasGELU(al, dl, al, b1l, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
-		if err := gemmDev(k, false, true, c, d, hd, al, hd, w2l, hd, ol, d); err != nil {
+		if err := gemmDev(r, k, false, true, c, d, hd, al, hd, w2l, hd, ol, d); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		bl := rows(bias, 0, c, d)
@@ -497,22 +502,22 @@ func expertsBackwardDev(r *expertRun, dev *onDevice, g *placement.DTensor) ([]*p
 		expert := h.rank*l + j
 		// dW2 = gᵀ·h, db2 = Σ_rows g, dh = g·W2, du = dh ⊙ GELU'(u),
 		// db1 = Σ_rows du, dW1 = duᵀ·x, dx = du·W1.
-		if err := gemmDev(k, true, false, d, hd, c, gl, d, al, hd, dw2j, hd); err != nil {
+		if err := gemmDev(r, k, true, false, d, hd, c, gl, d, al, hd, dw2j, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		if err := k.ColumnSums(db2j, gl, d); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
-		if err := gemmDev(k, false, false, c, hd, d, gl, d, w2l, hd, duj, hd); err != nil {
+		if err := gemmDev(r, k, false, false, c, hd, d, gl, d, w2l, hd, duj, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		if err := k.BiasGELUBackward(duj, db1j, duj, dl, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
-		if err := gemmDev(k, true, false, hd, d, c, duj, hd, xl, d, dw1j, d); err != nil {
+		if err := gemmDev(r, k, true, false, hd, d, c, duj, hd, xl, d, dw1j, d); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
-		if err := gemmDev(k, false, false, c, d, hd, duj, hd, w1l, d, rows(dx, off, c, d), d); err != nil {
+		if err := gemmDev(r, k, false, false, c, d, hd, duj, hd, w1l, d, rows(dx, off, c, d), d); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		off += c

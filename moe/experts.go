@@ -3,6 +3,7 @@ package moe
 import (
 	"context"
 	"fmt"
+	"github.com/b7ea7098/loom/internal/half"
 	"math"
 	"slices"
 	"time"
@@ -322,13 +323,13 @@ func expertsForward[T kernels.Float](r *expertRun) (*placement.DTensor, error) {
 		ol := out[off*d : (off+c)*d]
 		w1l, w2l := w1[l*hd*d:(l+1)*hd*d], w2[l*d*hd:(l+1)*d*hd]
 		// u = x·W1ᵀ, h = GELU(u + b1), o = h·W2ᵀ + b2.
-		if err := gemm(r.blas, false, true, c, hd, d, xl, d, w1l, d, al, hd); err != nil {
+		if err := gemm(r, false, true, c, hd, d, xl, d, w1l, d, al, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", r.h.rank*r.h.local+l, err)
 		}
 		if err := biasGELU(kernels.Workers(r.blas.Threads()), al, dl, b1[l*hd:(l+1)*hd], hd); err != nil {
 			return nil, err
 		}
-		if err := gemm(r.blas, false, true, c, d, hd, al, hd, w2l, hd, ol, d); err != nil {
+		if err := gemm(r, false, true, c, d, hd, al, hd, w2l, hd, ol, d); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", r.h.rank*r.h.local+l, err)
 		}
 		bl := b2[l*d : (l+1)*d]
@@ -381,23 +382,23 @@ func expertsBackward[T kernels.Float](r *expertRun, g *placement.DTensor) ([]*pl
 		expert := h.rank*l + j
 		// dW2 = gᵀ·h, db2 = Σ_rows g, dh = g·W2, du = dh ⊙ GELU'(u),
 		// db1 = Σ_rows du, dW1 = duᵀ·x, dx = du·W1.
-		if err := gemm(r.blas, true, false, d, hd, c, gl, d, al, hd, dw2[j*d*hd:(j+1)*d*hd], hd); err != nil {
+		if err := gemm(r, true, false, d, hd, c, gl, d, al, hd, dw2[j*d*hd:(j+1)*d*hd], hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		if err := columnSums(db2[j*d:(j+1)*d], gl, d); err != nil {
 			return nil, err
 		}
 		du = slices.Grow(du[:0], c*hd)[:c*hd]
-		if err := gemm(r.blas, false, false, c, hd, d, gl, d, w2l, hd, du, hd); err != nil {
+		if err := gemm(r, false, false, c, hd, d, gl, d, w2l, hd, du, hd); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		if err := biasGELUBackward(du, db1[j*hd:(j+1)*hd], dl, hd); err != nil {
 			return nil, err
 		}
-		if err := gemm(r.blas, true, false, hd, d, c, du, hd, xl, d, dw1[j*hd*d:(j+1)*hd*d], d); err != nil {
+		if err := gemm(r, true, false, hd, d, c, du, hd, xl, d, dw1[j*hd*d:(j+1)*hd*d], d); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
-		if err := gemm(r.blas, false, false, c, d, hd, du, hd, w1l, d, dx[off*d:(off+c)*d], d); err != nil {
+		if err := gemm(r, false, false, c, d, hd, du, hd, w1l, d, dx[off*d:(off+c)*d], d); err != nil {
 			return nil, fmt.Errorf("expert %d: %w", expert, err)
 		}
 		off += c
@@ -447,11 +448,21 @@ func (x *Experts) paramGradPlaces(h *Handle, places []placement.Placement) []pla
 }
 
 // gemm sets c = op(a)·op(b) (row-major, leading dimensions lda, ldb, ldc)
-// on the BLAS in T's precision.
-func gemm[T kernels.Float](b *kernels.BLAS, ta, tb bool, m, n, k int, a []T, lda int, bm []T, ldb int, c []T, ldc int) error {
+// on r's BLAS in T's precision; float32 operands are rounded to bfloat16
+// first when r's tape autocasts (autograd.WithAutocast: the host's form
+// of device.GemmBF16).
+func gemm[T kernels.Float](r *expertRun, ta, tb bool, m, n, k int, a []T, lda int, bm []T, ldb int, c []T, ldc int) error {
+	b := r.blas
 	switch a := any(a).(type) {
 	case []float32:
-		return b.Sgemm(ta, tb, m, n, k, 1, a, lda, any(bm).([]float32), ldb, 0, any(c).([]float32), ldc)
+		b32 := any(bm).([]float32)
+		if r.rows.Tape().Autocast() {
+			ra, rb := make([]float32, len(a)), make([]float32, len(b32))
+			half.RoundBFloat16s(ra, a)
+			half.RoundBFloat16s(rb, b32)
+			a, b32 = ra, rb
+		}
+		return b.Sgemm(ta, tb, m, n, k, 1, a, lda, b32, ldb, 0, any(c).([]float32), ldc)
 	case []float64:
 		return b.Dgemm(ta, tb, m, n, k, 1, a, lda, any(bm).([]float64), ldb, 0, any(c).([]float64), ldc)
 	}

@@ -10,7 +10,7 @@ import (
 )
 
 // Checkpoint makes every module of root's tree whose path matches one of
-// patterns (dotted path patterns, "*" matching one segment, as in Plan:
+// patterns (dotted path patterns, "*" matching one segment, as in tp.Plan:
 // "h.*" for every GPT block) run its forward body under
 // autograd.Checkpoint with opts: it installs an Around wrapper (OnAround),
 // so the module's input hooks and computation save no activations and are
@@ -18,7 +18,7 @@ import (
 // outside the region. Pass autograd.WithKeepMatrixProducts() (or
 // autograd.WithKeepOps) for selective checkpointing.
 //
-// It composes with the other parallelisms: with Parallelize (before or
+// It composes with the other parallelisms: with tp.Parallelize (before or
 // after it: the redistributions a style installs inside the module are
 // recomputed, those on the boundary's outside are not), with DDP (each
 // parameter's gradient-ready hook still fires once per backward, when the

@@ -29,7 +29,7 @@ type layerConfig struct {
 // "h.0.mlp.fc.bias"; an Embedding's table is called name itself), and the
 // children of an Attention or MLP name + ".qkv", ".proj", ".fc". Give the
 // module's path in the model (its Walk path), so that parameter names,
-// Plan patterns, DDP's bucket names and checkpoints agree. Without it the
+// tp.Plan patterns, DDP's bucket names and checkpoints agree. Without it the
 // names are the bare suffixes.
 func WithName(name string) LayerOption { return func(c *layerConfig) { c.name = name } }
 
@@ -129,7 +129,7 @@ func checkNew(op string, tape *autograd.Tape, m *mesh.Mesh, dims ...int) error {
 
 // NewLinear makes a Linear from in to out features on tape: weight [out,
 // in] and, unless WithBias(false), bias [out], Replicate on every axis of
-// m (Parallelize reshards them). Options: WithName, WithBias, WithInit,
+// m (tp.Parallelize reshards them). Options: WithName, WithBias, WithInit,
 // WithBiasInit, WithDType. Non-positive dims, a nil tape or mesh, an init
 // that does not fit and WithEps are errors wrapping ErrInvalid.
 func NewLinear(tape *autograd.Tape, m *mesh.Mesh, in, out int, opts ...LayerOption) (*Linear, error) {

@@ -31,7 +31,7 @@ import (
 type devRun struct {
 	dp, tp  int
 	sp      bool // sequence parallelism (tp > 1)
-	views   bool // DDP's GradientAsBucketView
+	views   bool // ddp.WithGradientAsBucketView
 	recycle bool // a tape made WithRecycling
 	ckpt    bool // activation checkpointing of attn and mlp
 	head    bool // a colwise lm head and VocabParallelCrossEntropy (tp > 1)

@@ -40,8 +40,8 @@
 // A model is a tree: each module's Children are named, and a module's path
 // is its ancestors' names joined with dots from the root, which has path ""
 // (a GPT's first MLP fc: "h.0.mlp.fc", where "h" is the block list, "0"
-// the first block, "mlp" its MLP and "fc" the MLP's first Linear). Plan
-// patterns match those paths, segment by segment, "*" matching any one
+// the first block, "mlp" its MLP and "fc" the MLP's first Linear). Path
+// patterns (tp.Plan, fsdp.FullyShard, Checkpoint) match those paths, segment by segment, "*" matching any one
 // segment ("h.*.mlp.fc"). The built-in modules' child names are fixed:
 // Attention has "qkv" and "proj", MLP has "fc" and "proj"; Linear,
 // Embedding and LayerNorm are leaves. Parameter names are separate from
@@ -58,7 +58,7 @@
 // with gradients identical bit for bit; its enter and output hooks run
 // once, outside. autograd.WithKeepMatrixProducts() makes it selective (the
 // matrix products' results are kept, the rest recomputed). It composes
-// with Parallelize (in either order), DDP (each hook fires once, after the
+// with tp.Parallelize (in either order), DDP (each hook fires once, after the
 // checkpointed module's backward) and FSDP (Tape.Recomputing tells a hook
 // that the region is being rerun: a unit entered again then keeps its
 // parameters for the backward that follows, prefetches nothing and starts

@@ -47,6 +47,13 @@ func TestErrorsSayPackageOnce(t *testing.T) {
 			{"Parallelize axis", tp.ErrInvalid, func() error {
 				return tp.Parallelize(ctx, mlp, "model", tp.Plan{{Pattern: "fc", Style: tp.ColwiseParallel{}}})
 			}},
+			{"Parallelize style misfit", tp.ErrInvalid, func() error {
+				seq, err := parallel.NewSequential(mlp)
+				if err != nil {
+					return err
+				}
+				return tp.Parallelize(ctx, seq, "tp", tp.Plan{{Pattern: "0", Style: tp.ColwiseParallel{}}})
+			}},
 			{"Parallelize no match", tp.ErrInvalid, func() error {
 				return tp.Parallelize(ctx, mlp, "tp", tp.Plan{{Pattern: "fx", Style: tp.ColwiseParallel{}}})
 			}},
@@ -79,8 +86,13 @@ func TestErrorsSayPackageOnce(t *testing.T) {
 				errs = append(errs, errors.New(c.name+": "+msg+": does not match "+c.pkg.Error()))
 			default:
 				prefix := "parallel:"
-				if c.pkg != nil {
-					prefix, _, _ = strings.Cut(c.pkg.Error(), " ")
+				switch c.pkg {
+				case tp.ErrInvalid:
+					prefix = "tp:"
+				case ddp.ErrInvalid:
+					prefix = "ddp:"
+				case fsdp.ErrInvalid:
+					prefix = "fsdp:"
 				}
 				n := 0
 				for _, p := range []string{"parallel:", "tp:", "ddp:", "fsdp:"} {

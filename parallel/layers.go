@@ -11,15 +11,15 @@ import (
 //
 // Chunks > 1 marks a fused projection whose output features are Chunks
 // equal blocks (q|k|v): ForwardChunks returns the blocks separately, and
-// ColwiseParallel shards each block rather than the fused dim, so that every
+// tp.ColwiseParallel shards each block rather than the fused dim, so that every
 // rank holds matching slices of q, k and v. A chunk-sharded weight is stored
 // [Chunks, out/Chunks, in] (bias [Chunks, out/Chunks]); its row-major data is
 // the fused [out, in] weight's.
 //
 // A Linear is a leaf of the module tree (no children). NewLinear names its
 // parameters "<name>.weight" and "<name>.bias", name being the module's
-// path; Plan patterns match the path ("h.*.mlp.fc"), not the parameter
-// names. ColwiseParallel and RowwiseParallel apply to it.
+// path; tp.Plan patterns match the path ("h.*.mlp.fc"), not the parameter
+// names. tp.ColwiseParallel and tp.RowwiseParallel apply to it.
 type Linear struct {
 	Hooks
 	Weight *autograd.Value
@@ -136,7 +136,7 @@ func chunk(v *autograd.Value, c int) (*autograd.Value, error) {
 
 // Embedding looks up rows of Table [V, D] by token ids. It is a leaf
 // module; NewEmbedding names the table by the module's path itself ("wte").
-// RowwiseParallel on it is vocab parallelism (the table Shard(0)).
+// tp.RowwiseParallel on it is vocab parallelism (the table Shard(0)).
 type Embedding struct {
 	Hooks
 	Table *autograd.Value
@@ -179,7 +179,7 @@ func (e *Embedding) Forward(ctx context.Context, ids *autograd.Indices) (*autogr
 // LayerNorm normalises over the last dim with the biased variance and
 // epsilon Eps, then scales by Weight and shifts by Bias (both [D]). It is a
 // leaf module; NewLayerNorm names its parameters "<name>.weight" and
-// "<name>.bias". SequenceParallel applies to it.
+// "<name>.bias". tp.SequenceParallel applies to it.
 type LayerNorm struct {
 	Hooks
 	Weight, Bias *autograd.Value
@@ -222,8 +222,8 @@ func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.V
 // parallelism): each rank then attends with its own heads only.
 //
 // Its children are "qkv" (QKV) and "proj" (Proj), so the Megatron plan for
-// an attention module at path p is {p + ".qkv": ColwiseParallel{}, p +
-// ".proj": RowwiseParallel{}}, which needs Heads divisible by the axis
+// an attention module at path p is {p + ".qkv": tp.ColwiseParallel{}, p +
+// ".proj": tp.RowwiseParallel{}}, which needs Heads divisible by the axis
 // size. NewAttention builds it.
 //
 // Core, when set, replaces the one-rank causal attention: context
@@ -307,7 +307,7 @@ func (a *Attention) compute(ctx context.Context, x *autograd.Value) (*autograd.V
 
 // MLP is proj(GELU(fc(x))) with the exact (erf) GELU. Its children are
 // "fc" (FC) and "proj" (Proj): the Megatron plan for an MLP at path p is
-// {p + ".fc": ColwiseParallel{}, p + ".proj": RowwiseParallel{}}. NewMLP
+// {p + ".fc": tp.ColwiseParallel{}, p + ".proj": tp.RowwiseParallel{}}. NewMLP
 // builds it.
 type MLP struct {
 	Hooks

@@ -9,7 +9,7 @@ import (
 )
 
 // Module is one node of a model's layer tree. A model is written once, in
-// global terms, from modules; Parallelize then changes how their parameters
+// global terms, from modules; tp.Parallelize then changes how their parameters
 // and activations are laid out without touching the model's code.
 type Module interface {
 	// Children returns the direct submodules, in a fixed order, each with

@@ -22,7 +22,7 @@ type Layer interface {
 
 // Sequential runs its layers in order, each on the previous one's output,
 // like PyTorch's nn.Sequential. Its children are named "0", "1", … by
-// position, so Plan and FullyShard patterns name them as "0", "2.fc" or
+// position, so tp.Plan and fsdp.FullyShard patterns name them as "0", "2.fc" or
 // "*". Its own hooks wrap the whole chain; each layer's run inside it.
 type Sequential struct {
 	Hooks

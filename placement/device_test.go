@@ -304,3 +304,48 @@ func TestDeviceExecute(t *testing.T) {
 		return nil
 	}, onEmu)
 }
+
+// TestDeviceExtremumGradErrorFrees: ExtremumGrad on a device lays the
+// gradient out like x in a device block of its own; when a later step
+// fails (here copying x's block, which was freed) that block goes back
+// to the allocator: the device holds after the error exactly what it held
+// before the call.
+func TestDeviceExtremumGradErrorFrees(t *testing.T) {
+	onEmu := placementtest.WithDevice(func(r int) (device.Device, error) { return emu.New(r) })
+	placementtest.Run(t, []int{2}, []string{"x"}, func(ctx context.Context, m *mesh.Mesh) error {
+		d := placementtest.Device(ctx)
+		var p placement.Planner
+		full := placementtest.Random([]int{4, 3}, comm.Float32, 5)
+		mspec, _ := placement.NewSpec(m, []int{4, 3}, comm.Float32, []placement.Placement{Pmax})
+		rspec, _ := mspec.With([]placement.Placement{R})
+		x, err := placement.FromFull(mspec, full, placement.WithDevice(d))
+		if err != nil {
+			return err
+		}
+		y, err := p.Redistribute(ctx, x, rspec)
+		if err != nil {
+			return err
+		}
+		g, err := placement.FromFull(rspec, full, placement.WithDevice(d))
+		if err != nil {
+			return err
+		}
+		if err := x.LocalData().(device.Buffer).Free(); err != nil {
+			return err
+		}
+		if err := d.Synchronize(); err != nil {
+			return err
+		}
+		before := d.Memory().Stats().Allocated
+		if _, err := p.ExtremumGrad(ctx, x, y, g); !errors.Is(err, device.ErrInvalid) || !strings.Contains(err.Error(), "copying x's block") {
+			return fmt.Errorf("ExtremumGrad with x's block freed: %v, want the copy's error", err)
+		}
+		if err := d.Synchronize(); err != nil {
+			return err
+		}
+		if after := d.Memory().Stats().Allocated; after != before {
+			return fmt.Errorf("after the failed ExtremumGrad %s holds %d bytes, %d before it", d.Name(), after, before)
+		}
+		return nil
+	}, onEmu)
+}

@@ -83,33 +83,62 @@ func (p *Planner) ExtremumGrad(ctx context.Context, x, y, g *DTensor) (*DTensor,
 	if err != nil {
 		return nil, err
 	}
+	out := &Spec{m: x.spec.m, l: ls}
+	if dev := x.Device(); dev.Kind() != device.KindHost {
+		return extremumOnDevice(ctx, op, x, gr, out, axes, reduce)
+	}
 	group, err := x.spec.m.Group(ctx, axes...)
 	if err != nil {
 		return nil, err
 	}
-	out := &Spec{m: x.spec.m, l: ls}
-	if dev := x.Device(); dev.Kind() != device.KindHost {
-		// No device kernel compares pieces yet: the winners are found on
-		// host copies of x and the gradient, and the result goes back to
-		// x's device.
-		hx, err := x.To(device.Host())
-		if err != nil {
-			return nil, wrapf(op, err, "copying x's block")
-		}
-		hg, err := gr.To(device.Host())
-		if err != nil {
-			return nil, wrapf(op, err, "copying the gradient's block")
-		}
-		if ferr := gr.data.(device.Buffer).Free(); ferr != nil {
-			return nil, wrapf(op, ferr, "freeing the gradient's block on %s", dev.Name())
-		}
-		h, err := extremumMask(ctx, group, reduce, out, hx, hg)
-		if err != nil {
-			return nil, err
-		}
-		return h.To(dev)
-	}
 	return extremumMask(ctx, group, reduce, out, x, gr)
+}
+
+// extremumOnDevice is ExtremumGrad's last step for x on a device, gr the
+// gradient laid out like x (a device block Execute made for this call,
+// freed on every path, errors included). No device kernel compares
+// pieces yet: the winners are found on host copies of x and the
+// gradient, and the result goes back to x's device.
+func extremumOnDevice(ctx context.Context, op string, x, gr *DTensor, out *Spec, axes []string, reduce comm.ReduceOp) (res *DTensor, err error) {
+	dev := x.Device()
+	freed := false
+	free := func() error {
+		if freed {
+			return nil
+		}
+		freed = true
+		if ferr := gr.data.(device.Buffer).Free(); ferr != nil {
+			return wrapf(op, ferr, "freeing the gradient's block on %s", dev.Name())
+		}
+		return nil
+	}
+	defer func() {
+		if ferr := free(); ferr != nil && err == nil {
+			res, err = nil, ferr
+		}
+	}()
+	hx, err := x.To(device.Host())
+	if err != nil {
+		return nil, wrapf(op, err, "copying x's block")
+	}
+	hg, err := gr.To(device.Host())
+	if err != nil {
+		return nil, wrapf(op, err, "copying the gradient's block")
+	}
+	// The copy is on the host now: the device block can go back before
+	// the host work and the collective.
+	if err := free(); err != nil {
+		return nil, err
+	}
+	group, err := x.spec.m.Group(ctx, axes...)
+	if err != nil {
+		return nil, err
+	}
+	h, err := extremumMask(ctx, group, reduce, out, hx, hg)
+	if err != nil {
+		return nil, err
+	}
+	return h.To(dev)
 }
 
 // extremumMask is ExtremumGrad's last step on host blocks: gr masked to

@@ -94,7 +94,9 @@ func deviceRun(shape []int, names []string, steps, settle int, onDevice bool, bl
 // tolerance is 0 because the emulated device runs the host's CPU kernels,
 // on the same BLAS, on the same data: any difference means the device
 // path reordered or dropped work. FSDP's bf16 rounds the gathered weights
-// on both paths alike (round to nearest even), so bf16 keeps it 0.
+// on both paths alike (round to nearest even), so bf16 keeps it 0, and so
+// does autocast (-mp bf16 without FSDP: every GEMM's operands rounded to
+// bfloat16 on both paths, products summed in float32 by the same BLAS).
 //
 // No rank's device allocator calls the driver once the steps are alike:
 // after step 2 for the GPT, whose second step is the first to run its
@@ -127,13 +129,14 @@ func TestDeviceMatchesHost(t *testing.T) {
 			}, nil
 		}
 	}
-	moeRun := func(capacity float64) func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error) {
+	moeRun := func(capacity float64, tape ...autograd.Option) func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error) {
 		return func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error) {
 			cfg := moegpt.Default()
 			cfg.CapacityFactor, cfg.Pad = capacity, capacity > 0
-			return moeTrainer(ctx, m, d, bl, cfg)
+			return moeTrainer(ctx, m, d, bl, cfg, tape...)
 		}
 	}
+	autocast := gpt.WithTape(autograd.WithAutocast())
 	for _, c := range []struct {
 		name   string
 		shape  []int
@@ -145,6 +148,13 @@ func TestDeviceMatchesHost(t *testing.T) {
 		{"gpt fsdp4 bf16", []int{4}, []string{"fsdp"}, 2, gptRun(gpt.WithFullyShard("fsdp", fsdp.WithMixedPrecision(comm.BFloat16)))},
 		{"moegpt ep2", []int{2}, []string{"ep"}, steps, moeRun(0)},
 		{"moegpt ep2 capacity", []int{2}, []string{"ep"}, 2, moeRun(1.25)},
+		// -mp bf16 without FSDP (autocast): the host rounds GEMM
+		// operands to bfloat16 as the emulated device does.
+		{"gpt dp2×tp2 sp autocast", []int{2, 2}, []string{"dp", "tp"}, 2,
+			gptRun(gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"), gpt.WithSequenceParallel(), autocast)},
+		{"gpt fsdp4 bf16 autocast", []int{4}, []string{"fsdp"}, 2,
+			gptRun(gpt.WithFullyShard("fsdp", fsdp.WithMixedPrecision(comm.BFloat16)), autocast)},
+		{"moegpt ep2 autocast", []int{2}, []string{"ep"}, steps, moeRun(0, autograd.WithAutocast())},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			host, err := deviceRun(c.shape, c.names, steps, c.settle, false, bl, c.build)
@@ -167,8 +177,8 @@ func TestDeviceMatchesHost(t *testing.T) {
 // moeTrainer is a rank's MoE GPT trainer of cfg (the payload on
 // all-to-all-v's, the fused path being host memory's), from a fixed random
 // init, on d when it is not nil, with its GEMMs on bl.
-func moeTrainer(ctx context.Context, m *mesh.Mesh, d device.Device, bl *kernels.BLAS, cfg moegpt.Config) (stepFunc, error) {
-	opts := []moegpt.TrainOption{moegpt.WithModel(moegpt.WithBLAS(bl), moegpt.WithCollectives()), moegpt.WithTape(autograd.WithBLAS(bl))}
+func moeTrainer(ctx context.Context, m *mesh.Mesh, d device.Device, bl *kernels.BLAS, cfg moegpt.Config, tape ...autograd.Option) (stepFunc, error) {
+	opts := []moegpt.TrainOption{moegpt.WithModel(moegpt.WithBLAS(bl), moegpt.WithCollectives()), moegpt.WithTape(autograd.WithBLAS(bl)), moegpt.WithTape(tape...)}
 	if d != nil {
 		opts = append(opts, moegpt.WithDevice(d))
 	}
@@ -183,4 +193,88 @@ func moeTrainer(ctx context.Context, m *mesh.Mesh, d device.Device, bl *kernels.
 		}
 		return r.Loss, nil
 	}, nil
+}
+
+// TestAutocastLosses trains the tiny GPT (dp2×tp2 with sequence
+// parallelism) and the MoE GPT (ep=2) 20 steps on the host in float32 and
+// under autocast (autograd.WithAutocast: -mp bf16 without FSDP), and
+// checks that the losses differ (the GEMMs did compute in bfloat16), by
+// at most 1e-3 over the first 5 steps and 0.1 over all 20.
+//
+// Why: each GEMM operand rounded to bfloat16 is a relative error of at
+// most 2⁻⁹ per element, which averages out over the GEMMs' sums, so the
+// first steps' losses (about 5.5) move by a few 1e-4 (measured here:
+// at most 2.5e-4 for the GPT and 6.5e-4 for the MoE GPT over steps 1–5;
+// 1e-3 leaves room for another BLAS's summation order). After that the
+// two runs follow different trajectories: the difference grows about
+// 1.5× a step from step 10 (the GPT: 1.7e-3 at step 10, 0.045 at step
+// 20; the MoE GPT's routing flips experts from step 6 on, 0.044 at step
+// 20), as any perturbation does on this run (PyTorch's bfloat16 autocast
+// curves separate from float32's alike); 0.1, the reference's bound for
+// loom against PyTorch after step 100, bounds that without letting a
+// broken bfloat16 path through (a lost gradient or unrounded operands
+// move the first steps by far more than 1e-3, or not at all).
+func TestAutocastLosses(t *testing.T) {
+	ref := loadReference(t)
+	bl, err := kernels.Load(kernels.WithLibrary("go"), kernels.WithThreads(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const steps, early, tolEarly, tol = 20, 5, 1e-3, 0.1
+	gptRun := func(tape ...autograd.Option) func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error) {
+		return func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error) {
+			tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(ref.cfg), gpt.WithRun(ref.cfg), gpt.WithModel(gpt.WithParams(ref.init)),
+				gpt.WithTape(autograd.WithBLAS(bl)), gpt.WithTape(tape...),
+				gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"), gpt.WithSequenceParallel())
+			if err != nil {
+				return nil, err
+			}
+			return func(ctx context.Context) (float64, error) {
+				_, loss, err := tr.Step(ctx)
+				return loss, err
+			}, nil
+		}
+	}
+	moeRun := func(tape ...autograd.Option) func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error) {
+		return func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error) {
+			return moeTrainer(ctx, m, d, bl, moegpt.Default(), tape...)
+		}
+	}
+	for _, c := range []struct {
+		name      string
+		shape     []int
+		names     []string
+		f32, bf16 func(ctx context.Context, m *mesh.Mesh, d device.Device) (stepFunc, error)
+	}{
+		{"gpt dp2×tp2 sp", []int{2, 2}, []string{"dp", "tp"}, gptRun(), gptRun(autograd.WithAutocast())},
+		{"moegpt ep2", []int{2}, []string{"ep"}, moeRun(), moeRun(autograd.WithAutocast())},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			f32, err := deviceRun(c.shape, c.names, steps, 0, false, bl, c.f32)
+			if err != nil {
+				t.Fatalf("float32: %v", err)
+			}
+			bf16, err := deviceRun(c.shape, c.names, steps, 0, false, bl, c.bf16)
+			if err != nil {
+				t.Fatalf("autocast: %v", err)
+			}
+			worst, at := 0.0, 0
+			for i := range f32 {
+				d := math.Abs(bf16[i] - f32[i])
+				if !(d <= worst) {
+					worst, at = d, i+1
+				}
+				if i < early && !(d <= tolEarly) {
+					t.Errorf("step %d: autocast's loss %.6f is %.3g from float32's %.6f; want at most %g over the first %d steps", i+1, bf16[i], d, f32[i], tolEarly, early)
+				}
+			}
+			t.Logf("largest loss difference %.3g at step %d (float32 %.6f, autocast %.6f at step %d)", worst, at, f32[steps-1], bf16[steps-1], steps)
+			if !(worst <= tol) {
+				t.Errorf("autocast's loss is %.3g from float32's at step %d; want at most %g", worst, at, tol)
+			}
+			if worst == 0 {
+				t.Errorf("autocast's losses equal float32's at every step: the GEMMs did not compute in bfloat16")
+			}
+		})
+	}
 }

@@ -6,6 +6,7 @@ import (
 
 	"github.com/b7ea7098/loom"
 	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/cuda"
 	"github.com/b7ea7098/loom/device/emu"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/launch"
@@ -117,4 +118,91 @@ func (f Flags) DeviceLine(ranks int) string {
 		return "device: cuda (one GPU per rank, shared with its NCCL communicator)"
 	}
 	return "device: " + f.DeviceKind()
+}
+
+// Precision is the arithmetic of the run's matrix products, which chooses
+// the GPU's peak for MFU: BF16 with -mp bf16, TF32 with -tf32 on -device
+// cuda, FP32 otherwise.
+func (f Flags) Precision() Precision {
+	switch {
+	case f.MP == "bf16":
+		return BF16
+	case f.TF32 && f.DeviceKind() == DeviceCUDA:
+		return TF32
+	}
+	return FP32
+}
+
+// DeviceInfo describes the device world rank 0 computed on (Run's
+// Result.Device), for the examples' GEMM and MFU lines and -json.
+type DeviceInfo struct {
+	// Kind is -device: cpu, emu or cuda.
+	Kind string
+	// Name is the device's name: "host", "emu:0", "cuda:0".
+	Name string
+	// Model is the GPU's name as the driver reports it ("NVIDIA H200"),
+	// which DevicePeak looks up; empty off cuda.
+	Model string
+	// GEMM says what computed the matrix products: cuBLAS's version and
+	// path on cuda, the host BLAS on cpu and emu (emulated), and the
+	// precision (f32, tf32 or bf16).
+	GEMM string
+}
+
+// Describe names the device with its model where there is one:
+// "cuda:0 (NVIDIA H200)", "emu:0", "host".
+func (d DeviceInfo) Describe() string {
+	if d.Model != "" {
+		return fmt.Sprintf("%s (%s)", d.Name, d.Model)
+	}
+	return d.Name
+}
+
+// deviceInfo describes dev, whose GEMMs ran on blas off cuda, after a
+// run with flags f.
+func (f Flags) deviceInfo(dev device.Device, blas *kernels.BLAS) DeviceInfo {
+	info := DeviceInfo{Kind: f.DeviceKind(), Name: dev.Name()}
+	prec := string(f.Precision()) // the GEMM line's f32, tf32 or bf16
+	if f.Precision() == FP32 {
+		prec = "f32"
+	}
+	switch d := dev.(type) {
+	case *cuda.Device:
+		info.Model = d.Context().Name()
+		info.GEMM = fmt.Sprintf("%s (%s)", d.GEMMPath(), prec)
+	default:
+		host := "the host BLAS"
+		if blas != nil {
+			host = blas.Config()
+		}
+		if dev.Kind() == device.KindEmulated {
+			info.GEMM = fmt.Sprintf("emulated on %s (%s; %s's GEMMs run on the CPUs)", host, prec, dev.Name())
+		} else {
+			info.GEMM = fmt.Sprintf("%s (%s)", host, prec)
+		}
+	}
+	return info
+}
+
+// DevicePeak is the peak one device of job computes at and the number of
+// such devices, for the MFU of a run on dev (Result.Device): with -peak
+// that figure; on cuda the GPU's dense peak in the run's Precision from
+// DevicePeak's table (an unknown GPU is DevicePeak's error, wrapping
+// ErrNoPeak and naming -peak), one device per rank; on cpu and emu the
+// CPUs' estimate of JobPeak (the emulated device computes on them), its
+// source saying so for emu.
+func (l Loop) DevicePeak(job *launch.Job, dev DeviceInfo) (Peak, int, error) {
+	if dev.Kind == DeviceCUDA {
+		devices := max(1, job.WorldSize)
+		if l.Flags.Peak > 0 {
+			return Peak{FLOPS: l.Flags.Peak * 1e12, Source: fmt.Sprintf("-peak %g TFLOP/s", l.Flags.Peak)}, devices, nil
+		}
+		p, err := DevicePeak(dev.Model, l.Flags.Precision())
+		return p, devices, err
+	}
+	p, n := l.JobPeak(job)
+	if dev.Kind == DeviceEmu && l.Flags.Peak <= 0 {
+		p.Source = "emulated devices: the CPUs' " + p.Source
+	}
+	return p, n, nil
 }

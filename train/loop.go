@@ -14,6 +14,7 @@ import (
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/comm"
 	"github.com/b7ea7098/loom/device"
+	"github.com/b7ea7098/loom/device/cuda"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/kernels"
 	"github.com/b7ea7098/loom/launch"
@@ -74,6 +75,9 @@ func (l Loop) Validate() error {
 	if err := l.Flags.checkDevice(); err != nil {
 		errs = append(errs, err)
 	}
+	if l.Flags.MP != "" && l.Flags.MP != "bf16" {
+		bad("-mp %q; want bf16 (or nothing for float32)", l.Flags.MP)
+	}
 	return errors.Join(errs...)
 }
 
@@ -111,7 +115,11 @@ type Rank struct {
 func (l Loop) runOptions(out io.Writer) []launch.Option {
 	opts := []launch.Option{launch.WithLocal(l.Flags.RunOptions()...), launch.WithMesh(l.Shape...), launch.WithLog(out)}
 	if l.Flags.DeviceKind() == DeviceCUDA {
-		opts = append(opts, launch.WithDevice())
+		var dev []cuda.DeviceOption
+		if l.Flags.TF32 {
+			dev = append(dev, cuda.WithBLASOptions(cuda.WithTF32(true)))
+		}
+		opts = append(opts, launch.WithDevice(dev...))
 	}
 	return opts
 }
@@ -141,6 +149,10 @@ type Result[R any] struct {
 	Elapsed time.Duration
 	// Events are the trace events of every rank (nil without -trace).
 	Events []trace.Event
+	// Device is the device of this process's lowest rank (world rank
+	// 0's where the process holds it) and what ran its GEMMs, after the
+	// steps.
+	Device DeviceInfo
 }
 
 // Run trains on the ranks that job gives this process (launch.Detect):
@@ -199,6 +211,9 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 			return err
 		}
 		tape := []autograd.Option{autograd.WithBLAS(blas)}
+		if l.Flags.MP == "bf16" {
+			tape = append(tape, autograd.WithAutocast())
+		}
 		if dev.Kind() != device.KindHost {
 			tape = append(tape, autograd.WithDevice(dev))
 		}
@@ -264,6 +279,7 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 			defer mu.Unlock()
 			res.Steps, res.Elapsed = results, elapsed
 			res.TokensPerS = MedianTokensPerS(float64(l.Tokens), times)
+			res.Device = l.Flags.deviceInfo(dev, blas)
 		}
 		return nil
 	}, l.runOptions(out)...)
@@ -271,6 +287,11 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 		return nil, err
 	}
 	fmt.Fprintf(out, "%d steps in %v\n", l.Steps, res.Elapsed.Round(time.Millisecond))
+	if res.Device.Kind != DeviceCPU || l.Flags.MP != "" {
+		// The host's GEMM line came first (LoadBLAS); cuBLAS loads at
+		// the first GEMM, and emu's GEMMs are the host's, emulated.
+		fmt.Fprintf(out, "GEMM: %s\n", res.Device.GEMM)
+	}
 	if !job.Root() {
 		return res, nil
 	}

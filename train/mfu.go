@@ -1,6 +1,7 @@
 package train
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
@@ -91,6 +92,12 @@ var ErrNoPeak = loom.NewSentinel("train: no peak known", loom.ErrInvalid)
 //   - A100 (SXM4 and PCIe, 40 and 80 GB alike): NVIDIA A100 datasheet
 //     (https://www.nvidia.com/en-us/data-center/a100/): FP32 19.5, TF32
 //     156, BF16 312.
+//   - L40S, L40, A10, L4: their datasheets (nvidia.com/en-us/data-center/
+//     l40s/, .../l40/, .../products/a10-gpu/, .../l4/), the tensor
+//     figures with sparsity halved: L40S FP32 91.6, TF32 183, BF16 362;
+//     L40 90.5, 90.5, 181; A10 31.2, 62.5, 125; L4 30.3, 60, 121. The
+//     rows are matched in order, so L40S comes before L40 and L4, and
+//     A100 before A10.
 //
 // Only the H100 SXM5 row was checked against a copy of its source while
 // this table was written; the others are the datasheets' figures as
@@ -108,12 +115,16 @@ var gpuPeaks = []struct {
 	{"H200", "H200 SXM", 66.9, 494.7, 989.4, "NVIDIA H100 architecture whitepaper, H100 SXM5 (the H200 has its compute)"},
 	{"H100", "H100 SXM", 66.9, 494.7, 989.4, "NVIDIA H100 architecture whitepaper, H100 SXM5"},
 	{"A100", "A100", 19.5, 156, 312, "NVIDIA A100 datasheet"},
+	{"L40S", "L40S", 91.6, 183, 362.05, "NVIDIA L40S datasheet (dense: half the sparse figures)"},
+	{"L40", "L40", 90.5, 90.5, 181, "NVIDIA L40 datasheet (dense: half the sparse figures)"},
+	{"A10", "A10", 31.2, 62.5, 125, "NVIDIA A10 datasheet (dense: half the sparse figures)"},
+	{"L4", "L4", 30.3, 60, 121, "NVIDIA L4 datasheet (dense: half the sparse figures)"},
 }
 
 // DevicePeak returns the dense peak of the GPU called name (as
 // cuDeviceGetName reports it; case is ignored) in precision p, from a
 // table of datasheet figures (A100, H100 SXM/PCIe/NVL, H200 SXM/NVL,
-// GH200). A device or precision the table lacks is an error wrapping
+// GH200, L40S, L40, A10, L4). A device or precision the table lacks is an error wrapping
 // ErrNoPeak that names the known devices and the -peak flag.
 func DevicePeak(name string, p Precision) (Peak, error) {
 	up := strings.ToUpper(name)
@@ -175,10 +186,29 @@ type MFU struct {
 	FlopsPerToken float64 `json:"flops_per_token"`
 	// PeakFLOPS is the peak of all the run's devices together, FLOP/s.
 	PeakFLOPS float64 `json:"peak_flops"`
+	// PeakTFLOPS is one device's peak in TFLOP/s.
+	PeakTFLOPS float64 `json:"peak_tflops"`
 	// PeakSource says where one device's peak comes from and how many
 	// devices there were.
 	PeakSource string `json:"peak_source"`
 	tokensPerS float64
+	unknown    error // RunMFU: no peak for the device (MFU 0)
+}
+
+// RunMFU is the MFU of a run of tokensPerS tokens per second at
+// flopsPerToken on job's devices as dev describes them (Result.Device),
+// over Loop.DevicePeak. A GPU the peak table lacks, without -peak, is not
+// an error: the MFU is 0 and its line says why and names -peak. Bad
+// numbers are NewMFU's errors.
+func (l Loop) RunMFU(job *launch.Job, dev DeviceInfo, tokensPerS, flopsPerToken float64) (MFU, error) {
+	peak, devices, err := l.DevicePeak(job, dev)
+	if errors.Is(err, ErrNoPeak) {
+		return MFU{FlopsPerToken: flopsPerToken, tokensPerS: tokensPerS, unknown: err}, nil
+	}
+	if err != nil {
+		return MFU{}, err
+	}
+	return NewMFU(tokensPerS, flopsPerToken, peak, devices)
 }
 
 // NewMFU computes the MFU of a run of tokensPerS tokens per second over
@@ -201,6 +231,7 @@ func NewMFU(tokensPerS, flopsPerToken float64, peak Peak, devices int) (MFU, err
 		MFU:           tokensPerS * flopsPerToken / total,
 		FlopsPerToken: flopsPerToken,
 		PeakFLOPS:     total,
+		PeakTFLOPS:    peak.FLOPS / 1e12,
 		PeakSource:    fmt.Sprintf("%d × %s", devices, peak.Source),
 		tokensPerS:    tokensPerS,
 	}, nil
@@ -209,6 +240,9 @@ func NewMFU(tokensPerS, flopsPerToken float64, peak Peak, devices int) (MFU, err
 // String is the line the examples print, e.g. "MFU 41.2% (855.4
 // MFLOP/token × 12000 tokens/s = 10.3 TFLOP/s of 25 TFLOP/s peak: 1 × ...)".
 func (m MFU) String() string {
+	if m.unknown != nil {
+		return fmt.Sprintf("MFU unknown (%s/token × %.0f tokens/s = %s/s): %v", flops(m.FlopsPerToken), m.tokensPerS, flops(m.tokensPerS*m.FlopsPerToken), m.unknown)
+	}
 	return fmt.Sprintf("MFU %.2f%% (%s/token × %.0f tokens/s = %s/s of %s/s peak: %s)",
 		100*m.MFU, flops(m.FlopsPerToken), m.tokensPerS, flops(m.tokensPerS*m.FlopsPerToken), flops(m.PeakFLOPS), m.PeakSource)
 }

@@ -66,6 +66,10 @@ func TestDevicePeak(t *testing.T) {
 		{"NVIDIA A100-SXM4-80GB", FP32, 19.5},
 		{"NVIDIA A100-PCIE-40GB", TF32, 156},
 		{"NVIDIA A100 80GB PCIe", BF16, 312},
+		{"NVIDIA L40S", BF16, 362.05},
+		{"NVIDIA L40", TF32, 90.5},
+		{"NVIDIA L4", FP32, 30.3},
+		{"NVIDIA A10", BF16, 125},
 	} {
 		got, err := DevicePeak(tc.name, tc.p)
 		if err != nil || got.FLOPS != tc.want*1e12 || !strings.Contains(got.Source, string(tc.p)) {
@@ -77,7 +81,7 @@ func TestDevicePeak(t *testing.T) {
 		p    Precision
 		want string
 	}{
-		{"Tesla T4", BF16, `"Tesla T4" (the table has H200 NVL, H100 NVL, H100 PCIe, GH200, H200 SXM, H100 SXM, A100); give it with -peak`},
+		{"Tesla T4", BF16, `"Tesla T4" (the table has H200 NVL, H100 NVL, H100 PCIe, GH200, H200 SXM, H100 SXM, A100, L40S, L40, A10, L4); give it with -peak`},
 		{"NVIDIA H100 80GB HBM3", "fp8", `precision "fp8"; want fp32, tf32 or bf16`},
 	} {
 		_, err := DevicePeak(tc.name, tc.p)
@@ -141,5 +145,43 @@ func TestMFU(t *testing.T) {
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("NewMFU(%v, %v, %v, %d): %v; want ErrInvalid naming %q", tc.tokens, tc.fpt, tc.peak, tc.devices, err, tc.want)
 		}
+	}
+}
+
+// TestLoopDevicePeak: on cuda the GPU's table peak in the run's precision
+// (-mp bf16, -tf32), one device per rank, -peak overriding it, and an
+// unknown GPU's MFU line naming -peak instead of an error; on emu the
+// CPUs' estimate, said to be the emulated devices'.
+func TestLoopDevicePeak(t *testing.T) {
+	job := &launch.Job{WorldSize: 4, LocalRanks: 1, Processes: 4}
+	h200 := DeviceInfo{Kind: DeviceCUDA, Name: "cuda:0", Model: "NVIDIA H200"}
+	for _, tc := range []struct {
+		name    string
+		flags   Flags
+		dev     DeviceInfo
+		tflops  float64
+		devices int
+		source  string
+	}{
+		{"f32", Flags{Device: DeviceCUDA}, h200, 66.9, 4, "H200 SXM dense fp32"},
+		{"tf32", Flags{Device: DeviceCUDA, TF32: true}, h200, 494.7, 4, "H200 SXM dense tf32"},
+		{"bf16", Flags{Device: DeviceCUDA, MP: "bf16", TF32: true}, h200, 989.4, 4, "H200 SXM dense bf16"},
+		{"-peak", Flags{Device: DeviceCUDA, Peak: 100}, h200, 100, 4, "-peak 100"},
+		{"emu", Flags{Device: DeviceEmu, Peak: 0}, DeviceInfo{Kind: DeviceEmu, Name: "emu:0"}, 0, 4, "emulated devices: the CPUs' kernels.EstimatePeak"},
+	} {
+		l := Loop{Flags: tc.flags}
+		p, n, err := l.DevicePeak(job, tc.dev)
+		if err != nil || n != tc.devices || !strings.Contains(p.Source, tc.source) || (tc.tflops > 0 && p.FLOPS != tc.tflops*1e12) {
+			t.Errorf("%s: DevicePeak = %+v, %d, %v; want %g TFLOP/s × %d from %q", tc.name, p, n, err, tc.tflops, tc.devices, tc.source)
+		}
+		m, err := l.RunMFU(job, tc.dev, 1000, 1e9)
+		if err != nil || m.PeakTFLOPS != p.FLOPS/1e12 || m.MFU != 1e12/(p.FLOPS*float64(n)) {
+			t.Errorf("%s: RunMFU = %+v, %v", tc.name, m, err)
+		}
+	}
+	l := Loop{Flags: Flags{Device: DeviceCUDA}}
+	m, err := l.RunMFU(job, DeviceInfo{Kind: DeviceCUDA, Name: "cuda:0", Model: "Tesla T4"}, 1000, 1e9)
+	if err != nil || m.MFU != 0 || !strings.Contains(m.String(), "MFU unknown") || !strings.Contains(m.String(), "-peak") {
+		t.Errorf("unknown GPU: %v, %v; want an MFU line naming -peak", m, err)
 	}
 }

@@ -87,6 +87,17 @@ type Flags struct {
 	// or cuda (DeviceCPU, DeviceEmu, DeviceCUDA); Run gives each rank its
 	// device (Rank.Device).
 	Device string
+	// MP is -mp: "" computes in float32; "bf16" is autocast (every
+	// rank's tape WithAutocast: GEMMs in bfloat16 with float32
+	// accumulation, float32 master weights, reductions and optimizer
+	// state), and with FSDP also its bfloat16 gathers (the program's
+	// part).
+	MP string
+	// TF32 is -tf32: let cuBLAS multiply float32 GEMMs in TF32
+	// (CUBLAS_COMPUTE_32F_FAST_TF32), like PyTorch's
+	// torch.backends.cuda.matmul.allow_tf32; off by default, and
+	// without effect off -device cuda.
+	TF32 bool
 }
 
 // Register defines the flags on fs, storing their values in f.
@@ -98,6 +109,8 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.Bind, "bind", false, "bind each rank to CPUs of its own (needs as many CPUs as ranks; default: "+local.BindEnv+")")
 	fs.StringVar(&f.Backend, "backend", "", "how ranks run: local (goroutines of this process), mpi (under mpirun; build with -tags mpi), nccl or tcp (under loomrun or torchrun: one process per GPU, or pure-Go TCP between CPU processes); default: "+launch.BackendEnv+", else how the program was launched (under loomrun or torchrun: nccl where the CUDA driver finds a GPU, tcp elsewhere)")
 	fs.StringVar(&f.Device, "device", DeviceCPU, "where the ranks compute: cpu (the host), emu (an emulated device per rank: the device code path on the CPU, the host's results bit for bit) or cuda (each rank's GPU, on the NCCL backend under loomrun or torchrun)")
+	fs.StringVar(&f.MP, "mp", "", "mixed precision: bf16 computes the matrix products in bfloat16 with float32 accumulation (autocast; float32 master weights, gradients, reductions and optimizer state), and with -fsdp also gathers parameters in bfloat16")
+	fs.BoolVar(&f.TF32, "tf32", false, "let cuBLAS compute float32 matrix products in TF32 on tensor cores (-device cuda; like PyTorch's allow_tf32)")
 	fs.Float64Var(&f.Peak, "peak", 0, "peak of one device in TFLOP/s for the MFU line: one GPU, or the CPUs one host's ranks use (default: the GPU's datasheet figure, or the CPUs' estimate)")
 }
 

@@ -238,6 +238,15 @@ func testFakeTF32(t *testing.T, f *deviceFake) {
 			!strings.Contains(lines[1], "compute=70") || !strings.Contains(lines[0], stream) || !strings.Contains(lines[1], stream) {
 			t.Errorf("TF32 %v: cuBLAS calls\n%s\nwant float32 with %s and float64 with compute=70, on %s", c.tf32, f.log(), c.want, stream)
 		}
+		// Autocast's GEMM is bfloat16 A and B (14), float32 C (0) and
+		// compute (68) whether or not TF32 is allowed.
+		f.logReset()
+		if err := k.Gemm(device.Gemm{M: 2, N: 2, K: 2, A: bufs[0], B: bufs[0], C: bufs[0], LDA: 2, LDB: 2, LDC: 2, Alpha: 1, Precision: device.GemmBF16}); err != nil {
+			t.Fatal(err)
+		}
+		if lg := f.log(); !strings.Contains(lg, "cublasGemmEx ") || !strings.Contains(lg, "Atype=14 Btype=14 Ctype=0 ") || !strings.Contains(lg, "compute=68") {
+			t.Errorf("TF32 %v: a bfloat16 GEMM's cuBLAS calls\n%s\nwant cublasGemmEx with Atype=14 Btype=14 Ctype=0 compute=68", c.tf32, lg)
+		}
 		for _, b := range bufs {
 			if err := b.Free(); err != nil {
 				t.Fatal(err)
@@ -854,6 +863,14 @@ func kernelCases(r *rand.Rand, sh shapes) []kcase {
 							LDA: lda, LDB: ldb, LDC: n + 3, Alpha: 0.75, Beta: -0.5})
 					}})
 			}
+			// Autocast: bfloat16 operands (cast in the GEMM's layout,
+			// gaps included), float32 accumulation and C.
+			cs = append(cs, kcase{fmt.Sprintf("Gemm bf16/%dx%dx%d/%v%v", m, n, kk, ta, tb), []kbuf{
+				inF32(r, ra*lda, 1), inF32(r, rb*ldb, 1), {dt: comm.Float32, n: m * (n + 3), init: randInit(r, m*(n+3), 1), out: true, tol: gemmTol}},
+				func(k device.Kernels, b []device.Buffer) error {
+					return k.Gemm(device.Gemm{TransA: ta, TransB: tb, M: m, N: n, K: kk, A: b[0], B: b[1], C: b[2],
+						LDA: lda, LDB: ldb, LDC: n + 3, Alpha: 0.75, Beta: -0.5, Precision: device.GemmBF16})
+				}})
 		}
 		const batch = 3
 		cs = append(cs, kcase{fmt.Sprintf("Gemm batched/%dx%dx%d", m, n, kk), []kbuf{

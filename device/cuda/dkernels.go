@@ -254,7 +254,8 @@ func (k cudaKernels) Gemm(g device.Gemm) error {
 	if g.TransB {
 		rowB, colB = g.N, g.K
 	}
-	for _, o := range []struct {
+	var needs [2]int // the elements of A and B the GEMM reads
+	for i, o := range []struct {
 		name           string
 		b              *DeviceBuffer
 		rows, cols, ld int
@@ -280,6 +281,18 @@ func (k cudaKernels) Gemm(g device.Gemm) error {
 			return k.invalid(op, "%s needs %d elements (%d×%d, ld %d, batch %d at stride %d), has %d",
 				o.name, need, o.rows, o.cols, ld, batch, o.stride, o.b.Len())
 		}
+		if i < 2 {
+			needs[i] = need
+		}
+	}
+	switch g.Precision {
+	case device.GemmF32:
+	case device.GemmBF16:
+		if v[0].DType() != comm.Float32 {
+			return k.invalid(op, "a bfloat16 GEMM takes Float32 buffers, not %v", v[0].DType())
+		}
+	default:
+		return k.invalid(op, "precision %v", g.Precision)
 	}
 	h, err := k.d.blasHandle(op)
 	if err != nil {
@@ -300,7 +313,21 @@ func (k cudaKernels) Gemm(g device.Gemm) error {
 	if batch > 1 {
 		cg.Batch, cg.StrideA, cg.StrideB, cg.StrideC = batch, int64(g.StrideA), int64(g.StrideB), int64(g.StrideC)
 	}
-	return k.gemm(op, h, cg)
+	if g.Precision != device.GemmBF16 || g.M == 0 || g.N == 0 {
+		return k.gemm(op, h, cg)
+	}
+	// Autocast: A and B cast to bfloat16 scratch in their layout (the
+	// elements the GEMM reads, gaps between rows included), then cuBLAS's
+	// bfloat16 GEMM with float32 accumulation into C.
+	return k.withScratch(comm.BFloat16, needs[:], func(sc []*DeviceBuffer) error {
+		for i, src := range v[:2] {
+			if err := k.elementwise(op, "elementwise.cu", "loom_cast_f32_bf16", needs[i], sc[i].raw(), src.raw(), int64(needs[i])); err != nil {
+				return err
+			}
+		}
+		cg.A, cg.B, cg.Precision = sc[0].Ptr(), sc[1].Ptr(), PrecisionBF16
+		return k.gemm(op, h, cg)
+	})
 }
 
 // gemm runs cg on h with the context current (cuBLAS works on the
@@ -360,6 +387,20 @@ func (d *Device) blasHandle(op string) (*BLASHandle, error) {
 	}
 	d.handle, d.ws = h, ws
 	return h, nil
+}
+
+// TF32 reports whether the device's float32 GEMMs may use TF32: the
+// setting of the BLAS given by [WithBLAS], or of [WithBLASOptions]'
+// [WithTF32] for the one loaded at the first GEMM (off by default).
+func (d *Device) TF32() bool {
+	if d.blas != nil {
+		return d.blas.TF32()
+	}
+	var c blasConfig
+	for _, o := range d.blasOpts {
+		o(&c)
+	}
+	return c.tf32
 }
 
 // GEMMPath says which GEMM path the device's cuBLAS calls took, for a

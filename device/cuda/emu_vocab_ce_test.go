@@ -12,7 +12,7 @@ import (
 )
 
 // The vocab-parallel cross-entropy pieces against the CPU's
-// (parallel/vocab_ce.go over kernels.ExpShift), with the vocab split into
+// (parallel/tp/vocab_ce.go over kernels.ExpShift), with the vocab split into
 // one block or three uneven ones, as ranks hold it: the row maxima are
 // exact (NaN rows and signed zeros as Go's max); Σ exp is a double sum on
 // both sides in another order with exp in double, so one float32 rounding

@@ -358,6 +358,8 @@ func TestErrors(t *testing.T) {
 		{"copy dtypes", d.CopyFromHost(x, comm.Host(make([]float64, 8))), "float32 destination, float64 source", device.ErrInvalid},
 		{"cast", k.Cast(wide, buf(d, comm.BFloat16, 8)), "no cast from bfloat16 to float64", device.ErrInvalid},
 		{"gemm batch", k.Gemm(device.Gemm{M: 1, N: 1, K: 1, A: x, B: x, C: x, LDA: 1, LDB: 1, LDC: 1, Batch: 3, StrideA: 5}), "passes the end of A", device.ErrInvalid},
+		{"gemm bf16 float64", k.Gemm(device.Gemm{M: 1, N: 1, K: 1, A: wide, B: wide, C: wide, LDA: 1, LDB: 1, LDC: 1, Precision: device.GemmBF16}), "a bfloat16 GEMM takes Float32 buffers, not float64", device.ErrInvalid},
+		{"gemm precision", k.Gemm(device.Gemm{M: 1, N: 1, K: 1, A: x, B: x, C: x, LDA: 1, LDB: 1, LDC: 1, Precision: 7}), "precision GemmPrecision(7)", device.ErrInvalid},
 		{"bad dtype alloc", func() error { _, err := d.Alloc(comm.DType(99), 1); return err }(), "invalid dtype", device.ErrInvalid},
 		{"negative alloc", func() error { _, err := d.Alloc(comm.Float32, -1); return err }(), "must be zero or positive", device.ErrInvalid},
 		{"negative index", func() error { _, err := emu.New(-1); return err }(), "emu.New index -1", device.ErrInvalid},
@@ -380,7 +382,10 @@ func TestErrors(t *testing.T) {
 		t.Fatalf("queueing: %v", err)
 	}
 	err := d.Synchronize()
-	if !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), "emu:0: Softmax: kernels: SoftmaxRows") {
+	// The error names the kernel and the call that queued it (this
+	// test), not only the Synchronize that reports it.
+	if !errors.Is(err, loom.ErrInvalid) || !strings.Contains(err.Error(), "emu:0: Softmax: kernels: SoftmaxRows") ||
+		!strings.Contains(err.Error(), "queued by emu_test.TestErrors (emu_test.go:") || !strings.Contains(err.Error(), "reported at the next synchronisation") {
 		t.Fatalf("Synchronize after a bad Softmax: %v", err)
 	}
 	if err := d.Synchronize(); err != nil {

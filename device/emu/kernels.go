@@ -124,10 +124,28 @@ func (k emuKernels) Gemm(g device.Gemm) error {
 	if err != nil {
 		return err
 	}
+	switch g.Precision {
+	case device.GemmF32:
+	case device.GemmBF16:
+		if v[0].DType() != comm.Float32 {
+			return fmt.Errorf("%s: %s: %w: a bfloat16 GEMM takes Float32 buffers, not %v", k.d.name, op, device.ErrInvalid, v[0].DType())
+		}
+	default:
+		return fmt.Errorf("%s: %s: %w: precision %v", k.d.name, op, device.ErrInvalid, g.Precision)
+	}
 	if v[0].DType() == comm.Float32 {
 		a, b, c := v[0].Float32s(), v[1].Float32s(), v[2].Float32s()
 		alpha, beta := float32(g.Alpha), float32(g.Beta)
+		bf16 := g.Precision == device.GemmBF16
 		return k.d.compute.launch(op, func() error {
+			if bf16 {
+				// The inputs as they are when the work runs, rounded
+				// into copies (C may alias them).
+				ra, rb := make([]float32, len(a)), make([]float32, len(b))
+				half.RoundBFloat16s(ra, a)
+				half.RoundBFloat16s(rb, b)
+				a, b = ra, rb
+			}
 			for j := range batch {
 				if err := bl.Sgemm(g.TransA, g.TransB, g.M, g.N, g.K, alpha, a[offs[0][j]:], g.LDA, b[offs[1][j]:], g.LDB, beta, c[offs[2][j]:], g.LDC); err != nil {
 					return err

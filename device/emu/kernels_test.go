@@ -61,7 +61,7 @@ func f64s(a any) []float64 { return a.([]float64) }
 func i64s(a any) []int64   { return a.([]int64) }
 
 func kernelCases() []kernelCase {
-	gemm := func(name string, transA, transB bool, batch int, dt comm.DType, beta float64) kernelCase {
+	gemm := func(name string, transA, transB bool, batch int, dt comm.DType, beta float64, prec device.GemmPrecision) kernelCase {
 		const m, n, k = 7, 5, 9
 		lda, ldb, ldc := k+2, n+1, n+3
 		if transA {
@@ -96,6 +96,11 @@ func kernelCases() []kernelCase {
 						err = bl.Dgemm(transA, transB, m, n, k, alpha, a[i*sa:(i+1)*sa], lda, b[i*sb:(i+1)*sb], ldb, beta, c[i*sc:(i+1)*sc], ldc)
 					} else {
 						a, b, c := f32s(x["a"]), f32s(x["b"]), f32s(x["c"])
+						if prec == device.GemmBF16 { // autocast: rounded copies, inputs unchanged
+							a, b = slices.Clone(a), slices.Clone(b)
+							half.RoundBFloat16s(a, a)
+							half.RoundBFloat16s(b, b)
+						}
 						err = bl.Sgemm(transA, transB, m, n, k, float32(alpha), a[i*sa:(i+1)*sa], lda, b[i*sb:(i+1)*sb], ldb, float32(beta), c[i*sc:(i+1)*sc], ldc)
 					}
 					if err != nil {
@@ -106,15 +111,17 @@ func kernelCases() []kernelCase {
 			},
 			dev: func(kk device.Kernels, b map[string]device.Buffer) error {
 				return kk.Gemm(device.Gemm{TransA: transA, TransB: transB, M: m, N: n, K: k, A: b["a"], B: b["b"], C: b["c"],
-					LDA: lda, LDB: ldb, LDC: ldc, Alpha: alpha, Beta: beta, Batch: batch, StrideA: sa, StrideB: sb, StrideC: sc})
+					LDA: lda, LDB: ldb, LDC: ldc, Alpha: alpha, Beta: beta, Batch: batch, StrideA: sa, StrideB: sb, StrideC: sc, Precision: prec})
 			},
 		}
 	}
 	return append([]kernelCase{
-		gemm("Gemm/f32/NN", false, false, 1, comm.Float32, 0),
-		gemm("Gemm/f32/TN/beta", true, false, 1, comm.Float32, 1),
-		gemm("Gemm/f32/NT/batch3", false, true, 3, comm.Float32, 0.5),
-		gemm("Gemm/f64/TT/batch2", true, true, 2, comm.Float64, 1),
+		gemm("Gemm/f32/NN", false, false, 1, comm.Float32, 0, device.GemmF32),
+		gemm("Gemm/f32/TN/beta", true, false, 1, comm.Float32, 1, device.GemmF32),
+		gemm("Gemm/f32/NT/batch3", false, true, 3, comm.Float32, 0.5, device.GemmF32),
+		gemm("Gemm/f64/TT/batch2", true, true, 2, comm.Float64, 1, device.GemmF32),
+		gemm("Gemm/bf16/NN", false, false, 1, comm.Float32, 0, device.GemmBF16),
+		gemm("Gemm/bf16/TT/batch2/beta", true, true, 2, comm.Float32, 0.5, device.GemmBF16),
 		{
 			name:  "Fill/f32",
 			setup: func(r *rand.Rand, _ kernels.Workers) arrays { return arrays{"x": randF32(r, 37)} },

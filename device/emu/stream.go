@@ -2,6 +2,9 @@ package emu
 
 import (
 	"fmt"
+	"path/filepath"
+	"runtime"
+	"strings"
 	"sync"
 	"time"
 
@@ -28,6 +31,26 @@ type task struct {
 	seq  uint64
 	name string
 	fn   func() error
+	// callers are the program counters of the call that queued the task,
+	// resolved only when it fails, so that the error the stream reports
+	// at a later, unrelated call names the call that caused it.
+	callers [8]uintptr
+}
+
+// queuedBy names the first caller in t.callers outside the device
+// packages ("autograd.softmaxDev (devices.go:830)"), "" when none is.
+func (t *task) queuedBy() string {
+	frames := runtime.CallersFrames(t.callers[:])
+	for {
+		f, more := frames.Next()
+		if f.Function != "" && !strings.Contains(f.Function, "/loom/device/emu.") && !strings.Contains(f.Function, "/loom/device.") {
+			fn := f.Function[strings.LastIndex(f.Function, "/")+1:]
+			return fmt.Sprintf("%s (%s:%d)", fn, filepath.Base(f.File), f.Line)
+		}
+		if !more {
+			return ""
+		}
+	}
 }
 
 var _ device.Stream = (*Stream)(nil)
@@ -78,7 +101,9 @@ func (s *Stream) enqueue(name string, fn func() error) (uint64, error) {
 	s.issued++
 	seq := s.issued
 	if !s.sync {
-		s.queue = append(s.queue, task{seq: seq, name: name, fn: fn})
+		t := task{seq: seq, name: name, fn: fn}
+		runtime.Callers(3, t.callers[:]) // above enqueue and launch
+		s.queue = append(s.queue, t)
 		s.cond.Broadcast()
 		s.mu.Unlock()
 		return seq, nil
@@ -123,6 +148,15 @@ func (s *Stream) run() {
 		s.queue = s.queue[1:]
 		s.mu.Unlock()
 		err := runTask(s.dev.name, t.name, t.fn)
+		if err != nil {
+			// Reported by a later call (Synchronize, a copy to the
+			// host): say which queued work failed and who queued it.
+			by := ""
+			if q := t.queuedBy(); q != "" {
+				by = ", queued by " + q + ","
+			}
+			err = fmt.Errorf("%w (the stream's work #%d%s reported at the next synchronisation)", err, t.seq, by)
+		}
 		s.mu.Lock()
 		s.done = t.seq
 		if err != nil && s.err == nil {

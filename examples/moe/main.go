@@ -31,22 +31,27 @@
 //	                      [-capacity 0] [-diag] [-experts 8] [-topk 2]
 //	                      [-trace trace.json] [-json run.json] [-compare]
 //	                      [-collectives] [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
-//	                      [-device cpu|emu|cuda]
+//	                      [-device cpu|emu|cuda] [-mp bf16] [-tf32]
 //
 // -device says where the ranks compute (the second line names it; -json's
 // "device"): cpu, the host (the default); emu, an emulated device per
 // rank (device/emu: the device code path, with the host's CPU kernels, so
 // the host's losses bit for bit; in-process or mpi ranks); cuda, the GPUs,
 // which needs launch to hand each rank the GPU device it opens for NCCL
-// and is an error until it does.
+// (under loomrun or torchrun). -mp bf16 computes the matrix products (the
+// experts' included) in bfloat16 with float32 accumulation (autocast);
+// -tf32 lets cuBLAS use TF32 for float32 GEMMs (-device cuda). A device
+// run prints "GEMM: …" after the steps (-json's "gemm", with
+// "device_name").
 //
 // The final lines give the loss, tokens/s and the MFU: tokens/s times
 // the model FLOPs per token (train.FlopsPerToken: PaLM's 6·N + 12·L·D·T,
 // N the parameters one token uses, K of the E experts, without the
-// embedding tables) over the peak of the job's devices (on the host the
-// estimated peak of the CPUs each host's ranks use, or -peak, one
-// device's peak in TFLOP/s); -json has them as "mfu", "flops_per_token",
-// "peak_flops" and "peak_source".
+// embedding tables) over the peak of the job's devices (on cuda the
+// GPU's dense peak in the run's precision, train.DevicePeak; on the host
+// and emu the estimated peak of the CPUs each host's ranks use; or -peak,
+// one device's peak in TFLOP/s); -json has them as "mfu",
+// "flops_per_token", "peak_flops", "peak_tflops" and "peak_source".
 //
 // Every -every steps rank 0 prints the loss (with the load-balancing and
 // z-losses), tokens/s, the balance of every layer (largest tokens per
@@ -142,15 +147,18 @@ const otherBatch = 8
 
 // result is what -json writes.
 type result struct {
-	Model      string    `json:"model"`
-	Params     int       `json:"params"`
-	DP         int       `json:"dp"`
-	EP         int       `json:"ep"`
-	Experts    int       `json:"experts"`
-	K          int       `json:"k"`
-	Capacity   float64   `json:"capacity_factor"`
-	Backend    string    `json:"backend"`
-	Device     string    `json:"device"`
+	Model      string  `json:"model"`
+	Params     int     `json:"params"`
+	DP         int     `json:"dp"`
+	EP         int     `json:"ep"`
+	Experts    int     `json:"experts"`
+	K          int     `json:"k"`
+	Capacity   float64 `json:"capacity_factor"`
+	Backend    string  `json:"backend"`
+	Device     string  `json:"device"`
+	DeviceName string  `json:"device_name"` // world rank 0's: "cuda:0 (NVIDIA H200)", "emu:0", "host"
+	GEMM       string  `json:"gemm"`        // what ran the GEMMs, in which precision
+	dev        train.DeviceInfo
 	Processes  int       `json:"processes"`
 	WorldSize  int       `json:"world_size"`
 	Steps      int       `json:"steps"`
@@ -327,8 +335,7 @@ func runConfig(ctx context.Context, cfg moegpt.Config, o options, out io.Writer)
 	if err != nil {
 		return err
 	}
-	peak, devices := o.loop.JobPeak(job)
-	if res.MFU, err = train.NewMFU(res.TokensPerS, fpt, peak, devices); err != nil {
+	if res.MFU, err = o.loop.RunMFU(job, res.dev, res.TokensPerS, fpt); err != nil {
 		return err
 	}
 	res.Model, res.Params = o.shape.Model, cfg.NumParams()
@@ -487,6 +494,7 @@ func trainLayout(ctx context.Context, job *launch.Job, cfg moegpt.Config, init m
 	if err != nil {
 		return nil, nil, err
 	}
+	res.dev, res.DeviceName, res.GEMM = run.Device, run.Device.Describe(), run.Device.GEMM
 	for _, r := range run.Steps {
 		res.Losses = append(res.Losses, r.Loss)
 		res.CE = append(res.CE, r.CE)

@@ -45,14 +45,21 @@
 //	                              [-mp bf16] [-ac none|full|selective]
 //	                              [-trace trace.json] [-json run.json] [-compare]
 //	                              [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
-//	                              [-device cpu|emu|cuda]
+//	                              [-device cpu|emu|cuda] [-tf32]
 //
 // -device says where the ranks compute (the second line names it): cpu,
 // the host (the default); emu, an emulated device per rank (device/emu:
 // the device code path, with the host's CPU kernels, so the host's losses
 // bit for bit; in-process or mpi ranks); cuda, the GPUs, which needs
-// launch to hand each rank the GPU device it opens for NCCL and is an
-// error until it does.
+// launch to hand each rank the GPU device it opens for NCCL (under
+// loomrun or torchrun). -mp bf16 computes the matrix products in bfloat16
+// with float32 accumulation on every device and layout (autocast:
+// float32 master weights, gradients, optimizer state, LayerNorm, softmax
+// and cross-entropy), and with -fsdp also gathers the parameters in
+// bfloat16; -tf32 lets cuBLAS use TF32 for float32 GEMMs (-device cuda).
+// After the steps a device run prints "GEMM: …" with what ran the GEMMs
+// (cuBLAS's version and path, or the emulated device's host BLAS) and
+// the precision, f32, tf32 or bf16.
 //
 // -cp N shards the sequence of every activation over N more ranks
 // (context parallelism, the innermost mesh axis; cp.go): attention runs by
@@ -70,14 +77,18 @@
 // At the end it prints the MFU: the median tokens/s times the model
 // FLOPs per token (train.FlopsPerToken: PaLM's 6·N + 12·L·D·T, N the
 // parameters without the embedding tables) over the peak of the job's
-// devices: on the host, the estimated peak of the CPUs each host's ranks
-// use (train.HostPeak), or -peak, one device's peak in TFLOP/s.
+// devices: on cuda, the GPU's dense peak in the run's precision from
+// train.DevicePeak's table by the GPU's name (an unknown GPU's line says
+// to give -peak); on the host and emu, the estimated peak of the CPUs
+// each host's ranks use (train.HostPeak); or -peak, one device's peak in
+// TFLOP/s.
 //
 // -trace writes a Chrome trace of every rank's compute, collectives and
 // waits (open it at https://ui.perfetto.dev or chrome://tracing); -json
-// writes {"model","params","dp","fsdp","tp","sp","ac","cp","cp_method","backend","device",
-// "processes","world_size","steps","tokens_per_s","final_loss","losses",
-// "mem","mfu","flops_per_token","peak_flops","peak_source"} ("mem": the
+// writes {"model","params","dp","fsdp","tp","sp","ac","cp","cp_method",
+// "backend","device","device_name","gemm","processes","world_size",
+// "steps","tokens_per_s","final_loss","losses","mem","mfu",
+// "flops_per_token","peak_flops","peak_tflops","peak_source"} ("mem": the
 // largest rank's bytes of params, grads, optim, activations, comm and
 // their peak, also printed at the end, and on a device "device", its
 // allocator's statistics (device.Stats); "mfu" a fraction, "peak_flops" all
@@ -130,7 +141,6 @@ type options struct {
 	ac           string // none, full or selective
 	reshard      string // true, false or a group size
 	zero         int    // 1, 2 or 3
-	mp           string // "" or bf16
 	compare      bool
 	loop         train.Loop
 	shape        train.ShapeFlags
@@ -145,6 +155,7 @@ type options struct {
 	overridden bool
 	persist    train.Persist // -data and -checkpoint (resume.go)
 	start      int           // the step -resume goes on from
+	pipe       pipeOptions   // -pp and its flags (pp.go)
 }
 
 // otherBatch is the global batch of the presets other than tiny (whose
@@ -165,12 +176,15 @@ type result struct {
 	Mem        memory.Report `json:"mem"`
 	Backend    string        `json:"backend"`
 	Device     string        `json:"device"`
-	Processes  int           `json:"processes"`
-	WorldSize  int           `json:"world_size"`
-	Steps      int           `json:"steps"`
-	TokensPerS float64       `json:"tokens_per_s"`
-	FinalLoss  float64       `json:"final_loss"`
-	Losses     []float64     `json:"losses"`
+	DeviceName string        `json:"device_name"` // world rank 0's: "cuda:0 (NVIDIA H200)", "emu:0", "host"
+	GEMM       string        `json:"gemm"`        // what ran the GEMMs, in which precision
+	dev        train.DeviceInfo
+	Processes  int       `json:"processes"`
+	WorldSize  int       `json:"world_size"`
+	Steps      int       `json:"steps"`
+	TokensPerS float64   `json:"tokens_per_s"`
+	FinalLoss  float64   `json:"final_loss"`
+	Losses     []float64 `json:"losses"`
 	train.MFU
 }
 
@@ -188,7 +202,6 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	fs.IntVar(&o.fsdp, "fsdp", 1, "fully sharded data-parallel ranks (parameters, gradients and optimizer state sharded over them; with -dp > 1 it is HSDP)")
 	fs.StringVar(&o.reshard, "reshard", "true", "with -fsdp: free gathered parameters after each block's forward (true), keep them (false), or keep them sharded over groups of N ranks (N)")
 	fs.IntVar(&o.zero, "zero", 3, "with -fsdp: ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
-	fs.StringVar(&o.mp, "mp", "", "with -fsdp: mixed precision: bf16 gathers parameters in bfloat16 (float32 master weights, gradients and optimizer state)")
 	fs.StringVar(&o.ac, "ac", "none", "activation checkpointing of every block: none, full (recompute the block in backward) or selective (keep the matrix products)")
 	o.loop.RegisterLoop(fs, ref.Steps, 20)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
@@ -196,6 +209,7 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	o.cpf.register(fs)
 	o.persist.Register(fs)
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init and the random tokens (setting it trains the tiny model that way too)")
+	o.pipe.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -208,6 +222,12 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	o.loop.Ranks = o.dp * o.fsdp * o.tp * max(o.cpf.cp, 1)
 	o.loop.Shape, _ = o.cpf.axes(o.dp, o.fsdp, o.tp)
 	o.loop.Tokens = o.run.B * o.cfg.SeqLen
+	if err := o.pipeline(fs); err != nil {
+		return o, err
+	}
+	if o.pipe.on() && o.cpf.cp > 1 {
+		return o, fmt.Errorf("-pp trains pipeline stages alone in this example; -cp cannot be combined with it yet")
+	}
 	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp}); err != nil {
 		return o, err
 	}
@@ -278,8 +298,8 @@ func (o options) describe() string {
 	return fmt.Sprintf("GPT -model %s %s from a random init on random tokens (seed %d: a throughput run, no reference losses)", name, s, o.seed)
 }
 
-// checkSharding checks -ac, -reshard, -zero and -mp, which (but for -ac)
-// apply to -fsdp > 1.
+// checkSharding checks -ac, -reshard and -zero, which (but for -ac) apply
+// to -fsdp > 1.
 func (o options) checkSharding() error {
 	var errs []error
 	if !slices.Contains([]string{"none", "full", "selective"}, o.ac) {
@@ -291,14 +311,11 @@ func (o options) checkSharding() error {
 	if o.zero < 1 || o.zero > 3 {
 		errs = append(errs, fmt.Errorf("-zero %d; want 1, 2 or 3", o.zero))
 	}
-	if o.mp != "" && o.mp != "bf16" {
-		errs = append(errs, fmt.Errorf("-mp %q; want bf16 (or nothing for float32)", o.mp))
-	}
 	if _, err := o.reshardGroup(); err != nil {
 		errs = append(errs, err)
 	}
-	if o.fsdp == 1 && (o.zero != 3 || o.mp != "" || o.reshard != "true") {
-		errs = append(errs, errors.New("-zero, -mp and -reshard apply to fully sharded data parallelism: set -fsdp to 2 or more"))
+	if o.fsdp == 1 && (o.zero != 3 || o.reshard != "true") {
+		errs = append(errs, errors.New("-zero and -reshard apply to fully sharded data parallelism: set -fsdp to 2 or more"))
 	}
 	return errors.Join(errs...)
 }
@@ -329,20 +346,23 @@ func (o options) layout() string {
 	s := fmt.Sprintf("dp=%d × tp=%d", o.dp, o.tp)
 	if o.fsdp > 1 {
 		s = fmt.Sprintf("dp=%d × fsdp=%d × tp=%d (ZeRO-%d, reshard %s", o.dp, o.fsdp, o.tp, o.zero, o.reshard)
-		if o.mp != "" {
-			s += ", " + o.mp
+		if o.loop.Flags.MP != "" {
+			s += ", " + o.loop.Flags.MP + " gathers"
 		}
 		s += ")"
 	}
 	s += o.cpf.layout() + fmt.Sprintf(", sp=%v", o.sp)
+	if o.loop.Flags.MP != "" {
+		s += ", -mp " + o.loop.Flags.MP + " (autocast)"
+	}
 	if o.ac != "none" {
 		s += ", -ac " + o.ac
 	}
 	return s
 }
 
-// fsdpOptions are FSDP's options for -reshard, -zero and -mp (checked by
-// checkSharding).
+// fsdpOptions are FSDP's options for -reshard, -zero (checked by
+// checkSharding) and -mp (train.Loop.Validate).
 func (o options) fsdpOptions() []fsdp.Option {
 	opts := []fsdp.Option{fsdp.WithZeROStage(o.zero)}
 	switch n, _ := o.reshardGroup(); {
@@ -351,7 +371,7 @@ func (o options) fsdpOptions() []fsdp.Option {
 	case n > 0:
 		opts = append(opts, fsdp.WithReshardTo(n))
 	}
-	if o.mp == "bf16" {
+	if o.loop.Flags.MP == "bf16" {
 		opts = append(opts, fsdp.WithMixedPrecision(comm.BFloat16))
 	}
 	return opts
@@ -383,6 +403,17 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	o, err := parse(args, out, ref)
 	if err != nil {
 		return err
+	}
+	if o.pipe.on() {
+		params := gpt.RandomInit(o.cfg, o.seed)
+		if o.fixture {
+			if params, err = fx.Params(tinygpt.PrefixInit); err != nil {
+				return err
+			}
+		} else {
+			fx = nil
+		}
+		return runPipeline(ctx, out, o, fx, params)
 	}
 	// The initial parameters: the reference's, or drawn from -seed.
 	init := gpt.WithSeed(o.seed)
@@ -420,8 +451,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	peak, devices := o.loop.JobPeak(job)
-	if res.MFU, err = train.NewMFU(res.TokensPerS, fpt, peak, devices); err != nil {
+	if res.MFU, err = o.loop.RunMFU(job, res.dev, res.TokensPerS, fpt); err != nil {
 		return err
 	}
 	res.Model, res.Params = o.shape.Model, o.cfg.NumParams()
@@ -431,7 +461,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		one := o
 		one.dp, one.fsdp, one.tp, one.sp = 1, 1, 1, false
 		one.cpf = cpFlags{cp: 1, method: "auto", balance: true}
-		one.reshard, one.zero, one.mp = "true", 3, ""
+		one.reshard, one.zero = "true", 3
 		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1, 1}
 		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.loop.Steps)
@@ -567,6 +597,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 	res := &result{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, AC: o.ac, cpResult: o.cpf.result(), Mem: mem, Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
 		Steps: o.loop.Steps, Losses: r.Steps, TokensPerS: r.TokensPerS}
 	res.FinalLoss = r.Steps[len(r.Steps)-1]
+	res.dev, res.DeviceName, res.GEMM = r.Device, r.Device.Describe(), r.Device.GEMM
 	overlap(out, r.Events, o)
 	return res, params, nil
 }

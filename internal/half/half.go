@@ -98,3 +98,16 @@ func ToBFloat16(f float32) uint16 {
 
 // BFloat16ToFloat32 widens the bfloat16 bit pattern h to float32 exactly.
 func BFloat16ToFloat32(h uint16) float32 { return math.Float32frombits(uint32(h) << 16) }
+
+// RoundBFloat16s sets dst[i] to src[i] rounded to the nearest bfloat16
+// value (ToBFloat16, ties to even) and widened back to float32: the inputs
+// of a bfloat16 GEMM as float32 values, whose products are exact in
+// float32 (8 + 8 significant bits), so that a float32 GEMM over them is a
+// bfloat16 GEMM with float32 accumulation. dst may be src; it must be at
+// least as long (the rest is left alone).
+func RoundBFloat16s(dst, src []float32) {
+	dst = dst[:len(src)]
+	for i, v := range src {
+		dst[i] = BFloat16ToFloat32(ToBFloat16(v))
+	}
+}

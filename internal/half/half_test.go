@@ -234,3 +234,26 @@ func TestSpecialValues(t *testing.T) {
 		})
 	}
 }
+
+func TestRoundBFloat16s(t *testing.T) {
+	src := []float32{1, 1 + 1.0/256, 1 + 3.0/256, -2.5e-3, float32(math.Inf(1)), 3.3895314e38}
+	dst := make([]float32, len(src)+1)
+	dst[len(src)] = 7
+	RoundBFloat16s(dst, src)
+	for i, v := range src {
+		if want := BFloat16ToFloat32(ToBFloat16(v)); math.Float32bits(dst[i]) != math.Float32bits(want) {
+			t.Errorf("RoundBFloat16s(%g) = %g, want %g", v, dst[i], want)
+		}
+	}
+	// 1 + 2⁻⁸ is a tie between 1 and 1 + 2⁻⁷: even is 1.
+	if dst[1] != 1 || dst[2] != 1+4.0/256 {
+		t.Errorf("ties: %g, %g; want 1, %g", dst[1], dst[2], 1+4.0/256)
+	}
+	if dst[len(src)] != 7 {
+		t.Errorf("the element past src changed to %g", dst[len(src)])
+	}
+	RoundBFloat16s(src, src) // in place
+	if src[1] != 1 {
+		t.Errorf("in place: %g, want 1", src[1])
+	}
+}

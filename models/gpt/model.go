@@ -286,7 +286,7 @@ func Plan(sp bool) tp.Plan {
 	seq := placement.Shard(1)
 	return tp.Plan{
 		{Pattern: "wte", Style: tp.RowwiseParallel{Output: seq}},
-		{Pattern: "wpe", Style: tp.PrepareOutput{Layout: seq}},
+		{Pattern: "wpe", Style: tp.PrepareModuleOutput{Layout: seq}},
 		{Pattern: "h.*.ln1", Style: tp.SequenceParallel{}},
 		{Pattern: "h.*.attn.qkv", Style: tp.ColwiseParallel{}},
 		{Pattern: "h.*.attn.proj", Style: tp.RowwiseParallel{Output: seq}},
@@ -407,27 +407,10 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 		return nil, fmt.Errorf("targets have shape %v for ids %v", ys, xs)
 	}
 
-	// Position ids t, laid out like x.
-	pos := make([]int64, B*T)
-	for i := range pos {
-		pos[i] = int64(i % T)
-	}
-	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, orderOpts(x)...)
-	if err != nil {
-		return nil, fmt.Errorf("position ids: %w", err)
-	}
 	if err := md.Enter(ctx); err != nil {
 		return nil, err
 	}
-	tok, err := md.WTE.Forward(ctx, x)
-	if err != nil {
-		return nil, err
-	}
-	pe, err := md.WPE.Forward(ctx, posIdx)
-	if err != nil {
-		return nil, err
-	}
-	h, err := autograd.Add(tok, pe)
+	h, err := md.embed(ctx, x)
 	if err != nil {
 		return nil, err
 	}
@@ -442,7 +425,46 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 	if h, err = md.h.Output(ctx, h); err != nil {
 		return nil, fmt.Errorf("blocks' output: %w", err)
 	}
-	if h, err = md.LNF.Forward(ctx, h); err != nil {
+	return md.head(ctx, h, y)
+}
+
+// embed is the embeddings: wte[x] + wpe[t] for ids x [B, T].
+func (md *Model) embed(ctx context.Context, x *autograd.Indices) (*autograd.Value, error) {
+	xs := x.Shape()
+	if len(xs) != 2 {
+		return nil, fmt.Errorf("ids have shape %v; want [B, T]", xs)
+	}
+	B, T := xs[0], xs[1]
+	// Position ids t, laid out like x.
+	pos := make([]int64, B*T)
+	for i := range pos {
+		pos[i] = int64(i % T)
+	}
+	posIdx, err := autograd.IndicesFromFull(md.mesh, xs, x.Placements(), pos, orderOpts(x)...)
+	if err != nil {
+		return nil, fmt.Errorf("position ids: %w", err)
+	}
+	tok, err := md.WTE.Forward(ctx, x)
+	if err != nil {
+		return nil, err
+	}
+	pe, err := md.WPE.Forward(ctx, posIdx)
+	if err != nil {
+		return nil, err
+	}
+	return autograd.Add(tok, pe)
+}
+
+// head is the final LayerNorm, lm_head and the mean cross-entropy of h
+// [B, T, D] against y ([B, T] or [B·T]).
+func (md *Model) head(ctx context.Context, h *autograd.Value, y *autograd.Indices) (*autograd.Value, error) {
+	hs := h.Spec().Shape()
+	if len(hs) != 3 || y == nil {
+		return nil, fmt.Errorf("head: activation of shape %v (want [B, T, D]) or nil targets", hs)
+	}
+	B, T := hs[0], hs[1]
+	h, err := md.LNF.Forward(ctx, h)
+	if err != nil {
 		return nil, err
 	}
 	logits, err := md.LMHead.Forward(ctx, h)
@@ -450,11 +472,11 @@ func (md *Model) forward(ctx context.Context, tape *autograd.Tape, x, y *autogra
 		return nil, err
 	}
 	tgt, vocab := y, 2
-	if len(x.Order(1)) > 0 {
+	if seq := logits.Spec().Order(1); len(seq) > 0 {
 		// A sharded sequence (context parallelism): [B·T] is no layout of
 		// the rows when B > 1, so the loss takes [B, T, V] as it is.
 		if len(y.Shape()) != 2 {
-			return nil, fmt.Errorf("targets have shape %v; with the sequence sharded over %v they must be [B, T] like the ids", y.Shape(), x.Order(1))
+			return nil, fmt.Errorf("targets have shape %v; with the sequence sharded over %v they must be [B, T] like the ids", y.Shape(), seq)
 		}
 	} else {
 		if logits, err = autograd.Reshape(logits, B*T, md.cfg.Vocab); err != nil {

@@ -23,7 +23,7 @@
 // the replicated parameters (bucketed all-reduces overlapping backward;
 // that axis holds most of their ranks in the default ep-heavy layout), one
 // DDP over the data-parallel axis for the expert parameters, and
-// parallel.ReduceGrads for what is left (the replicated parameters' sum
+// tp.ReduceGrads for what is left (the replicated parameters' sum
 // over dp, when dp > 1). AdamW then updates every rank's blocks.
 //
 // The loss is the mean cross-entropy over all B·T positions plus every

@@ -136,7 +136,7 @@ func TestNewRejectsDisagreeingParameters(t *testing.T) {
 		{name: "missing", odd: []agreeParam{w},
 			want: `the parameter list: rank 1 has nothing at position 1 where %s "b [2] float64" (1 entry against 2)`},
 		{name: "Average", odd: []agreeParam{w, b}, opts: []Option{WithAverage()},
-			want: `the DDP options: rank 1 has "Average true" at position 2 where %s "Average false"`},
+			want: `the DDP options: rank 1 has "WithAverage true" at position 2 where %s "WithAverage false"`},
 		{name: "bucket cap", odd: []agreeParam{w, b}, opts: []Option{WithBucketCap(64)},
 			want: `the DDP options: rank 1 has "bucket cap 64 B" at position 1 where %s "bucket cap 26214400 B"`},
 	} {

@@ -217,7 +217,7 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 		dtypes[i] = s.DType()
 		elems[i] = blocks.Prod(s.LocalShape())
 	}
-	dev, err := blocks.ParamsDevice("DDP", params)
+	dev, err := paramsDevice("DDP", params)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
@@ -238,11 +238,11 @@ func New(ctx context.Context, params []*autograd.Value, opts ...Option) (*DDP, e
 	if m.NDim() > 1 {
 		along = fmt.Sprintf(" (ranks along axis %q)", cfg.axis)
 	}
-	if err := comm.Agree(ctx, c, "the parameter list"+along, blocks.Describe(params)); err != nil {
+	if err := comm.Agree(ctx, c, "the parameter list"+along, describe(params)); err != nil {
 		return nil, fmt.Errorf("ddp: New: %w", err)
 	}
 	// WithAverage on some ranks only would silently scale some contributions.
-	opt := []string{fmt.Sprintf("first bucket %d B", cfg.first), fmt.Sprintf("bucket cap %d B", cfg.cap), fmt.Sprintf("Average %v", cfg.avg)}
+	opt := []string{fmt.Sprintf("first bucket %d B", cfg.first), fmt.Sprintf("bucket cap %d B", cfg.cap), fmt.Sprintf("WithAverage %v", cfg.avg)}
 	if err := comm.Agree(ctx, c, "the DDP options"+along, opt); err != nil {
 		return nil, fmt.Errorf("ddp: New: %w", err)
 	}
@@ -480,13 +480,7 @@ func (d *DDP) fill(i int, g *placement.DTensor) {
 		return
 	}
 	places[d.axis] = placement.Replicate()
-	var orders []placement.SpecOption
-	for dim := range gs.Shape() {
-		if o := gs.Order(dim); len(o) > 1 {
-			orders = append(orders, placement.WithOrder(dim, o...))
-		}
-	}
-	out, err := gs.With(places, orders...)
+	out, err := gs.With(places, blocks.Orders(gs, -1, "")...)
 	if err != nil {
 		zero()
 		d.out[i] = ps
@@ -731,4 +725,19 @@ func (d *DDP) reset() {
 	}
 	d.next = 0
 	d.err = nil
+}
+
+// describe describes each parameter as the ranks of a data-parallel group
+// must agree on it: "w [2 3] float64", its name, global shape and dtype,
+// with its local shape appended when another mesh axis shards it.
+func describe(params []*autograd.Value) []string {
+	out := make([]string, len(params))
+	for i, p := range params {
+		s := p.Spec()
+		out[i] = fmt.Sprintf("%s %v %v", p.Name(), s.Shape(), s.DType())
+		if local := s.LocalShape(); !slices.Equal(local, s.Shape()) {
+			out[i] += fmt.Sprintf(" local %v", local)
+		}
+	}
+	return out
 }

@@ -161,3 +161,25 @@ func (d *DDP) Close() error {
 	}
 	return nil
 }
+
+// paramsDevice returns the device that holds every parameter's block (the
+// host for an empty list), or an error wrapping device.ErrMixed that names
+// op, two of the devices and the parameter on the second; New wraps it in
+// ErrInvalid.
+func paramsDevice(op string, params []*autograd.Value) (device.Device, error) {
+	var d device.Device
+	for _, p := range params {
+		pd := p.Data().Device()
+		if d == nil {
+			d = pd
+			continue
+		}
+		if err := device.Same(op, d, pd); err != nil {
+			return nil, fmt.Errorf("%w (parameter %q)", err, p.Name())
+		}
+	}
+	if d == nil {
+		d = device.Host()
+	}
+	return d, nil
+}

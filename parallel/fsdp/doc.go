@@ -13,18 +13,19 @@
 //
 // FSDP shards parameters, gradients and optimizer state over a mesh axis
 // ("fsdp" by default), in the manner of PyTorch's FSDP2 fully_shard.
-// New takes the mesh and options; Wrap makes a module a unit,
-// bottom-up with the root last; FullyShard does both for the modules
-// whose paths match Plan patterns ("h.*"). A unit's parameters (those of
-// its subtree not in units wrapped before it) are laid out anew, in place,
-// as Shard(0) on the shard axis (WithShardDim picks another dim; a dim
-// already sharded by tensor parallelism keeps that axis outer:
-// WithOrder(dim, "tp", "fsdp")), exactly, by the chunk rule of the
-// placement package (uneven and empty shards included). The leaves stay
-// the parameters (autograd.Value.Relayout), so FSDP.Params, Params of the
-// model and a list collected before wrapping all hold the sharded leaves:
-// the optimizer's parameters, so that its state is 1/p. Every ParamHolder in a unit must
-// implement ParamSetter (Linear, Embedding and LayerNorm do).
+// New takes the mesh and options; Wrap makes a module a unit, bottom-up
+// with the root last; FullyShard does both for the modules whose paths
+// match path patterns ("h.*", as in tp.Plan). A unit's parameters (those
+// of its subtree not in units wrapped before it) are laid out anew, in
+// place, as Shard(0) on the shard axis (WithShardDim picks another dim; a
+// dim already sharded by tensor parallelism keeps that axis outer:
+// placement.WithOrder(dim, "tp", "fsdp")), exactly, by the chunk rule of
+// the placement package (uneven and empty shards included). The leaves
+// stay the parameters (autograd.Value.Relayout), so FSDP.Params,
+// parallel.Params of the model and a list collected before wrapping all
+// hold the sharded leaves: the optimizer's parameters, so that its state
+// is 1/p. Every parallel.ParamHolder in a unit must implement
+// parallel.ParamSetter (Linear, Embedding and LayerNorm do).
 //
 // The gathered form of each parameter is a second leaf, laid out as the
 // parameter was before FSDP, whose local block is a view into a per-unit
@@ -61,7 +62,7 @@
 // as DDP's buckets do, and Finish launches the rest (parameters without a
 // gradient contribute zeros) and installs the sharded gradients, laid out
 // like the sharded parameters on the shard and replicate axes (other axes
-// as backward produced them: ReduceGrads then handles sequence
+// as backward produced them: tp.ReduceGrads then handles sequence
 // parallelism's Partial norm weights). All-gathers and reduce-scatters
 // run on two duplicates of the shard-axis communicator, so their relative
 // order cannot differ across ranks. A parameter no rank gave a gradient

@@ -24,12 +24,12 @@ type Option func(*config)
 type config struct {
 	axis, repAxis string
 	reshard       int  // 0: keep gathered; -1: reshard fully; n > 0: to groups of n
-	reshardTo     bool // reshard is ReshardTo's n, checked as a count
+	reshardTo     bool // reshard is WithReshardTo's n, checked as a count
 	stage         int
 	mp            comm.DType // 0: gather in the parameters' dtype
 	avg           bool
 	divide        float64
-	divideSet     bool // GradientDivideFactor was given (divide is checked, never "none")
+	divideSet     bool // WithGradientDivideFactor was given (divide is checked, never "none")
 	prefetch      bool
 }
 
@@ -289,10 +289,10 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 	}
 	f.p = m.Shape()[f.axis]
 	if cfg.stage < 1 || cfg.stage > 3 {
-		return nil, fmt.Errorf("%w: New: ZeROStage %d: must be 1, 2 or 3", ErrInvalid, cfg.stage)
+		return nil, fmt.Errorf("%w: New: WithZeROStage(%d): want 1, 2 or 3", ErrInvalid, cfg.stage)
 	}
 	if cfg.reshardTo {
-		if err := numcheck.Count(ErrInvalid, "New: ReshardTo", cfg.reshard); err != nil {
+		if err := numcheck.Count(ErrInvalid, "New: WithReshardTo", cfg.reshard); err != nil {
 			return nil, err
 		}
 		if f.p%cfg.reshard != 0 {
@@ -303,7 +303,7 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 		}
 	}
 	if cfg.divideSet {
-		if err := numcheck.Positive(ErrInvalid, "New: GradientDivideFactor", cfg.divide); err != nil {
+		if err := numcheck.Positive(ErrInvalid, "New: WithGradientDivideFactor", cfg.divide); err != nil {
 			return nil, err
 		}
 	}
@@ -327,7 +327,7 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 	}
 	if n := f.cfg.reshard; n > 0 {
 		if f.group, err = f.shard.Split(ctx, f.rank/n, f.rank); err != nil {
-			return nil, fmt.Errorf("fsdp: New: ReshardTo group communicator: %w", err)
+			return nil, fmt.Errorf("fsdp: New: WithReshardTo group communicator: %w", err)
 		}
 	}
 	f.repN = 1
@@ -476,10 +476,10 @@ type stageSlot struct {
 // unit: its parameters, except those of units wrapped before it, are
 // laid out anew, in place, sharded on the shard axis (Shard(0), or the dim
 // WithShardDim gives; a dim that another axis already shards keeps that axis
-// outer: WithOrder(dim, tp, fsdp)). Wrap modules bottom-up and the root
+// outer: placement.WithOrder(dim, tp, fsdp)). Wrap modules bottom-up and the root
 // last; a unit wrapped after units it contains is the root when it
-// contains all of them. Every ParamHolder in the unit must implement
-// ParamSetter. Wrap is collective over the shard and replicate groups
+// contains all of them. Every parallel.ParamHolder in the unit must
+// implement parallel.ParamSetter. Wrap is collective over the shard and replicate groups
 // (comm.Agree on the unit's description); it must precede the first
 // forward.
 //
@@ -580,7 +580,7 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m parallel.Module, opts ..
 	}
 	for name := range cfg.dims {
 		if !slices.ContainsFunc(u.params, func(p *fsdpParam) bool { return p.name == name }) {
-			return fail("ShardDim names %q, which is not a parameter of the unit", name)
+			return fail("WithShardDim names %q, which is not a parameter of the unit", name)
 		}
 	}
 	if err := f.plan(u, fail); err != nil {
@@ -634,7 +634,7 @@ func (f *FSDP) plan(u *fsdpUnit, fail func(string, ...any) error) error {
 			return fail("parameter %q has dtype %v; want float32 or float64", p.name, dt)
 		}
 		if f.cfg.mp != 0 && dt != comm.Float32 {
-			return fail("parameter %q has dtype %v; MixedPrecision needs float32 master weights", p.name, dt)
+			return fail("parameter %q has dtype %v; WithMixedPrecision needs float32 master weights", p.name, dt)
 		}
 		if i == 0 {
 			u.dtype = dt
@@ -700,17 +700,7 @@ func (f *FSDP) shardParams(u *fsdpUnit) error {
 		s := p.spec0
 		places := s.Placements()
 		places[f.axis] = placement.Shard(p.dim)
-		var opts []placement.SpecOption
-		for d := range s.Shape() {
-			o := s.Order(d)
-			if d == p.dim {
-				o = append(o, f.cfg.axis)
-			}
-			if len(o) > 1 {
-				opts = append(opts, placement.WithOrder(d, o...))
-			}
-		}
-		s1, err := s.With(places, opts...)
+		s1, err := s.With(places, blocks.Orders(s, p.dim, f.cfg.axis)...)
 		if err != nil {
 			return fmt.Errorf("laying out %q: %w", p.name, err)
 		}
@@ -773,11 +763,11 @@ func (p *fsdpParam) extract(dst, src any, r int) {
 }
 
 // FullyShard wraps every module of root whose path matches one of
-// patterns (Plan patterns such as "h.*"), deepest first and in Walk order
-// among equals, then root itself (unless the matches hold every
-// parameter), on a new FSDP over the mesh of root's parameters. A
-// pattern that matches no module is an error wrapping ErrInvalid, as in
-// Parallelize.
+// patterns (path patterns such as "h.*", as in tp.Plan), deepest first and
+// in parallel.Walk order among equals, then root itself (unless the
+// matches hold every parameter), on a new FSDP over the mesh of root's
+// parameters. A pattern that matches no module is an error wrapping
+// ErrInvalid, as in tp.Parallelize.
 func FullyShard(ctx context.Context, root parallel.Module, patterns []string, opts ...Option) (*FSDP, error) {
 	params, err := parallel.Params(root)
 	if err != nil {
@@ -806,7 +796,7 @@ func FullyShard(ctx context.Context, root parallel.Module, patterns []string, op
 	}); err != nil {
 		return nil, err
 	}
-	// A pattern that matches nothing is a typo, as in Parallelize and
+	// A pattern that matches nothing is a typo, as in tp.Parallelize and
 	// Checkpoint: silently sharding only the root would hide it.
 	for _, pat := range patterns {
 		if !slices.ContainsFunc(ms, func(mm match) bool { return tree.MatchPath(strings.Split(pat, "."), mm.path) }) {

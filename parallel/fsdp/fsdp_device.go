@@ -149,7 +149,7 @@ func (f *FSDP) issueDevice(ctx context.Context, u *fsdpUnit, st *stageSlot, at, 
 	fail := func(err error) (bool, error) {
 		return false, fmt.Errorf("fsdp: FSDP all-gather of unit %q: staging on %s: %w", u.path, f.dev.Name(), err)
 	}
-	if u.keptOK { // ReshardTo: gather within the group, from the kept piece
+	if u.keptOK { // WithReshardTo: gather within the group, from the kept piece
 		g := f.cfg.reshard
 		piece := (f.p / g) * blk
 		j := f.rank % g
@@ -184,7 +184,7 @@ func (f *FSDP) issueDevice(ctx context.Context, u *fsdpUnit, st *stageSlot, at, 
 		if dst.DType() == sh.DType() {
 			err = f.dev.Copy(dst, sh)
 		} else {
-			err = f.k.Cast(dst, sh) // MixedPrecision
+			err = f.k.Cast(dst, sh) // WithMixedPrecision
 		}
 		if err != nil {
 			return fail(err)
@@ -251,7 +251,7 @@ func (f *FSDP) completeDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st 
 		}
 	}
 	src := recv
-	if recv.DType() != u.dtype { // MixedPrecision: cast up once
+	if recv.DType() != u.dtype { // WithMixedPrecision: cast up once
 		wide, err := f.dev.Alloc(u.dtype, recv.Len())
 		if err != nil {
 			return fail(err)
@@ -277,7 +277,7 @@ func (f *FSDP) completeDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st 
 			}
 		}
 	}
-	if g := u.reshard; g > 0 && !u.agGroup { // ReshardTo: keep the group's piece
+	if g := u.reshard; g > 0 && !u.agGroup { // WithReshardTo: keep the group's piece
 		piece := (f.p / g) * blk
 		j := f.rank % g
 		if u.dkept == nil {
@@ -415,15 +415,14 @@ func (f *FSDP) finishRSDevice(ctx context.Context, u *fsdpUnit, w comm.Work, st 
 	if err != nil {
 		return fail(err)
 	}
-	a, p := float64(u.index+1), float64(f.p)
 	var s1, s2 float64
 	if u.dtype == comm.Float32 {
 		s1, s2 = float64(h.Float32s()[0]), float64(h.Float32s()[1])
 	} else {
 		s1, s2 = h.Float64s()[0], h.Float64s()[1]
 	}
-	if s1 != p*a || s2 != p*a*a {
-		return fmt.Errorf("fsdp: FSDP %s of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", f.reduceOp(), u.path, loom.ErrMismatch)
+	if err := f.checkReduceTag(u, s1, s2); err != nil {
+		return err
 	}
 	// As on the host: an earlier pass's replicate all-reduce completes
 	// first, and later passes reduce their own sum (pend).

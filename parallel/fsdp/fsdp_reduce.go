@@ -185,17 +185,7 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, dbuf de
 	if f.rep >= 0 {
 		places[f.rep] = placement.Replicate()
 	}
-	var opts []placement.SpecOption
-	for d := range gs.Shape() {
-		o := gs.Order(d)
-		if d == p.dim {
-			o = append(o, f.cfg.axis)
-		}
-		if len(o) > 1 {
-			opts = append(opts, placement.WithOrder(d, o...))
-		}
-	}
-	out, err := gs.With(places, opts...)
+	out, err := gs.With(places, blocks.Orders(gs, p.dim, f.cfg.axis)...)
 	if err != nil {
 		f.fail(fmt.Errorf("fsdp: FSDP gradient of %q: %w", p.name, err))
 		return false
@@ -249,6 +239,19 @@ func scaleCopy[T float32 | float64](dst, src []T, f T) {
 	}
 }
 
+// checkReduceTag checks the two tag elements of u's reduce-scatter
+// result: the sums over the ranks of t and t² with t = u.index+1 on a rank
+// that reduced u. Σt = p·a and Σt² = p·a² hold only when every rank's t
+// is a, so a rank that reduced another unit at this point is an error
+// (ErrMismatch) on every rank.
+func (f *FSDP) checkReduceTag(u *fsdpUnit, s1, s2 float64) error {
+	a, p := float64(u.index+1), float64(f.p)
+	if s1 != p*a || s2 != p*a*a {
+		return fmt.Errorf("fsdp: FSDP %s of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", f.reduceOp(), u.path, loom.ErrMismatch)
+	}
+	return nil
+}
+
 // finishRS waits for u's reduce-scatter, checks that every rank reduced
 // u, accumulates this rank's chunk into the sharded gradient and, for
 // HSDP outside NoReplicaSync, starts its all-reduce over the replicate
@@ -269,7 +272,6 @@ func (f *FSDP) finishRS(ctx context.Context, u *fsdpUnit) error {
 	}
 	blk := u.L + tagElems
 	own := st.buf.SliceHost(f.rank*blk, (f.rank+1)*blk)
-	a, p := float64(u.index+1), float64(f.p)
 	var s1, s2 float64
 	if u.dtype == comm.Float32 {
 		s := own.Float32s()
@@ -278,9 +280,8 @@ func (f *FSDP) finishRS(ctx context.Context, u *fsdpUnit) error {
 		s := own.Float64s()
 		s1, s2 = s[u.L], s[u.L+1]
 	}
-	// Σt = p·a and Σt² = p·a² hold only when every rank's t is a.
-	if s1 != p*a || s2 != p*a*a {
-		return fmt.Errorf("fsdp: FSDP %s of unit %q: %w: the ranks reduced different units at the same point (non-SPMD control flow)", f.reduceOp(), u.path, loom.ErrMismatch)
+	if err := f.checkReduceTag(u, s1, s2); err != nil {
+		return err
 	}
 	// The sharded gradient must not change under a replicate all-reduce
 	// of an earlier pass.
@@ -422,7 +423,7 @@ func (f *FSDP) nextPass(ctx context.Context) {
 
 // Finish completes the step's gradient reduction and installs every
 // sharded parameter's gradient, laid out like the parameter on the shard
-// and replicate axes (other axes as backward produced them: ReduceGrads
+// and replicate axes (other axes as backward produced them: tp.ReduceGrads
 // then sums what sequence parallelism leaves Partial on the TP axis). A
 // parameter no rank gave a gradient keeps none, so the optimizer skips
 // it. The installed gradients are views of FSDP's sharded gradient

@@ -15,6 +15,16 @@ import (
 // ("0UNSHARD", "1RESHARD", "0REDUCE_GRAD"). A communication action's Peer
 // is set to its neighbour stage. Text that does not parse is ErrInvalid.
 func ParseAction(text string) (Action, error) {
+	a, why := parseAction(text)
+	if why != "" {
+		return Action{}, fmt.Errorf("%w: %s", ErrInvalid, why)
+	}
+	return a, nil
+}
+
+// parseAction is ParseAction with the reason text does not parse ("" when
+// it does), for callers that put their own context before it.
+func parseAction(text string) (Action, string) {
 	t := strings.TrimSpace(text)
 	i := 0
 	for i < len(t) && t[i] >= '0' && t[i] <= '9' {
@@ -24,8 +34,8 @@ func ParseAction(text string) (Action, error) {
 	for j > i && t[j-1] >= '0' && t[j-1] <= '9' {
 		j--
 	}
-	bad := func(why string) (Action, error) {
-		return Action{}, fmt.Errorf("%w: action %q: %s (want [stage][kind][micro-batch], e.g. 2F0, 1SEND_B3, 0UNSHARD)", ErrInvalid, text, why)
+	bad := func(why string) (Action, string) {
+		return Action{}, fmt.Sprintf("action %q: %s (want [stage][kind][micro-batch], e.g. 2F0, 1SEND_B3, 0UNSHARD)", text, why)
 	}
 	if i == 0 {
 		return bad("no stage")
@@ -55,7 +65,7 @@ func ParseAction(text string) (Action, error) {
 		}
 	}
 	a.Peer = peerOf(stage, kind)
-	return a, nil
+	return a, ""
 }
 
 // WriteCSV writes s as CSV in PyTorch's layout: one row per rank, in rank
@@ -105,9 +115,9 @@ func ReadCSV(r io.Reader, name string) (*Schedule, error) {
 			if strings.TrimSpace(cell) == "" {
 				continue
 			}
-			a, err := ParseAction(cell)
-			if err != nil {
-				return nil, fmt.Errorf("csv row %d (rank %d) column %d: %w", rank+1, rank, col+1, err)
+			a, why := parseAction(cell)
+			if why != "" {
+				return nil, fmt.Errorf("%w: csv row %d (rank %d) column %d: %s", ErrInvalid, rank+1, rank, col+1, why)
 			}
 			acts = append(acts, a)
 		}

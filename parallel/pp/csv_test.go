@@ -68,7 +68,7 @@ func TestCSVText(t *testing.T) {
 // validate, is ErrInvalid naming the place.
 func TestCSVErrors(t *testing.T) {
 	cases := []struct{ text, want string }{
-		{"0F0,0X0\n", `csv row 1 (rank 0) column 2: pp: invalid argument: action "0X0": unknown kind "X"`},
+		{"0F0,0X0\n", `pp: invalid argument: csv row 1 (rank 0) column 2: action "0X0": unknown kind "X"`},
 		{"0F0,F1\n", `action "F1": no stage`},
 		{"0F0,0B\n", `action "0B": no micro-batch`},
 		{"0UNSHARD1\n", `UNSHARD takes no micro-batch`},
@@ -82,6 +82,8 @@ func TestCSVErrors(t *testing.T) {
 		_, err := ReadCSV(strings.NewReader(c.text), "bad")
 		if err == nil || !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%q: got %v, want ErrInvalid saying %q", c.text, err, c.want)
+		} else if msg := err.Error(); !strings.HasPrefix(msg, "pp: ") || strings.Count(msg, "pp: ") != 1 {
+			t.Errorf("%q: %v: want the prefix \"pp: \" once, in front", c.text, err)
 		}
 	}
 }

@@ -6,6 +6,13 @@
 // gradients, FSDP unshard and reshard, and the once-per-step gradient
 // reduction.
 //
+// Use it to choose, print, check or write a pipeline schedule before a
+// run: which schedule fits a pp degree and a micro-batch count, its
+// theoretical bubble and its peak activations per stage, or whether a
+// schedule of one's own is sound (the package's Example prints 1F1B for 4
+// ranks; ExampleReadCSV rejects a deadlocking one; ExampleLower inserts
+// the communication).
+//
 // A schedule is built by a function (GPipe, OneFOneB, Interleaved1F1B,
 // ZBH1, ZBV, or Build by name), or loaded from CSV in PyTorch's
 // [stage][type][micro-batch] notation ("0F1", "1B0", "2I3", "0W1"), or

@@ -49,10 +49,11 @@ func Example() {
 	// bubble 0.273, activations held at most [4 3 2 1]
 }
 
-// ExampleInfer checks a user's own schedule before anything runs: here
+// ExampleReadCSV checks a user's own schedule, one CSV row a rank, before
+// anything runs (Infer does the same for action lists built in Go): here
 // rank 0 waits for stage 1's backward of micro-batch 0 before it sends
 // micro-batch 1 forward, which rank 1 needs first.
-func ExampleInfer() {
+func ExampleReadCSV() {
 	mine := "0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n"
 	_, err := pp.ReadCSV(strings.NewReader(mine), "mine")
 	fmt.Println(err)

@@ -13,18 +13,18 @@
 // # Tensor and sequence parallelism
 //
 // A model is a tree of parallel.Modules (Linear, Embedding, LayerNorm,
-// Attention, MLP, or the user's own) written in global terms. Parallelize applies a
-// Plan, rules of dotted path patterns and Styles, on one mesh axis:
-// ColwiseParallel and RowwiseParallel reshard Linear weights (Megatron's
-// column and row parallel; RowwiseParallel on an Embedding is vocab
-// parallel) and install the redistributions at the module boundaries;
-// SequenceParallel, PrepareInput and PrepareOutput only install
-// redistributions. Resharding lays each parameter out anew in place
+// Attention, MLP, or the user's own) written in global terms. Parallelize
+// applies a Plan, rules of dotted path patterns and Styles, on one mesh
+// axis: ColwiseParallel and RowwiseParallel reshard Linear weights
+// (Megatron's column and row parallel; RowwiseParallel on an Embedding is
+// vocab parallel) and install the redistributions at the module
+// boundaries; SequenceParallel, PrepareModuleInput and PrepareModuleOutput
+// only install redistributions. Resharding lays each parameter out anew in place
 // (autograd.Value.Relayout): a parameter list collected before Parallelize
 // still holds the parameters. It runs before DDP or FSDP take the
 // parameters (gradient hooks, buckets sized for a layout) and before the
 // first backward. After
-// backward (and DDP.Finish), ReduceGrads sums the gradients that sequence
+// backward (and ddp.DDP.Finish), ReduceGrads sums the gradients that sequence
 // parallelism leaves Partial(sum) on the tensor-parallel axis.
 // VocabParallelCrossEntropy takes vocab-sharded logits without gathering
 // them.

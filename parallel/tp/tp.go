@@ -20,7 +20,7 @@ import (
 // parameters are laid out and which layouts its inputs and outputs are
 // redistributed to. Apply reshards the parameters (a local slice: every
 // rank holds the replicated value) and installs Boundary hooks; it runs
-// before training starts, before DDP.New or FSDP wraps the model (they
+// before training starts, before ddp.New or fsdp wraps the model (they
 // take the parameters' layouts as they find them). Resharding lays a
 // parameter out anew in place (autograd.Value.Relayout), so a parameter
 // list collected before Apply, for an optimizer say, still holds the
@@ -57,7 +57,8 @@ type Plan []Rule
 //
 // Parameters keep their identity: a resharded parameter is the same
 // *autograd.Value, laid out anew (autograd.Value.Relayout), so a
-// parameter list collected before Parallelize (Params, for an optimizer)
+// parameter list collected before Parallelize (parallel.Params, for an
+// optimizer)
 // works as one collected after.
 func Parallelize(ctx context.Context, root parallel.Module, axis string, plan Plan) error {
 	type match struct {
@@ -112,7 +113,7 @@ func Parallelize(ctx context.Context, root parallel.Module, axis string, plan Pl
 		for _, mm := range matches[k] {
 			cache.cur = reshardBy(mm)
 			if err := r.Style.Apply(ctx, mm.m, axis); err != nil {
-				return fmt.Errorf("tp: Parallelize %q on axis %q: %w", mm.path, axis, err)
+				return styleError(err, mm.path, axis)
 			}
 		}
 	}
@@ -134,6 +135,17 @@ func Parallelize(ctx context.Context, root parallel.Module, axis string, plan Pl
 		}
 		return nil
 	})
+}
+
+// styleError adds the module and axis to a style's error. An error that
+// already says "tp: " (this package's styles wrap ErrInvalid) gets them at
+// the end, so the prefix stays once and in front; any other error (a
+// user's Style, another package's) gets "tp: Parallelize" in front.
+func styleError(err error, path, axis string) error {
+	if strings.HasPrefix(err.Error(), "tp: ") {
+		return fmt.Errorf("%w (Parallelize: module %q, axis %q)", err, path, axis)
+	}
+	return fmt.Errorf("tp: Parallelize %q on axis %q: %w", path, axis, err)
 }
 
 // reshardCache records, during one Parallelize call, every parameter leaf
@@ -277,7 +289,7 @@ type SequenceParallel struct {
 // Apply implements Style.
 func (s SequenceParallel) Apply(_ context.Context, m parallel.Module, axis string) error {
 	if _, ok := m.(*parallel.Embedding); ok {
-		return fmt.Errorf("%w: SequenceParallel on an Embedding, whose ids take no input hooks; shard its output with RowwiseParallel{Output: ...} or PrepareOutput", ErrInvalid)
+		return fmt.Errorf("%w: SequenceParallel on an Embedding, whose ids take no input hooks; shard its output with RowwiseParallel{Output: ...} or PrepareModuleOutput", ErrInvalid)
 	}
 	p := s.Layout
 	if p == (placement.Placement{}) {
@@ -287,30 +299,32 @@ func (s SequenceParallel) Apply(_ context.Context, m parallel.Module, axis strin
 	return nil
 }
 
-// PrepareInput redistributes a module's inputs to Layout on the axis, e.g.
+// PrepareModuleInput redistributes a module's inputs to Layout on the
+// axis (PyTorch's PrepareModuleInput with one desired layout), e.g.
 // Replicate before a tensor-parallel region entered from sequence-sharded
 // activations.
-type PrepareInput struct{ Layout placement.Placement }
+type PrepareModuleInput struct{ Layout placement.Placement }
 
 // Apply implements Style.
-func (s PrepareInput) Apply(_ context.Context, m parallel.Module, axis string) error {
+func (s PrepareModuleInput) Apply(_ context.Context, m parallel.Module, axis string) error {
 	if s.Layout == (placement.Placement{}) {
-		return fmt.Errorf("%w: PrepareInput without a layout", ErrInvalid)
+		return fmt.Errorf("%w: PrepareModuleInput without a layout", ErrInvalid)
 	}
 	if _, ok := m.(*parallel.Embedding); ok {
-		return fmt.Errorf("%w: PrepareInput on an Embedding, whose ids take no input hooks", ErrInvalid)
+		return fmt.Errorf("%w: PrepareModuleInput on an Embedding, whose ids take no input hooks", ErrInvalid)
 	}
 	m.Boundary().OnInput(ToLayout(axis, s.Layout))
 	return nil
 }
 
-// PrepareOutput redistributes a module's outputs to Layout on the axis.
-type PrepareOutput struct{ Layout placement.Placement }
+// PrepareModuleOutput redistributes a module's outputs to Layout on the
+// axis (PyTorch's PrepareModuleOutput with one desired layout).
+type PrepareModuleOutput struct{ Layout placement.Placement }
 
 // Apply implements Style.
-func (s PrepareOutput) Apply(_ context.Context, m parallel.Module, axis string) error {
+func (s PrepareModuleOutput) Apply(_ context.Context, m parallel.Module, axis string) error {
 	if s.Layout == (placement.Placement{}) {
-		return fmt.Errorf("%w: PrepareOutput without a layout", ErrInvalid)
+		return fmt.Errorf("%w: PrepareModuleOutput without a layout", ErrInvalid)
 	}
 	m.Boundary().OnOutput(ToLayout(axis, s.Layout))
 	return nil
@@ -497,7 +511,7 @@ func reshaped(rs *placement.Spec, dt *placement.DTensor) (*placement.DTensor, er
 // that is Partial(sum) on an axis where the parameter is Replicate (a
 // norm's weight under sequence parallelism, a replicated weight whose
 // input was sharded) is summed over that axis. Run it after backward (and
-// after DDP.Finish, which handles the dp axis with overlap), on every rank
+// after ddp.DDP.Finish, which handles the dp axis with overlap), on every rank
 // with the same parameters in the same order. Parameters without a
 // gradient, or whose gradient already matches, are skipped without
 // communication. Every gradient is checked before any is communicated.

@@ -77,7 +77,7 @@ func TestParallelizeErrors(t *testing.T) {
 		{"rowwise fused", tp.Plan{{Pattern: "attn.qkv", Style: tp.RowwiseParallel{}}}, "fused"},
 		{"no axis", nil, "no axis"},
 		{"nil style", tp.Plan{{Pattern: "ln1"}}, "no style"},
-		{"empty layout", tp.Plan{{Pattern: "ln1", Style: tp.PrepareInput{}}}, "without a layout"},
+		{"empty layout", tp.Plan{{Pattern: "ln1", Style: tp.PrepareModuleInput{}}}, "without a layout"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

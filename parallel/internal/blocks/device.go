@@ -1,10 +1,6 @@
 package blocks
 
 import (
-	"fmt"
-	"slices"
-
-	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/device"
 	"github.com/b7ea7098/loom/placement"
 )
@@ -27,28 +23,6 @@ func FreeLocal(dt *placement.DTensor) error {
 	return nil
 }
 
-// ParamsDevice returns the device that holds every parameter's block (the
-// host for an empty list), or an error wrapping device.ErrMixed that names
-// op, two of the devices and the parameter on the second; callers wrap it
-// in their package's ErrInvalid.
-func ParamsDevice(op string, params []*autograd.Value) (device.Device, error) {
-	var d device.Device
-	for _, p := range params {
-		pd := p.Data().Device()
-		if d == nil {
-			d = pd
-			continue
-		}
-		if err := device.Same(op, d, pd); err != nil {
-			return nil, fmt.Errorf("%w (parameter %q)", err, p.Name())
-		}
-	}
-	if d == nil {
-		d = device.Host()
-	}
-	return d, nil
-}
-
 // OnHost reports whether d is the host (nil counts as the host).
 func OnHost(d device.Device) bool { return d == nil || d.Kind() == device.KindHost }
 
@@ -61,17 +35,21 @@ func Prod(s []int) int {
 	return n
 }
 
-// Describe describes each parameter as the ranks of a data-parallel group
-// must agree on it: "w [2 3] float64", its name, global shape and dtype,
-// with its local shape appended when another mesh axis shards it.
-func Describe(params []*autograd.Value) []string {
-	out := make([]string, len(params))
-	for i, p := range params {
-		s := p.Spec()
-		out[i] = fmt.Sprintf("%s %v %v", p.Name(), s.Shape(), s.DType())
-		if local := s.LocalShape(); !slices.Equal(local, s.Shape()) {
-			out[i] += fmt.Sprintf(" local %v", local)
+// Orders returns the placement.WithOrder options that keep the order of
+// every dim of s sharded over several mesh axes, with axis appended to
+// dim's order (innermost: FSDP's shard axis inside a tensor-parallel
+// one); dim < 0 appends nothing. A layout change made with them (Spec.With)
+// keeps the shards' nesting.
+func Orders(s *placement.Spec, dim int, axis string) []placement.SpecOption {
+	var opts []placement.SpecOption
+	for d := range s.Shape() {
+		o := s.Order(d)
+		if d == dim {
+			o = append(o, axis)
+		}
+		if len(o) > 1 {
+			opts = append(opts, placement.WithOrder(d, o...))
 		}
 	}
-	return out
+	return opts
 }
