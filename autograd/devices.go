@@ -646,7 +646,7 @@ func crossEntropyDev(t *Tape, d device.Device, spec *placement.Spec, logits *Val
 		return nil, err
 	}
 	ls := logits.Spec()
-	n, v := ls.Shape()[0], ls.Shape()[1]
+	n, v := ceRows(ls)
 	xb := bufOf(logits.data)
 	if xb.Len() != len(targets.data)*v {
 		return nil, fmt.Errorf("autograd: %s: internal: logits block %v for %d local targets", op, logits.data.LocalShape(), len(targets.data))

@@ -218,7 +218,10 @@ func checkIDs(op string, ids []int64, n int, format string) error {
 }
 
 // CrossEntropy returns the mean over all N rows of logsumexp(logits_r) −
-// logits_r[targets_r] (natural log) for logits [N, V] and targets [N].
+// logits_r[targets_r] (natural log) for logits [N, V] and targets [N], or
+// for logits [..., V] and targets [...] (N the product of the leading
+// dims: [B, T, V] logits whose T is sharded, as context parallelism lays
+// them out, need no reshape).
 // Sharding rule: CrossEntropyRule: the result is a scalar that is
 // Partial(sum) on the axes sharding the rows (each rank contributes its
 // rows' sum divided by the global N) and Replicate elsewhere. Every target
@@ -235,7 +238,7 @@ func CrossEntropy(logits *Value, targets *Indices) (*Value, error) {
 	if err != nil {
 		return nil, err
 	}
-	v := logits.Spec().Shape()[1]
+	_, v := ceRows(logits.Spec())
 	if err := checkIDs(op, targets.data, v, "target %d out of range for %d classes"); err != nil {
 		return nil, err
 	}
@@ -249,12 +252,13 @@ func CrossEntropy(logits *Value, targets *Indices) (*Value, error) {
 }
 
 // CrossEntropyRule is the sharding rule of CrossEntropy for logits [N, V]
-// and targets [N]: logits have no Partial placement and are not sharded
-// on V ("cross entropy over a sharded vocab dim"); the targets must be
-// laid out exactly like the logits' rows (Shard(0) on the same axes in the
-// same order, Replicate elsewhere). The result is a scalar (shape [])
-// that is Partial(sum) on the axes that shard the rows (each rank
-// contributes its rows' sum divided by N) and Replicate elsewhere.
+// and targets [N] (or logits [..., V] and targets [...]): logits have no
+// Partial placement and are not sharded on V ("cross entropy over a
+// sharded vocab dim"); the targets must be laid out exactly like the
+// logits' leading dims (the same placements on every axis, the same
+// shard order of every dim). The result is a scalar (shape []) that is
+// Partial(sum) on the axes that shard the rows (each rank contributes its
+// rows' sum divided by N) and Replicate elsewhere.
 func CrossEntropyRule(logits *placement.Spec, targets *Indices) (*placement.Spec, error) {
 	const op = "CrossEntropy"
 	if logits == nil || targets == nil || targets.spec == nil {
@@ -264,14 +268,15 @@ func CrossEntropyRule(logits *placement.Spec, targets *Indices) (*placement.Spec
 		return nil, err
 	}
 	sl, st := logits.Shape(), targets.spec.Shape()
-	if len(sl) != 2 || len(st) != 1 || st[0] != sl[0] {
-		return nil, invalidf(op, "want logits [N, V] and targets [N]; got %v and %v (reshape [B, T, V] logits to [B·T, V] first)", sl, st)
+	r := len(sl)
+	if r < 2 || !slices.Equal(st, sl[:r-1]) {
+		return nil, invalidf(op, "want logits [N, V] and targets [N] (or [..., V] and [...]); got %v and %v", sl, st)
 	}
 	if err := nonPartial(op, "logits", logits); err != nil {
 		return nil, err
 	}
-	if o := logits.Order(1); len(o) > 0 {
-		return nil, rulef(op, "cross entropy over a sharded vocab dim: the logits are sharded on dim 1 by mesh axes %v; redistribute dim 1 to Replicate first (vocab-parallel loss is not supported yet)", o)
+	if o := logits.Order(r - 1); len(o) > 0 {
+		return nil, rulef(op, "cross entropy over a sharded vocab dim: the logits are sharded on dim %d by mesh axes %v; redistribute it to Replicate first (or use tp.VocabParallelCrossEntropy)", r-1, o)
 	}
 	names := logits.Mesh().Names()
 	pl, pt := logits.Placements(), targets.spec.Placements()
@@ -285,8 +290,10 @@ func CrossEntropyRule(logits *placement.Spec, targets *Indices) (*placement.Spec
 			out[ax] = placement.Partial(comm.Sum)
 		}
 	}
-	if !slices.Equal(logits.Order(0), targets.spec.Order(0)) {
-		return nil, rulef(op, "the rows are sharded over mesh axes %v in the logits but %v in the targets; they must match", logits.Order(0), targets.spec.Order(0))
+	for d := range r - 1 {
+		if !slices.Equal(logits.Order(d), targets.spec.Order(d)) {
+			return nil, rulef(op, "dim %d is sharded over mesh axes %v in the logits but %v in the targets; they must match", d, logits.Order(d), targets.spec.Order(d))
+		}
 	}
 	s, err := specWith(logits, []int{}, out, nil)
 	if err != nil {
@@ -295,10 +302,17 @@ func CrossEntropyRule(logits *placement.Spec, targets *Indices) (*placement.Spec
 	return s, nil
 }
 
+// ceRows is the row count N (the product of the leading dims) and the
+// class count V (the last dim) of CrossEntropy's logits.
+func ceRows(logits *placement.Spec) (n, v int) {
+	sh := logits.Shape()
+	return prod(sh[:len(sh)-1]), sh[len(sh)-1]
+}
+
 func crossEntropyOp[T float](t *Tape, spec *placement.Spec, logits *Value, targets *Indices) (*Value, error) {
 	const op = "CrossEntropy"
 	ls := logits.Spec()
-	n, v := ls.Shape()[0], ls.Shape()[1]
+	n, v := ceRows(ls)
 	xd, err := dataOf[T](logits.data)
 	if err != nil {
 		return nil, err

@@ -225,11 +225,22 @@ func (n *LayerNorm) Forward(ctx context.Context, x *autograd.Value) (*autograd.V
 // an attention module at path p is {p + ".qkv": tp.ColwiseParallel{}, p +
 // ".proj": tp.RowwiseParallel{}}, which needs Heads divisible by the axis
 // size. NewAttention builds it.
+//
+// Core, when set, replaces the one-rank causal attention: context
+// parallelism (a sequence dim sharded over a cp axis) sets it to
+// parallel/cp's Attention over that axis, which this package cannot
+// import.
 type Attention struct {
 	Hooks
 	QKV, Proj *Linear
 	Heads     int
+	Core      AttentionFunc // nil: autograd.CausalAttention
 }
+
+// AttentionFunc is exact causal attention of q, k [B, H, T, Dh] and v [B,
+// H, T, Dv], returning [B, H, T, Dv] laid out like q: what Attention.Core
+// computes.
+type AttentionFunc func(ctx context.Context, q, k, v *autograd.Value) (*autograd.Value, error)
 
 // Children returns qkv and proj.
 func (a *Attention) Children() []Child {
@@ -275,7 +286,13 @@ func (a *Attention) compute(ctx context.Context, x *autograd.Value) (*autograd.V
 			return nil, err
 		}
 	}
-	o, err := autograd.CausalAttention(heads[0], heads[1], heads[2])
+	core := a.Core
+	if core == nil {
+		core = func(_ context.Context, q, k, v *autograd.Value) (*autograd.Value, error) {
+			return autograd.CausalAttention(q, k, v)
+		}
+	}
+	o, err := core(ctx, heads[0], heads[1], heads[2])
 	if err != nil {
 		return nil, err
 	}

@@ -34,6 +34,10 @@ type Windows struct {
 	first, n int // the windows [first, first+n) of the file
 	mesh     *mesh.Mesh
 	axes     []string
+	// seq shards T over a context-parallel axis ("" for none): seqPlace
+	// is its placement, Shard(1) or ShardBalanced(1).
+	seq      string
+	seqPlace placement.Placement
 }
 
 // NewWindows returns the windows of T+1 tokens of f, with batches laid out
@@ -57,6 +61,28 @@ func NewWindows(f *TokenFile, T int, m *mesh.Mesh, axes ...string) (*Windows, er
 		return nil, fmt.Errorf("%s: %w: %s has %d tokens, fewer than one window of T+1 = %d", op, ErrInvalid, f.Path(), f.Len(), T+1)
 	}
 	return &Windows{file: f, t: T, n: n, mesh: m, axes: slices.Clone(axes)}, nil
+}
+
+// ShardSequence returns w with the sequence dim T of its batches sharded
+// over the mesh axis named axis as well (context parallelism): load
+// balanced (placement.ShardBalanced: rank r of k holds chunks r and
+// 2k−1−r of 2k) if balanced, else in contiguous blocks. Every rank of
+// a data-parallel group reads the same windows and keeps its positions
+// of them; targets follow the inputs, and position ids taken from the
+// layout (Spec.Positions, as gpt.Model.Forward takes them) follow too.
+// The axis must be a mesh axis other than the data-parallel ones; errors
+// wrap ErrInvalid.
+func (w *Windows) ShardSequence(axis string, balanced bool) (*Windows, error) {
+	const op = "train: Windows.ShardSequence"
+	if _, err := w.mesh.AxisSize(axis); err != nil || slices.Contains(w.axes, axis) {
+		return nil, fmt.Errorf("%s: %w: %q is not a mesh axis other than the data-parallel axes %v (mesh axes %v)", op, ErrInvalid, axis, w.axes, w.mesh.Names())
+	}
+	c := *w
+	c.seq, c.seqPlace = axis, placement.Shard(1)
+	if balanced {
+		c.seqPlace = placement.ShardBalanced(1)
+	}
+	return &c, nil
 }
 
 // Len is the number of windows.
@@ -120,8 +146,8 @@ func (w *Windows) Rows(rows []int) (x, y []int64, err error) {
 
 // Batch builds the batch of s: this rank's block of the global batch's
 // windows (the block of a [batch, T] tensor Shard(0) on the data-parallel
-// axes, which is s.Rows when there is one such axis), read from the file
-// now. Every rank checks every row of the batch, so that a bad batch
+// axes, which is s.Rows when there is one such axis, and sharded on T as
+// ShardSequence says), read from the file now. Every rank checks every row of the batch, so that a bad batch
 // fails on all of them alike. Errors wrap ErrInvalid or are the file's.
 func (w *Windows) Batch(ctx context.Context, s Sample) (LM, error) {
 	const op = "train: Windows.Batch"
@@ -136,6 +162,9 @@ func (w *Windows) Batch(ctx context.Context, s Sample) (LM, error) {
 		if slices.Contains(w.axes, name) {
 			places[i] = placement.Shard(0)
 		}
+		if name == w.seq {
+			places[i] = w.seqPlace
+		}
 	}
 	var opts []placement.SpecOption
 	if len(w.axes) > 1 {
@@ -148,13 +177,25 @@ func (w *Windows) Batch(ctx context.Context, s Sample) (LM, error) {
 	if err != nil {
 		return LM{}, fmt.Errorf("%s: %w", op, err)
 	}
-	off, size, err := spec.Box(w.mesh.Rank())
+	// Positions, not Box: a load-balanced T is two runs, not a box.
+	rows, err := spec.Positions(0, w.mesh.Rank())
 	if err != nil {
 		return LM{}, fmt.Errorf("%s: %w", op, err)
 	}
-	x, y, err := w.Rows(s.Global[off[0] : off[0]+size[0]])
+	picked := make([]int, len(rows))
+	for i, r := range rows {
+		picked[i] = s.Global[r]
+	}
+	x, y, err := w.Rows(picked)
 	if err != nil {
 		return LM{}, fmt.Errorf("%s: %w", op, err)
+	}
+	if w.seq != "" {
+		cols, err := spec.Positions(1, w.mesh.Rank())
+		if err != nil {
+			return LM{}, fmt.Errorf("%s: %w", op, err)
+		}
+		x, y = keepColumns(x, w.t, cols), keepColumns(y, w.t, cols)
 	}
 	xi, err := autograd.NewIndices(w.mesh, shape, places, x, opts...)
 	if err != nil {
@@ -165,6 +206,18 @@ func (w *Windows) Batch(ctx context.Context, s Sample) (LM, error) {
 		return LM{}, fmt.Errorf("%s: %w", op, err)
 	}
 	return LM{X: xi, Y: yi}, nil
+}
+
+// keepColumns returns the columns cols of every row of the row-major
+// [rows, t] matrix m, row-major [rows, len(cols)].
+func keepColumns(m []int64, t int, cols []int) []int64 {
+	out := make([]int64, 0, len(m)/t*len(cols))
+	for r := 0; r < len(m); r += t {
+		for _, c := range cols {
+			out = append(out, m[r+c])
+		}
+	}
+	return out
 }
 
 // ValLoss is the mean loss over the first batches global batches (0: a

@@ -41,6 +41,7 @@
 //	                              [-layers L] [-width D] [-heads H] [-ff F] [-seq T]
 //	                              [-vocab V] [-batch B] [-seed 1]
 //	                              [-fsdp 1] [-reshard true|false|N] [-zero 1|2|3]
+//	                              [-cp 1] [-cp-method auto|ring|allgather|ulysses|hybrid] [-cp-balance=true]
 //	                              [-mp bf16] [-ac none|full|selective]
 //	                              [-trace trace.json] [-json run.json] [-compare]
 //	                              [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
@@ -59,6 +60,11 @@
 // After the steps a device run prints "GEMM: …" with what ran the GEMMs
 // (cuBLAS's version and path, or the emulated device's host BLAS) and
 // the precision, f32, tf32 or bf16.
+//
+// -cp N shards the sequence of every activation over N more ranks
+// (context parallelism, the innermost mesh axis; cp.go): attention runs by
+// -cp-method over them, the causal work load balanced unless
+// -cp-balance=false; -seq sets a longer sequence (a throughput run).
 //
 // The model and the layout are checked before any rank starts: the
 // shape's values (heads dividing the width, a vocabulary of at least
@@ -79,10 +85,10 @@
 //
 // -trace writes a Chrome trace of every rank's compute, collectives and
 // waits (open it at https://ui.perfetto.dev or chrome://tracing); -json
-// writes {"model","params","dp","fsdp","tp","sp","ac","backend","device",
-// "device_name","gemm","processes","world_size","steps","tokens_per_s",
-// "final_loss","losses","mem","mfu","flops_per_token","peak_flops",
-// "peak_tflops","peak_source"} ("mem": the
+// writes {"model","params","dp","fsdp","tp","sp","ac","cp","cp_method",
+// "backend","device","device_name","gemm","processes","world_size",
+// "steps","tokens_per_s","final_loss","losses","mem","mfu",
+// "flops_per_token","peak_flops","peak_tflops","peak_source"} ("mem": the
 // largest rank's bytes of params, grads, optim, activations, comm and
 // their peak, also printed at the end, and on a device "device", its
 // allocator's statistics (device.Stats); "mfu" a fraction, "peak_flops" all
@@ -139,6 +145,7 @@ type options struct {
 	loop         train.Loop
 	shape        train.ShapeFlags
 	seed         uint64
+	cpf          cpFlags        // -cp, -cp-method, -cp-balance (cp.go)
 	cfg          gpt.Config     // the model's shape
 	run          tinygpt.Config // the batch and the optimizer
 	// fixture: the reference's shape, batch and init on its corpus, with
@@ -158,13 +165,14 @@ const otherBatch = 8
 
 // result is what -json writes.
 type result struct {
-	Model      string        `json:"model"`
-	Params     int           `json:"params"`
-	DP         int           `json:"dp"`
-	FSDP       int           `json:"fsdp"`
-	TP         int           `json:"tp"`
-	SP         bool          `json:"sp"`
-	AC         string        `json:"ac"`
+	Model  string `json:"model"`
+	Params int    `json:"params"`
+	DP     int    `json:"dp"`
+	FSDP   int    `json:"fsdp"`
+	TP     int    `json:"tp"`
+	SP     bool   `json:"sp"`
+	AC     string `json:"ac"`
+	cpResult
 	Mem        memory.Report `json:"mem"`
 	Backend    string        `json:"backend"`
 	Device     string        `json:"device"`
@@ -198,6 +206,7 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	o.loop.RegisterLoop(fs, ref.Steps, 20)
 	fs.BoolVar(&o.compare, "compare", false, "also train on one rank and report the largest difference")
 	o.shape.Register(fs, "tiny", gpt.Presets())
+	o.cpf.register(fs)
 	o.persist.Register(fs)
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the random init and the random tokens (setting it trains the tiny model that way too)")
 	o.pipe.register(fs)
@@ -210,13 +219,19 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	if err := o.model(fs, ref); err != nil {
 		return o, err
 	}
-	o.loop.Ranks = o.dp * o.fsdp * o.tp
-	o.loop.Shape = []int{o.dp, o.fsdp, o.tp}
+	o.loop.Ranks = o.dp * o.fsdp * o.tp * max(o.cpf.cp, 1)
+	o.loop.Shape, _ = o.cpf.axes(o.dp, o.fsdp, o.tp)
 	o.loop.Tokens = o.run.B * o.cfg.SeqLen
 	if err := o.pipeline(fs); err != nil {
 		return o, err
 	}
-	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp}); err != nil {
+	if o.pipe.on() && o.cpf.cp > 1 {
+		return o, fmt.Errorf("-pp trains pipeline stages alone in this example; -cp cannot be combined with it yet")
+	}
+	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp}); err != nil {
+		return o, err
+	}
+	if err := o.cpf.check(o.cfg.Heads, o.tp); err != nil {
 		return o, err
 	}
 	if err := o.checkSharding(); err != nil {
@@ -336,7 +351,7 @@ func (o options) layout() string {
 		}
 		s += ")"
 	}
-	s += fmt.Sprintf(", sp=%v", o.sp)
+	s += o.cpf.layout() + fmt.Sprintf(", sp=%v", o.sp)
 	if o.loop.Flags.MP != "" {
 		s += ", -mp " + o.loop.Flags.MP + " (autocast)"
 	}
@@ -445,6 +460,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if o.compare {
 		one := o
 		one.dp, one.fsdp, one.tp, one.sp = 1, 1, 1, false
+		one.cpf = cpFlags{cp: 1, method: "auto", balance: true}
 		one.reshard, one.zero = "true", 3
 		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1, 1}
 		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
@@ -521,7 +537,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 	var params map[string][]float32
 	var mem memory.Report
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
-		m, err := mesh.New(r.Comm, []int{o.dp, o.fsdp, o.tp}, []string{"dp", "fsdp", "tp"})
+		m, err := mesh.New(r.Comm, o.loop.Shape, o.cpf.names(o.dp, o.fsdp, o.tp))
 		if err != nil {
 			return nil, err
 		}
@@ -529,6 +545,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 			gpt.WithRun(o.run), gpt.WithModel(init), gpt.WithTape(r.Tape...), gpt.WithDevice(r.Device),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
 		}
+		opts = append(opts, o.cpf.trainOptions()...)
 		dataOpts, p, err := dataOptions(o, m, out)
 		if err != nil {
 			return nil, err
@@ -577,7 +594,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 	if err != nil {
 		return nil, nil, err
 	}
-	res := &result{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, AC: o.ac, Mem: mem, Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
+	res := &result{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, AC: o.ac, cpResult: o.cpf.result(), Mem: mem, Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
 		Steps: o.loop.Steps, Losses: r.Steps, TokensPerS: r.TokensPerS}
 	res.FinalLoss = r.Steps[len(r.Steps)-1]
 	res.dev, res.DeviceName, res.GEMM = r.Device, r.Device.Describe(), r.Device.GEMM
@@ -592,7 +609,7 @@ func overlap(out io.Writer, events []trace.Event, o options) {
 	if events == nil || o.dp*o.fsdp < 2 {
 		return
 	}
-	for rank := range o.dp * o.fsdp * o.tp {
+	for rank := range o.loop.Ranks {
 		what, axis := "dp all-reduce", 0
 		isComm := func(e trace.Event) bool {
 			// The gradient buckets; DDP's int32 presence flags, reduced
@@ -603,7 +620,7 @@ func overlap(out io.Writer, events []trace.Event, o options) {
 			what, axis = "fsdp all-gather and reduce-scatter", 1
 			isComm = func(e trace.Event) bool { return e.Op == comm.OpAllGather || e.Op == comm.OpReduceScatter }
 		}
-		group := axisGroup(rank, axis, []int{o.dp, o.fsdp, o.tp})
+		group := axisGroup(rank, axis, o.loop.Shape)
 		s := train.Overlap(events, rank, func(e trace.Event) bool { return e.Group == group && isComm(e) })
 		fmt.Fprintf(out, "rank %d: %s %v, %.0f%% hidden behind compute\n", rank, what, s.Comm.Round(time.Microsecond), 100*s.Fraction())
 	}

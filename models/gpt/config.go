@@ -100,14 +100,19 @@ func (c Config) NumParams() int { return c.reference(tinygpt.Default()).NumParam
 type Layout struct {
 	DP, FSDP, TP int
 	SP           bool
+	// CP is the context-parallel ranks the sequence is sharded over (0
+	// or 1: none).
+	CP int
 }
 
 // CheckLayout reports whether the model can be trained with a global batch
 // of batch sequences on layout l: every tensor-parallel rank needs whole
 // heads (Heads divisible by TP), every data-parallel rank whole sequences
 // (batch divisible by DP × FSDP), and sequence parallelism TP ≥ 2 and
-// sequences of a length divisible by TP. Each error wraps ErrConfig and
-// says which values would work.
+// sequences of a length divisible by TP; context parallelism needs a
+// sequence of at least CP positions and no sequence parallelism (both
+// would shard the sequence dim). Each error wraps ErrConfig and says
+// which values would work.
 func (c Config) CheckLayout(batch int, l Layout) error {
 	dp, tp, fsdp, sp := l.DP, l.TP, max(l.FSDP, 1), l.SP
 	var errs []error
@@ -131,6 +136,14 @@ func (c Config) CheckLayout(batch int, l Layout) error {
 		bad("sequence parallelism needs tp of at least 2 (tp is %d)", tp)
 	} else if sp && c.SeqLen%tp != 0 {
 		bad("with sequence parallelism the sequence length (%d) must be divisible by tp (%d); tp can be %s", c.SeqLen, tp, layout.Divisors(c.SeqLen))
+	}
+	switch {
+	case l.CP < 0:
+		bad("cp (%d) must be at least 0", l.CP)
+	case l.CP > 1 && sp:
+		bad("context parallelism (cp %d) and sequence parallelism both shard the sequence; use one", l.CP)
+	case l.CP > 1 && c.SeqLen >= 1 && c.SeqLen < l.CP:
+		bad("the sequence length (%d) must be at least cp (%d)", c.SeqLen, l.CP)
 	}
 	return errors.Join(errs...)
 }

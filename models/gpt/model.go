@@ -17,9 +17,10 @@
 //	ln_f, lm_head                     final LayerNorm, output projection
 //
 // with <l> from 0 to Layers−1. The token ids may be Replicate or sharded on
-// the batch dim (data parallelism); the loss is then Partial(sum) on the
-// batch-sharding axes and the parameter gradients Partial(sum) there as
-// well. Trainer puts it together with DDP and AdamW on the reference's
+// the batch dim (data parallelism) and on the sequence dim (context
+// parallelism, with every block's Attn.Core set to parallel/cp's
+// Attention: WithContextParallel); the loss is then Partial(sum) on the
+// sharding axes and the parameter gradients Partial(sum) there as well. Trainer puts it together with DDP and AdamW on the reference's
 // data.
 package gpt
 
@@ -470,20 +471,29 @@ func (md *Model) head(ctx context.Context, h *autograd.Value, y *autograd.Indice
 	if err != nil {
 		return nil, err
 	}
-	if logits, err = autograd.Reshape(logits, B*T, md.cfg.Vocab); err != nil {
-		return nil, err
-	}
-	tgt := y
-	if len(y.Shape()) == 2 {
-		if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), orderOpts(y)...); err != nil {
-			return nil, fmt.Errorf("targets: %w", err)
+	tgt, vocab := y, 2
+	if seq := logits.Spec().Order(1); len(seq) > 0 {
+		// A sharded sequence (context parallelism): [B·T] is no layout of
+		// the rows when B > 1, so the loss takes [B, T, V] as it is.
+		if len(y.Shape()) != 2 {
+			return nil, fmt.Errorf("targets have shape %v; with the sequence sharded over %v they must be [B, T] like the ids", y.Shape(), seq)
+		}
+	} else {
+		if logits, err = autograd.Reshape(logits, B*T, md.cfg.Vocab); err != nil {
+			return nil, err
+		}
+		vocab = 1
+		if len(y.Shape()) == 2 {
+			if tgt, err = autograd.NewIndices(md.mesh, []int{B * T}, y.Placements(), y.Local(), orderOpts(y)...); err != nil {
+				return nil, fmt.Errorf("targets: %w", err)
+			}
 		}
 	}
 	// Logits sharded on the vocab dim need the cross-entropy that reduces
 	// over that axis.
 	names := md.mesh.Names()
 	for a, p := range logits.Spec().Placements() {
-		if p.Dim() == 1 {
+		if p.IsShard() && p.Dim() == vocab {
 			return tp.VocabParallelCrossEntropy(ctx, logits, tgt, names[a])
 		}
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/b7ea7098/loom/models/internal/batches"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/cp"
 	"github.com/b7ea7098/loom/parallel/ddp"
 	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/parallel/tp"
@@ -27,6 +28,10 @@ type trainConfig struct {
 	dp, tp string
 	fsdp   string
 	fsOpts []fsdp.Option
+	cp     string
+	cpOpts []cp.Option
+	cpu    string // Hybrid's inner (Ulysses) axis
+	plain  bool   // the cp axis shards T in plain blocks, not balanced
 	sp     bool
 	ckpt   []autograd.CheckpointOption
 	ac     bool
@@ -65,6 +70,33 @@ func WithSequenceParallel() TrainOption { return func(c *trainConfig) { c.sp = t
 func WithFullyShard(axis string, opts ...fsdp.Option) TrainOption {
 	return func(c *trainConfig) { c.fsdp, c.fsOpts = axis, append(c.fsOpts, opts...) }
 }
+
+// WithContextParallel shards the sequence dim of the batch, and so of
+// every activation, over the named mesh axis (context parallelism): each
+// block's attention is parallel/cp's Attention over it, with opts (the
+// method, cp.WithMethod; default Auto); the position ids and targets
+// follow the layout. The sequence is load balanced
+// (placement.ShardBalanced: rank r of k holds chunks r and 2k−1−r of 2k)
+// unless WithPlainSequenceShards. The loss is the mean over batch ×
+// sequence as one rank's, and the parameters' gradients are summed over
+// the axis after backward. An axis of size 1 is no context parallelism.
+// It combines with the data, fully sharded and tensor-parallel axes, not
+// with sequence parallelism.
+func WithContextParallel(axis string, opts ...cp.Option) TrainOption {
+	return func(c *trainConfig) { c.cp, c.cpOpts = axis, append(c.cpOpts, opts...) }
+}
+
+// WithUlyssesAxis makes WithContextParallel hybrid (cp.Hybrid): the
+// sequence is sharded over its axis (outer, load balanced unless
+// WithPlainSequenceShards) and then over the named axis (inner, plain
+// blocks); attention runs Ulysses within the inner groups and the ring
+// across them.
+func WithUlyssesAxis(name string) TrainOption { return func(c *trainConfig) { c.cpu = name } }
+
+// WithPlainSequenceShards makes WithContextParallel shard the sequence in
+// contiguous blocks (placement.Shard), the last rank doing the most
+// causal attention work; for comparison with the balanced layout.
+func WithPlainSequenceShards() TrainOption { return func(c *trainConfig) { c.plain = true } }
 
 // WithCheckpointing checkpoints every block (parallel.Checkpoint on
 // "h.*"): a block keeps only its input for backward and recomputes its
@@ -157,7 +189,10 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	}
 	names := m.Names()
 	size := map[string]int{}
-	for _, ax := range []string{tc.dp, tc.fsdp, tc.tp} {
+	if tc.cpu != "" && tc.cp == "" {
+		return nil, fmt.Errorf("%w: trainer: WithUlyssesAxis(%q) needs WithContextParallel", ErrConfig, tc.cpu)
+	}
+	for _, ax := range []string{tc.dp, tc.fsdp, tc.tp, tc.cp, tc.cpu} {
 		if ax == "" {
 			continue
 		}
@@ -171,16 +206,26 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		{tc.dp, tc.tp, "data and tensor"},
 		{tc.dp, tc.fsdp, "data and fully sharded data"},
 		{tc.fsdp, tc.tp, "fully sharded data and tensor"},
+		{tc.cp, tc.dp, "context and data"},
+		{tc.cp, tc.fsdp, "context and fully sharded data"},
+		{tc.cp, tc.tp, "context and tensor"},
+		{tc.cpu, tc.dp, "context and data"},
+		{tc.cpu, tc.fsdp, "context and fully sharded data"},
+		{tc.cpu, tc.tp, "context and tensor"},
+		{tc.cpu, tc.cp, "both context"},
 	} {
 		if pair.a != "" && pair.a == pair.b {
 			return nil, fmt.Errorf("%w: trainer: axis %q named for both %s parallelism", ErrConfig, pair.a, pair.kinds)
 		}
 	}
+	if tc.cpu != "" && slices.Index(names, tc.cpu) < slices.Index(names, tc.cp) {
+		return nil, fmt.Errorf("%w: trainer: the Ulysses axis %q must come after the context-parallel axis %q in the mesh (axes %v)", ErrConfig, tc.cpu, tc.cp, names)
+	}
 	if tc.sp && tc.tp == "" {
 		return nil, fmt.Errorf("%w: trainer: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
-	dp, nfsdp, ntp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1)
-	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: nfsdp, TP: ntp, SP: tc.sp}); err != nil {
+	dp, nfsdp, ntp, ncp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1), max(size[tc.cp], 1)*max(size[tc.cpu], 1)
+	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: nfsdp, TP: ntp, SP: tc.sp, CP: ncp}); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	// Step ends each step's values before the next forward pass, so the
@@ -209,6 +254,26 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	}
 	if tc.dp != "" {
 		tr.places[slices.Index(names, tc.dp)] = placement.Shard(0)
+	}
+	if ncp > 1 {
+		seq := placement.ShardBalanced(1)
+		if tc.plain {
+			seq = placement.Shard(1)
+		}
+		tr.places[slices.Index(names, tc.cp)] = seq
+		axis, cpOpts := tc.cp, slices.Clone(tc.cpOpts)
+		if tc.cpu != "" {
+			// The inner axis shards each outer shard in plain blocks;
+			// Inputs lays the ids out in mesh order, which must be
+			// outer first.
+			tr.places[slices.Index(names, tc.cpu)] = placement.Shard(1)
+			cpOpts = append(cpOpts, cp.WithMethod(cp.Hybrid), cp.WithUlyssesAxis(tc.cpu))
+		}
+		for _, b := range md.Blocks {
+			b.Attn.Core = func(ctx context.Context, q, k, v *autograd.Value) (*autograd.Value, error) {
+				return cp.Attention(ctx, q, k, v, axis, cpOpts...)
+			}
+		}
 	}
 	switch {
 	case nfsdp > 1:

@@ -15,20 +15,22 @@ import (
 )
 
 // VocabParallelCrossEntropy is autograd.CrossEntropy for logits [N, V]
-// whose vocab dim is sharded (Shard(1)) on the mesh axis named axis, as a
-// colwise output projection or a tied vocab-parallel embedding leaves
-// them; the logits are never gathered (Megatron's
+// (or [..., V], N the product of the leading dims, as context parallelism
+// keeps [B, T, V] with T sharded) whose vocab dim is sharded on the mesh
+// axis named axis, as a colwise output projection or a tied
+// vocab-parallel embedding leaves them; the logits are never gathered (Megatron's
 // vocab_parallel_cross_entropy). It returns the mean over the N rows of
 // logsumexp(logits_r) − logits_r[targets_r] (natural log), a scalar laid
 // out like autograd.CrossEntropy's: Partial(sum) on the axes that shard
 // the rows (each rank contributes its rows' sum divided by the global N)
 // and Replicate elsewhere, axis included.
 //
-// Layout: on axis the logits are Shard(1) (uneven and empty vocab shards
-// are fine) and no other axis shards dim 1; elsewhere they are Replicate
-// or Shard(0) (rows, e.g. data parallelism), never Partial. The targets
-// [N] are laid out like the logits' rows: Shard(0) on the same axes in
-// the same order, Replicate elsewhere (axis included). Every target must
+// Layout: on axis the logits are Shard of the vocab (last) dim (uneven
+// and empty vocab shards are fine) and no other axis shards it; elsewhere
+// they are Replicate or Shard of a leading dim (rows, e.g. data or
+// context parallelism), never Partial. The targets [N] (or [...]) are
+// laid out like the logits' leading dims: sharded on the same axes in the
+// same order, Replicate elsewhere (axis included). Every target must
 // lie in [0, V).
 //
 // Communication, over axis only, per row: an all-reduce(max) of the local
@@ -63,19 +65,20 @@ func VocabParallelCrossEntropy(ctx context.Context, logits *autograd.Value, targ
 	ls := logits.Spec()
 	m := ls.Mesh()
 	shape := ls.Shape()
-	if len(shape) != 2 {
-		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: want logits [N, V]; got %v (reshape [B, T, V] logits to [B·T, V] first)", ErrInvalid, shape)
+	if len(shape) < 2 {
+		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: want logits [N, V] or [..., V]; got %v", ErrInvalid, shape)
 	}
+	vd := len(shape) - 1 // the vocab dim
 	names := m.Names()
 	ax := slices.Index(names, axis)
 	if ax < 0 {
 		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: mesh %v has no axis %q", ErrInvalid, m, axis)
 	}
 	places := ls.Placements()
-	if places[ax] != placement.Shard(1) {
-		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: %w: the logits are %v on mesh axis %q; they must be S(1) (vocab sharded) there: use autograd.CrossEntropy for logits with a whole vocab dim", ErrInvalid, autograd.ErrRule, places[ax], axis)
+	if places[ax] != placement.Shard(vd) {
+		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: %w: the logits are %v on mesh axis %q; they must be S(%d) (vocab sharded) there: use autograd.CrossEntropy for logits with a whole vocab dim", ErrInvalid, autograd.ErrRule, places[ax], axis, vd)
 	}
-	if o := ls.Order(1); len(o) != 1 {
+	if o := ls.Order(vd); len(o) != 1 {
 		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: %w: the vocab dim is sharded over mesh axes %v; only %q may shard it", ErrInvalid, autograd.ErrRule, o, axis)
 	}
 	for a, p := range places {
@@ -85,9 +88,11 @@ func VocabParallelCrossEntropy(ctx context.Context, logits *autograd.Value, targ
 	}
 	// The rows' layout must be in mesh-axis order: the local functions
 	// below lay their outputs out that way.
-	rowAxes := ls.Order(0)
-	if !slices.IsSortedFunc(rowAxes, func(a, b string) int { return slices.Index(names, a) - slices.Index(names, b) }) {
-		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: %w: the rows are sharded over mesh axes %v, not in mesh order; redistribute them to mesh order first", ErrInvalid, autograd.ErrRule, rowAxes)
+	for d := range vd {
+		rowAxes := ls.Order(d)
+		if !slices.IsSortedFunc(rowAxes, func(a, b string) int { return slices.Index(names, a) - slices.Index(names, b) }) {
+			return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: %w: dim %d is sharded over mesh axes %v, not in mesh order; redistribute it to mesh order first", ErrInvalid, autograd.ErrRule, d, rowAxes)
+		}
 	}
 	// The same layout with a whole vocab dim: CrossEntropyRule checks the
 	// targets against it and gives the loss's layout.
@@ -103,16 +108,18 @@ func VocabParallelCrossEntropy(ctx context.Context, logits *autograd.Value, targ
 	}
 	tg := targets.Local()
 	for _, t := range tg {
-		if t < 0 || t >= int64(shape[1]) {
-			return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: target %d out of range for %d classes", ErrInvalid, t, shape[1])
+		if t < 0 || t >= int64(shape[vd]) {
+			return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: target %d out of range for %d classes", ErrInvalid, t, shape[vd])
 		}
 	}
-	off, _, err := ls.Box(m.Rank())
+	// The first vocab index of this rank's slice (Positions, not Box: a
+	// load-balanced row dim makes the block no box).
+	vpos, err := ls.Positions(vd, m.Rank())
 	if err != nil {
 		return nil, fmt.Errorf("%w: VocabParallelCrossEntropy: %w", ErrInvalid, err)
 	}
 	vc := &vocabCE{
-		ax: ax, axis: axis, n: shape[0], lo: off[1], targets: tg,
+		ax: ax, axis: axis, lead: shape[:vd], lo: first(vpos), targets: tg,
 		logits: places, rows: rows, loss: lossSpec.Placements(),
 	}
 	// Logits on a device go through a host copy of this rank's block (a
@@ -143,11 +150,12 @@ func VocabParallelCrossEntropy(ctx context.Context, logits *autograd.Value, targ
 // vocabCE holds one call's layout: the vocab axis (index and name), the
 // global row count, this rank's first vocab index, its local targets and
 // the placements of the logits, of their rows (Replicate on the vocab
-// axis) and of the loss.
+// axis) and of the loss; the rows are the leading dims lead.
 type vocabCE struct {
 	ax                 int
 	axis               string
-	n, lo              int
+	lead               []int
+	lo                 int
 	targets            []int64
 	logits, rows, loss []placement.Placement
 }
@@ -160,8 +168,14 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 	}
 	nl := len(vc.targets)
 	lb := logits.Data().LocalShape()
-	vl := lb[1]
-	if lb[0] != nl || len(x) != nl*vl {
+	vd := len(lb) - 1
+	vl := lb[vd]
+	pairShape := append(slices.Clone(lb[:vd]), 2) // the local pairs block
+	rows := 1
+	for _, d := range lb[:vd] {
+		rows *= d
+	}
+	if rows != nl || len(x) != nl*vl {
 		return nil, fmt.Errorf("%w: %s: logits block %v for %d local targets", ErrInvalid, op, lb, nl)
 	}
 
@@ -197,7 +211,7 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 		In:       [][]placement.Placement{vc.logits},
 		GradIn:   [][]placement.Placement{vc.logits},
 		Out:      pairOut,
-		OutShape: []int{vc.n, 2},
+		OutShape: append(slices.Clone(vc.lead), 2),
 		GradOut:  vc.rows,
 		Forward: func(in []autograd.Block[T]) (autograd.Block[T], error) {
 			x := in[0].Data
@@ -212,7 +226,7 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 					out[2*r+1] = x[r*vl+k]
 				}
 			}
-			return autograd.Block[T]{Shape: []int{nl, 2}, Data: out}, nil
+			return autograd.Block[T]{Shape: pairShape, Data: out}, nil
 		},
 		Backward: func(g autograd.Block[T], in []autograd.Block[T], _ autograd.Block[T]) ([]autograd.Block[T], error) {
 			x := in[0].Data
@@ -230,7 +244,7 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 					dx[r*vl+k] += g.Data[2*r+1]
 				}
 			}
-			return []autograd.Block[T]{{Shape: []int{nl, vl}, Data: dx}}, nil
+			return []autograd.Block[T]{{Shape: slices.Clone(lb), Data: dx}}, nil
 		},
 	}
 	p, err := pairs.Apply(logits)
@@ -246,7 +260,10 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 	}
 
 	// Σ_rows (log sumexp + max − target) / N.
-	n := float64(vc.n)
+	n := 1.0
+	for _, d := range vc.lead {
+		n *= float64(d)
+	}
 	rep := make([]placement.Placement, len(vc.rows))
 	for a := range rep {
 		rep[a] = placement.Replicate()
@@ -276,7 +293,7 @@ func vocabCEOp[T float32 | float64](ctx context.Context, vc *vocabCE, logits *au
 				out[2*r] = T(c / float64(d[2*r]))
 				out[2*r+1] = T(-c)
 			}
-			return []autograd.Block[T]{{Shape: []int{nl, 2}, Data: out}}, nil
+			return []autograd.Block[T]{{Shape: pairShape, Data: out}}, nil
 		},
 	}
 	loss, err := lossOf.Apply(p)
@@ -302,4 +319,13 @@ func expShiftRow[T float32 | float64](dst, src []T, shift float64) (float64, err
 		s += e
 	}
 	return s, nil
+}
+
+// first is p[0], or 0 for an empty vocab slice (which has no rows to
+// index).
+func first(p []int) int {
+	if len(p) == 0 {
+		return 0
+	}
+	return p[0]
 }

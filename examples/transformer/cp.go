@@ -1,0 +1,129 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+
+	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/parallel/cp"
+)
+
+// cpFlags are the context-parallel flags: -cp ranks the sequence is
+// sharded over (the innermost mesh axis, "cp"), -cp-method the attention
+// method over it and -cp-balance the causal load balancing of the shards.
+type cpFlags struct {
+	cp      int
+	method  string
+	balance bool
+}
+
+// register adds -cp, -cp-method and -cp-balance to fs.
+func (c *cpFlags) register(fs *flag.FlagSet) {
+	fs.IntVar(&c.cp, "cp", 1, "context-parallel ranks: the sequence of every activation is sharded over them and attention runs by -cp-method")
+	fs.StringVar(&c.method, "cp-method", "auto", "with -cp: the attention method: auto (the cost model picks per call), ring, allgather, ulysses (heads/tp divisible by cp) or hybrid (Ulysses within groups of 2, the ring across them; cp even)")
+	fs.BoolVar(&c.balance, "cp-balance", true, "with -cp: load-balance the causal work (rank r of k holds sequence chunks r and 2k−1−r of 2k); false shards it in contiguous blocks")
+}
+
+// check reads -cp-method and checks the flags against the model's heads
+// per tensor-parallel rank.
+func (c cpFlags) check(heads, tp int) error {
+	if c.cp < 1 {
+		return fmt.Errorf("-cp %d; want at least 1", c.cp)
+	}
+	m, err := cp.ParseMethod(c.method)
+	if err != nil {
+		return fmt.Errorf("-cp-method: %w", err)
+	}
+	if c.cp == 1 {
+		if m != cp.Auto || !c.balance {
+			return fmt.Errorf("-cp-method and -cp-balance apply to context parallelism: set -cp to 2 or more")
+		}
+		return nil
+	}
+	local := heads / max(tp, 1)
+	switch m {
+	case cp.Ulysses:
+		if local%c.cp != 0 {
+			return fmt.Errorf("-cp-method ulysses splits the %d heads per tensor-parallel rank over -cp %d: they must be divisible; cp can be %s, or use ring or allgather", local, c.cp, divisors(local))
+		}
+	case cp.Hybrid:
+		if c.cp%2 != 0 || local%2 != 0 {
+			return fmt.Errorf("-cp-method hybrid runs Ulysses over groups of 2 and the ring across cp/2 of them: -cp (%d) and the heads per tensor-parallel rank (%d) must be even", c.cp, local)
+		}
+	}
+	return nil
+}
+
+// axes is the mesh the ranks build: dp × fsdp × tp, and cp innermost.
+// Hybrid splits cp into an outer ring axis "cp" of cp/2 and an inner
+// Ulysses axis "cpu" of 2.
+func (c cpFlags) axes(dp, fsdp, tp int) (shape []int, names []string) {
+	shape, names = []int{dp, fsdp, tp}, []string{"dp", "fsdp", "tp"}
+	switch {
+	case c.cp > 1 && c.hybrid():
+		return append(shape, c.cp/2, 2), append(names, "cp", "cpu")
+	case c.cp > 1:
+		return append(shape, c.cp), append(names, "cp")
+	}
+	return shape, names
+}
+
+// trainOptions are the trainer's options for the flags.
+func (c cpFlags) trainOptions() []gpt.TrainOption {
+	if c.cp < 2 {
+		return nil
+	}
+	m, _ := cp.ParseMethod(c.method) // checked by check
+	var opts []cp.Option
+	if m != cp.Hybrid { // WithUlyssesAxis makes it hybrid
+		opts = append(opts, cp.WithMethod(m))
+	}
+	out := []gpt.TrainOption{gpt.WithContextParallel("cp", opts...)}
+	if m == cp.Hybrid {
+		out = append(out, gpt.WithUlyssesAxis("cpu"))
+	}
+	if !c.balance {
+		out = append(out, gpt.WithPlainSequenceShards())
+	}
+	return out
+}
+
+// layout is the run's context parallelism for the first line ("" for
+// none).
+func (c cpFlags) layout() string {
+	if c.cp < 2 {
+		return ""
+	}
+	s := fmt.Sprintf(" × cp=%d (%s", c.cp, c.method)
+	if !c.balance {
+		s += ", plain shards"
+	}
+	return s + ")"
+}
+
+// cpResult is what -json adds: "cp" and "cp_method" ("" without).
+type cpResult struct {
+	CP       int    `json:"cp"`
+	CPMethod string `json:"cp_method"`
+}
+
+// result is the flags' -json fields.
+func (c cpFlags) result() cpResult {
+	r := cpResult{CP: c.cp}
+	if c.cp > 1 {
+		r.CPMethod = c.method
+	}
+	return r
+}
+
+// names is the mesh's axis names (see axes).
+func (c cpFlags) names(dp, fsdp, tp int) []string {
+	_, names := c.axes(dp, fsdp, tp)
+	return names
+}
+
+// hybrid reports whether -cp-method is hybrid.
+func (c cpFlags) hybrid() bool {
+	m, err := cp.ParseMethod(c.method)
+	return err == nil && m == cp.Hybrid
+}

@@ -1,0 +1,53 @@
+package gpt_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/models/gpt"
+	"github.com/b7ea7098/loom/placement/placementtest"
+)
+
+// Context-parallel layouts the model cannot take are refused before
+// anything is communicated, each naming what is wrong: sequence
+// parallelism beside it, a sequence shorter than cp, a Ulysses axis
+// without a cp axis or before it, one axis named for two kinds.
+func TestContextParallelRefused(t *testing.T) {
+	cfg := gpt.Tiny()
+	for _, c := range []struct {
+		l    gpt.Layout
+		want string
+	}{
+		{gpt.Layout{DP: 1, TP: 2, SP: true, CP: 2}, "context parallelism (cp 2) and sequence parallelism both shard the sequence"},
+		{gpt.Layout{DP: 1, TP: 1, CP: 128}, "the sequence length (64) must be at least cp (128)"},
+		{gpt.Layout{DP: 1, TP: 1, CP: -1}, "cp (-1) must be at least 0"},
+	} {
+		if err := cfg.CheckLayout(16, c.l); !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("CheckLayout(%+v): %v; want ErrConfig with %q", c.l, err, c.want)
+		}
+	}
+	if err := cfg.CheckLayout(16, gpt.Layout{DP: 2, TP: 2, CP: 2}); err != nil {
+		t.Errorf("CheckLayout(dp=2, tp=2, cp=2): %v", err)
+	}
+	placementtest.Run(t, []int{1, 1}, []string{"cp", "cpu"}, func(ctx context.Context, m *mesh.Mesh) error {
+		for _, c := range []struct {
+			opts []gpt.TrainOption
+			want string
+		}{
+			{[]gpt.TrainOption{gpt.WithUlyssesAxis("cpu")}, `WithUlyssesAxis("cpu") needs WithContextParallel`},
+			{[]gpt.TrainOption{gpt.WithContextParallel("cpu"), gpt.WithUlyssesAxis("cp")}, `the Ulysses axis "cp" must come after the context-parallel axis "cpu"`},
+			{[]gpt.TrainOption{gpt.WithContextParallel("cp"), gpt.WithDataParallel("cp")}, `axis "cp" named for both context and data parallelism`},
+			{[]gpt.TrainOption{gpt.WithContextParallel("seq")}, `the mesh has no axis "seq"`},
+		} {
+			_, err := gpt.NewTrainer(ctx, m, cfg, c.opts...)
+			if !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), c.want) {
+				return fmt.Errorf("NewTrainer: %v; want ErrConfig with %q", err, c.want)
+			}
+		}
+		return nil
+	})
+}
