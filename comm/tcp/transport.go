@@ -188,7 +188,19 @@ func (t *transport) start() {
 // fail aborts every communicator of the process: a connection is lost or
 // carried garbage, so no collective can complete any more.
 func (t *transport) fail(peerRank int, err error) {
-	t.failWith(peerRank, &comm.AbortError{Rank: peerRank, Cause: fmt.Errorf("%w: rank %d: %w", ErrPeer, peerRank, err)})
+	t.failWith(peerRank, peerFailure(peerRank, err))
+}
+
+// failGarbage is fail for a peer whose frames are garbage: its connection
+// still reads, so it is told too. Otherwise it would see only the closed
+// connection, and its notice to the others ("rank R: connection closed")
+// could reach them before this rank's and blame the wrong rank.
+func (t *transport) failGarbage(peerRank int, err error) {
+	t.failWith(-1, peerFailure(peerRank, err))
+}
+
+func peerFailure(peerRank int, err error) *comm.AbortError {
+	return &comm.AbortError{Rank: peerRank, Cause: fmt.Errorf("%w: rank %d: %w", ErrPeer, peerRank, err)}
 }
 
 // failWith records ae as the process's failure, tells every other peer
@@ -265,6 +277,10 @@ func (t *transport) close() {
 	t.shut()
 }
 
+// writeFailGrace bounds how long a failed write waits for a peer's
+// notice before reporting the connection as lost.
+const writeFailGrace = 250 * time.Millisecond
+
 // closeGrace bounds how long close waits for a peer to take its goodbye.
 const closeGrace = 5 * time.Second
 
@@ -324,7 +340,11 @@ func (t *transport) readLoop(p *peer) {
 		key, fp := binary.LittleEndian.Uint64(hdr[9:]), binary.LittleEndian.Uint64(hdr[17:])
 		n := binary.LittleEndian.Uint64(hdr[25:])
 		if kind < kindColl || kind > kindBye || n > maxPayload {
-			t.fail(p.rank, fmt.Errorf("garbage frame (kind %d, length %d)", kind, n))
+			t.failGarbage(p.rank, fmt.Errorf("garbage frame (kind %d, length %d)", kind, n))
+			// Keep reading (and dropping) until shut closes the connection:
+			// unread bytes at close would reset it, and the reset could
+			// destroy the notice before the peer reads it.
+			io.Copy(io.Discard, br)
 			return
 		}
 		data := t.getBuf(int(n))
@@ -338,7 +358,7 @@ func (t *transport) readLoop(p *peer) {
 		if kind == kindAbort {
 			ae, err := decodeAbort(data)
 			if err != nil {
-				t.fail(p.rank, fmt.Errorf("garbage abort frame: %w", err))
+				t.failGarbage(p.rank, fmt.Errorf("garbage abort frame: %w", err))
 				return
 			}
 			if id == allComms {
@@ -412,6 +432,14 @@ func (t *transport) writeLoop(p *peer) {
 		bufs := net.Buffers{f.hdr[:], f.data}
 		_, err := bufs.WriteTo(p.conn)
 		if err != nil {
+			// A peer that failed closes its connections right after its
+			// notices are out, and a write racing that close fails first:
+			// give this rank's readers a moment to take the notice, which
+			// names the rank at fault, before blaming this peer.
+			select {
+			case <-t.dead:
+			case <-time.After(writeFailGrace):
+			}
 			t.fail(p.rank, connErr(err))
 			f.complete(t.err())
 			t.drain(p)
