@@ -7,7 +7,6 @@ import (
 	"github.com/b7ea7098/loom/checkpoint"
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/models/internal/batches"
-	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/train"
 )
@@ -59,29 +58,7 @@ func (tr *Trainer) Steps() int { return tr.sampler.Step() }
 // resume on any layout and device: the next Step then trains on the
 // batch the saved run would have trained on next.
 func (tr *Trainer) Parts() checkpoint.Parts {
-	return checkpoint.Parts{"model": checkpoint.Module(tr.Model), "optim": tr.opt, "data": dataPart{tr}}
-}
-
-// dataPart is a Trainer's batch position as a checkpoint part.
-type dataPart struct{ tr *Trainer }
-
-// StateDict implements checkpoint.Stateful: the int64 entry
-// prefix+"step", the batches drawn.
-func (d dataPart) StateDict(prefix string) (map[string]*placement.DTensor, map[string]any, error) {
-	return map[string]*placement.DTensor{}, map[string]any{prefix + "step": int64(d.tr.sampler.Step())}, nil
-}
-
-// LoadStateDict implements checkpoint.Stateful: it seeks the batches to
-// the saved step.
-func (d dataPart) LoadStateDict(prefix string, entries map[string]any) error {
-	v, ok := entries[prefix+"step"].(int64)
-	if !ok || v < 0 {
-		return fmt.Errorf("%w: the batch position: entry %q is %v (%T), want a step count", ErrConfig, prefix+"step", entries[prefix+"step"], entries[prefix+"step"])
-	}
-	if err := d.tr.sampler.Seek(int(v)); err != nil {
-		return fmt.Errorf("gpt: the batch position: %w", err)
-	}
-	return nil
+	return checkpoint.Parts{"model": checkpoint.Module(tr.Model), "optim": tr.opt, "data": batches.NewPart(tr.sampler, "gpt", ErrConfig)}
 }
 
 // ValLoss is the mean loss over the first n global batches (n ≥ 1) of

@@ -58,7 +58,7 @@ func (tr *Trainer) Steps() int { return tr.sampler.Step() }
 // position. Give them to checkpoint.JobState with Steps() to save and to
 // checkpoint.LoadJob to resume.
 func (tr *Trainer) Parts() checkpoint.Parts {
-	return checkpoint.Parts{"model": modelPart{tr.Model}, "optim": tr.opt, "data": dataPart{tr}}
+	return checkpoint.Parts{"model": modelPart{tr.Model}, "optim": tr.opt, "data": batches.NewPart(tr.sampler, "moegpt", ErrConfig)}
 }
 
 // modelPart is a Model's parameters as a checkpoint part.
@@ -77,28 +77,6 @@ func (m modelPart) StateDict(prefix string) (map[string]*placement.DTensor, map[
 // LoadStateDict implements checkpoint.Stateful: the parameters are all
 // the model's state.
 func (modelPart) LoadStateDict(string, map[string]any) error { return nil }
-
-// dataPart is a Trainer's batch position as a checkpoint part.
-type dataPart struct{ tr *Trainer }
-
-// StateDict implements checkpoint.Stateful: the int64 entry
-// prefix+"step", the batches drawn.
-func (d dataPart) StateDict(prefix string) (map[string]*placement.DTensor, map[string]any, error) {
-	return map[string]*placement.DTensor{}, map[string]any{prefix + "step": int64(d.tr.sampler.Step())}, nil
-}
-
-// LoadStateDict implements checkpoint.Stateful: it seeks the batches to
-// the saved step.
-func (d dataPart) LoadStateDict(prefix string, entries map[string]any) error {
-	v, ok := entries[prefix+"step"].(int64)
-	if !ok || v < 0 {
-		return fmt.Errorf("%w: the batch position: entry %q is %v (%T), want a step count", ErrConfig, prefix+"step", entries[prefix+"step"], entries[prefix+"step"])
-	}
-	if err := d.tr.sampler.Seek(int(v)); err != nil {
-		return fmt.Errorf("moegpt: the batch position: %w", err)
-	}
-	return nil
-}
 
 // ValLoss is the mean cross-entropy over the first n global batches
 // (n ≥ 1) of w in order (a validation split: the same batches at every

@@ -8,6 +8,7 @@ import (
 	"fmt"
 
 	"github.com/b7ea7098/loom/models/internal/randtok"
+	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 	"github.com/b7ea7098/loom/train"
 )
@@ -107,5 +108,39 @@ func (w *windows) Seek(step int) error {
 		return err
 	}
 	w.step = step
+	return nil
+}
+
+// Part is a Source's position as a checkpoint part (it implements
+// checkpoint.Stateful), so that a resumed trainer draws the batches the
+// uninterrupted run would have drawn next.
+type Part struct {
+	src     Source
+	name    string // the model package, for errors
+	invalid error  // its invalid-argument sentinel
+}
+
+// NewPart returns src's position as a checkpoint part; errors name the
+// model package name and wrap invalid where an entry is bad.
+func NewPart(src Source, name string, invalid error) Part {
+	return Part{src: src, name: name, invalid: invalid}
+}
+
+// StateDict implements checkpoint.Stateful: the int64 entry
+// prefix+"step", the batches drawn.
+func (p Part) StateDict(prefix string) (map[string]*placement.DTensor, map[string]any, error) {
+	return map[string]*placement.DTensor{}, map[string]any{prefix + "step": int64(p.src.Step())}, nil
+}
+
+// LoadStateDict implements checkpoint.Stateful: it seeks the batches to
+// the saved step.
+func (p Part) LoadStateDict(prefix string, entries map[string]any) error {
+	v, ok := entries[prefix+"step"].(int64)
+	if !ok || v < 0 {
+		return fmt.Errorf("%w: the batch position: entry %q is %v (%T), want a step count", p.invalid, prefix+"step", entries[prefix+"step"], entries[prefix+"step"])
+	}
+	if err := p.src.Seek(int(v)); err != nil {
+		return fmt.Errorf("%s: the batch position: %w", p.name, err)
+	}
 	return nil
 }
