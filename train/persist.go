@@ -85,10 +85,11 @@ func (p Persist) Validate() error {
 }
 
 // Prepare finds, with -resume, the latest complete checkpoint of Dir and
-// returns its step, from which the run goes on (0 without -resume). No
-// checkpoint there is an error wrapping ErrInvalid that names the folder;
-// nothing is written.
-func (p *Persist) Prepare() (int, error) {
+// returns its step, from which the run goes on (0 without -resume), for a
+// run of total steps in all. No checkpoint there, or one at step total or
+// later (nothing left to train), is an error wrapping ErrInvalid that
+// names the folder or the steps; nothing is written.
+func (p *Persist) Prepare(total int) (int, error) {
 	if !p.Resume {
 		return 0, nil
 	}
@@ -99,6 +100,9 @@ func (p *Persist) Prepare() (int, error) {
 	step, err := checkpoint.StepOf(dir)
 	if err != nil {
 		return 0, fmt.Errorf("train: -resume: %w", err)
+	}
+	if step >= total {
+		return 0, fmt.Errorf("%w: -resume: the latest checkpoint is at step %d and -steps is %d (the run's total): nothing left to train", ErrInvalid, step, total)
 	}
 	p.latest, p.step = dir, step
 	return step, nil

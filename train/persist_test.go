@@ -1,12 +1,17 @@
 package train
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"io"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/b7ea7098/loom/checkpoint"
+	"github.com/b7ea7098/loom/mesh"
+	"github.com/b7ea7098/loom/placement/placementtest"
 )
 
 // Persist's flags are checked together before any rank starts, and
@@ -50,10 +55,31 @@ func TestPersistValidate(t *testing.T) {
 		}
 	}
 	p := Persist{Dir: filepath.Join(t.TempDir(), "none"), Resume: true}
-	if _, err := p.Prepare(); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), p.Dir) {
+	if _, err := p.Prepare(10); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), p.Dir) {
 		t.Errorf("-resume without a checkpoint: %v, want ErrInvalid naming %s", err, p.Dir)
 	}
-	if step, err := (&Persist{}).Prepare(); step != 0 || err != nil {
+	if step, err := (&Persist{}).Prepare(10); step != 0 || err != nil {
 		t.Errorf("without -resume: %d, %v", step, err)
+	}
+	root := t.TempDir()
+	err := placementtest.Simulate(context.Background(), []int{1}, []string{"dp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		_, err := checkpoint.Save(ctx, root, checkpoint.State{Entries: map[string]any{"n": int64(1)}}, checkpoint.WithStep(5), checkpoint.WithComm(m.World()))
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		total int
+		ok    bool
+	}{{6, true}, {5, false}, {4, false}} {
+		p := Persist{Dir: root, Resume: true}
+		step, err := p.Prepare(c.total)
+		if c.ok && (step != 5 || err != nil) {
+			t.Errorf("checkpoint at step 5, -steps %d: %d, %v; want 5", c.total, step, err)
+		}
+		if !c.ok && (!errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "nothing left to train")) {
+			t.Errorf("checkpoint at step 5, -steps %d: %d, %v; want ErrInvalid saying nothing is left", c.total, step, err)
+		}
 	}
 }

@@ -32,12 +32,9 @@ type persisted struct {
 // prepareResume finds the checkpoint -resume goes on from and shortens
 // o's run to the steps left.
 func prepareResume(o *options) error {
-	start, err := o.persist.Prepare()
+	start, err := o.persist.Prepare(o.loop.Steps)
 	if err != nil {
 		return err
-	}
-	if start >= o.loop.Steps {
-		return fmt.Errorf("-resume: the latest checkpoint is at step %d and -steps is %d (the run's total): nothing left to train", start, o.loop.Steps)
 	}
 	o.start, o.loop.Steps = start, o.loop.Steps-start
 	return nil

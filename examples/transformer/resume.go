@@ -34,12 +34,9 @@ type persisted struct {
 // prepareResume finds the checkpoint -resume goes on from and shortens
 // o's run to the steps left: it returns the step the run starts after.
 func prepareResume(o *options) (int, error) {
-	start, err := o.persist.Prepare()
+	start, err := o.persist.Prepare(o.loop.Steps)
 	if err != nil {
 		return 0, err
-	}
-	if start >= o.loop.Steps {
-		return 0, fmt.Errorf("-resume: the latest checkpoint is at step %d and -steps is %d (the run's total): nothing left to train", start, o.loop.Steps)
 	}
 	o.loop.Steps -= start
 	return start, nil
