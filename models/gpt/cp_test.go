@@ -16,7 +16,8 @@ import (
 // Context-parallel layouts the model cannot take are refused before
 // anything is communicated, each naming what is wrong: sequence
 // parallelism beside it, a sequence shorter than cp, a Ulysses axis
-// without a cp axis or before it, one axis named for two kinds.
+// without a cp axis or before it, one axis named for two kinds, FSDP over
+// fsdp×cp without FSDP.
 func TestContextParallelRefused(t *testing.T) {
 	cfg := gpt.Tiny()
 	for _, c := range []struct {
@@ -43,6 +44,7 @@ func TestContextParallelRefused(t *testing.T) {
 			{[]gpt.TrainOption{gpt.WithContextParallel("cpu"), gpt.WithUlyssesAxis("cp")}, `the Ulysses axis "cp" must come after the context-parallel axis "cpu"`},
 			{[]gpt.TrainOption{gpt.WithContextParallel("cp"), gpt.WithDataParallel("cp")}, `axis "cp" named for both context and data parallelism`},
 			{[]gpt.TrainOption{gpt.WithContextParallel("seq")}, `the mesh has no axis "seq"`},
+			{[]gpt.TrainOption{gpt.WithContextParallel("cp"), gpt.WithShardOverCP()}, `WithShardOverCP needs WithFullyShard and WithContextParallel`},
 		} {
 			_, err := gpt.NewTrainer(ctx, m, cfg, c.opts...)
 			if !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), c.want) {
