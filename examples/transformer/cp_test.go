@@ -33,6 +33,8 @@ func TestParseCP(t *testing.T) {
 		{args: []string{"-cp-method", "ring"}, want: "apply to context parallelism: set -cp to 2 or more"},
 		{args: []string{"-cp", "0"}, want: "-cp 0; want at least 1"},
 		{args: []string{"-tp", "2", "-sp", "-cp", "2"}, want: "context parallelism (cp 2) and sequence parallelism both shard the sequence"},
+		{args: []string{"-dp", "1", "-tp", "1", "-seq", "8", "-cp", "8"}, want: "its length (8) must be at least 2·cp (2 × 8); use plain shards or cp of at most 4"},
+		{args: []string{"-dp", "1", "-tp", "1", "-seq", "8", "-cp", "8", "-cp-balance=false"}, ranks: 8, shape: []int{1, 1, 1, 8}, names: []string{"dp", "fsdp", "tp", "cp"}},
 	} {
 		o, err := parse(tc.args, io.Discard, ref)
 		if tc.want != "" {

@@ -239,7 +239,14 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 		return nil, fmt.Errorf("%w: trainer: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
 	dp, nfsdp, ntp, ncp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1), max(size[tc.cp], 1)*max(size[tc.cpu], 1)
-	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: nfsdp, TP: ntp, SP: tc.sp, CP: ncp}); err != nil {
+	method, err := cp.MethodOf(tc.cpOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("%w: trainer: WithContextParallel: %w", ErrConfig, err)
+	}
+	if tc.cpu != "" {
+		method = cp.Hybrid
+	}
+	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: nfsdp, TP: ntp, SP: tc.sp, CP: ncp, CPMethod: method, CPInner: size[tc.cpu], CPPlain: tc.plain}); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	// Step ends each step's values before the next forward pass, so the
