@@ -24,19 +24,22 @@ type flatRun struct {
 	mem    int64 // Report.Params
 }
 
-// runFlat trains steps steps of the tiny GPT on an fsdp × cp mesh with
-// FSDP over the flattened (fsdp, cp) axes (gpt.WithShardOverCP) when
-// fsdp·cp > 1, else on one rank.
-func runFlat(t *testing.T, cfg tinygpt.Config, init map[string][]float32, fsdp, ncp int, method cp.Method, steps int) flatRun {
+// runFlat trains steps steps of the tiny GPT on an fsdp × cp × cpu mesh
+// with FSDP over the flattened (fsdp, cp, cpu) axes (gpt.WithShardOverCP;
+// cpu > 1 is Hybrid's inner axis) when fsdp·cp > 1, else on one rank.
+func runFlat(t *testing.T, cfg tinygpt.Config, init map[string][]float32, fsdp, ncp, cpu int, method cp.Method, steps int) flatRun {
 	t.Helper()
 	var (
 		mu  sync.Mutex
 		out flatRun
 	)
-	err := placementtest.Simulate(context.Background(), []int{fsdp, ncp}, []string{"fsdp", "cp"}, func(ctx context.Context, m *mesh.Mesh) error {
+	err := placementtest.Simulate(context.Background(), []int{fsdp, ncp, max(cpu, 1)}, []string{"fsdp", "cp", "cpu"}, func(ctx context.Context, m *mesh.Mesh) error {
 		opts := []gpt.TrainOption{gpt.WithRun(cfg), gpt.WithModel(gpt.WithParams(init))}
 		if fsdp*ncp > 1 {
 			opts = append(opts, gpt.WithFullyShard("fsdp"), gpt.WithContextParallel("cp", cp.WithMethod(method)), gpt.WithShardOverCP())
+			if cpu > 1 {
+				opts = append(opts, gpt.WithUlyssesAxis("cpu"))
+			}
 		}
 		tr, err := gpt.NewTrainer(ctx, m, gpt.FromReference(cfg), opts...)
 		if err != nil {
@@ -84,10 +87,11 @@ func runFlat(t *testing.T, cfg tinygpt.Config, init map[string][]float32, fsdp, 
 // dp_shard×cp, trains the tiny GPT as one rank does: 20 steps of
 // fsdp=2 × cp=2 (ring), and of fsdp=1 × cp=2 (FSDP over cp alone,
 // all-gather attention), give the one-rank losses and parameters within
-// the layout tolerances of TestContextParallelMatchesOneRank. The one
+// the layout tolerances of TestContextParallelMatchesOneRank, and so does
+// Hybrid with its inner axis flattened in (fsdp=2 × cp=2 × ulysses=2). The one
 // reduce-scatter over the flattened group sums the context-parallel
 // partials: a cp sum dropped or done again on top is off by far more.
-// Each rank holds 1/(fsdp·cp) of the parameters (the largest rank's local
+// Each rank holds 1/(fsdp·cp·ulysses) of the parameters (the largest rank's local
 // elements, and AdamW's state in the memory accounting, within the
 // chunks' rounding of 2%).
 func TestContextParallelFlatFSDP(t *testing.T) {
@@ -98,20 +102,20 @@ func TestContextParallelFlatFSDP(t *testing.T) {
 	// factor, which a scale-invariant AdamW would hide.
 	cfg.LR, cfg.Eps = 1, 1
 	init := gpt.RandomInit(gpt.FromReference(cfg), 3)
-	one := runFlat(t, cfg, init, 1, 1, cp.Ring, steps)
+	one := runFlat(t, cfg, init, 1, 1, 1, cp.Ring, steps)
 	t.Logf("one rank: loss %.4f at step 1, %.4f at step %d", one.losses[0], one.losses[steps-1], steps)
 	cases := []struct {
-		fsdp, cp int
-		method   cp.Method
-	}{{2, 2, cp.Ring}, {1, 2, cp.AllGather}}
+		fsdp, cp, cpu int
+		method        cp.Method
+	}{{2, 2, 1, cp.Ring}, {1, 2, 1, cp.AllGather}, {2, 2, 2, cp.Hybrid}}
 	if testing.Short() {
 		cases = cases[:1]
 	}
 	for _, c := range cases {
-		t.Run(fmt.Sprintf("fsdp%d×cp%d/%v", c.fsdp, c.cp, c.method), func(t *testing.T) {
-			got := runFlat(t, cfg, init, c.fsdp, c.cp, c.method, steps)
+		t.Run(fmt.Sprintf("fsdp%d×cp%d×%d/%v", c.fsdp, c.cp, c.cpu, c.method), func(t *testing.T) {
+			got := runFlat(t, cfg, init, c.fsdp, c.cp, c.cpu, c.method, steps)
 			checkLayoutParity(t, cfg, one.losses, got.losses, one.params, got.params, steps)
-			n := float64(c.fsdp * c.cp)
+			n := float64(c.fsdp * c.cp * c.cpu)
 			for _, q := range []struct {
 				what      string
 				got, full float64
