@@ -28,7 +28,7 @@ type cpppLayout struct {
 }
 
 func (l cpppLayout) String() string {
-	return fmt.Sprintf("%s/M%d/dp%d/cp%d/%v", l.schedule, l.m, l.dp, l.cp, l.method)
+	return fmt.Sprintf("%s/M%d/dp%d/cp%d/%v", l.schedule, l.m, max(l.dp, 1), l.cp, l.method)
 }
 
 // cpppRun trains ppCfg pipelined on a (pp=2, dp, cp) mesh for steps
