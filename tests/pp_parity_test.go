@@ -568,8 +568,8 @@ func TestPipelineEmu(t *testing.T) {
 // (the parameters gathered once per step, the micro-batches' gradients
 // summed unsharded and reduce-scattered once), matches the one-rank run
 // within TestPipelineParity's 2e-5, for GPipe, 1F1B, interleaved 1F1B
-// (two stages per rank, each its own FSDP) and ZB-H1 (split backward);
-// and pp=2 × fsdp=2 × tp=2 (8 ranks) for 1F1B.
+// (two stages per rank, each its own FSDP), ZB-H1 (split backward) and
+// ZB-V; and pp=2 × fsdp=2 × tp=2 (8 ranks) for 1F1B.
 func TestPipelineFSDP(t *testing.T) {
 	steps := 20
 	if testing.Short() {
@@ -577,8 +577,8 @@ func TestPipelineFSDP(t *testing.T) {
 	}
 	// Every micro-batch's rows split evenly over the fsdp ranks (the
 	// head's reshape of the logits needs it): 10 rows in 5 micro-batches,
-	// 16 in 4 for the interleaved schedule (its micro-batches a multiple
-	// of pp; 8 rows in 4 also match, but drift to 3e-5 with or without
+	// 16 in 4 for the interleaved and V schedules (their micro-batches a
+	// multiple of pp; 8 rows in 4 also match, but drift to 3e-5 with or without
 	// FSDP: fewer rows, larger steps).
 	want := map[int][]float64{}
 	wantP := map[int]map[string][]float32{}
@@ -589,7 +589,7 @@ func TestPipelineFSDP(t *testing.T) {
 		name    string
 		rows, m int
 		tp      int
-	}{{"gpipe", 10, 5, 1}, {"1f1b", 10, 5, 1}, {"interleaved", 16, 4, 1}, {"zb1", 10, 5, 1}, {"1f1b", 10, 5, 2}} {
+	}{{"gpipe", 10, 5, 1}, {"1f1b", 10, 5, 1}, {"interleaved", 16, 4, 1}, {"zb1", 10, 5, 1}, {"zbv", 16, 4, 1}, {"1f1b", 10, 5, 2}} {
 		t.Run(fmt.Sprintf("%s/tp%d", c.name, c.tp), func(t *testing.T) {
 			s, err := pp.Build(c.name, 2, c.m, 0)
 			if err != nil {
@@ -617,8 +617,8 @@ func TestPipelineFSDP(t *testing.T) {
 func TestPipelineFSDPGathers(t *testing.T) {
 	const steps = 3
 	for _, raf := range []bool{false, true} {
-		for _, name := range []string{"gpipe", "1f1b", "interleaved", "zb1"} {
-			if raf && name == "zb1" {
+		for _, name := range []string{"gpipe", "1f1b", "interleaved", "zb1", "zbv"} {
+			if raf && (name == "zb1" || name == "zbv") {
 				// A split backward gathers every unit in its input half and
 				// frees them in its weight half: more units at once than
 				// the two pooled buffers of reshard-after-forward hold
@@ -627,7 +627,7 @@ func TestPipelineFSDPGathers(t *testing.T) {
 			}
 			t.Run(fmt.Sprintf("reshardAfterForward=%v/%s", raf, name), func(t *testing.T) {
 				rows, m := 10, 5
-				if name == "interleaved" {
+				if name == "interleaved" || name == "zbv" {
 					rows, m = 16, 4
 				}
 				s, err := pp.Build(name, 2, m, 0)
