@@ -29,9 +29,10 @@ import (
 // The stage's parameters, collected (Params) before or after, are the
 // sharded leaves the optimizer steps. With WithReshard(true) in opts the
 // blocks are gathered again for every micro-batch's forward and backward;
-// split-backward schedules (ZB-H1, ZB-V) then fail with ErrInvalid, as
-// their input halves hold more blocks gathered than the two pooled
-// buffers of resharded units. Errors are fsdp.FullyShard's.
+// a split backward (ZB-H1, ZB-V) then keeps each block gathered from its
+// input half to its weight half, and fails with ErrInvalid where that
+// holds more than two at once (the pooled buffers of resharded units).
+// Errors are fsdp.FullyShard's.
 func (s *Stage) FullyShard(ctx context.Context, axis string, opts ...fsdp.Option) (*fsdp.FSDP, error) {
 	var units []string // one unit per block; a stage of no blocks has the root alone
 	if len(s.Blocks) > 0 {
