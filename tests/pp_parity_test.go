@@ -162,7 +162,8 @@ type ppLayout struct {
 	rows int
 	// fsdp > 1 shards each stage over an "fsdp" axis (gpt.Stage.FullyShard,
 	// the batch rows sharded there too), driven by the schedule's
-	// UNSHARD, RESHARD and REDUCE_GRAD actions (pp.WithSharding).
+	// UNSHARD, RESHARD and REDUCE_GRAD actions (pp.WithSharding); with
+	// dp > 1 too, HSDP (replicated over dp).
 	fsdp int
 	// reshardAfterForward turns FSDP's reshard-after-forward on (off by
 	// default under pipelining).
@@ -243,7 +244,11 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 			byStage[k] = st.Params()
 			all = append(all, byStage[k]...)
 			if fsN > 1 {
-				if fs[k], err = st.FullyShard(ctx, "fsdp", fsdp.WithReshard(l.reshardAfterForward)); err != nil {
+				fo := []fsdp.Option{fsdp.WithReshard(l.reshardAfterForward)}
+				if dpN > 1 {
+					fo = append(fo, fsdp.WithReplicateAxis("dp")) // HSDP
+				}
+				if fs[k], err = st.FullyShard(ctx, "fsdp", fo...); err != nil {
 					return err
 				}
 				defer fs[k].Close()
@@ -569,7 +574,9 @@ func TestPipelineEmu(t *testing.T) {
 // summed unsharded and reduce-scattered once), matches the one-rank run
 // within TestPipelineParity's 2e-5, for GPipe, 1F1B, interleaved 1F1B
 // (two stages per rank, each its own FSDP), ZB-H1 (split backward) and
-// ZB-V; and pp=2 × fsdp=2 × tp=2 (8 ranks) for 1F1B.
+// ZB-V; and for 1F1B pp=2 × fsdp=2 × tp=2 and pp=2 × dp=2 × fsdp=2
+// (HSDP: the stage's sum all-reduced over dp after the reduce-scatter),
+// 8 ranks each.
 func TestPipelineFSDP(t *testing.T) {
 	steps := 20
 	if testing.Short() {
@@ -588,14 +595,14 @@ func TestPipelineFSDP(t *testing.T) {
 	for _, c := range []struct {
 		name    string
 		rows, m int
-		tp      int
-	}{{"gpipe", 10, 5, 1}, {"1f1b", 10, 5, 1}, {"interleaved", 16, 4, 1}, {"zb1", 10, 5, 1}, {"zbv", 16, 4, 1}, {"1f1b", 10, 5, 2}} {
-		t.Run(fmt.Sprintf("%s/tp%d", c.name, c.tp), func(t *testing.T) {
+		tp, dp  int
+	}{{"gpipe", 10, 5, 1, 1}, {"1f1b", 10, 5, 1, 1}, {"interleaved", 16, 4, 1, 1}, {"zb1", 10, 5, 1, 1}, {"zbv", 16, 4, 1, 1}, {"1f1b", 10, 5, 2, 1}, {"1f1b", 16, 4, 1, 2}} {
+		t.Run(fmt.Sprintf("%s/tp%d/dp%d", c.name, c.tp, c.dp), func(t *testing.T) {
 			s, err := pp.Build(c.name, 2, c.m, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
-			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{rows: c.rows, fsdp: 2, tp: c.tp})
+			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{rows: c.rows, fsdp: 2, tp: c.tp, dp: c.dp})
 			if err != nil {
 				t.Fatal(err)
 			}
