@@ -31,12 +31,15 @@ type config struct {
 	divide        float64
 	divideSet     bool // WithGradientDivideFactor was given (divide is checked, never "none")
 	prefetch      bool
-	axes          []string
+	axes          []string // WithShardAxes's, in place of axis when axesSet
+	axesSet       bool
 }
 
 // WithShardAxis names the mesh axis parameters are sharded on (default
-// "fsdp").
-func WithShardAxis(name string) Option { return func(c *config) { c.axis = name } }
+// "fsdp"); of it and WithShardAxes the last given applies.
+func WithShardAxis(name string) Option {
+	return func(c *config) { c.axis, c.axes, c.axesSet = name, nil, false }
+}
 
 // WithReplicateAxis names a mesh axis parameters stay replicated on while the
 // batch is sharded there too (HSDP): gradients are reduce-scattered on the

@@ -22,9 +22,12 @@ import (
 // is needed. The axes need not be adjacent in the mesh. A parameter's
 // shard is Shard(dim) on every named axis, in that order after any axis
 // that already shards the dim (placement.WithOrder), so its blocks follow
-// the nested chunk rule of the placement package.
+// the nested chunk rule of the placement package. Of it and WithShardAxis
+// the last given applies. New fails with ErrInvalid when no axis is named, an axis
+// is not the mesh's or is named twice, or the replicate axis is one of
+// them.
 func WithShardAxes(names ...string) Option {
-	return func(c *config) { c.axes = slices.Clone(names) }
+	return func(c *config) { c.axes, c.axesSet = slices.Clone(names), true }
 }
 
 // flatAxes is the shard axes: their names (WithShardAxes's, or
@@ -41,8 +44,10 @@ type flatAxes struct {
 // Errors wrap ErrInvalid.
 func (f *FSDP) initShard(m *mesh.Mesh) error {
 	names := f.cfg.axes
-	if len(names) == 0 {
+	if !f.cfg.axesSet {
 		names = []string{f.cfg.axis}
+	} else if len(names) == 0 {
+		return fmt.Errorf("%w: New: WithShardAxes names no axis", ErrInvalid)
 	}
 	f.flat.names = names
 	f.flat.axes, f.flat.sizes, f.flat.coords = nil, nil, nil

@@ -63,6 +63,7 @@ func TestShardAxesRefused(t *testing.T) {
 			opts []Option
 			want string
 		}{
+			{[]Option{WithShardAxes()}, `WithShardAxes names no axis`},
 			{[]Option{WithShardAxes("fsdp", "fsdp")}, `WithShardAxes names axis "fsdp" twice`},
 			{[]Option{WithShardAxes("fsdp", "cp")}, `no shard axis "cp"`},
 			{[]Option{WithShardAxes("dp", "fsdp"), WithReplicateAxis("dp")}, `replicate axis "dp" distinct from the shard axes`},
