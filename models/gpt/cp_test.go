@@ -82,13 +82,16 @@ func TestContextParallelRefused(t *testing.T) {
 }
 
 // A stage's context-parallel axis must be an axis of the stage's mesh:
-// NewStage refuses another with ErrConfig, naming it and the mesh's axes.
+// NewStage refuses another, or none, with ErrConfig, naming it and the
+// mesh's axes.
 func TestStageContextParallelRefused(t *testing.T) {
 	placementtest.Run(t, []int{1, 1}, []string{"dp", "cp"}, func(ctx context.Context, m *mesh.Mesh) error {
 		cfg := gpt.Tiny()
-		_, err := gpt.NewStage(autograd.NewTape(), m, cfg, 0, 1, gpt.RandomInit(cfg, 1), gpt.WithStageContextParallel("seq"))
-		if want := `WithStageContextParallel("seq"): the stage mesh's axes are [dp cp]`; !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), want) {
-			return fmt.Errorf("NewStage: %v; want ErrConfig with %q", err, want)
+		for _, axis := range []string{"seq", ""} {
+			_, err := gpt.NewStage(autograd.NewTape(), m, cfg, 0, 1, gpt.RandomInit(cfg, 1), gpt.WithStageContextParallel(axis))
+			if want := fmt.Sprintf(`WithStageContextParallel(%q): the stage mesh's axes are [dp cp]`, axis); !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), want) {
+				return fmt.Errorf("NewStage: %v; want ErrConfig with %q", err, want)
+			}
 		}
 		return nil
 	})

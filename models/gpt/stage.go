@@ -37,6 +37,7 @@ type StageOption func(*stageConfig)
 
 type stageConfig struct {
 	cp     string
+	cpSet  bool // WithStageContextParallel was given: an empty axis is refused, not ignored
 	cpOpts []cp.Option
 }
 
@@ -53,7 +54,7 @@ type stageConfig struct {
 // with the data-parallel ones by tp.ReduceGrads (at the schedule's
 // ReduceGrad actions). An axis of size 1 is no context parallelism.
 func WithStageContextParallel(axis string, opts ...cp.Option) StageOption {
-	return func(c *stageConfig) { c.cp, c.cpOpts = axis, append(c.cpOpts, opts...) }
+	return func(c *stageConfig) { c.cp, c.cpSet, c.cpOpts = axis, true, append(c.cpOpts, opts...) }
 }
 
 // NewStage builds blocks [first, last) of the GPT cfg on tape and m (the
@@ -77,7 +78,7 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 		o(&sc)
 	}
 	ncp := 1
-	if sc.cp != "" {
+	if sc.cpSet {
 		n, err := m.AxisSize(sc.cp)
 		if err != nil {
 			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel(%q): the stage mesh's axes are %v", ErrConfig, sc.cp, m.Names())
