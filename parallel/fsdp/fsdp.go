@@ -496,7 +496,7 @@ type stageSlot struct {
 // whole block each shard replaces.
 //
 // Errors wrap ErrInvalid: a module wrapped twice or inside a unit already
-// wrapped, a shard dim out of range, a parameter that is not a fresh leaf
+// wrapped, a path another unit has (the controls name units by path), a shard dim out of range, a parameter that is not a fresh leaf
 // (a gradient already), not Replicate on the shard and replicate axes,
 // of a dtype other than float32 or float64 (float32 with WithMixedPrecision),
 // held by another unit, or on another device than the others' (matching
@@ -518,6 +518,9 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m parallel.Module, opts ..
 	for _, u := range f.units {
 		if u.module == m {
 			return fail("module already wrapped as %q", u.path)
+		}
+		if u.path == path {
+			return fail("the path names unit %d already", u.index)
 		}
 		if err := parallel.Walk(u.module, func(_ string, sub parallel.Module) error {
 			if tree.Comparable(sub) && sub == m {

@@ -173,6 +173,9 @@ func TestControlRefuses(t *testing.T) {
 		if err := f.Wrap(ctx, "head", n.head); err != nil {
 			return err
 		}
+		if err := f.Wrap(ctx, "head", n.spare); !errors.Is(err, ErrInvalid) {
+			return fmt.Errorf("Wrap of a second module at a unit's path: %v, want ErrInvalid", err)
+		}
 		if _, err := f.UnshardAsync(ctx, "head", "nope"); !errors.Is(err, ErrInvalid) {
 			return fmt.Errorf("UnshardAsync of a path that is not a unit: %v, want ErrInvalid", err)
 		}
