@@ -106,7 +106,8 @@ func WithPlainSequenceShards() TrainOption { return func(c *trainConfig) { c.pla
 // flattened group, which also sums their context-parallel partials (no
 // separate sum over cp). With WithUlyssesAxis the inner axis is flattened
 // in too. It needs WithFullyShard and WithContextParallel (the fsdp axis
-// may then have size 1: FSDP over cp alone).
+// may then have size 1: FSDP over cp alone); NewTrainer fails with
+// ErrConfig without them.
 func WithShardOverCP() TrainOption { return func(c *trainConfig) { c.flatCP = true } }
 
 // WithCheckpointing checkpoints every block (parallel.Checkpoint on

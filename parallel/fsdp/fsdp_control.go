@@ -86,7 +86,7 @@ func (f *FSDP) UnshardAsync(ctx context.Context, paths ...string) (*Unsharding, 
 }
 
 // Unshard is UnshardAsync followed by Wait: the units at paths (every
-// unit when none) are gathered when it returns.
+// unit when none) are gathered when it returns. Errors are theirs.
 func (f *FSDP) Unshard(ctx context.Context, paths ...string) error {
 	h, err := f.UnshardAsync(ctx, paths...)
 	if err != nil {
