@@ -122,20 +122,7 @@ func cpppRun(ctx context.Context, l cpppLayout, steps int) ([]float64, map[strin
 				return err
 			}
 		}
-		full := map[string][]float32{}
-		for _, p := range all {
-			f, err := p.Data().Full(ctx)
-			if err != nil {
-				return err
-			}
-			full[p.Name()] = f.([]float32)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		for n, f := range full {
-			params[n] = f
-		}
-		return nil
+		return gatherParams(ctx, all, &mu, params)
 	})
 	return losses, params, err
 }
