@@ -43,18 +43,26 @@ func (c cpFlags) check(heads, tp int) error {
 		}
 		return nil
 	}
-	local := heads / max(tp, 1)
-	switch m {
-	case cp.Ulysses:
-		if local%c.cp != 0 {
-			return fmt.Errorf("-cp-method ulysses splits the %d heads per tensor-parallel rank over -cp %d: they must be divisible; cp can be %s, or use ring or allgather", local, c.cp, divisors(local))
-		}
-	case cp.Hybrid:
-		if c.cp%2 != 0 || local%2 != 0 {
-			return fmt.Errorf("-cp-method hybrid runs Ulysses over groups of 2 and the ring across cp/2 of them: -cp (%d) and the heads per tensor-parallel rank (%d) must be even", c.cp, local)
-		}
+	// gpt.Config.CheckLayout checks the heads against Ulysses's ranks
+	// (layoutMethod); the groups of 2 are the example's own.
+	if local := heads / max(tp, 1); m == cp.Hybrid && (c.cp%2 != 0 || local%2 != 0) {
+		return fmt.Errorf("-cp-method hybrid runs Ulysses over groups of 2 and the ring across cp/2 of them: -cp (%d) and the heads per tensor-parallel rank (%d) must be even", c.cp, local)
 	}
 	return nil
+}
+
+// layoutMethod is -cp-method as gpt.Layout takes it: the method and
+// Hybrid's inner (Ulysses) ranks, 2. An unknown name is Auto here; check
+// reports it.
+func (c cpFlags) layoutMethod() (m cp.Method, inner int) {
+	m, err := cp.ParseMethod(c.method)
+	switch {
+	case err != nil:
+		return cp.Auto, 0
+	case m == cp.Hybrid:
+		return m, 2
+	}
+	return m, 0
 }
 
 // axes is the mesh the ranks build: dp × fsdp × tp, and cp innermost.
@@ -140,6 +148,6 @@ func (c cpFlags) names(dp, fsdp, tp int) []string {
 
 // hybrid reports whether -cp-method is hybrid.
 func (c cpFlags) hybrid() bool {
-	m, err := cp.ParseMethod(c.method)
-	return err == nil && m == cp.Hybrid
+	m, _ := c.layoutMethod()
+	return m == cp.Hybrid
 }

@@ -231,7 +231,9 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	if o.pipe.on() && o.cpf.cp > 1 {
 		return o, fmt.Errorf("-pp trains pipeline stages alone in this example; -cp cannot be combined with it yet")
 	}
-	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp, CPPlain: !o.cpf.balance}); err != nil {
+	l := gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp, CPPlain: !o.cpf.balance}
+	l.CPMethod, l.CPInner = o.cpf.layoutMethod()
+	if err := o.cfg.CheckLayout(o.run.B, l); err != nil {
 		return o, err
 	}
 	if err := o.cpf.check(o.cfg.Heads, o.tp); err != nil {
