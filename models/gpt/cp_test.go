@@ -56,7 +56,7 @@ func TestContextParallelRefused(t *testing.T) {
 			return fmt.Errorf("NewTrainer: %v; want ErrConfig with %q", err, want)
 		}
 		_, err = gpt.NewStage(autograd.NewTape(), m, cfg, 0, 1, gpt.RandomInit(cfg, 1), gpt.WithStageContextParallel("cp", cp.WithMethod(cp.Ulysses)))
-		if want := `Ulysses splits the 4 heads over cp (3, axis "cp")`; !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), want) {
+		if want := `WithStageContextParallel("cp"): gpt: invalid configuration: Ulysses splits the 4 heads per tensor-parallel rank over cp (3)`; !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), want) {
 			return fmt.Errorf("NewStage: %v; want ErrConfig with %q", err, want)
 		}
 		return nil

@@ -62,7 +62,9 @@ func WithStageContextParallel(axis string, opts ...cp.Option) StageOption {
 // on the last, on the tape's device, initialised from params by name (every name the stage
 // holds must be there: RandomInit gives the whole model's), with
 // context parallelism when opts say (WithStageContextParallel). Errors
-// wrap ErrConfig (an unknown cp axis names the mesh's axes).
+// wrap ErrConfig (an unknown cp axis names the mesh's axes; a cp layout
+// CheckLayout refuses, such as Ulysses over more ranks than divide the
+// heads, is its error).
 func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, params map[string][]float32, opts ...StageOption) (*Stage, error) {
 	if tape == nil || m == nil {
 		return nil, fmt.Errorf("%w: NewStage: nil tape or mesh", ErrConfig)
@@ -88,8 +90,10 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 		if err != nil {
 			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel: %w", ErrConfig, err)
 		}
-		if method == cp.Ulysses && ncp > 1 && cfg.Heads%ncp != 0 {
-			return nil, fmt.Errorf("%w: NewStage: Ulysses splits the %d heads over cp (%d, axis %q): they must be divisible", ErrConfig, cfg.Heads, ncp, sc.cp)
+		// The checks of a Trainer's layout that a stage can make before
+		// tensor parallelism and the batch's layout are known.
+		if err := cfg.CheckLayout(0, Layout{DP: 1, TP: 1, CP: ncp, CPMethod: method, CPPlain: true}); err != nil {
+			return nil, fmt.Errorf("NewStage: WithStageContextParallel(%q): %w", sc.cp, err)
 		}
 	}
 	init := parallel.ByName(params)
