@@ -27,9 +27,10 @@ func (c *cpFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&c.flatFSDP, "cp-flat-fsdp", true, "with -cp and -fsdp: FSDP shards over the flattened fsdp×cp axes, each rank holding 1/(fsdp·cp) of the parameters (torchtitan's dp_shard_cp); false shards over fsdp alone and sums the gradients over cp")
 }
 
-// check reads -cp-method and checks the flags against the model's heads
-// per tensor-parallel rank.
-func (c cpFlags) check(heads, tp int) error {
+// check reads -cp-method and checks the flags together; the model's
+// heads against the method are gpt.Config.CheckLayout's (layoutMethod
+// gives it the method, and Hybrid's groups of 2).
+func (c cpFlags) check() error {
 	if c.cp < 1 {
 		return fmt.Errorf("-cp %d; want at least 1", c.cp)
 	}
@@ -41,12 +42,6 @@ func (c cpFlags) check(heads, tp int) error {
 		if m != cp.Auto || !c.balance {
 			return fmt.Errorf("-cp-method and -cp-balance apply to context parallelism: set -cp to 2 or more")
 		}
-		return nil
-	}
-	// gpt.Config.CheckLayout checks the heads against Ulysses's ranks
-	// (layoutMethod); the groups of 2 are the example's own.
-	if local := heads / max(tp, 1); m == cp.Hybrid && (c.cp%2 != 0 || local%2 != 0) {
-		return fmt.Errorf("-cp-method hybrid runs Ulysses over groups of 2 and the ring across cp/2 of them: -cp (%d) and the heads per tensor-parallel rank (%d) must be even", c.cp, local)
 	}
 	return nil
 }

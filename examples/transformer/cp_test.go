@@ -28,7 +28,7 @@ func TestParseCP(t *testing.T) {
 		{args: []string{"-dp", "1", "-tp", "1", "-cp", "4", "-cp-method", "hybrid"}, ranks: 4, shape: []int{1, 1, 1, 2, 2}, names: []string{"dp", "fsdp", "tp", "cp", "cpu"}},
 		{args: []string{"-dp", "1", "-tp", "1", "-cp", "4", "-cp-method", "Ulysses"}, ranks: 4, shape: []int{1, 1, 1, 4}, names: []string{"dp", "fsdp", "tp", "cp"}},
 		{args: []string{"-dp", "1", "-tp", "2", "-cp", "4", "-cp-method", "ulysses"}, want: "splits the 2 heads per tensor-parallel rank over cp (4): they must be divisible; cp can be 1 or 2"},
-		{args: []string{"-dp", "1", "-tp", "1", "-cp", "3", "-cp-method", "hybrid"}, want: "-cp (3) and the heads per tensor-parallel rank (4) must be even"},
+		{args: []string{"-dp", "1", "-tp", "1", "-cp", "3", "-cp-method", "hybrid"}, want: "Hybrid's inner (Ulysses) ranks (2) must divide cp (3)"},
 		{args: []string{"-cp", "2", "-cp-method", "tree"}, want: `unknown method "tree"`},
 		{args: []string{"-cp-method", "ring"}, want: "apply to context parallelism: set -cp to 2 or more"},
 		{args: []string{"-cp", "0"}, want: "-cp 0; want at least 1"},

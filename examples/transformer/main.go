@@ -236,7 +236,7 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	if err := o.cfg.CheckLayout(o.run.B, l); err != nil {
 		return o, err
 	}
-	if err := o.cpf.check(o.cfg.Heads, o.tp); err != nil {
+	if err := o.cpf.check(); err != nil {
 		return o, err
 	}
 	if err := o.checkSharding(); err != nil {

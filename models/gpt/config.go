@@ -162,6 +162,8 @@ func (c Config) CheckLayout(batch int, l Layout) error {
 		switch {
 		case l.CPMethod == cp.Ulysses && local%l.CP != 0:
 			bad("Ulysses splits the %d heads per tensor-parallel rank over cp (%d): they must be divisible; cp can be %s, or use ring or allgather", local, l.CP, layout.Divisors(local))
+		case l.CPMethod == cp.Hybrid && l.CPInner > 1 && l.CP%l.CPInner != 0:
+			bad("Hybrid's inner (Ulysses) ranks (%d) must divide cp (%d), which counts them; the inner size can be %s", l.CPInner, l.CP, layout.Divisors(l.CP))
 		case l.CPMethod == cp.Hybrid && l.CPInner > 1 && local%l.CPInner != 0:
 			bad("Hybrid's Ulysses splits the %d heads per tensor-parallel rank over its inner ranks (%d): they must be divisible; the inner size can be %s", local, l.CPInner, layout.Divisors(local))
 		}

@@ -33,6 +33,7 @@ func TestContextParallelRefused(t *testing.T) {
 		{gpt.Layout{DP: 1, TP: 1, CP: 48}, "its length (64) must be at least 2·cp (2 × 48); use plain shards or cp of at most 32"},
 		{gpt.Layout{DP: 1, TP: 1, CP: 3, CPMethod: cp.Ulysses}, "Ulysses splits the 4 heads per tensor-parallel rank over cp (3): they must be divisible; cp can be 1, 2 or 4"},
 		{gpt.Layout{DP: 1, TP: 2, CP: 4, CPMethod: cp.Hybrid, CPInner: 4}, "Hybrid's Ulysses splits the 2 heads per tensor-parallel rank over its inner ranks (4)"},
+		{gpt.Layout{DP: 1, TP: 1, CP: 3, CPMethod: cp.Hybrid, CPInner: 2}, "Hybrid's inner (Ulysses) ranks (2) must divide cp (3), which counts them; the inner size can be 1 or 3"},
 	} {
 		if err := cfg.CheckLayout(16, c.l); !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("CheckLayout(%+v): %v; want ErrConfig with %q", c.l, err, c.want)
