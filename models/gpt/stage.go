@@ -233,6 +233,8 @@ func (s *Stage) Forward(ctx context.Context, h *autograd.Value, x, y *autograd.I
 	return out, nil
 }
 
+// forward is Forward's computation, from the stage's enter hook on
+// (FSDP's root unit gathers there); Forward runs the output hook.
 func (s *Stage) forward(ctx context.Context, h *autograd.Value, x, y *autograd.Indices, weight float64) (*autograd.Value, error) {
 	if err := s.Enter(ctx); err != nil {
 		return nil, err

@@ -143,7 +143,7 @@ func (tr *Transport) Send(ctx context.Context, dt *placement.DTensor, peer, tag 
 		}
 		h[4+maxDims+i] = code
 	}
-	if err := meshOrders(s); err != nil {
+	if err := checkMeshOrder(s); err != nil {
 		return err
 	}
 	h[headerLen-1] = int64(buf.Len())
@@ -305,11 +305,11 @@ func placementOf(c int64) (placement.Placement, error) {
 	return placement.Placement{}, fmt.Errorf("unknown placement code %d", c)
 }
 
-// meshOrders checks that every dim sharded over several axes is sharded
+// checkMeshOrder checks that every dim sharded over several axes is sharded
 // over them in mesh order, the order the receiver's spec takes: the header
 // does not carry another, and the receiver would read the blocks as other
 // rows.
-func meshOrders(s *placement.Spec) error {
+func checkMeshOrder(s *placement.Spec) error {
 	names := s.Mesh().Names()
 	for d := range s.Shape() {
 		o := s.Order(d)
