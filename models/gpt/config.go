@@ -122,7 +122,7 @@ type Layout struct {
 // sequence of at least CP positions (2·CP when load balanced), no
 // sequence parallelism (both would shard the sequence dim), and for
 // Ulysses (Hybrid) heads per tensor-parallel rank divisible by CP (its
-// inner ranks). Each error wraps ErrConfig and says
+// inner ranks, which must divide CP). Each error wraps ErrConfig and says
 // which values would work.
 func (c Config) CheckLayout(batch int, l Layout) error {
 	dp, tp, fsdp, sp := l.DP, l.TP, max(l.FSDP, 1), l.SP
