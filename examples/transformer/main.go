@@ -225,9 +225,6 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	if err := o.pipeline(fs); err != nil {
 		return o, err
 	}
-	if o.pipe.on() && o.cpf.cp > 1 {
-		return o, fmt.Errorf("-pp trains pipeline stages alone in this example; -cp cannot be combined with it yet")
-	}
 	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp}); err != nil {
 		return o, err
 	}
@@ -458,12 +455,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	summarize(out, o, res, fx)
 
 	if o.compare {
-		one := o
-		one.dp, one.fsdp, one.tp, one.sp = 1, 1, 1, false
-		one.cpf = cpFlags{cp: 1, method: "auto", balance: true}
-		one.reshard, one.zero = "true", 3
-		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1, 1}
-		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
+		one := o.oneRank()
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.loop.Steps)
 		oneJob, err := launch.InProcess(1)
 		if err != nil {
@@ -490,6 +482,19 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return nil
 	}
 	return train.WriteJSON(o.loop.Flags.JSONPath, res)
+}
+
+// oneRank is o on one rank, -compare's reference: no parallelism, no
+// trace (the layout asked for keeps it).
+func (o options) oneRank() options {
+	one := o
+	one.dp, one.fsdp, one.tp, one.sp = 1, 1, 1, false
+	one.cpf = cpFlags{cp: 1, method: "auto", balance: true}
+	one.reshard, one.zero = "true", 3
+	one.pipe = pipeOptions{pp: 1}
+	one.loop.Ranks, one.loop.Shape = 1, []int{1, 1, 1}
+	one.loop.Flags.TracePath = ""
+	return one
 }
 
 // rank is one rank's trainer, as train.Run drives it: Step returns the

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -14,8 +15,9 @@ import (
 // TestPipelineFlags: -schedule-print prints the lowered table without
 // training; -pp 2 trains the tiny GPT pipelined with losses equal to one
 // rank's (float32: 1e-5) and -json has "pp", "schedule", "bubble" and
-// "bubble_theory"; flags that need -pp, or cannot join it yet, are
-// refused before any rank starts.
+// "bubble_theory"; flags that need -pp, layouts that cannot join it yet
+// (-fsdp, -cp), micro-batches dp cannot share and -ac with a split
+// backward are refused before any rank starts.
 func TestPipelineFlags(t *testing.T) {
 	ctx := context.Background()
 	var out bytes.Buffer
@@ -29,7 +31,10 @@ func TestPipelineFlags(t *testing.T) {
 	}
 	for _, args := range [][]string{
 		{"-schedule", "gpipe"},
-		{"-pp", "2", "-dp", "2"},
+		{"-pp", "2", "-fsdp", "2"},
+		{"-pp", "2", "-cp", "2"},
+		{"-pp", "2", "-dp", "2", "-microbatches", "3"},
+		{"-pp", "2", "-ac", "full", "-schedule", "zb1"},
 		{"-pp", "2", "-schedule", "nonesuch.csv"},
 		{"-pp", "2", "-schedule", "zbv", "-microbatches", "2"},
 	} {
@@ -67,5 +72,121 @@ func TestPipelineFlags(t *testing.T) {
 		if math.Abs(p.Losses[i]-one.Losses[i]) > 1e-5 {
 			t.Errorf("step %d: pipelined loss %v, one rank %v", i+1, p.Losses[i], one.Losses[i])
 		}
+	}
+}
+
+// TestPipelineComposed: -pp 2 with -dp 2, with -tp 2 (and -sp), and with
+// both (8 ranks) trains the tiny GPT to the one-rank losses within 1e-5
+// (float32: the micro-batches' gradients are summed where one rank
+// computes them in one GEMM, and dp's and tp's sums reassociate; over 2
+// steps the losses differ by about 2e-7), and -json says the layout.
+func TestPipelineComposed(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipped in -short mode: trains on up to 8 in-process ranks")
+	}
+	ctx := context.Background()
+	dir := t.TempDir()
+	common := []string{"-steps", "2", "-every", "1", "-threads", "1"}
+	one := filepath.Join(dir, "one.json")
+	if err := run(ctx, append([]string{"-dp", "1", "-tp", "1", "-json", one}, common...), &bytes.Buffer{}); err != nil {
+		t.Fatal(err)
+	}
+	var want result
+	readJSON(t, one, &want)
+	for _, c := range []struct {
+		args   []string
+		dp, tp int
+	}{
+		{[]string{"-pp", "2", "-dp", "2"}, 2, 1},
+		{[]string{"-pp", "2", "-tp", "2"}, 1, 2},
+		{[]string{"-pp", "2", "-tp", "2", "-sp", "-schedule", "zb1"}, 1, 2},
+		{[]string{"-pp", "2", "-dp", "2", "-tp", "2"}, 2, 2},
+	} {
+		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
+			path := filepath.Join(dir, strings.Join(c.args, "")+".json")
+			var out bytes.Buffer
+			if err := run(ctx, append(append(c.args, "-json", path), common...), &out); err != nil {
+				t.Fatalf("%v\n%s", err, out.String())
+			}
+			var got ppResult
+			readJSON(t, path, &got)
+			if got.PP != 2 || got.DP != c.dp || got.TP != c.tp || got.WorldSize != 2*c.dp*c.tp {
+				t.Errorf("-json: pp %d dp %d tp %d world %d; want 2, %d, %d, %d", got.PP, got.DP, got.TP, got.WorldSize, c.dp, c.tp, 2*c.dp*c.tp)
+			}
+			if len(got.Losses) != len(want.Losses) {
+				t.Fatalf("%d losses, one rank %d", len(got.Losses), len(want.Losses))
+			}
+			for i := range want.Losses {
+				if d := math.Abs(got.Losses[i] - want.Losses[i]); d > 1e-5 {
+					t.Errorf("step %d: loss %.7f, one rank %.7f", i+1, got.Losses[i], want.Losses[i])
+				}
+			}
+		})
+	}
+}
+
+// TestPipelineCompareTrace: -compare with -pp trains the one-rank
+// reference and reports the differences (small: the composed run's
+// parity), and -trace writes each rank's pipeline actions (F, I, W per
+// stage and micro-batch, the waits for received tensors) into the trace
+// file and prints each rank's idle time.
+func TestPipelineCompareTrace(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipped in -short mode: trains twice")
+	}
+	path := filepath.Join(t.TempDir(), "trace.json")
+	var out bytes.Buffer
+	args := []string{"-pp", "2", "-dp", "2", "-schedule", "zb1", "-steps", "2", "-every", "1", "-threads", "1", "-compare", "-trace", path, "-trace-steps", "1"}
+	if err := run(context.Background(), args, &out); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	var dl, dp float64
+	if _, err := fmt.Sscanf(out.String()[strings.Index(out.String(), "largest loss difference"):], "largest loss difference %g, largest parameter difference %g", &dl, &dp); err != nil {
+		t.Fatalf("no -compare line: %v\n%s", err, out.String())
+	}
+	// AdamW's first steps move each parameter by about lr whatever the
+	// gradient's size, so rounding shows more in the parameters.
+	if dl > 1e-5 || dp > 1e-4 {
+		t.Errorf("-compare: loss difference %g, parameter difference %g", dl, dp)
+	}
+	for r := range 4 {
+		if !strings.Contains(out.String(), fmt.Sprintf("rank %d: F/I/W/B ", r)) {
+			t.Errorf("no idle line for rank %d:\n%s", r, out.String())
+		}
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tr struct {
+		TraceEvents []struct {
+			Name string `json:"name"`
+			Pid  int    `json:"pid"`
+		} `json:"traceEvents"`
+	}
+	if err := json.Unmarshal(b, &tr); err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, e := range tr.TraceEvents {
+		seen[fmt.Sprintf("%d %s", e.Pid, e.Name)] = true
+	}
+	// Stage 0 on ranks 0 and 1 (dp), stage 1 on ranks 2 and 3.
+	for _, want := range []string{"0 F s0 mb0", "1 I s0 mb3", "2 W s1 mb2", "3 F s1 mb1", "0 wait RECV_B s0 mb0", "3 wait RECV_F s1 mb0"} {
+		if !seen[want] {
+			t.Errorf("the trace lacks %q", want)
+		}
+	}
+}
+
+// readJSON reads path's JSON into v.
+func readJSON(t *testing.T, path string, v any) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		t.Fatal(err)
 	}
 }
