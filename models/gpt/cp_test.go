@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/placement/placementtest"
@@ -47,6 +48,19 @@ func TestContextParallelRefused(t *testing.T) {
 			if !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), c.want) {
 				return fmt.Errorf("NewTrainer: %v; want ErrConfig with %q", err, c.want)
 			}
+		}
+		return nil
+	})
+}
+
+// A stage's context-parallel axis must be an axis of the stage's mesh:
+// NewStage refuses another with ErrConfig, naming it and the mesh's axes.
+func TestStageContextParallelRefused(t *testing.T) {
+	placementtest.Run(t, []int{1, 1}, []string{"dp", "cp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		cfg := gpt.Tiny()
+		_, err := gpt.NewStage(autograd.NewTape(), m, cfg, 0, 1, gpt.RandomInit(cfg, 1), gpt.WithStageContextParallel("seq"))
+		if want := `WithStageContextParallel("seq"): the stage mesh's axes are [dp cp]`; !errors.Is(err, gpt.ErrConfig) || !strings.Contains(err.Error(), want) {
+			return fmt.Errorf("NewStage: %v; want ErrConfig with %q", err, want)
 		}
 		return nil
 	})
