@@ -22,6 +22,7 @@ import (
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/cp"
 	"github.com/b7ea7098/loom/parallel/pp"
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
@@ -51,12 +52,13 @@ func (p *pipeOptions) register(fs *flag.FlagSet) {
 // on reports whether the run is pipelined (or only prints a schedule).
 func (p pipeOptions) on() bool { return p.pp > 1 || p.print }
 
-// pipeline fixes o's layout for a pipelined run: the mesh (pp, dp, tp),
-// the pp axis outermost, each stage's blocks laid out over tp by gpt.Plan
-// (with -sp, sequence parallel) and its micro-batches' rows sharded over
-// dp. -dp and -tp default to 1 here (2 without -pp). What cannot join -pp
-// yet (-fsdp, -cp) is refused, as is a micro-batch whose rows dp does
-// not divide, before any rank starts.
+// pipeline fixes o's layout for a pipelined run: the mesh (pp, dp, fsdp,
+// tp, cp), the pp axis outermost, each stage's blocks laid out over tp by
+// gpt.Plan (with -sp, sequence parallel), its micro-batches' rows sharded
+// over dp and, with -cp, their sequence over cp (the stages' attention
+// by -cp-method). -dp and -tp default to 1 here (2 without -pp). What
+// cannot join -pp yet (-fsdp, -cp-method hybrid) is refused, as is a micro-batch whose rows
+// dp does not divide, before any rank starts.
 func (o *options) pipeline(fs *flag.FlagSet) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -75,15 +77,11 @@ func (o *options) pipeline(fs *flag.FlagSet) error {
 	if !set["tp"] {
 		o.tp = 1
 	}
-	var bad []string
 	if o.fsdp > 1 {
-		bad = append(bad, "-fsdp")
+		return errors.New("-pp composes with -dp, -tp, -sp, -cp and -ac in this example; -fsdp cannot be combined with it yet")
 	}
-	if o.cpf.cp > 1 {
-		bad = append(bad, "-cp")
-	}
-	if len(bad) > 0 {
-		return fmt.Errorf("-pp composes with -dp, -tp, -sp and -ac in this example; %s cannot be combined with it yet", strings.Join(bad, " and "))
+	if o.cpf.cp > 1 && o.cpf.hybrid() {
+		return errors.New("-cp-method hybrid does not run inside pipeline stages yet; with -pp take auto, ring, allgather or ulysses")
 	}
 	if o.dp < 1 || o.tp < 1 {
 		return fmt.Errorf("-dp %d -tp %d; want at least 1 each", o.dp, o.tp)
@@ -94,7 +92,8 @@ func (o *options) pipeline(fs *flag.FlagSet) error {
 	if err := o.checkMicroBatches(); err != nil {
 		return err
 	}
-	o.loop.Ranks, o.loop.Shape = o.pipe.pp*o.dp*o.tp, []int{o.pipe.pp, o.dp, o.tp}
+	shape, _ := o.cpf.axes(o.dp, o.fsdp, o.tp)
+	o.loop.Ranks, o.loop.Shape = o.pipe.pp*o.dp*o.tp*max(o.cpf.cp, 1), append([]int{o.pipe.pp}, shape...)
 	return nil
 }
 
@@ -157,7 +156,7 @@ type pipeReport struct {
 // runPipeline trains (or with -schedule-print only prints) o's pipelined
 // run. params is the initial model, by name.
 func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixture, params map[string][]float32) error {
-	s, err := o.pipe.build(o.dp*o.tp > 1)
+	s, err := o.pipe.build(o.dp*o.tp*o.cpf.cp > 1)
 	if err != nil {
 		return err
 	}
@@ -245,7 +244,7 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 	if !job.Root() {
 		return nil
 	}
-	r := &result{DP: o.dp, FSDP: 1, TP: o.tp, SP: o.sp, AC: o.ac, Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
+	r := &result{DP: o.dp, FSDP: 1, TP: o.tp, SP: o.sp, AC: o.ac, cpResult: o.cpf.result(), Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
 		Steps: o.loop.Steps, Losses: res.Steps, TokensPerS: res.TokensPerS, Model: o.shape.Model, Params: o.cfg.NumParams()}
 	r.FinalLoss = res.Steps[len(res.Steps)-1]
 	return train.WriteJSON(o.loop.Flags.JSONPath, ppResult{result: *r, PP: s.Ranks, Schedule: s.Name, Bubble: rep.bubble, BubbleTheory: theory})
@@ -308,13 +307,14 @@ func (o options) checkMicroBatches() error {
 }
 
 // pipeRank is one rank's pipelined trainer: its stages (laid out over the
-// rank's dp × tp mesh), the runtime and AdamW over its stages' parameters.
+// rank's dp × fsdp × tp × cp mesh), the runtime and AdamW over its stages'
+// parameters.
 type pipeRank struct {
 	rt      *pp.Runtime
 	world   comm.Communicator
 	params  []*autograd.Value
 	reduce  bool // tp.ReduceGrads after each step: a lowered CSV schedule without ReduceGrad actions
-	loss    bool // this rank adds its loss to the step's: the last stage's, tp coordinate 0
+	loss    bool // this rank adds its loss to the step's: the last stage's, tp coordinate 0 (a share of it over dp and cp)
 	opt     *optim.AdamW
 	batches interface{ Next() tinygpt.Batch }
 	cur     tinygpt.Batch
@@ -325,7 +325,8 @@ type pipeRank struct {
 }
 
 func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, init map[string][]float32) (*pipeRank, error) {
-	m, err := mesh.New(r.Comm, o.loop.Shape, []string{"pp", "dp", "tp"})
+	names := append([]string{"pp"}, o.cpf.names(o.dp, o.fsdp, o.tp)...)
+	m, err := mesh.New(r.Comm, o.loop.Shape, names)
 	if err != nil {
 		return nil, err
 	}
@@ -333,7 +334,7 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 	if err != nil {
 		return nil, err
 	}
-	sm := tr.Mesh() // (dp, tp): the mesh of this rank's stages
+	sm := tr.Mesh() // (dp, fsdp, tp, cp): the mesh of this rank's stages
 	tape := autograd.NewTape(r.Tape...)
 	pr := &pipeRank{world: r.Comm}
 	if pr.batches, err = gpt.Batches(o.cfg, o.run, !o.fixture, o.seed); err != nil {
@@ -344,11 +345,24 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 		return nil, err
 	}
 	coord := m.Coord()
+	// The micro-batches' rows sharded over dp, their sequence over cp
+	// (as the Trainer shards it), whole on fsdp and tp.
+	at := []placement.Placement{placement.Shard(0), placement.Replicate(), placement.Replicate()}
+	var stageOpts []gpt.StageOption
+	if o.cpf.cp > 1 {
+		seq := placement.ShardBalanced(1)
+		if !o.cpf.balance {
+			seq = placement.Shard(1)
+		}
+		at = append(at, seq)
+		method, _ := cp.ParseMethod(o.cpf.method) // checked by parse; not hybrid (pipeline)
+		stageOpts = append(stageOpts, gpt.WithStageContextParallel("cp", cp.WithMethod(method)))
+	}
 	funcs := map[int]pp.StageFunc{}
 	byStage := map[int][]*autograd.Value{}
 	S, L := s.Stages(), o.cfg.Layers
 	for _, k := range s.StagesOf(tr.Rank()) {
-		st, err := gpt.NewStage(tape, sm, o.cfg, k*L/S, (k+1)*L/S, init)
+		st, err := gpt.NewStage(tape, sm, o.cfg, k*L/S, (k+1)*L/S, init, stageOpts...)
 		if err != nil {
 			return nil, err
 		}
@@ -368,12 +382,10 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 		}
 		byStage[k] = st.Params()
 		pr.params = append(pr.params, byStage[k]...)
-		pr.loss = pr.loss || (k == S-1 && coord[2] == 0)
+		pr.loss = pr.loss || (k == S-1 && coord[slices.Index(names, "tp")] == 0)
 		funcs[k] = func(ctx context.Context, mb int, h *autograd.Value) (*autograd.Value, error) {
 			b, rg := pr.cur, rows[mb]
 			shape := []int{rg.Hi - rg.Lo, b.T}
-			// The micro-batch's rows sharded over dp, whole on tp.
-			at := []placement.Placement{placement.Shard(0), placement.Replicate()}
 			x, err := autograd.IndicesFromFull(sm, shape, at, b.X[rg.Lo*b.T:rg.Hi*b.T])
 			if err != nil {
 				return nil, err
@@ -385,7 +397,7 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 			return st.Forward(ctx, h, x, y, rg.Weight)
 		}
 	}
-	// The dp sum of each stage's gradients, and what TP leaves partial,
+	// The dp and cp sums of each stage's gradients, and what TP leaves partial,
 	// once per step at the stage's ReduceGrad action.
 	opts := []pp.Option{pp.WithGradReduction(func(ctx context.Context, stage int) error {
 		return tp.ReduceGrads(ctx, byStage[stage])
@@ -426,8 +438,8 @@ func (pr *pipeRank) Step(ctx context.Context) (float64, error) {
 	if pr.steps++; pr.steps > 1 {
 		pr.bubble += st.Bubble
 	}
-	// The loss lives on the last stage's ranks, each dp rank's share of
-	// it (tp's ranks hold the same: one of them adds it), and the bubble
+	// The loss lives on the last stage's ranks, each dp and cp rank's
+	// share of it (tp's ranks hold the same: one of them adds it), and the bubble
 	// on every rank: one all-reduce over the world gives both to all.
 	v := []float64{0, pr.bubble}
 	if pr.loss {

@@ -16,7 +16,7 @@ import (
 // training; -pp 2 trains the tiny GPT pipelined with losses equal to one
 // rank's (float32: 1e-5) and -json has "pp", "schedule", "bubble" and
 // "bubble_theory"; flags that need -pp, layouts that cannot join it yet
-// (-fsdp, -cp), micro-batches dp cannot share and -ac with a split
+// (-fsdp, -cp-method hybrid), micro-batches dp cannot share and -ac with a split
 // backward are refused before any rank starts.
 func TestPipelineFlags(t *testing.T) {
 	ctx := context.Background()
@@ -32,7 +32,7 @@ func TestPipelineFlags(t *testing.T) {
 	for _, args := range [][]string{
 		{"-schedule", "gpipe"},
 		{"-pp", "2", "-fsdp", "2"},
-		{"-pp", "2", "-cp", "2"},
+		{"-pp", "2", "-cp", "2", "-cp-method", "hybrid"},
 		{"-pp", "2", "-dp", "2", "-microbatches", "3"},
 		{"-pp", "2", "-ac", "full", "-schedule", "zb1"},
 		{"-pp", "2", "-schedule", "nonesuch.csv"},
@@ -75,8 +75,8 @@ func TestPipelineFlags(t *testing.T) {
 	}
 }
 
-// TestPipelineComposed: -pp 2 with -dp 2, with -tp 2 (and -sp), and with
-// both (8 ranks) trains the tiny GPT to the one-rank losses within 1e-5
+// TestPipelineComposed: -pp 2 with -dp 2, with -tp 2 (and -sp), with
+// both (8 ranks), and with -dp 2 -cp 2 (ring attention) trains the tiny GPT to the one-rank losses within 1e-5
 // (float32: the micro-batches' gradients are summed where one rank
 // computes them in one GEMM, and dp's and tp's sums reassociate; over 2
 // steps the losses differ by about 2e-7), and -json says the layout.
@@ -101,6 +101,7 @@ func TestPipelineComposed(t *testing.T) {
 		{[]string{"-pp", "2", "-tp", "2"}, 1, 2},
 		{[]string{"-pp", "2", "-tp", "2", "-sp", "-schedule", "zb1"}, 1, 2},
 		{[]string{"-pp", "2", "-dp", "2", "-tp", "2"}, 2, 2},
+		{[]string{"-pp", "2", "-dp", "2", "-cp", "2", "-cp-method", "ring", "-schedule", "zb1"}, 2, 1},
 	} {
 		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
 			path := filepath.Join(dir, strings.Join(c.args, "")+".json")
@@ -110,8 +111,8 @@ func TestPipelineComposed(t *testing.T) {
 			}
 			var got ppResult
 			readJSON(t, path, &got)
-			if got.PP != 2 || got.DP != c.dp || got.TP != c.tp || got.WorldSize != 2*c.dp*c.tp {
-				t.Errorf("-json: pp %d dp %d tp %d world %d; want 2, %d, %d, %d", got.PP, got.DP, got.TP, got.WorldSize, c.dp, c.tp, 2*c.dp*c.tp)
+			if got.PP != 2 || got.DP != c.dp || got.TP != c.tp || got.WorldSize != 2*c.dp*c.tp*max(got.CP, 1) {
+				t.Errorf("-json: pp %d dp %d tp %d cp %d world %d; want 2, %d, %d", got.PP, got.DP, got.TP, got.CP, got.WorldSize, c.dp, c.tp)
 			}
 			if len(got.Losses) != len(want.Losses) {
 				t.Fatalf("%d losses, one rank %d", len(got.Losses), len(want.Losses))
