@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestPipelineFlags: -schedule-print prints the lowered table without
@@ -190,4 +192,64 @@ func readJSON(t *testing.T, path string, v any) {
 	if err := json.Unmarshal(b, v); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestPipelineLoomrun runs the example (built without cgo) under
+// `loomrun -n 4 … -pp 2 -dp 2`: four processes of one rank each on the
+// TCP backend (launch.Auto's choice on a host without GPUs, which
+// LOOM_CUDA_DRIVER=off makes this one), whose activations and gradients
+// cross stages over TCP. Its losses equal the same binary's on 4
+// in-process ranks bit for bit (tolerance 0): both run the same code on
+// the same batches with loom's GEMM (LOOM_BLAS=go) on one thread per
+// rank, and every sum that crosses ranks adds two nonzero terms (dp's
+// gradient all-reduce over 2 ranks; the loss, from the last stage's two
+// dp ranks, with zeros from the others), which any order adds alike.
+// They are the one-rank run's within TestPipelineComposed's 1e-5.
+// Skipped under -short (it compiles two programs).
+func TestPipelineLoomrun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipped in -short mode: compiles the example and loomrun and runs them")
+	}
+	dir := t.TempDir()
+	bin, loomrun := filepath.Join(dir, "transformer"), filepath.Join(dir, "loomrun")
+	for out, pkg := range map[string]string{bin: ".", loomrun: "../../cmd/loomrun"} {
+		cmd := exec.Command("go", "build", "-o", out, pkg)
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("go build %s: %v\n%s", pkg, err, b)
+		}
+	}
+	env := append(os.Environ(), "LOOM_BACKEND=", "LOOM_BLAS=go", "LOOM_CUDA_DRIVER=off", "LOOM_TIMEOUT=60s", "LOOM_COSTMODEL=off")
+	args := []string{"-pp", "2", "-dp", "2", "-schedule", "zb1", "-steps", "5", "-every", "5", "-threads", "1"}
+	losses := func(what string, json string, cmdline ...string) ([]float64, string) {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, cmdline[0], append(cmdline[1:], "-json", json)...)
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", what, err, out)
+		}
+		var r ppResult
+		readJSON(t, json, &r)
+		if len(r.Losses) != 5 {
+			t.Fatalf("%s: -json %+v", what, r)
+		}
+		return r.Losses, r.Backend + fmt.Sprintf(" %d processes", r.Processes)
+	}
+	got, gotJob := losses("loomrun -n 4", filepath.Join(dir, "tcp.json"), append([]string{loomrun, "-n", "4", "--timeout", "2m", bin}, args...)...)
+	want, wantJob := losses("in-process", filepath.Join(dir, "local.json"), append([]string{bin, "-backend", "local"}, args...)...)
+	if gotJob != "tcp 4 processes" || wantJob != "local 1 processes" {
+		t.Errorf("jobs: loomrun %q, in-process %q", gotJob, wantJob)
+	}
+	one, _ := losses("one rank", filepath.Join(dir, "one.json"), bin, "-backend", "local", "-dp", "1", "-tp", "1", "-steps", "5", "-every", "5", "-threads", "1")
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("step %d: loss %v on 4 tcp processes, %v on 4 in-process ranks", i+1, got[i], want[i])
+		}
+		if d := math.Abs(got[i] - one[i]); d > 1e-5 { // as TestPipelineComposed
+			t.Errorf("step %d: loss %v on 4 tcp processes, %v on one rank", i+1, got[i], one[i])
+		}
+	}
+	t.Logf("losses on 4 tcp processes, bit for bit the in-process ones: %v", got)
 }
