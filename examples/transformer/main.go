@@ -66,6 +66,11 @@
 // -cp-method over them, the causal work load balanced unless
 // -cp-balance=false; -seq sets a longer sequence (a throughput run).
 //
+// -pp N splits the blocks into pipeline stages over N more ranks (the
+// outermost mesh axis; pp.go) run by -schedule over -microbatches; it
+// composes with -dp, -tp, -sp, -cp and -ac, and -trace then shows each
+// rank's forwards and backwards per micro-batch, its waits and idle time.
+//
 // The model and the layout are checked before any rank starts: the
 // shape's values (heads dividing the width, a vocabulary of at least
 // 128), tp must divide the heads (4 for tiny: tp is 1, 2 or 4), dp × fsdp
