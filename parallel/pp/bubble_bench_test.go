@@ -54,7 +54,7 @@ func BenchmarkBubble(b *testing.B) {
 	for _, c := range []struct {
 		ranks, m int
 		wait     bool
-	}{{2, 4, false}, {4, 8, true}} {
+	}{{2, 4, false}, {2, 4, true}, {4, 8, true}} {
 		for _, name := range []string{"gpipe", "1f1b", "interleaved", "zb1", "zbv"} {
 			what := "compute"
 			if c.wait {
