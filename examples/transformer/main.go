@@ -68,7 +68,7 @@
 //
 // -pp N splits the blocks into pipeline stages over N more ranks (the
 // outermost mesh axis; pp.go) run by -schedule over -microbatches; it
-// composes with -dp, -tp, -sp, -cp and -ac, and -trace then shows each
+// composes with -dp, -fsdp, -tp, -sp, -cp and -ac, and -trace then shows each
 // rank's forwards and backwards per micro-batch, its waits and idle time.
 //
 // The model and the layout are checked before any rank starts: the

@@ -23,6 +23,7 @@ import (
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/cp"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/parallel/pp"
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
@@ -56,9 +57,13 @@ func (p pipeOptions) on() bool { return p.pp > 1 || p.print }
 // tp, cp), the pp axis outermost, each stage's blocks laid out over tp by
 // gpt.Plan (with -sp, sequence parallel), its micro-batches' rows sharded
 // over dp and, with -cp, their sequence over cp (the stages' attention
-// by -cp-method). -dp and -tp default to 1 here (2 without -pp). What
-// cannot join -pp yet (-fsdp, -cp-method hybrid) is refused, as is a micro-batch whose rows
-// dp does not divide, before any rank starts.
+// by -cp-method); with -fsdp each stage's blocks are FSDP units over
+// fsdp (gpt.Stage.FullyShard), the rows sharded over dp × fsdp. -dp and
+// -tp default to 1 here (2 without -pp), and -reshard to false (one
+// all-gather per unit and step, as torchtitan does under pipelining).
+// What cannot join -pp yet (-cp-method hybrid) is refused, as is a
+// micro-batch whose rows dp × fsdp does not divide, before any rank
+// starts.
 func (o *options) pipeline(fs *flag.FlagSet) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -77,14 +82,14 @@ func (o *options) pipeline(fs *flag.FlagSet) error {
 	if !set["tp"] {
 		o.tp = 1
 	}
-	if o.fsdp > 1 {
-		return errors.New("-pp composes with -dp, -tp, -sp, -cp and -ac in this example; -fsdp cannot be combined with it yet")
+	if o.fsdp > 1 && !set["reshard"] {
+		o.reshard = "false"
 	}
 	if o.cpf.cp > 1 && o.cpf.hybrid() {
 		return errors.New("-cp-method hybrid does not run inside pipeline stages yet; with -pp take auto, ring, allgather or ulysses")
 	}
-	if o.dp < 1 || o.tp < 1 {
-		return fmt.Errorf("-dp %d -tp %d; want at least 1 each", o.dp, o.tp)
+	if o.dp < 1 || o.tp < 1 || o.fsdp < 1 {
+		return fmt.Errorf("-dp %d -fsdp %d -tp %d; want at least 1 each", o.dp, o.fsdp, o.tp)
 	}
 	if o.pipe.microBatches == 0 {
 		o.pipe.microBatches = 2 * o.pipe.pp
@@ -93,14 +98,15 @@ func (o *options) pipeline(fs *flag.FlagSet) error {
 		return err
 	}
 	shape, _ := o.cpf.axes(o.dp, o.fsdp, o.tp)
-	o.loop.Ranks, o.loop.Shape = o.pipe.pp*o.dp*o.tp*max(o.cpf.cp, 1), append([]int{o.pipe.pp}, shape...)
+	o.loop.Ranks, o.loop.Shape = o.pipe.pp*o.dp*o.fsdp*o.tp*max(o.cpf.cp, 1), append([]int{o.pipe.pp}, shape...)
 	return nil
 }
 
 // build returns the schedule the flags ask for, lowered and validated; a
-// builder's schedule is lowered with ReduceGrad actions when reduce is set
-// (data or tensor parallelism inside the stages).
-func (p pipeOptions) build(reduce bool) (*pp.Schedule, error) {
+// schedule of compute actions is lowered with ReduceGrad actions when
+// reduce is set (data, tensor or context parallelism inside the stages)
+// and with Unshard and Reshard when sharded is (FSDP inside the stages).
+func (p pipeOptions) build(reduce, sharded bool) (*pp.Schedule, error) {
 	var s *pp.Schedule
 	var err error
 	switch p.schedule {
@@ -124,6 +130,9 @@ func (p pipeOptions) build(reduce bool) (*pp.Schedule, error) {
 		var opts []pp.LowerOption
 		if reduce {
 			opts = append(opts, pp.WithReduceGrad())
+		}
+		if sharded {
+			opts = append(opts, pp.WithFSDP())
 		}
 		if s, err = pp.Lower(s, opts...); err != nil {
 			return nil, fmt.Errorf("-schedule %s: %w", p.schedule, err)
@@ -156,7 +165,7 @@ type pipeReport struct {
 // runPipeline trains (or with -schedule-print only prints) o's pipelined
 // run. params is the initial model, by name.
 func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixture, params map[string][]float32) error {
-	s, err := o.pipe.build(o.dp*o.tp*o.cpf.cp > 1)
+	s, err := o.pipe.build(o.dp*o.fsdp*o.tp*o.cpf.cp > 1, o.fsdp > 1)
 	if err != nil {
 		return err
 	}
@@ -176,9 +185,17 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 	if o.cfg.Layers < s.Stages() {
 		return fmt.Errorf("-pp %d with %d stages needs at least %d blocks; the model has %d", o.pipe.pp, s.Stages(), s.Stages(), o.cfg.Layers)
 	}
-	if o.ac != "none" && slices.ContainsFunc(slices.Concat(s.Actions...), func(a pp.Action) bool { return a.Kind == pp.I || a.Kind == pp.W }) {
+	split := slices.ContainsFunc(slices.Concat(s.Actions...), func(a pp.Action) bool { return a.Kind == pp.I || a.Kind == pp.W })
+	if o.ac != "none" && split {
 		// autograd's split backward does not run a checkpointed region.
 		return fmt.Errorf("-ac %s recomputes blocks in a full backward; -schedule %s splits the backward (I, W): take gpipe, 1f1b or interleaved with -ac", o.ac, o.pipe.schedule)
+	}
+	if o.fsdp > 1 && o.reshard != "false" && split {
+		// The weight half's saved values live in the gathered buffers.
+		return fmt.Errorf("-reshard %s frees each unit's gathered parameters after its forward; -schedule %s splits the backward (I, W), whose weight half needs them: take -reshard false (the default with -pp), or gpipe, 1f1b or interleaved", o.reshard, o.pipe.schedule)
+	}
+	if o.fsdp > 1 && !slices.ContainsFunc(slices.Concat(s.Actions...), func(a pp.Action) bool { return a.Kind == pp.Unshard }) {
+		return fmt.Errorf("-schedule %s: with -fsdp a lowered schedule needs its UNSHARD and RESHARD actions (give it unlowered: compute actions only)", o.pipe.schedule)
 	}
 	if s.MicroBatches != o.pipe.microBatches {
 		// A CSV schedule brings its own M; the dp check was for -microbatches.
@@ -244,7 +261,7 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 	if !job.Root() {
 		return nil
 	}
-	r := &result{DP: o.dp, FSDP: 1, TP: o.tp, SP: o.sp, AC: o.ac, cpResult: o.cpf.result(), Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
+	r := &result{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, AC: o.ac, cpResult: o.cpf.result(), Backend: job.Backend, Device: o.loop.Flags.DeviceKind(), Processes: job.Processes, WorldSize: job.WorldSize,
 		Steps: o.loop.Steps, Losses: res.Steps, TokensPerS: res.TokensPerS, Model: o.shape.Model, Params: o.cfg.NumParams()}
 	r.FinalLoss = res.Steps[len(res.Steps)-1]
 	return train.WriteJSON(o.loop.Flags.JSONPath, ppResult{result: *r, PP: s.Ranks, Schedule: s.Name, Bubble: rep.bubble, BubbleTheory: theory})
@@ -292,15 +309,16 @@ func pipeAction(name string) bool {
 }
 
 // checkMicroBatches checks that the schedule's micro-batches (-microbatches,
-// or a CSV schedule's) cut the batch into row counts that -dp shares evenly.
+// or a CSV schedule's) cut the batch into row counts that -dp × -fsdp
+// shares evenly.
 func (o options) checkMicroBatches() error {
 	rows, err := pp.MicroBatches(o.run.B, o.pipe.microBatches)
 	if err != nil {
 		return fmt.Errorf("-microbatches %d with a batch of %d: %w", o.pipe.microBatches, o.run.B, err)
 	}
 	for _, r := range rows {
-		if (r.Hi-r.Lo)%o.dp != 0 {
-			return fmt.Errorf("-microbatches %d cuts the batch of %d into micro-batches of %d rows, which -dp %d cannot share evenly; take a -microbatches that divides %d", o.pipe.microBatches, o.run.B, r.Hi-r.Lo, o.dp, o.run.B/o.dp)
+		if n := o.dp * o.fsdp; (r.Hi-r.Lo)%n != 0 {
+			return fmt.Errorf("-microbatches %d cuts the batch of %d into micro-batches of %d rows, which -dp × -fsdp (%d) cannot share evenly; take a -microbatches that divides %d", o.pipe.microBatches, o.run.B, r.Hi-r.Lo, n, o.run.B/n)
 		}
 	}
 	return nil
@@ -308,7 +326,7 @@ func (o options) checkMicroBatches() error {
 
 // pipeRank is one rank's pipelined trainer: its stages (laid out over the
 // rank's dp × fsdp × tp × cp mesh), the runtime and AdamW over its stages'
-// parameters.
+// parameters (with -fsdp their shards).
 type pipeRank struct {
 	rt      *pp.Runtime
 	world   comm.Communicator
@@ -322,6 +340,7 @@ type pipeRank struct {
 	bubble  float64 // sum over the steps after the first
 	report  *pipeReport
 	ref     map[string][]float32 // -compare: the one-rank run's final parameters
+	fs      map[int]*fsdp.FSDP   // with -fsdp: each stage's
 }
 
 func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, init map[string][]float32) (*pipeRank, error) {
@@ -336,7 +355,7 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 	}
 	sm := tr.Mesh() // (dp, fsdp, tp, cp): the mesh of this rank's stages
 	tape := autograd.NewTape(r.Tape...)
-	pr := &pipeRank{world: r.Comm}
+	pr := &pipeRank{world: r.Comm, fs: map[int]*fsdp.FSDP{}}
 	if pr.batches, err = gpt.Batches(o.cfg, o.run, !o.fixture, o.seed); err != nil {
 		return nil, err
 	}
@@ -345,9 +364,9 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 		return nil, err
 	}
 	coord := m.Coord()
-	// The micro-batches' rows sharded over dp, their sequence over cp
-	// (as the Trainer shards it), whole on fsdp and tp.
-	at := []placement.Placement{placement.Shard(0), placement.Replicate(), placement.Replicate()}
+	// The micro-batches' rows sharded over dp and fsdp, their sequence
+	// over cp (as the Trainer shards it), whole on tp.
+	at := []placement.Placement{placement.Shard(0), placement.Shard(0), placement.Replicate()}
 	var stageOpts []gpt.StageOption
 	if o.cpf.cp > 1 {
 		seq := placement.ShardBalanced(1)
@@ -382,6 +401,15 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 		}
 		byStage[k] = st.Params()
 		pr.params = append(pr.params, byStage[k]...)
+		if o.fsdp > 1 {
+			opts := o.fsdpOptions()
+			if o.reshard == "true" { // Stage.FullyShard's default is false
+				opts = append(opts, fsdp.WithReshard(true))
+			}
+			if pr.fs[k], err = st.FullyShard(ctx, "fsdp", opts...); err != nil {
+				return nil, err
+			}
+		}
 		pr.loss = pr.loss || (k == S-1 && coord[slices.Index(names, "tp")] == 0)
 		funcs[k] = func(ctx context.Context, mb int, h *autograd.Value) (*autograd.Value, error) {
 			b, rg := pr.cur, rows[mb]
@@ -397,11 +425,28 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 			return st.Forward(ctx, h, x, y, rg.Weight)
 		}
 	}
-	// The dp and cp sums of each stage's gradients, and what TP leaves partial,
-	// once per step at the stage's ReduceGrad action.
+	// The dp and cp sums of each stage's gradients, and what TP leaves
+	// partial, once per step at the stage's ReduceGrad action, after
+	// FSDP's one reduce-scatter of the micro-batches' sum.
 	opts := []pp.Option{pp.WithGradReduction(func(ctx context.Context, stage int) error {
+		if f := pr.fs[stage]; f != nil {
+			if err := f.Finish(ctx); err != nil {
+				return err
+			}
+		}
 		return tp.ReduceGrads(ctx, byStage[stage])
 	})}
+	if o.fsdp > 1 {
+		opts = append(opts, pp.WithSharding(func(ctx context.Context, stage int) (func(context.Context) error, error) {
+			h, err := pr.fs[stage].UnshardAsync(ctx)
+			if err != nil {
+				return nil, err
+			}
+			return h.Wait, nil
+		}, func(ctx context.Context, stage int) error {
+			return pr.fs[stage].Reshard(ctx)
+		}))
+	}
 	if r.Timeline != nil {
 		opts = append(opts, pp.WithTimeline(r.Timeline, r.Comm.Rank()))
 	}
@@ -458,8 +503,13 @@ func (pr *pipeRank) Step(ctx context.Context) (float64, error) {
 
 // Finish implements train.Finisher: with -compare, the largest difference
 // of the rank's parameters (whole) from the one-rank run's, the maximum
-// over the ranks reported by world rank 0.
-func (pr *pipeRank) Finish(ctx context.Context) error {
+// over the ranks reported by world rank 0; then FSDP's release.
+func (pr *pipeRank) Finish(ctx context.Context) (err error) {
+	defer func() {
+		for _, f := range pr.fs {
+			err = errors.Join(err, f.Close())
+		}
+	}()
 	if pr.ref == nil {
 		return nil
 	}

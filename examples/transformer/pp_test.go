@@ -18,8 +18,9 @@ import (
 // training; -pp 2 trains the tiny GPT pipelined with losses equal to one
 // rank's (float32: 1e-5) and -json has "pp", "schedule", "bubble" and
 // "bubble_theory"; flags that need -pp, layouts that cannot join it yet
-// (-fsdp, -cp-method hybrid), micro-batches dp cannot share and -ac with a split
-// backward are refused before any rank starts.
+// (-cp-method hybrid), micro-batches dp × fsdp cannot share, -ac or
+// FSDP's reshard-after-forward with a split backward are refused before
+// any rank starts.
 func TestPipelineFlags(t *testing.T) {
 	ctx := context.Background()
 	var out bytes.Buffer
@@ -33,7 +34,8 @@ func TestPipelineFlags(t *testing.T) {
 	}
 	for _, args := range [][]string{
 		{"-schedule", "gpipe"},
-		{"-pp", "2", "-fsdp", "2"},
+		{"-pp", "2", "-fsdp", "2", "-reshard", "true", "-schedule", "zb1"},
+		{"-pp", "2", "-fsdp", "2", "-microbatches", "16"},
 		{"-pp", "2", "-cp", "2", "-cp-method", "hybrid"},
 		{"-pp", "2", "-dp", "2", "-microbatches", "3"},
 		{"-pp", "2", "-ac", "full", "-schedule", "zb1"},
@@ -78,7 +80,10 @@ func TestPipelineFlags(t *testing.T) {
 }
 
 // TestPipelineComposed: -pp 2 with -dp 2, with -tp 2 (and -sp), with
-// both (8 ranks), and with -dp 2 -cp 2 (ring attention) trains the tiny GPT to the one-rank losses within 1e-5
+// both (8 ranks), with -dp 2 -cp 2 (ring attention), and with -fsdp 2
+// (each stage's blocks FSDP units driven by the schedule's UNSHARD,
+// RESHARD and REDUCE_GRAD; alone with ZB-H1, and with -tp 2 and
+// reshard-after-forward) trains the tiny GPT to the one-rank losses within 1e-5
 // (float32: the micro-batches' gradients are summed where one rank
 // computes them in one GEMM, and dp's and tp's sums reassociate; over 2
 // steps the losses differ by about 2e-7), and -json says the layout.
@@ -96,14 +101,16 @@ func TestPipelineComposed(t *testing.T) {
 	var want result
 	readJSON(t, one, &want)
 	for _, c := range []struct {
-		args   []string
-		dp, tp int
+		args         []string
+		dp, fsdp, tp int
 	}{
-		{[]string{"-pp", "2", "-dp", "2"}, 2, 1},
-		{[]string{"-pp", "2", "-tp", "2"}, 1, 2},
-		{[]string{"-pp", "2", "-tp", "2", "-sp", "-schedule", "zb1"}, 1, 2},
-		{[]string{"-pp", "2", "-dp", "2", "-tp", "2"}, 2, 2},
-		{[]string{"-pp", "2", "-dp", "2", "-cp", "2", "-cp-method", "ring", "-schedule", "zb1"}, 2, 1},
+		{[]string{"-pp", "2", "-dp", "2"}, 2, 1, 1},
+		{[]string{"-pp", "2", "-tp", "2"}, 1, 1, 2},
+		{[]string{"-pp", "2", "-tp", "2", "-sp", "-schedule", "zb1"}, 1, 1, 2},
+		{[]string{"-pp", "2", "-dp", "2", "-tp", "2"}, 2, 1, 2},
+		{[]string{"-pp", "2", "-dp", "2", "-cp", "2", "-cp-method", "ring", "-schedule", "zb1"}, 2, 1, 1},
+		{[]string{"-pp", "2", "-fsdp", "2", "-schedule", "zb1"}, 1, 2, 1},
+		{[]string{"-pp", "2", "-fsdp", "2", "-tp", "2", "-reshard", "true"}, 1, 2, 2},
 	} {
 		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
 			path := filepath.Join(dir, strings.Join(c.args, "")+".json")
@@ -113,8 +120,8 @@ func TestPipelineComposed(t *testing.T) {
 			}
 			var got ppResult
 			readJSON(t, path, &got)
-			if got.PP != 2 || got.DP != c.dp || got.TP != c.tp || got.WorldSize != 2*c.dp*c.tp*max(got.CP, 1) {
-				t.Errorf("-json: pp %d dp %d tp %d cp %d world %d; want 2, %d, %d", got.PP, got.DP, got.TP, got.CP, got.WorldSize, c.dp, c.tp)
+			if got.PP != 2 || got.DP != c.dp || got.FSDP != c.fsdp || got.TP != c.tp || got.WorldSize != 2*c.dp*c.fsdp*c.tp*max(got.CP, 1) {
+				t.Errorf("-json: pp %d dp %d fsdp %d tp %d cp %d world %d; want 2, %d, %d, %d", got.PP, got.DP, got.FSDP, got.TP, got.CP, got.WorldSize, c.dp, c.fsdp, c.tp)
 			}
 			if len(got.Losses) != len(want.Losses) {
 				t.Fatalf("%d losses, one rank %d", len(got.Losses), len(want.Losses))
