@@ -249,7 +249,7 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 		return err
 	}
 	fmt.Fprintf(out, "bubble: measured %.3f (idle fraction, mean over ranks and steps after the first), schedule's %.3f with unit costs\n", rep.bubble, theory)
-	pipeIdle(out, res.Events)
+	pipeIdle(out, res.Events, s)
 	if ref != nil {
 		var dl float64
 		for i := range res.Steps {
@@ -271,10 +271,12 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 // rank's time in the pipeline's compute actions (the runtime's spans "F
 // s0 mb1", "I …", "W …", "B …"), in its waits for another stage's tensors
 // ("RECV_F …", "RECV_B …") and idle: the traced steps' time outside the
-// compute actions.
-func pipeIdle(out io.Writer, events []trace.Event) {
+// compute actions; then the mean F, B, I and W and schedule s's bubble
+// with those costs.
+func pipeIdle(out io.Writer, events []trace.Event, s *pp.Schedule) {
 	type sums struct{ step, busy, wait time.Duration }
 	by := map[int]*sums{}
+	kind, count := map[string]time.Duration{}, map[string]int{}
 	for _, e := range events {
 		if by[e.Rank] == nil {
 			by[e.Rank] = &sums{}
@@ -285,10 +287,13 @@ func pipeIdle(out io.Writer, events []trace.Event) {
 			s.step += d
 		case e.Lane == trace.LaneCompute && pipeAction(e.Name):
 			s.busy += d
+			kind[e.Name[:1]] += d
+			count[e.Name[:1]]++
 		case e.Lane == trace.LaneWait && strings.HasPrefix(e.Name, "RECV_"):
 			s.wait += d
 		}
 	}
+	defer pipeCosts(out, s, kind, count)
 	ranks := slices.Sorted(maps.Keys(by))
 	for _, r := range ranks {
 		s := by[r]
@@ -299,6 +304,33 @@ func pipeIdle(out io.Writer, events []trace.Event) {
 		fmt.Fprintf(out, "rank %d: F/I/W/B %v, waiting for tensors %v, idle %v (%.0f%% of its traced steps)\n", r,
 			s.busy.Round(time.Microsecond), s.wait.Round(time.Microsecond), idle.Round(time.Microsecond), 100*float64(idle)/float64(s.step))
 	}
+}
+
+// pipeCosts prints the mean duration of each kind of compute action
+// (total[k] over count[k] spans) and s's bubble with those costs: what the
+// schedule gives on this run's stages, beside the unit costs' figure.
+func pipeCosts(out io.Writer, s *pp.Schedule, total map[string]time.Duration, count map[string]int) {
+	if len(count) == 0 {
+		return
+	}
+	ms := func(k string) float64 {
+		if count[k] == 0 {
+			return 0
+		}
+		return total[k].Seconds() * 1e3 / float64(count[k])
+	}
+	c := pp.Costs{F: ms("F"), B: ms("B"), I: ms("I"), W: ms("W")}
+	switch {
+	case count["B"] == 0: // every backward split
+		c.B = c.I + c.W
+	case count["I"] == 0: // none split
+		c.I, c.W = c.B/2, c.B/2
+	}
+	b, err := s.Bubble(c)
+	if err != nil {
+		return
+	}
+	fmt.Fprintf(out, "traced costs (mean over stages): F %.2f ms, B %.2f ms, I %.2f ms, W %.2f ms; the schedule's bubble with them %.3f\n", c.F, c.B, c.I, c.W, b)
 }
 
 // pipeAction reports whether name is a compute action's span of the

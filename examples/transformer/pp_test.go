@@ -139,7 +139,8 @@ func TestPipelineComposed(t *testing.T) {
 // reference and reports the differences (small: the composed run's
 // parity), and -trace writes each rank's pipeline actions (F, I, W per
 // stage and micro-batch, the waits for received tensors) into the trace
-// file and prints each rank's idle time.
+// file and prints each rank's idle time, and the mean traced costs with
+// the schedule's bubble for them.
 func TestPipelineCompareTrace(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipped in -short mode: trains twice")
@@ -163,6 +164,9 @@ func TestPipelineCompareTrace(t *testing.T) {
 		if !strings.Contains(out.String(), fmt.Sprintf("rank %d: F/I/W/B ", r)) {
 			t.Errorf("no idle line for rank %d:\n%s", r, out.String())
 		}
+	}
+	if !strings.Contains(out.String(), "traced costs (mean over stages): F ") {
+		t.Errorf("no line of traced costs:\n%s", out.String())
 	}
 	b, err := os.ReadFile(path)
 	if err != nil {
