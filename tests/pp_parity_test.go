@@ -545,20 +545,24 @@ func TestPipelineTied(t *testing.T) {
 // TestPipelineEmu: each rank computing on its emulated device (device/emu:
 // the parameters, activations and gradients in device buffers; tensors
 // crossing stages go through host memory) trains as one rank on the host,
-// for 1F1B and ZB-H1, within 2e-5.
+// for 1F1B and ZB-H1, alone and with fsdp=2 (FSDP's buffers on the
+// device), within 2e-5.
 func TestPipelineEmu(t *testing.T) {
 	steps := 5
 	if testing.Short() {
 		steps = 2
 	}
 	wantLoss, wantParams := ppReference(t, steps, false)
-	for _, name := range []string{"1f1b", "zb1"} {
-		t.Run(name, func(t *testing.T) {
-			s, err := pp.Build(name, 2, 4, 0)
+	for _, c := range []struct {
+		name    string
+		m, fsdp int
+	}{{"1f1b", 4, 1}, {"zb1", 4, 1}, {"1f1b", 5, 2}, {"zb1", 5, 2}} {
+		t.Run(fmt.Sprintf("%s/fsdp%d", c.name, c.fsdp), func(t *testing.T) {
+			s, err := pp.Build(c.name, 2, c.m, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
-			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{emu: true})
+			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{emu: true, fsdp: c.fsdp})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -3,7 +3,9 @@ package pp
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math"
+	"slices"
 	"strconv"
 	"time"
 
@@ -81,9 +83,10 @@ func WithSharding(unshard func(ctx context.Context, stage int) (wait func(contex
 // split backwards (autograd's BackwardFrom, BackwardInput and
 // BackwardWeight), the sends and receives of activations and gradients
 // (Transport: asynchronous sends, receives posted one compute action
-// ahead), the per-stage ReduceGrad, and FSDP's Unshard and Reshard. Gradients accumulate over the
-// step's micro-batches into the stages' parameter leaves; the caller steps
-// the optimizer and zeroes them between steps.
+// ahead), the per-stage ReduceGrad, and FSDP's Unshard and Reshard.
+// Gradients accumulate over the step's micro-batches into the stages'
+// parameter leaves; the caller steps the optimizer and zeroes them
+// between steps.
 type Runtime struct {
 	s      *Schedule
 	rank   int
@@ -256,7 +259,7 @@ func (r *Runtime) Step(ctx context.Context) (*StepStats, error) {
 	if err := r.tr.Flush(ctx); err != nil {
 		return nil, fmt.Errorf("pp: Step: rank %d: %w", r.rank, err)
 	}
-	for stage := range r.waits { // an Unshard no compute action followed
+	for _, stage := range slices.Sorted(maps.Keys(r.waits)) { // an Unshard no compute action followed
 		if err := r.waitUnshard(ctx, stage); err != nil {
 			return nil, fmt.Errorf("pp: Step: rank %d: %w", r.rank, err)
 		}
