@@ -42,8 +42,10 @@ func TestPipelineFlags(t *testing.T) {
 		{"-pp", "2", "-schedule", "nonesuch.csv"},
 		{"-pp", "2", "-schedule", "zbv", "-microbatches", "2"},
 	} {
-		if err := run(ctx, args, &bytes.Buffer{}); err == nil {
-			t.Errorf("%v: no error", args)
+		// Refused before any rank starts: before the run's first line.
+		var out bytes.Buffer
+		if err := run(ctx, args, &out); err == nil || out.Len() > 0 {
+			t.Errorf("%v: error %v after output %q; want an error before any", args, err, out.String())
 		}
 	}
 	if testing.Short() {
