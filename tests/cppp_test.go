@@ -28,7 +28,7 @@ type cpppLayout struct {
 }
 
 func (l cpppLayout) String() string {
-	return fmt.Sprintf("%s/M%d/dp%d/cp%d/%v", l.schedule, l.m, l.dp, l.cp, l.method)
+	return fmt.Sprintf("%s/M%d/dp%d/cp%d/%v", l.schedule, l.m, max(l.dp, 1), l.cp, l.method)
 }
 
 // cpppRun trains ppCfg pipelined on a (pp=2, dp, cp) mesh for steps
@@ -84,7 +84,7 @@ func cpppRun(ctx context.Context, l cpppLayout, steps int) ([]float64, map[strin
 			byStage[k] = st.Params()
 			all = append(all, byStage[k]...)
 			funcs[k] = func(ctx context.Context, mb int, h *autograd.Value) (*autograd.Value, error) {
-				xs, ys := ppBatch(step)
+				xs, ys := ppBatch(step, ppRows)
 				rg, T := rows[mb], ppCfg.SeqLen
 				shape := []int{rg.Hi - rg.Lo, T}
 				r := []placement.Placement{placement.Shard(0), placement.ShardBalanced(1)}

@@ -88,6 +88,14 @@ func (o *options) pipeline(fs *flag.FlagSet) error {
 	if o.cpf.cp > 1 && o.cpf.hybrid() {
 		return errors.New("-cp-method hybrid does not run inside pipeline stages yet; with -pp take auto, ring, allgather or ulysses")
 	}
+	if o.cpf.flat(o.fsdp) {
+		// A stage's FSDP shards over fsdp (gpt.Stage.FullyShard); the
+		// gradients are summed over cp at REDUCE_GRAD.
+		if set["cp-flat-fsdp"] {
+			return errors.New("-cp-flat-fsdp does not run inside pipeline stages yet; with -pp, -fsdp shards over fsdp alone and the gradients are summed over cp")
+		}
+		o.cpf.flatFSDP = false
+	}
 	if o.dp < 1 || o.tp < 1 || o.fsdp < 1 {
 		return fmt.Errorf("-dp %d -fsdp %d -tp %d; want at least 1 each", o.dp, o.fsdp, o.tp)
 	}

@@ -18,7 +18,7 @@ import (
 // training; -pp 2 trains the tiny GPT pipelined with losses equal to one
 // rank's (float32: 1e-5) and -json has "pp", "schedule", "bubble" and
 // "bubble_theory"; flags that need -pp, layouts that cannot join it yet
-// (-cp-method hybrid), micro-batches dp × fsdp cannot share, -ac or
+// (-cp-method hybrid, -cp-flat-fsdp), micro-batches dp × fsdp cannot share, -ac or
 // FSDP's reshard-after-forward with a split backward are refused before
 // any rank starts.
 func TestPipelineFlags(t *testing.T) {
@@ -37,6 +37,7 @@ func TestPipelineFlags(t *testing.T) {
 		{"-pp", "2", "-fsdp", "2", "-reshard", "true", "-schedule", "zb1"},
 		{"-pp", "2", "-fsdp", "2", "-microbatches", "16"},
 		{"-pp", "2", "-cp", "2", "-cp-method", "hybrid"},
+		{"-pp", "2", "-fsdp", "2", "-cp", "2", "-cp-flat-fsdp"},
 		{"-pp", "2", "-dp", "2", "-microbatches", "3"},
 		{"-pp", "2", "-ac", "full", "-schedule", "zb1"},
 		{"-pp", "2", "-schedule", "nonesuch.csv"},

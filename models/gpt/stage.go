@@ -83,6 +83,13 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel(%q): the stage mesh's axes are %v", ErrConfig, sc.cp, m.Names())
 		}
 		ncp = n
+		method, err := cp.MethodOf(sc.cpOpts...)
+		if err != nil {
+			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel: %w", ErrConfig, err)
+		}
+		if method == cp.Ulysses && ncp > 1 && cfg.Heads%ncp != 0 {
+			return nil, fmt.Errorf("%w: NewStage: Ulysses splits the %d heads over cp (%d, axis %q): they must be divisible", ErrConfig, cfg.Heads, ncp, sc.cp)
+		}
 	}
 	init := parallel.ByName(params)
 	named := func(name string, extra ...parallel.LayerOption) []parallel.LayerOption {
