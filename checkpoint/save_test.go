@@ -170,6 +170,36 @@ func TestEntriesRoundTrip(t *testing.T) {
 	})
 }
 
+// TestEntriesUnion: ranks may pass different entries (a pipeline's stages,
+// each with its own parameters' step counts): the checkpoint holds their
+// union, an entry several ranks pass once, and every rank loads them all.
+func TestEntriesUnion(t *testing.T) {
+	root := t.TempDir()
+	simulate(t, []int{3}, []string{"pp"}, func(ctx context.Context, m *mesh.Mesh) error {
+		r := int64(m.Rank())
+		st := State{Entries: map[string]any{"shared": "all", fmt.Sprintf("stage%d.step", r): 10 + r}}
+		if m.Rank() == 2 {
+			delete(st.Entries, "shared")
+		}
+		if _, err := Save(ctx, root, st, WithComm(m.World())); err != nil {
+			return err
+		}
+		path, err := Latest(root)
+		if err != nil {
+			return err
+		}
+		got, err := Load(ctx, path, nil, WithComm(m.World()))
+		if err != nil {
+			return err
+		}
+		want := map[string]any{"shared": "all", "stage0.step": int64(10), "stage1.step": int64(11), "stage2.step": int64(12)}
+		if fmt.Sprint(got.Entries) != fmt.Sprint(want) {
+			return fmt.Errorf("entries %v, want %v", got.Entries, want)
+		}
+		return nil
+	})
+}
+
 // TestSaveRefuses: bad input is refused before anything is written, with
 // the same error kind on every rank.
 func TestSaveRefuses(t *testing.T) {
@@ -193,7 +223,7 @@ func TestSaveRefuses(t *testing.T) {
 		}, nil, ErrInvalid, `entry "n": type int`},
 		{"entries differ", func(m *mesh.Mesh) (State, error) {
 			return State{Entries: map[string]any{"r": int64(m.Rank())}}, nil
-		}, nil, ErrMismatch, "entries differ"},
+		}, nil, ErrMismatch, `entry "r": rank 1's value differs from rank 0's`},
 		{"load option", func(*mesh.Mesh) (State, error) { return State{}, nil }, []Option{WithDevice(nil)}, ErrInvalid, "WithDevice is not an option of Save"},
 		{"negative keep", func(*mesh.Mesh) (State, error) { return State{}, nil }, []Option{WithKeep(-1)}, ErrInvalid, "keep -1"},
 		{"chunk name", func(m *mesh.Mesh) (State, error) {
