@@ -151,14 +151,18 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 	if err != nil {
 		return fmt.Errorf("-pp %d: %w", o.pipe.pp, err)
 	}
+	if o.start, err = prepareResume(&o); err != nil {
+		return err
+	}
 	if !job.Root() {
 		out = io.Discard
 	}
 	fmt.Fprintf(out, "%s on pp=%d (schedule %s, %d micro-batches, %d stages), %s, %d steps\n", o.describe(), s.Ranks, s.Name, s.MicroBatches, s.Stages(), job, o.loop.Steps)
+	resumeLine(out, o)
 	var mu sync.Mutex
 	var bubble float64
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
-		st, err := newPipeRank(ctx, r, o, s, params)
+		st, err := newPipeRank(ctx, r, o, s, params, out)
 		if err != nil {
 			return nil, err
 		}
@@ -170,6 +174,7 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 		return st, nil
 	}
 	progress := func(step int, loss, tokensPerS float64) {
+		step += o.start
 		line := fmt.Sprintf("step %4d  loss %.6f", step, loss)
 		if fx != nil {
 			if want, ok := fx.LossAt(step); ok {
@@ -199,14 +204,15 @@ type pipeRank struct {
 	c       comm.Communicator // the pp axis's
 	params  []*autograd.Value
 	opt     *optim.AdamW
-	batches interface{ Next() tinygpt.Batch }
+	batches *gpt.BatchSource
+	persist *pipePersist // -data and -checkpoint (pp_resume.go)
 	cur     tinygpt.Batch
 	steps   int
 	bubble  float64 // sum over the steps after the first
 	report  func(bubble float64)
 }
 
-func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, init map[string][]float32) (*pipeRank, error) {
+func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, init map[string][]float32, out io.Writer) (*pipeRank, error) {
 	m, err := mesh.New(r.Comm, []int{s.Ranks, 1}, []string{"pp", "dp"})
 	if err != nil {
 		return nil, err
@@ -222,7 +228,7 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 	sm := tr.Mesh()
 	tape := autograd.NewTape(r.Tape...)
 	pr := &pipeRank{c: c}
-	if pr.batches, err = gpt.Batches(o.cfg, o.run, !o.fixture, o.seed); err != nil {
+	if pr.batches, pr.persist, err = pipeData(o, m, out); err != nil {
 		return nil, err
 	}
 	rows, err := pp.MicroBatches(o.run.B, s.MicroBatches)
@@ -230,12 +236,14 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 		return nil, err
 	}
 	funcs := map[int]pp.StageFunc{}
+	var stages []*gpt.Stage
 	S, L := s.Stages(), o.cfg.Layers
 	for _, k := range s.StagesOf(tr.Rank()) {
 		st, err := gpt.NewStage(tape, sm, o.cfg, k*L/S, (k+1)*L/S, init)
 		if err != nil {
 			return nil, err
 		}
+		stages = append(stages, st)
 		pr.params = append(pr.params, st.Params()...)
 		funcs[k] = func(ctx context.Context, mb int, h *autograd.Value) (*autograd.Value, error) {
 			b, rg := pr.cur, rows[mb]
@@ -259,13 +267,16 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 	if pr.opt, err = optim.NewAdamW(pr.params, optim.WithLR(run.LR), optim.WithWeightDecay(run.WD), optim.WithBetas(run.Beta1, run.Beta2), optim.WithEps(run.Eps)); err != nil {
 		return nil, err
 	}
-	return pr, nil
+	return pr, pr.persist.load(ctx, &o, stages, pr.opt, pr.batches)
 }
 
 // Step implements train.Stepper: one pipelined step, AdamW, and the
 // step's loss (from the last stage's rank) on every rank.
 func (pr *pipeRank) Step(ctx context.Context) (float64, error) {
-	pr.cur = pr.batches.Next()
+	var err error
+	if pr.cur, err = pr.batches.Next(); err != nil {
+		return 0, err
+	}
 	st, err := pr.rt.Step(ctx)
 	if err != nil {
 		return 0, err
@@ -291,7 +302,7 @@ func (pr *pipeRank) Step(ctx context.Context) (float64, error) {
 	if pr.steps > 1 && pr.report != nil && pr.c.Rank() == 0 {
 		pr.report(v[1] / float64(pr.c.Size()*(pr.steps-1)))
 	}
-	return v[0], nil
+	return v[0], pr.persist.ck.After(ctx, pr.batches.Steps())
 }
 
 // errNoPipeline says a flag needs -pp.
