@@ -564,6 +564,12 @@ func planRank(rank int, all []owned, tensors map[string]*placement.DTensor) (*fi
 	return p, nil
 }
 
+// writebackBytes is how many bytes written into a data file accumulate
+// before the save starts their writeback (startWriteback): the disk then
+// writes while the next chunks are copied and checksummed, instead of all
+// at the fsync.
+const writebackBytes = 4 << 20
+
 // chunkSource delivers chunk i's bytes of a filePlan to emit, in order,
 // in one or more pieces that together hold exactly its bytes.
 type chunkSource func(i int, emit func([]byte) error) error
@@ -587,6 +593,7 @@ func writeRank(fs files, staging string, p *filePlan, block int, src chunkSource
 		return nil, wrapf("Save", err, "writing %s", tmp)
 	}
 	end := int64(len(p.head))
+	started := int64(0) // the bytes whose writeback has been started
 	for i, c := range p.items {
 		var sums []uint32
 		var crc uint32
@@ -599,6 +606,10 @@ func writeRank(fs files, staging string, p *filePlan, block int, src chunkSource
 				return wrapf("Save", err, "writing %s", tmp)
 			}
 			got += len(data)
+			if written := c.begin + int64(got); written-started >= writebackBytes {
+				fs.writeback(w, started, written-started)
+				started = written
+			}
 			for len(data) > 0 {
 				n := min(block-inBlock, len(data))
 				crc = crc32.Update(crc, castagnoli, data[:n])

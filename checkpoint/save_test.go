@@ -170,6 +170,42 @@ func TestEntriesRoundTrip(t *testing.T) {
 	})
 }
 
+// TestSaveStartsWriteback: a rank's data file is handed to the disk as it
+// is written, 4 MiB or more at a time in file order (so the disk writes
+// while the rest is still copied, and the fsync waits only for the
+// tail), every byte but the last few MiB before the file's fsync.
+func TestSaveStartsWriteback(t *testing.T) {
+	defs := map[string]tdef{ // 2 × 5 MiB on each of 2 ranks
+		"a": {shape: []int{2 * 320, 4096}, dtype: comm.Float32, seed: 1},
+		"b": {shape: []int{2 * 320, 4096}, dtype: comm.Float32, seed: 2},
+	}
+	rec := &recorder{}
+	saveOn(t, t.TempDir(), meshLayout{"tp2", []int{2}, []string{"tp"}, byName(map[string][]placement.Placement{"a": {S0}, "b": {S0}}, nil)}, defs, withHook(rec.hook))
+	for rank := range 2 {
+		var next, written int64
+		synced := false
+		for _, ev := range rec.events {
+			if ev.Rank != rank || baseName(ev.Path) != fileName(rank)+".tmp" {
+				continue
+			}
+			switch ev.Op {
+			case "write":
+				written = max(written, ev.Off+ev.N)
+			case "writeback":
+				if synced || ev.Off != next || ev.N < writebackBytes || ev.Off+ev.N > written {
+					t.Fatalf("rank %d: writeback of [%d, %d) after %d bytes written, %d handed over before (synced %v)", rank, ev.Off, ev.Off+ev.N, written, next, synced)
+				}
+				next = ev.Off + ev.N
+			case "fsync":
+				synced = true
+			}
+		}
+		if !synced || next < written-writebackBytes || next == 0 {
+			t.Errorf("rank %d: %d of %d bytes handed to the disk before the fsync (synced %v)", rank, next, written, synced)
+		}
+	}
+}
+
 // TestEntriesUnion: ranks may pass different entries (a pipeline's stages,
 // each with its own parameters' step counts): the checkpoint holds their
 // union, an entry several ranks pass once, and every rank loads them all.
