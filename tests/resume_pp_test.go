@@ -443,7 +443,8 @@ func comparePP(t *testing.T, want, got *resumeRun, exact bool) {
 }
 
 // A tied head is saved once: a pipeline's checkpoint holds wte and its
-// moments, written by the first stage's rank, and no tensor of lm_head.
+// moments, written by the first stage's rank, and no tensor of lm_head;
+// an untied pipeline refuses it, naming the head.
 func TestResumePipelineTiedSavedOnce(t *testing.T) {
 	root := t.TempDir()
 	if _, err := ppResumeTrain(ppResume{pp: 2, schedule: "1f1b", m: 4, tied: true}, "", root, 1); err != nil {
@@ -477,6 +478,10 @@ func TestResumePipelineTiedSavedOnce(t *testing.T) {
 		if !ok || len(x.Chunks) != 1 || x.Chunks[0].File != "rank-00000.safetensors" {
 			t.Errorf("%s: %+v, want one chunk in the first stage's rank-00000.safetensors", n, x)
 		}
+	}
+	_, err = ppResumeTrain(ppResume{pp: 2, schedule: "1f1b", m: 4}, dir, "", 1)
+	if !errors.Is(err, checkpoint.ErrInvalid) || !strings.Contains(err.Error(), `"model.lm_head.weight"`) {
+		t.Errorf("an untied pipeline loading a tied checkpoint: %v, want ErrInvalid naming model.lm_head.weight", err)
 	}
 }
 
