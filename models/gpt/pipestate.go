@@ -204,6 +204,9 @@ func (tp tiedPart) LoadStateDict(prefix string, entries map[string]any) error {
 		if !ok || ts[twin] == nil {
 			continue
 		}
+		if dst, src := ts[n].Spec(), ts[twin].Spec(); !dst.Equal(src) {
+			return fmt.Errorf("%w: tied head: %q is laid out as %v and %q as %v: a rank holding both copies of a tied weight needs them alike", ErrConfig, n, dst, twin, src)
+		}
 		if err := copyLocal(ts[n], ts[twin]); err != nil {
 			return fmt.Errorf("gpt: tied head: %q from %q: %w", n, twin, err)
 		}
@@ -212,11 +215,8 @@ func (tp tiedPart) LoadStateDict(prefix string, entries map[string]any) error {
 }
 
 // copyLocal copies src's local block into dst's, on dst's device; both
-// must be laid out alike.
+// are laid out alike.
 func copyLocal(dst, src *placement.DTensor) error {
-	if !dst.Spec().Equal(src.Spec()) {
-		return fmt.Errorf("%w: laid out as %v and %v: a rank holding both copies of a tied weight needs them alike", ErrConfig, dst.Spec(), src.Spec())
-	}
 	h, err := src.To(nil)
 	if err != nil {
 		return err
