@@ -68,7 +68,8 @@ type owned struct {
 
 // Save writes state as a new checkpoint under root and returns its folder.
 // Every rank of the job calls it (the ranks of WithComm, or of the
-// tensors' mesh's world), with the same options and entries.
+// tensors' mesh's world), with the same options; the checkpoint holds
+// the union of the ranks' entries (State.Entries).
 //
 // Each distinct block of a tensor is written once, by one of the ranks that
 // hold it: replicas are spread over their holders to balance the bytes each
