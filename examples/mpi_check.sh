@@ -11,7 +11,14 @@
 # tp=2, ep=2), where the order cannot matter: IEEE addition of two numbers
 # is commutative, so MPI's reduction order and comm/local's give the same
 # bits. A difference therefore means the backends computed something
-# different. (A layout with 3 or more ranks per group would need a bound:
+# different. The pipelined layouts (-pp 2; -pp 2 -dp 2 with the
+# split-backward schedule zb1; -pp 2 -fsdp 2, whose stages' all-gathers
+# move bits and whose reduce-scatters add two terms) add to these only
+# point-to-point sends of activations and gradients, which move bits
+# unchanged, and the loss's all-reduce over the world, where the last
+# stage's two data-parallel ranks add their shares and the others zeros,
+# again exact in any order.
+# (A layout with 3 or more ranks per group would need a bound:
 # float32 sums reassociated differ by about n·2⁻²⁴ relative per reduction.)
 #
 # It also checks that a binary built without the tag, started by mpirun,
@@ -77,6 +84,9 @@ check() {
 check "transformer-dp2-tp2" 4 "$tmp/transformer" -dp 2 -tp 2
 check "transformer-dp2-tp1" 2 "$tmp/transformer" -dp 2 -tp 1
 check "moe-dp1-ep2" 2 "$tmp/moe" -dp 1 -ep 2
+check "transformer-pp2" 2 "$tmp/transformer" -pp 2
+check "transformer-pp2-dp2-zb1" 4 "$tmp/transformer" -pp 2 -dp 2 -schedule zb1
+check "transformer-pp2-fsdp2" 4 "$tmp/transformer" -pp 2 -fsdp 2
 
 # An in-process run that saves a checkpoint, resumed under mpirun: the
 # resumed steps' losses are the uninterrupted in-process run's (dp=2, so

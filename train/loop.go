@@ -107,6 +107,11 @@ type Rank struct {
 	// the rank's GPU (a device/cuda device named cuda:N whose context the
 	// rank's NCCL communicator uses), which package launch closes.
 	Device device.Device
+	// Timeline is the -trace timeline (nil without -trace), on which the
+	// rank's row is its world rank, Comm.Rank(): for spans of the
+	// program's own, such as a pipeline's actions (pp.WithTimeline).
+	// What it holds before the first traced step is dropped then.
+	Timeline *trace.Timeline
 }
 
 // runOptions are the options of Run's job.Run: the in-process ranks'
@@ -232,7 +237,7 @@ func Run[R any](ctx context.Context, out io.Writer, job *launch.Job, l Loop, set
 				err = fmt.Errorf("train: -trace: %w", cerr)
 			}
 		}()
-		st, err := setup(ctx, Rank{Comm: rt.Comm(), BLAS: blas, Tape: rt.Tape(tape...), Device: dev})
+		st, err := setup(ctx, Rank{Comm: rt.Comm(), BLAS: blas, Tape: rt.Tape(tape...), Device: dev, Timeline: tracer.tl})
 		if err != nil {
 			return err
 		}

@@ -69,6 +69,11 @@
 // holds 1/(fsdp·cp) of the parameters, as torchtitan's dp_shard_cp) unless
 // -cp-flat-fsdp=false; the first line says which.
 //
+// -pp N splits the blocks into pipeline stages over N more ranks (the
+// outermost mesh axis; pp.go) run by -schedule over -microbatches; it
+// composes with -dp, -fsdp, -tp, -sp, -cp and -ac, and -trace then shows each
+// rank's forwards and backwards per micro-batch, its waits and idle time.
+//
 // The model and the layout are checked before any rank starts: the
 // shape's values (heads dividing the width, a vocabulary of at least
 // 128), tp must divide the heads (4 for tiny: tp is 1, 2 or 4), dp × fsdp
@@ -227,9 +232,6 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	o.loop.Tokens = o.run.B * o.cfg.SeqLen
 	if err := o.pipeline(fs); err != nil {
 		return o, err
-	}
-	if o.pipe.on() && o.cpf.cp > 1 {
-		return o, fmt.Errorf("-pp trains pipeline stages alone in this example; -cp cannot be combined with it yet")
 	}
 	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp, CPPlain: !o.cpf.balance}); err != nil {
 		return o, err
@@ -461,12 +463,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	summarize(out, o, res, fx)
 
 	if o.compare {
-		one := o
-		one.dp, one.fsdp, one.tp, one.sp = 1, 1, 1, false
-		one.cpf = cpFlags{cp: 1, method: "auto", balance: true}
-		one.reshard, one.zero = "true", 3
-		one.loop.Ranks, one.loop.Shape = 1, []int{1, 1, 1}
-		one.loop.Flags.TracePath = "" // keep the trace of the layout asked for
+		one := o.oneRank()
 		fmt.Fprintf(out, "\n-compare: the same %d steps on one rank\n", o.loop.Steps)
 		oneJob, err := launch.InProcess(1)
 		if err != nil {
@@ -493,6 +490,19 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return nil
 	}
 	return train.WriteJSON(o.loop.Flags.JSONPath, res)
+}
+
+// oneRank is o on one rank, -compare's reference: no parallelism, no
+// trace (the layout asked for keeps it).
+func (o options) oneRank() options {
+	one := o
+	one.dp, one.fsdp, one.tp, one.sp = 1, 1, 1, false
+	one.cpf = cpFlags{cp: 1, method: "auto", balance: true}
+	one.reshard, one.zero = "true", 3
+	one.pipe = pipeOptions{pp: 1}
+	one.loop.Ranks, one.loop.Shape = 1, []int{1, 1, 1}
+	one.loop.Flags.TracePath = ""
+	return one
 }
 
 // rank is one rank's trainer, as train.Run drives it: Step returns the

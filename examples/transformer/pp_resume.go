@@ -70,11 +70,11 @@ func (p *pipePersist) load(ctx context.Context, o *options, stages []*gpt.Stage,
 	return nil
 }
 
-// Finish implements train.Finisher: the save after the last step, and
-// the saves' report.
-func (pr *pipeRank) Finish(ctx context.Context) error {
-	p := pr.persist
-	err := p.ck.Finish(ctx, pr.batches.Steps())
+// finish saves after the last step (step, the batches drawn) unless
+// -save-every just did, waits for a background save, and reports the
+// saves.
+func (p *pipePersist) finish(ctx context.Context, step int) error {
+	err := p.ck.Finish(ctx, step)
 	p.ck.Report(p.out)
 	return errors.Join(err, p.close())
 }

@@ -13,8 +13,9 @@ import (
 // steps, a save and 3 resumed steps, bit for bit on the same pipeline
 // (in the background with -async-save too) and within 1e-4 (the layout
 // tests' loss tolerance) when the run resumes on another split
-// (interleaved, two stages a rank), on one rank without a pipeline, or
-// from one rank onto the pipeline.
+// (interleaved, two stages a rank), on one rank without a pipeline, from
+// one rank onto the pipeline, or from stages on dp=2 to stages sharded
+// by FSDP.
 func TestResumePipeline(t *testing.T) {
 	data := resumeText(t)
 	model := []string{"-layers", "4", "-steps", "6"}
@@ -43,6 +44,8 @@ func TestResumePipeline(t *testing.T) {
 		{"pp=2 → interleaved", pp2, inter, straightPP, false},
 		{"pp=2 → one rank", pp2, one, straightPP, false},
 		{"one rank → pp=2", one, pp2, straightOne, false},
+		// Stages composed with data parallelism, then sharded by FSDP.
+		{"pp=2×dp=2 → pp=2×fsdp=2", []string{"-pp", "2", "-microbatches", "2", "-dp", "2"}, []string{"-pp", "2", "-microbatches", "2", "-fsdp", "2"}, straightPP, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir := filepath.Join(t.TempDir(), "ck")
