@@ -89,7 +89,11 @@
 // makes one of a model's module tree (its parameters by name, and the
 // state of its Stateful modules, such as a Dropout's, by path);
 // optim.AdamW and optim.SGD, train.Sampler and train.Trainer, and the
-// models' trainers (gpt.Trainer.Parts) are Stateful. [JobState] builds a
+// models' trainers (gpt.Trainer.Parts) are Stateful; gpt.PipelineParts
+// gives a pipelined rank's stages by the model's names, so that a
+// checkpoint moves between pipeline splits and one rank (ranks may pass
+// different entries: the checkpoint holds their union). A
+// [LoadTargeter] loads tensors that it does not save (a tied copy). [JobState] builds a
 // whole job's State from its [Parts] and the step; [LoadJob] loads a
 // checkpoint into the parts on the job's current layout and device. A
 // fused tensor saved as [C·R, …] loads into [C, R, …] and back: tensor

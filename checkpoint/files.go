@@ -13,11 +13,11 @@ import (
 
 // event is one file operation, reported to a hook before it happens.
 type event struct {
-	Op   string // "mkdir", "create", "write", "fsync", "rename", "remove", "read"
+	Op   string // "mkdir", "create", "write", "writeback", "fsync", "rename", "remove", "read"
 	Rank int    // the world rank doing it
 	Path string // the file or folder (for a rename, the old name)
-	Off  int64  // write and read: the byte offset
-	N    int64  // write and read: the byte count
+	Off  int64  // write, writeback and read: the byte offset
+	N    int64  // write, writeback and read: the byte count
 }
 
 // files does a rank's file operations, reporting each to the hook.
@@ -47,6 +47,14 @@ func (f files) write(w *os.File, off int64, b []byte) error {
 	f.at(event{Op: "write", Path: w.Name(), Off: off, N: int64(len(b))})
 	_, err := w.Write(b)
 	return err
+}
+
+// writeback starts writing w's bytes [off, off+n) to the disk without
+// waiting (startWriteback). It is a hint, so its error is dropped: the
+// fsync that makes the file durable reports what went wrong.
+func (f files) writeback(w *os.File, off, n int64) {
+	f.at(event{Op: "writeback", Path: w.Name(), Off: off, N: n})
+	_ = startWriteback(w, off, n)
 }
 
 func (f files) fsync(w *os.File) error {

@@ -68,7 +68,8 @@ type owned struct {
 
 // Save writes state as a new checkpoint under root and returns its folder.
 // Every rank of the job calls it (the ranks of WithComm, or of the
-// tensors' mesh's world), with the same options and entries.
+// tensors' mesh's world), with the same options; the checkpoint holds
+// the union of the ranks' entries (State.Entries).
 //
 // Each distinct block of a tensor is written once, by one of the ranks that
 // hold it: replicas are spread over their holders to balance the bytes each
@@ -124,7 +125,7 @@ func save(ctx context.Context, op, root string, state State, cfg *config) (strin
 // plan and, on rank 0, root's lock.
 type saving struct {
 	root    string
-	desc    saveDesc // rank 0's options and entries
+	desc    saveDesc // rank 0's options, every rank's entries
 	layouts map[string]*tensorLayout
 	step    int
 	staging string
@@ -318,7 +319,8 @@ func savedAsOf(s *placement.Spec) savedAs {
 }
 
 // merge parses every rank's description, checks that the ranks agree and
-// returns rank 0's options and every tensor's layout by name.
+// returns the descriptions, rank 0's holding the union of every rank's
+// entries, and every tensor's layout by name.
 func merge(op string, all [][]byte) ([]saveDesc, map[string]*tensorLayout, error) {
 	descs := make([]saveDesc, len(all))
 	for r, b := range all {
@@ -327,16 +329,31 @@ func merge(op string, all [][]byte) ([]saveDesc, map[string]*tensorLayout, error
 		}
 	}
 	d0 := descs[0]
-	e0, _ := json.Marshal(d0.Entries)
 	for r, d := range descs[1:] {
 		if d.Step != d0.Step || d.HasStep != d0.HasStep || d.Keep != d0.Keep || d.Block != d0.Block {
 			return nil, nil, mismatchf(op, "rank %d's options (step %d given %v, keep %d, block %d) differ from rank 0's (step %d given %v, keep %d, block %d)",
 				r+1, d.Step, d.HasStep, d.Keep, d.Block, d0.Step, d0.HasStep, d0.Keep, d0.Block)
 		}
-		if e, _ := json.Marshal(d.Entries); !bytes.Equal(e, e0) {
-			return nil, nil, mismatchf(op, "rank %d's entries differ from rank 0's", r+1)
+	}
+	// Entries are the union of the ranks': a pipeline's stages each give
+	// their own parameters' step counts. An entry that several ranks give
+	// must be the same on each.
+	union, from := map[string]entry{}, map[string]int{}
+	for r, d := range descs {
+		for _, n := range slices.Sorted(maps.Keys(d.Entries)) {
+			e := d.Entries[n]
+			if prev, ok := union[n]; ok {
+				a, _ := json.Marshal(prev) // plain data: Marshal cannot fail
+				b, _ := json.Marshal(e)
+				if !bytes.Equal(a, b) {
+					return nil, nil, mismatchf(op, "entry %q: rank %d's value differs from rank %d's", n, r, from[n])
+				}
+				continue
+			}
+			union[n], from[n] = e, r
 		}
 	}
+	descs[0].Entries = union
 	layouts := map[string]*tensorLayout{}
 	hashes := map[string]uint64{}
 	for r, d := range descs {
@@ -548,6 +565,12 @@ func planRank(rank int, all []owned, tensors map[string]*placement.DTensor) (*fi
 	return p, nil
 }
 
+// writebackBytes is how many bytes written into a data file accumulate
+// before the save starts their writeback (startWriteback): the disk then
+// writes while the next chunks are copied and checksummed, instead of all
+// at the fsync.
+const writebackBytes = 4 << 20
+
 // chunkSource delivers chunk i's bytes of a filePlan to emit, in order,
 // in one or more pieces that together hold exactly its bytes.
 type chunkSource func(i int, emit func([]byte) error) error
@@ -571,6 +594,7 @@ func writeRank(fs files, staging string, p *filePlan, block int, src chunkSource
 		return nil, wrapf("Save", err, "writing %s", tmp)
 	}
 	end := int64(len(p.head))
+	started := int64(0) // the bytes whose writeback has been started
 	for i, c := range p.items {
 		var sums []uint32
 		var crc uint32
@@ -583,6 +607,10 @@ func writeRank(fs files, staging string, p *filePlan, block int, src chunkSource
 				return wrapf("Save", err, "writing %s", tmp)
 			}
 			got += len(data)
+			if written := c.begin + int64(got); written-started >= writebackBytes {
+				fs.writeback(w, started, written-started)
+				started = written
+			}
 			for len(data) > 0 {
 				n := min(block-inBlock, len(data))
 				crc = crc32.Update(crc, castagnoli, data[:n])

@@ -11,7 +11,10 @@ import (
 //
 // Tensors may differ from rank to rank (a pipeline stage passes its own
 // layers), but a tensor that a rank passes must be passed, with the same
-// spec, by every rank of its mesh. Entries must be the same on every rank.
+// spec, by every rank of its mesh. Entries too may differ from rank to
+// rank (a pipeline stage's optimizer step counts): the checkpoint holds
+// their union, and an entry that several ranks pass must have the same
+// value on each.
 type State struct {
 	// Tensors maps names to this rank's handles on the tensors. Any
 	// placement but Partial and Routed, on any device.

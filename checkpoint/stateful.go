@@ -31,6 +31,20 @@ type Stateful interface {
 	LoadStateDict(prefix string, entries map[string]any) error
 }
 
+// LoadTargeter is a Stateful whose load fills tensors its StateDict does
+// not save: a copy of a tensor that another part or rank saves once. A
+// pipeline's tied embedding and LM head are one: the first stage saves
+// the embedding, and the last stage's copy of it is filled from that
+// tensor on load. LoadJob takes LoadTargets' tensors as the part's
+// targets instead of StateDict's; JobState (saving) ignores it.
+type LoadTargeter interface {
+	Stateful
+	// LoadTargets returns the tensors a load fills, under full names (a
+	// name may be one that another rank also fills), handles on the live
+	// tensors as StateDict's are.
+	LoadTargets(prefix string) (map[string]*placement.DTensor, error)
+}
+
 // Parts maps prefixes to the parts of a job: part p's names are
 // prefix+"."+its own names ("model.h.0.attn.qkv.weight",
 // "optim.h.0.attn.qkv.weight.exp_avg"). Prefixes are non-empty and
@@ -48,13 +62,18 @@ const StepEntry = "step"
 // negative step, or two names alike; a part's own error is returned
 // wrapped.
 func JobState(step int, parts Parts, entries map[string]any) (State, error) {
-	const op = "JobState"
+	return jobState("JobState", step, parts, entries, false)
+}
+
+// jobState is JobState; with load, the tensors are the load targets
+// (LoadTargeter's where a part is one).
+func jobState(op string, step int, parts Parts, entries map[string]any, load bool) (State, error) {
 	if step < 0 {
 		return State{}, invalidf(op, "step %d is negative", step)
 	}
 	st := State{Tensors: map[string]*placement.DTensor{}, Entries: map[string]any{StepEntry: int64(step)}}
 	for _, prefix := range slices.Sorted(maps.Keys(parts)) {
-		ts, es, err := partDict(op, prefix, parts[prefix])
+		ts, es, err := partDict(op, prefix, parts[prefix], load)
 		if err != nil {
 			return State{}, err
 		}
@@ -74,8 +93,9 @@ func JobState(step int, parts Parts, entries map[string]any) (State, error) {
 	return st, nil
 }
 
-// partDict is one part's StateDict under prefix+".", its names checked.
-func partDict(op, prefix string, p Stateful) (map[string]*placement.DTensor, map[string]any, error) {
+// partDict is one part's StateDict under prefix+".", its names checked;
+// with load, a LoadTargeter's tensors are its LoadTargets.
+func partDict(op, prefix string, p Stateful, load bool) (map[string]*placement.DTensor, map[string]any, error) {
 	if prefix == "" || strings.Contains(prefix, ".") || prefix == "user" || prefix == StepEntry {
 		return nil, nil, invalidf(op, "part prefix %q: want a non-empty name without \".\", other than \"user\" and \"step\"", prefix)
 	}
@@ -85,6 +105,11 @@ func partDict(op, prefix string, p Stateful) (map[string]*placement.DTensor, map
 	ts, es, err := p.StateDict(prefix + ".")
 	if err != nil {
 		return nil, nil, wrapf(op, err, "part %q", prefix)
+	}
+	if lt, ok := p.(LoadTargeter); ok && load {
+		if ts, err = lt.LoadTargets(prefix + "."); err != nil {
+			return nil, nil, wrapf(op, err, "part %q's load targets", prefix)
+		}
 	}
 	for n := range ts {
 		if !strings.HasPrefix(n, prefix+".") {
@@ -102,7 +127,7 @@ func partDict(op, prefix string, p Stateful) (map[string]*placement.DTensor, map
 // LoadJob loads the checkpoint in dir (Latest's answer, or a folder Save
 // returned) into a job's parts, in place, on whatever mesh, placements,
 // world size and device the parts now have: it takes every part's
-// StateDict as the targets, fills the tensors (LoadInto: each rank reads
+// StateDict (a LoadTargeter's LoadTargets) as the targets, fills the tensors (LoadInto: each rank reads
 // only its blocks' bytes), then calls every part's LoadStateDict with the
 // checkpoint's entries. It returns the step JobState recorded and the
 // user entries (without their "user." prefix). Every rank calls it with
@@ -120,7 +145,7 @@ func LoadJob(ctx context.Context, dir string, parts Parts, opts ...Option) (step
 	if err != nil {
 		return 0, nil, err
 	}
-	st, err := JobState(0, parts, nil)
+	st, err := jobState(op, 0, parts, nil, true)
 	if err != nil {
 		return 0, nil, err
 	}

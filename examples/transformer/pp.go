@@ -216,11 +216,14 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 	if err != nil {
 		return fmt.Errorf("-pp %d: %w", o.pipe.pp, err)
 	}
+	if o.start, err = prepareResume(&o); err != nil {
+		return err
+	}
 	var ref *result
 	var refParams map[string][]float32
 	if o.compare {
-		if job.Backend != launch.Local {
-			return fmt.Errorf("-compare trains on in-process ranks only (this is a %s job)", job.Backend)
+		if job.Backend != launch.Local || o.persist.Data != "" || o.persist.Dir != "" {
+			return fmt.Errorf("-compare trains on in-process ranks only, from the start, without -data or -checkpoint (this is a %s job)", job.Backend)
 		}
 		oneJob, err := launch.InProcess(1)
 		if err != nil {
@@ -234,9 +237,10 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 		out = io.Discard
 	}
 	fmt.Fprintf(out, "%s on pp=%d × %s (schedule %s, %d micro-batches, %d stages), %s, %d steps\n", o.describe(), s.Ranks, o.layout(), s.Name, s.MicroBatches, s.Stages(), job, o.loop.Steps)
+	resumeLine(out, o)
 	rep := &pipeReport{}
 	setup := func(ctx context.Context, r train.Rank) (train.Stepper[float64], error) {
-		st, err := newPipeRank(ctx, r, o, s, params)
+		st, err := newPipeRank(ctx, r, o, s, params, out)
 		if err != nil {
 			return nil, err
 		}
@@ -244,6 +248,7 @@ func runPipeline(ctx context.Context, out io.Writer, o options, fx *tinygpt.Fixt
 		return st, nil
 	}
 	progress := func(step int, loss, tokensPerS float64) {
+		step += o.start
 		line := fmt.Sprintf("step %4d  loss %.6f", step, loss)
 		if fx != nil {
 			if want, ok := fx.LossAt(step); ok {
@@ -374,7 +379,8 @@ type pipeRank struct {
 	reduce  bool // tp.ReduceGrads after each step: a lowered CSV schedule without ReduceGrad actions
 	loss    bool // this rank adds its loss to the step's: the last stage's, tp coordinate 0 (a share of it over dp and cp)
 	opt     *optim.AdamW
-	batches interface{ Next() tinygpt.Batch }
+	batches *gpt.BatchSource
+	persist *pipePersist // -data and -checkpoint (pp_resume.go)
 	cur     tinygpt.Batch
 	steps   int
 	bubble  float64 // sum over the steps after the first
@@ -383,7 +389,7 @@ type pipeRank struct {
 	fs      map[int]*fsdp.FSDP   // with -fsdp: each stage's
 }
 
-func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, init map[string][]float32) (*pipeRank, error) {
+func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, init map[string][]float32, out io.Writer) (*pipeRank, error) {
 	names := append([]string{"pp"}, o.cpf.names(o.dp, o.fsdp, o.tp)...)
 	m, err := mesh.New(r.Comm, o.loop.Shape, names)
 	if err != nil {
@@ -396,7 +402,7 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 	sm := tr.Mesh() // (dp, fsdp, tp, cp): the mesh of this rank's stages
 	tape := autograd.NewTape(r.Tape...)
 	pr := &pipeRank{world: r.Comm, fs: map[int]*fsdp.FSDP{}}
-	if pr.batches, err = gpt.Batches(o.cfg, o.run, !o.fixture, o.seed); err != nil {
+	if pr.batches, pr.persist, err = pipeData(o, m, out); err != nil {
 		return nil, err
 	}
 	rows, err := pp.MicroBatches(o.run.B, s.MicroBatches)
@@ -419,12 +425,14 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 	}
 	funcs := map[int]pp.StageFunc{}
 	byStage := map[int][]*autograd.Value{}
+	var stages []*gpt.Stage
 	S, L := s.Stages(), o.cfg.Layers
 	for _, k := range s.StagesOf(tr.Rank()) {
 		st, err := gpt.NewStage(tape, sm, o.cfg, k*L/S, (k+1)*L/S, init, stageOpts...)
 		if err != nil {
 			return nil, err
 		}
+		stages = append(stages, st)
 		if o.tp > 1 {
 			if err := tp.Parallelize(ctx, st, "tp", st.Plan(o.sp)); err != nil {
 				return nil, err
@@ -498,13 +506,16 @@ func newPipeRank(ctx context.Context, r train.Rank, o options, s *pp.Schedule, i
 	if pr.opt, err = optim.NewAdamW(pr.params, optim.WithLR(run.LR), optim.WithWeightDecay(run.WD), optim.WithBetas(run.Beta1, run.Beta2), optim.WithEps(run.Eps)); err != nil {
 		return nil, err
 	}
-	return pr, nil
+	return pr, pr.persist.load(ctx, &o, stages, pr.opt, pr.batches)
 }
 
 // Step implements train.Stepper: one pipelined step, AdamW, and the
 // step's loss on every rank.
 func (pr *pipeRank) Step(ctx context.Context) (float64, error) {
-	pr.cur = pr.batches.Next()
+	var err error
+	if pr.cur, err = pr.batches.Next(); err != nil {
+		return 0, err
+	}
 	st, err := pr.rt.Step(ctx)
 	if err != nil {
 		return 0, err
@@ -538,18 +549,22 @@ func (pr *pipeRank) Step(ctx context.Context) (float64, error) {
 		pr.report.bubble = v[1] / float64(pr.world.Size()*(pr.steps-1))
 		pr.report.mu.Unlock()
 	}
-	return v[0], nil
+	return v[0], pr.persist.ck.After(ctx, pr.batches.Steps())
 }
 
-// Finish implements train.Finisher: with -compare, the largest difference
-// of the rank's parameters (whole) from the one-rank run's, the maximum
-// over the ranks reported by world rank 0; then FSDP's release.
+// Finish implements train.Finisher: -checkpoint's save after the last step
+// (pp_resume.go); with -compare, the largest difference of the rank's
+// parameters (whole) from the one-rank run's, the maximum over the ranks
+// reported by world rank 0; then FSDP's release.
 func (pr *pipeRank) Finish(ctx context.Context) (err error) {
 	defer func() {
 		for _, f := range pr.fs {
 			err = errors.Join(err, f.Close())
 		}
 	}()
+	if err := pr.persist.finish(ctx, pr.batches.Steps()); err != nil {
+		return err
+	}
 	if pr.ref == nil {
 		return nil
 	}

@@ -3,7 +3,13 @@
 // tensors (row-sharded over -ranks in-process ranks, each rank writing its
 // own chunks) into -dir, and in the same run and folder writes and fsyncs
 // one sequential file of the same size (what dd conv=fsync does), and
-// saves the model with a background checkpoint.Saver. Over -rounds
+// saves the model with a background checkpoint.Saver. The sequential
+// file's bytes are real data, like the model's (a buffer never written
+// holds the zero page, which the kernel copies from cache in about half
+// the time), and every timed write starts after a sync(2), so that none
+// pays for the dirty pages, or the discards of removed files, that the
+// one before it left (the root file system here mounts with discard,
+// which a later journal commit carries out). Over -rounds
 // rounds it prints the medians of the save's bandwidth, the sequential
 // write's and their ratio; of the time a synchronous save takes and the
 // time the background save blocks training (and their ratio); and the
@@ -83,7 +89,11 @@ func run(args []string, out io.Writer) error {
 		peakSnap, peakHeap         int64
 	)
 	buf := make([]byte, int(total))
+	for i := range buf {
+		buf[i] = byte(i*7 + i>>12)
+	}
 	for r := range o.nrd {
+		settle()
 		seq, err := sequential(filepath.Join(dir, "seq"), buf)
 		if err != nil {
 			return err
@@ -96,6 +106,9 @@ func run(args []string, out io.Writer) error {
 				return err
 			}
 			// Sync save.
+			if m.Rank() == 0 {
+				settle()
+			}
 			if err := comm.Barrier(ctx, m.World()); err != nil {
 				return err
 			}
