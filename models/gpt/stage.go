@@ -9,7 +9,6 @@ import (
 
 	"github.com/b7ea7098/loom/autograd"
 	"github.com/b7ea7098/loom/mesh"
-	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/parallel"
 	"github.com/b7ea7098/loom/parallel/cp"
 	"github.com/b7ea7098/loom/parallel/tp"
@@ -263,27 +262,6 @@ func (s *Stage) forward(ctx context.Context, h *autograd.Value, x, y *autograd.I
 		return loss, nil
 	}
 	return autograd.Scale(loss, weight)
-}
-
-// Batches returns the batches a Trainer for cfg with the run run draws,
-// in order: the reference's sampler on its corpus, or random tokens from
-// seed when random is set (WithRandomTokens). A pipeline's ranks each
-// draw them to feed their stages, as every rank of a Trainer does.
-// Errors wrap ErrConfig.
-func Batches(cfg Config, run tinygpt.Config, random bool, seed uint64) (interface{ Next() tinygpt.Batch }, error) {
-	data := cfg.reference(run)
-	data.Steps = max(data.Steps, 1)
-	if err := data.Validate(); err != nil {
-		return nil, fmt.Errorf("%w: Batches: %w", ErrConfig, err)
-	}
-	if random {
-		return randtok.New(seed, data.B, data.T, data.V), nil
-	}
-	s, err := tinygpt.NewSampler(data, tinygpt.Corpus(data))
-	if err != nil {
-		return nil, fmt.Errorf("gpt: Batches: %w", err)
-	}
-	return s, nil
 }
 
 // Plan is the Model's Plan (sp as there) restricted to the modules the
