@@ -172,8 +172,7 @@ func (e *exec) run(ctx context.Context) error {
 			return e.ring(ctx, p-1, 0, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p },
 				func(i int) []byte { return recv[i*n : (i+1)*n] }, nil, dt, false)
 		}
-		return e.exchange(ctx, func(int) []byte { return own },
-			func(q int, b []byte) error { return e.fill(q, recv[q*n:(q+1)*n], b) })
+		return e.exchangeInto(ctx, func(int) []byte { return own }, func(q int) []byte { return recv[q*n : (q+1)*n] })
 	case comm.OpReduceScatter:
 		n := len(send) / p
 		if p == 1 {
@@ -225,11 +224,16 @@ func (e *exec) run(ctx context.Context) error {
 		}
 		n := len(send)
 		copy(recv[r*n:(r+1)*n], send)
+		// Every receive posted first, so that each lands in place.
+		pds := make([]pending, 0, p)
 		for q := range p {
 			if q != r {
-				if err := e.recvInto(ctx, q, recv[q*n:(q+1)*n]); err != nil {
-					return err
-				}
+				pds = append(pds, e.expect(q, recv[q*n:(q+1)*n]))
+			}
+		}
+		for _, pd := range pds {
+			if err := e.awaitInto(ctx, pd); err != nil {
+				return err
 			}
 		}
 		return nil
@@ -242,14 +246,10 @@ func (e *exec) run(ctx context.Context) error {
 		return e.toAll(ctx, func(q int) []byte { return send[q*n : (q+1)*n] })
 	case comm.OpAllToAll:
 		n := len(send) / p
-		copy(recv[r*n:(r+1)*n], send[r*n:(r+1)*n])
-		return e.exchange(ctx, func(q int) []byte { return send[q*n : (q+1)*n] },
-			func(q int, b []byte) error { return e.fill(q, recv[q*n:(q+1)*n], b) })
+		return e.allToAll(ctx, func(q int) []byte { return send[q*n : (q+1)*n] }, func(q int) []byte { return recv[q*n : (q+1)*n] }, es)
 	case comm.OpAllToAllV:
 		so, ro := offsets(call.SendCounts, es), offsets(call.RecvCounts, es)
-		copy(recv[ro[r]:ro[r+1]], send[so[r]:so[r+1]])
-		return e.exchange(ctx, func(q int) []byte { return send[so[q]:so[q+1]] },
-			func(q int, b []byte) error { return e.fill(q, recv[ro[q]:ro[q+1]], b) })
+		return e.allToAll(ctx, func(q int) []byte { return send[so[q]:so[q+1]] }, func(q int) []byte { return recv[ro[q]:ro[q+1]] }, es)
 	}
 	return fmt.Errorf("%w: op %v", comm.ErrUnsupported, call.Op)
 }
@@ -294,6 +294,86 @@ func (e *exec) toAll(ctx context.Context, out func(q int) []byte) error {
 	for i := 1; i < p; i++ {
 		q := (r + i) % p
 		fs, ds = append(fs, e.send(q, out(q))), append(ds, q)
+	}
+	return e.sent(ctx, fs, ds)
+}
+
+// exchangeInto sends out(q) to every other rank and receives each rank
+// q's message into in(q), every receive posted before the first send so
+// that the messages land in place; then waits for the writes.
+func (e *exec) exchangeInto(ctx context.Context, out, in func(q int) []byte) error {
+	p, r := e.c.Size(), e.rank()
+	pds := make([]pending, 0, p)
+	for i := 1; i < p; i++ {
+		q := (r - i + p) % p
+		pds = append(pds, e.expect(q, in(q)))
+	}
+	fs, ds := make([]*outFrame, 0, p), make([]int, 0, p)
+	for i := 1; i < p; i++ {
+		q := (r + i) % p
+		fs, ds = append(fs, e.send(q, out(q))), append(ds, q)
+	}
+	for _, pd := range pds {
+		if err := e.awaitInto(ctx, pd); err != nil {
+			return err
+		}
+	}
+	return e.sent(ctx, fs, ds)
+}
+
+// allToAll sends out(q) to every rank q and receives rank q's message for
+// this rank into in(q), in p-1 pairwise steps: at step s this rank sends
+// to r+s and receives from r-s, so that each peer is written to by one
+// rank at a time. Every receive is posted before the first send, so that
+// the segments land in place (no pooled buffer, no copy); each message is
+// cut into segments of segmentBytes (elements of es bytes), so that a
+// large one streams and the reader claims its later segments even when
+// the first came before the post; the sends of step s+1 are queued before
+// this rank waits for step s's receives, so that each step's sends and
+// receives overlap and the next step's start while they finish.
+func (e *exec) allToAll(ctx context.Context, out, in func(q int) []byte, es int) error {
+	p, r := e.c.Size(), e.rank()
+	copy(in(r), out(r))
+	seg := max(segmentBytes/es, 1) * es
+	steps := make([][]pending, p)
+	for s := 1; s < p; s++ {
+		q := (r - s + p) % p
+		dst := in(q)
+		for lo := 0; ; lo += seg {
+			hi := min(lo+seg, len(dst))
+			pd := e.expect(q, dst[lo:hi])
+			pd.more = hi < len(dst)
+			steps[s] = append(steps[s], pd)
+			if hi == len(dst) {
+				break
+			}
+		}
+	}
+	var fs []*outFrame
+	var ds []int
+	sendStep := func(s int) {
+		q := (r + s) % p
+		b := out(q)
+		for lo := 0; ; lo += seg {
+			hi := min(lo+seg, len(b))
+			fs, ds = append(fs, e.sendSeg(q, b[lo:hi], hi < len(b))), append(ds, q)
+			if hi == len(b) {
+				break
+			}
+		}
+	}
+	if p > 1 {
+		sendStep(1)
+	}
+	for s := 1; s < p; s++ {
+		if s+1 < p {
+			sendStep(s + 1)
+		}
+		for _, pd := range steps[s] {
+			if err := e.awaitInto(ctx, pd); err != nil {
+				return err
+			}
+		}
 	}
 	return e.sent(ctx, fs, ds)
 }
@@ -350,6 +430,22 @@ func (e *exec) ring(ctx context.Context, steps, reduceSteps int, idx func(s int)
 	es := max(dt.Size(), 1)
 	var fs []*outFrame
 	var ds []int
+	// Every receive is reserved before the first send, in the order the
+	// frames come, and those of the copying steps post their destination,
+	// so that they land in place.
+	var pds []pending
+	for s := range steps {
+		_, i := idx(s)
+		ib := block(i)
+		seg := segmentOf(len(ib), es)
+		for lo := 0; lo < len(ib); lo += seg {
+			var dst []byte
+			if s >= reduceSteps {
+				dst = ib[lo:min(lo+seg, len(ib))]
+			}
+			pds = append(pds, e.expect(left, dst))
+		}
+	}
 	o, _ := idx(0)
 	ob := src(o)
 	seg := segmentOf(len(ob), es)
@@ -363,22 +459,29 @@ func (e *exec) ring(ctx context.Context, steps, reduceSteps int, idx func(s int)
 		for lo := 0; lo < len(ib); lo += seg {
 			hi := min(lo+seg, len(ib))
 			dst := ib[lo:hi]
-			b, err := e.recv(ctx, left)
+			pd := pds[0]
+			pds = pds[1:]
+			if s >= reduceSteps {
+				if err := e.awaitInto(ctx, pd); err != nil {
+					return err
+				}
+				if s+1 < steps {
+					fs, ds = append(fs, e.send(right, dst)), append(ds, right)
+				}
+				continue
+			}
+			b, _, err := e.await(ctx, pd)
 			if err != nil {
 				return err
 			}
 			if len(b) != len(dst) {
 				return e.lengthMismatch(left, len(b), len(dst))
 			}
-			if s < reduceSteps {
-				if err := kernel.Reduce(dt, e.call.Reduce, dst, sb[lo:hi], b); err != nil {
-					return err
-				}
-				if scale && s == reduceSteps-1 {
-					e.scale(dt, dst)
-				}
-			} else {
-				copy(dst, b)
+			if err := kernel.Reduce(dt, e.call.Reduce, dst, sb[lo:hi], b); err != nil {
+				return err
+			}
+			if scale && s == reduceSteps-1 {
+				e.scale(dt, dst)
 			}
 			e.c.t.release(b)
 			if s+1 < steps {
