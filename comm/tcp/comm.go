@@ -161,6 +161,15 @@ func (w *work) Wait(ctx context.Context) error {
 	}
 }
 
+func isDone(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
 // Done implements comm.Work.
 func (w *work) Done() <-chan struct{} { return w.done }
 
@@ -208,8 +217,25 @@ func (c *Comm) issue(ctx context.Context, call comm.Call) (*exec, error) {
 	return e, nil
 }
 
-// Do implements comm.Communicator.
+// Do implements comm.Communicator. A collective issued when the previous
+// one has finished (and every point-to-point operation) runs on the
+// calling goroutine: no handoff to a goroutine of its own and back.
 func (c *Comm) Do(ctx context.Context, call comm.Call) error {
+	if !call.Op.Collective() || c.last == nil || isDone(c.last.done) {
+		e, err := c.issue(ctx, call)
+		if err != nil {
+			return err
+		}
+		if call.Op.Collective() {
+			c.last = nil
+		}
+		e.deadline = time.Now().Add(c.cfg.opts.Timeout)
+		if call.Op == comm.OpSend {
+			e.posted = e.send(e.call.Peer, bytesOf(e.call.Send))
+		}
+		c.rec.Update(e.recID, comm.Started, nil)
+		return e.finish(e.run(ctx))
+	}
 	w, err := c.Start(ctx, call)
 	if err != nil {
 		return err

@@ -10,6 +10,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -119,6 +120,11 @@ type transport struct {
 
 	stopped  chan struct{} // closed when the connections are
 	stopOnce sync.Once
+
+	// counts of the fast paths taken, for tests: frames written whole by
+	// their sender (direct), begun by it and finished by the writer
+	// (partial), and received in place.
+	direct, partial, inPlace atomic.Int64
 
 	// bufs recycles the payload buffers of received frames by size class
 	// (bufs[k] holds buffers of minPooled<<k bytes), so that a ring's
@@ -477,6 +483,7 @@ func (t *transport) readLoop(p *peer) {
 			return
 		}
 		if ps != nil {
+			t.inPlace.Add(1)
 			t.deliver(k, message{fp: fp, data: data, inPlace: true, more: more})
 			close(ps.done)
 			continue
@@ -647,7 +654,10 @@ func (t *transport) post(dst int, kind uint8, id, key, fp uint64, data []byte, u
 	more := len(p.queue) > 0
 	p.mu.Unlock()
 	if done {
+		t.direct.Add(1)
 		f.complete(nil)
+	} else {
+		t.partial.Add(1)
 	}
 	if more {
 		p.kick()
