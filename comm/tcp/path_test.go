@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -82,7 +83,7 @@ func TestAllToAllSegments(t *testing.T) {
 				_, _, n := tcp.PathCounts(c)
 				inPlace.Add(n)
 				return nil
-			})
+			}, withTimeout(20*time.Second))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -131,53 +132,67 @@ func TestAllToAllVLengthMismatch(t *testing.T) {
 	}
 }
 
-// TestDirectWrites queues frames to a peer that is not reading yet, large
-// ones that fill the socket (the sender begins them on the direct path and
-// the writer finishes them) between small ones, and checks that every
-// message arrives whole and in order: a partly written frame's rest goes
-// before anything queued after it.
+// TestDirectWrites sends from two goroutines at once, each on its own
+// communicator over the same connections, to a peer that is not reading
+// yet: large messages that fill the socket (the sender begins them on the
+// direct path and the writer finishes them) between small ones. Every
+// message must arrive whole and in order: a partly written frame's rest
+// goes before the frames queued while it was being written.
 func TestDirectWrites(t *testing.T) {
 	sizes := []int{5, 4 << 20, 3, 8 << 20, 1, 1 << 20, 7}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	var direct, partial int64
 	err := world(ctx, t, 2, func(ctx context.Context, c *tcp.Comm) error {
-		msg := func(k, n int) []int32 {
+		var subs [2]comm.Communicator
+		for i := range subs {
+			s, err := c.Split(ctx, 0, c.Rank())
+			if err != nil {
+				return err
+			}
+			subs[i] = s
+		}
+		msg := func(sub, k, n int) []int32 {
 			b := make([]int32, n)
 			for i := range b {
-				b[i] = int32(k<<24 | i)
+				b[i] = int32(sub<<28 | k<<24 | i)
 			}
 			return b
 		}
-		if c.Rank() == 0 {
-			var ws []comm.Work
-			for k, n := range sizes {
-				w, err := c.Start(ctx, comm.Call{Op: comm.OpSend, Send: comm.Host(msg(k, n)), Peer: 1})
-				if err != nil {
-					return err
+		var errs [2]error
+		var wg sync.WaitGroup
+		for i, s := range subs {
+			wg.Go(func() {
+				for k, n := range sizes {
+					if c.Rank() == 0 {
+						if errs[i] = s.Do(ctx, comm.Call{Op: comm.OpSend, Send: comm.Host(msg(i, k, n)), Peer: 1}); errs[i] != nil {
+							return
+						}
+						continue
+					}
+					if k == 0 {
+						time.Sleep(200 * time.Millisecond)
+					}
+					got := make([]int32, n)
+					if errs[i] = s.Do(ctx, comm.Call{Op: comm.OpRecv, Recv: comm.Host(got), Peer: 0}); errs[i] != nil {
+						return
+					}
+					if !slices.Equal(got, msg(i, k, n)) {
+						errs[i] = fmt.Errorf("communicator %d: message %d (%d elements) arrived changed", i, k, n)
+						return
+					}
 				}
-				ws = append(ws, w)
-			}
-			for _, w := range ws {
-				if err := w.Wait(ctx); err != nil {
-					return err
-				}
-			}
-			direct, partial, _ = tcp.PathCounts(c)
-			return comm.Barrier(ctx, c)
+			})
 		}
-		time.Sleep(200 * time.Millisecond)
-		for k, n := range sizes {
-			got := make([]int32, n)
-			if err := c.Do(ctx, comm.Call{Op: comm.OpRecv, Recv: comm.Host(got), Peer: 0}); err != nil {
-				return err
-			}
-			if !slices.Equal(got, msg(k, n)) {
-				return fmt.Errorf("message %d (%d elements) arrived changed", k, n)
-			}
+		wg.Wait()
+		if err := errors.Join(errs[:]...); err != nil {
+			return err
+		}
+		if c.Rank() == 0 {
+			direct, partial, _ = tcp.PathCounts(c)
 		}
 		return comm.Barrier(ctx, c)
-	})
+	}, withTimeout(20*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
