@@ -27,18 +27,27 @@ func Algorithms(op comm.Op) []comm.Algorithm {
 
 func supports(op comm.Op, a comm.Algorithm) bool { return slices.Contains(Algorithms(op), a) }
 
-// Crossovers of the automatic choice: fixed, not measured. Below
-// directBytes an all-reduce exchanges the whole vector with every rank at
-// once (one round of p-1 messages, summed in rank order), below treeBytes
-// it takes the binomial tree (2·log2 p rounds of the whole vector), above,
-// the ring (2(p-1) messages of 1/p of it). Below directBytes per rank,
-// all-gather and reduce-scatter exchange directly; above, the ring. A
-// message's latency on loopback is tens of microseconds, so for a small
-// vector the number of rounds, not the bytes, sets the time: one round
-// beats the tree's 2·log2 p.
+// Crossovers of the automatic choice, from loombench -compare runs of
+// every algorithm at 4 KiB to 64 MiB for 2 and 4 processes on a loaded
+// two-core machine (README, Performance), where a message's latency (a
+// wakeup of the receiving process) is a few hundred microseconds and
+// costs as much as some 512 KiB on the wire.
+//
+// All-reduce: below directBytes every rank sends the whole vector to
+// every other at once (one round of p-1 messages, summed in rank order);
+// above, the ring (2(p-1) rounds of 1/p of the vector, pipelined by
+// segment), except that with four ranks or more and under treeBytes the
+// binomial tree (2·⌈log2 p⌉ rounds of the whole vector) takes fewer
+// rounds and wins (at p=2 and 3 it has as many rounds as the ring and
+// more bytes). All-gather: below allGatherDirectBytes of output with more than
+// two ranks, the pairwise exchange (one round, p-1 segmented streams at
+// once) beats the ring's p-1 rounds; above, the ring's one stream at a
+// time does (at p=2 the two are the same exchange). Reduce-scatter:
+// direct below directBytes per rank, the ring above.
 const (
-	treeBytes   = 64 << 10
-	directBytes = 16 << 10
+	directBytes          = 16 << 10
+	treeBytes            = 512 << 10
+	allGatherDirectBytes = 4 << 20
 )
 
 // segmentBytes is the size of the frames a ring step is cut into, so that
@@ -71,12 +80,13 @@ func (c *Comm) choose(call *comm.Call) (comm.Algorithm, error) {
 		if bytes < directBytes {
 			return comm.Direct, nil
 		}
-		if bytes < treeBytes {
+		if c.Size() >= 4 && bytes < treeBytes {
 			return comm.Tree, nil
 		}
 		return comm.Ring, nil
 	case comm.OpAllGather:
-		if bytes < directBytes {
+		// bytes is this rank's block: the output is p of them.
+		if bytes < directBytes || c.Size() > 2 && bytes*c.Size() < allGatherDirectBytes {
 			return comm.Direct, nil
 		}
 		return comm.Ring, nil
@@ -172,7 +182,9 @@ func (e *exec) run(ctx context.Context) error {
 			return e.ring(ctx, p-1, 0, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p },
 				func(i int) []byte { return recv[i*n : (i+1)*n] }, nil, dt, false)
 		}
-		return e.exchangeInto(ctx, func(int) []byte { return own }, func(q int) []byte { return recv[q*n : (q+1)*n] })
+		// Direct: the pairwise, segmented exchange of AllToAll with this
+		// rank's block as every peer's message.
+		return e.allToAll(ctx, func(int) []byte { return own }, func(q int) []byte { return recv[q*n : (q+1)*n] }, es)
 	case comm.OpReduceScatter:
 		n := len(send) / p
 		if p == 1 {
@@ -298,29 +310,6 @@ func (e *exec) toAll(ctx context.Context, out func(q int) []byte) error {
 	return e.sent(ctx, fs, ds)
 }
 
-// exchangeInto sends out(q) to every other rank and receives each rank
-// q's message into in(q), every receive posted before the first send so
-// that the messages land in place; then waits for the writes.
-func (e *exec) exchangeInto(ctx context.Context, out, in func(q int) []byte) error {
-	p, r := e.c.Size(), e.rank()
-	pds := make([]pending, 0, p)
-	for i := 1; i < p; i++ {
-		q := (r - i + p) % p
-		pds = append(pds, e.expect(q, in(q)))
-	}
-	fs, ds := make([]*outFrame, 0, p), make([]int, 0, p)
-	for i := 1; i < p; i++ {
-		q := (r + i) % p
-		fs, ds = append(fs, e.send(q, out(q))), append(ds, q)
-	}
-	for _, pd := range pds {
-		if err := e.awaitInto(ctx, pd); err != nil {
-			return err
-		}
-	}
-	return e.sent(ctx, fs, ds)
-}
-
 // allToAll sends out(q) to every rank q and receives rank q's message for
 // this rank into in(q), in p-1 pairwise steps: at step s this rank sends
 // to r+s and receives from r-s, so that each peer is written to by one
@@ -333,7 +322,9 @@ func (e *exec) exchangeInto(ctx context.Context, out, in func(q int) []byte) err
 // receives overlap and the next step's start while they finish.
 func (e *exec) allToAll(ctx context.Context, out, in func(q int) []byte, es int) error {
 	p, r := e.c.Size(), e.rank()
-	copy(in(r), out(r))
+	if !sameStart(in(r), out(r)) {
+		copy(in(r), out(r))
+	}
 	seg := max(segmentBytes/es, 1) * es
 	steps := make([][]pending, p)
 	for s := 1; s < p; s++ {
