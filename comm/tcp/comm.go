@@ -452,7 +452,11 @@ func (e *exec) await(ctx context.Context, pd pending) (b []byte, inPlace bool, e
 				if !m.inPlace {
 					e.c.t.release(m.data)
 				}
-				err := fmt.Errorf("%w: rank %d sent a message of another length than this rank expects (%s segments at #%d)", comm.ErrMismatch, pd.src, map[bool]string{true: "fewer", false: "more"}[pd.more], e.seq)
+				what := "longer" // a segment with more to follow where pd expects the last
+				if pd.more {
+					what = "shorter"
+				}
+				err := fmt.Errorf("%w: rank %d sent a %s message than this rank expects at #%d", comm.ErrMismatch, pd.src, what, e.seq)
 				e.c.Abort(err)
 				return nil, false, e.c.failure.Load()
 			}
