@@ -15,8 +15,9 @@ import (
 // connections. bytes is the size of the full buffer (AllReduce's vector,
 // AllGather's output, ReduceScatter's and AllToAll's input); busbw follows
 // nccl-tests: AllReduce moves 2(p-1)/p of it per rank, the others
-// (p-1)/p. The metric times the calls alone, between two barriers, without the setup of the mesh; the
-// 8-byte AllReduce is the latency of a scalar's all-reduce (ns/op).
+// (p-1)/p. The metric times the calls alone, between two barriers,
+// without the setup of the mesh; the 8-byte AllReduce is the latency of a
+// scalar's all-reduce (ns/op).
 func BenchmarkTCP(b *testing.B) {
 	for _, p := range []int{2, 4} {
 		b.Run(fmt.Sprintf("%v/p=%d/bytes=8", comm.OpAllReduce, p), func(b *testing.B) {
