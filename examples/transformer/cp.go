@@ -10,11 +10,13 @@ import (
 
 // cpFlags are the context-parallel flags: -cp ranks the sequence is
 // sharded over (the innermost mesh axis, "cp"), -cp-method the attention
-// method over it and -cp-balance the causal load balancing of the shards.
+// method over it, -cp-balance the causal load balancing of the shards and
+// -cp-flat-fsdp whether -fsdp shards over the flattened fsdp×cp axes.
 type cpFlags struct {
-	cp      int
-	method  string
-	balance bool
+	cp       int
+	method   string
+	balance  bool
+	flatFSDP bool
 }
 
 // register adds -cp, -cp-method and -cp-balance to fs.
@@ -22,6 +24,7 @@ func (c *cpFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.cp, "cp", 1, "context-parallel ranks: the sequence of every activation is sharded over them and attention runs by -cp-method")
 	fs.StringVar(&c.method, "cp-method", "auto", "with -cp: the attention method: auto (the cost model picks per call), ring, allgather, ulysses (heads/tp divisible by cp) or hybrid (Ulysses within groups of 2, the ring across them; cp even)")
 	fs.BoolVar(&c.balance, "cp-balance", true, "with -cp: load-balance the causal work (rank r of k holds sequence chunks r and 2k−1−r of 2k); false shards it in contiguous blocks")
+	fs.BoolVar(&c.flatFSDP, "cp-flat-fsdp", true, "with -cp and -fsdp: FSDP shards over the flattened fsdp×cp axes, each rank holding 1/(fsdp·cp) of the parameters (torchtitan's dp_shard_cp); false shards over fsdp alone and sums the gradients over cp")
 }
 
 // check reads -cp-method and checks the flags against the model's heads
@@ -68,8 +71,12 @@ func (c cpFlags) axes(dp, fsdp, tp int) (shape []int, names []string) {
 	return shape, names
 }
 
-// trainOptions are the trainer's options for the flags.
-func (c cpFlags) trainOptions() []gpt.TrainOption {
+// flat reports whether FSDP over fsdp ranks shards over fsdp×cp.
+func (c cpFlags) flat(fsdp int) bool { return c.cp > 1 && fsdp > 1 && c.flatFSDP }
+
+// trainOptions are the trainer's options for the flags, with fsdp
+// FSDP ranks.
+func (c cpFlags) trainOptions(fsdp int) []gpt.TrainOption {
 	if c.cp < 2 {
 		return nil
 	}
@@ -85,18 +92,27 @@ func (c cpFlags) trainOptions() []gpt.TrainOption {
 	if !c.balance {
 		out = append(out, gpt.WithPlainSequenceShards())
 	}
+	if c.flat(fsdp) {
+		out = append(out, gpt.WithShardOverCP())
+	}
 	return out
 }
 
-// layout is the run's context parallelism for the first line ("" for
-// none).
-func (c cpFlags) layout() string {
+// layout is the run's context parallelism for the first line, with fsdp
+// FSDP ranks ("" for none): how FSDP shards beside it when it does.
+func (c cpFlags) layout(fsdp int) string {
 	if c.cp < 2 {
 		return ""
 	}
 	s := fmt.Sprintf(" × cp=%d (%s", c.cp, c.method)
 	if !c.balance {
 		s += ", plain shards"
+	}
+	switch {
+	case c.flat(fsdp):
+		s += fmt.Sprintf("; FSDP over fsdp×cp: 1/%d of the parameters per rank", fsdp*c.cp)
+	case fsdp > 1:
+		s += fmt.Sprintf("; FSDP over fsdp: 1/%d of the parameters per rank, gradients summed over cp", fsdp)
 	}
 	return s + ")"
 }

@@ -3,6 +3,7 @@ package gpt
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -10,6 +11,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/cp"
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -30,12 +32,37 @@ type Stage struct {
 	LMHead      *parallel.Linear
 }
 
+// StageOption configures NewStage.
+type StageOption func(*stageConfig)
+
+type stageConfig struct {
+	cp     string
+	cpOpts []cp.Option
+}
+
+// WithStageContextParallel makes every block's attention of the stage
+// cp.Attention over the named axis of the stage's mesh, with opts (the
+// method, cp.WithMethod; Hybrid's inner axis, cp.WithUlyssesAxis), as
+// WithContextParallel does for a Trainer. The caller lays the token ids
+// and targets out with their sequence dim sharded over the axis
+// (placement.ShardBalanced(1) for the causal load balancing, or
+// placement.Shard(1)); the activations crossing stages keep that layout
+// (pp.Transport sends it with them), the last stage's loss is the mean
+// cross-entropy over [B, T, V] and is Partial(sum) over the axis, and the
+// parameters' gradients are Partial(sum) over it after backward, summed
+// with the data-parallel ones by tp.ReduceGrads (at the schedule's
+// ReduceGrad actions). An axis of size 1 is no context parallelism.
+func WithStageContextParallel(axis string, opts ...cp.Option) StageOption {
+	return func(c *stageConfig) { c.cp, c.cpOpts = axis, append(c.cpOpts, opts...) }
+}
+
 // NewStage builds blocks [first, last) of the GPT cfg on tape and m (the
 // stage's own mesh), with the embeddings on the first stage and the head
 // on the last, on the tape's device, initialised from params by name (every name the stage
-// holds must be there: RandomInit gives the whole model's). Errors wrap
-// ErrConfig.
-func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, params map[string][]float32) (*Stage, error) {
+// holds must be there: RandomInit gives the whole model's), with
+// context parallelism when opts say (WithStageContextParallel). Errors
+// wrap ErrConfig (an unknown cp axis names the mesh's axes).
+func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, params map[string][]float32, opts ...StageOption) (*Stage, error) {
 	if tape == nil || m == nil {
 		return nil, fmt.Errorf("%w: NewStage: nil tape or mesh", ErrConfig)
 	}
@@ -44,6 +71,25 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 	}
 	if first < 0 || last < first || last > cfg.Layers {
 		return nil, fmt.Errorf("%w: NewStage: blocks [%d, %d) of %d", ErrConfig, first, last, cfg.Layers)
+	}
+	var sc stageConfig
+	for _, o := range opts {
+		o(&sc)
+	}
+	ncp := 1
+	if sc.cp != "" {
+		n, err := m.AxisSize(sc.cp)
+		if err != nil {
+			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel(%q): the stage mesh's axes are %v", ErrConfig, sc.cp, m.Names())
+		}
+		ncp = n
+		method, err := cp.MethodOf(sc.cpOpts...)
+		if err != nil {
+			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel: %w", ErrConfig, err)
+		}
+		if method == cp.Ulysses && ncp > 1 && cfg.Heads%ncp != 0 {
+			return nil, fmt.Errorf("%w: NewStage: Ulysses splits the %d heads over cp (%d, axis %q): they must be divisible", ErrConfig, cfg.Heads, ncp, sc.cp)
+		}
 	}
 	init := parallel.ByName(params)
 	named := func(name string, extra ...parallel.LayerOption) []parallel.LayerOption {
@@ -85,6 +131,14 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 		}
 		if s.LMHead, err = parallel.NewLinear(tape, m, cfg.Width, cfg.Vocab, named("lm_head", parallel.WithBias(false))...); err != nil {
 			return nil, fmt.Errorf("gpt: NewStage: %w", err)
+		}
+	}
+	if ncp > 1 {
+		axis, cpOpts := sc.cp, slices.Clone(sc.cpOpts)
+		for _, b := range s.Blocks {
+			b.Attn.Core = func(ctx context.Context, q, k, v *autograd.Value) (*autograd.Value, error) {
+				return cp.Attention(ctx, q, k, v, axis, cpOpts...)
+			}
 		}
 	}
 	if err := placeOn(tape.Device(), s.Params()); err != nil {
@@ -156,22 +210,38 @@ func (s *Stage) Params() []*autograd.Value {
 // the batch: pp.MicroBatches), else the activation to send on. It is the
 // same computation as Model.Forward split at block boundaries.
 func (s *Stage) Forward(ctx context.Context, h *autograd.Value, x, y *autograd.Indices, weight float64) (*autograd.Value, error) {
+	switch {
+	case s.First == 0 && x == nil:
+		return nil, fmt.Errorf("%w: Stage.Forward: the first stage needs token ids", ErrConfig)
+	case s.First != 0 && h == nil:
+		return nil, fmt.Errorf("%w: Stage.Forward: stage [%d, %d) needs the previous stage's activation", ErrConfig, s.First, s.Last)
+	}
+	out, err := s.forward(ctx, h, x, y, weight)
+	if err == nil {
+		// The stage's own hooks (FSDP's root unit: FullyShard) see its
+		// output: the end of its forward.
+		out, err = s.Output(ctx, out)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("gpt: Stage.Forward: %w", err)
+	}
+	return out, nil
+}
+
+func (s *Stage) forward(ctx context.Context, h *autograd.Value, x, y *autograd.Indices, weight float64) (*autograd.Value, error) {
+	if err := s.Enter(ctx); err != nil {
+		return nil, err
+	}
 	var err error
 	if s.First == 0 {
-		if x == nil {
-			return nil, fmt.Errorf("%w: Stage.Forward: the first stage needs token ids", ErrConfig)
-		}
 		md := &Model{cfg: s.cfg, tape: s.tape, mesh: s.mesh, WTE: s.WTE, WPE: s.WPE}
 		if h, err = md.embed(ctx, x); err != nil {
-			return nil, fmt.Errorf("gpt: Stage.Forward: %w", err)
+			return nil, err
 		}
-	}
-	if h == nil {
-		return nil, fmt.Errorf("%w: Stage.Forward: stage [%d, %d) needs the previous stage's activation", ErrConfig, s.First, s.Last)
 	}
 	for i, b := range s.Blocks {
 		if h, err = b.Forward(ctx, h); err != nil {
-			return nil, fmt.Errorf("gpt: Stage.Forward: block %d: %w", s.First+i, err)
+			return nil, fmt.Errorf("block %d: %w", s.First+i, err)
 		}
 	}
 	if s.LNF == nil {
@@ -180,7 +250,7 @@ func (s *Stage) Forward(ctx context.Context, h *autograd.Value, x, y *autograd.I
 	md := &Model{cfg: s.cfg, tape: s.tape, mesh: s.mesh, LNF: s.LNF, LMHead: s.LMHead}
 	loss, err := md.head(ctx, h, y)
 	if err != nil {
-		return nil, fmt.Errorf("gpt: Stage.Forward: %w", err)
+		return nil, err
 	}
 	if weight == 1 {
 		return loss, nil

@@ -60,6 +60,25 @@ func ParseMethod(s string) (Method, error) {
 	return 0, invalidf("ParseMethod", "unknown method %q (want one of %s)", s, strings.Join(methodNames, ", "))
 }
 
+// MethodOf returns the method opts select, as Attention reads them: Auto
+// when none does, Hybrid with WithUlyssesAxis; or the error an invalid
+// option gives (wrapping ErrInvalid). It lets a caller check a layout
+// against the method (Ulysses's heads divisible by cp) before any rank
+// starts.
+func MethodOf(opts ...Option) (Method, error) {
+	var c config
+	for _, o := range opts {
+		o(&c)
+	}
+	if c.err != nil {
+		return 0, invalidf("MethodOf", "%v", c.err)
+	}
+	if c.inner != "" && c.method == Auto {
+		return Hybrid, nil
+	}
+	return c.method, nil
+}
+
 // Option configures Attention.
 type Option func(*config)
 

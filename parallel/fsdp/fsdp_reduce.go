@@ -33,8 +33,17 @@ func (f *FSDP) gradReady(ctx context.Context, u *fsdpUnit, p *fsdpParam) error {
 			return err
 		}
 	}
-	if f.cfg.stage == 3 {
+	if f.reshardsAfterBackward(u) {
 		f.release(u)
+	}
+	if f.noGradSync {
+		// Every backward of the step (several micro-batches, interleaved
+		// with forwards) ends here alike; Finish reduces their sum.
+		u.fired = 0
+		for _, q := range u.params {
+			q.fired = false
+		}
+		return nil
 	}
 	if f.noSync > 0 {
 		return nil
@@ -178,14 +187,18 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, dbuf de
 		}
 		return true
 	}
-	if !check(f.axis, f.rank) || (f.rep >= 0 && !check(f.rep, f.repC)) {
+	for i, a := range f.flat.axes {
+		if !check(a, f.flat.coords[i]) {
+			return false
+		}
+	}
+	if f.rep >= 0 && !check(f.rep, f.repC) {
 		return false
 	}
-	places[f.axis] = placement.Shard(p.dim)
 	if f.rep >= 0 {
 		places[f.rep] = placement.Replicate()
 	}
-	out, err := gs.With(places, blocks.Orders(gs, p.dim, f.cfg.axis)...)
+	out, err := f.shardedSpec(gs, places, p.dim)
 	if err != nil {
 		f.fail(fmt.Errorf("fsdp: FSDP gradient of %q: %w", p.name, err))
 		return false
@@ -417,7 +430,9 @@ func (f *FSDP) launchRest(ctx context.Context) {
 // the sharded gradients with the next pass's (as a rank alone would
 // accumulate the passes' gradients). Errors are kept for Finish.
 func (f *FSDP) nextPass(ctx context.Context) {
-	f.launchRest(ctx)
+	if !f.noGradSync {
+		f.launchRest(ctx)
+	}
 	f.endPass()
 }
 
@@ -561,7 +576,7 @@ func (f *FSDP) endPass() {
 		for _, p := range u.params {
 			p.fired = false
 		}
-		if f.cfg.stage == 3 {
+		if f.reshardsAfterBackward(u) {
 			f.release(u)
 		}
 	}
