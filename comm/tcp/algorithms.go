@@ -27,18 +27,27 @@ func Algorithms(op comm.Op) []comm.Algorithm {
 
 func supports(op comm.Op, a comm.Algorithm) bool { return slices.Contains(Algorithms(op), a) }
 
-// Crossovers of the automatic choice: fixed, not measured. Below
-// directBytes an all-reduce exchanges the whole vector with every rank at
-// once (one round of p-1 messages, summed in rank order), below treeBytes
-// it takes the binomial tree (2·log2 p rounds of the whole vector), above,
-// the ring (2(p-1) messages of 1/p of it). Below directBytes per rank,
-// all-gather and reduce-scatter exchange directly; above, the ring. A
-// message's latency on loopback is tens of microseconds, so for a small
-// vector the number of rounds, not the bytes, sets the time: one round
-// beats the tree's 2·log2 p.
+// Crossovers of the automatic choice, from loombench -compare runs of
+// every algorithm at 4 KiB to 64 MiB for 2 and 4 processes on a loaded
+// two-core machine (README, Performance), where a message's latency (a
+// wakeup of the receiving process) is a few hundred microseconds and
+// costs as much as some 512 KiB on the wire.
+//
+// All-reduce: below directBytes every rank sends the whole vector to
+// every other at once (one round of p-1 messages, summed in rank order);
+// above, the ring (2(p-1) rounds of 1/p of the vector, pipelined by
+// segment), except that with four ranks or more and under treeBytes the
+// binomial tree (2·⌈log2 p⌉ rounds of the whole vector) takes fewer
+// rounds and wins (at p=2 and 3 it has as many rounds as the ring and
+// more bytes). All-gather: below allGatherDirectBytes of output with more than
+// two ranks, the pairwise exchange (one round, p-1 segmented streams at
+// once) beats the ring's p-1 rounds; above, the ring's one stream at a
+// time does (at p=2 the two are the same exchange). Reduce-scatter:
+// direct below directBytes per rank, the ring above.
 const (
-	treeBytes   = 64 << 10
-	directBytes = 16 << 10
+	directBytes          = 16 << 10
+	treeBytes            = 512 << 10
+	allGatherDirectBytes = 4 << 20
 )
 
 // segmentBytes is the size of the frames a ring step is cut into, so that
@@ -71,12 +80,13 @@ func (c *Comm) choose(call *comm.Call) (comm.Algorithm, error) {
 		if bytes < directBytes {
 			return comm.Direct, nil
 		}
-		if bytes < treeBytes {
+		if c.Size() >= 4 && bytes < treeBytes {
 			return comm.Tree, nil
 		}
 		return comm.Ring, nil
 	case comm.OpAllGather:
-		if bytes < directBytes {
+		// bytes is this rank's block: the output is p of them.
+		if bytes < directBytes || c.Size() > 2 && bytes*c.Size() < allGatherDirectBytes {
 			return comm.Direct, nil
 		}
 		return comm.Ring, nil
@@ -172,8 +182,9 @@ func (e *exec) run(ctx context.Context) error {
 			return e.ring(ctx, p-1, 0, func(s int) (int, int) { return (r - s + p) % p, (r - s - 1 + p) % p },
 				func(i int) []byte { return recv[i*n : (i+1)*n] }, nil, dt, false)
 		}
-		return e.exchange(ctx, func(int) []byte { return own },
-			func(q int, b []byte) error { return e.fill(q, recv[q*n:(q+1)*n], b) })
+		// Direct: the pairwise, segmented exchange of AllToAll with this
+		// rank's block as every peer's message.
+		return e.allToAll(ctx, func(int) []byte { return own }, func(q int) []byte { return recv[q*n : (q+1)*n] }, es)
 	case comm.OpReduceScatter:
 		n := len(send) / p
 		if p == 1 {
@@ -225,11 +236,16 @@ func (e *exec) run(ctx context.Context) error {
 		}
 		n := len(send)
 		copy(recv[r*n:(r+1)*n], send)
+		// Every receive posted first, so that each lands in place.
+		pds := make([]pending, 0, p)
 		for q := range p {
 			if q != r {
-				if err := e.recvInto(ctx, q, recv[q*n:(q+1)*n]); err != nil {
-					return err
-				}
+				pds = append(pds, e.expect(q, recv[q*n:(q+1)*n]))
+			}
+		}
+		for _, pd := range pds {
+			if err := e.awaitInto(ctx, pd); err != nil {
+				return err
 			}
 		}
 		return nil
@@ -242,14 +258,10 @@ func (e *exec) run(ctx context.Context) error {
 		return e.toAll(ctx, func(q int) []byte { return send[q*n : (q+1)*n] })
 	case comm.OpAllToAll:
 		n := len(send) / p
-		copy(recv[r*n:(r+1)*n], send[r*n:(r+1)*n])
-		return e.exchange(ctx, func(q int) []byte { return send[q*n : (q+1)*n] },
-			func(q int, b []byte) error { return e.fill(q, recv[q*n:(q+1)*n], b) })
+		return e.allToAll(ctx, func(q int) []byte { return send[q*n : (q+1)*n] }, func(q int) []byte { return recv[q*n : (q+1)*n] }, es)
 	case comm.OpAllToAllV:
 		so, ro := offsets(call.SendCounts, es), offsets(call.RecvCounts, es)
-		copy(recv[ro[r]:ro[r+1]], send[so[r]:so[r+1]])
-		return e.exchange(ctx, func(q int) []byte { return send[so[q]:so[q+1]] },
-			func(q int, b []byte) error { return e.fill(q, recv[ro[q]:ro[q+1]], b) })
+		return e.allToAll(ctx, func(q int) []byte { return send[so[q]:so[q+1]] }, func(q int) []byte { return recv[ro[q]:ro[q+1]] }, es)
 	}
 	return fmt.Errorf("%w: op %v", comm.ErrUnsupported, call.Op)
 }
@@ -294,6 +306,65 @@ func (e *exec) toAll(ctx context.Context, out func(q int) []byte) error {
 	for i := 1; i < p; i++ {
 		q := (r + i) % p
 		fs, ds = append(fs, e.send(q, out(q))), append(ds, q)
+	}
+	return e.sent(ctx, fs, ds)
+}
+
+// allToAll sends out(q) to every rank q and receives rank q's message for
+// this rank into in(q), in p-1 pairwise steps: at step s this rank sends
+// to r+s and receives from r-s, so that each peer is written to by one
+// rank at a time. Every receive is posted before the first send, so that
+// the segments land in place (no pooled buffer, no copy); each message is
+// cut into segments of segmentBytes (elements of es bytes), so that a
+// large one streams and the reader claims its later segments even when
+// the first came before the post; the sends of step s+1 are queued before
+// this rank waits for step s's receives, so that each step's sends and
+// receives overlap and the next step's start while they finish.
+func (e *exec) allToAll(ctx context.Context, out, in func(q int) []byte, es int) error {
+	p, r := e.c.Size(), e.rank()
+	if !sameStart(in(r), out(r)) {
+		copy(in(r), out(r))
+	}
+	seg := max(segmentBytes/es, 1) * es
+	steps := make([][]pending, p)
+	for s := 1; s < p; s++ {
+		q := (r - s + p) % p
+		dst := in(q)
+		for lo := 0; ; lo += seg {
+			hi := min(lo+seg, len(dst))
+			pd := e.expect(q, dst[lo:hi])
+			pd.more = hi < len(dst)
+			steps[s] = append(steps[s], pd)
+			if hi == len(dst) {
+				break
+			}
+		}
+	}
+	var fs []*outFrame
+	var ds []int
+	sendStep := func(s int) {
+		q := (r + s) % p
+		b := out(q)
+		for lo := 0; ; lo += seg {
+			hi := min(lo+seg, len(b))
+			fs, ds = append(fs, e.sendSeg(q, b[lo:hi], hi < len(b))), append(ds, q)
+			if hi == len(b) {
+				break
+			}
+		}
+	}
+	if p > 1 {
+		sendStep(1)
+	}
+	for s := 1; s < p; s++ {
+		if s+1 < p {
+			sendStep(s + 1)
+		}
+		for _, pd := range steps[s] {
+			if err := e.awaitInto(ctx, pd); err != nil {
+				return err
+			}
+		}
 	}
 	return e.sent(ctx, fs, ds)
 }
@@ -350,6 +421,22 @@ func (e *exec) ring(ctx context.Context, steps, reduceSteps int, idx func(s int)
 	es := max(dt.Size(), 1)
 	var fs []*outFrame
 	var ds []int
+	// Every receive is reserved before the first send, in the order the
+	// frames come, and those of the copying steps post their destination,
+	// so that they land in place.
+	var pds []pending
+	for s := range steps {
+		_, i := idx(s)
+		ib := block(i)
+		seg := segmentOf(len(ib), es)
+		for lo := 0; lo < len(ib); lo += seg {
+			var dst []byte
+			if s >= reduceSteps {
+				dst = ib[lo:min(lo+seg, len(ib))]
+			}
+			pds = append(pds, e.expect(left, dst))
+		}
+	}
 	o, _ := idx(0)
 	ob := src(o)
 	seg := segmentOf(len(ob), es)
@@ -363,22 +450,29 @@ func (e *exec) ring(ctx context.Context, steps, reduceSteps int, idx func(s int)
 		for lo := 0; lo < len(ib); lo += seg {
 			hi := min(lo+seg, len(ib))
 			dst := ib[lo:hi]
-			b, err := e.recv(ctx, left)
+			pd := pds[0]
+			pds = pds[1:]
+			if s >= reduceSteps {
+				if err := e.awaitInto(ctx, pd); err != nil {
+					return err
+				}
+				if s+1 < steps {
+					fs, ds = append(fs, e.send(right, dst)), append(ds, right)
+				}
+				continue
+			}
+			b, _, err := e.await(ctx, pd)
 			if err != nil {
 				return err
 			}
 			if len(b) != len(dst) {
 				return e.lengthMismatch(left, len(b), len(dst))
 			}
-			if s < reduceSteps {
-				if err := kernel.Reduce(dt, e.call.Reduce, dst, sb[lo:hi], b); err != nil {
-					return err
-				}
-				if scale && s == reduceSteps-1 {
-					e.scale(dt, dst)
-				}
-			} else {
-				copy(dst, b)
+			if err := kernel.Reduce(dt, e.call.Reduce, dst, sb[lo:hi], b); err != nil {
+				return err
+			}
+			if scale && s == reduceSteps-1 {
+				e.scale(dt, dst)
 			}
 			e.c.t.release(b)
 			if s+1 < steps {

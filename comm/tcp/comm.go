@@ -161,6 +161,15 @@ func (w *work) Wait(ctx context.Context) error {
 	}
 }
 
+func isDone(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
 // Done implements comm.Work.
 func (w *work) Done() <-chan struct{} { return w.done }
 
@@ -208,8 +217,25 @@ func (c *Comm) issue(ctx context.Context, call comm.Call) (*exec, error) {
 	return e, nil
 }
 
-// Do implements comm.Communicator.
+// Do implements comm.Communicator. A collective issued when the previous
+// one has finished (and every point-to-point operation) runs on the
+// calling goroutine: no handoff to a goroutine of its own and back.
 func (c *Comm) Do(ctx context.Context, call comm.Call) error {
+	if !call.Op.Collective() || c.last == nil || isDone(c.last.done) {
+		e, err := c.issue(ctx, call)
+		if err != nil {
+			return err
+		}
+		if call.Op.Collective() {
+			c.last = nil
+		}
+		e.deadline = time.Now().Add(c.cfg.opts.Timeout)
+		if call.Op == comm.OpSend {
+			e.posted = e.send(e.call.Peer, bytesOf(e.call.Send))
+		}
+		c.rec.Update(e.recID, comm.Started, nil)
+		return e.finish(e.run(ctx))
+	}
 	w, err := c.Start(ctx, call)
 	if err != nil {
 		return err
@@ -342,7 +368,16 @@ func (e *exec) wait(ctx context.Context, ch <-chan struct{}, src int) error {
 
 // send queues data for rank dst of this communicator.
 func (e *exec) send(dst int, data []byte) *outFrame {
+	return e.sendSeg(dst, data, false)
+}
+
+// sendSeg is send for a segment of a message, more saying that more of
+// it follows (collectives only).
+func (e *exec) sendSeg(dst int, data []byte, more bool) *outFrame {
 	kind, key := uint8(kindColl), e.seq
+	if more {
+		kind |= kindMore
+	}
 	if e.call.Op == comm.OpSend {
 		kind, key = kindP2P, uint64(int64(e.call.Tag))
 	}
@@ -367,49 +402,99 @@ func (e *exec) sent(ctx context.Context, fs []*outFrame, dsts []int) error {
 	return nil
 }
 
-// recv returns the next message of this operation from rank src of this
-// communicator.
-func (e *exec) recv(ctx context.Context, src int) ([]byte, error) {
+// pending is a receive whose place in its stream is reserved, and whose
+// destination may be posted for the reader to fill in place.
+type pending struct {
+	k   mkey
+	n   int
+	src int // rank of this communicator
+	ps  *recvPost
+	dst []byte
+	// more: the segment expected has more of its message after it
+	// (kindMore).
+	more bool
+}
+
+// expect reserves the next message of this operation from rank src of
+// this communicator; with dst, the message is read straight into it when
+// it arrives after this call (a receive posted before its frame comes:
+// no pooled buffer, no copy). Receives from one rank are matched in the
+// order expect is called.
+func (e *exec) expect(src int, dst []byte) pending {
 	k := mkey{comm: e.c.id, kind: kindColl, key: e.seq, src: e.c.members[src]}
 	if e.checking {
 		k.key |= checkKey
 	}
-	n := 0
+	pd := pending{k: k, src: src, dst: dst}
 	if e.call.Op == comm.OpRecv {
-		k.kind, k.key, n = kindP2P, uint64(int64(e.call.Tag)), e.ticket
-	} else {
-		n = e.c.t.ticket(k)
+		pd.k.kind, pd.k.key, pd.n = kindP2P, uint64(int64(e.call.Tag)), e.ticket
+		pd.ps = e.c.t.postAt(pd.k, pd.n, dst)
+		return pd
 	}
+	pd.n, pd.ps = e.c.t.expect(pd.k, dst)
+	return pd
+}
+
+// await returns the message pd reserved. When it landed in place, the
+// returned slice is pd's destination (inPlace), not a pooled buffer. A
+// message that is a segment with more to follow where pd expects none,
+// or the reverse, is a length mismatch.
+func (e *exec) await(ctx context.Context, pd pending) (b []byte, inPlace bool, err error) {
 	for {
-		m, ok, ch := e.c.t.poll(k, n)
+		m, ok, ch := e.c.t.poll(pd.k, pd.n)
 		if ok {
 			if m.fp != e.fp && !e.checking {
-				err := fmt.Errorf("%w: rank %d issued a different collective at #%d (this rank issued %v)", comm.ErrMismatch, src, e.seq, e.call.Op)
+				err := fmt.Errorf("%w: rank %d issued a different collective at #%d (this rank issued %v)", comm.ErrMismatch, pd.src, e.seq, e.call.Op)
 				e.c.Abort(err)
-				return nil, e.c.failure.Load()
+				return nil, false, e.c.failure.Load()
 			}
-			return m.data, nil
+			if m.more != pd.more {
+				if !m.inPlace {
+					e.c.t.release(m.data)
+				}
+				what := "longer" // a segment with more to follow where pd expects the last
+				if pd.more {
+					what = "shorter"
+				}
+				err := fmt.Errorf("%w: rank %d sent a %s message than this rank expects at #%d", comm.ErrMismatch, pd.src, what, e.seq)
+				e.c.Abort(err)
+				return nil, false, e.c.failure.Load()
+			}
+			return m.data, m.inPlace, nil
 		}
-		if err := e.wait(ctx, ch, src); err != nil {
-			return nil, err
+		if err := e.wait(ctx, ch, pd.src); err != nil {
+			if pd.ps != nil {
+				// The caller's memory must be its own once this returns.
+				e.c.t.unpost(pd.k, pd.n, pd.ps)
+			}
+			return nil, false, err
 		}
 	}
 }
 
-// recvInto receives a message of exactly len(dst) bytes into dst.
-func (e *exec) recvInto(ctx context.Context, src int, dst []byte) error {
-	b, err := e.recv(ctx, src)
+// recv returns the next message of this operation from rank src of this
+// communicator, in a pooled buffer.
+func (e *exec) recv(ctx context.Context, src int) ([]byte, error) {
+	b, _, err := e.await(ctx, e.expect(src, nil))
+	return b, err
+}
+
+// awaitInto waits for pd's message, which must be exactly len(pd.dst)
+// bytes, and leaves it in pd.dst.
+func (e *exec) awaitInto(ctx context.Context, pd pending) error {
+	b, inPlace, err := e.await(ctx, pd)
 	if err != nil {
 		return err
 	}
-	if len(b) != len(dst) {
-		err := fmt.Errorf("%w: rank %d sent %d bytes where this rank expects %d", comm.ErrMismatch, src, len(b), len(dst))
-		e.c.Abort(err)
-		return e.c.failure.Load()
+	if inPlace {
+		return nil
 	}
-	copy(dst, b)
-	e.c.t.release(b)
-	return nil
+	return e.fill(pd.src, pd.dst, b)
+}
+
+// recvInto receives a message of exactly len(dst) bytes into dst.
+func (e *exec) recvInto(ctx context.Context, src int, dst []byte) error {
+	return e.awaitInto(ctx, e.expect(src, dst))
 }
 
 // fingerprintHash condenses what every rank must agree on into 8 bytes,

@@ -17,7 +17,7 @@ import (
 )
 
 // protocolVersion changes whenever the frame format does.
-const protocolVersion = 1
+const protocolVersion = 2
 
 // handshakeMagic opens every connection, so that a stray client is
 // rejected at once.

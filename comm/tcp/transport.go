@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -21,6 +23,11 @@ const (
 	kindP2P   = 2 // a Send's data: key is the tag
 	kindAbort = 3 // an abort notice for the communicator
 	kindBye   = 4 // the peer closes: its end of the stream is no failure
+
+	// kindMore, or'ed into a collective's kind, says that the frame is a
+	// segment of a message and more of it follows, so that a receiver
+	// expecting another length learns so instead of taking a prefix.
+	kindMore = 0x80
 )
 
 // headerBytes: kind (1), communicator id (8), key (8), fingerprint hash
@@ -43,6 +50,10 @@ type mkey struct {
 type message struct {
 	fp   uint64
 	data []byte
+	// inPlace: data is the destination a receiver posted, filled by the
+	// reader; it is the caller's memory, never released to the pool.
+	inPlace bool
+	more    bool // a segment with more of its message to follow (kindMore)
 }
 
 // queue holds the messages of one stream by arrival index; a receiver takes
@@ -52,12 +63,25 @@ type queue struct {
 	arrived, tickets int
 	msgs             map[int]message
 	ch               chan struct{} // closed and replaced on each arrival
+	// posts are the destinations receivers posted by ticket, for the
+	// reader to fill in place instead of a pooled buffer.
+	posts map[int]*recvPost
+}
+
+// recvPost is a receiver's destination for one message. The reader claims it
+// (removing it from its queue's posts, under transport.mu) when it reads
+// the frame's header, fills dst, delivers the message and closes done.
+type recvPost struct {
+	dst     []byte
+	claimed bool          // under transport.mu
+	done    chan struct{} // closed once the reader is done with dst
 }
 
 // outFrame is a frame waiting for its peer's writer.
 type outFrame struct {
 	hdr  [headerBytes]byte
 	data []byte
+	off  int           // bytes of hdr and data written already
 	done chan struct{} // closed once written or failed
 	err  error
 }
@@ -67,12 +91,16 @@ func (f *outFrame) complete(err error) {
 	close(f.done)
 }
 
-// peer is the connection to one world rank.
+// peer is the connection to one world rank. One goroutine at a time
+// writes to conn (the one that set busy): the peer's writer, or a sender
+// trying the direct path.
 type peer struct {
 	rank  int
 	conn  net.Conn
+	raw   syscall.RawConn // conn's descriptor for the direct path; nil: none
 	mu    sync.Mutex
 	queue []*outFrame
+	busy  bool // a goroutine writes to conn
 	wake  chan struct{}
 }
 
@@ -92,6 +120,11 @@ type transport struct {
 
 	stopped  chan struct{} // closed when the connections are
 	stopOnce sync.Once
+
+	// counts of the fast paths taken, for tests: frames written whole by
+	// their sender (direct), begun by it and finished by the writer
+	// (partial), and received in place.
+	direct, partial, inPlace atomic.Int64
 
 	// bufs recycles the payload buffers of received frames by size class
 	// (bufs[k] holds buffers of minPooled<<k bytes), so that a ring's
@@ -180,6 +213,9 @@ func (t *transport) start() {
 			continue
 		}
 		p.wake = make(chan struct{}, 1)
+		if sc, ok := p.conn.(syscall.Conn); ok && haveTryWrite {
+			p.raw, _ = sc.SyscallConn()
+		}
 		go t.readLoop(p)
 		go t.writeLoop(p)
 	}
@@ -310,12 +346,89 @@ func (t *transport) poll(k mkey, n int) (message, bool, <-chan struct{}) {
 	q := t.queueLocked(k)
 	if m, ok := q.msgs[n]; ok {
 		delete(q.msgs, n)
-		if len(q.msgs) == 0 && q.arrived == q.tickets && n == q.arrived-1 {
+		// A post the reader did not take (posted too late, or of another
+		// length) is stale now.
+		delete(q.posts, n)
+		if len(q.msgs) == 0 && len(q.posts) == 0 && q.arrived == q.tickets && n == q.arrived-1 {
 			delete(t.queues, k) // drained: keep the map small
 		}
 		return m, true, nil
 	}
 	return message{}, false, q.ch
+}
+
+// expect reserves the next message of stream k, like ticket, and when dst
+// is not empty and the message has not begun to arrive posts dst for the
+// reader to fill in place; the post is nil otherwise.
+func (t *transport) expect(k mkey, dst []byte) (int, *recvPost) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	q := t.queueLocked(k)
+	q.tickets++
+	n := q.tickets - 1
+	return n, t.postRecvLocked(q, n, dst)
+}
+
+// postAt posts dst for message n of stream k, whose ticket was taken
+// before (a Recv's, at issue).
+func (t *transport) postAt(k mkey, n int, dst []byte) *recvPost {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.postRecvLocked(t.queueLocked(k), n, dst)
+}
+
+func (t *transport) postRecvLocked(q *queue, n int, dst []byte) *recvPost {
+	// Message q.arrived may be on its way into a pooled buffer already:
+	// a post for it is simply not claimed, and the receiver copies.
+	if len(dst) == 0 || n < q.arrived {
+		return nil
+	}
+	if q.posts == nil {
+		q.posts = map[int]*recvPost{}
+	}
+	ps := &recvPost{dst: dst, done: make(chan struct{})}
+	q.posts[n] = ps
+	return ps
+}
+
+// claim takes the post of the next message of stream k for the reader,
+// when one of n bytes is posted.
+func (t *transport) claim(k mkey, n uint64) *recvPost {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	q := t.queueLocked(k)
+	ps := q.posts[q.arrived]
+	if ps == nil || uint64(len(ps.dst)) != n {
+		return nil
+	}
+	delete(q.posts, q.arrived)
+	ps.claimed = true
+	return ps
+}
+
+// unpost withdraws a receiver's post after its receive failed. It
+// returns once the reader no longer touches ps.dst, so that the caller's
+// memory is its own again: at once when the reader never claimed it, and
+// otherwise when the reader's frame is complete, or, after
+// writeFailGrace, when the connection's reads are cut short (the stream
+// is mid-frame and cannot go on; the transport fails).
+func (t *transport) unpost(k mkey, n int, ps *recvPost) {
+	t.mu.Lock()
+	claimed := ps.claimed
+	if q := t.queues[k]; q != nil && q.posts[n] == ps {
+		delete(q.posts, n)
+	}
+	t.mu.Unlock()
+	if !claimed {
+		return
+	}
+	select {
+	case <-ps.done:
+		return
+	case <-time.After(writeFailGrace):
+	}
+	t.peers[k.src].conn.SetReadDeadline(time.Now())
+	<-ps.done
 }
 
 func (t *transport) deliver(k mkey, m message) {
@@ -337,6 +450,10 @@ func (t *transport) readLoop(p *peer) {
 			return
 		}
 		kind, id := hdr[0], binary.LittleEndian.Uint64(hdr[1:])
+		more := kind == kindColl|kindMore
+		if more {
+			kind = kindColl
+		}
 		key, fp := binary.LittleEndian.Uint64(hdr[9:]), binary.LittleEndian.Uint64(hdr[17:])
 		n := binary.LittleEndian.Uint64(hdr[25:])
 		if kind < kindColl || kind > kindBye || n > maxPayload {
@@ -347,10 +464,29 @@ func (t *transport) readLoop(p *peer) {
 			io.Copy(io.Discard, br)
 			return
 		}
-		data := t.getBuf(int(n))
+		k := mkey{comm: id, kind: kind, key: key, src: p.rank}
+		var ps *recvPost
+		var data []byte
+		if kind == kindColl || kind == kindP2P {
+			ps = t.claim(k, n)
+		}
+		if ps != nil {
+			data = ps.dst
+		} else {
+			data = t.getBuf(int(n))
+		}
 		if err := readPayload(br, p.conn, data); err != nil {
+			if ps != nil {
+				close(ps.done)
+			}
 			t.fail(p.rank, connErr(err))
 			return
+		}
+		if ps != nil {
+			t.inPlace.Add(1)
+			t.deliver(k, message{fp: fp, data: data, inPlace: true, more: more})
+			close(ps.done)
+			continue
 		}
 		if kind == kindBye {
 			return
@@ -368,7 +504,7 @@ func (t *transport) readLoop(p *peer) {
 			t.remoteAbort(id, ae)
 			continue
 		}
-		t.deliver(mkey{comm: id, kind: kind, key: key, src: p.rank}, message{fp: fp, data: data})
+		t.deliver(k, message{fp: fp, data: data, more: more})
 	}
 }
 
@@ -415,7 +551,7 @@ func (t *transport) register(c *Comm) {
 func (t *transport) writeLoop(p *peer) {
 	for {
 		p.mu.Lock()
-		for len(p.queue) == 0 {
+		for len(p.queue) == 0 || p.busy {
 			p.mu.Unlock()
 			select {
 			case <-p.wake:
@@ -428,9 +564,12 @@ func (t *transport) writeLoop(p *peer) {
 		f := p.queue[0]
 		p.queue[0] = nil
 		p.queue = p.queue[1:]
+		p.busy = true
 		p.mu.Unlock()
-		bufs := net.Buffers{f.hdr[:], f.data}
-		_, err := bufs.WriteTo(p.conn)
+		err := f.writeRest(p.conn)
+		p.mu.Lock()
+		p.busy = false
+		p.mu.Unlock()
 		if err != nil {
 			// A peer that failed closes its connections right after its
 			// notices are out, and a write racing that close fails first:
@@ -460,38 +599,104 @@ func (t *transport) drain(p *peer) {
 	}
 }
 
+// writeRest writes what is left of f to conn, blocking until it is all
+// written or the write fails.
+func (f *outFrame) writeRest(conn net.Conn) error {
+	var bufs net.Buffers
+	if f.off < headerBytes {
+		bufs = net.Buffers{f.hdr[f.off:], f.data}
+	} else {
+		bufs = net.Buffers{f.data[f.off-headerBytes:]}
+	}
+	n, err := bufs.WriteTo(conn)
+	f.off += int(n)
+	return err
+}
+
 // post queues a frame for world rank dst; its done channel is closed once
 // it is written. Frames to one peer are written in the order posted;
-// urgent frames (abort notices) jump the queue.
+// urgent frames (abort notices) jump the queue. A frame that finds its
+// peer's queue empty and no write in progress is written by the calling
+// goroutine as far as the socket takes it without blocking (the direct
+// path: one system call, no handoff to the writer and back); the writer
+// finishes what the socket did not take.
 func (t *transport) post(dst int, kind uint8, id, key, fp uint64, data []byte, urgent bool) *outFrame {
 	t.mu.Lock()
-	defer t.mu.Unlock()
 	if ae := t.deadErr; ae != nil {
+		t.mu.Unlock()
 		f := &outFrame{done: make(chan struct{})}
 		f.complete(ae)
 		return f
 	}
-	return t.postLocked(t.peers[dst], kind, id, key, fp, data, urgent)
+	p := t.peers[dst]
+	if urgent || p.raw == nil {
+		defer t.mu.Unlock()
+		return t.postLocked(p, kind, id, key, fp, data, urgent)
+	}
+	t.mu.Unlock()
+	f := newFrame(kind, id, key, fp, data)
+	p.mu.Lock()
+	if len(p.queue) > 0 || p.busy {
+		p.queue = append(p.queue, f)
+		p.mu.Unlock()
+		p.kick()
+		return f
+	}
+	p.busy = true
+	p.mu.Unlock()
+	done := f.tryWrite(p.raw)
+	p.mu.Lock()
+	p.busy = false
+	if !done {
+		// The rest goes first: frames are not interleaved.
+		p.queue = append([]*outFrame{f}, p.queue...)
+	}
+	more := len(p.queue) > 0
+	p.mu.Unlock()
+	if done {
+		t.direct.Add(1)
+		f.complete(nil)
+	} else {
+		t.partial.Add(1)
+	}
+	if more {
+		p.kick()
+	}
+	return f
 }
 
-func (t *transport) postLocked(p *peer, kind uint8, id, key, fp uint64, data []byte, urgent bool) *outFrame {
+func newFrame(kind uint8, id, key, fp uint64, data []byte) *outFrame {
 	f := &outFrame{data: data, done: make(chan struct{})}
 	f.hdr[0] = kind
 	binary.LittleEndian.PutUint64(f.hdr[1:], id)
 	binary.LittleEndian.PutUint64(f.hdr[9:], key)
 	binary.LittleEndian.PutUint64(f.hdr[17:], fp)
 	binary.LittleEndian.PutUint64(f.hdr[25:], uint64(len(data)))
-	p.mu.Lock()
-	if urgent {
-		p.queue = append([]*outFrame{f}, p.queue...)
-	} else {
-		p.queue = append(p.queue, f)
-	}
-	p.mu.Unlock()
+	return f
+}
+
+// kick wakes p's writer.
+func (p *peer) kick() {
 	select {
 	case p.wake <- struct{}{}:
 	default:
 	}
+}
+
+func (t *transport) postLocked(p *peer, kind uint8, id, key, fp uint64, data []byte, urgent bool) *outFrame {
+	f := newFrame(kind, id, key, fp, data)
+	p.mu.Lock()
+	switch {
+	case !urgent:
+		p.queue = append(p.queue, f)
+	case len(p.queue) > 0 && p.queue[0].off > 0:
+		// The head is partly written: its rest must come first.
+		p.queue = slices.Insert(p.queue, 1, f)
+	default:
+		p.queue = append([]*outFrame{f}, p.queue...)
+	}
+	p.mu.Unlock()
+	p.kick()
 	return f
 }
 
