@@ -3,6 +3,8 @@ package kernels
 import (
 	"fmt"
 	"math"
+	"slices"
+	"unsafe"
 
 	"github.com/b7ea7098/loom/internal/checked"
 )
@@ -16,9 +18,11 @@ import (
 // needs only dO, the merged O's row dots D = rowsum(dO∘O) and the merged
 // LSE (FlashAttention-2's recomputation), so no probabilities are kept.
 //
-// Every kernel is generic over float32 and float64: sums and exponentials
-// run in float64 and are rounded to T once, so a float64 result is exact
-// to float64 rounding and a float32 one to float32 rounding.
+// Every kernel is generic over float32 and float64. The products (q·kᵀ,
+// p·v and the backward's four) are GEMMs that accumulate in T, like a
+// matmul; maxima, exponentials, row sums, LSEs and the merge run in
+// float64 and are rounded to T once. A float64 result is thus exact to
+// float64 rounding and a float32 one to float32 GEMM rounding.
 
 // BlockAttnShape is the shape of one block pair: Batch independent heads
 // (batch and heads flattened), a Q block of TQ rows at global positions
@@ -59,34 +63,124 @@ func (s BlockAttnShape) check(op string, lens map[string][2]int) error {
 	return nil
 }
 
-// keys sets buf (TK long) to the K rows row i of Q sees, in order, and
-// returns it: all of them without the mask, else those whose position is
-// at most row i's.
-func (s BlockAttnShape) keys(i int, buf []int) []int {
-	buf = buf[:0]
-	qp := s.Q0 + i
-	if s.QPos != nil {
-		qp = s.QPos[i]
-	}
-	for j := range s.TK {
-		kp := s.K0 + j
-		if s.KPos != nil {
-			kp = s.KPos[j]
-		}
-		if !s.Causal || kp <= qp {
-			buf = append(buf, j)
+// positions returns the global positions of the Q rows and K rows.
+func (s BlockAttnShape) positions() (qp, kp []int) {
+	qp, kp = s.QPos, s.KPos
+	if qp == nil {
+		qp = make([]int, s.TQ)
+		for i := range qp {
+			qp[i] = s.Q0 + i
 		}
 	}
-	return buf
+	if kp == nil {
+		kp = make([]int, s.TK)
+		for j := range kp {
+			kp[j] = s.K0 + j
+		}
+	}
+	return qp, kp
+}
+
+// blockRows is the Q rows per tile of the block kernels: a tile's scores
+// (rows × TK) stay near 64 Ki elements, within L2.
+func blockRows(tk int) int { return max(8, min(256, (1<<16)/max(tk, 1))) }
+
+// visible returns how many keys, from the first, the rows of a tile whose
+// largest position is qmax may see: a prefix of the K block when its
+// positions ascend (one run, or a load-balanced shard's two), else all of
+// it (the mask is then applied key by key).
+func (s BlockAttnShape) visible(kp []int, sorted bool, qmax int) int {
+	if !s.Causal || !sorted {
+		return s.TK
+	}
+	n, _ := slices.BinarySearch(kp, qmax+1)
+	return n
+}
+
+// maskRow sets the scores of row (at position qp) to −Inf where a key is
+// masked and returns how many keys, from the first, it needs: with
+// ascending K positions the visible keys are a prefix and the rest of the
+// row is left alone.
+func (s BlockAttnShape) maskRow(row []float64, kp []int, sorted bool, qp int) int {
+	if !s.Causal {
+		return len(row)
+	}
+	if sorted {
+		n, _ := slices.BinarySearch(kp[:len(row)], qp+1)
+		return n
+	}
+	for j := range row {
+		if kp[j] > qp {
+			row[j] = math.Inf(-1)
+		}
+	}
+	return len(row)
+}
+
+// blockGEMM is one goroutine's GEMM in the block kernels: the loaded
+// library's (b's, when it has one) or loom's pure-Go GEMM on the calling
+// goroutine alone, the kernel having spread its tiles over the workers.
+type blockGEMM struct {
+	b *BLAS
+	g *goGEMM
+}
+
+func newBlockGEMM(b *BLAS) blockGEMM { return blockGEMM{b: b, g: newGoGEMM(1)} }
+
+// blockGemm computes C = alpha·op(A)·op(B) + beta·C (Sgemm's contract) on
+// g, for T of 4 or 8 bytes; m or n of 0 does nothing.
+func blockGemm[T Float](g blockGEMM, transA, transB bool, m, n, k int, alpha T, a []T, lda int, b []T, ldb int, beta T, c []T, ldc int) {
+	if m == 0 || n == 0 {
+		return
+	}
+	var lib *cblasLib
+	if g.b != nil && fitsInt32(m, n, k, lda, ldb, ldc) {
+		lib = g.b.lib
+	}
+	if unsafe.Sizeof(alpha) == 4 {
+		if lib != nil {
+			lib.sgemm(transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
+			return
+		}
+		gemmGo(g.g, &g.g.pool32, g.g.blk32, transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
+		return
+	}
+	if lib != nil {
+		lib.dgemm(transA, transB, m, n, k, float64(alpha), asFloat64(a), lda, asFloat64(b), ldb, float64(beta), asFloat64(c), ldc)
+		return
+	}
+	gemmGo(g.g, &g.g.pool64, g.g.blk64, transA, transB, m, n, k, float64(alpha), asFloat64(a), lda, asFloat64(b), ldb, float64(beta), asFloat64(c), ldc)
+}
+
+// expRow sets x[j] = exp(x[j] − shift) and returns Σ x[j], the sum in
+// float64: float32 rows through the vector exp (float64 inside, about
+// 1e-11 relative), float64 rows through math.Exp.
+func expRow[T Float](x []T, shift float64) float64 {
+	if unsafe.Sizeof(x[0]) == 4 {
+		return expShift(asFloat32(x), asFloat32(x), shift)
+	}
+	sum := 0.0
+	for j, v := range x {
+		e := math.Exp(float64(v) - shift)
+		x[j] = T(e)
+		sum += e
+	}
+	return sum
 }
 
 // BlockAttentionForward sets out ([Batch, TQ, DV]) to the attention of the
 // Q block q ([Batch, TQ, DH]) over the K/V block k ([Batch, TK, DH]) and v
 // ([Batch, TK, DV]), softmax over the visible keys of Scale·q·kᵀ, and lse
 // ([Batch, TQ]) to each row's log Σ_j exp(Scale·q_i·k_j) over the visible
-// keys (−Inf and a zero row of out where none is visible). Errors wrap
-// ErrInvalid (negative sizes, lengths that do not fit the shape).
-func BlockAttentionForward[T Float](w Workers, out, lse, q, k, v []T, s BlockAttnShape) error {
+// keys (−Inf and a zero row of out where none is visible).
+//
+// The products run as GEMMs on tiles of Q rows against the keys they may
+// see (b's library when it loaded one, else loom's GEMM; nil b is loom's
+// GEMM), so they accumulate in T; the row maxima, exponentials, sums and
+// LSEs are float64, each result rounded to T. The tiles are shared out to
+// up to w goroutines. Errors wrap ErrInvalid (negative sizes, lengths that
+// do not fit the shape).
+func BlockAttentionForward[T Float](b *BLAS, w Workers, out, lse, q, k, v []T, s BlockAttnShape) error {
 	const op = "BlockAttentionForward"
 	if err := s.check(op, map[string][2]int{
 		"out": {len(out), s.Batch * s.TQ * s.DV}, "lse": {len(lse), s.Batch * s.TQ},
@@ -94,47 +188,65 @@ func BlockAttentionForward[T Float](w Workers, out, lse, q, k, v []T, s BlockAtt
 	}); err != nil {
 		return err
 	}
-	forRows(w, s.Batch*s.TQ, s.TK*(s.DH+s.DV), func(lo, hi int) {
-		p := make([]float64, s.TK)
-		acc := make([]float64, s.DV)
-		js := make([]int, 0, s.TK)
-		for r := lo; r < hi; r++ {
-			b, i := r/s.TQ, r%s.TQ
-			qi := q[r*s.DH : (r+1)*s.DH]
-			js = s.keys(i, js)
-			oi := out[r*s.DV : (r+1)*s.DV]
-			if len(js) == 0 {
-				clear(oi)
-				lse[r] = T(math.Inf(-1))
+	if s.Batch == 0 || s.TQ == 0 {
+		return nil
+	}
+	qp, kp := s.positions()
+	sorted := slices.IsSorted(kp)
+	bq := min(blockRows(s.TK), s.TQ)
+	tiles := ceilDiv(s.TQ, bq)
+	forRows(w, s.Batch*tiles, bq*s.TK*(s.DH+s.DV), func(lo, hi int) {
+		g := newBlockGEMM(b)
+		sc := make([]T, bq*s.TK)
+		row := make([]float64, s.TK)
+		inv := make([]float64, bq)
+		for t := lo; t < hi; t++ {
+			h, i0 := t/tiles, (t%tiles)*bq
+			rows := min(bq, s.TQ-i0)
+			r0 := h*s.TQ + i0
+			ot := out[r0*s.DV : (r0+rows)*s.DV]
+			n := s.visible(kp, sorted, slices.Max(qp[i0:i0+rows]))
+			if n == 0 {
+				clear(ot)
+				for i := range rows {
+					lse[r0+i] = T(math.Inf(-1))
+				}
 				continue
 			}
-			m := math.Inf(-1)
-			for _, j := range js {
-				kj := k[(b*s.TK+j)*s.DH : (b*s.TK+j+1)*s.DH]
-				d := 0.0
-				for c, x := range qi {
-					d += float64(x) * float64(kj[c])
+			st := sc[:rows*n]
+			blockGemm(g, false, true, rows, n, s.DH, T(s.Scale), q[r0*s.DH:], s.DH, k[h*s.TK*s.DH:], s.DH, 0, st, n)
+			for i := range rows {
+				x := st[i*n : (i+1)*n]
+				rw := row[:n]
+				for j, e := range x {
+					rw[j] = float64(e)
 				}
-				p[j] = d * s.Scale
-				m = max(m, p[j])
+				nv := s.maskRow(rw, kp, sorted, qp[i0+i])
+				m := math.Inf(-1)
+				for _, e := range rw[:nv] {
+					m = max(m, e)
+				}
+				if math.IsInf(m, -1) {
+					clear(x)
+					inv[i] = 0
+					lse[r0+i] = T(m)
+					continue
+				}
+				for j, e := range rw[:nv] {
+					x[j] = T(e)
+				}
+				sum := expRow(x[:nv], m)
+				clear(x[nv:])
+				inv[i] = 1 / sum
+				lse[r0+i] = T(m + math.Log(sum))
 			}
-			sum := 0.0
-			for _, j := range js {
-				p[j] = math.Exp(p[j] - m)
-				sum += p[j]
-			}
-			clear(acc)
-			for _, j := range js {
-				vj := v[(b*s.TK+j)*s.DV : (b*s.TK+j+1)*s.DV]
-				pj := p[j] / sum
-				for c, x := range vj {
-					acc[c] += pj * float64(x)
+			blockGemm(g, false, false, rows, s.DV, n, 1, st, n, v[h*s.TK*s.DV:], s.DV, 0, ot, s.DV)
+			for i := range rows {
+				oi := ot[i*s.DV : (i+1)*s.DV]
+				for c, x := range oi {
+					oi[c] = T(float64(x) * inv[i])
 				}
 			}
-			for c, x := range acc {
-				oi[c] = T(x)
-			}
-			lse[r] = T(m + math.Log(sum))
 		}
 	})
 	return nil
@@ -196,10 +308,12 @@ func AttentionRowDots[T Float](delta, dout, out []T, dv int) error {
 // output): with p_ij = exp(Scale·q_i·k_j − lse_i) over the visible keys,
 // dv_j += Σ_i p_ij·dout_i, ds_ij = p_ij·(dout_i·v_j − delta_i),
 // dq_i += Scale·Σ_j ds_ij·k_j and dk_j += Scale·Σ_i ds_ij·q_i. Any of dq,
-// dk and dv may be nil when not wanted. The block's sums run in float64
-// and are added to the accumulators once, rounded to T. Errors wrap
-// ErrInvalid (negative sizes, lengths that do not fit the shape).
-func BlockAttentionBackward[T Float](w Workers, dq, dk, dv, dout, q, k, v, lse, delta []T, s BlockAttnShape) error {
+// dk and dv may be nil when not wanted. The products run as GEMMs (b's, as
+// for BlockAttentionForward) on tiles of Q rows, accumulating in T into
+// the gradients; p and ds are computed in float64 and rounded to T. The
+// heads are shared out to up to w goroutines. Errors wrap ErrInvalid
+// (negative sizes, lengths that do not fit the shape).
+func BlockAttentionBackward[T Float](b *BLAS, w Workers, dq, dk, dv, dout, q, k, v, lse, delta []T, s BlockAttnShape) error {
 	const op = "BlockAttentionBackward"
 	lens := map[string][2]int{
 		"dout": {len(dout), s.Batch * s.TQ * s.DV}, "lse": {len(lse), s.Batch * s.TQ}, "delta": {len(delta), s.Batch * s.TQ},
@@ -217,60 +331,68 @@ func BlockAttentionBackward[T Float](w Workers, dq, dk, dv, dout, q, k, v, lse, 
 	if err := s.check(op, lens); err != nil {
 		return err
 	}
+	if s.Batch == 0 || s.TQ == 0 || s.TK == 0 || dq == nil && dk == nil && dv == nil {
+		return nil
+	}
+	qp, kp := s.positions()
+	sorted := slices.IsSorted(kp)
+	bq := min(blockRows(s.TK), s.TQ)
 	// Heads are independent: split over them, so each goroutine owns its
 	// heads' rows of dk and dv.
 	forRows(w, s.Batch, s.TQ*s.TK*(s.DH+s.DV), func(lo, hi int) {
-		gk := make([]float64, s.TK*s.DH)
-		gv := make([]float64, s.TK*s.DV)
-		gq := make([]float64, s.DH)
-		js := make([]int, 0, s.TK)
-		for b := lo; b < hi; b++ {
-			clear(gk)
-			clear(gv)
-			for i := range s.TQ {
-				js = s.keys(i, js)
-				if len(js) == 0 {
+		g := newBlockGEMM(b)
+		pb, db := make([]T, bq*s.TK), make([]T, bq*s.TK)
+		row := make([]float64, s.TK)
+		for h := lo; h < hi; h++ {
+			kh, vh := k[h*s.TK*s.DH:(h+1)*s.TK*s.DH], v[h*s.TK*s.DV:(h+1)*s.TK*s.DV]
+			for i0 := 0; i0 < s.TQ; i0 += bq {
+				rows := min(bq, s.TQ-i0)
+				r0 := h*s.TQ + i0
+				n := s.visible(kp, sorted, slices.Max(qp[i0:i0+rows]))
+				if n == 0 {
 					continue
 				}
-				r := b*s.TQ + i
-				qi, gi := q[r*s.DH:(r+1)*s.DH], dout[r*s.DV:(r+1)*s.DV]
-				l, dl := float64(lse[r]), float64(delta[r])
-				clear(gq)
-				for _, j := range js {
-					kj := k[(b*s.TK+j)*s.DH : (b*s.TK+j+1)*s.DH]
-					vj := v[(b*s.TK+j)*s.DV : (b*s.TK+j+1)*s.DV]
-					d := 0.0
-					for c, x := range qi {
-						d += float64(x) * float64(kj[c])
+				p, ds := pb[:rows*n], db[:rows*n]
+				qt, gt := q[r0*s.DH:(r0+rows)*s.DH], dout[r0*s.DV:(r0+rows)*s.DV]
+				blockGemm(g, false, true, rows, n, s.DH, T(s.Scale), qt, s.DH, kh, s.DH, 0, p, n)
+				for i := range rows {
+					x := p[i*n : (i+1)*n]
+					l := float64(lse[r0+i])
+					if math.IsInf(l, -1) {
+						clear(x) // the row sees no key anywhere
+						continue
 					}
-					p := math.Exp(d*s.Scale - l)
-					dp := 0.0
-					for c, x := range gi {
-						dp += float64(x) * float64(vj[c])
-						gv[j*s.DV+c] += p * float64(x)
+					rw := row[:n]
+					for j, e := range x {
+						rw[j] = float64(e)
 					}
-					ds := p * (dp - dl) * s.Scale
-					for c, x := range kj {
-						gq[c] += ds * float64(x)
+					nv := s.maskRow(rw, kp, sorted, qp[i0+i])
+					for j, e := range rw[:nv] {
+						x[j] = T(e)
 					}
-					for c, x := range qi {
-						gk[j*s.DH+c] += ds * float64(x)
+					expRow(x[:nv], l)
+					clear(x[nv:])
+				}
+				if dv != nil {
+					blockGemm(g, true, false, n, s.DV, rows, 1, p, n, gt, s.DV, 1, dv[h*s.TK*s.DV:], s.DV)
+				}
+				if dq == nil && dk == nil {
+					continue
+				}
+				// dP = dout·vᵀ, then ds = p·(dP − delta)·Scale.
+				blockGemm(g, false, true, rows, n, s.DV, 1, gt, s.DV, vh, s.DV, 0, ds, n)
+				for i := range rows {
+					dl := float64(delta[r0+i])
+					pi, di := p[i*n:(i+1)*n], ds[i*n:(i+1)*n]
+					for j, e := range pi {
+						di[j] = T(float64(e) * (float64(di[j]) - dl) * s.Scale)
 					}
 				}
 				if dq != nil {
-					for c, x := range gq {
-						dq[r*s.DH+c] += T(x)
-					}
+					blockGemm(g, false, false, rows, s.DH, n, 1, ds, n, kh, s.DH, 1, dq[r0*s.DH:], s.DH)
 				}
-			}
-			if dk != nil {
-				for c, x := range gk {
-					dk[b*s.TK*s.DH+c] += T(x)
-				}
-			}
-			if dv != nil {
-				for c, x := range gv {
-					dv[b*s.TK*s.DV+c] += T(x)
+				if dk != nil {
+					blockGemm(g, true, false, n, s.DH, rows, 1, ds, n, qt, s.DH, 1, dk[h*s.TK*s.DH:], s.DH)
 				}
 			}
 		}

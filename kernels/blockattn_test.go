@@ -116,6 +116,9 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 		{"three-uneven", 3, 11, 5, 4, []int{0, 2, 7, 11}, true},
 		{"single", 1, 6, 3, 3, []int{0, 6}, false},
 		{"many", 2, 9, 2, 5, []int{0, 1, 2, 4, 5, 9}, true},
+		// Blocks of over 256 keys: the kernels cut Q into several row
+		// tiles (blockRows), each seeing its own prefix of the keys.
+		{"tiled", 2, 1200, 4, 3, []int{0, 150, 1200}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := rand.New(rand.NewPCG(1, uint64(tc.t)))
@@ -141,7 +144,7 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 					sh := BlockAttnShape{Batch: b, TQ: q1 - q0, TK: k1 - k0, DH: dh, DV: dv, Q0: q0, K0: k0, Scale: scale, Causal: true}
 					o := make([]float64, b*(q1-q0)*dv)
 					l := make([]float64, b*(q1-q0))
-					if err := BlockAttentionForward(0, o, l, qb, rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), sh); err != nil {
+					if err := BlockAttentionForward(nil, 0, o, l, qb, rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), sh); err != nil {
 						t.Fatal(err)
 					}
 					if out == nil {
@@ -170,7 +173,7 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 					k0, k1 := tc.cuts[ki], tc.cuts[ki+1]
 					sh := BlockAttnShape{Batch: b, TQ: q1 - q0, TK: k1 - k0, DH: dh, DV: dv, Q0: q0, K0: k0, Scale: scale, Causal: true}
 					dkb, dvb := make([]float64, b*(k1-k0)*dh), make([]float64, b*(k1-k0)*dv)
-					if err := BlockAttentionBackward(0, dqb, dkb, dvb, gb, rowsOf(q, b, tt, dh, q0, q1), rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), lses[qi], delta, sh); err != nil {
+					if err := BlockAttentionBackward(nil, 0, dqb, dkb, dvb, gb, rowsOf(q, b, tt, dh, q0, q1), rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), lses[qi], delta, sh); err != nil {
 						t.Fatal(err)
 					}
 					putRows(gotDK, dkb, b, tt, dh, k0, k1)
@@ -197,7 +200,7 @@ func TestBlockAttentionFloat32(t *testing.T) {
 	sh := BlockAttnShape{Batch: 2, TQ: 5, TK: 7, DH: 4, DV: 3, Q0: 3, K0: 2, Scale: 0.5, Causal: true}
 	q, k, v := randBlock(r, 2*5*4), randBlock(r, 2*7*4), randBlock(r, 2*7*3)
 	o64, l64 := make([]float64, 2*5*3), make([]float64, 10)
-	if err := BlockAttentionForward(0, o64, l64, q, k, v, sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o64, l64, q, k, v, sh); err != nil {
 		t.Fatal(err)
 	}
 	f := func(x []float64) []float32 {
@@ -208,7 +211,7 @@ func TestBlockAttentionFloat32(t *testing.T) {
 		return y
 	}
 	o32, l32 := make([]float32, len(o64)), make([]float32, len(l64))
-	if err := BlockAttentionForward(0, o32, l32, f(q), f(k), f(v), sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o32, l32, f(q), f(k), f(v), sh); err != nil {
 		t.Fatal(err)
 	}
 	for i := range o64 {
@@ -219,7 +222,7 @@ func TestBlockAttentionFloat32(t *testing.T) {
 	// Row 0 of the masked shape below sees nothing: zero output, LSE −Inf.
 	sh.K0 = 6
 	o, l := make([]float32, len(o32)), make([]float32, len(l32))
-	if err := BlockAttentionForward(0, o, l, f(q), f(k), f(v), sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o, l, f(q), f(k), f(v), sh); err != nil {
 		t.Fatal(err)
 	}
 	if !math.IsInf(float64(l[0]), -1) || o[0] != 0 || math.IsInf(float64(l[3]), 0) {
@@ -232,12 +235,12 @@ func TestBlockAttentionInvalid(t *testing.T) {
 	x := make([]float32, 4)
 	l := make([]float32, 2)
 	for name, err := range map[string]error{
-		"short out":   BlockAttentionForward(0, x[:3], l, x, x, x, sh),
-		"nan scale":   BlockAttentionForward(0, x, l, x, x, x, BlockAttnShape{Batch: 1, TQ: 2, TK: 2, DH: 2, DV: 2, Scale: math.NaN()}),
-		"negative":    BlockAttentionForward(0, x, l, x, x, x, BlockAttnShape{Batch: -1}),
+		"short out":   BlockAttentionForward(nil, 0, x[:3], l, x, x, x, sh),
+		"nan scale":   BlockAttentionForward(nil, 0, x, l, x, x, x, BlockAttnShape{Batch: 1, TQ: 2, TK: 2, DH: 2, DV: 2, Scale: math.NaN()}),
+		"negative":    BlockAttentionForward(nil, 0, x, l, x, x, x, BlockAttnShape{Batch: -1}),
 		"merge":       MergeAttention(x, l, x[:2], l, 2),
 		"dots":        AttentionRowDots(l, x, x[:3], 2),
-		"backward dk": BlockAttentionBackward(0, nil, x[:1], nil, x, x, x, x, l, l, sh),
+		"backward dk": BlockAttentionBackward(nil, 0, nil, x[:1], nil, x, x, x, x, l, l, sh),
 	} {
 		if !errors.Is(err, ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", name, err)
@@ -268,7 +271,7 @@ func TestBlockAttentionPositions(t *testing.T) {
 	sh := BlockAttnShape{Batch: b, TQ: tt, TK: tt, DH: dh, DV: dv, QPos: pos, KPos: pos, Scale: scale, Causal: true}
 	pq, pk, pv, pg := perm(q, dh), perm(k, dh), perm(v, dv), perm(g, dv)
 	o, l := make([]float64, b*tt*dv), make([]float64, b*tt)
-	if err := BlockAttentionForward(0, o, l, pq, pk, pv, sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o, l, pq, pk, pv, sh); err != nil {
 		t.Fatal(err)
 	}
 	delta := make([]float64, b*tt)
@@ -276,7 +279,7 @@ func TestBlockAttentionPositions(t *testing.T) {
 		t.Fatal(err)
 	}
 	dq, dk, dvv := make([]float64, len(pq)), make([]float64, len(pk)), make([]float64, len(pv))
-	if err := BlockAttentionBackward(0, dq, dk, dvv, pg, pq, pk, pv, l, delta, sh); err != nil {
+	if err := BlockAttentionBackward(nil, 0, dq, dk, dvv, pg, pq, pk, pv, l, delta, sh); err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range []struct {
@@ -288,7 +291,7 @@ func TestBlockAttentionPositions(t *testing.T) {
 		}
 	}
 	sh.QPos = pos[:3]
-	if err := BlockAttentionForward(0, o, l, pq, pk, pv, sh); !errors.Is(err, ErrInvalid) {
+	if err := BlockAttentionForward(nil, 0, o, l, pq, pk, pv, sh); !errors.Is(err, ErrInvalid) {
 		t.Errorf("3 positions for 8 rows: %v, want ErrInvalid", err)
 	}
 }
