@@ -18,6 +18,7 @@ import (
 	"github.com/b7ea7098/loom/models/gpt"
 	"github.com/b7ea7098/loom/optim"
 	"github.com/b7ea7098/loom/parallel/ddp"
+	"github.com/b7ea7098/loom/parallel/fsdp"
 	"github.com/b7ea7098/loom/parallel/pp"
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
@@ -33,9 +34,9 @@ const (
 	ppLR   = 0.5
 )
 
-// ppBatch returns step's token ids and targets, [ppRows·SeqLen] each.
-func ppBatch(step int) (x, y []int64) {
-	n := ppRows * ppCfg.SeqLen
+// ppBatch returns step's token ids and targets, [rows·SeqLen] each.
+func ppBatch(step, rows int) (x, y []int64) {
+	n := rows * ppCfg.SeqLen
 	x, y = make([]int64, n), make([]int64, n)
 	for i := range x {
 		x[i] = int64((i*7 + step*13 + i/5) % ppCfg.Vocab)
@@ -76,6 +77,11 @@ func ppInit(tied bool) map[string][]float32 {
 // ppReference trains the whole model on one rank for steps steps and
 // returns the losses and the final parameters.
 func ppReference(t *testing.T, steps int, tied bool) ([]float64, map[string][]float32) {
+	return ppReferenceRows(t, steps, tied, ppRows)
+}
+
+// ppReferenceRows is ppReference with batches of rows sequences.
+func ppReferenceRows(t *testing.T, steps int, tied bool, rows int) ([]float64, map[string][]float32) {
 	ctx := context.Background()
 	w, err := local.NewWorld(1)
 	if err != nil {
@@ -92,13 +98,13 @@ func ppReference(t *testing.T, steps int, tied bool) ([]float64, map[string][]fl
 	}
 	var losses []float64
 	for step := range steps {
-		xs, ys := ppBatch(step)
+		xs, ys := ppBatch(step, rows)
 		r := []placement.Placement{placement.Replicate()}
-		x, err := autograd.IndicesFromFull(m, []int{ppRows, ppCfg.SeqLen}, r, xs)
+		x, err := autograd.IndicesFromFull(m, []int{rows, ppCfg.SeqLen}, r, xs)
 		if err != nil {
 			t.Fatal(err)
 		}
-		y, err := autograd.IndicesFromFull(m, []int{ppRows, ppCfg.SeqLen}, r, ys)
+		y, err := autograd.IndicesFromFull(m, []int{rows, ppCfg.SeqLen}, r, ys)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -152,16 +158,44 @@ type ppLayout struct {
 	tied   bool // lm_head starts as wte's copy; SumTied after each step
 	emu    bool // each rank computes on its emulated device
 	ddp    bool // with dp > 1: DDP (ddp.New) reduces once per step, after it, instead of ReduceGrad actions
+	// rows is the batch's sequences (0: ppRows).
+	rows int
+	// fsdp > 1 shards each stage over an "fsdp" axis (gpt.Stage.FullyShard,
+	// the batch rows sharded there too), driven by the schedule's
+	// UNSHARD, RESHARD and REDUCE_GRAD actions (pp.WithSharding); with
+	// dp > 1 too, HSDP (replicated over dp).
+	fsdp int
+	// reshardAfterForward turns FSDP's reshard-after-forward on (off by
+	// default under pipelining).
+	reshardAfterForward bool
+	// afterStep, when set, is called on every rank after each step, for
+	// each of its stages, with the stage's FSDP (fsdp > 1).
+	afterStep func(step, stage int, f *fsdp.FSDP)
+	// beforeForward, when set, is called on every rank before each
+	// forward of each of its stages, with the stage's FSDP (fsdp > 1).
+	beforeForward func(stage, mb int, f *fsdp.FSDP)
 }
 
 func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float64, map[string][]float32, []*pp.StepStats, error) {
-	dpN, tpN, tied, emuDev := max(l.dp, 1), max(l.tp, 1), l.tied, l.emu
+	dpN, tpN, fsN, tied, emuDev := max(l.dp, 1), max(l.tp, 1), max(l.fsdp, 1), l.tied, l.emu
+	batchRows := ppRows
+	if l.rows > 0 {
+		batchRows = l.rows
+	}
 	var mu sync.Mutex
 	params := map[string][]float32{}
 	losses := make([]float64, steps)
 	stats := make([]*pp.StepStats, s.Ranks)
-	err := local.Run(ctx, s.Ranks*dpN*tpN, func(ctx context.Context, c comm.Communicator) error {
-		m, err := mesh.New(c, []int{s.Ranks, dpN, tpN}, []string{"pp", "dp", "tp"})
+	// The mesh: (pp, dp, tp), with an fsdp axis after dp when fsdp > 1;
+	// the batch rows are sharded on dp and fsdp.
+	shape, names := []int{s.Ranks, dpN, tpN}, []string{"pp", "dp", "tp"}
+	batch := []placement.Placement{placement.Shard(0), placement.Replicate()}
+	if fsN > 1 {
+		shape, names = []int{s.Ranks, dpN, fsN, tpN}, []string{"pp", "dp", "fsdp", "tp"}
+		batch = []placement.Placement{placement.Shard(0), placement.Shard(0), placement.Replicate()}
+	}
+	err := local.Run(ctx, s.Ranks*dpN*tpN*fsN, func(ctx context.Context, c comm.Communicator) error {
+		m, err := mesh.New(c, shape, names)
 		if err != nil {
 			return err
 		}
@@ -171,6 +205,9 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 		}
 		sm := tr.Mesh()
 		dpc, err := sm.Comm(ctx, "dp")
+		if fsN > 1 {
+			dpc, err = sm.Group(ctx, "dp", "fsdp")
+		}
 		if err != nil {
 			return err
 		}
@@ -184,13 +221,14 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 			tape = autograd.NewTape(autograd.WithDevice(d))
 		}
 		init := ppInit(tied)
-		rows, err := pp.MicroBatches(ppRows, s.MicroBatches)
+		rows, err := pp.MicroBatches(batchRows, s.MicroBatches)
 		if err != nil {
 			return err
 		}
 		step := 0
 		funcs := map[int]pp.StageFunc{}
 		byStage := map[int][]*autograd.Value{}
+		fs := map[int]*fsdp.FSDP{}
 		var all []*autograd.Value
 		S := s.Stages()
 		for _, k := range s.StagesOf(tr.Rank()) {
@@ -205,16 +243,30 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 			}
 			byStage[k] = st.Params()
 			all = append(all, byStage[k]...)
+			if fsN > 1 {
+				fo := []fsdp.Option{fsdp.WithReshard(l.reshardAfterForward)}
+				if dpN > 1 {
+					fo = append(fo, fsdp.WithReplicateAxis("dp")) // HSDP
+				}
+				if fs[k], err = st.FullyShard(ctx, "fsdp", fo...); err != nil {
+					return err
+				}
+				defer fs[k].Close()
+			}
 			funcs[k] = func(ctx context.Context, mb int, h *autograd.Value) (*autograd.Value, error) {
-				xs, ys := ppBatch(step)
+				if l.beforeForward != nil {
+					mu.Lock()
+					l.beforeForward(k, mb, fs[k])
+					mu.Unlock()
+				}
+				xs, ys := ppBatch(step, batchRows)
 				rg, T := rows[mb], ppCfg.SeqLen
 				shape := []int{rg.Hi - rg.Lo, T}
-				r := []placement.Placement{placement.Shard(0), placement.Replicate()}
-				x, err := autograd.IndicesFromFull(sm, shape, r, xs[rg.Lo*T:rg.Hi*T])
+				x, err := autograd.IndicesFromFull(sm, shape, batch, xs[rg.Lo*T:rg.Hi*T])
 				if err != nil {
 					return nil, err
 				}
-				y, err := autograd.IndicesFromFull(sm, shape, r, ys[rg.Lo*T:rg.Hi*T])
+				y, err := autograd.IndicesFromFull(sm, shape, batch, ys[rg.Lo*T:rg.Hi*T])
 				if err != nil {
 					return nil, err
 				}
@@ -231,7 +283,24 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 			}
 		} else {
 			opts = append(opts, pp.WithGradReduction(func(ctx context.Context, stage int) error {
+				if f := fs[stage]; f != nil {
+					// The step's one reduce-scatter of the micro-batches' sum.
+					if err := f.Finish(ctx); err != nil {
+						return err
+					}
+				}
 				return tp.ReduceGrads(ctx, byStage[stage])
+			}))
+		}
+		if fsN > 1 {
+			opts = append(opts, pp.WithSharding(func(ctx context.Context, stage int) (func(context.Context) error, error) {
+				h, err := fs[stage].UnshardAsync(ctx)
+				if err != nil {
+					return nil, err
+				}
+				return h.Wait, nil
+			}, func(ctx context.Context, stage int) error {
+				return fs[stage].Reshard(ctx)
 			}))
 		}
 		rt, err := pp.NewRuntime(s, tape, tr, funcs, opts...)
@@ -282,6 +351,13 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 				losses[step] = v[0]
 			}
 			stats[tr.Rank()] = st
+			if l.afterStep != nil {
+				mu.Lock()
+				for _, k := range s.StagesOf(tr.Rank()) {
+					l.afterStep(step, k, fs[k])
+				}
+				mu.Unlock()
+			}
 			if tied {
 				first, last := s.RankOf(0), s.RankOf(S-1)
 				for _, p := range all {
@@ -469,24 +545,161 @@ func TestPipelineTied(t *testing.T) {
 // TestPipelineEmu: each rank computing on its emulated device (device/emu:
 // the parameters, activations and gradients in device buffers; tensors
 // crossing stages go through host memory) trains as one rank on the host,
-// for 1F1B and ZB-H1, within 2e-5.
+// for 1F1B and ZB-H1, alone and with fsdp=2 (FSDP's buffers on the
+// device), within 2e-5.
 func TestPipelineEmu(t *testing.T) {
 	steps := 5
 	if testing.Short() {
 		steps = 2
 	}
 	wantLoss, wantParams := ppReference(t, steps, false)
-	for _, name := range []string{"1f1b", "zb1"} {
-		t.Run(name, func(t *testing.T) {
-			s, err := pp.Build(name, 2, 4, 0)
+	for _, c := range []struct {
+		name    string
+		m, fsdp int
+	}{{"1f1b", 4, 1}, {"zb1", 4, 1}, {"1f1b", 5, 2}, {"zb1", 5, 2}} {
+		t.Run(fmt.Sprintf("%s/fsdp%d", c.name, c.fsdp), func(t *testing.T) {
+			s, err := pp.Build(c.name, 2, c.m, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
-			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{emu: true})
+			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{emu: true, fsdp: c.fsdp})
 			if err != nil {
 				t.Fatal(err)
 			}
 			compare(t, losses, params, wantLoss[:steps], wantParams)
 		})
+	}
+}
+
+// TestPipelineFSDP: pp=2 × fsdp=2, each stage's blocks FSDP units over
+// the fsdp axis (gpt.Stage.FullyShard) with the batch rows sharded there,
+// the schedule's UNSHARD, RESHARD and REDUCE_GRAD run by the runtime
+// (the parameters gathered once per step, the micro-batches' gradients
+// summed unsharded and reduce-scattered once), matches the one-rank run
+// within TestPipelineParity's 2e-5, for GPipe, 1F1B, interleaved 1F1B
+// (two stages per rank, each its own FSDP), ZB-H1 (split backward) and
+// ZB-V; and for 1F1B pp=2 × fsdp=2 × tp=2 and pp=2 × dp=2 × fsdp=2
+// (HSDP: the stage's sum all-reduced over dp after the reduce-scatter),
+// 8 ranks each.
+func TestPipelineFSDP(t *testing.T) {
+	steps := 20
+	if testing.Short() {
+		steps = 3
+	}
+	// Every micro-batch's rows split evenly over the fsdp ranks (the
+	// head's reshape of the logits needs it): 10 rows in 5 micro-batches,
+	// 16 in 4 for the interleaved and V schedules (their micro-batches a
+	// multiple of pp; 8 rows in 4 also match, but drift to 3e-5 with or without
+	// FSDP: fewer rows, larger steps).
+	want := map[int][]float64{}
+	wantP := map[int]map[string][]float32{}
+	for _, rows := range []int{10, 16} {
+		want[rows], wantP[rows] = ppReferenceRows(t, steps, false, rows)
+	}
+	for _, c := range []struct {
+		name    string
+		rows, m int
+		tp, dp  int
+	}{{"gpipe", 10, 5, 1, 1}, {"1f1b", 10, 5, 1, 1}, {"interleaved", 16, 4, 1, 1}, {"zb1", 10, 5, 1, 1}, {"zbv", 16, 4, 1, 1}, {"1f1b", 10, 5, 2, 1}, {"1f1b", 16, 4, 1, 2}} {
+		t.Run(fmt.Sprintf("%s/tp%d/dp%d", c.name, c.tp, c.dp), func(t *testing.T) {
+			s, err := pp.Build(c.name, 2, c.m, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			losses, params, _, err := ppRun(context.Background(), s, steps, ppLayout{rows: c.rows, fsdp: 2, tp: c.tp, dp: c.dp})
+			if err != nil {
+				t.Fatal(err)
+			}
+			compare(t, losses, params, want[c.rows], wantP[c.rows])
+		})
+	}
+}
+
+// TestPipelineFSDPGathers counts FSDP's collectives per step under
+// pipelining (pp=2 × fsdp=2, 3 steps), on every rank and stage, by the
+// bytes FSDP.Traffic counts: with reshard-after-forward off (the default)
+// each unit is all-gathered once per step, at the stage's UNSHARD, which
+// has gathered every unit before the stage's first forward; with it on
+// (GPipe, 1F1B, interleaved), each block unit twice per micro-batch (its
+// forward and its backward; the root unit, never resharded, once); and
+// each unit is
+// reduce-scattered once per step, at REDUCE_GRAD, whatever the number of
+// micro-batches.
+func TestPipelineFSDPGathers(t *testing.T) {
+	const steps = 3
+	for _, raf := range []bool{false, true} {
+		for _, name := range []string{"gpipe", "1f1b", "interleaved", "zb1", "zbv"} {
+			if raf && (name == "zb1" || name == "zbv") {
+				// A split backward keeps a unit gathered from its input
+				// half to its weight half: fewer gathers than two per
+				// micro-batch (ZB-V), or more units at once than the two
+				// pooled buffers of reshard-after-forward hold (ZB-H1 here:
+				// FSDP refuses, naming WithReshard(false)).
+				continue
+			}
+			t.Run(fmt.Sprintf("reshardAfterForward=%v/%s", raf, name), func(t *testing.T) {
+				rows, m := 10, 5
+				if name == "interleaved" || name == "zbv" {
+					rows, m = 16, 4
+				}
+				s, err := pp.Build(name, 2, m, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				traffic := map[*fsdp.FSDP][]fsdp.Traffic{} // cumulative, after each step
+				stageOf := map[*fsdp.FSDP]int{}
+				var problems []string
+				l := ppLayout{rows: rows, fsdp: 2, reshardAfterForward: raf,
+					afterStep: func(step, stage int, f *fsdp.FSDP) {
+						traffic[f] = append(traffic[f], f.Traffic())
+						stageOf[f] = stage
+					},
+					beforeForward: func(stage, mb int, f *fsdp.FSDP) {
+						if raf || mb != 0 {
+							return
+						}
+						var all int64
+						for _, u := range f.Units() {
+							all += 4 * int64(u.Elems)
+						}
+						if got := f.Bytes().Gathered; got != all {
+							problems = append(problems, fmt.Sprintf("stage %d's first forward: %d bytes gathered of %d: UNSHARD has not gathered every unit", stage, got, all))
+						}
+					},
+				}
+				if _, _, _, err := ppRun(context.Background(), s, steps, l); err != nil {
+					t.Fatal(err)
+				}
+				for _, p := range problems {
+					t.Error(p)
+				}
+				if len(traffic) != 2*s.Stages() {
+					t.Fatalf("%d FSDPs reported, want %d (2 fsdp ranks × %d stages)", len(traffic), 2*s.Stages(), s.Stages())
+				}
+				for f, tr := range traffic {
+					// Each collective of a unit sends (k−1)·chunk float32s
+					// over k = 2 ranks.
+					var ag, rs int64
+					for _, u := range f.Units() {
+						n := int64(1)
+						if raf && !u.Root {
+							n = int64(2 * m)
+						}
+						ag += n * 4 * int64(u.Chunk)
+						rs += 4 * int64(u.Chunk)
+					}
+					prev := fsdp.Traffic{}
+					for step, cur := range tr {
+						if d := cur.AllGather - prev.AllGather; d != ag {
+							t.Errorf("stage %d step %d: all-gathers sent %d bytes, want %d (%.2f× what the schedule says)", stageOf[f], step, d, ag, float64(d)/float64(ag))
+						}
+						if d := cur.ReduceScatter - prev.ReduceScatter; d != rs {
+							t.Errorf("stage %d step %d: reduce-scatters sent %d bytes, want %d (%.2f× one per unit)", stageOf[f], step, d, rs, float64(d)/float64(rs))
+						}
+						prev = cur
+					}
+				}
+			})
+		}
 	}
 }

@@ -156,22 +156,38 @@ func (s *Stage) Params() []*autograd.Value {
 // the batch: pp.MicroBatches), else the activation to send on. It is the
 // same computation as Model.Forward split at block boundaries.
 func (s *Stage) Forward(ctx context.Context, h *autograd.Value, x, y *autograd.Indices, weight float64) (*autograd.Value, error) {
+	switch {
+	case s.First == 0 && x == nil:
+		return nil, fmt.Errorf("%w: Stage.Forward: the first stage needs token ids", ErrConfig)
+	case s.First != 0 && h == nil:
+		return nil, fmt.Errorf("%w: Stage.Forward: stage [%d, %d) needs the previous stage's activation", ErrConfig, s.First, s.Last)
+	}
+	out, err := s.forward(ctx, h, x, y, weight)
+	if err == nil {
+		// The stage's own hooks (FSDP's root unit: FullyShard) see its
+		// output: the end of its forward.
+		out, err = s.Output(ctx, out)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("gpt: Stage.Forward: %w", err)
+	}
+	return out, nil
+}
+
+func (s *Stage) forward(ctx context.Context, h *autograd.Value, x, y *autograd.Indices, weight float64) (*autograd.Value, error) {
+	if err := s.Enter(ctx); err != nil {
+		return nil, err
+	}
 	var err error
 	if s.First == 0 {
-		if x == nil {
-			return nil, fmt.Errorf("%w: Stage.Forward: the first stage needs token ids", ErrConfig)
-		}
 		md := &Model{cfg: s.cfg, tape: s.tape, mesh: s.mesh, WTE: s.WTE, WPE: s.WPE}
 		if h, err = md.embed(ctx, x); err != nil {
-			return nil, fmt.Errorf("gpt: Stage.Forward: %w", err)
+			return nil, err
 		}
-	}
-	if h == nil {
-		return nil, fmt.Errorf("%w: Stage.Forward: stage [%d, %d) needs the previous stage's activation", ErrConfig, s.First, s.Last)
 	}
 	for i, b := range s.Blocks {
 		if h, err = b.Forward(ctx, h); err != nil {
-			return nil, fmt.Errorf("gpt: Stage.Forward: block %d: %w", s.First+i, err)
+			return nil, fmt.Errorf("block %d: %w", s.First+i, err)
 		}
 	}
 	if s.LNF == nil {
@@ -180,7 +196,7 @@ func (s *Stage) Forward(ctx context.Context, h *autograd.Value, x, y *autograd.I
 	md := &Model{cfg: s.cfg, tape: s.tape, mesh: s.mesh, LNF: s.LNF, LMHead: s.LMHead}
 	loss, err := md.head(ctx, h, y)
 	if err != nil {
-		return nil, fmt.Errorf("gpt: Stage.Forward: %w", err)
+		return nil, err
 	}
 	if weight == 1 {
 		return loss, nil

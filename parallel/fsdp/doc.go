@@ -112,6 +112,20 @@
 // is (k−1)/k of the padded unit, and the flight recorders of the
 // communicators count c per call.
 //
+// # Explicit control (pipelining)
+//
+// A caller may decide when parameters are gathered and gradients reduced,
+// as a pipeline schedule's UNSHARD, RESHARD and REDUCE_GRAD do (FSDP2's
+// unshard, reshard, set_requires_gradient_sync and
+// set_reshard_after_backward): UnshardAsync starts the all-gathers of
+// some or all units (Wait completes them; Unshard does both), Reshard
+// frees them, SetRequiresGradientSync(false) makes every backward of the
+// step (micro-batches interleaved, split backwards) add its gradients
+// unsharded so that Finish reduce-scatters their sum once, and
+// SetReshardAfterBackward(false) keeps the units not resharded after
+// forward gathered until Reshard or Finish. The hooks still gather what is
+// not gathered when a unit is entered.
+//
 // # Devices
 //
 // FSDP and ZeRO keep their shards, unsharded buffers, staging buffers

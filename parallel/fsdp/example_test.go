@@ -81,3 +81,92 @@ func ExampleFullyShard() {
 	// mlp.proj.weight [4 8] local [2 8] grad [S(0)]
 	// mlp.proj.bias [4] local [2] grad [S(0)]
 }
+
+// Drive FSDP as a pipeline stage does: gradient sync and
+// reshard-after-backward off, the units gathered once before two
+// micro-batches whose forwards run before either backward (each in its
+// own autograd.Graph), and one Finish that reduce-scatters their summed
+// gradients: one all-gather and one reduce-scatter per unit for the step.
+func ExampleFSDP_SetRequiresGradientSync() {
+	ctx := context.Background()
+	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Communicator) error {
+		m, err := mesh.New(c, []int{2}, []string{"fsdp"})
+		if err != nil {
+			return err
+		}
+		tape := autograd.NewTape()
+		mlp, err := parallel.NewMLP(tape, m, 4, 8, parallel.WithName("mlp"))
+		if err != nil {
+			return err
+		}
+		f, err := fsdp.FullyShard(ctx, mlp, []string{"fc", "proj"}, fsdp.WithReshard(false))
+		if err != nil {
+			return err
+		}
+		f.SetRequiresGradientSync(false)
+		f.SetReshardAfterBackward(false)
+		h, err := f.UnshardAsync(ctx) // a schedule's UNSHARD
+		if err != nil {
+			return err
+		}
+		if err := h.Wait(ctx); err != nil { // before the first compute
+			return err
+		}
+		spec, err := placement.NewSpec(m, []int{2, 4}, comm.Float32, []placement.Placement{placement.Shard(0)})
+		if err != nil {
+			return err
+		}
+		var losses [2]*autograd.Value
+		var graphs [2]*autograd.Graph
+		for mb := range 2 { // both forwards first, as GPipe runs them
+			xd, err := placement.FromFull(spec, slices.Repeat([]float32{0.1 * float32(mb+1), 0.2, 0.3, 0.4}, 2))
+			if err != nil {
+				return err
+			}
+			if graphs[mb], err = tape.NewGraph(); err != nil {
+				return err
+			}
+			err = graphs[mb].Do(func() error {
+				x, err := tape.Constant(xd)
+				if err != nil {
+					return err
+				}
+				y, err := mlp.Forward(ctx, x)
+				if err != nil {
+					return err
+				}
+				losses[mb], err = autograd.Sum(y)
+				return err
+			})
+			if err != nil {
+				return err
+			}
+		}
+		for mb := range 2 {
+			err := graphs[mb].Do(func() error { return tape.BackwardFrom(ctx, []*autograd.Value{losses[mb]}, nil) })
+			if err != nil {
+				return err
+			}
+		}
+		if err := f.Finish(ctx); err != nil { // REDUCE_GRAD
+			return err
+		}
+		if err := f.Reshard(ctx); err != nil { // RESHARD
+			return err
+		}
+		if m.Rank() == 0 {
+			var chunks int64
+			for _, u := range f.Units() {
+				chunks += 4 * int64(u.Chunk)
+			}
+			tr := f.Traffic()
+			fmt.Println("all-gathers per unit:", tr.AllGather/chunks, "reduce-scatters per unit:", tr.ReduceScatter/chunks)
+		}
+		return nil
+	})
+	if err != nil {
+		fmt.Println(err)
+	}
+	// Output:
+	// all-gathers per unit: 1 reduce-scatters per unit: 1
+}

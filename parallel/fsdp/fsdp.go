@@ -236,8 +236,13 @@ type FSDP struct {
 	next    int   // next position of rsOrder to launch
 	noSync  int
 	noRep   int
-	err     error
-	traffic Traffic
+	// The explicit controls of fsdp_control.go: no reduction at all
+	// until Finish (SetRequiresGradientSync(false)), and units kept
+	// gathered after their backward (SetReshardAfterBackward(false)).
+	noGradSync bool
+	keepAfterB bool
+	err        error
+	traffic    Traffic
 
 	// backward reports that a backward reached the units in this pass:
 	// the next forward starts another pass of the step.

@@ -33,8 +33,17 @@ func (f *FSDP) gradReady(ctx context.Context, u *fsdpUnit, p *fsdpParam) error {
 			return err
 		}
 	}
-	if f.cfg.stage == 3 {
+	if f.reshardsAfterBackward(u) {
 		f.release(u)
+	}
+	if f.noGradSync {
+		// Every backward of the step (several micro-batches, interleaved
+		// with forwards) ends here alike; Finish reduces their sum.
+		u.fired = 0
+		for _, q := range u.params {
+			q.fired = false
+		}
+		return nil
 	}
 	if f.noSync > 0 {
 		return nil
@@ -417,7 +426,9 @@ func (f *FSDP) launchRest(ctx context.Context) {
 // the sharded gradients with the next pass's (as a rank alone would
 // accumulate the passes' gradients). Errors are kept for Finish.
 func (f *FSDP) nextPass(ctx context.Context) {
-	f.launchRest(ctx)
+	if !f.noGradSync {
+		f.launchRest(ctx)
+	}
 	f.endPass()
 }
 
@@ -561,7 +572,7 @@ func (f *FSDP) endPass() {
 		for _, p := range u.params {
 			p.fired = false
 		}
-		if f.cfg.stage == 3 {
+		if f.reshardsAfterBackward(u) {
 			f.release(u)
 		}
 	}

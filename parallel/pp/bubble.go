@@ -13,6 +13,10 @@ type Costs struct {
 	F, B, I, W float64
 	// Comm is the time a send takes to reach its receiver (0: free).
 	Comm float64
+	// Unshard is the time of a stage's FSDP all-gather: it starts at the
+	// stage's Unshard action, asynchronously, and the stage's compute
+	// actions start no earlier than its end (0: free).
+	Unshard float64
 	// Stage, when not nil, holds one factor per stage that multiplies
 	// the stage's F, B, I and W: unbalanced stages (an embedding on the
 	// first, the head and loss on the last).
@@ -49,15 +53,16 @@ type Simulation struct {
 // order with costs c: an action starts when its rank is free and its
 // inputs exist (a forward after the previous stage's forward of the
 // micro-batch, a backward after the next stage's backward, in a lowered
-// schedule a receive after its send; c.Comm is added where the input
-// crosses ranks). Sends never block; communication takes no time of the
-// rank. A negative or non-finite cost is ErrInvalid; lists that cannot
+// schedule a receive after its send and a stage's compute after its
+// Unshard; c.Comm is added where the input crosses ranks, c.Unshard after
+// an Unshard). Sends, Unshard, Reshard and ReduceGrad never block;
+// communication takes no time of the rank. A negative or non-finite cost is ErrInvalid; lists that cannot
 // go on are ErrDeadlock naming each stuck rank's action.
 func Simulate(s *Schedule, c Costs) (*Simulation, error) {
 	for _, v := range []struct {
 		name string
 		v    float64
-	}{{"cost F", c.F}, {"cost B", c.B}, {"cost I", c.I}, {"cost W", c.W}, {"cost Comm", c.Comm}} {
+	}{{"cost F", c.F}, {"cost B", c.B}, {"cost I", c.I}, {"cost W", c.W}, {"cost Comm", c.Comm}, {"cost Unshard", c.Unshard}} {
 		if err := numcheck.NonNegative(ErrInvalid, v.name, v.v); err != nil {
 			return nil, err
 		}

@@ -240,3 +240,35 @@ func TestSimulateUnbalanced(t *testing.T) {
 		t.Errorf("0B1 starts at %v, want 13", sim.Start[0][3])
 	}
 }
+
+// TestSimulateUnshard: a stage's compute starts no earlier than
+// Costs.Unshard after its UNSHARD. In GPipe(3, 2) lowered with FSDP, rank
+// 0's first forward waits for its all-gather, which delays every rank
+// by it (rank 1's, started at the step's start too, is over by then).
+func TestSimulateUnshard(t *testing.T) {
+	s, _ := GPipe(3, 2)
+	low, err := Lower(s, WithFSDP())
+	if err != nil {
+		t.Fatal(err)
+	}
+	base, err := Simulate(low, Costs{F: 1, B: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ unshard, want float64 }{{0.5, base.Makespan + 0.5}, {2.5, base.Makespan + 2.5}} {
+		sim, err := Simulate(low, Costs{F: 1, B: 2, Unshard: c.unshard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sim.Makespan != c.want {
+			t.Errorf("Unshard %v: makespan %v, want %v", c.unshard, sim.Makespan, c.want)
+		}
+		// Rank 0's first compute (after its UNSHARD at position 0).
+		if sim.Start[0][1] != c.unshard {
+			t.Errorf("Unshard %v: rank 0's %v starts at %v", c.unshard, low.Actions[0][1], sim.Start[0][1])
+		}
+	}
+	if _, err := Simulate(low, Costs{F: 1, B: 2, Unshard: -1}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("a negative Unshard cost: %v, want ErrInvalid", err)
+	}
+}

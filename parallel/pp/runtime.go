@@ -3,7 +3,9 @@ package pp
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math"
+	"slices"
 	"strconv"
 	"time"
 
@@ -30,6 +32,8 @@ type runtimeConfig struct {
 	tl       *trace.Timeline
 	traceRk  int
 	reduce   func(ctx context.Context, stage int) error
+	unshard  func(ctx context.Context, stage int) (func(context.Context) error, error)
+	reshard  func(ctx context.Context, stage int) error
 	lowerOpt []LowerOption
 }
 
@@ -53,15 +57,36 @@ func WithGradReduction(fn func(ctx context.Context, stage int) error) Option {
 	}
 }
 
+// WithSharding has the runtime run the Unshard and Reshard actions of
+// each stage (FSDP inside the stage): at Unshard it calls unshard, which
+// starts the all-gather of the stage's parameters and returns the
+// function that waits for it (nil: nothing to wait for); the runtime
+// calls that just before the stage's next compute action, so the
+// all-gather overlaps the action in between. At Reshard it calls reshard,
+// which frees them. With fsdp.FSDP f of the stage: unshard is
+// f.UnshardAsync and its Unsharding's Wait, reshard f.Reshard. Both are
+// timed on the timeline's comm lane ("UNSHARD s1", "UNSHARD s1 wait",
+// "RESHARD s1"). A schedule given to NewRuntime unlowered is then lowered
+// with WithFSDP.
+func WithSharding(unshard func(ctx context.Context, stage int) (wait func(context.Context) error, err error), reshard func(ctx context.Context, stage int) error) Option {
+	return func(c *runtimeConfig) {
+		c.unshard, c.reshard = unshard, reshard
+		if unshard != nil && reshard != nil {
+			c.lowerOpt = append(c.lowerOpt, WithFSDP())
+		}
+	}
+}
+
 // Runtime runs a validated, lowered schedule on one rank of the pipeline
 // axis, action by action: forwards (each micro-batch in its own
 // autograd.Graph on the rank's tape, so several are in flight), full and
 // split backwards (autograd's BackwardFrom, BackwardInput and
 // BackwardWeight), the sends and receives of activations and gradients
 // (Transport: asynchronous sends, receives posted one compute action
-// ahead), and the per-stage ReduceGrad. Gradients accumulate over the
-// step's micro-batches into the stages' parameter leaves; the caller steps
-// the optimizer and zeroes them between steps.
+// ahead), the per-stage ReduceGrad, and FSDP's Unshard and Reshard.
+// Gradients accumulate over the step's micro-batches into the stages'
+// parameter leaves; the caller steps the optimizer and zeroes them
+// between steps.
 type Runtime struct {
 	s      *Schedule
 	rank   int
@@ -69,7 +94,8 @@ type Runtime struct {
 	tr     *Transport
 	stages map[int]StageFunc
 	cfg    runtimeConfig
-	graphs map[int][]*autograd.Graph // per stage, one per micro-batch, reused across steps
+	graphs map[int][]*autograd.Graph           // per stage, one per micro-batch, reused across steps
+	waits  map[int]func(context.Context) error // per stage, the pending wait of its Unshard
 }
 
 // NewRuntime returns the runtime of the rank tr.Rank() of the pp axis for
@@ -111,8 +137,8 @@ func NewRuntime(s *Schedule, tape *autograd.Tape, tr *Transport, stages map[int]
 		switch {
 		case a.Kind == ReduceGrad && cfg.reduce == nil:
 			return nil, fmt.Errorf("%w: NewRuntime: rank %d's list has %v but no WithGradReduction function", ErrInvalid, rank, a)
-		case a.Kind == Unshard || a.Kind == Reshard:
-			return nil, fmt.Errorf("%w: NewRuntime: rank %d's list has %v: FSDP actions are not run by this runtime yet", ErrInvalid, rank, a)
+		case (a.Kind == Unshard || a.Kind == Reshard) && (cfg.unshard == nil || cfg.reshard == nil):
+			return nil, fmt.Errorf("%w: NewRuntime: rank %d's list has %v but no WithSharding functions", ErrInvalid, rank, a)
 		}
 	}
 	return &Runtime{s: s, rank: rank, tape: tape, tr: tr, stages: stages, cfg: cfg, graphs: map[int][]*autograd.Graph{}}, nil
@@ -183,6 +209,7 @@ func (r *Runtime) Step(ctx context.Context) (*StepStats, error) {
 	}
 	stats := &StepStats{Loss: math.NaN(), PeakHeld: map[int]int{}}
 	held := map[int]int{}
+	r.waits = map[int]func(context.Context) error{}
 	r.tape.ResetPeak()
 	start := time.Now()
 	posted := 0 // actions [0, posted) have had their receives posted
@@ -202,15 +229,22 @@ func (r *Runtime) Step(ctx context.Context) (*StepStats, error) {
 			}
 			posted = j
 		}
+		name := a.Kind.String() + " s" + strconv.Itoa(a.Stage)
+		if !a.Kind.PerStage() {
+			name += " mb" + strconv.Itoa(a.MicroBatch)
+		}
+		if a.Kind.Compute() || a.Kind == Reshard {
+			// The stage's all-gather, started at its Unshard, must be
+			// complete before the stage computes or frees it.
+			if err := r.waitUnshard(ctx, a.Stage); err != nil {
+				return nil, r.fail(i, a, err)
+			}
+		}
 		t0 := time.Now()
 		err := r.run(ctx, a, st, stats, held)
 		t1 := time.Now()
 		if err != nil {
 			return nil, r.fail(i, a, err)
-		}
-		name := a.Kind.String() + " s" + strconv.Itoa(a.Stage)
-		if !a.Kind.PerStage() {
-			name += " mb" + strconv.Itoa(a.MicroBatch)
 		}
 		switch {
 		case a.Kind.Compute():
@@ -225,12 +259,34 @@ func (r *Runtime) Step(ctx context.Context) (*StepStats, error) {
 	if err := r.tr.Flush(ctx); err != nil {
 		return nil, fmt.Errorf("pp: Step: rank %d: %w", r.rank, err)
 	}
+	for _, stage := range slices.Sorted(maps.Keys(r.waits)) { // an Unshard no compute action followed
+		if err := r.waitUnshard(ctx, stage); err != nil {
+			return nil, fmt.Errorf("pp: Step: rank %d: %w", r.rank, err)
+		}
+	}
 	stats.Wall = time.Since(start)
 	if stats.Wall > 0 {
 		stats.Bubble = 1 - float64(stats.Busy)/float64(stats.Wall)
 	}
 	stats.PeakActivationBytes = r.tape.PeakActivationBytes()
 	return stats, nil
+}
+
+// waitUnshard waits for the all-gather the stage's Unshard started, if
+// one is pending, timing it on the comm lane.
+func (r *Runtime) waitUnshard(ctx context.Context, stage int) error {
+	w := r.waits[stage]
+	if w == nil {
+		return nil
+	}
+	delete(r.waits, stage)
+	t0 := time.Now()
+	err := w(ctx)
+	r.record(trace.LaneComm, "UNSHARD s"+strconv.Itoa(stage)+" wait", t0, time.Now())
+	if err != nil {
+		return fmt.Errorf("stage %d's all-gather: %w", stage, err)
+	}
+	return nil
 }
 
 // record adds a span to the timeline, if any.
@@ -271,8 +327,15 @@ func (r *Runtime) post(ctx context.Context, a Action, st map[int][]*mbState) err
 
 // run performs one action.
 func (r *Runtime) run(ctx context.Context, a Action, st map[int][]*mbState, stats *StepStats, held map[int]int) error {
-	if a.Kind == ReduceGrad {
+	switch a.Kind {
+	case ReduceGrad:
 		return r.cfg.reduce(ctx, a.Stage)
+	case Unshard:
+		w, err := r.cfg.unshard(ctx, a.Stage)
+		r.waits[a.Stage] = w
+		return err
+	case Reshard:
+		return r.cfg.reshard(ctx, a.Stage)
 	}
 	m := st[a.Stage][a.MicroBatch]
 	last := a.Stage == r.s.Stages()-1

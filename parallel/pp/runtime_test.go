@@ -182,7 +182,7 @@ func TestRuntimeRefuses(t *testing.T) {
 		s    *pp.Schedule
 		want string
 	}{
-		{"FSDP actions", fsdp, "FSDP actions"},
+		{"FSDP actions without functions", fsdp, "WithSharding"},
 		{"ReduceGrad without a function", reduce, "WithGradReduction"},
 	} {
 		_, err := runSchedule(t, c.s, nil)
@@ -212,5 +212,86 @@ func TestRuntimeBackends(t *testing.T) {
 		if math.Float64bits(loss[0]) != math.Float64bits(loss[1]) || math.IsNaN(loss[0]) {
 			t.Errorf("%s: loss %v on local, %v on tcp", name, loss[0], loss[1])
 		}
+	}
+}
+
+// TestRuntimeSharding: with WithSharding the runtime runs each stage's
+// UNSHARD (starting the all-gather), waits for it just before the
+// stage's first compute action and no earlier, and runs its RESHARD after
+// its last, once per step each, for every stage of the rank (interleaved:
+// two per rank); the three are spans of the comm lane. A failed wait
+// fails the step naming the compute action that waited.
+func TestRuntimeSharding(t *testing.T) {
+	s, err := pp.Build("interleaved", 2, 2, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	log := map[int][]string{} // per pp rank
+	note := func(rank int, what string) {
+		mu.Lock()
+		defer mu.Unlock()
+		log[rank] = append(log[rank], what)
+	}
+	tl := trace.NewTimeline()
+	opts := func(rank int) []pp.Option {
+		return []pp.Option{pp.WithTimeline(tl, rank), pp.WithSharding(
+			func(ctx context.Context, stage int) (func(context.Context) error, error) {
+				note(rank, fmt.Sprintf("unshard %d", stage))
+				return func(context.Context) error { note(rank, fmt.Sprintf("wait %d", stage)); return nil }, nil
+			},
+			func(ctx context.Context, stage int) error { note(rank, fmt.Sprintf("reshard %d", stage)); return nil },
+		)}
+	}
+	if _, err := runSchedule(t, s, opts); err != nil {
+		t.Fatal(err)
+	}
+	low, err := pp.Lower(s, pp.WithFSDP())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r, acts := range low.Actions {
+		// What the log must be: per stage, unshard at UNSHARD, wait at
+		// the stage's first compute action, reshard at RESHARD.
+		var want []string
+		waited := map[int]bool{}
+		for _, a := range acts {
+			switch {
+			case a.Kind == pp.Unshard:
+				want = append(want, fmt.Sprintf("unshard %d", a.Stage))
+			case a.Kind == pp.Reshard:
+				want = append(want, fmt.Sprintf("reshard %d", a.Stage))
+			case a.Kind.Compute() && !waited[a.Stage]:
+				waited[a.Stage] = true
+				want = append(want, fmt.Sprintf("wait %d", a.Stage))
+			}
+		}
+		if got := strings.Join(log[r], ", "); got != strings.Join(want, ", ") {
+			t.Errorf("rank %d: %s\nwant %s", r, got, strings.Join(want, ", "))
+		}
+	}
+	comm := map[string]bool{}
+	for _, e := range tl.Events() {
+		if e.Lane == trace.LaneComm {
+			comm[e.Name] = true
+		}
+	}
+	for _, n := range []string{"UNSHARD s0", "UNSHARD s0 wait", "RESHARD s0", "UNSHARD s3 wait"} {
+		if !comm[n] {
+			t.Errorf("no span %q on the comm lane", n)
+		}
+	}
+
+	broken := errors.New("all-gather failed")
+	_, err = runSchedule(t, s, func(rank int) []pp.Option {
+		return []pp.Option{pp.WithSharding(
+			func(ctx context.Context, stage int) (func(context.Context) error, error) {
+				return func(context.Context) error { return broken }, nil
+			},
+			func(ctx context.Context, stage int) error { return nil },
+		)}
+	})
+	if !errors.Is(err, broken) || !strings.Contains(fmt.Sprint(err), "(0F0): stage 0's all-gather") {
+		t.Errorf("a failed all-gather: %v", err)
 	}
 }

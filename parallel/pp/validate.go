@@ -27,6 +27,9 @@ type loc struct{ rank, pos int }
 type dep struct {
 	at   loc
 	comm bool
+	// gather says that the input is a stage's Unshard, whose all-gather
+	// takes Costs.Unshard after it.
+	gather bool
 }
 
 // graph is a checked schedule with each action's inputs.
@@ -342,7 +345,7 @@ func (g *graph) buildDeps() {
 			}
 			if a.Kind.Compute() {
 				if l, ok := g.at[key{st, Unshard, NoMicroBatch}]; ok {
-					local(l)
+					ds = append(ds, dep{at: l, gather: true})
 				}
 			}
 			g.deps[r][p] = ds
@@ -395,6 +398,9 @@ func (g *graph) run(c Costs) (*Simulation, error) {
 					e := sim.End[d.at.rank][d.at.pos]
 					if d.comm {
 						e += c.Comm
+					}
+					if d.gather {
+						e += c.Unshard
 					}
 					t = max(t, e)
 				}
