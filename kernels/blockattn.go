@@ -81,9 +81,24 @@ func (s BlockAttnShape) positions() (qp, kp []int) {
 	return qp, kp
 }
 
-// blockRows is the Q rows per tile of the block kernels: a tile's scores
-// (rows × TK) stay near 64 Ki elements, within L2.
-func blockRows(tk int) int { return max(8, min(256, (1<<16)/max(tk, 1))) }
+// blockRows is the most Q rows per tile of the block kernels: a tile's
+// scores (rows × TK) stay within 64 Ki elements (L2), and at most 64 rows,
+// so that tiles on the causal diagonal compute few masked scores.
+func blockRows(tk int) int { return max(8, min(64, (1<<16)/max(tk, 1))) }
+
+// rowTiles cuts the TQ rows at positions qp into tiles of at most bq rows
+// that never span two runs of positions (a load-balanced shard holds an
+// early and a late run: a tile of both would see the late run's keys
+// from its early rows); it returns the tiles' first rows followed by TQ.
+func rowTiles(qp []int, bq int) []int {
+	cuts := []int{0}
+	for i := 1; i < len(qp); i++ {
+		if i-cuts[len(cuts)-1] == bq || qp[i] != qp[i-1]+1 {
+			cuts = append(cuts, i)
+		}
+	}
+	return append(cuts, len(qp))
+}
 
 // visible returns how many keys, from the first, the rows of a tile whose
 // largest position is qmax may see: a prefix of the K block when its
@@ -194,15 +209,16 @@ func BlockAttentionForward[T Float](b *BLAS, w Workers, out, lse, q, k, v []T, s
 	qp, kp := s.positions()
 	sorted := slices.IsSorted(kp)
 	bq := min(blockRows(s.TK), s.TQ)
-	tiles := ceilDiv(s.TQ, bq)
+	cuts := rowTiles(qp, bq)
+	tiles := len(cuts) - 1
 	forRows(w, s.Batch*tiles, bq*s.TK*(s.DH+s.DV), func(lo, hi int) {
 		g := newBlockGEMM(b)
 		sc := make([]T, bq*s.TK)
 		row := make([]float64, s.TK)
 		inv := make([]float64, bq)
 		for t := lo; t < hi; t++ {
-			h, i0 := t/tiles, (t%tiles)*bq
-			rows := min(bq, s.TQ-i0)
+			h, i0 := t/tiles, cuts[t%tiles]
+			rows := cuts[t%tiles+1] - i0
 			r0 := h*s.TQ + i0
 			ot := out[r0*s.DV : (r0+rows)*s.DV]
 			n := s.visible(kp, sorted, slices.Max(qp[i0:i0+rows]))
@@ -337,6 +353,7 @@ func BlockAttentionBackward[T Float](b *BLAS, w Workers, dq, dk, dv, dout, q, k,
 	qp, kp := s.positions()
 	sorted := slices.IsSorted(kp)
 	bq := min(blockRows(s.TK), s.TQ)
+	cuts := rowTiles(qp, bq)
 	// Heads are independent: split over them, so each goroutine owns its
 	// heads' rows of dk and dv.
 	forRows(w, s.Batch, s.TQ*s.TK*(s.DH+s.DV), func(lo, hi int) {
@@ -345,8 +362,8 @@ func BlockAttentionBackward[T Float](b *BLAS, w Workers, dq, dk, dv, dout, q, k,
 		row := make([]float64, s.TK)
 		for h := lo; h < hi; h++ {
 			kh, vh := k[h*s.TK*s.DH:(h+1)*s.TK*s.DH], v[h*s.TK*s.DV:(h+1)*s.TK*s.DV]
-			for i0 := 0; i0 < s.TQ; i0 += bq {
-				rows := min(bq, s.TQ-i0)
+			for ti := range len(cuts) - 1 {
+				i0, rows := cuts[ti], cuts[ti+1]-cuts[ti]
 				r0 := h*s.TQ + i0
 				n := s.visible(kp, sorted, slices.Max(qp[i0:i0+rows]))
 				if n == 0 {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -293,5 +294,26 @@ func TestBlockAttentionPositions(t *testing.T) {
 	sh.QPos = pos[:3]
 	if err := BlockAttentionForward(nil, 0, o, l, pq, pk, pv, sh); !errors.Is(err, ErrInvalid) {
 		t.Errorf("3 positions for 8 rows: %v, want ErrInvalid", err)
+	}
+}
+
+// TestRowTiles: the block kernels' row tiles hold at most bq rows and
+// never span two runs of positions (a load-balanced shard's early and late
+// chunks), so an early row's tile does not compute scores against the
+// late run's keys.
+func TestRowTiles(t *testing.T) {
+	for _, c := range []struct {
+		qp   []int
+		bq   int
+		want []int
+	}{
+		{[]int{0, 1, 2, 3, 4}, 2, []int{0, 2, 4, 5}},
+		{[]int{0, 1, 2, 6, 7}, 4, []int{0, 3, 5}},
+		{[]int{0, 1, 6, 7, 2, 3}, 8, []int{0, 2, 4, 6}},
+		{[]int{5}, 8, []int{0, 1}},
+	} {
+		if got := rowTiles(c.qp, c.bq); !slices.Equal(got, c.want) {
+			t.Errorf("rowTiles(%v, %d) = %v, want %v", c.qp, c.bq, got, c.want)
+		}
 	}
 }
