@@ -15,7 +15,7 @@ import (
 // backward together, so the two are compared per FLOP.
 func BenchmarkBlockAttention(b *testing.B) {
 	const heads, dh = 8, 32
-	for _, t := range []int{256, 1024} {
+	for _, t := range []int{64, 256, 1024} {
 		r := rand.New(rand.NewPCG(1, uint64(t)))
 		rnd := func(n int) []float32 {
 			x := make([]float32, n)

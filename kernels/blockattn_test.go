@@ -194,8 +194,9 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 	}
 }
 
-// TestBlockAttentionFloat32 checks the float32 instantiation against the
-// float64 one within float32 rounding, a fully masked block included.
+// TestBlockAttentionFloat32 checks the float32 instantiation (its small
+// products on the register-tiled path) against the float64 one within
+// float32 rounding, forward and backward, a fully masked block included.
 func TestBlockAttentionFloat32(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 4))
 	sh := BlockAttnShape{Batch: 2, TQ: 5, TK: 7, DH: 4, DV: 3, Q0: 3, K0: 2, Scale: 0.5, Causal: true}
@@ -218,6 +219,34 @@ func TestBlockAttentionFloat32(t *testing.T) {
 	for i := range o64 {
 		if math.Abs(float64(o32[i])-o64[i]) > 1e-5 {
 			t.Fatalf("out[%d] = %v, float64 %v", i, o32[i], o64[i])
+		}
+	}
+	// The backward, into gradients that hold values already (it adds).
+	g := randBlock(r, 2*5*3)
+	d64, d32 := make([]float64, 10), make([]float32, 10)
+	if err := AttentionRowDots(d64, g, o64, 3); err != nil {
+		t.Fatal(err)
+	}
+	if err := AttentionRowDots(d32, f(g), o32, 3); err != nil {
+		t.Fatal(err)
+	}
+	dq, dk, dv := randBlock(r, 2*5*4), randBlock(r, 2*7*4), randBlock(r, 2*7*3)
+	dq32, dk32, dv32 := f(dq), f(dk), f(dv)
+	if err := BlockAttentionBackward(nil, 0, dq, dk, dv, g, q, k, v, l64, d64, sh); err != nil {
+		t.Fatal(err)
+	}
+	if err := BlockAttentionBackward(nil, 0, dq32, dk32, dv32, f(g), f(q), f(k), f(v), l32, d32, sh); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		got  []float32
+		want []float64
+	}{{"dq", dq32, dq}, {"dk", dk32, dk}, {"dv", dv32, dv}} {
+		for i, w := range c.want {
+			if math.Abs(float64(c.got[i])-w) > 1e-5 {
+				t.Fatalf("%s[%d] = %v, float64 %v", c.name, i, c.got[i], w)
+			}
 		}
 	}
 	// Row 0 of the masked shape below sees nothing: zero output, LSE −Inf.
