@@ -151,14 +151,23 @@ func rowMax[T Float](x []T) float64 {
 // fused attention's register tiles (smallGemm), with bt and ct as scratch
 // for a transposed B and a product to add.
 type blockGEMM struct {
-	b      *BLAS
-	g      *goGEMM
-	bt, ct []float32
+	b       *BLAS
+	g       *goGEMM
+	smallOK bool // the call's float32 products take the small path
+	bt, ct  []float32
 }
 
-func newBlockGEMM(b *BLAS) *blockGEMM { return &blockGEMM{b: b, g: newGoGEMM(1)} }
+// newBlockGEMM returns a goroutine's GEMM for a call of shape s cut into
+// tiles of bq rows. Whether float32 products take the small path is
+// decided once for the call, from its largest tile (bq rows against all
+// TK keys), not tile by tile: the ranks of a load-balanced layout, whose
+// tiles see different numbers of keys, then run the same code for the
+// same work.
+func newBlockGEMM(b *BLAS, s BlockAttnShape, bq int) *blockGEMM {
+	return &blockGEMM{b: b, g: newGoGEMM(1), smallOK: haveVec && bq*s.TK*max(s.DH, s.DV) <= smallProduct}
+}
 
-// smallProduct is the largest m·n·k the small path takes: up to tiles of
+// smallProduct is the largest tile product the small path takes: up to tiles of
 // 64 rows against 512 keys of 32 channels the Go GEMM's packing costs
 // more than it saves (thread CPU time per (query, key) pair, forward and
 // backward, 8 heads of 32: 31.7 against 46.4 ns at T = 32, 20.9 against
@@ -179,7 +188,7 @@ func blockGemm[T Float](g *blockGEMM, transA, transB bool, m, n, k int, alpha T,
 		switch {
 		case lib != nil:
 			lib.sgemm(transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
-		case haveVec && m*n*k <= smallProduct:
+		case g.smallOK:
 			g.small(transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
 		default:
 			gemmGo(g.g, &g.g.pool32, g.g.blk32, transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
@@ -276,7 +285,7 @@ func BlockAttentionForward[T Float](b *BLAS, w Workers, out, lse, q, k, v []T, s
 	cuts := rowTiles(qp, bq)
 	tiles := len(cuts) - 1
 	forRows(w, s.Batch*tiles, bq*s.TK*(s.DH+s.DV), func(lo, hi int) {
-		g := newBlockGEMM(b)
+		g := newBlockGEMM(b, s, bq)
 		sc := make([]T, bq*s.TK)
 		inv := make([]float64, bq)
 		for t := lo; t < hi; t++ {
@@ -410,7 +419,7 @@ func BlockAttentionBackward[T Float](b *BLAS, w Workers, dq, dk, dv, dout, q, k,
 	// Heads are independent: split over them, so each goroutine owns its
 	// heads' rows of dk and dv.
 	forRows(w, s.Batch, s.TQ*s.TK*(s.DH+s.DV), func(lo, hi int) {
-		g := newBlockGEMM(b)
+		g := newBlockGEMM(b, s, bq)
 		pb, db := make([]T, bq*s.TK), make([]T, bq*s.TK)
 		for h := lo; h < hi; h++ {
 			kh, vh := k[h*s.TK*s.DH:(h+1)*s.TK*s.DH], v[h*s.TK*s.DV:(h+1)*s.TK*s.DV]
