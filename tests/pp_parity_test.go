@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"sync"
@@ -376,26 +377,30 @@ func ppRun(ctx context.Context, s *pp.Schedule, steps int, l ppLayout) ([]float6
 				return err
 			}
 		}
-		full := map[string][]float32{}
-		for _, p := range all {
-			h, err := p.Data().To(device.Host())
-			if err != nil {
-				return err
-			}
-			f, err := h.Full(ctx)
-			if err != nil {
-				return err
-			}
-			full[p.Name()] = f.([]float32)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		for n, f := range full {
-			params[n] = f
-		}
-		return nil
+		return gatherParams(ctx, all, &mu, params)
 	})
 	return losses, params, stats, err
+}
+
+// gatherParams puts the full value of each of a rank's parameters all
+// (moved to the host) into params, under mu: the ranks share the map.
+func gatherParams(ctx context.Context, all []*autograd.Value, mu *sync.Mutex, params map[string][]float32) error {
+	full := map[string][]float32{}
+	for _, p := range all {
+		h, err := p.Data().To(device.Host())
+		if err != nil {
+			return err
+		}
+		f, err := h.Full(ctx)
+		if err != nil {
+			return err
+		}
+		full[p.Name()] = f.([]float32)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	maps.Copy(params, full)
+	return nil
 }
 
 // TestPipelineParity: 20 steps of a GPT trained pipelined, with every

@@ -10,11 +10,13 @@ import (
 
 // cpFlags are the context-parallel flags: -cp ranks the sequence is
 // sharded over (the innermost mesh axis, "cp"), -cp-method the attention
-// method over it and -cp-balance the causal load balancing of the shards.
+// method over it, -cp-balance the causal load balancing of the shards and
+// -cp-flat-fsdp whether -fsdp shards over the flattened fsdp×cp axes.
 type cpFlags struct {
-	cp      int
-	method  string
-	balance bool
+	cp       int
+	method   string
+	balance  bool
+	flatFSDP bool
 }
 
 // register adds -cp, -cp-method and -cp-balance to fs.
@@ -22,11 +24,13 @@ func (c *cpFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.cp, "cp", 1, "context-parallel ranks: the sequence of every activation is sharded over them and attention runs by -cp-method")
 	fs.StringVar(&c.method, "cp-method", "auto", "with -cp: the attention method: auto (the cost model picks per call), ring, allgather, ulysses (heads/tp divisible by cp) or hybrid (Ulysses within groups of 2, the ring across them; cp even)")
 	fs.BoolVar(&c.balance, "cp-balance", true, "with -cp: load-balance the causal work (rank r of k holds sequence chunks r and 2k−1−r of 2k); false shards it in contiguous blocks")
+	fs.BoolVar(&c.flatFSDP, "cp-flat-fsdp", true, "with -cp and -fsdp: FSDP shards over the flattened fsdp×cp axes, each rank holding 1/(fsdp·cp) of the parameters (torchtitan's dp_shard_cp); false shards over fsdp alone and sums the gradients over cp")
 }
 
-// check reads -cp-method and checks the flags against the model's heads
-// per tensor-parallel rank.
-func (c cpFlags) check(heads, tp int) error {
+// check reads -cp-method and checks the flags together; the model's
+// heads against the method are gpt.Config.CheckLayout's (layoutMethod
+// gives it the method, and Hybrid's groups of 2).
+func (c cpFlags) check() error {
 	if c.cp < 1 {
 		return fmt.Errorf("-cp %d; want at least 1", c.cp)
 	}
@@ -38,20 +42,22 @@ func (c cpFlags) check(heads, tp int) error {
 		if m != cp.Auto || !c.balance {
 			return fmt.Errorf("-cp-method and -cp-balance apply to context parallelism: set -cp to 2 or more")
 		}
-		return nil
-	}
-	local := heads / max(tp, 1)
-	switch m {
-	case cp.Ulysses:
-		if local%c.cp != 0 {
-			return fmt.Errorf("-cp-method ulysses splits the %d heads per tensor-parallel rank over -cp %d: they must be divisible; cp can be %s, or use ring or allgather", local, c.cp, divisors(local))
-		}
-	case cp.Hybrid:
-		if c.cp%2 != 0 || local%2 != 0 {
-			return fmt.Errorf("-cp-method hybrid runs Ulysses over groups of 2 and the ring across cp/2 of them: -cp (%d) and the heads per tensor-parallel rank (%d) must be even", c.cp, local)
-		}
 	}
 	return nil
+}
+
+// layoutMethod is -cp-method as gpt.Layout takes it: the method and
+// Hybrid's inner (Ulysses) ranks, 2. An unknown name is Auto here; check
+// reports it.
+func (c cpFlags) layoutMethod() (m cp.Method, inner int) {
+	m, err := cp.ParseMethod(c.method)
+	switch {
+	case err != nil:
+		return cp.Auto, 0
+	case m == cp.Hybrid:
+		return m, 2
+	}
+	return m, 0
 }
 
 // axes is the mesh the ranks build: dp × fsdp × tp, and cp innermost.
@@ -68,8 +74,12 @@ func (c cpFlags) axes(dp, fsdp, tp int) (shape []int, names []string) {
 	return shape, names
 }
 
-// trainOptions are the trainer's options for the flags.
-func (c cpFlags) trainOptions() []gpt.TrainOption {
+// flat reports whether FSDP over fsdp ranks shards over fsdp×cp.
+func (c cpFlags) flat(fsdp int) bool { return c.cp > 1 && fsdp > 1 && c.flatFSDP }
+
+// trainOptions are the trainer's options for the flags, with fsdp
+// FSDP ranks.
+func (c cpFlags) trainOptions(fsdp int) []gpt.TrainOption {
 	if c.cp < 2 {
 		return nil
 	}
@@ -85,18 +95,27 @@ func (c cpFlags) trainOptions() []gpt.TrainOption {
 	if !c.balance {
 		out = append(out, gpt.WithPlainSequenceShards())
 	}
+	if c.flat(fsdp) {
+		out = append(out, gpt.WithShardOverCP())
+	}
 	return out
 }
 
-// layout is the run's context parallelism for the first line ("" for
-// none).
-func (c cpFlags) layout() string {
+// layout is the run's context parallelism for the first line, with fsdp
+// FSDP ranks ("" for none): how FSDP shards beside it when it does.
+func (c cpFlags) layout(fsdp int) string {
 	if c.cp < 2 {
 		return ""
 	}
 	s := fmt.Sprintf(" × cp=%d (%s", c.cp, c.method)
 	if !c.balance {
 		s += ", plain shards"
+	}
+	switch {
+	case c.flat(fsdp):
+		s += fmt.Sprintf("; FSDP over fsdp×cp: 1/%d of the parameters per rank", fsdp*c.cp)
+	case fsdp > 1:
+		s += fmt.Sprintf("; FSDP over fsdp: 1/%d of the parameters per rank, gradients summed over cp", fsdp)
 	}
 	return s + ")"
 }
@@ -124,6 +143,6 @@ func (c cpFlags) names(dp, fsdp, tp int) []string {
 
 // hybrid reports whether -cp-method is hybrid.
 func (c cpFlags) hybrid() bool {
-	m, err := cp.ParseMethod(c.method)
-	return err == nil && m == cp.Hybrid
+	m, _ := c.layoutMethod()
+	return m == cp.Hybrid
 }

@@ -41,7 +41,7 @@
 //	                              [-layers L] [-width D] [-heads H] [-ff F] [-seq T]
 //	                              [-vocab V] [-batch B] [-seed 1]
 //	                              [-fsdp 1] [-reshard true|false|N] [-zero 1|2|3]
-//	                              [-cp 1] [-cp-method auto|ring|allgather|ulysses|hybrid] [-cp-balance=true]
+//	                              [-cp 1] [-cp-method auto|ring|allgather|ulysses|hybrid] [-cp-balance=true] [-cp-flat-fsdp=true]
 //	                              [-mp bf16] [-ac none|full|selective]
 //	                              [-trace trace.json] [-json run.json] [-compare]
 //	                              [-backend local|mpi|nccl|tcp] [-peak TFLOP/s]
@@ -65,6 +65,9 @@
 // (context parallelism, the innermost mesh axis; cp.go): attention runs by
 // -cp-method over them, the causal work load balanced unless
 // -cp-balance=false; -seq sets a longer sequence (a throughput run).
+// With -fsdp too, FSDP shards over the flattened fsdp×cp axes (each rank
+// holds 1/(fsdp·cp) of the parameters, as torchtitan's dp_shard_cp) unless
+// -cp-flat-fsdp=false; the first line says which.
 //
 // The model and the layout are checked before any rank starts: the
 // shape's values (heads dividing the width, a vocabulary of at least
@@ -228,10 +231,12 @@ func parse(args []string, errOut io.Writer, ref tinygpt.Config) (options, error)
 	if o.pipe.on() && o.cpf.cp > 1 {
 		return o, fmt.Errorf("-pp trains pipeline stages alone in this example; -cp cannot be combined with it yet")
 	}
-	if err := o.cfg.CheckLayout(o.run.B, gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp}); err != nil {
+	l := gpt.Layout{DP: o.dp, FSDP: o.fsdp, TP: o.tp, SP: o.sp, CP: o.cpf.cp, CPPlain: !o.cpf.balance}
+	l.CPMethod, l.CPInner = o.cpf.layoutMethod()
+	if err := o.cfg.CheckLayout(o.run.B, l); err != nil {
 		return o, err
 	}
-	if err := o.cpf.check(o.cfg.Heads, o.tp); err != nil {
+	if err := o.cpf.check(); err != nil {
 		return o, err
 	}
 	if err := o.checkSharding(); err != nil {
@@ -351,7 +356,7 @@ func (o options) layout() string {
 		}
 		s += ")"
 	}
-	s += o.cpf.layout() + fmt.Sprintf(", sp=%v", o.sp)
+	s += o.cpf.layout(o.fsdp) + fmt.Sprintf(", sp=%v", o.sp)
 	if o.loop.Flags.MP != "" {
 		s += ", -mp " + o.loop.Flags.MP + " (autocast)"
 	}
@@ -545,7 +550,7 @@ func trainLayout(ctx context.Context, out io.Writer, job *launch.Job, init gpt.O
 			gpt.WithRun(o.run), gpt.WithModel(init), gpt.WithTape(r.Tape...), gpt.WithDevice(r.Device),
 			gpt.WithDataParallel("dp"), gpt.WithTensorParallel("tp"),
 		}
-		opts = append(opts, o.cpf.trainOptions()...)
+		opts = append(opts, o.cpf.trainOptions(o.fsdp)...)
 		dataOpts, p, err := dataOptions(o, m, out)
 		if err != nil {
 			return nil, err

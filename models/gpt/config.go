@@ -8,6 +8,7 @@ import (
 	"github.com/b7ea7098/loom/internal/numcheck"
 	"github.com/b7ea7098/loom/models/internal/layout"
 	"github.com/b7ea7098/loom/models/internal/preset"
+	"github.com/b7ea7098/loom/parallel/cp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
 
@@ -101,8 +102,16 @@ type Layout struct {
 	DP, FSDP, TP int
 	SP           bool
 	// CP is the context-parallel ranks the sequence is sharded over (0
-	// or 1: none).
+	// or 1: none), Hybrid's inner ranks included.
 	CP int
+	// CPMethod is the attention method over them (cp.Auto by default):
+	// Ulysses needs the heads per tensor-parallel rank divisible by CP,
+	// Hybrid divisible by CPInner, its inner (Ulysses) ranks.
+	CPMethod cp.Method
+	CPInner  int
+	// CPPlain shards the sequence in plain blocks; by default it is load
+	// balanced, split into 2·CP chunks, which needs SeqLen ≥ 2·CP.
+	CPPlain bool
 }
 
 // CheckLayout reports whether the model can be trained with a global batch
@@ -110,8 +119,10 @@ type Layout struct {
 // heads (Heads divisible by TP), every data-parallel rank whole sequences
 // (batch divisible by DP × FSDP), and sequence parallelism TP ≥ 2 and
 // sequences of a length divisible by TP; context parallelism needs a
-// sequence of at least CP positions and no sequence parallelism (both
-// would shard the sequence dim). Each error wraps ErrConfig and says
+// sequence of at least CP positions (2·CP when load balanced), no
+// sequence parallelism (both would shard the sequence dim), and for
+// Ulysses (Hybrid) heads per tensor-parallel rank divisible by CP (its
+// inner ranks, which must divide CP). Each error wraps ErrConfig and says
 // which values would work.
 func (c Config) CheckLayout(batch int, l Layout) error {
 	dp, tp, fsdp, sp := l.DP, l.TP, max(l.FSDP, 1), l.SP
@@ -144,6 +155,18 @@ func (c Config) CheckLayout(batch int, l Layout) error {
 		bad("context parallelism (cp %d) and sequence parallelism both shard the sequence; use one", l.CP)
 	case l.CP > 1 && c.SeqLen >= 1 && c.SeqLen < l.CP:
 		bad("the sequence length (%d) must be at least cp (%d)", c.SeqLen, l.CP)
+	case l.CP > 1 && !l.CPPlain && c.SeqLen >= 1 && c.SeqLen < 2*l.CP:
+		bad("the load-balanced sequence is split into 2·cp chunks: its length (%d) must be at least 2·cp (2 × %d); use plain shards or cp of at most %d", c.SeqLen, l.CP, c.SeqLen/2)
+	}
+	if local := c.Heads / max(tp, 1); l.CP > 1 && c.Heads >= 1 && c.Heads%tp == 0 {
+		switch {
+		case l.CPMethod == cp.Ulysses && local%l.CP != 0:
+			bad("Ulysses splits the %d heads per tensor-parallel rank over cp (%d): they must be divisible; cp can be %s, or use ring or allgather", local, l.CP, layout.Divisors(local))
+		case l.CPMethod == cp.Hybrid && l.CPInner > 1 && l.CP%l.CPInner != 0:
+			bad("Hybrid's inner (Ulysses) ranks (%d) must divide cp (%d), which counts them; the inner size can be %s", l.CPInner, l.CP, layout.Divisors(l.CP))
+		case l.CPMethod == cp.Hybrid && l.CPInner > 1 && local%l.CPInner != 0:
+			bad("Hybrid's Ulysses splits the %d heads per tensor-parallel rank over its inner ranks (%d): they must be divisible; the inner size can be %s", local, l.CPInner, layout.Divisors(local))
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -3,6 +3,7 @@ package gpt
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -10,6 +11,7 @@ import (
 	"github.com/b7ea7098/loom/mesh"
 	"github.com/b7ea7098/loom/models/internal/randtok"
 	"github.com/b7ea7098/loom/parallel"
+	"github.com/b7ea7098/loom/parallel/cp"
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
 )
@@ -30,12 +32,40 @@ type Stage struct {
 	LMHead      *parallel.Linear
 }
 
+// StageOption configures NewStage.
+type StageOption func(*stageConfig)
+
+type stageConfig struct {
+	cp     string
+	cpSet  bool // WithStageContextParallel was given: an empty axis is refused, not ignored
+	cpOpts []cp.Option
+}
+
+// WithStageContextParallel makes every block's attention of the stage
+// cp.Attention over the named axis of the stage's mesh, with opts (the
+// method, cp.WithMethod; Hybrid's inner axis, cp.WithUlyssesAxis), as
+// WithContextParallel does for a Trainer. The caller lays the token ids
+// and targets out with their sequence dim sharded over the axis
+// (placement.ShardBalanced(1) for the causal load balancing, or
+// placement.Shard(1)); the activations crossing stages keep that layout
+// (pp.Transport sends it with them), the last stage's loss is the mean
+// cross-entropy over [B, T, V] and is Partial(sum) over the axis, and the
+// parameters' gradients are Partial(sum) over it after backward, summed
+// with the data-parallel ones by tp.ReduceGrads (at the schedule's
+// ReduceGrad actions). An axis of size 1 is no context parallelism.
+func WithStageContextParallel(axis string, opts ...cp.Option) StageOption {
+	return func(c *stageConfig) { c.cp, c.cpSet, c.cpOpts = axis, true, append(c.cpOpts, opts...) }
+}
+
 // NewStage builds blocks [first, last) of the GPT cfg on tape and m (the
 // stage's own mesh), with the embeddings on the first stage and the head
 // on the last, on the tape's device, initialised from params by name (every name the stage
-// holds must be there: RandomInit gives the whole model's). Errors wrap
-// ErrConfig.
-func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, params map[string][]float32) (*Stage, error) {
+// holds must be there: RandomInit gives the whole model's), with
+// context parallelism when opts say (WithStageContextParallel). Errors
+// wrap ErrConfig (an unknown cp axis names the mesh's axes; a cp layout
+// CheckLayout refuses, such as Ulysses over more ranks than divide the
+// heads, is its error).
+func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, params map[string][]float32, opts ...StageOption) (*Stage, error) {
 	if tape == nil || m == nil {
 		return nil, fmt.Errorf("%w: NewStage: nil tape or mesh", ErrConfig)
 	}
@@ -44,6 +74,27 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 	}
 	if first < 0 || last < first || last > cfg.Layers {
 		return nil, fmt.Errorf("%w: NewStage: blocks [%d, %d) of %d", ErrConfig, first, last, cfg.Layers)
+	}
+	var sc stageConfig
+	for _, o := range opts {
+		o(&sc)
+	}
+	ncp := 1
+	if sc.cpSet {
+		n, err := m.AxisSize(sc.cp)
+		if err != nil {
+			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel(%q): the stage mesh's axes are %v", ErrConfig, sc.cp, m.Names())
+		}
+		ncp = n
+		method, err := cp.MethodOf(sc.cpOpts...)
+		if err != nil {
+			return nil, fmt.Errorf("%w: NewStage: WithStageContextParallel: %w", ErrConfig, err)
+		}
+		// The checks of a Trainer's layout that a stage can make before
+		// tensor parallelism and the batch's layout are known.
+		if err := cfg.CheckLayout(0, Layout{DP: 1, TP: 1, CP: ncp, CPMethod: method, CPPlain: true}); err != nil {
+			return nil, fmt.Errorf("NewStage: WithStageContextParallel(%q): %w", sc.cp, err)
+		}
 	}
 	init := parallel.ByName(params)
 	named := func(name string, extra ...parallel.LayerOption) []parallel.LayerOption {
@@ -85,6 +136,14 @@ func NewStage(tape *autograd.Tape, m *mesh.Mesh, cfg Config, first, last int, pa
 		}
 		if s.LMHead, err = parallel.NewLinear(tape, m, cfg.Width, cfg.Vocab, named("lm_head", parallel.WithBias(false))...); err != nil {
 			return nil, fmt.Errorf("gpt: NewStage: %w", err)
+		}
+	}
+	if ncp > 1 {
+		axis, cpOpts := sc.cp, slices.Clone(sc.cpOpts)
+		for _, b := range s.Blocks {
+			b.Attn.Core = func(ctx context.Context, q, k, v *autograd.Value) (*autograd.Value, error) {
+				return cp.Attention(ctx, q, k, v, axis, cpOpts...)
+			}
 		}
 	}
 	if err := placeOn(tape.Device(), s.Params()); err != nil {
@@ -174,6 +233,8 @@ func (s *Stage) Forward(ctx context.Context, h *autograd.Value, x, y *autograd.I
 	return out, nil
 }
 
+// forward is Forward's computation, from the stage's enter hook on
+// (FSDP's root unit gathers there); Forward runs the output hook.
 func (s *Stage) forward(ctx context.Context, h *autograd.Value, x, y *autograd.Indices, weight float64) (*autograd.Value, error) {
 	if err := s.Enter(ctx); err != nil {
 		return nil, err

@@ -32,6 +32,7 @@ type trainConfig struct {
 	cpOpts []cp.Option
 	cpu    string // Hybrid's inner (Ulysses) axis
 	plain  bool   // the cp axis shards T in plain blocks, not balanced
+	flatCP bool   // FSDP shards over the flattened fsdp × cp axes
 	sp     bool
 	ckpt   []autograd.CheckpointOption
 	ac     bool
@@ -97,6 +98,17 @@ func WithUlyssesAxis(name string) TrainOption { return func(c *trainConfig) { c.
 // contiguous blocks (placement.Shard), the last rank doing the most
 // causal attention work; for comparison with the balanced layout.
 func WithPlainSequenceShards() TrainOption { return func(c *trainConfig) { c.plain = true } }
+
+// WithShardOverCP makes WithFullyShard shard over the flattened
+// (fsdp, cp) axes, as torchtitan's FSDP shards over dp_shard×cp: each
+// rank holds 1/(fsdp·cp) of the parameters, gradients and AdamW's state
+// instead of 1/fsdp, and the gradients are reduce-scattered over the
+// flattened group, which also sums their context-parallel partials (no
+// separate sum over cp). With WithUlyssesAxis the inner axis is flattened
+// in too. It needs WithFullyShard and WithContextParallel (the fsdp axis
+// may then have size 1: FSDP over cp alone); NewTrainer fails with
+// ErrConfig without them.
+func WithShardOverCP() TrainOption { return func(c *trainConfig) { c.flatCP = true } }
 
 // WithCheckpointing checkpoints every block (parallel.Checkpoint on
 // "h.*"): a block keeps only its input for backward and recomputes its
@@ -221,11 +233,21 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 	if tc.cpu != "" && slices.Index(names, tc.cpu) < slices.Index(names, tc.cp) {
 		return nil, fmt.Errorf("%w: trainer: the Ulysses axis %q must come after the context-parallel axis %q in the mesh (axes %v)", ErrConfig, tc.cpu, tc.cp, names)
 	}
+	if tc.flatCP && (tc.fsdp == "" || tc.cp == "") {
+		return nil, fmt.Errorf("%w: trainer: WithShardOverCP needs WithFullyShard and WithContextParallel", ErrConfig)
+	}
 	if tc.sp && tc.tp == "" {
 		return nil, fmt.Errorf("%w: trainer: sequence parallelism needs a tensor-parallel axis (WithTensorParallel)", ErrConfig)
 	}
 	dp, nfsdp, ntp, ncp := max(size[tc.dp], 1), max(size[tc.fsdp], 1), max(size[tc.tp], 1), max(size[tc.cp], 1)*max(size[tc.cpu], 1)
-	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: nfsdp, TP: ntp, SP: tc.sp, CP: ncp}); err != nil {
+	method, err := cp.MethodOf(tc.cpOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("%w: trainer: WithContextParallel: %w", ErrConfig, err)
+	}
+	if tc.cpu != "" {
+		method = cp.Hybrid
+	}
+	if err := cfg.CheckLayout(data.B, Layout{DP: dp, FSDP: nfsdp, TP: ntp, SP: tc.sp, CP: ncp, CPMethod: method, CPInner: size[tc.cpu], CPPlain: tc.plain}); err != nil {
 		return nil, fmt.Errorf("gpt: trainer: %w", err)
 	}
 	// Step ends each step's values before the next forward pass, so the
@@ -275,10 +297,14 @@ func NewTrainer(ctx context.Context, m *mesh.Mesh, cfg Config, opts ...TrainOpti
 			}
 		}
 	}
+	flat := tc.flatCP && nfsdp*ncp > 1
 	switch {
-	case nfsdp > 1:
+	case nfsdp > 1 || flat:
 		tr.places[slices.Index(names, tc.fsdp)] = placement.Shard(0)
 		fsOpts := []fsdp.Option{fsdp.WithShardAxis(tc.fsdp)}
+		if flat {
+			fsOpts = []fsdp.Option{fsdp.WithShardAxes(tc.shardAxes()...)}
+		}
 		if dp > 1 {
 			fsOpts = append(fsOpts, fsdp.WithReplicateAxis(tc.dp))
 		}
@@ -452,4 +478,14 @@ func (tr *Trainer) Full(ctx context.Context) (map[string][]float32, error) {
 		out[p.Name()] = slices.Clone(f.([]float32))
 	}
 	return out, nil
+}
+
+// shardAxes are the axes WithShardOverCP flattens: fsdp, cp and Hybrid's
+// inner axis, outer first.
+func (tc *trainConfig) shardAxes() []string {
+	axes := []string{tc.fsdp, tc.cp}
+	if tc.cpu != "" {
+		axes = append(axes, tc.cpu)
+	}
+	return axes
 }

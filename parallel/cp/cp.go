@@ -2,6 +2,7 @@ package cp
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -60,6 +61,37 @@ func ParseMethod(s string) (Method, error) {
 	return 0, invalidf("ParseMethod", "unknown method %q (want one of %s)", s, strings.Join(methodNames, ", "))
 }
 
+// MethodOf returns the method opts select, as Attention reads them: Auto
+// when none does, Hybrid with WithUlyssesAxis; or the error an invalid
+// option gives (wrapping ErrInvalid). It lets a caller check a layout
+// against the method (Ulysses's heads divisible by cp) before any rank
+// starts.
+func MethodOf(opts ...Option) (Method, error) {
+	var c config
+	for _, o := range opts {
+		o(&c)
+	}
+	if err := c.optionErr("MethodOf"); err != nil {
+		return 0, err
+	}
+	if c.inner != "" && c.method == Auto {
+		return Hybrid, nil
+	}
+	return c.method, nil
+}
+
+// optionErr is the error an invalid option left in c, for op, wrapping
+// ErrInvalid once: numcheck's errors wrap it already.
+func (c *config) optionErr(op string) error {
+	switch {
+	case c.err == nil:
+		return nil
+	case errors.Is(c.err, ErrInvalid):
+		return c.err
+	}
+	return invalidf(op, "%v", c.err)
+}
+
 // Option configures Attention.
 type Option func(*config)
 
@@ -97,7 +129,7 @@ func WithCostModel(m *comm.CostModel) Option { return func(c *config) { c.model 
 // much of the ring's transfers the block computations hide.
 func WithComputeRate(flops float64) Option {
 	return func(c *config) {
-		if err := numcheck.Positive(ErrInvalid, "compute rate", flops); err != nil && c.err == nil {
+		if err := numcheck.Positive(ErrInvalid, "WithComputeRate", flops); err != nil && c.err == nil {
 			c.err = err
 		}
 		c.flops = flops
@@ -181,8 +213,8 @@ func Attention(ctx context.Context, q, k, v *autograd.Value, axis string, opts .
 	for _, o := range opts {
 		o(&cfg)
 	}
-	if cfg.err != nil {
-		return nil, invalidf(op, "%v", cfg.err)
+	if err := cfg.optionErr(op); err != nil {
+		return nil, err
 	}
 	lay, err := newLayout(op, q, k, v, axis, cfg)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -79,4 +80,25 @@ func TestOptionsAndAuto(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// MethodOf reads the method the options give, as Attention does: Auto by
+// default, Hybrid with an inner axis, and an invalid option's error.
+func TestMethodOf(t *testing.T) {
+	for _, tc := range []struct {
+		opts []cp.Option
+		want cp.Method
+		err  bool
+	}{
+		{nil, cp.Auto, false},
+		{[]cp.Option{cp.WithMethod(cp.Ulysses)}, cp.Ulysses, false},
+		{[]cp.Option{cp.WithUlyssesAxis("cpu")}, cp.Hybrid, false},
+		{[]cp.Option{cp.WithMethod(cp.Ring), cp.WithTimeout(0)}, 0, true},
+		{[]cp.Option{cp.WithComputeRate(0)}, 0, true},
+	} {
+		got, err := cp.MethodOf(tc.opts...)
+		if tc.err != (err != nil) || (!tc.err && got != tc.want) || (tc.err && (!errors.Is(err, cp.ErrInvalid) || strings.Count(err.Error(), "cp: ") != 1)) {
+			t.Errorf("MethodOf(%d options) = %v, %v; want %v (error %v)", len(tc.opts), got, err, tc.want, tc.err)
+		}
+	}
 }

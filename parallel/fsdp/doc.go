@@ -87,6 +87,12 @@
 // WithMixedPrecision(comm.BFloat16) all-gathers bfloat16 copies of the float32
 // master weights (half the bytes) and reduces gradients in float32.
 //
+// WithShardAxes shards over several mesh axes flattened into one shard
+// group (torchtitan's dp_shard×cp): each rank holds 1/(n₁·n₂·…) of a
+// parameter, Shard(dim) on every named axis in the nested chunk order, and
+// the one reduce-scatter over the group also sums the gradients'
+// Partial(sum) over a context-parallel axis.
+//
 // Ranks that run different modules (non-SPMD control flow) gather or
 // reduce different units at the same point: the unit tags in every chunk
 // make that an error on every rank naming the units (ErrMismatch), or the

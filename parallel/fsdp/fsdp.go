@@ -31,11 +31,15 @@ type config struct {
 	divide        float64
 	divideSet     bool // WithGradientDivideFactor was given (divide is checked, never "none")
 	prefetch      bool
+	axes          []string // WithShardAxes's, in place of axis when axesSet
+	axesSet       bool
 }
 
 // WithShardAxis names the mesh axis parameters are sharded on (default
-// "fsdp").
-func WithShardAxis(name string) Option { return func(c *config) { c.axis = name } }
+// "fsdp"); of it and WithShardAxes the last given applies.
+func WithShardAxis(name string) Option {
+	return func(c *config) { c.axis, c.axes, c.axesSet = name, nil, false }
+}
 
 // WithReplicateAxis names a mesh axis parameters stay replicated on while the
 // batch is sharded there too (HSDP): gradients are reduce-scattered on the
@@ -228,6 +232,7 @@ type FSDP struct {
 	stage    [2]*stageSlot // all-gather staging
 	rstage   [2]*stageSlot // reduce-scatter staging
 	gradPool gradPool
+	flat     flatAxes
 
 	order   []int // this pass's forward order (units by first enter)
 	prevFwd []int // the last complete forward order
@@ -283,16 +288,14 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 	}
 	names := m.Names()
 	f := &FSDP{cfg: cfg, m: m, rep: -1, root: -1, owned: map[*autograd.Value]int{}, gradPool: gradPool{}}
-	f.axis = slices.Index(names, cfg.axis)
-	if f.axis < 0 {
-		return nil, fmt.Errorf("%w: New: mesh %v has no shard axis %q", ErrInvalid, m, cfg.axis)
+	if err := f.initShard(m); err != nil {
+		return nil, err
 	}
 	if cfg.repAxis != "" {
-		if f.rep = slices.Index(names, cfg.repAxis); f.rep < 0 || cfg.repAxis == cfg.axis {
-			return nil, fmt.Errorf("%w: New: mesh %v has no replicate axis %q distinct from the shard axis", ErrInvalid, m, cfg.repAxis)
+		if f.rep = slices.Index(names, cfg.repAxis); f.rep < 0 || f.isShardAxis(f.rep) {
+			return nil, fmt.Errorf("%w: New: mesh %v has no replicate axis %q distinct from the shard axes", ErrInvalid, m, cfg.repAxis)
 		}
 	}
-	f.p = m.Shape()[f.axis]
 	if cfg.stage < 1 || cfg.stage > 3 {
 		return nil, fmt.Errorf("%w: New: WithZeROStage(%d): want 1, 2 or 3", ErrInvalid, cfg.stage)
 	}
@@ -301,7 +304,7 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 			return nil, err
 		}
 		if f.p%cfg.reshard != 0 {
-			return nil, fmt.Errorf("%w: New: WithReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, cfg.axis, f.p)
+			return nil, fmt.Errorf("%w: New: WithReshardTo(%d) does not divide the shard axis %q of size %d", ErrInvalid, cfg.reshard, f.shardLabel(), f.p)
 		}
 		if cfg.reshard == f.p {
 			f.cfg.reshard = -1
@@ -318,10 +321,7 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 		return nil, fmt.Errorf("%w: New: WithMixedPrecision(%v); want bfloat16 or float32", ErrInvalid, cfg.mp)
 	}
 	var err error
-	if f.rank, err = m.Local(cfg.axis); err != nil {
-		return nil, err
-	}
-	if f.shard, err = m.Comm(ctx, cfg.axis); err != nil {
+	if f.shard, err = f.shardComm(ctx, m); err != nil {
 		return nil, err
 	}
 	if f.ag, err = f.shard.Split(ctx, 0, f.rank); err != nil {
@@ -348,7 +348,7 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 	if err := f.traceComm(ctx); err != nil {
 		return nil, fmt.Errorf("fsdp: New: SPMD check communicator: %w", err)
 	}
-	desc := []string{fmt.Sprintf("axis %s rep %s reshard %d stage %d mp %v avg %v divide %v %v prefetch %v", cfg.axis, cfg.repAxis, f.cfg.reshard, cfg.stage, f.cfg.mp, cfg.avg, cfg.divideSet, cfg.divide, cfg.prefetch)}
+	desc := []string{fmt.Sprintf("axis %s rep %s reshard %d stage %d mp %v avg %v divide %v %v prefetch %v", f.shardLabel(), cfg.repAxis, f.cfg.reshard, cfg.stage, f.cfg.mp, cfg.avg, cfg.divideSet, cfg.divide, cfg.prefetch)}
 	if err := f.agree(ctx, "the FSDP options", desc); err != nil {
 		return nil, fmt.Errorf("fsdp: New: %w", err)
 	}
@@ -361,13 +361,14 @@ func New(ctx context.Context, m *mesh.Mesh, opts ...Option) (*FSDP, error) {
 // its only axes.
 func (f *FSDP) traceComm(ctx context.Context) error {
 	f.trace.reset()
-	names := []string{f.cfg.axis}
+	names := slices.Clone(f.flat.names)
 	g := f.shard
 	if f.rep >= 0 {
-		names = []string{f.cfg.axis, f.cfg.repAxis}
-		if f.rep < f.axis {
-			names[0], names[1] = names[1], names[0]
-		}
+		names = append(names, f.cfg.repAxis)
+	}
+	if len(names) > 1 {
+		mn := f.m.Names()
+		slices.SortFunc(names, func(a, b string) int { return slices.Index(mn, a) - slices.Index(mn, b) })
 		var err error
 		if g, err = f.m.Group(ctx, names...); err != nil {
 			return err
@@ -380,6 +381,8 @@ func (f *FSDP) traceComm(ctx context.Context) error {
 		f.fpAlong = fmt.Sprintf(" (ranks along axis %q)", names[0])
 		if len(names) == 2 {
 			f.fpAlong = fmt.Sprintf(" (ranks over axes %q, %q)", names[0], names[1])
+		} else if len(names) > 2 {
+			f.fpAlong = fmt.Sprintf(" (ranks over axes %q)", names)
 		}
 	}
 	var err error
@@ -390,7 +393,7 @@ func (f *FSDP) traceComm(ctx context.Context) error {
 // agree checks that the ranks of the shard and replicate groups pass the
 // same items.
 func (f *FSDP) agree(ctx context.Context, what string, items []string) error {
-	if err := comm.Agree(ctx, f.shard, what+fmt.Sprintf(" (ranks along axis %q)", f.cfg.axis), items); err != nil {
+	if err := comm.Agree(ctx, f.shard, what+fmt.Sprintf(" (ranks along axis %q)", f.shardLabel()), items); err != nil {
 		return err
 	}
 	if f.repc != nil {
@@ -493,7 +496,7 @@ type stageSlot struct {
 // whole block each shard replaces.
 //
 // Errors wrap ErrInvalid: a module wrapped twice or inside a unit already
-// wrapped, a shard dim out of range, a parameter that is not a fresh leaf
+// wrapped, a path another unit has (the controls name units by path), a shard dim out of range, a parameter that is not a fresh leaf
 // (a gradient already), not Replicate on the shard and replicate axes,
 // of a dtype other than float32 or float64 (float32 with WithMixedPrecision),
 // held by another unit, or on another device than the others' (matching
@@ -515,6 +518,9 @@ func (f *FSDP) Wrap(ctx context.Context, path string, m parallel.Module, opts ..
 	for _, u := range f.units {
 		if u.module == m {
 			return fail("module already wrapped as %q", u.path)
+		}
+		if u.path == path {
+			return fail("the path names unit %d already", u.index)
 		}
 		if err := parallel.Walk(u.module, func(_ string, sub parallel.Module) error {
 			if tree.Comparable(sub) && sub == m {
@@ -628,8 +634,10 @@ func (f *FSDP) plan(u *fsdpUnit, fail func(string, ...any) error) error {
 			return fail("parameter %q is on mesh %v, not %v", p.name, s.Mesh(), m)
 		}
 		places := s.Placements()
-		if !places[f.axis].IsReplicate() {
-			return fail("parameter %q is %v on the shard axis %q; want Replicate", p.name, places[f.axis], f.cfg.axis)
+		for _, a := range f.flat.axes {
+			if !places[a].IsReplicate() {
+				return fail("parameter %q is %v on the shard axis %q; want Replicate", p.name, places[a], m.Names()[a])
+			}
 		}
 		if f.rep >= 0 && !places[f.rep].IsReplicate() {
 			return fail("parameter %q is %v on the replicate axis %q; want Replicate", p.name, places[f.rep], f.cfg.repAxis)
@@ -663,7 +671,7 @@ func (f *FSDP) plan(u *fsdpUnit, fail func(string, ...any) error) error {
 		u.elems += p.n
 		p.rows, p.rowOff = make([]int, f.p), make([]int, f.p)
 		for r := range f.p {
-			p.rowOff[r], p.rows[r] = chunkOf(p.local[p.dim], f.p, r)
+			p.rowOff[r], p.rows[r] = f.chunkOf(p.local[p.dim], r)
 		}
 	}
 	u.chunk = make([]int, f.p)
@@ -702,10 +710,7 @@ func (u *fsdpUnit) describe() []string {
 func (f *FSDP) shardParams(u *fsdpUnit) error {
 	shards := make([]*placement.DTensor, len(u.params))
 	for i, p := range u.params {
-		s := p.spec0
-		places := s.Placements()
-		places[f.axis] = placement.Shard(p.dim)
-		s1, err := s.With(places, blocks.Orders(s, p.dim, f.cfg.axis)...)
+		s1, err := f.shardedSpec(p.spec0, p.spec0.Placements(), p.dim)
 		if err != nil {
 			return fmt.Errorf("laying out %q: %w", p.name, err)
 		}

@@ -86,7 +86,7 @@ func (f *FSDP) UnshardAsync(ctx context.Context, paths ...string) (*Unsharding, 
 }
 
 // Unshard is UnshardAsync followed by Wait: the units at paths (every
-// unit when none) are gathered when it returns.
+// unit when none) are gathered when it returns. Errors are theirs.
 func (f *FSDP) Unshard(ctx context.Context, paths ...string) error {
 	h, err := f.UnshardAsync(ctx, paths...)
 	if err != nil {
@@ -161,17 +161,21 @@ func (f *FSDP) controlled(op string, paths []string) ([]*fsdpUnit, error) {
 	}
 	out := make([]*fsdpUnit, 0, len(paths))
 	for _, p := range paths {
-		i := -1
-		for _, u := range f.units {
-			if u.path == p {
-				i = u.index
-				break
-			}
-		}
-		if i < 0 {
+		u := f.unitAt(p)
+		if u == nil {
 			return nil, fmt.Errorf("%w: FSDP.%s: %q is not a unit", ErrInvalid, op, p)
 		}
-		out = append(out, f.units[i])
+		out = append(out, u)
 	}
 	return out, nil
+}
+
+// unitAt returns the unit Wrap gave path, or nil.
+func (f *FSDP) unitAt(path string) *fsdpUnit {
+	for _, u := range f.units {
+		if u.path == path {
+			return u
+		}
+	}
+	return nil
 }

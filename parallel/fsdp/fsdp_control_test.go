@@ -18,7 +18,8 @@ import (
 // sync and reshard-after-backward off, the units unsharded once (async,
 // then Wait) before three micro-batches whose forwards and backwards
 // interleave in their own Graphs (F0 F1 B0 F2 B1 B2), one Finish, then
-// Reshard. Nothing is gathered or reduced between Unshard and Finish,
+// Reshard (and again with Reshard before Finish, as a user's schedule may
+// order them: the unsharded gradients outlive it). Nothing is gathered or reduced between Unshard and Finish,
 // Finish reduce-scatters each unit once, and the gradients are those of
 // plain FSDP running the micro-batches one after another (each pass
 // reduced on its own and summed) within 1e-12 (float64: only the order
@@ -27,9 +28,12 @@ func TestControlPipelined(t *testing.T) {
 	ctx := context.Background()
 	seeds := []uint64{1, 2, 3}
 	var mu sync.Mutex
-	grads := [2]map[string][]float64{{}, {}}
+	grads := [3]map[string][]float64{{}, {}, {}}
 	var problems []string
-	for run, controlled := range []bool{false, true} {
+	for run := range grads {
+		// Run 0 is plain FSDP; 1 and 2 are controlled, 2 with Reshard
+		// before Finish (the unsharded gradients must survive it).
+		controlled, reshardFirst := run > 0, run == 2
 		err := placementtest.Simulate(ctx, []int{2}, []string{"fsdp"}, func(ctx context.Context, m *mesh.Mesh) error {
 			n, err := newFnet(m, comm.Float64)
 			if err != nil {
@@ -102,6 +106,11 @@ func TestControlPipelined(t *testing.T) {
 					fail("after the micro-batches %d bytes gathered of %d", got, all)
 				}
 			}
+			if reshardFirst {
+				if err := f.Reshard(ctx); err != nil {
+					return err
+				}
+			}
 			before := f.Traffic().ReduceScatter
 			if err := f.Finish(ctx); err != nil {
 				return err
@@ -140,15 +149,20 @@ func TestControlPipelined(t *testing.T) {
 	for _, p := range problems {
 		t.Error(p)
 	}
-	if len(grads[1]) == 0 || len(grads[1]) != len(grads[0]) {
-		t.Fatalf("%d gradients controlled, %d plain", len(grads[1]), len(grads[0]))
-	}
-	for name, want := range grads[0] {
-		got := grads[1][name]
-		for i := range want {
-			if math.Abs(got[i]-want[i]) > 1e-12 {
-				t.Errorf("%s[%d]: %v, plain FSDP %v", name, i, got[i], want[i])
-				break
+	for run, what := range []string{1: "controlled", 2: "controlled, Reshard before Finish"} {
+		if run == 0 {
+			continue
+		}
+		if len(grads[run]) == 0 || len(grads[run]) != len(grads[0]) {
+			t.Fatalf("%s: %d gradients, plain FSDP %d", what, len(grads[run]), len(grads[0]))
+		}
+		for name, want := range grads[0] {
+			got := grads[run][name]
+			for i := range want {
+				if math.Abs(got[i]-want[i]) > 1e-12 {
+					t.Errorf("%s: %s[%d]: %v, plain FSDP %v", what, name, i, got[i], want[i])
+					break
+				}
 			}
 		}
 	}
@@ -172,6 +186,9 @@ func TestControlRefuses(t *testing.T) {
 		}
 		if err := f.Wrap(ctx, "head", n.head); err != nil {
 			return err
+		}
+		if err := f.Wrap(ctx, "head", n.spare); !errors.Is(err, ErrInvalid) {
+			return fmt.Errorf("Wrap of a second module at a unit's path: %v, want ErrInvalid", err)
 		}
 		if _, err := f.UnshardAsync(ctx, "head", "nope"); !errors.Is(err, ErrInvalid) {
 			return fmt.Errorf("UnshardAsync of a path that is not a unit: %v, want ErrInvalid", err)

@@ -83,18 +83,14 @@ func (f *FSDP) setup() error {
 			f.slots[s] = &poolSlot{buf: buf}
 		}
 	}
-	byPath := map[string]int{}
-	for _, u := range f.units {
-		byPath[u.path] = u.index
-	}
 	resolve := func(u *fsdpUnit, paths []string) ([]int, error) {
 		var out []int
 		for _, p := range paths {
-			i, ok := byPath[p]
-			if !ok {
+			v := f.unitAt(p)
+			if v == nil {
 				return nil, fmt.Errorf("%w: FSDP unit %q: prefetch names %q, which is not a unit", ErrInvalid, u.path, p)
 			}
-			out = append(out, i)
+			out = append(out, v.index)
 		}
 		return out, nil
 	}

@@ -187,14 +187,18 @@ func (f *FSDP) fillGrad(u *fsdpUnit, p *fsdpParam, buf *comm.HostBuffer, dbuf de
 		}
 		return true
 	}
-	if !check(f.axis, f.rank) || (f.rep >= 0 && !check(f.rep, f.repC)) {
+	for i, a := range f.flat.axes {
+		if !check(a, f.flat.coords[i]) {
+			return false
+		}
+	}
+	if f.rep >= 0 && !check(f.rep, f.repC) {
 		return false
 	}
-	places[f.axis] = placement.Shard(p.dim)
 	if f.rep >= 0 {
 		places[f.rep] = placement.Replicate()
 	}
-	out, err := gs.With(places, blocks.Orders(gs, p.dim, f.cfg.axis)...)
+	out, err := f.shardedSpec(gs, places, p.dim)
 	if err != nil {
 		f.fail(fmt.Errorf("fsdp: FSDP gradient of %q: %w", p.name, err))
 		return false

@@ -200,7 +200,7 @@ func (f *FSDP) groupNote() string {
 	base := f.rank / n * n
 	along := ""
 	if f.m.NDim() > 1 {
-		along = fmt.Sprintf(" along axis %q", f.cfg.axis)
+		along = fmt.Sprintf(" along axis %q", f.shardLabel())
 	}
 	if n > 8 {
 		return fmt.Sprintf(" (its communicator's group rank i is rank %d+i%s)", base, along)

@@ -56,8 +56,9 @@ type Simulation struct {
 // schedule a receive after its send and a stage's compute after its
 // Unshard; c.Comm is added where the input crosses ranks, c.Unshard after
 // an Unshard). Sends, Unshard, Reshard and ReduceGrad never block;
-// communication takes no time of the rank. A negative or non-finite cost is ErrInvalid; lists that cannot
-// go on are ErrDeadlock naming each stuck rank's action.
+// communication takes no time of the rank. A negative or non-finite cost
+// is ErrInvalid; lists that cannot go on are ErrDeadlock naming each
+// stuck rank's action.
 func Simulate(s *Schedule, c Costs) (*Simulation, error) {
 	for _, v := range []struct {
 		name string

@@ -67,7 +67,8 @@ func WithGradReduction(fn func(ctx context.Context, stage int) error) Option {
 // f.UnshardAsync and its Unsharding's Wait, reshard f.Reshard. Both are
 // timed on the timeline's comm lane ("UNSHARD s1", "UNSHARD s1 wait",
 // "RESHARD s1"). A schedule given to NewRuntime unlowered is then lowered
-// with WithFSDP.
+// with WithFSDP. NewRuntime fails with ErrInvalid when only one of the
+// functions is nil.
 func WithSharding(unshard func(ctx context.Context, stage int) (wait func(context.Context) error, err error), reshard func(ctx context.Context, stage int) error) Option {
 	return func(c *runtimeConfig) {
 		c.unshard, c.reshard = unshard, reshard
@@ -110,6 +111,9 @@ func NewRuntime(s *Schedule, tape *autograd.Tape, tr *Transport, stages map[int]
 	var cfg runtimeConfig
 	for _, o := range opts {
 		o(&cfg)
+	}
+	if (cfg.unshard == nil) != (cfg.reshard == nil) {
+		return nil, fmt.Errorf("%w: NewRuntime: WithSharding needs both functions, unshard and reshard (one is nil)", ErrInvalid)
 	}
 	if s.Ranks != tr.c.Size() {
 		return nil, fmt.Errorf("%w: NewRuntime: the schedule has %d ranks; the pp axis %d", ErrInvalid, s.Ranks, tr.c.Size())

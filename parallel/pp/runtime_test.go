@@ -177,15 +177,18 @@ func TestRuntimeRefuses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	unshard := func(context.Context, int) (func(context.Context) error, error) { return nil, nil }
 	for _, c := range []struct {
 		name string
 		s    *pp.Schedule
+		opts []pp.Option
 		want string
 	}{
-		{"FSDP actions without functions", fsdp, "WithSharding"},
-		{"ReduceGrad without a function", reduce, "WithGradReduction"},
+		{"FSDP actions without functions", fsdp, nil, "WithSharding"},
+		{"ReduceGrad without a function", reduce, nil, "WithGradReduction"},
+		{"WithSharding without reshard", s, []pp.Option{pp.WithSharding(unshard, nil)}, "WithSharding needs both"},
 	} {
-		_, err := runSchedule(t, c.s, nil)
+		_, err := runSchedule(t, c.s, func(int) []pp.Option { return c.opts })
 		if !errors.Is(err, pp.ErrInvalid) || !strings.Contains(fmt.Sprint(err), c.want) {
 			t.Errorf("%s: %v, want ErrInvalid containing %q", c.name, err, c.want)
 		}

@@ -143,6 +143,9 @@ func (tr *Transport) Send(ctx context.Context, dt *placement.DTensor, peer, tag 
 		}
 		h[4+maxDims+i] = code
 	}
+	if err := checkMeshOrder(s); err != nil {
+		return err
+	}
 	h[headerLen-1] = int64(buf.Len())
 	hw, err := comm.SendAsync(ctx, tr.c, comm.Host(h), peer, 2*tag)
 	if err != nil {
@@ -270,11 +273,15 @@ func bufferOf(dt *placement.DTensor) (comm.Buffer, error) {
 }
 
 // placementCode encodes p for the header: -1 Replicate, d ≥ 0 Shard(d),
-// -100-op Partial(op).
+// maxDims+d ShardBalanced(d) (context parallelism's causal load
+// balancing: a plain Shard would give the receiver other positions for
+// the same rows), -100-op Partial(op).
 func placementCode(p placement.Placement) (int64, error) {
 	switch {
 	case p.IsReplicate():
 		return -1, nil
+	case p.IsBalanced():
+		return int64(maxDims + p.Dim()), nil
 	case p.IsShard():
 		return int64(p.Dim()), nil
 	case p.IsPartial():
@@ -290,8 +297,25 @@ func placementOf(c int64) (placement.Placement, error) {
 		return placement.Replicate(), nil
 	case c >= 0 && c < maxDims:
 		return placement.Shard(int(c)), nil
+	case c >= maxDims && c < 2*maxDims:
+		return placement.ShardBalanced(int(c - maxDims)), nil
 	case c <= -100 && c > -200:
 		return placement.Partial(comm.ReduceOp(-100 - c)), nil
 	}
 	return placement.Placement{}, fmt.Errorf("unknown placement code %d", c)
+}
+
+// checkMeshOrder checks that every dim sharded over several axes is sharded
+// over them in mesh order, the order the receiver's spec takes: the header
+// does not carry another, and the receiver would read the blocks as other
+// rows.
+func checkMeshOrder(s *placement.Spec) error {
+	names := s.Mesh().Names()
+	for d := range s.Shape() {
+		o := s.Order(d)
+		if !slices.IsSortedFunc(o, func(a, b string) int { return slices.Index(names, a) - slices.Index(names, b) }) {
+			return fmt.Errorf("%w: Send: dim %d is sharded over %v, not in the mesh's order %v; only mesh-order shardings cross stages", ErrInvalid, d, o, names)
+		}
+	}
+	return nil
 }

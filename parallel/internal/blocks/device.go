@@ -36,16 +36,16 @@ func Prod(s []int) int {
 }
 
 // Orders returns the placement.WithOrder options that keep the order of
-// every dim of s sharded over several mesh axes, with axis appended to
-// dim's order (innermost: FSDP's shard axis inside a tensor-parallel
+// every dim of s sharded over several mesh axes, with axes appended to
+// dim's order (innermost: FSDP's shard axes inside a tensor-parallel
 // one); dim < 0 appends nothing. A layout change made with them (Spec.With)
 // keeps the shards' nesting.
-func Orders(s *placement.Spec, dim int, axis string) []placement.SpecOption {
+func Orders(s *placement.Spec, dim int, axes ...string) []placement.SpecOption {
 	var opts []placement.SpecOption
 	for d := range s.Shape() {
 		o := s.Order(d)
 		if d == dim {
-			o = append(o, axis)
+			o = append(o, axes...)
 		}
 		if len(o) > 1 {
 			opts = append(opts, placement.WithOrder(d, o...))
