@@ -134,6 +134,20 @@ func (t *Tape) blasOrDefault() (*kernels.BLAS, error) {
 	return t.blas, nil
 }
 
+// BLAS is the GEMM of the tape's host kernels (WithBLAS, else
+// kernels.Default), for custom ops that run their own GEMMs; nil when no
+// BLAS loads (the kernels then take loom's GEMM).
+func (t *Tape) BLAS() *kernels.BLAS {
+	if t == nil {
+		return nil
+	}
+	b, err := t.blasOrDefault()
+	if err != nil {
+		return nil
+	}
+	return b
+}
+
 // Workers is the goroutine budget of the tape's kernels: as many as its
 // BLAS has threads, so that a rank sized to its share of the cores keeps to
 // it outside GEMM too (GOMAXPROCS if no BLAS loads). Custom ops pass it to

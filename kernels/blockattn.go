@@ -3,6 +3,8 @@ package kernels
 import (
 	"fmt"
 	"math"
+	"slices"
+	"unsafe"
 
 	"github.com/b7ea7098/loom/internal/checked"
 )
@@ -16,9 +18,11 @@ import (
 // needs only dO, the merged O's row dots D = rowsum(dO∘O) and the merged
 // LSE (FlashAttention-2's recomputation), so no probabilities are kept.
 //
-// Every kernel is generic over float32 and float64: sums and exponentials
-// run in float64 and are rounded to T once, so a float64 result is exact
-// to float64 rounding and a float32 one to float32 rounding.
+// Every kernel is generic over float32 and float64. The products (q·kᵀ,
+// p·v and the backward's four) are GEMMs that accumulate in T, like a
+// matmul; maxima, exponentials, row sums, LSEs and the merge run in
+// float64 and are rounded to T once. A float64 result is thus exact to
+// float64 rounding and a float32 one to float32 GEMM rounding.
 
 // BlockAttnShape is the shape of one block pair: Batch independent heads
 // (batch and heads flattened), a Q block of TQ rows at global positions
@@ -59,34 +63,212 @@ func (s BlockAttnShape) check(op string, lens map[string][2]int) error {
 	return nil
 }
 
-// keys sets buf (TK long) to the K rows row i of Q sees, in order, and
-// returns it: all of them without the mask, else those whose position is
-// at most row i's.
-func (s BlockAttnShape) keys(i int, buf []int) []int {
-	buf = buf[:0]
-	qp := s.Q0 + i
-	if s.QPos != nil {
-		qp = s.QPos[i]
-	}
-	for j := range s.TK {
-		kp := s.K0 + j
-		if s.KPos != nil {
-			kp = s.KPos[j]
-		}
-		if !s.Causal || kp <= qp {
-			buf = append(buf, j)
+// positions returns the global positions of the Q rows and K rows.
+func (s BlockAttnShape) positions() (qp, kp []int) {
+	qp, kp = s.QPos, s.KPos
+	if qp == nil {
+		qp = make([]int, s.TQ)
+		for i := range qp {
+			qp[i] = s.Q0 + i
 		}
 	}
-	return buf
+	if kp == nil {
+		kp = make([]int, s.TK)
+		for j := range kp {
+			kp[j] = s.K0 + j
+		}
+	}
+	return qp, kp
+}
+
+// blockRows is the most Q rows per tile of the block kernels: a tile's
+// scores (rows × TK) stay within 64 Ki elements (L2), and at most 64 rows,
+// so that tiles on the causal diagonal compute few masked scores.
+func blockRows(tk int) int { return max(8, min(64, (1<<16)/max(tk, 1))) }
+
+// rowTiles cuts the TQ rows at positions qp into tiles of at most bq rows
+// that never span two runs of positions (a load-balanced shard holds an
+// early and a late run: a tile of both would see the late run's keys
+// from its early rows); it returns the tiles' first rows followed by TQ.
+func rowTiles(qp []int, bq int) []int {
+	cuts := []int{0}
+	for i := 1; i < len(qp); i++ {
+		if i-cuts[len(cuts)-1] == bq || qp[i] != qp[i-1]+1 {
+			cuts = append(cuts, i)
+		}
+	}
+	return append(cuts, len(qp))
+}
+
+// visible returns how many keys, from the first, the rows of a tile whose
+// largest position is qmax may see: a prefix of the K block when its
+// positions ascend (one run, or a load-balanced shard's two), else all of
+// it (the mask is then applied key by key).
+func (s BlockAttnShape) visible(kp []int, sorted bool, qmax int) int {
+	if !s.Causal || !sorted {
+		return s.TK
+	}
+	n, _ := slices.BinarySearch(kp, qmax+1)
+	return n
+}
+
+// maskRow sets the scores of row (at position qp) to −Inf where a key is
+// masked and returns how many keys, from the first, it needs: with
+// ascending K positions the visible keys are a prefix and the rest of the
+// row is left alone.
+func maskRow[T Float](s BlockAttnShape, row []T, kp []int, sorted bool, qp int) int {
+	if !s.Causal {
+		return len(row)
+	}
+	if sorted {
+		n, _ := slices.BinarySearch(kp[:len(row)], qp+1)
+		return n
+	}
+	for j := range row {
+		if kp[j] > qp {
+			row[j] = T(math.Inf(-1))
+		}
+	}
+	return len(row)
+}
+
+// rowMax is the largest of x (−Inf for none), as float64.
+func rowMax[T Float](x []T) float64 {
+	if unsafe.Sizeof(*new(T)) == 4 && len(x) > 0 {
+		return float64(maxOf(asFloat32(x)))
+	}
+	m := math.Inf(-1)
+	for _, e := range x {
+		m = max(m, float64(e))
+	}
+	return m
+}
+
+// blockGEMM is one goroutine's GEMM in the block kernels: the loaded
+// library's (b's, when it has one) or loom's pure-Go GEMM on the calling
+// goroutine alone, the kernel having spread its tiles over the workers.
+// Small float32 products skip the Go GEMM's packing: they run on the
+// fused attention's register tiles (smallGemm), with bt and ct as scratch
+// for a transposed B and a product to add.
+type blockGEMM struct {
+	b       *BLAS
+	g       *goGEMM
+	smallOK bool // the call's float32 products take the small path
+	bt, ct  []float32
+}
+
+// newBlockGEMM returns a goroutine's GEMM for a call of shape s cut into
+// tiles of bq rows. Whether float32 products take the small path is
+// decided once for the call, from its largest tile (bq rows against all
+// TK keys), not tile by tile: the ranks of a load-balanced layout, whose
+// tiles see different numbers of keys, then run the same code for the
+// same work.
+func newBlockGEMM(b *BLAS, s BlockAttnShape, bq int) *blockGEMM {
+	return &blockGEMM{b: b, g: newGoGEMM(1), smallOK: haveVec && bq*s.TK*max(s.DH, s.DV) <= smallProduct}
+}
+
+// smallProduct is the largest tile product the small path takes: up to tiles of
+// 64 rows against 512 keys of 32 channels the Go GEMM's packing costs
+// more than it saves (thread CPU time per (query, key) pair, forward and
+// backward, 8 heads of 32: 31.7 against 46.4 ns at T = 32, 20.9 against
+// 30.0 at T = 64, 12.3 against 14.6 at T = 256; even at T = 1024).
+const smallProduct = 1 << 20
+
+// blockGemm computes C = alpha·op(A)·op(B) + beta·C (Sgemm's contract) on
+// g, for T of 4 or 8 bytes; m or n of 0 does nothing.
+func blockGemm[T Float](g *blockGEMM, transA, transB bool, m, n, k int, alpha T, a []T, lda int, b []T, ldb int, beta T, c []T, ldc int) {
+	if m == 0 || n == 0 {
+		return
+	}
+	var lib *cblasLib
+	if g.b != nil && fitsInt32(m, n, k, lda, ldb, ldc) {
+		lib = g.b.lib
+	}
+	if unsafe.Sizeof(alpha) == 4 {
+		switch {
+		case lib != nil:
+			lib.sgemm(transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
+		case g.smallOK:
+			g.small(transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
+		default:
+			gemmGo(g.g, &g.g.pool32, g.g.blk32, transA, transB, m, n, k, float32(alpha), asFloat32(a), lda, asFloat32(b), ldb, float32(beta), asFloat32(c), ldc)
+		}
+		return
+	}
+	if lib != nil {
+		lib.dgemm(transA, transB, m, n, k, float64(alpha), asFloat64(a), lda, asFloat64(b), ldb, float64(beta), asFloat64(c), ldc)
+		return
+	}
+	gemmGo(g.g, &g.g.pool64, g.g.blk64, transA, transB, m, n, k, float64(alpha), asFloat64(a), lda, asFloat64(b), ldb, float64(beta), asFloat64(c), ldc)
+}
+
+// small is blockGemm's float32 path for small products: smallGemm on A
+// as it is (its strides express the transpose), B made row-major k×n, and
+// the product added to C for beta ≠ 0.
+func (g *blockGEMM) small(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	sai, sap := lda, 1
+	if transA {
+		sai, sap = 1, lda
+	}
+	if transB {
+		if cap(g.bt) < k*n {
+			g.bt = make([]float32, k*n)
+		}
+		bt := g.bt[:k*n]
+		for j := range n {
+			for p, x := range b[j*ldb : j*ldb+k] {
+				bt[p*n+j] = x
+			}
+		}
+		b, ldb = bt, n
+	}
+	dst, ldd := c, ldc
+	if beta != 0 {
+		if cap(g.ct) < m*n {
+			g.ct = make([]float32, m*n)
+		}
+		dst, ldd = g.ct[:m*n], n
+	}
+	smallGemm(dst, ldd, a, sai, sap, b, ldb, m, n, k, kAll, false, alpha)
+	if beta != 0 {
+		for i := range m {
+			ci := c[i*ldc : i*ldc+n]
+			for j, x := range dst[i*n : (i+1)*n] {
+				ci[j] = beta*ci[j] + x
+			}
+		}
+	}
+}
+
+// expRow sets x[j] = exp(x[j] − shift) and returns Σ x[j], the sum in
+// float64: float32 rows through the vector exp (float64 inside, about
+// 1e-11 relative), float64 rows through math.Exp.
+func expRow[T Float](x []T, shift float64) float64 {
+	if unsafe.Sizeof(x[0]) == 4 {
+		return expShift(asFloat32(x), asFloat32(x), shift)
+	}
+	sum := 0.0
+	for j, v := range x {
+		e := math.Exp(float64(v) - shift)
+		x[j] = T(e)
+		sum += e
+	}
+	return sum
 }
 
 // BlockAttentionForward sets out ([Batch, TQ, DV]) to the attention of the
 // Q block q ([Batch, TQ, DH]) over the K/V block k ([Batch, TK, DH]) and v
 // ([Batch, TK, DV]), softmax over the visible keys of Scale·q·kᵀ, and lse
 // ([Batch, TQ]) to each row's log Σ_j exp(Scale·q_i·k_j) over the visible
-// keys (−Inf and a zero row of out where none is visible). Errors wrap
-// ErrInvalid (negative sizes, lengths that do not fit the shape).
-func BlockAttentionForward[T Float](w Workers, out, lse, q, k, v []T, s BlockAttnShape) error {
+// keys (−Inf and a zero row of out where none is visible).
+//
+// The products run as GEMMs on tiles of Q rows against the keys they may
+// see (b's library when it loaded one, else loom's GEMM; nil b is loom's
+// GEMM), so they accumulate in T; the row maxima, exponentials, sums and
+// LSEs are float64, each result rounded to T. The tiles are shared out to
+// up to w goroutines. Errors wrap ErrInvalid (negative sizes, lengths that
+// do not fit the shape).
+func BlockAttentionForward[T Float](b *BLAS, w Workers, out, lse, q, k, v []T, s BlockAttnShape) error {
 	const op = "BlockAttentionForward"
 	if err := s.check(op, map[string][2]int{
 		"out": {len(out), s.Batch * s.TQ * s.DV}, "lse": {len(lse), s.Batch * s.TQ},
@@ -94,47 +276,55 @@ func BlockAttentionForward[T Float](w Workers, out, lse, q, k, v []T, s BlockAtt
 	}); err != nil {
 		return err
 	}
-	forRows(w, s.Batch*s.TQ, s.TK*(s.DH+s.DV), func(lo, hi int) {
-		p := make([]float64, s.TK)
-		acc := make([]float64, s.DV)
-		js := make([]int, 0, s.TK)
-		for r := lo; r < hi; r++ {
-			b, i := r/s.TQ, r%s.TQ
-			qi := q[r*s.DH : (r+1)*s.DH]
-			js = s.keys(i, js)
-			oi := out[r*s.DV : (r+1)*s.DV]
-			if len(js) == 0 {
-				clear(oi)
-				lse[r] = T(math.Inf(-1))
+	if s.Batch == 0 || s.TQ == 0 {
+		return nil
+	}
+	qp, kp := s.positions()
+	sorted := slices.IsSorted(kp)
+	bq := min(blockRows(s.TK), s.TQ)
+	cuts := rowTiles(qp, bq)
+	tiles := len(cuts) - 1
+	forRows(w, s.Batch*tiles, bq*s.TK*(s.DH+s.DV), func(lo, hi int) {
+		g := newBlockGEMM(b, s, bq)
+		sc := make([]T, bq*s.TK)
+		inv := make([]float64, bq)
+		for t := lo; t < hi; t++ {
+			h, i0 := t/tiles, cuts[t%tiles]
+			rows := cuts[t%tiles+1] - i0
+			r0 := h*s.TQ + i0
+			ot := out[r0*s.DV : (r0+rows)*s.DV]
+			n := s.visible(kp, sorted, slices.Max(qp[i0:i0+rows]))
+			if n == 0 {
+				clear(ot)
+				for i := range rows {
+					lse[r0+i] = T(math.Inf(-1))
+				}
 				continue
 			}
-			m := math.Inf(-1)
-			for _, j := range js {
-				kj := k[(b*s.TK+j)*s.DH : (b*s.TK+j+1)*s.DH]
-				d := 0.0
-				for c, x := range qi {
-					d += float64(x) * float64(kj[c])
+			st := sc[:rows*n]
+			blockGemm(g, false, true, rows, n, s.DH, T(s.Scale), q[r0*s.DH:], s.DH, k[h*s.TK*s.DH:], s.DH, 0, st, n)
+			for i := range rows {
+				x := st[i*n : (i+1)*n]
+				nv := maskRow(s, x, kp, sorted, qp[i0+i])
+				m := rowMax(x[:nv])
+				if math.IsInf(m, -1) {
+					clear(x)
+					inv[i] = 0
+					lse[r0+i] = T(m)
+					continue
 				}
-				p[j] = d * s.Scale
-				m = max(m, p[j])
+				sum := expRow(x[:nv], m)
+				clear(x[nv:])
+				inv[i] = 1 / sum
+				lse[r0+i] = T(m + math.Log(sum))
 			}
-			sum := 0.0
-			for _, j := range js {
-				p[j] = math.Exp(p[j] - m)
-				sum += p[j]
-			}
-			clear(acc)
-			for _, j := range js {
-				vj := v[(b*s.TK+j)*s.DV : (b*s.TK+j+1)*s.DV]
-				pj := p[j] / sum
-				for c, x := range vj {
-					acc[c] += pj * float64(x)
+			blockGemm(g, false, false, rows, s.DV, n, 1, st, n, v[h*s.TK*s.DV:], s.DV, 0, ot, s.DV)
+			for i := range rows {
+				oi := ot[i*s.DV : (i+1)*s.DV]
+				for c, x := range oi {
+					oi[c] = T(float64(x) * inv[i])
 				}
 			}
-			for c, x := range acc {
-				oi[c] = T(x)
-			}
-			lse[r] = T(m + math.Log(sum))
 		}
 	})
 	return nil
@@ -196,10 +386,12 @@ func AttentionRowDots[T Float](delta, dout, out []T, dv int) error {
 // output): with p_ij = exp(Scale·q_i·k_j − lse_i) over the visible keys,
 // dv_j += Σ_i p_ij·dout_i, ds_ij = p_ij·(dout_i·v_j − delta_i),
 // dq_i += Scale·Σ_j ds_ij·k_j and dk_j += Scale·Σ_i ds_ij·q_i. Any of dq,
-// dk and dv may be nil when not wanted. The block's sums run in float64
-// and are added to the accumulators once, rounded to T. Errors wrap
-// ErrInvalid (negative sizes, lengths that do not fit the shape).
-func BlockAttentionBackward[T Float](w Workers, dq, dk, dv, dout, q, k, v, lse, delta []T, s BlockAttnShape) error {
+// dk and dv may be nil when not wanted. The products run as GEMMs (b's, as
+// for BlockAttentionForward) on tiles of Q rows, accumulating in T into
+// the gradients; p and ds are computed in float64 and rounded to T. The
+// heads are shared out to up to w goroutines. Errors wrap ErrInvalid
+// (negative sizes, lengths that do not fit the shape).
+func BlockAttentionBackward[T Float](b *BLAS, w Workers, dq, dk, dv, dout, q, k, v, lse, delta []T, s BlockAttnShape) error {
 	const op = "BlockAttentionBackward"
 	lens := map[string][2]int{
 		"dout": {len(dout), s.Batch * s.TQ * s.DV}, "lse": {len(lse), s.Batch * s.TQ}, "delta": {len(delta), s.Batch * s.TQ},
@@ -217,60 +409,61 @@ func BlockAttentionBackward[T Float](w Workers, dq, dk, dv, dout, q, k, v, lse, 
 	if err := s.check(op, lens); err != nil {
 		return err
 	}
+	if s.Batch == 0 || s.TQ == 0 || s.TK == 0 || dq == nil && dk == nil && dv == nil {
+		return nil
+	}
+	qp, kp := s.positions()
+	sorted := slices.IsSorted(kp)
+	bq := min(blockRows(s.TK), s.TQ)
+	cuts := rowTiles(qp, bq)
 	// Heads are independent: split over them, so each goroutine owns its
 	// heads' rows of dk and dv.
 	forRows(w, s.Batch, s.TQ*s.TK*(s.DH+s.DV), func(lo, hi int) {
-		gk := make([]float64, s.TK*s.DH)
-		gv := make([]float64, s.TK*s.DV)
-		gq := make([]float64, s.DH)
-		js := make([]int, 0, s.TK)
-		for b := lo; b < hi; b++ {
-			clear(gk)
-			clear(gv)
-			for i := range s.TQ {
-				js = s.keys(i, js)
-				if len(js) == 0 {
+		g := newBlockGEMM(b, s, bq)
+		pb, db := make([]T, bq*s.TK), make([]T, bq*s.TK)
+		for h := lo; h < hi; h++ {
+			kh, vh := k[h*s.TK*s.DH:(h+1)*s.TK*s.DH], v[h*s.TK*s.DV:(h+1)*s.TK*s.DV]
+			for ti := range len(cuts) - 1 {
+				i0, rows := cuts[ti], cuts[ti+1]-cuts[ti]
+				r0 := h*s.TQ + i0
+				n := s.visible(kp, sorted, slices.Max(qp[i0:i0+rows]))
+				if n == 0 {
 					continue
 				}
-				r := b*s.TQ + i
-				qi, gi := q[r*s.DH:(r+1)*s.DH], dout[r*s.DV:(r+1)*s.DV]
-				l, dl := float64(lse[r]), float64(delta[r])
-				clear(gq)
-				for _, j := range js {
-					kj := k[(b*s.TK+j)*s.DH : (b*s.TK+j+1)*s.DH]
-					vj := v[(b*s.TK+j)*s.DV : (b*s.TK+j+1)*s.DV]
-					d := 0.0
-					for c, x := range qi {
-						d += float64(x) * float64(kj[c])
+				p, ds := pb[:rows*n], db[:rows*n]
+				qt, gt := q[r0*s.DH:(r0+rows)*s.DH], dout[r0*s.DV:(r0+rows)*s.DV]
+				blockGemm(g, false, true, rows, n, s.DH, T(s.Scale), qt, s.DH, kh, s.DH, 0, p, n)
+				for i := range rows {
+					x := p[i*n : (i+1)*n]
+					l := float64(lse[r0+i])
+					if math.IsInf(l, -1) {
+						clear(x) // the row sees no key anywhere
+						continue
 					}
-					p := math.Exp(d*s.Scale - l)
-					dp := 0.0
-					for c, x := range gi {
-						dp += float64(x) * float64(vj[c])
-						gv[j*s.DV+c] += p * float64(x)
-					}
-					ds := p * (dp - dl) * s.Scale
-					for c, x := range kj {
-						gq[c] += ds * float64(x)
-					}
-					for c, x := range qi {
-						gk[j*s.DH+c] += ds * float64(x)
+					nv := maskRow(s, x, kp, sorted, qp[i0+i])
+					expRow(x[:nv], l)
+					clear(x[nv:])
+				}
+				if dv != nil {
+					blockGemm(g, true, false, n, s.DV, rows, 1, p, n, gt, s.DV, 1, dv[h*s.TK*s.DV:], s.DV)
+				}
+				if dq == nil && dk == nil {
+					continue
+				}
+				// dP = dout·vᵀ, then ds = p·(dP − delta)·Scale.
+				blockGemm(g, false, true, rows, n, s.DV, 1, gt, s.DV, vh, s.DV, 0, ds, n)
+				for i := range rows {
+					dl := float64(delta[r0+i])
+					pi, di := p[i*n:(i+1)*n], ds[i*n:(i+1)*n]
+					for j, e := range pi {
+						di[j] = T(float64(e) * (float64(di[j]) - dl) * s.Scale)
 					}
 				}
 				if dq != nil {
-					for c, x := range gq {
-						dq[r*s.DH+c] += T(x)
-					}
+					blockGemm(g, false, false, rows, s.DH, n, 1, ds, n, kh, s.DH, 1, dq[r0*s.DH:], s.DH)
 				}
-			}
-			if dk != nil {
-				for c, x := range gk {
-					dk[b*s.TK*s.DH+c] += T(x)
-				}
-			}
-			if dv != nil {
-				for c, x := range gv {
-					dv[b*s.TK*s.DV+c] += T(x)
+				if dk != nil {
+					blockGemm(g, true, false, n, s.DH, rows, 1, ds, n, qt, s.DH, 1, dk[h*s.TK*s.DH:], s.DH)
 				}
 			}
 		}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -116,6 +117,9 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 		{"three-uneven", 3, 11, 5, 4, []int{0, 2, 7, 11}, true},
 		{"single", 1, 6, 3, 3, []int{0, 6}, false},
 		{"many", 2, 9, 2, 5, []int{0, 1, 2, 4, 5, 9}, true},
+		// Blocks of over 256 keys: the kernels cut Q into several row
+		// tiles (blockRows), each seeing its own prefix of the keys.
+		{"tiled", 2, 1200, 4, 3, []int{0, 150, 1200}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := rand.New(rand.NewPCG(1, uint64(tc.t)))
@@ -141,7 +145,7 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 					sh := BlockAttnShape{Batch: b, TQ: q1 - q0, TK: k1 - k0, DH: dh, DV: dv, Q0: q0, K0: k0, Scale: scale, Causal: true}
 					o := make([]float64, b*(q1-q0)*dv)
 					l := make([]float64, b*(q1-q0))
-					if err := BlockAttentionForward(0, o, l, qb, rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), sh); err != nil {
+					if err := BlockAttentionForward(nil, 0, o, l, qb, rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), sh); err != nil {
 						t.Fatal(err)
 					}
 					if out == nil {
@@ -170,7 +174,7 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 					k0, k1 := tc.cuts[ki], tc.cuts[ki+1]
 					sh := BlockAttnShape{Batch: b, TQ: q1 - q0, TK: k1 - k0, DH: dh, DV: dv, Q0: q0, K0: k0, Scale: scale, Causal: true}
 					dkb, dvb := make([]float64, b*(k1-k0)*dh), make([]float64, b*(k1-k0)*dv)
-					if err := BlockAttentionBackward(0, dqb, dkb, dvb, gb, rowsOf(q, b, tt, dh, q0, q1), rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), lses[qi], delta, sh); err != nil {
+					if err := BlockAttentionBackward(nil, 0, dqb, dkb, dvb, gb, rowsOf(q, b, tt, dh, q0, q1), rowsOf(k, b, tt, dh, k0, k1), rowsOf(v, b, tt, dv, k0, k1), lses[qi], delta, sh); err != nil {
 						t.Fatal(err)
 					}
 					putRows(gotDK, dkb, b, tt, dh, k0, k1)
@@ -190,14 +194,15 @@ func TestBlockAttentionMatchesWhole(t *testing.T) {
 	}
 }
 
-// TestBlockAttentionFloat32 checks the float32 instantiation against the
-// float64 one within float32 rounding, a fully masked block included.
+// TestBlockAttentionFloat32 checks the float32 instantiation (its small
+// products on the register-tiled path) against the float64 one within
+// float32 rounding, forward and backward, a fully masked block included.
 func TestBlockAttentionFloat32(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 4))
 	sh := BlockAttnShape{Batch: 2, TQ: 5, TK: 7, DH: 4, DV: 3, Q0: 3, K0: 2, Scale: 0.5, Causal: true}
 	q, k, v := randBlock(r, 2*5*4), randBlock(r, 2*7*4), randBlock(r, 2*7*3)
 	o64, l64 := make([]float64, 2*5*3), make([]float64, 10)
-	if err := BlockAttentionForward(0, o64, l64, q, k, v, sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o64, l64, q, k, v, sh); err != nil {
 		t.Fatal(err)
 	}
 	f := func(x []float64) []float32 {
@@ -208,7 +213,7 @@ func TestBlockAttentionFloat32(t *testing.T) {
 		return y
 	}
 	o32, l32 := make([]float32, len(o64)), make([]float32, len(l64))
-	if err := BlockAttentionForward(0, o32, l32, f(q), f(k), f(v), sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o32, l32, f(q), f(k), f(v), sh); err != nil {
 		t.Fatal(err)
 	}
 	for i := range o64 {
@@ -216,10 +221,38 @@ func TestBlockAttentionFloat32(t *testing.T) {
 			t.Fatalf("out[%d] = %v, float64 %v", i, o32[i], o64[i])
 		}
 	}
+	// The backward, into gradients that hold values already (it adds).
+	g := randBlock(r, 2*5*3)
+	d64, d32 := make([]float64, 10), make([]float32, 10)
+	if err := AttentionRowDots(d64, g, o64, 3); err != nil {
+		t.Fatal(err)
+	}
+	if err := AttentionRowDots(d32, f(g), o32, 3); err != nil {
+		t.Fatal(err)
+	}
+	dq, dk, dv := randBlock(r, 2*5*4), randBlock(r, 2*7*4), randBlock(r, 2*7*3)
+	dq32, dk32, dv32 := f(dq), f(dk), f(dv)
+	if err := BlockAttentionBackward(nil, 0, dq, dk, dv, g, q, k, v, l64, d64, sh); err != nil {
+		t.Fatal(err)
+	}
+	if err := BlockAttentionBackward(nil, 0, dq32, dk32, dv32, f(g), f(q), f(k), f(v), l32, d32, sh); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		got  []float32
+		want []float64
+	}{{"dq", dq32, dq}, {"dk", dk32, dk}, {"dv", dv32, dv}} {
+		for i, w := range c.want {
+			if math.Abs(float64(c.got[i])-w) > 1e-5 {
+				t.Fatalf("%s[%d] = %v, float64 %v", c.name, i, c.got[i], w)
+			}
+		}
+	}
 	// Row 0 of the masked shape below sees nothing: zero output, LSE −Inf.
 	sh.K0 = 6
 	o, l := make([]float32, len(o32)), make([]float32, len(l32))
-	if err := BlockAttentionForward(0, o, l, f(q), f(k), f(v), sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o, l, f(q), f(k), f(v), sh); err != nil {
 		t.Fatal(err)
 	}
 	if !math.IsInf(float64(l[0]), -1) || o[0] != 0 || math.IsInf(float64(l[3]), 0) {
@@ -232,12 +265,12 @@ func TestBlockAttentionInvalid(t *testing.T) {
 	x := make([]float32, 4)
 	l := make([]float32, 2)
 	for name, err := range map[string]error{
-		"short out":   BlockAttentionForward(0, x[:3], l, x, x, x, sh),
-		"nan scale":   BlockAttentionForward(0, x, l, x, x, x, BlockAttnShape{Batch: 1, TQ: 2, TK: 2, DH: 2, DV: 2, Scale: math.NaN()}),
-		"negative":    BlockAttentionForward(0, x, l, x, x, x, BlockAttnShape{Batch: -1}),
+		"short out":   BlockAttentionForward(nil, 0, x[:3], l, x, x, x, sh),
+		"nan scale":   BlockAttentionForward(nil, 0, x, l, x, x, x, BlockAttnShape{Batch: 1, TQ: 2, TK: 2, DH: 2, DV: 2, Scale: math.NaN()}),
+		"negative":    BlockAttentionForward(nil, 0, x, l, x, x, x, BlockAttnShape{Batch: -1}),
 		"merge":       MergeAttention(x, l, x[:2], l, 2),
 		"dots":        AttentionRowDots(l, x, x[:3], 2),
-		"backward dk": BlockAttentionBackward(0, nil, x[:1], nil, x, x, x, x, l, l, sh),
+		"backward dk": BlockAttentionBackward(nil, 0, nil, x[:1], nil, x, x, x, x, l, l, sh),
 	} {
 		if !errors.Is(err, ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", name, err)
@@ -268,7 +301,7 @@ func TestBlockAttentionPositions(t *testing.T) {
 	sh := BlockAttnShape{Batch: b, TQ: tt, TK: tt, DH: dh, DV: dv, QPos: pos, KPos: pos, Scale: scale, Causal: true}
 	pq, pk, pv, pg := perm(q, dh), perm(k, dh), perm(v, dv), perm(g, dv)
 	o, l := make([]float64, b*tt*dv), make([]float64, b*tt)
-	if err := BlockAttentionForward(0, o, l, pq, pk, pv, sh); err != nil {
+	if err := BlockAttentionForward(nil, 0, o, l, pq, pk, pv, sh); err != nil {
 		t.Fatal(err)
 	}
 	delta := make([]float64, b*tt)
@@ -276,7 +309,7 @@ func TestBlockAttentionPositions(t *testing.T) {
 		t.Fatal(err)
 	}
 	dq, dk, dvv := make([]float64, len(pq)), make([]float64, len(pk)), make([]float64, len(pv))
-	if err := BlockAttentionBackward(0, dq, dk, dvv, pg, pq, pk, pv, l, delta, sh); err != nil {
+	if err := BlockAttentionBackward(nil, 0, dq, dk, dvv, pg, pq, pk, pv, l, delta, sh); err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range []struct {
@@ -288,7 +321,28 @@ func TestBlockAttentionPositions(t *testing.T) {
 		}
 	}
 	sh.QPos = pos[:3]
-	if err := BlockAttentionForward(0, o, l, pq, pk, pv, sh); !errors.Is(err, ErrInvalid) {
+	if err := BlockAttentionForward(nil, 0, o, l, pq, pk, pv, sh); !errors.Is(err, ErrInvalid) {
 		t.Errorf("3 positions for 8 rows: %v, want ErrInvalid", err)
+	}
+}
+
+// TestRowTiles: the block kernels' row tiles hold at most bq rows and
+// never span two runs of positions (a load-balanced shard's early and late
+// chunks), so an early row's tile does not compute scores against the
+// late run's keys.
+func TestRowTiles(t *testing.T) {
+	for _, c := range []struct {
+		qp   []int
+		bq   int
+		want []int
+	}{
+		{[]int{0, 1, 2, 3, 4}, 2, []int{0, 2, 4, 5}},
+		{[]int{0, 1, 2, 6, 7}, 4, []int{0, 3, 5}},
+		{[]int{0, 1, 6, 7, 2, 3}, 8, []int{0, 2, 4, 6}},
+		{[]int{5}, 8, []int{0, 1}},
+	} {
+		if got := rowTiles(c.qp, c.bq); !slices.Equal(got, c.want) {
+			t.Errorf("rowTiles(%v, %d) = %v, want %v", c.qp, c.bq, got, c.want)
+		}
 	}
 }

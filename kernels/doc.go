@@ -130,7 +130,11 @@
 // block under the causal mask by global position, merged by log-sum-exp,
 // and its backward from the merged output's LSE: what context parallelism
 // (parallel/cp) builds exact attention from when the sequence is split
-// over ranks. They are generic over float32 and float64.
+// over ranks. They are generic over float32 and float64, and run their
+// products as GEMMs on tiles of Q rows against the keys those rows may
+// see (a BLAS's, or loom's on the calling goroutine), so they cost about
+// what the fused [CausalAttentionForward] and [CausalAttentionBackward]
+// do per (query, key) pair (BenchmarkBlockAttention).
 //
 // # Peak throughput
 //

@@ -16,6 +16,10 @@
 #                     float32 and bf16) and its line timing the fused forward
 #                     and backward against the reference path (cuBLAS + causal
 #                     softmax) at T = 1024, B·H = 96, dh = 64
+#   block-attn        from test-device/cuda's log: TestGPUBlockAttention
+#                     (context parallelism's block attention kernels, float64
+#                     within 1e-12 and float32, against the CPU's block
+#                     kernels, up to a cp=2 rank's blocks at T = 1024)
 #   tiny-gpt          loomrun -n 1 transformer -device cuda -dp 1 -tp 1 -steps
 #                     200: its final loss within 0.05 of PyTorch's step-200 loss
 #                     (the example's own verdict line), on the NCCL backend
@@ -228,7 +232,7 @@ train_checks=(tiny-gpt tiny-gpt-allocs moe gpt2-small-f32 gpt2-small-tf32 gpt2-s
 checks=()
 for t in "${tests[@]}"; do
 	checks+=("test-${t%% *}")
-	[[ ${t%% *} == device/cuda ]] && checks+=(flash-attn)
+	[[ ${t%% *} == device/cuda ]] && checks+=(flash-attn block-attn)
 done
 checks+=("${train_checks[@]}")
 
@@ -456,6 +460,17 @@ for t in "${tests[@]}"; do
 			report flash-attn SKIP "TestGPUFlashAttention did not run (host mode)"
 		else
 			report flash-attn FAIL "TestGPUFlashAttention did not run"
+		fi
+		# TestGPUBlockAttention's verdict: context parallelism's block
+		# attention against the CPU's block kernels.
+		if grep -qE '^\s*--- FAIL: TestGPUBlockAttention' "$log"; then
+			report block-attn FAIL "TestGPUBlockAttention failed (see test-device/cuda)"
+		elif grep -qE '^\s*--- PASS: TestGPUBlockAttention' "$log"; then
+			report block-attn PASS "matches the CPU block kernels (float64 within 1e-12)"
+		elif ((host)); then
+			report block-attn SKIP "TestGPUBlockAttention did not run (host mode)"
+		else
+			report block-attn FAIL "TestGPUBlockAttention did not run"
 		fi
 	fi
 done

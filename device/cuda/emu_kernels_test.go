@@ -269,6 +269,7 @@ func TestEmuKernels(t *testing.T) {
 	t.Run("vocab_ce", func(t *testing.T) { testVocabCE(t, e) })
 	t.Run("router", func(t *testing.T) { testRouter(t, e) })
 	t.Run("flash_attn", func(t *testing.T) { testFlashAttention(t, e) })
+	t.Run("block_attn", func(t *testing.T) { testBlockAttention(t, e) })
 }
 
 // testEmuHarness checks the emulator itself: a block barrier (and a warp

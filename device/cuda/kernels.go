@@ -66,6 +66,11 @@ func KernelFiles() []KernelFile {
 			"loom_flash_attn_fwd_f32", "loom_flash_attn_fwd_bf16", "loom_flash_attn_bwd_dq_f32", "loom_flash_attn_bwd_dq_bf16",
 			"loom_flash_attn_bwd_dkv_f32", "loom_flash_attn_bwd_dkv_bf16",
 		}},
+		{Name: "block_attn.cu", Kernels: []string{
+			"loom_block_attn_fwd_f32", "loom_block_attn_fwd_f64", "loom_block_attn_merge_f32", "loom_block_attn_merge_f64",
+			"loom_block_attn_rowdots_f32", "loom_block_attn_rowdots_f64", "loom_block_attn_bwd_dq_f32",
+			"loom_block_attn_bwd_dq_f64", "loom_block_attn_bwd_dkv_f32", "loom_block_attn_bwd_dkv_f64",
+		}},
 		{Name: permuteFile, Kernels: KernelNames()},
 	}
 	for i := range files {

@@ -24,24 +24,25 @@ func optFl(name string, b device.Buffer) arg {
 }
 
 // BlockAttention runs kernels.BlockAttentionForward on Float32 or Float64
-// buffers of one type.
+// buffers of one type, its GEMMs on the device's BLAS.
 func (k emuKernels) BlockAttention(out, lse, q, kk, vv device.Buffer, s kernels.BlockAttnShape) error {
 	const op = "BlockAttention"
 	v, err := k.checkFloats(op, fl("out", out), fl("lse", lse), fl("q", q), fl("k", kk), fl("v", vv))
 	if err != nil {
 		return err
 	}
-	w, err := k.workers()
+	bl, err := k.d.blasOrDefault()
 	if err != nil {
 		return err
 	}
+	w := kernels.Workers(bl.Threads())
 	s = own(s)
 	return k.launchFloat(op, v,
 		func() error {
-			return kernels.BlockAttentionForward(w, v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), v[3].Float32s(), v[4].Float32s(), s)
+			return kernels.BlockAttentionForward(bl, w, v[0].Float32s(), v[1].Float32s(), v[2].Float32s(), v[3].Float32s(), v[4].Float32s(), s)
 		},
 		func() error {
-			return kernels.BlockAttentionForward(w, v[0].Float64s(), v[1].Float64s(), v[2].Float64s(), v[3].Float64s(), v[4].Float64s(), s)
+			return kernels.BlockAttentionForward(bl, w, v[0].Float64s(), v[1].Float64s(), v[2].Float64s(), v[3].Float64s(), v[4].Float64s(), s)
 		})
 }
 
@@ -82,18 +83,19 @@ func (k emuKernels) BlockAttentionBackward(dq, dk, dv, dout, q, kk, vv, lse, del
 	if err != nil {
 		return err
 	}
-	w, err := k.workers()
+	bl, err := k.d.blasOrDefault()
 	if err != nil {
 		return err
 	}
+	w := kernels.Workers(bl.Threads())
 	s = own(s)
 	return k.launchFloat(op, v,
 		func() error {
-			return kernels.BlockAttentionBackward(w, float32s(v[1]), float32s(v[2]), float32s(v[3]), v[0].Float32s(),
+			return kernels.BlockAttentionBackward(bl, w, float32s(v[1]), float32s(v[2]), float32s(v[3]), v[0].Float32s(),
 				v[4].Float32s(), v[5].Float32s(), v[6].Float32s(), v[7].Float32s(), v[8].Float32s(), s)
 		},
 		func() error {
-			return kernels.BlockAttentionBackward(w, float64s(v[1]), float64s(v[2]), float64s(v[3]), v[0].Float64s(),
+			return kernels.BlockAttentionBackward(bl, w, float64s(v[1]), float64s(v[2]), float64s(v[3]), v[0].Float64s(),
 				v[4].Float64s(), v[5].Float64s(), v[6].Float64s(), v[7].Float64s(), v[8].Float64s(), s)
 		})
 }

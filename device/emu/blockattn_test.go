@@ -42,11 +42,11 @@ func blockAttnCases() []kernelCase {
 				}
 				return a
 			},
-			cpu: func(_ *kernels.BLAS, w kernels.Workers, a arrays) error {
+			cpu: func(bl *kernels.BLAS, w kernels.Workers, a arrays) error {
 				if f64 {
-					return blockCPU(w, a, s1, s2, f64s)
+					return blockCPU(bl, w, a, s1, s2, f64s)
 				}
-				return blockCPU(w, a, s1, s2, f32s)
+				return blockCPU(bl, w, a, s1, s2, f32s)
 			},
 			dev: func(k device.Kernels, m map[string]device.Buffer) error {
 				x := mk(k)
@@ -73,11 +73,11 @@ func blockAttnCases() []kernelCase {
 }
 
 // blockCPU is blockAttnCases' CPU side for element type T.
-func blockCPU[T float32 | float64](w kernels.Workers, a arrays, s1, s2 kernels.BlockAttnShape, g func(any) []T) error {
-	if err := kernels.BlockAttentionForward(w, g(a["out"]), g(a["lse"]), g(a["q"]), g(a["k1"]), g(a["v1"]), s1); err != nil {
+func blockCPU[T float32 | float64](bl *kernels.BLAS, w kernels.Workers, a arrays, s1, s2 kernels.BlockAttnShape, g func(any) []T) error {
+	if err := kernels.BlockAttentionForward(bl, w, g(a["out"]), g(a["lse"]), g(a["q"]), g(a["k1"]), g(a["v1"]), s1); err != nil {
 		return err
 	}
-	if err := kernels.BlockAttentionForward(w, g(a["o2"]), g(a["l2"]), g(a["q"]), g(a["k2"]), g(a["v2"]), s2); err != nil {
+	if err := kernels.BlockAttentionForward(bl, w, g(a["o2"]), g(a["l2"]), g(a["q"]), g(a["k2"]), g(a["v2"]), s2); err != nil {
 		return err
 	}
 	if err := kernels.MergeAttention(g(a["out"]), g(a["lse"]), g(a["o2"]), g(a["l2"]), s1.DV); err != nil {
@@ -86,8 +86,8 @@ func blockCPU[T float32 | float64](w kernels.Workers, a arrays, s1, s2 kernels.B
 	if err := kernels.AttentionRowDots(g(a["delta"]), g(a["dout"]), g(a["out"]), s1.DV); err != nil {
 		return err
 	}
-	if err := kernels.BlockAttentionBackward(w, g(a["dq"]), g(a["dk1"]), g(a["dv1"]), g(a["dout"]), g(a["q"]), g(a["k1"]), g(a["v1"]), g(a["lse"]), g(a["delta"]), s1); err != nil {
+	if err := kernels.BlockAttentionBackward(bl, w, g(a["dq"]), g(a["dk1"]), g(a["dv1"]), g(a["dout"]), g(a["q"]), g(a["k1"]), g(a["v1"]), g(a["lse"]), g(a["delta"]), s1); err != nil {
 		return err
 	}
-	return kernels.BlockAttentionBackward(w, g(a["dq"]), g(a["dk2"]), nil, g(a["dout"]), g(a["q"]), g(a["k2"]), g(a["v2"]), g(a["lse"]), g(a["delta"]), s2)
+	return kernels.BlockAttentionBackward(bl, w, g(a["dq"]), g(a["dk2"]), nil, g(a["dout"]), g(a["q"]), g(a["k2"]), g(a["v2"]), g(a["lse"]), g(a["delta"]), s2)
 }

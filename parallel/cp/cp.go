@@ -276,9 +276,9 @@ func attention(ctx context.Context, l *layout, q, k, v *autograd.Value, cfg conf
 		}
 		o = do
 	case l.dtype == comm.Float64:
-		o = hostOps[float64]{w: q.Tape().Workers()}
+		o = hostOps[float64]{b: q.Tape().BLAS(), w: q.Tape().Workers()}
 	default:
-		o = hostOps[float32]{w: q.Tape().Workers()}
+		o = hostOps[float32]{b: q.Tape().BLAS(), w: q.Tape().Workers()}
 	}
 	st := &state{l: l, timeout: cfg.timeout, scale: 1 / math.Sqrt(float64(l.dh)), o: o, stats: cfg.stats}
 	outSpec, err := l.outSpec(q.Spec())

@@ -32,8 +32,12 @@ type ops interface {
 	wrap(spec *placement.Spec, b comm.Buffer) (*placement.DTensor, error)
 }
 
-// hostOps runs the kernels on host slices of T.
-type hostOps[T float] struct{ w kernels.Workers }
+// hostOps runs the kernels on host slices of T, their GEMMs on the tape's
+// BLAS (b) and their tiles on up to w goroutines.
+type hostOps[T float] struct {
+	b *kernels.BLAS
+	w kernels.Workers
+}
 
 // view is b's elements as []T (b is a host buffer of T).
 func view[T float](b comm.Buffer) []T {
@@ -59,7 +63,7 @@ func (hostOps[T]) copy(dst, src comm.Buffer) error {
 	return nil
 }
 func (o hostOps[T]) forward(out, lse, q, k, v comm.Buffer, s kernels.BlockAttnShape) error {
-	return kernels.BlockAttentionForward(o.w, view[T](out), view[T](lse), view[T](q), view[T](k), view[T](v), s)
+	return kernels.BlockAttentionForward(o.b, o.w, view[T](out), view[T](lse), view[T](q), view[T](k), view[T](v), s)
 }
 func (hostOps[T]) merge(out, lse, o2, l2 comm.Buffer, dv int) error {
 	return kernels.MergeAttention(view[T](out), view[T](lse), view[T](o2), view[T](l2), dv)
@@ -68,7 +72,7 @@ func (hostOps[T]) rowDots(delta, dout, out comm.Buffer, dv int) error {
 	return kernels.AttentionRowDots(view[T](delta), view[T](dout), view[T](out), dv)
 }
 func (o hostOps[T]) backward(dq, dk, dv, dout, q, k, v, lse, delta comm.Buffer, s kernels.BlockAttnShape) error {
-	return kernels.BlockAttentionBackward(o.w, view[T](dq), view[T](dk), view[T](dv), view[T](dout), view[T](q), view[T](k), view[T](v), view[T](lse), view[T](delta), s)
+	return kernels.BlockAttentionBackward(o.b, o.w, view[T](dq), view[T](dk), view[T](dv), view[T](dout), view[T](q), view[T](k), view[T](v), view[T](lse), view[T](delta), s)
 }
 func (hostOps[T]) sync() error { return nil }
 func (hostOps[T]) wrap(spec *placement.Spec, b comm.Buffer) (*placement.DTensor, error) {

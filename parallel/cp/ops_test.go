@@ -13,8 +13,8 @@ import (
 // plainKernels hides every optional op set of a device's kernels.
 type plainKernels struct{ device.Kernels }
 
-// plainDevice is a device whose kernels lack BlockAttentionKernels, as
-// device/cuda's do.
+// plainDevice is a device whose kernels lack BlockAttentionKernels (as a
+// device without the kernels would).
 type plainDevice struct{ device.Device }
 
 func (d plainDevice) Kernels() device.Kernels { return plainKernels{d.Device.Kernels()} }
