@@ -209,15 +209,17 @@ func readJSON(t *testing.T, path string, v any) {
 }
 
 // TestPipelineLoomrun runs the example (built without cgo) under
-// `loomrun -n 4 … -pp 2 -dp 2`: four processes of one rank each on the
-// TCP backend (launch.Auto's choice on a host without GPUs, which
-// LOOM_CUDA_DRIVER=off makes this one), whose activations and gradients
-// cross stages over TCP. Its losses equal the same binary's on 4
+// `loomrun -n 4 … -pp 2 -dp 2` and `… -pp 2 -cp 2`: four processes of one
+// rank each on the TCP backend (launch.Auto's choice on a host without
+// GPUs, which LOOM_CUDA_DRIVER=off makes this one), whose activations and
+// gradients cross stages over TCP, and with -cp whose K/V blocks rotate
+// around the ring over TCP. Its losses equal the same binary's on 4
 // in-process ranks bit for bit (tolerance 0): both run the same code on
 // the same batches with loom's GEMM (LOOM_BLAS=go) on one thread per
-// rank, and every sum that crosses ranks adds two nonzero terms (dp's
-// gradient all-reduce over 2 ranks; the loss, from the last stage's two
-// dp ranks, with zeros from the others), which any order adds alike.
+// rank, and every sum that crosses ranks adds two nonzero terms (dp's or
+// cp's gradient all-reduce over 2 ranks; the loss, from the last stage's
+// two dp or cp ranks, with zeros from the others), which any order adds
+// alike.
 // They are the one-rank run's within TestPipelineComposed's 1e-5.
 // Skipped under -short (it compiles two programs).
 func TestPipelineLoomrun(t *testing.T) {
@@ -234,8 +236,7 @@ func TestPipelineLoomrun(t *testing.T) {
 		}
 	}
 	env := append(os.Environ(), "LOOM_BACKEND=", "LOOM_BLAS=go", "LOOM_CUDA_DRIVER=off", "LOOM_TIMEOUT=60s", "LOOM_COSTMODEL=off")
-	args := []string{"-pp", "2", "-dp", "2", "-schedule", "zb1", "-steps", "5", "-every", "5", "-threads", "1"}
-	losses := func(what string, json string, cmdline ...string) ([]float64, string) {
+	losses := func(t *testing.T, what string, json string, cmdline ...string) ([]float64, string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 		defer cancel()
 		cmd := exec.CommandContext(ctx, cmdline[0], append(cmdline[1:], "-json", json)...)
@@ -251,19 +252,27 @@ func TestPipelineLoomrun(t *testing.T) {
 		}
 		return r.Losses, r.Backend + fmt.Sprintf(" %d processes", r.Processes)
 	}
-	got, gotJob := losses("loomrun -n 4", filepath.Join(dir, "tcp.json"), append([]string{loomrun, "-n", "4", "--timeout", "2m", bin}, args...)...)
-	want, wantJob := losses("in-process", filepath.Join(dir, "local.json"), append([]string{bin, "-backend", "local"}, args...)...)
-	if gotJob != "tcp 4 processes" || wantJob != "local 1 processes" {
-		t.Errorf("jobs: loomrun %q, in-process %q", gotJob, wantJob)
+	one, _ := losses(t, "one rank", filepath.Join(dir, "one.json"), bin, "-backend", "local", "-dp", "1", "-tp", "1", "-steps", "5", "-every", "5", "-threads", "1")
+	for _, layout := range [][]string{
+		{"-pp", "2", "-dp", "2", "-schedule", "zb1"},
+		{"-pp", "2", "-cp", "2", "-cp-method", "ring"},
+	} {
+		t.Run(strings.Join(layout, " "), func(t *testing.T) {
+			args := append(layout, "-steps", "5", "-every", "5", "-threads", "1")
+			got, gotJob := losses(t, "loomrun -n 4", filepath.Join(dir, "tcp.json"), append([]string{loomrun, "-n", "4", "--timeout", "2m", bin}, args...)...)
+			want, wantJob := losses(t, "in-process", filepath.Join(dir, "local.json"), append([]string{bin, "-backend", "local"}, args...)...)
+			if gotJob != "tcp 4 processes" || wantJob != "local 1 processes" {
+				t.Errorf("jobs: loomrun %q, in-process %q", gotJob, wantJob)
+			}
+			for i := range want {
+				if got[i] != want[i] {
+					t.Errorf("step %d: loss %v on 4 tcp processes, %v on 4 in-process ranks", i+1, got[i], want[i])
+				}
+				if d := math.Abs(got[i] - one[i]); d > 1e-5 { // as TestPipelineComposed
+					t.Errorf("step %d: loss %v on 4 tcp processes, %v on one rank", i+1, got[i], one[i])
+				}
+			}
+			t.Logf("losses on 4 tcp processes, bit for bit the in-process ones: %v", got)
+		})
 	}
-	one, _ := losses("one rank", filepath.Join(dir, "one.json"), bin, "-backend", "local", "-dp", "1", "-tp", "1", "-steps", "5", "-every", "5", "-threads", "1")
-	for i := range want {
-		if got[i] != want[i] {
-			t.Errorf("step %d: loss %v on 4 tcp processes, %v on 4 in-process ranks", i+1, got[i], want[i])
-		}
-		if d := math.Abs(got[i] - one[i]); d > 1e-5 { // as TestPipelineComposed
-			t.Errorf("step %d: loss %v on 4 tcp processes, %v on one rank", i+1, got[i], one[i])
-		}
-	}
-	t.Logf("losses on 4 tcp processes, bit for bit the in-process ones: %v", got)
 }
