@@ -97,13 +97,7 @@ func ppResumeTrain(l ppResume, dir, root string, steps int) (*resumeRun, error) 
 	keep := func(full map[string][]float32) {
 		mu.Lock()
 		defer mu.Unlock()
-		for n, v := range full {
-			bits := make([]uint32, len(v))
-			for i, x := range v {
-				bits[i] = math.Float32bits(x)
-			}
-			out.Params[n] = bits
-		}
+		out.setParams(full)
 	}
 	// resume loads dir into parts, checks the step and trains; save
 	// saves after.
@@ -554,13 +548,7 @@ func cpResumeTrain(text string, cpN int, dir, root string, steps int) (*resumeRu
 		mu.Lock()
 		defer mu.Unlock()
 		out.Losses = losses
-		for n, v := range full {
-			bits := make([]uint32, len(v))
-			for i, x := range v {
-				bits[i] = math.Float32bits(x)
-			}
-			out.Params[n] = bits
-		}
+		out.setParams(full)
 		return nil
 	})
 	return out, err

@@ -87,6 +87,17 @@ type resumeRun struct {
 	Params map[string][]uint32
 }
 
+// setParams records full (the final parameters by name) as float bits.
+func (r *resumeRun) setParams(full map[string][]float32) {
+	for n, v := range full {
+		bits := make([]uint32, len(v))
+		for i, x := range v {
+			bits[i] = math.Float32bits(x)
+		}
+		r.Params[n] = bits
+	}
+}
+
 // resumeGPT is the GPT the resume tests train: 6 heads, so that tp may be
 // 2 or 3; a batch of 12, which dp × fsdp of 1, 2, 3, 4 or 6 divides.
 func resumeGPT() (gpt.Config, tinygpt.Config) {
@@ -233,13 +244,7 @@ func resumeTrain(l resumeLayout, dir, root string, steps int) (*resumeRun, error
 		mu.Lock()
 		defer mu.Unlock()
 		out.Losses = losses
-		for n, v := range full {
-			bits := make([]uint32, len(v))
-			for i, x := range v {
-				bits[i] = math.Float32bits(x)
-			}
-			out.Params[n] = bits
-		}
+		out.setParams(full)
 		return nil
 	})
 	return out, err

@@ -87,23 +87,7 @@ func (g gpuBlockAttn[T]) backward(dq, dk, dv, dout, q, k, v, lse, delta []T, s k
 // other rank's), 8 heads of 64. scripts/gpu_check.sh reports it as
 // block-attn. It skips without a GPU (fails under LOOM_CUDA_REQUIRE=1).
 func TestGPUBlockAttention(t *testing.T) {
-	l, err := Load()
-	if err != nil {
-		gpuUnusable(t, "no usable CUDA: %v", err)
-	}
-	defer l.Close()
-	if n, err := l.DeviceCount(); err != nil || n == 0 {
-		gpuUnusable(t, "no CUDA device (count %d, %v)", n, err)
-	}
-	d, err := OpenDevice(l, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := d.Close(); err != nil {
-			t.Error(err)
-		}
-	}()
+	d := openGPU(t)
 	k := d.Kernels().(device.BlockAttentionKernels)
 	mine, other := runs([2]int{0, 256}, [2]int{768, 1024}), runs([2]int{256, 512}, [2]int{512, 768})
 	cases := append(blockAttnCases(), blockAttnCase{name: "T=1024 cp=2 rank 0", batch: 8, tq: 512, dh: 64, dv: 64,

@@ -26,18 +26,7 @@ var gpuShapes = shapes{
 // emulated device (package kernels' CPU code) with the tolerances of
 // TestFakeDevice. It skips without a GPU (fails under LOOM_CUDA_REQUIRE=1).
 func TestGPUDeviceKernels(t *testing.T) {
-	l, err := Load()
-	if err != nil {
-		gpuUnusable(t, "no usable CUDA: %v", err)
-	}
-	defer l.Close()
-	if n, err := l.DeviceCount(); err != nil || n == 0 {
-		gpuUnusable(t, "no CUDA device (count %d, %v)", n, err)
-	}
-	d, err := OpenDevice(l, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	d := openGPU(t)
 	ref, err := emu.New(0)
 	if err != nil {
 		t.Fatal(err)
@@ -47,9 +36,31 @@ func TestGPUDeviceKernels(t *testing.T) {
 	if err := ref.Close(); err != nil {
 		t.Error(err)
 	}
-	if err := d.Close(); err != nil {
-		t.Error(err)
+}
+
+// openGPU opens device 0 of the machine's CUDA driver for t, closed (then
+// the driver library) when t ends; without a usable GPU it skips, or
+// fails under LOOM_CUDA_REQUIRE=1.
+func openGPU(t *testing.T) *Device {
+	t.Helper()
+	l, err := Load()
+	if err != nil {
+		gpuUnusable(t, "no usable CUDA: %v", err)
 	}
+	t.Cleanup(func() { l.Close() })
+	if n, err := l.DeviceCount(); err != nil || n == 0 {
+		gpuUnusable(t, "no CUDA device (count %d, %v)", n, err)
+	}
+	d, err := OpenDevice(l, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := d.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return d
 }
 
 // gpuUnusable skips, or fails under LOOM_CUDA_REQUIRE=1.

@@ -23,23 +23,7 @@ import (
 // "flash_attn:", which scripts/gpu_check.sh reports. It skips without a
 // GPU (fails under LOOM_CUDA_REQUIRE=1).
 func TestGPUFlashAttention(t *testing.T) {
-	l, err := Load()
-	if err != nil {
-		gpuUnusable(t, "no usable CUDA: %v", err)
-	}
-	defer l.Close()
-	if n, err := l.DeviceCount(); err != nil || n == 0 {
-		gpuUnusable(t, "no CUDA device (count %d, %v)", n, err)
-	}
-	d, err := OpenDevice(l, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := d.Close(); err != nil {
-			t.Error(err)
-		}
-	}()
+	d := openGPU(t)
 	fa := d.Kernels().(device.FlashAttention)
 	r := rand.New(rand.NewPCG(27, 1024))
 	for i := range 12 {
