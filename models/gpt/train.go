@@ -19,6 +19,7 @@ import (
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/placement"
 	"github.com/b7ea7098/loom/reference/tinygpt"
+	"github.com/b7ea7098/loom/train"
 )
 
 // TrainOption configures NewTrainer.
@@ -42,7 +43,9 @@ type trainConfig struct {
 	run    tinygpt.Config
 	random bool // random tokens (WithRandomTokens) instead of the corpus
 	seed   uint64
-	data   *windows // a user's token file (WithWindows) instead of the corpus
+	data   *train.Windows // a user's token file (WithWindows) instead of the corpus
+	opts   []train.SamplerOption
+	file   bool // WithWindows was given
 }
 
 // WithDataParallel shards the batch rows over the named mesh axis, with

@@ -12,12 +12,6 @@ import (
 	"github.com/b7ea7098/loom/train"
 )
 
-// windows is WithWindows's token file and sampler options.
-type windows struct {
-	w    *train.Windows
-	opts []train.SamplerOption
-}
-
 // WithWindows trains on a user's token file instead of the tiny GPT's
 // corpus: step s's global batch is the next B windows of w (train.Windows,
 // whose T must be the model's sequence length) in the order of a
@@ -25,24 +19,12 @@ type windows struct {
 // global batch and keeping its rows, so any layout trains on the batches
 // one rank would. Measure a validation split with ValLoss.
 func WithWindows(w *train.Windows, opts ...train.SamplerOption) TrainOption {
-	return func(c *trainConfig) { c.data = &windows{w, opts} }
+	return func(c *trainConfig) { c.data, c.file, c.opts = w, true, opts }
 }
 
 // source is the Trainer's batches as the options say.
 func (c trainConfig) source(data tinygpt.Config) (batches.Source, error) {
-	switch {
-	case c.data != nil:
-		if c.data.w == nil {
-			return nil, fmt.Errorf("%w: WithWindows: nil windows", ErrConfig)
-		}
-		if c.data.w.T() != data.T {
-			return nil, fmt.Errorf("%w: WithWindows: windows of %d tokens for a model of sequence length %d", ErrConfig, c.data.w.T(), data.T)
-		}
-		return batches.Windows(c.data.w, data.B, c.data.opts...)
-	case c.random:
-		return batches.Random(c.seed, data.B, data.T, data.V), nil
-	}
-	return batches.Corpus(data)
+	return batches.Select(data, batches.Choice{Windows: c.data, Opts: c.opts, File: c.file, Random: c.random, Seed: c.seed}, ErrConfig)
 }
 
 // Steps is the number of steps taken, or resumed from: the next Step is

@@ -16,6 +16,7 @@ import (
 	"github.com/b7ea7098/loom/parallel/ddp"
 	"github.com/b7ea7098/loom/parallel/tp"
 	"github.com/b7ea7098/loom/reference/tinygpt"
+	"github.com/b7ea7098/loom/train"
 )
 
 // TrainOption configures NewTrainer.
@@ -29,7 +30,9 @@ type trainConfig struct {
 	// random: random tokens (WithRandomTokens) instead of the corpus.
 	random bool
 	seed   uint64
-	data   *windows // a user's token file (WithWindows) instead of the corpus
+	data   *train.Windows // a user's token file (WithWindows) instead of the corpus
+	opts   []train.SamplerOption
+	file   bool // WithWindows was given
 }
 
 // WithRandomTokens trains on random tokens instead of the tiny GPT's

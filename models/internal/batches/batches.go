@@ -67,6 +67,37 @@ type random struct{ *randtok.Sampler }
 
 func (r random) Next() (tinygpt.Batch, error) { return r.Sampler.Next(), nil }
 
+// Choice is what a trainer's data options select: Windows (WithWindows:
+// a user's token file and its sampler options), else with Random set
+// random tokens from Seed, else the reference's corpus.
+type Choice struct {
+	Windows *train.Windows
+	Opts    []train.SamplerOption
+	File    bool // WithWindows was given (Windows may still be nil: refused)
+	Random  bool
+	Seed    uint64
+}
+
+// Select returns the batches c chooses for data (the model's batch,
+// sequence length and vocabulary). A nil token file or one whose windows
+// are not data.T tokens long is refused with an error wrapping invalid
+// (the model package's ErrConfig).
+func Select(data tinygpt.Config, c Choice, invalid error) (Source, error) {
+	switch {
+	case c.File:
+		if c.Windows == nil {
+			return nil, fmt.Errorf("%w: WithWindows: nil windows", invalid)
+		}
+		if c.Windows.T() != data.T {
+			return nil, fmt.Errorf("%w: WithWindows: windows of %d tokens for a model of sequence length %d", invalid, c.Windows.T(), data.T)
+		}
+		return Windows(c.Windows, data.B, c.Opts...)
+	case c.Random:
+		return Random(c.Seed, data.B, data.T, data.V), nil
+	}
+	return Corpus(data)
+}
+
 // Windows returns the global batches of b windows of w (a user's token
 // file), drawn by a train.Sampler over the whole global batch (rank 0 of
 // 1: every rank reads the global batch and keeps its rows), with opts
